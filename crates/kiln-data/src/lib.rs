@@ -1,0 +1,1 @@
+//! Megatron-compatible indexed datasets, tokenization, deterministic weighted blending and the resumable loader.

@@ -1,0 +1,1 @@
+//! Correctness gates: the bit-exact smoke gate, the LR finder, eval, and run reports (status, plots).

@@ -1,0 +1,28 @@
+//! Run-directory conventions shared by every kiln component.
+//!
+//! A run directory holds everything an operator needs at 3 a.m., in plain files:
+//!
+//! | file                     | written by        | format                                   |
+//! | ------------------------ | ----------------- | ---------------------------------------- |
+//! | `config.toml`            | `kiln train`      | the effective config                     |
+//! | `metrics.jsonl`          | `kiln train`      | one JSON object per logged step          |
+//! | `events.jsonl`           | every component   | one [`Event`] per line (see below)       |
+//! | `checkpoints/step-<N>/`  | `kiln train`      | safetensors + `state.json` + `manifest`  |
+//! | `attempt-<i>.log`        | `kiln launch`     | raw bytes of one attempt's output        |
+//!
+//! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line `<step> <phase> <unix_time>`,
+//! replaced atomically, so a supervisor can tell which rank stopped advancing.
+
+mod beacon;
+mod events;
+
+pub use beacon::{Beacon, BeaconError, read_beacons, write_beacon, PROGRESS_DIR_ENV};
+pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
+
+/// Exit code of a process that was asked to stop (SIGTERM/SIGUSR1, walltime), saved a
+/// checkpoint and can be resumed by running the same command again. 75 is `EX_TEMPFAIL`
+/// from sysexits.h: "temporary failure, try again later".
+pub const EXIT_PREEMPTED: i32 = 75;
+
+/// Exit code of a watchdog kill, as GNU `timeout` uses.
+pub const EXIT_WATCHDOG: i32 = 124;
