@@ -229,7 +229,9 @@ mod tests {
         rank_env_from(|k| map.get(k).cloned())
     }
 
-    fn key(r: &RankEnv) -> (usize, usize, usize, usize, &'static str) {
+    type Key = (usize, usize, usize, usize, &'static str);
+
+    fn key(r: &RankEnv) -> Key {
         (
             r.rank,
             r.local_rank,
@@ -241,7 +243,7 @@ mod tests {
 
     #[test]
     fn every_launcher_maps() {
-        let cases: &[(&[(&str, &str)], (usize, usize, usize, usize, &str))] = &[
+        let cases: &[(&[(&str, &str)], Key)] = &[
             (
                 &[
                     ("RANK", "3"),
