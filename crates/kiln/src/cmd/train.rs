@@ -1,9 +1,151 @@
-//! `kiln train` (scaffold).
+//! `kiln train`: load the config, run the trainer, show progress.
+
+use anyhow::Context;
+use kiln_train::{Config, EvalMetrics, Observer, Outcome, StepMetrics, TrainOptions};
+use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
+/// Arguments of `kiln train`.
 #[derive(Debug, clap::Args)]
-pub struct TrainArgs {}
+#[command(after_long_help = "\
+Exit codes:
+  0   all steps done (final weights in RUN_DIR/model.safetensors)
+  1   error (bad config, corrupt data, a guard stopped the run); the message says which
+  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived, the current step finished, a checkpoint
+      was saved; run the same command again to resume exactly where it stopped
 
-pub fn run(_a: TrainArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+Run directory:
+  config.toml      the effective config
+  metrics.jsonl    one line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
+                   rss_mib) and per evaluation (eval_loss, eval_accuracy)
+  events.jsonl     start, resume, checkpoint saved/loaded/rejected, guards, signal, exit
+  checkpoints/step-<N>/  model.safetensors, optimizer.safetensors, state.json, manifest.json
+  model.safetensors      the final weights
+
+Examples:
+  kiln train                                   # the built-in default, a few minutes on CPU
+  kiln train configs/tiny.toml --set training.steps=2000 --run-dir runs/long
+  kiln train --print-config > my.toml          # every key, with its default")]
+pub struct TrainArgs {
+    /// TOML config file; without one, the built-in defaults (synthetic arithmetic corpus).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. `--set training.steps=100` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Run directory: config, metrics, events and checkpoints. Resumes if it has checkpoints.
+    #[arg(long, value_name = "DIR", default_value = "runs/default")]
+    pub run_dir: PathBuf,
+    /// Print the effective config (defaults, file and overrides merged) as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Plain `step=N` lines instead of the live status line, even on a terminal.
+    #[arg(long)]
+    pub no_progress_bar: bool,
+}
+
+/// Renders progress: a live status line on a terminal, plain `step=N ...` lines otherwise
+/// (what `kiln launch` and any other supervisor parse).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    started: Instant,
+    first_step: Option<u64>,
+}
+
+impl Progress {
+    fn new(live: bool, total: u64) -> Self {
+        let bar = live.then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        Self { bar, started: Instant::now(), first_step: None }
+    }
+
+    fn eta(&mut self, step: u64, total: u64) -> f64 {
+        let first = *self.first_step.get_or_insert(step.saturating_sub(1));
+        let done = step.saturating_sub(first).max(1) as f64;
+        self.started.elapsed().as_secs_f64() / done * total.saturating_sub(step) as f64
+    }
+
+    fn println(&self, msg: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(msg),
+            None => println!("{msg}"),
+        }
+    }
+}
+
+impl Observer for Progress {
+    fn on_step(&mut self, m: &StepMetrics) {
+        let eta = self.eta(m.step, m.total_steps);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(m.step);
+                bar.set_message(format!("loss {:.4} | {:.0} tok/s | lr {:.2e}", m.loss, m.tokens_per_s, m.lr));
+            }
+            None => println!(
+                "step={} total={} loss={:.4} grad_norm={:.3} lr={:.3e} tok/s={:.0} mfu={:.3} eta={:.0}s",
+                m.step, m.total_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s, m.mfu, eta
+            ),
+        }
+    }
+
+    fn on_eval(&mut self, e: &EvalMetrics) {
+        let acc = e.eval_accuracy.map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"));
+        let uni = e.unigram_loss.map_or(String::new(), |u| format!(" unigram_baseline={u:.4}"));
+        self.println(&format!("eval step={} held_out_loss={:.4}{uni}{acc}", e.step, e.eval_loss));
+    }
+
+    fn on_note(&mut self, msg: &str) {
+        self.println(&format!("note: {msg}"));
+    }
+}
+
+/// `kiln train`.
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    if args.print_config {
+        print!("{}", config.to_toml());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let live = !args.no_progress_bar && std::io::stderr().is_terminal();
+    let mut progress = Progress::new(live, config.training.steps);
+    let opts = TrainOptions { config, run_dir: args.run_dir.clone() };
+    let report = kiln_train::train(&opts, &mut progress)
+        .with_context(|| format!("training in run directory {}", args.run_dir.display()))?;
+    if let Some(bar) = &progress.bar {
+        bar.finish_and_clear();
+    }
+    let loss = report.last_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+    match report.outcome {
+        Outcome::Completed => {
+            let eval = report.last_eval.map_or(String::new(), |e| {
+                format!(
+                    " held_out_loss={:.4}{}{}",
+                    e.eval_loss,
+                    e.unigram_loss.map_or(String::new(), |u| format!(" unigram_baseline={u:.4}")),
+                    e.eval_accuracy.map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
+                )
+            });
+            println!(
+                "done: steps={} loss={loss}{eval} time={:.1}s weights={}",
+                report.step,
+                report.seconds,
+                args.run_dir.join("model.safetensors").display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Outcome::Preempted { signal } => {
+            eprintln!(
+                "kiln: preempted by signal {signal} after step {}; checkpoint saved; run the same command to resume",
+                report.step
+            );
+            Ok(ExitCode::from(kiln_run::EXIT_PREEMPTED as u8))
+        }
+    }
 }

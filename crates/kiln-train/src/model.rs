@@ -1,0 +1,329 @@
+//! The Llama-style decoder: token embedding, N pre-norm blocks (RMSNorm, causal grouped-query
+//! attention with rotate-half RoPE, optional QK-norm, SwiGLU MLP), final norm, output head.
+//!
+//! Parameters are plain named tensors ([`Params`]) rather than burn `Module`s: the optimizer
+//! keys its state by parameter *name* (burn keys it by a per-process id that does not survive
+//! a reload, which silently breaks exact resume), checkpoints are safetensors keyed by the
+//! same names, and every parameter is stored flat (rank 1) and reshaped in the forward pass,
+//! which costs nothing (a view) and lets the optimizer treat all of them alike.
+//!
+//! Matrices are stored `[in, out]` (x @ W), the layout burn's `linear` takes; the Hugging Face
+//! export transposes them.
+
+use crate::config::ModelConfig;
+use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::module::{embedding, linear};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+/// How a parameter is initialised.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// All ones (norm weights).
+    Ones,
+    /// Normal(0, std).
+    Normal(f64),
+}
+
+/// Name, shape and role of one parameter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Hugging Face Llama-style name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Logical shape (`[in, out]` for matrices).
+    pub shape: Vec<usize>,
+    /// Initialisation.
+    pub init: Init,
+    /// Norm weight or embedding (excluded from weight decay by default).
+    pub is_norm_or_embedding: bool,
+}
+
+impl ParamSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Indices into the parameter list for one block.
+#[derive(Debug, Clone)]
+struct BlockParams {
+    attn_norm: usize,
+    wq: usize,
+    wk: usize,
+    wv: usize,
+    wo: usize,
+    q_norm: Option<usize>,
+    k_norm: Option<usize>,
+    mlp_norm: usize,
+    w_gate: usize,
+    w_up: usize,
+    w_down: usize,
+}
+
+/// The model's structure (no tensors): which parameter plays which role.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: ModelConfig,
+    vocab: usize,
+    specs: Vec<ParamSpec>,
+    embed: usize,
+    blocks: Vec<BlockParams>,
+    final_norm: usize,
+    head: Option<usize>,
+}
+
+impl Llama {
+    /// Lays out the parameters of a model of this shape and vocabulary.
+    pub fn new(cfg: &ModelConfig, vocab: usize) -> Self {
+        let mut specs = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>, init: Init, norm_or_emb: bool| {
+            specs.push(ParamSpec { name, shape, init, is_norm_or_embedding: norm_or_emb });
+            specs.len() - 1
+        };
+        let d = cfg.d_model;
+        let hd = d / cfg.n_heads;
+        let kv = cfg.n_kv_heads * hd;
+        let std = cfg.init_std;
+        let out_std = if cfg.scale_residual_init { std / (2.0 * cfg.n_layers as f64).sqrt() } else { std };
+        let embed = add("model.embed_tokens.weight".into(), vec![vocab, d], Init::Normal(std), true);
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let attn_norm = add(p("input_layernorm.weight"), vec![d], Init::Ones, true);
+            let wq = add(p("self_attn.q_proj.weight"), vec![d, d], Init::Normal(std), false);
+            let wk = add(p("self_attn.k_proj.weight"), vec![d, kv], Init::Normal(std), false);
+            let wv = add(p("self_attn.v_proj.weight"), vec![d, kv], Init::Normal(std), false);
+            let wo = add(p("self_attn.o_proj.weight"), vec![d, d], Init::Normal(out_std), false);
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(add(p("self_attn.q_norm.weight"), vec![hd], Init::Ones, true)),
+                    Some(add(p("self_attn.k_norm.weight"), vec![hd], Init::Ones, true)),
+                )
+            } else {
+                (None, None)
+            };
+            let mlp_norm = add(p("post_attention_layernorm.weight"), vec![d], Init::Ones, true);
+            let f = cfg.ffn_hidden;
+            let w_gate = add(p("mlp.gate_proj.weight"), vec![d, f], Init::Normal(std), false);
+            let w_up = add(p("mlp.up_proj.weight"), vec![d, f], Init::Normal(std), false);
+            let w_down = add(p("mlp.down_proj.weight"), vec![f, d], Init::Normal(out_std), false);
+            blocks.push(BlockParams {
+                attn_norm,
+                wq,
+                wk,
+                wv,
+                wo,
+                q_norm,
+                k_norm,
+                mlp_norm,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        let final_norm = add("model.norm.weight".into(), vec![d], Init::Ones, true);
+        let head = (!cfg.tie_embeddings).then(|| add("lm_head.weight".into(), vec![d, vocab], Init::Normal(std), false));
+        Self { cfg: cfg.clone(), vocab, specs, embed, blocks, final_norm, head }
+    }
+
+    /// The parameters' names, shapes and roles, in a fixed order.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Total number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.specs.iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Training FLOPs per token (6N for the matmuls plus attention's 12*L*d*T), as in
+    /// PaLM's MFU accounting; used for the MFU estimate.
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let non_embedding = (self.num_params() - self.vocab * self.cfg.d_model) as f64;
+        6.0 * non_embedding + 12.0 * (self.cfg.n_layers * self.cfg.d_model * seq_len) as f64
+    }
+
+    /// Fresh parameters drawn from `seed` (same values on every backend and thread count:
+    /// they are generated on the host).
+    pub fn init(&self, seed: u64, device: &Device) -> Vec<Tensor<1>> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        self.specs
+            .iter()
+            .map(|s| {
+                let n = s.numel();
+                let values: Vec<f32> = match s.init {
+                    Init::Ones => vec![1.0; n],
+                    Init::Normal(std) => {
+                        // std > 0 is guaranteed by construction; a zero std gives zeros.
+                        match Normal::new(0.0f64, std) {
+                            Ok(dist) => (0..n).map(|_| dist.sample(&mut rng) as f32).collect(),
+                            Err(_) => vec![0.0; n],
+                        }
+                    }
+                };
+                Tensor::from_data(TensorData::new(values, [n]), device)
+            })
+            .collect()
+    }
+
+    /// Next-token logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`.
+    pub fn forward(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = tokens.dims();
+        let h = self.hidden(p, tokens);
+        let d = self.cfg.d_model;
+        let x = h.reshape([b * t, d]);
+        linear(x, self.head_matrix(p), None).reshape([b, t, self.vocab])
+    }
+
+    /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
+    pub fn loss(&self, p: &[Tensor<1>], inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [b, t] = inputs.dims();
+        let n = b * t;
+        let h = self.hidden(p, inputs).reshape([n, self.cfg.d_model]);
+        let logits = linear(h, self.head_matrix(p), None);
+        let logp = log_softmax(logits, 1);
+        logp.gather(1, targets.reshape([n, 1])).mean().neg()
+    }
+
+    fn mat(&self, p: &[Tensor<1>], i: usize) -> Tensor<2> {
+        let s = &self.specs[i].shape;
+        p[i].clone().reshape([s[0], s[1]])
+    }
+
+    fn head_matrix(&self, p: &[Tensor<1>]) -> Tensor<2> {
+        match self.head {
+            Some(i) => self.mat(p, i),
+            None => self.mat(p, self.embed).transpose(),
+        }
+    }
+
+    /// Final-norm hidden states `[batch, seq, d_model]`.
+    fn hidden(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = tokens.dims();
+        let device = tokens.device();
+        let cfg = &self.cfg;
+        let eps = cfg.norm_eps;
+        let hd = cfg.d_model / cfg.n_heads;
+        let groups = cfg.n_heads / cfg.n_kv_heads;
+        let rope = RopeTables::new(t, hd, cfg.rope_theta, &device);
+        let mask = causal_bias(t, groups, &device);
+        let mut x = embedding(self.mat(p, self.embed), tokens);
+        for blk in &self.blocks {
+            let h = rms_norm(x.clone(), p[blk.attn_norm].clone(), eps);
+            let attn = self.attention(p, blk, h, &rope, mask.clone(), b, t);
+            x = x + attn;
+            let h = rms_norm(x.clone(), p[blk.mlp_norm].clone(), eps);
+            let gate = silu(linear(h.clone(), self.mat(p, blk.w_gate), None));
+            let up = linear(h, self.mat(p, blk.w_up), None);
+            x = x + linear(gate * up, self.mat(p, blk.w_down), None);
+        }
+        rms_norm(x, p[self.final_norm].clone(), eps)
+    }
+
+    /// Causal grouped-query attention. K/V are never repeated: the `groups` query heads that
+    /// share a K/V head are stacked along the sequence axis (`[b, kv, groups*t, hd]`), so one
+    /// batched matmul serves them all against the shared K/V.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        p: &[Tensor<1>],
+        blk: &BlockParams,
+        h: Tensor<3>,
+        rope: &RopeTables,
+        mask: Tensor<4>,
+        b: usize,
+        t: usize,
+    ) -> Tensor<3> {
+        let cfg = &self.cfg;
+        let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+        let hd = cfg.d_model / nh;
+        let groups = nh / nkv;
+        let q = linear(h.clone(), self.mat(p, blk.wq), None).reshape([b, t, nh, hd]).swap_dims(1, 2);
+        let k = linear(h.clone(), self.mat(p, blk.wk), None).reshape([b, t, nkv, hd]).swap_dims(1, 2);
+        let v = linear(h, self.mat(p, blk.wv), None).reshape([b, t, nkv, hd]).swap_dims(1, 2);
+        let (q, k) = match (blk.q_norm, blk.k_norm) {
+            (Some(qn), Some(kn)) => {
+                (rms_norm(q, p[qn].clone(), cfg.norm_eps), rms_norm(k, p[kn].clone(), cfg.norm_eps))
+            }
+            _ => (q, k),
+        };
+        let q = rope.apply(q);
+        let k = rope.apply(k);
+        // Query head h uses K/V head h / groups (as Hugging Face's repeat_kv), so the heads of
+        // one group are adjacent and the reshape below needs no copy of K or V.
+        let q = q.reshape([b, nkv, groups * t, hd]);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = q.matmul(k.transpose()).mul_scalar(scale) + mask;
+        let probs = softmax(scores, 3);
+        let y = probs.matmul(v).reshape([b, nh, t, hd]).swap_dims(1, 2).reshape([b, t, nh * hd]);
+        linear(y, self.mat(p, blk.wo), None)
+    }
+}
+
+/// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.
+fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
+    let inv_rms = x.clone().powi_scalar(2).mean_dim(D - 1).add_scalar(eps).sqrt().recip();
+    x * inv_rms * w.unsqueeze()
+}
+
+/// Rotate-half RoPE tables (the Llama / Hugging Face layout, not burn's interleaved one).
+struct RopeTables {
+    cos: Tensor<4>,
+    sin: Tensor<4>,
+    half: usize,
+}
+
+impl RopeTables {
+    fn new(t: usize, hd: usize, theta: f64, device: &Device) -> Self {
+        let half = hd / 2;
+        let mut cos = Vec::with_capacity(t * hd);
+        let mut sin = Vec::with_capacity(t * hd);
+        // f32 arithmetic, as PyTorch builds its tables (inv_freq = 1 / theta^(2i/hd)).
+        let inv_freq: Vec<f32> =
+            (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / hd as f32)).collect();
+        for pos in 0..t {
+            for j in 0..hd {
+                let angle = pos as f32 * inv_freq[j % half];
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, [1, 1, t, hd]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [1, 1, t, hd]), device),
+            half,
+        }
+    }
+
+    /// x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1).
+    fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        let x1 = x.clone().narrow(3, 0, self.half);
+        let x2 = x.clone().narrow(3, self.half, self.half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * self.cos.clone() + rotated * self.sin.clone()
+    }
+}
+
+/// Additive causal mask `[1, 1, groups*t, t]`: 0 where a query may attend, -inf elsewhere.
+/// Row r is query position r % t (the grouped heads are stacked along the rows).
+fn causal_bias(t: usize, groups: usize, device: &Device) -> Tensor<4> {
+    let mut v = Vec::with_capacity(groups * t * t);
+    for r in 0..groups * t {
+        let qpos = r % t;
+        v.extend((0..t).map(|k| if k <= qpos { 0.0f32 } else { f32::NEG_INFINITY }));
+    }
+    Tensor::from_data(TensorData::new(v, [1, 1, groups * t, t]), device)
+}
