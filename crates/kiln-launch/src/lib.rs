@@ -11,6 +11,7 @@ mod probe;
 mod progress;
 mod retry;
 mod setup;
+mod shim;
 mod signals;
 mod supervise;
 
@@ -28,6 +29,7 @@ pub use retry::{
     run_with_retries,
 };
 pub use setup::{LaunchOptions, Setup, SetupError, prepare};
+pub use shim::{ShimError, exec_as_rank, free_port, running_as_root};
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
 pub use supervise::{
     AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, become_subreaper, run_attempt,

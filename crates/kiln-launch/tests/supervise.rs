@@ -1,0 +1,109 @@
+//! One attempt with real processes: exit classification, a failing rank stopping the others,
+//! a stop request forwarded as a signal, a missing program.
+
+use kiln_launch::{AttemptConfig, Classification, ProcSpec, StopRequest, run_attempt};
+use std::cell::Cell;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn sh(script: &str, rank: Option<usize>) -> ProcSpec {
+    ProcSpec {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        env: rank
+            .map(|r| vec![("RANK".to_string(), r.to_string())])
+            .unwrap_or_default(),
+        rank,
+    }
+}
+
+fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
+    AttemptConfig {
+        procs,
+        log_path: dir.join("attempt.log"),
+        silence_timeout: None,
+        stall_timeout: None,
+        progress_regex: Some(
+            kiln_launch::ProgressRegex::new(kiln_launch::DEFAULT_PROGRESS_REGEX).unwrap(),
+        ),
+        progress_dir: None,
+        clear_progress_dir: false,
+        grace: Duration::from_secs(1),
+        deadline: None,
+        echo: false,
+        reap_orphans: false,
+    }
+}
+
+fn no_stop() -> Option<StopRequest> {
+    None
+}
+
+#[test]
+fn exit_codes_and_signals_are_classified() {
+    let dir = tempfile::tempdir().unwrap();
+    for (script, class, code) in [
+        ("echo step=7", Classification::Success, 0),
+        ("exit 3", Classification::Failed, 3),
+        ("exit 75", Classification::Preempted, 75),
+        ("kill -9 $$", Classification::Signaled, 137),
+    ] {
+        let o = run_attempt(&config(dir.path(), vec![sh(script, None)]), &no_stop).unwrap();
+        assert_eq!((o.classification, o.exit_code), (class, code), "{script}");
+    }
+    let o = run_attempt(&config(dir.path(), vec![sh("echo step=7", None)]), &no_stop).unwrap();
+    assert_eq!(o.last_progress, Some(7));
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let procs = vec![sh("sleep 30", Some(0)), sh("sleep 0.2; exit 5", Some(1))];
+    let t = Instant::now();
+    let o = run_attempt(&config(dir.path(), procs), &no_stop).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!((o.classification, o.exit_code), (Classification::Failed, 5));
+    assert!(o.message.unwrap().contains("rank 1 failed first"));
+}
+
+#[test]
+fn a_stop_request_is_forwarded_as_that_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("ready");
+    let script = format!(
+        "trap 'exit 75' USR1; touch {}; while true; do sleep 0.05; done",
+        ready.display()
+    );
+    let asked = Cell::new(false);
+    let stop = || {
+        if !asked.get() && ready.exists() {
+            asked.set(true);
+        }
+        asked.get().then_some(StopRequest {
+            signal: libc_sigusr1(),
+            count: 1,
+        })
+    };
+    let o = run_attempt(&config(dir.path(), vec![sh(&script, None)]), &stop).unwrap();
+    assert_eq!(o.classification, Classification::Walltime);
+    assert_eq!(o.exit_code, 75);
+}
+
+fn libc_sigusr1() -> i32 {
+    10
+}
+
+#[test]
+fn a_missing_program_is_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ProcSpec {
+        argv: vec!["/nonexistent/kiln-test".into()],
+        env: vec![],
+        rank: None,
+    };
+    let o = run_attempt(&config(dir.path(), vec![spec]), &no_stop).unwrap();
+    assert_eq!(
+        (o.classification, o.exit_code),
+        (Classification::NotFound, 127)
+    );
+    assert!(!o.classification.retryable());
+}

@@ -1,0 +1,52 @@
+//! `kiln launch --mpi` with the real OpenMPI `mpirun` (Debian `openmpi-bin`, which `.ci/run`
+//! installs). Without mpirun this test fails on purpose: a silently skipped MPI test would
+//! hide a broken CI image.
+
+use std::process::Command;
+
+#[test]
+fn mpirun_starts_two_ranks_that_see_rank_and_world_size() {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "mpirun not found in PATH: install OpenMPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args(["launch", "--mpi", "--np", "2", "--timeout", "60", "--run-dir"])
+        .arg(&rd)
+        .args(["--", "sh", "-c", "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT\""]);
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "KILN_PROGRESS_DIR",
+    ] {
+        cmd.env_remove(v);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {stderr}"
+    );
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!(
+                "RANK={r} WORLD_SIZE=2 LOCAL_RANK={r} MASTER=127.0.0.1:"
+            )),
+            "{stdout}\n{stderr}"
+        );
+    }
+    let events = kiln_run::read_events(&rd).unwrap();
+    let start = events.iter().find(|e| e.event == "launch_start").unwrap();
+    assert_eq!(start.fields["launcher"], "mpirun");
+}
