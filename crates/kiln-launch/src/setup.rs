@@ -190,11 +190,7 @@ pub fn prepare(
         cpu_bind,
         // Cores per rank: share this node's cores evenly, as ezpz does for PBS.
         depth: Some((local_cpus / sizes.ppn.max(1)).max(1)),
-        gpus_per_node: if accelerators.value.kind == AcceleratorKind::Cpu {
-            0
-        } else {
-            accelerators.value.count
-        },
+        gpus_per_node: accelerators.value.count,
         launcher_args: opts.launcher_args.clone(),
         rank_shim: if launcher == Launcher::Local {
             Vec::new()
@@ -264,6 +260,10 @@ fn accelerators(
         d.value.count = n;
         if n == 0 {
             d.value.kind = AcceleratorKind::Cpu;
+        } else if d.value.kind == AcceleratorKind::Cpu && kind.is_none() {
+            // A GPU count with nothing detected (a login node preparing a job): the kind is
+            // unknown, NVIDIA is the common case; --accelerator says otherwise.
+            d.value.kind = AcceleratorKind::Nvidia;
         }
         d.reason = format!("--gpus-per-node {n}; kind: {}", d.reason);
     }

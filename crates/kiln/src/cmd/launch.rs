@@ -10,7 +10,7 @@ use kiln_launch::{
 use kiln_run::{EventLog, PROGRESS_DIR_ENV};
 use kiln_topology::RankEnv;
 use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
