@@ -253,6 +253,21 @@ pub fn run_attempt(
     drop(done_tx);
 
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let ranks: Vec<Option<usize>> = children.iter().map(|(_, r)| *r).collect();
+    // One waiter thread per child: an exit wakes the loop at once instead of at the next
+    // tick, which is most of the overhead of launching a short program.
+    let (exit_tx, exit_rx) = mpsc::channel::<(usize, ExitStatus)>();
+    for (i, (mut child, _)) in children.into_iter().enumerate() {
+        let tx = exit_tx.clone();
+        std::thread::spawn(move || {
+            // An error means the child can no longer be waited for (reaped elsewhere):
+            // count it as a failed exit rather than waiting forever.
+            let status = child.wait().unwrap_or(ExitStatus::from_raw(1 << 8));
+            let _ = tx.send((i, status));
+        });
+    }
+    drop(exit_tx);
+    let mut exited: Vec<(usize, ExitStatus)> = Vec::new();
     let mut first_failure: Option<usize> = None;
     let mut verdict: Option<Verdict> = None;
     let mut stop_signal: Option<i32> = None;
@@ -263,24 +278,15 @@ pub fn run_attempt(
 
     loop {
         let now = Instant::now();
-        for (i, (child, _)) in children.iter_mut().enumerate() {
-            if statuses[i].is_some() {
-                continue;
-            }
-            // An error here means the child can no longer be waited for (reaped elsewhere):
-            // count it as a failed exit rather than waiting forever.
-            let polled = child
-                .try_wait()
-                .unwrap_or(Some(ExitStatus::from_raw(1 << 8)));
-            if let Some(status) = polled {
-                statuses[i] = Some(status);
-                if !status.success() && first_failure.is_none() {
-                    first_failure = Some(i);
-                    // One dead rank leaves the rest blocked in a collective: stop them all.
-                    if statuses.iter().any(Option::is_none) && kill_at.is_none() {
-                        kill_groups(&groups, Signal::SIGTERM);
-                        kill_at = Some(now + cfg.grace);
-                    }
+        exited.extend(exit_rx.try_iter());
+        for (i, status) in exited.drain(..) {
+            statuses[i] = Some(status);
+            if !status.success() && first_failure.is_none() {
+                first_failure = Some(i);
+                // One dead rank leaves the rest blocked in a collective: stop them all.
+                if statuses.iter().any(Option::is_none) && kill_at.is_none() {
+                    kill_groups(&groups, Signal::SIGTERM);
+                    kill_at = Some(now + cfg.grace);
                 }
             }
         }
@@ -356,7 +362,9 @@ pub fn run_attempt(
             kill_groups(&groups, Signal::SIGKILL);
             kill_at = None;
         }
-        std::thread::sleep(TICK);
+        if let Ok(e) = exit_rx.recv_timeout(TICK) {
+            exited.push(e);
+        }
     }
 
     // The direct children are gone; their descendants may not be. Nothing may outlive the
@@ -419,9 +427,9 @@ pub fn run_attempt(
         ),
     };
     let message = message.or_else(
-        || match (classification, first_failure, children.get(decide)) {
-            (Classification::Failed | Classification::Signaled, Some(_), Some((_, Some(rank))))
-                if children.len() > 1 =>
+        || match (classification, first_failure, ranks.get(decide)) {
+            (Classification::Failed | Classification::Signaled, Some(_), Some(Some(rank)))
+                if ranks.len() > 1 =>
             {
                 Some(format!(
                     "rank {rank} failed first ({}); the other ranks were stopped",
