@@ -384,6 +384,9 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
 
     let run_dir = args.run_dir.clone().unwrap_or_else(default_run_dir);
+    // Absolute, because ranks on other hosts may not start in this directory and must still
+    // find KILN_PROGRESS_DIR and the hostfile.
+    let run_dir = std::path::absolute(&run_dir).unwrap_or(run_dir);
     // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not cleared.
     let (progress_dir, own_progress_dir) = match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty())
     {
@@ -663,7 +666,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     }
     match RankEnv::from_process_env() {
         Ok(r) => println!(
-            "rank env:      rank {} of {}, local {} of {}, master {}:{}  (from {} variables)",
+            "rank env:      rank {} of {}, local {} of {}, master {}:{}  (source: {})",
             r.rank,
             r.world_size,
             r.local_rank,
