@@ -149,9 +149,10 @@ def main() -> None:
         e = hang_to_kill([str(ezpz), "launch", "--timeout", str(timeout), "--"], timeout, 5)
         print(f"ezpz median {statistics.median(e):.3f} s; ratio kiln/ezpz {statistics.median(k) / statistics.median(e):.3f}")
     else:
-        print("ezpz: not measurable here (no launcher in the PyPI package); ezpz's documented idle-output "
-              "watchdog defaults to 1800 s with --auto-retry and watches output only, so a hang that keeps "
-              "printing is never caught.")
+        print("ezpz: not measurable here (no launcher in the PyPI package). For reference, ezpz's own "
+              "source (src/ezpz/launch_autoretry.py) sets its idle-output watchdog to "
+              "DEFAULT_AUTO_RETRY_IDLE_TIMEOUT_S = 1800 s; any output resets it, so a hang whose "
+              "heartbeat keeps printing is not caught by it (kiln's --stall-timeout catches that).")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
