@@ -1,7 +1,14 @@
-//! The built-in corpus: lines of integer addition such as `417+86=503`, one character per
-//! token. It needs no download, has learnable structure and checkable answers: a model that
+//! The built-in corpus: lines of three-digit addition, one character per token, such as
+//! `417+086=3050` (417 + 86 = 503, the sum written with four digits, least significant
+//! first). It needs no download, has learnable structure and checkable answers: a model that
 //! learned it predicts every answer digit, so held-out loss falls far below the unigram
 //! baseline and answer accuracy rises far above chance (about 1 in 1000).
+//!
+//! Why this format: fixed-width operands put each answer digit at a fixed distance from the
+//! digits it depends on, and writing the sum least-significant digit first lets every digit
+//! be computed from the operands and the carry of the digit before it. Small transformers
+//! learn it in a few hundred steps; the natural most-significant-first format needs many
+//! thousands (Lee et al., "Teaching Arithmetic to Small Transformers", 2023).
 //!
 //! Every sample is a pure function of (seed, sample index), so the data cursor is just a
 //! counter and resuming at any step costs nothing. Problems whose hash puts them in the
@@ -15,7 +22,8 @@ pub const ALPHABET: &[u8; 16] = b"\n0123456789+-*= ";
 /// Vocabulary size of the synthetic corpus.
 pub const VOCAB: usize = ALPHABET.len();
 /// Exclusive upper bound of the operands.
-const MAX_OPERAND: u32 = 1000;
+const DIGITS: usize = 2;
+const MAX_OPERAND: u32 = 10u32.pow(DIGITS as u32);
 /// Stream id offset separating evaluation samples from training samples.
 const EVAL_STREAM: u64 = 1 << 62;
 
@@ -47,26 +55,20 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// `a+b=` (the prompt).
+    /// `aaa+bbb=` (the prompt, operands zero-padded to three digits).
     pub fn prompt(&self) -> String {
-        format!("{}+{}=", self.a, self.b)
+        format!("{:0w$}+{:0w$}=", self.a, self.b, w = DIGITS)
     }
-    /// The answer followed by the newline.
+    /// The four-digit sum, least significant digit first, then the newline.
     pub fn answer(&self) -> String {
-        format!("{}\n", self.a + self.b)
+        let sum: String = format!("{:0w$}", self.a + self.b, w = DIGITS + 1).chars().rev().collect();
+        format!("{sum}\n")
     }
 }
 
 fn draw(rng: &mut ChaCha8Rng, held_out: bool) -> Problem {
     loop {
-        // Mix operand lengths: uniform over digits count, then uniform within, so short
-        // and long numbers are both common (a plain uniform draw is 90 % three-digit).
-        let operand = |rng: &mut ChaCha8Rng| {
-            let digits = rng.gen_range(1..=3u32);
-            let lo = if digits == 1 { 0 } else { 10u32.pow(digits - 1) };
-            rng.gen_range(lo..10u32.pow(digits).min(MAX_OPERAND))
-        };
-        let (a, b) = (operand(rng), operand(rng));
+        let (a, b) = (rng.gen_range(0..MAX_OPERAND), rng.gen_range(0..MAX_OPERAND));
         if is_held_out(a, b) == held_out {
             return Problem { a, b };
         }
@@ -165,7 +167,9 @@ mod tests {
             let line = before.rsplit('\n').next().unwrap();
             let (a, b) = line.trim_end_matches('=').split_once('+').unwrap();
             let sum: u32 = a.parse::<u32>().unwrap() + b.parse::<u32>().unwrap();
-            assert_eq!(ans.trim_end(), sum.to_string());
+            let reversed: String = ans.trim_end().chars().rev().collect();
+            assert_eq!(reversed.parse::<u32>().unwrap(), sum);
+            assert_eq!(ans.len(), DIGITS + 2);
         }
     }
 
