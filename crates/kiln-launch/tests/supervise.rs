@@ -79,17 +79,13 @@ fn a_stop_request_is_forwarded_as_that_signal() {
             asked.set(true);
         }
         asked.get().then_some(StopRequest {
-            signal: libc_sigusr1(),
+            signal: libc::SIGUSR1,
             count: 1,
         })
     };
     let o = run_attempt(&config(dir.path(), vec![sh(&script, None)]), &stop).unwrap();
     assert_eq!(o.classification, Classification::Walltime);
     assert_eq!(o.exit_code, 75);
-}
-
-fn libc_sigusr1() -> i32 {
-    10
 }
 
 #[test]

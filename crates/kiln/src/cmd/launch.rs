@@ -77,6 +77,22 @@ Examples:
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = LAUNCH_HELP)]
 pub struct LaunchArgs {
+    /// kiln's own flags; boxed so the CLI's command enum stays small.
+    #[command(flatten)]
+    pub flags: Box<LaunchFlags>,
+
+    /// [LAUNCHER FLAGS] -- PROGRAM [ARGS...]: the program to run on every rank, after `--`.
+    #[arg(
+        value_name = "ARGS",
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub command: Vec<String>,
+}
+
+/// The flags of `kiln launch`.
+#[derive(Debug, clap::Args)]
+pub struct LaunchFlags {
     /// Total number of ranks [default: nodes x ranks per node].
     #[arg(long, value_name = "N", help_heading = "Sizes")]
     pub np: Option<usize>,
@@ -172,14 +188,6 @@ pub struct LaunchArgs {
     /// LOCAL_WORLD_SIZE from the launcher's variables and exec PROGRAM in place.
     #[arg(long)]
     pub as_rank: bool,
-
-    /// [LAUNCHER FLAGS] -- PROGRAM [ARGS...]: the program to run on every rank, after `--`.
-    #[arg(
-        value_name = "ARGS",
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
-    pub command: Vec<String>,
 }
 
 /// Arguments of `kiln doctor`.
@@ -349,8 +357,13 @@ fn local_cpus() -> usize {
 
 /// `kiln launch`.
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let LaunchArgs {
+        flags,
+        command: raw_command,
+    } = args;
+    let args = *flags;
     if args.as_rank {
-        let (_, command) = match split_command(&args.command) {
+        let (_, command) = match split_command(&raw_command) {
             Ok(c) => c,
             Err(e) => return usage_error(e),
         };
@@ -358,7 +371,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("kiln launch --as-rank: {err}");
         return Ok(exit(err.exit_code()));
     }
-    let (launcher_args, command) = match split_command(&args.command) {
+    let (launcher_args, command) = match split_command(&raw_command) {
         Ok(c) => c,
         Err(e) => return usage_error(e),
     };
