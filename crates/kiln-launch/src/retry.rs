@@ -190,6 +190,23 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             });
         }
         let delay = backoff.delay(attempt);
+        // No attempt can start after the walltime: stop now, resumable, instead of starting
+        // one that would be killed at once.
+        if template
+            .deadline
+            .is_some_and(|d| Instant::now() + delay >= d)
+        {
+            let mut last = outcome;
+            last.classification = Classification::Walltime;
+            last.exit_code = crate::classify::WALLTIME_EXIT;
+            last.message =
+                Some("walltime reached before the next attempt could start; not retrying".into());
+            emit("stopped", json!({"attempt": attempt, "reason": "walltime"}));
+            return Ok(LaunchResult {
+                last,
+                attempts: attempt,
+            });
+        }
         emit(
             "backoff",
             json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),

@@ -606,3 +606,24 @@ fn help_documents_flags_and_every_exit_classification() {
         "{report}"
     );
 }
+
+#[test]
+fn auto_retry_gives_up_when_attempts_stop_making_progress() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let (out, _) = run(&[
+        "launch",
+        "--auto-retry",
+        "--backoff",
+        "0.05",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        "echo step=1; exit 1",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "stderr: {}", text(&out.stderr));
+    // Attempt 1 makes new progress (step 1); attempts 2-4 get no further: three in a row.
+    assert_eq!(attempt_ends(&rd).len(), 4);
+}
