@@ -273,7 +273,7 @@ pub fn run_attempt(
     let mut stop_signal: Option<i32> = None;
     let mut kill_at: Option<Instant> = None;
     let mut beacons: BTreeMap<usize, Tracked> = BTreeMap::new();
-    let mut last_beacon_read = start - BEACON_EVERY;
+    let mut last_beacon_read: Option<Instant> = None;
     let mut last_beacon_change = start;
 
     loop {
@@ -340,9 +340,9 @@ pub fn run_attempt(
         }
 
         if let Some(dir) = &cfg.progress_dir
-            && now.duration_since(last_beacon_read) >= BEACON_EVERY
+            && last_beacon_read.is_none_or(|t| now.duration_since(t) >= BEACON_EVERY)
         {
-            last_beacon_read = now;
+            last_beacon_read = Some(now);
             if update_beacons(&mut beacons, read_beacons(dir), start_time, now) {
                 last_beacon_change = now;
             }
@@ -350,7 +350,16 @@ pub fn run_attempt(
 
         if verdict.is_none() && first_failure.is_none() {
             verdict = watchdog(cfg, &shared, &beacons, last_beacon_change, now);
-            if verdict.is_some() {
+            if let Some(v) = &verdict {
+                // Say it now, not after the grace period: the operator watching wants to know.
+                if cfg.echo
+                    && let Some(m) = &v.message
+                {
+                    eprintln!(
+                        "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
+                        cfg.grace.as_secs_f64()
+                    );
+                }
                 kill_groups(&groups, Signal::SIGTERM);
                 kill_at = Some(now + cfg.grace);
             }
