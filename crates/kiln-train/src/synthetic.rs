@@ -1,18 +1,21 @@
-//! The built-in corpus: lines of three-digit addition, one character per token, such as
-//! `417+086=3050` (417 + 86 = 503, the sum written with four digits, least significant
-//! first). It needs no download, has learnable structure and checkable answers: a model that
-//! learned it predicts every answer digit, so held-out loss falls far below the unigram
-//! baseline and answer accuracy rises far above chance (about 1 in 1000).
+//! The built-in corpus: lines that repeat a random five-digit number after `=`, one
+//! character per token, such as `58213=58213`. It needs no download, has learnable structure
+//! and checkable answers: the digits before `=` are random (no model can do better than
+//! ln 10 nats on them), while a model that learned the task predicts every digit after `=`
+//! exactly, so held-out loss falls far below the unigram baseline and answer accuracy rises
+//! from chance (1 in 100,000) to nearly 1.
 //!
-//! Why this format: fixed-width operands put each answer digit at a fixed distance from the
-//! digits it depends on, and writing the sum least-significant digit first lets every digit
-//! be computed from the operands and the carry of the digit before it. Small transformers
-//! learn it in a few hundred steps; the natural most-significant-first format needs many
-//! thousands (Lee et al., "Teaching Arithmetic to Small Transformers", 2023).
+//! Why copying and not arithmetic: the default run must show learning within a few minutes
+//! on two CPU cores. We measured two-digit addition (sum written least significant digit
+//! first) with this model: after 600 steps it still had not learned a single answer digit
+//! (held-out loss 1.41, exactly the "knows only the format" plateau); small transformers need
+//! thousands of steps for addition (Lee et al., "Teaching Arithmetic to Small Transformers",
+//! 2023). Copying needs one attention head at a fixed offset, which these models learn in a
+//! few hundred steps, and it still exercises attention, RoPE and the whole training stack.
 //!
 //! Every sample is a pure function of (seed, sample index), so the data cursor is just a
-//! counter and resuming at any step costs nothing. Problems whose hash puts them in the
-//! held-out tenth never appear in training; evaluation uses only those.
+//! counter and resuming at any step costs nothing. Numbers whose hash puts them in the
+//! held-out eighth never appear in training; evaluation uses only those.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -22,8 +25,9 @@ pub const ALPHABET: &[u8; 16] = b"\n0123456789+-*= ";
 /// Vocabulary size of the synthetic corpus.
 pub const VOCAB: usize = ALPHABET.len();
 /// Exclusive upper bound of the operands.
-const DIGITS: usize = 2;
-const MAX_OPERAND: u32 = 10u32.pow(DIGITS as u32);
+/// Digits of each number.
+pub const DIGITS: usize = 5;
+const MAX_NUMBER: u32 = 10u32.pow(DIGITS as u32);
 /// Stream id offset separating evaluation samples from training samples.
 const EVAL_STREAM: u64 = 1 << 62;
 
@@ -37,40 +41,37 @@ pub fn decode(tokens: &[u32]) -> String {
     tokens.iter().map(|&t| ALPHABET.get(t as usize).map_or('?', |&c| c as char)).collect()
 }
 
-/// Is (a, b) one of the held-out problems? A fixed hash, independent of the seed, so the
-/// split is the same for every run.
-pub fn is_held_out(a: u32, b: u32) -> bool {
-    let mut h = (u64::from(a) << 32 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+/// Is `n` one of the held-out numbers? A fixed hash, independent of the seed, so the split
+/// is the same for every run.
+pub fn is_held_out(n: u32) -> bool {
+    let mut h = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     h ^= h >> 29;
     h.wrapping_mul(0xBF58_476D_1CE4_E5B9) >> 60 < 2 // 2 of 16 buckets: 12.5 %
 }
 
-/// One problem with the token span of its answer (the digits after `=` and the newline).
+/// One problem: a number to repeat.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
-    /// First operand.
-    pub a: u32,
-    /// Second operand.
-    pub b: u32,
+    /// The number.
+    pub n: u32,
 }
 
 impl Problem {
-    /// `aaa+bbb=` (the prompt, operands zero-padded to three digits).
+    /// `nnnnn=` (the prompt, zero-padded).
     pub fn prompt(&self) -> String {
-        format!("{:0w$}+{:0w$}=", self.a, self.b, w = DIGITS)
+        format!("{:0w$}=", self.n, w = DIGITS)
     }
-    /// The four-digit sum, least significant digit first, then the newline.
+    /// The number again, then the newline.
     pub fn answer(&self) -> String {
-        let sum: String = format!("{:0w$}", self.a + self.b, w = DIGITS + 1).chars().rev().collect();
-        format!("{sum}\n")
+        format!("{:0w$}\n", self.n, w = DIGITS)
     }
 }
 
 fn draw(rng: &mut ChaCha8Rng, held_out: bool) -> Problem {
     loop {
-        let (a, b) = (rng.gen_range(0..MAX_OPERAND), rng.gen_range(0..MAX_OPERAND));
-        if is_held_out(a, b) == held_out {
-            return Problem { a, b };
+        let n = rng.gen_range(0..MAX_NUMBER);
+        if is_held_out(n) == held_out {
+            return Problem { n };
         }
     }
 }
@@ -158,18 +159,13 @@ mod tests {
         assert_ne!(s.train_sample(3, 65), s.train_sample(4, 65));
         let e = s.eval_sample(0, 65);
         assert_eq!(e.tokens.len(), 65);
-        let text = decode(&e.tokens);
+        assert!(!e.answers.is_empty());
         for (start, end) in &e.answers {
             let ans = decode(&e.tokens[*start..*end]);
-            assert!(ans.ends_with('\n'), "{ans:?}");
-            // the prompt precedes it: parse "a+b=" backwards from start
-            let before = &text[..*start];
-            let line = before.rsplit('\n').next().unwrap();
-            let (a, b) = line.trim_end_matches('=').split_once('+').unwrap();
-            let sum: u32 = a.parse::<u32>().unwrap() + b.parse::<u32>().unwrap();
-            let reversed: String = ans.trim_end().chars().rev().collect();
-            assert_eq!(reversed.parse::<u32>().unwrap(), sum);
-            assert_eq!(ans.len(), DIGITS + 2);
+            let prompt = decode(&e.tokens[start - DIGITS - 1..*start]);
+            assert_eq!(ans.len(), DIGITS + 1);
+            assert_eq!(format!("{}=", ans.trim_end()), prompt);
+            assert!(is_held_out(ans.trim_end().parse().unwrap()));
         }
     }
 
@@ -179,12 +175,8 @@ mod tests {
         for i in 0..50 {
             let text = decode(&s.train_sample(i, 200));
             for line in text.split('\n').skip(1) {
-                if let Some((ab, _)) = line.split_once('=') {
-                    if let Some((a, b)) = ab.split_once('+') {
-                        if let (Ok(a), Ok(b)) = (a.parse(), b.parse()) {
-                            assert!(!is_held_out(a, b), "{a}+{b}");
-                        }
-                    }
+                if let Some((n, _)) = line.split_once('=') {
+                    assert!(!is_held_out(n.parse().unwrap()), "{n}");
                 }
             }
         }

@@ -382,7 +382,8 @@ impl Session {
             let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
             loss_sum += f64::from(logp.gather(1, targets.reshape([b * t, 1])).mean().neg().into_scalar::<f32>());
             n_batches += 1;
-            let pred: Vec<i64> = logits.argmax(2).into_data().try_to_vec::<i64>().unwrap_or_default();
+            // `iter` converts from whatever int dtype the backend uses (flex: i32).
+            let pred: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
             for (r, sample) in rows.iter().enumerate() {
                 for &(start, end) in &sample.answers {
                     // token at position p is predicted from position p-1
@@ -530,7 +531,15 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         threads as f64 * 80e9
     };
     let progress_dir = std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from);
-    let rank: usize = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+    // The rank names this process's beacon; a malformed rank environment is an error.
+    let rank_env = kiln_topology::RankEnv::from_process_env().map_err(|e| TrainError::Data(format!("rank environment: {e}")))?;
+    if rank_env.world_size > 1 {
+        return Err(TrainError::Data(format!(
+            "WORLD_SIZE={} but data-parallel training (gradient all-reduce) is not built yet; run one rank",
+            rank_env.world_size
+        )));
+    }
+    let rank = rank_env.rank;
     let beacon = |step: u64, phase: &str| {
         if let Some(dir) = &progress_dir {
             let _ = kiln_run::write_beacon(dir, rank, step, phase, kiln_run::unix_time());
