@@ -193,6 +193,10 @@ pub struct TrainingConfig {
     pub device: String,
     /// CPU threads for the flex backend; 0 = all cores.
     pub threads: usize,
+    /// Split each micro-batch into this many shards computed on parallel threads (gradient
+    /// accumulation inside the step). Helps on CPU, where burn's element-wise kernels are
+    /// single-threaded; changes numerics in the last bits (f32 summation order).
+    pub compute_shards: usize,
     /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
     pub peak_flops: f64,
 }
@@ -207,6 +211,7 @@ impl Default for TrainingConfig {
             seed: 1234,
             device: "flex".into(),
             threads: 0,
+            compute_shards: 1,
             peak_flops: 0.0,
         }
     }

@@ -614,26 +614,11 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             } else {
                 rows
             };
-            let inputs = Session::int_tensor(&rows, seq, &ad_device);
-            let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-            let targets = Session::int_tensor(&shifted, seq, &ad_device);
-            let leaves: Vec<Tensor<1>> = s.params.iter().map(|p| p.clone().autodiff().require_grad()).collect();
-            let mut loss = s.model.loss(&leaves, inputs, targets);
-            if accum > 1 {
-                loss = loss.div_scalar(accum as f64);
-            }
-            let mut loss_value = loss.clone().into_scalar::<f32>();
-            if cfg.debug.nan_at_step > 0 && data_cursor + 1 == cfg.debug.nan_at_step {
-                loss = loss.mul_scalar(f64::NAN);
-                loss_value = f32::NAN;
-            }
+            let poison = cfg.debug.nan_at_step > 0 && data_cursor + 1 == cfg.debug.nan_at_step;
+            let shards = cfg.training.compute_shards.max(1);
+            let (loss_value, micro_grads) =
+                loss_and_grads(&s.model, &s.params, &rows, seq, &ad_device, 1.0 / accum as f64, shards, poison);
             loss_sum += loss_value;
-            let g = loss.backward();
-            let micro_grads: Vec<Tensor<1>> = leaves
-                .iter()
-                .zip(&s.params)
-                .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
-                .collect();
             grads = Some(match grads {
                 None => micro_grads,
                 Some(acc) => acc.into_iter().zip(micro_grads).map(|(a, b)| a + b).collect(),
@@ -785,6 +770,69 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     beacon(step, "done");
     events.emit("exit", json!({"reason": "completed", "code": 0, "step": step}))?;
     Ok(TrainReport { outcome: Outcome::Completed, step, last_loss, last_eval, seconds: started.elapsed().as_secs_f64() })
+}
+
+/// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on as
+/// many threads and summed in a fixed order (deterministic whatever the scheduling).
+///
+/// Why shards: burn's flex backend runs element-wise kernels on one thread, and they are
+/// about 40% of a step; two shards on two threads keep both cores busy through them. The
+/// math is gradient accumulation over the shards, exact up to f32 summation order.
+/// `poison` (debug.nan_at_step) makes the loss NaN, as a real overflow would.
+#[allow(clippy::too_many_arguments)]
+fn loss_and_grads(
+    model: &Llama,
+    params: &[Tensor<1>],
+    rows: &[Vec<u32>],
+    seq: usize,
+    device: &Device,
+    scale: f64,
+    shards: usize,
+    poison: bool,
+) -> (f32, Vec<Tensor<1>>) {
+    let one = |chunk: &[Vec<u32>], scale: f64, poison: bool| {
+        let inputs = Session::int_tensor(chunk, seq, device);
+        let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
+        let targets = Session::int_tensor(&shifted, seq, device);
+        let leaves: Vec<Tensor<1>> = params.iter().map(|p| p.clone().autodiff().require_grad()).collect();
+        let mut loss = model.loss(&leaves, inputs, targets);
+        if scale != 1.0 {
+            loss = loss.mul_scalar(scale);
+        }
+        let mut value = loss.clone().into_scalar::<f32>();
+        if poison {
+            loss = loss.mul_scalar(f64::NAN);
+            value = f32::NAN;
+        }
+        let g = loss.backward();
+        let grads: Vec<Tensor<1>> =
+            leaves.iter().zip(params).map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like())).collect();
+        (value, grads)
+    };
+    let shards = shards.min(rows.len()).max(1);
+    if shards == 1 {
+        return one(rows, scale, poison);
+    }
+    let per = rows.len().div_ceil(shards);
+    let n = rows.len() as f64;
+    let results: Vec<(f32, Vec<Tensor<1>>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = rows
+            .chunks(per)
+            .enumerate()
+            .map(|(i, chunk)| {
+                let shard_scale = scale * chunk.len() as f64 / n;
+                scope.spawn(move || one(chunk, shard_scale, poison && i == 0))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let mut iter = results.into_iter();
+    let (mut loss, mut grads) = iter.next().unwrap_or_default();
+    for (l, g) in iter {
+        loss += l;
+        grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
+    }
+    (loss, grads)
 }
 
 /// Indices of parameters identical to `prev` (one host read-back for all of them).
