@@ -35,10 +35,19 @@ pub enum BeaconError {
 
 /// Atomically replaces `dir/rank-<rank>` with `<step> <phase> <time>` (write to a temporary
 /// name, then rename: a reader never sees a half-written line).
-pub fn write_beacon(dir: &Path, rank: usize, step: u64, phase: &str, time: f64) -> Result<(), BeaconError> {
+pub fn write_beacon(
+    dir: &Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+    time: f64,
+) -> Result<(), BeaconError> {
     let path = dir.join(format!("rank-{rank}"));
     let tmp = dir.join(format!(".rank-{rank}.tmp"));
-    let io = |source| BeaconError::Io { path: path.clone(), source };
+    let io = |source| BeaconError::Io {
+        path: path.clone(),
+        source,
+    };
     std::fs::write(&tmp, format!("{step} {phase} {time:.3}\n")).map_err(io)?;
     std::fs::rename(&tmp, &path).map_err(io)
 }
@@ -49,13 +58,20 @@ fn parse_beacon(rank: usize, text: &str) -> Option<Beacon> {
     let step = it.next()?.parse().ok()?;
     let phase = it.next()?.to_string();
     let time = it.next()?.parse().ok()?;
-    Some(Beacon { rank, step, phase, time })
+    Some(Beacon {
+        rank,
+        step,
+        phase,
+        time,
+    })
 }
 
 /// Reads every `rank-<R>` beacon in `dir`, sorted by rank. Files that do not parse are
 /// ignored (a foreign program may write garbage; it must not crash the supervisor).
 pub fn read_beacons(dir: &Path) -> Vec<Beacon> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut beacons: Vec<Beacon> = entries
         .filter_map(Result::ok)
         .filter_map(|e| {
@@ -81,7 +97,10 @@ mod tests {
         std::fs::write(dir.path().join("rank-7"), b"\xff\xfe garbage").unwrap();
         let b = read_beacons(dir.path());
         assert_eq!(b.len(), 2);
-        assert_eq!((b[0].rank, b[0].step, b[0].phase.as_str()), (0, 13, "checkpoint"));
+        assert_eq!(
+            (b[0].rank, b[0].step, b[0].phase.as_str()),
+            (0, 13, "checkpoint")
+        );
         assert_eq!((b[1].rank, b[1].step, b[1].time), (1, 12, 100.5));
     }
 }

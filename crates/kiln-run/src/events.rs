@@ -65,10 +65,21 @@ impl EventLog {
     /// Opens (creating) `dir/events.jsonl` for appending; `source` names the writer.
     pub fn open(dir: &Path, source: &str) -> Result<Self, EventLogError> {
         let path = dir.join("events.jsonl");
-        let io = |source| EventLogError::Io { path: path.clone(), source };
+        let io = |source| EventLogError::Io {
+            path: path.clone(),
+            source,
+        };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let file = OpenOptions::new().create(true).append(true).open(&path).map_err(io)?;
-        Ok(Self { path, file, source: source.to_string() })
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io)?;
+        Ok(Self {
+            path,
+            file,
+            source: source.to_string(),
+        })
     }
 
     /// The file written to.
@@ -82,13 +93,21 @@ impl EventLog {
             Ok(Value::Object(map)) => map,
             _ => Map::new(),
         };
-        let record = Event { time: unix_time(), source: self.source.clone(), event: event.to_string(), fields };
+        let record = Event {
+            time: unix_time(),
+            source: self.source.clone(),
+            event: event.to_string(),
+            fields,
+        };
         let mut line = serde_json::to_vec(&record).unwrap_or_default();
         line.push(b'\n');
         self.file
             .write_all(&line)
             .and_then(|()| self.file.flush())
-            .map_err(|source| EventLogError::Io { path: self.path.clone(), source })
+            .map_err(|source| EventLogError::Io {
+                path: self.path.clone(),
+                source,
+            })
     }
 }
 
@@ -104,7 +123,10 @@ pub fn read_events(dir: &Path) -> Result<Vec<Event>, EventLogError> {
     let lines: Vec<String> = BufReader::new(file)
         .lines()
         .collect::<Result<_, _>>()
-        .map_err(|source| EventLogError::Io { path: path.clone(), source })?;
+        .map_err(|source| EventLogError::Io {
+            path: path.clone(),
+            source,
+        })?;
     let mut events = Vec::with_capacity(lines.len());
     for (i, line) in lines.iter().enumerate() {
         if line.trim().is_empty() {
@@ -114,7 +136,11 @@ pub fn read_events(dir: &Path) -> Result<Vec<Event>, EventLogError> {
             Ok(e) => events.push(e),
             Err(_) if i + 1 == lines.len() => {} // torn final line
             Err(e) => {
-                return Err(EventLogError::Parse { path, line: i + 1, message: e.to_string() });
+                return Err(EventLogError::Parse {
+                    path,
+                    line: i + 1,
+                    message: e.to_string(),
+                });
             }
         }
     }
@@ -148,7 +174,11 @@ mod tests {
     #[test]
     fn malformed_middle_line_names_the_line() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("events.jsonl"), "not json\n{\"time\":1,\"source\":\"a\",\"event\":\"b\"}\n").unwrap();
+        std::fs::write(
+            dir.path().join("events.jsonl"),
+            "not json\n{\"time\":1,\"source\":\"a\",\"event\":\"b\"}\n",
+        )
+        .unwrap();
         let err = read_events(dir.path()).unwrap_err().to_string();
         assert!(err.contains("line 1"), "{err}");
     }

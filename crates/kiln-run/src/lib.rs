@@ -16,7 +16,7 @@
 mod beacon;
 mod events;
 
-pub use beacon::{Beacon, BeaconError, read_beacons, write_beacon, PROGRESS_DIR_ENV};
+pub use beacon::{Beacon, BeaconError, PROGRESS_DIR_ENV, read_beacons, write_beacon};
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 
 /// Exit code of a process that was asked to stop (SIGTERM/SIGUSR1, walltime), saved a

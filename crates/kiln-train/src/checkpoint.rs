@@ -35,11 +35,17 @@ pub enum CheckpointError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn invalid(path: &Path, reason: impl Into<String>) -> CheckpointError {
-    CheckpointError::Invalid { path: path.to_path_buf(), reason: reason.into() }
+    CheckpointError::Invalid {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
 }
 
 /// A named f32 tensor on the host.
@@ -56,8 +62,10 @@ pub struct HostTensor {
 /// Serialises tensors to safetensors bytes. Deterministic: same tensors, same bytes (the
 /// metadata map has a single fixed key, tensors are ordered by the format's rules).
 pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let bytes: Vec<Vec<u8>> =
-        tensors.iter().map(|t| t.values.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
     let views = tensors
         .iter()
         .zip(&bytes)
@@ -72,14 +80,26 @@ pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::Sa
 
 /// Parses safetensors bytes into f32 tensors (any other dtype is an error).
 pub fn from_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<HostTensor>, CheckpointError> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
+    let st =
+        safetensors::SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
         if view.dtype() != safetensors::Dtype::F32 {
-            return Err(invalid(path, format!("tensor {name} has dtype {:?}, expected F32", view.dtype())));
+            return Err(invalid(
+                path,
+                format!("tensor {name} has dtype {:?}, expected F32", view.dtype()),
+            ));
         }
-        let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        out.push(HostTensor { name, shape: view.shape().to_vec(), values });
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        out.push(HostTensor {
+            name,
+            shape: view.shape().to_vec(),
+            values,
+        });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
@@ -122,39 +142,66 @@ pub fn dir_name(step: u64) -> String {
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir).and_then(|f| f.sync_all()).map_err(io_err(dir))
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(dir))
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointError> {
     let mut f = File::create(path).map_err(io_err(path))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io_err(path))?;
-    Ok(ManifestEntry { sha256: hex::encode(Sha256::digest(bytes)), bytes: bytes.len() as u64 })
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io_err(path))?;
+    Ok(ManifestEntry {
+        sha256: hex::encode(Sha256::digest(bytes)),
+        bytes: bytes.len() as u64,
+    })
 }
 
 /// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
 pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(root).map_err(io_err(root))?;
     let final_dir = root.join(dir_name(ckpt.step));
-    let tmp = root.join(format!(".tmp-{}-{}", dir_name(ckpt.step), std::process::id()));
+    let tmp = root.join(format!(
+        ".tmp-{}-{}",
+        dir_name(ckpt.step),
+        std::process::id()
+    ));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
     let mut files = BTreeMap::new();
-    let ser = |t: &[HostTensor], name: &str| to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()));
+    let ser = |t: &[HostTensor], name: &str| {
+        to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()))
+    };
     let model = ser(&ckpt.model, "model.safetensors")?;
-    files.insert("model.safetensors".to_string(), write_synced(&tmp.join("model.safetensors"), &model)?);
+    files.insert(
+        "model.safetensors".to_string(),
+        write_synced(&tmp.join("model.safetensors"), &model)?,
+    );
     let opt = ser(&ckpt.optimizer, "optimizer.safetensors")?;
-    files.insert("optimizer.safetensors".to_string(), write_synced(&tmp.join("optimizer.safetensors"), &opt)?);
+    files.insert(
+        "optimizer.safetensors".to_string(),
+        write_synced(&tmp.join("optimizer.safetensors"), &opt)?,
+    );
     let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(&tmp, e.to_string()))?;
-    files.insert("state.json".to_string(), write_synced(&tmp.join("state.json"), &state)?);
-    let manifest = serde_json::to_vec_pretty(&Manifest { version: 1, files }).map_err(|e| invalid(&tmp, e.to_string()))?;
+    files.insert(
+        "state.json".to_string(),
+        write_synced(&tmp.join("state.json"), &state)?,
+    );
+    let manifest = serde_json::to_vec_pretty(&Manifest { version: 1, files })
+        .map_err(|e| invalid(&tmp, e.to_string()))?;
     write_synced(&tmp.join("manifest.json"), &manifest)?;
     fsync_dir(&tmp)?;
     if final_dir.exists() {
         // Re-saving a step that exists (a resumed run that stops at the same step): move the
         // old one aside first, so there is never a moment without a valid step-<N>.
-        let old = root.join(format!(".old-{}-{}", dir_name(ckpt.step), std::process::id()));
+        let old = root.join(format!(
+            ".old-{}-{}",
+            dir_name(ckpt.step),
+            std::process::id()
+        ));
         std::fs::rename(&final_dir, &old).map_err(io_err(&final_dir))?;
         std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
         std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
@@ -167,7 +214,9 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
 
 /// Steps of the `step-<N>` directories under `root`, newest first.
 pub fn list_steps(root: &Path) -> Vec<u64> {
-    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
     let mut steps: Vec<u64> = entries
         .filter_map(Result::ok)
         .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
@@ -179,24 +228,38 @@ pub fn list_steps(root: &Path) -> Vec<u64> {
 /// Loads and verifies `dir` against its manifest.
 pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let manifest_path = dir.join("manifest.json");
-    let manifest_bytes = std::fs::read(&manifest_path).map_err(|e| invalid(dir, format!("no readable manifest.json ({e})")))?;
+    let manifest_bytes = std::fs::read(&manifest_path)
+        .map_err(|e| invalid(dir, format!("no readable manifest.json ({e})")))?;
     let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
         .map_err(|e| invalid(&manifest_path, format!("malformed manifest: {e}")))?;
     let mut contents = BTreeMap::new();
     for required in ["model.safetensors", "optimizer.safetensors", "state.json"] {
         if !manifest.files.contains_key(required) {
-            return Err(invalid(&manifest_path, format!("manifest does not list {required}")));
+            return Err(invalid(
+                &manifest_path,
+                format!("manifest does not list {required}"),
+            ));
         }
     }
     for (name, entry) in &manifest.files {
         let path = dir.join(name);
         let bytes = std::fs::read(&path).map_err(|e| invalid(&path, format!("unreadable: {e}")))?;
         if bytes.len() as u64 != entry.bytes {
-            return Err(invalid(&path, format!("size {} != {} in manifest (torn write?)", bytes.len(), entry.bytes)));
+            return Err(invalid(
+                &path,
+                format!(
+                    "size {} != {} in manifest (torn write?)",
+                    bytes.len(),
+                    entry.bytes
+                ),
+            ));
         }
         let sum = hex::encode(Sha256::digest(&bytes));
         if sum != entry.sha256 {
-            return Err(invalid(&path, format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256)));
+            return Err(invalid(
+                &path,
+                format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
+            ));
         }
         contents.insert(name.clone(), bytes);
     }
@@ -209,15 +272,24 @@ pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         .ok_or_else(|| invalid(&state_path, "no integer `step`"))?;
     Ok(Checkpoint {
         step,
-        model: from_safetensors(&contents["model.safetensors"], &dir.join("model.safetensors"))?,
-        optimizer: from_safetensors(&contents["optimizer.safetensors"], &dir.join("optimizer.safetensors"))?,
+        model: from_safetensors(
+            &contents["model.safetensors"],
+            &dir.join("model.safetensors"),
+        )?,
+        optimizer: from_safetensors(
+            &contents["optimizer.safetensors"],
+            &dir.join("optimizer.safetensors"),
+        )?,
         state,
     })
 }
 
 /// The newest checkpoint under `root` that verifies. Each rejected one is passed to
 /// `on_reject` (path and reason) before the next older one is tried.
-pub fn load_latest_valid(root: &Path, mut on_reject: impl FnMut(&Path, &str)) -> Option<(PathBuf, Checkpoint)> {
+pub fn load_latest_valid(
+    root: &Path,
+    mut on_reject: impl FnMut(&Path, &str),
+) -> Option<(PathBuf, Checkpoint)> {
     for step in list_steps(root) {
         let dir = root.join(dir_name(step));
         match load(&dir) {
@@ -258,8 +330,16 @@ mod tests {
     fn ckpt(step: u64) -> Checkpoint {
         Checkpoint {
             step,
-            model: vec![HostTensor { name: "w".into(), shape: vec![2], values: vec![1.0, step as f32] }],
-            optimizer: vec![HostTensor { name: "w.exp_avg".into(), shape: vec![2], values: vec![0.5, 0.25] }],
+            model: vec![HostTensor {
+                name: "w".into(),
+                shape: vec![2],
+                values: vec![1.0, step as f32],
+            }],
+            optimizer: vec![HostTensor {
+                name: "w.exp_avg".into(),
+                shape: vec![2],
+                values: vec![0.5, 0.25],
+            }],
             state: serde_json::json!({"step": step}),
         }
     }
@@ -280,7 +360,9 @@ mod tests {
         bytes[last] ^= 1;
         std::fs::write(&f, bytes).unwrap();
         let mut rejected = Vec::new();
-        let (_, c) = load_latest_valid(root, |p, r| rejected.push((p.to_path_buf(), r.to_string()))).unwrap();
+        let (_, c) =
+            load_latest_valid(root, |p, r| rejected.push((p.to_path_buf(), r.to_string())))
+                .unwrap();
         assert_eq!(c.step, 10);
         assert_eq!(rejected.len(), 1);
         assert!(rejected[0].1.contains("SHA-256"), "{}", rejected[0].1);

@@ -170,7 +170,12 @@ pub struct LrSchedulerConfig {
 
 impl Default for LrSchedulerConfig {
     fn default() -> Self {
-        Self { kind: ScheduleKind::Cosine, warmup_steps: 30, min_lr_ratio: 0.1, decay_ratio: 0.2 }
+        Self {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 30,
+            min_lr_ratio: 0.1,
+            decay_ratio: 0.2,
+        }
     }
 }
 
@@ -231,7 +236,11 @@ pub struct CheckpointConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { interval: 100, keep_latest_k: 3, resume: true }
+        Self {
+            interval: 100,
+            keep_latest_k: 3,
+            resume: true,
+        }
     }
 }
 
@@ -278,7 +287,11 @@ pub struct EvalConfig {
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { interval: 100, samples: 64, tasks: String::new() }
+        Self {
+            interval: 100,
+            samples: 64,
+            tasks: String::new(),
+        }
     }
 }
 
@@ -337,8 +350,10 @@ pub struct DebugConfig {
 impl Config {
     /// Parses TOML text; `origin` names it in errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text)
-            .map_err(|e| ConfigError::Invalid { origin: origin.to_string(), message: e.to_string() })
+        toml::from_str(text).map_err(|e| ConfigError::Invalid {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })
     }
 
     /// Loads a file (or the defaults when `path` is None), applies `--set` overrides and
@@ -346,12 +361,15 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
         let (mut table, origin) = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|source| ConfigError::Read { path: p.display().to_string(), source })?;
-                let table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Invalid {
-                    origin: p.display().to_string(),
-                    message: e.to_string(),
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
                 })?;
+                let table: toml::Table =
+                    toml::from_str(&text).map_err(|e| ConfigError::Invalid {
+                        origin: p.display().to_string(),
+                        message: e.to_string(),
+                    })?;
                 (table, p.display().to_string())
             }
             None => (toml::Table::new(), "<defaults>".to_string()),
@@ -359,10 +377,18 @@ impl Config {
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        let origin = if overrides.is_empty() { origin } else { format!("{origin} with --set overrides") };
-        let config: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Invalid { origin, message: e.to_string() })?;
+        let origin = if overrides.is_empty() {
+            origin
+        } else {
+            format!("{origin} with --set overrides")
+        };
+        let config: Config =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                    origin,
+                    message: e.to_string(),
+                })?;
         config.validate()?;
         Ok(config)
     }
@@ -376,14 +402,27 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let bad = |msg: String| Err(ConfigError::Inconsistent(msg));
-        if m.d_model == 0 || m.n_layers == 0 || m.n_heads == 0 || m.n_kv_heads == 0 || m.ffn_hidden == 0 {
-            return bad("model.d_model, n_layers, n_heads, n_kv_heads and ffn_hidden must be > 0".into());
+        if m.d_model == 0
+            || m.n_layers == 0
+            || m.n_heads == 0
+            || m.n_kv_heads == 0
+            || m.ffn_hidden == 0
+        {
+            return bad(
+                "model.d_model, n_layers, n_heads, n_kv_heads and ffn_hidden must be > 0".into(),
+            );
         }
         if m.d_model % m.n_heads != 0 {
-            return bad(format!("model.d_model ({}) must be divisible by model.n_heads ({})", m.d_model, m.n_heads));
+            return bad(format!(
+                "model.d_model ({}) must be divisible by model.n_heads ({})",
+                m.d_model, m.n_heads
+            ));
         }
         if (m.d_model / m.n_heads) % 2 != 0 {
-            return bad(format!("head dim d_model/n_heads = {} must be even for RoPE", m.d_model / m.n_heads));
+            return bad(format!(
+                "head dim d_model/n_heads = {} must be even for RoPE",
+                m.d_model / m.n_heads
+            ));
         }
         if m.n_heads % m.n_kv_heads != 0 {
             return bad(format!(
@@ -393,11 +432,16 @@ impl Config {
         }
         let t = &self.training;
         if t.steps == 0 || t.batch_size == 0 || t.seq_len == 0 || t.grad_accum_steps == 0 {
-            return bad("training.steps, batch_size, seq_len and grad_accum_steps must be > 0".into());
+            return bad(
+                "training.steps, batch_size, seq_len and grad_accum_steps must be > 0".into(),
+            );
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
-            return bad(format!("optimizer.lr must be a positive number, got {}", o.lr));
+            return bad(format!(
+                "optimizer.lr must be a positive number, got {}",
+                o.lr
+            ));
         }
         if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
             return bad("optimizer.beta1 and beta2 must be in [0, 1)".into());
@@ -415,7 +459,9 @@ impl Config {
 /// Applies `section.key=value` to a TOML table. The value is parsed as a TOML value
 /// (`100`, `true`, `1e-3`, `"text"`, `[1, 2]`); anything that does not parse is a string.
 fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
-    let (key, raw) = spec.split_once('=').ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
+    let (key, raw) = spec
+        .split_once('=')
+        .ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
     let parts: Vec<&str> = key.trim().split('.').collect();
     if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
         return Err(ConfigError::BadOverride(spec.to_string()));
@@ -427,8 +473,12 @@ fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
     let mut cur = table;
     for section in &parts[..parts.len() - 1] {
-        let entry = cur.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        cur = entry.as_table_mut().ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
+        let entry = cur
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = entry
+            .as_table_mut()
+            .ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
     }
     cur.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
@@ -447,19 +497,32 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err = Config::from_toml("[training]\nstepz = 3\n", "f.toml").unwrap_err().to_string();
+        let err = Config::from_toml("[training]\nstepz = 3\n", "f.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("stepz") && err.contains("f.toml"), "{err}");
     }
 
     #[test]
     fn overrides_apply_and_are_checked() {
-        let c = Config::load(None, &["training.steps=7".into(), "optimizer.lr=1e-4".into()]).unwrap();
+        let c = Config::load(
+            None,
+            &["training.steps=7".into(), "optimizer.lr=1e-4".into()],
+        )
+        .unwrap();
         assert_eq!(c.training.steps, 7);
         assert_eq!(c.optimizer.lr, 1e-4);
-        assert!(matches!(Config::load(None, &["steps=7".into()]), Err(ConfigError::BadOverride(_))));
-        let err = Config::load(None, &["training.nope=1".into()]).unwrap_err().to_string();
+        assert!(matches!(
+            Config::load(None, &["steps=7".into()]),
+            Err(ConfigError::BadOverride(_))
+        ));
+        let err = Config::load(None, &["training.nope=1".into()])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("nope"), "{err}");
-        let err = Config::load(None, &["model.n_kv_heads=3".into()]).unwrap_err().to_string();
+        let err = Config::load(None, &["model.n_kv_heads=3".into()])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("n_kv_heads"), "{err}");
     }
 }

@@ -35,7 +35,12 @@ impl SpikeDetector {
         if cfg.spike_window > 1 && cfg.spike_sigma > 0.0 && self.window.len() >= cfg.spike_window {
             let n = self.window.len() as f64;
             let mean = self.window.iter().map(|&l| f64::from(l)).sum::<f64>() / n;
-            let var = self.window.iter().map(|&l| (f64::from(l) - mean).powi(2)).sum::<f64>() / n;
+            let var = self
+                .window
+                .iter()
+                .map(|&l| (f64::from(l) - mean).powi(2))
+                .sum::<f64>()
+                / n;
             let std = var.sqrt();
             let l = f64::from(loss);
             if l > mean + cfg.spike_sigma * std && l > mean * cfg.spike_min_ratio {
@@ -80,7 +85,12 @@ mod tests {
 
     #[test]
     fn spike_needs_full_window_and_both_thresholds() {
-        let cfg = GuardsConfig { spike_window: 5, spike_sigma: 3.0, spike_min_ratio: 1.5, ..GuardsConfig::default() };
+        let cfg = GuardsConfig {
+            spike_window: 5,
+            spike_sigma: 3.0,
+            spike_min_ratio: 1.5,
+            ..GuardsConfig::default()
+        };
         let mut d = SpikeDetector::default();
         assert_eq!(d.observe(100.0, &cfg), LossVerdict::Normal); // window not full yet
         let mut d = SpikeDetector::default();
@@ -95,6 +105,10 @@ mod tests {
     fn initial_loss_check_explains() {
         assert!(check_initial_loss(2.78, 16, 0.5).is_none());
         assert!(check_initial_loss(0.1, 16, 0.5).unwrap().contains("leak"));
-        assert!(check_initial_loss(20.0, 16, 0.5).unwrap().contains("summed"));
+        assert!(
+            check_initial_loss(20.0, 16, 0.5)
+                .unwrap()
+                .contains("summed")
+        );
     }
 }

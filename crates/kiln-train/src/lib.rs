@@ -16,4 +16,7 @@ pub mod synthetic;
 pub mod trainer;
 
 pub use config::Config;
-pub use trainer::{Observer, Outcome, Session, StepMetrics, EvalMetrics, TrainError, TrainOptions, TrainReport, train};
+pub use trainer::{
+    EvalMetrics, Observer, Outcome, Session, StepMetrics, TrainError, TrainOptions, TrainReport,
+    train,
+};

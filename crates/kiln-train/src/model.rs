@@ -80,36 +80,100 @@ impl Llama {
     pub fn new(cfg: &ModelConfig, vocab: usize) -> Self {
         let mut specs = Vec::new();
         let mut add = |name: String, shape: Vec<usize>, init: Init, norm_or_emb: bool| {
-            specs.push(ParamSpec { name, shape, init, is_norm_or_embedding: norm_or_emb });
+            specs.push(ParamSpec {
+                name,
+                shape,
+                init,
+                is_norm_or_embedding: norm_or_emb,
+            });
             specs.len() - 1
         };
         let d = cfg.d_model;
         let hd = d / cfg.n_heads;
         let kv = cfg.n_kv_heads * hd;
         let std = cfg.init_std;
-        let out_std = if cfg.scale_residual_init { std / (2.0 * cfg.n_layers as f64).sqrt() } else { std };
-        let embed = add("model.embed_tokens.weight".into(), vec![vocab, d], Init::Normal(std), true);
+        let out_std = if cfg.scale_residual_init {
+            std / (2.0 * cfg.n_layers as f64).sqrt()
+        } else {
+            std
+        };
+        let embed = add(
+            "model.embed_tokens.weight".into(),
+            vec![vocab, d],
+            Init::Normal(std),
+            true,
+        );
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
             let attn_norm = add(p("input_layernorm.weight"), vec![d], Init::Ones, true);
-            let wq = add(p("self_attn.q_proj.weight"), vec![d, d], Init::Normal(std), false);
-            let wk = add(p("self_attn.k_proj.weight"), vec![d, kv], Init::Normal(std), false);
-            let wv = add(p("self_attn.v_proj.weight"), vec![d, kv], Init::Normal(std), false);
-            let wo = add(p("self_attn.o_proj.weight"), vec![d, d], Init::Normal(out_std), false);
+            let wq = add(
+                p("self_attn.q_proj.weight"),
+                vec![d, d],
+                Init::Normal(std),
+                false,
+            );
+            let wk = add(
+                p("self_attn.k_proj.weight"),
+                vec![d, kv],
+                Init::Normal(std),
+                false,
+            );
+            let wv = add(
+                p("self_attn.v_proj.weight"),
+                vec![d, kv],
+                Init::Normal(std),
+                false,
+            );
+            let wo = add(
+                p("self_attn.o_proj.weight"),
+                vec![d, d],
+                Init::Normal(out_std),
+                false,
+            );
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
-                    Some(add(p("self_attn.q_norm.weight"), vec![hd], Init::Ones, true)),
-                    Some(add(p("self_attn.k_norm.weight"), vec![hd], Init::Ones, true)),
+                    Some(add(
+                        p("self_attn.q_norm.weight"),
+                        vec![hd],
+                        Init::Ones,
+                        true,
+                    )),
+                    Some(add(
+                        p("self_attn.k_norm.weight"),
+                        vec![hd],
+                        Init::Ones,
+                        true,
+                    )),
                 )
             } else {
                 (None, None)
             };
-            let mlp_norm = add(p("post_attention_layernorm.weight"), vec![d], Init::Ones, true);
+            let mlp_norm = add(
+                p("post_attention_layernorm.weight"),
+                vec![d],
+                Init::Ones,
+                true,
+            );
             let f = cfg.ffn_hidden;
-            let w_gate = add(p("mlp.gate_proj.weight"), vec![d, f], Init::Normal(std), false);
-            let w_up = add(p("mlp.up_proj.weight"), vec![d, f], Init::Normal(std), false);
-            let w_down = add(p("mlp.down_proj.weight"), vec![f, d], Init::Normal(out_std), false);
+            let w_gate = add(
+                p("mlp.gate_proj.weight"),
+                vec![d, f],
+                Init::Normal(std),
+                false,
+            );
+            let w_up = add(
+                p("mlp.up_proj.weight"),
+                vec![d, f],
+                Init::Normal(std),
+                false,
+            );
+            let w_down = add(
+                p("mlp.down_proj.weight"),
+                vec![f, d],
+                Init::Normal(out_std),
+                false,
+            );
             blocks.push(BlockParams {
                 attn_norm,
                 wq,
@@ -125,8 +189,23 @@ impl Llama {
             });
         }
         let final_norm = add("model.norm.weight".into(), vec![d], Init::Ones, true);
-        let head = (!cfg.tie_embeddings).then(|| add("lm_head.weight".into(), vec![d, vocab], Init::Normal(std), false));
-        Self { cfg: cfg.clone(), vocab, specs, embed, blocks, final_norm, head }
+        let head = (!cfg.tie_embeddings).then(|| {
+            add(
+                "lm_head.weight".into(),
+                vec![d, vocab],
+                Init::Normal(std),
+                false,
+            )
+        });
+        Self {
+            cfg: cfg.clone(),
+            vocab,
+            specs,
+            embed,
+            blocks,
+            final_norm,
+            head,
+        }
     }
 
     /// The parameters' names, shapes and roles, in a fixed order.
@@ -189,7 +268,12 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
-    pub fn loss(&self, p: &[Tensor<1>], inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+    pub fn loss(
+        &self,
+        p: &[Tensor<1>],
+        inputs: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+    ) -> Tensor<1> {
         let [b, t] = inputs.dims();
         let n = b * t;
         let h = self.hidden(p, inputs).reshape([n, self.cfg.d_model]);
@@ -251,13 +335,20 @@ impl Llama {
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let hd = cfg.d_model / nh;
         let groups = nh / nkv;
-        let q = linear(h.clone(), self.mat(p, blk.wq), None).reshape([b, t, nh, hd]).swap_dims(1, 2);
-        let k = linear(h.clone(), self.mat(p, blk.wk), None).reshape([b, t, nkv, hd]).swap_dims(1, 2);
-        let v = linear(h, self.mat(p, blk.wv), None).reshape([b, t, nkv, hd]).swap_dims(1, 2);
+        let q = linear(h.clone(), self.mat(p, blk.wq), None)
+            .reshape([b, t, nh, hd])
+            .swap_dims(1, 2);
+        let k = linear(h.clone(), self.mat(p, blk.wk), None)
+            .reshape([b, t, nkv, hd])
+            .swap_dims(1, 2);
+        let v = linear(h, self.mat(p, blk.wv), None)
+            .reshape([b, t, nkv, hd])
+            .swap_dims(1, 2);
         let (q, k) = match (blk.q_norm, blk.k_norm) {
-            (Some(qn), Some(kn)) => {
-                (rms_norm(q, p[qn].clone(), cfg.norm_eps), rms_norm(k, p[kn].clone(), cfg.norm_eps))
-            }
+            (Some(qn), Some(kn)) => (
+                rms_norm(q, p[qn].clone(), cfg.norm_eps),
+                rms_norm(k, p[kn].clone(), cfg.norm_eps),
+            ),
             _ => (q, k),
         };
         let q = rope.apply(q);
@@ -268,14 +359,24 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = q.matmul(k.transpose()).mul_scalar(scale) + mask;
         let probs = softmax(scores, 3);
-        let y = probs.matmul(v).reshape([b, nh, t, hd]).swap_dims(1, 2).reshape([b, t, nh * hd]);
+        let y = probs
+            .matmul(v)
+            .reshape([b, nh, t, hd])
+            .swap_dims(1, 2)
+            .reshape([b, t, nh * hd]);
         linear(y, self.mat(p, blk.wo), None)
     }
 }
 
 /// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.
 fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
-    let inv_rms = x.clone().powi_scalar(2).mean_dim(D - 1).add_scalar(eps).sqrt().recip();
+    let inv_rms = x
+        .clone()
+        .powi_scalar(2)
+        .mean_dim(D - 1)
+        .add_scalar(eps)
+        .sqrt()
+        .recip();
     x * inv_rms * w.unsqueeze()
 }
 
@@ -292,8 +393,9 @@ impl RopeTables {
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
         // f32 arithmetic, as PyTorch builds its tables (inv_freq = 1 / theta^(2i/hd)).
-        let inv_freq: Vec<f32> =
-            (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / hd as f32)).collect();
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / hd as f32))
+            .collect();
         for pos in 0..t {
             for j in 0..hd {
                 let angle = pos as f32 * inv_freq[j % half];

@@ -43,7 +43,10 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
     if grads.is_empty() {
         return 0.0;
     }
-    let sq: Vec<Tensor<1>> = grads.iter().map(|g| g.clone().powi_scalar(2).sum()).collect();
+    let sq: Vec<Tensor<1>> = grads
+        .iter()
+        .map(|g| g.clone().powi_scalar(2).sum())
+        .collect();
     Tensor::cat(sq, 0).sum().sqrt().into_scalar::<f32>()
 }
 
@@ -76,22 +79,50 @@ pub struct AdamW {
 impl AdamW {
     /// Zero state for these parameters.
     pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
-        let zeros = || specs.iter().map(|s| Tensor::zeros([s.numel()], device)).collect::<Vec<_>>();
-        let decay = specs.iter().map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding).collect();
-        Self { cfg: cfg.clone(), decay, exp_avg: zeros(), exp_avg_sq: zeros(), step: 0 }
+        let zeros = || {
+            specs
+                .iter()
+                .map(|s| Tensor::zeros([s.numel()], device))
+                .collect::<Vec<_>>()
+        };
+        let decay = specs
+            .iter()
+            .map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding)
+            .collect();
+        Self {
+            cfg: cfg.clone(),
+            decay,
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            step: 0,
+        }
     }
 
     /// Replaces the hyper-parameters (a resumed run may change lr or decay).
     pub fn set_config(&mut self, cfg: &OptimizerConfig, specs: &[ParamSpec]) {
         self.cfg = cfg.clone();
-        self.decay = specs.iter().map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding).collect();
+        self.decay = specs
+            .iter()
+            .map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding)
+            .collect();
     }
 
     /// One update of every parameter whose `frozen` flag is false, with PyTorch's AdamW
     /// arithmetic (decay first, then the bias-corrected Adam step).
-    pub fn update(&mut self, params: &mut [Tensor<1>], grads: Vec<Tensor<1>>, lr: f64, frozen: &[bool]) {
+    pub fn update(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
         self.step += 1;
-        let (b1, b2, eps, wd) = (self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay);
+        let (b1, b2, eps, wd) = (
+            self.cfg.beta1,
+            self.cfg.beta2,
+            self.cfg.eps,
+            self.cfg.weight_decay,
+        );
         let bc1 = 1.0 - b1.powi(self.step as i32);
         let bc2_sqrt = (1.0 - b2.powi(self.step as i32)).sqrt();
         let step_size = lr / bc1;
@@ -100,7 +131,8 @@ impl AdamW {
                 continue;
             }
             let m = self.exp_avg[i].clone().mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
-            let v = self.exp_avg_sq[i].clone().mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
+            let v =
+                self.exp_avg_sq[i].clone().mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
             let mut p = params[i].clone();
             if self.decay[i] && wd != 0.0 {
                 p = p.mul_scalar(1.0 - lr * wd);
@@ -118,7 +150,12 @@ mod tests {
     use super::*;
 
     fn sched(kind: ScheduleKind) -> LrSchedulerConfig {
-        LrSchedulerConfig { kind, warmup_steps: 10, min_lr_ratio: 0.1, decay_ratio: 0.2 }
+        LrSchedulerConfig {
+            kind,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            decay_ratio: 0.2,
+        }
     }
 
     #[test]
@@ -144,7 +181,11 @@ mod tests {
     #[test]
     fn adamw_matches_hand_computed_pytorch_step() {
         let device = Device::flex();
-        let cfg = OptimizerConfig { lr: 0.1, weight_decay: 0.5, ..OptimizerConfig::default() };
+        let cfg = OptimizerConfig {
+            lr: 0.1,
+            weight_decay: 0.5,
+            ..OptimizerConfig::default()
+        };
         let spec = ParamSpec {
             name: "w".into(),
             shape: vec![2],

@@ -38,7 +38,10 @@ pub fn token_of(c: u8) -> Option<u32> {
 
 /// Text of token ids (unknown ids as `?`).
 pub fn decode(tokens: &[u32]) -> String {
-    tokens.iter().map(|&t| ALPHABET.get(t as usize).map_or('?', |&c| c as char)).collect()
+    tokens
+        .iter()
+        .map(|&t| ALPHABET.get(t as usize).map_or('?', |&c| c as char))
+        .collect()
 }
 
 /// Is `n` one of the held-out numbers? A fixed hash, independent of the seed, so the split

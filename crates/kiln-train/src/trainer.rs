@@ -182,9 +182,9 @@ fn sha256_hex(text: &str) -> String {
 pub fn parse_device(name: &str) -> Result<Device, TrainError> {
     let (kind, index) = match name.split_once(':') {
         Some((k, i)) => {
-            let idx: usize = i
-                .parse()
-                .map_err(|_| TrainError::Device(name.into(), "index after ':' must be a number".into()))?;
+            let idx: usize = i.parse().map_err(|_| {
+                TrainError::Device(name.into(), "index after ':' must be a number".into())
+            })?;
             (k, idx)
         }
         None => (name, 0),
@@ -193,7 +193,9 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
     let not_built = |feature: &str| {
         TrainError::Device(
             name.into(),
-            format!("this kiln was built without the `{feature}` feature; rebuild with `cargo build --release --features {feature}`"),
+            format!(
+                "this kiln was built without the `{feature}` feature; rebuild with `cargo build --release --features {feature}`"
+            ),
         )
     };
     match kind {
@@ -209,7 +211,10 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
         #[cfg(feature = "metal")]
         "metal" => Ok(Device::metal(Default::default())),
         "cuda" | "rocm" | "vulkan" | "wgpu" | "metal" => Err(not_built(kind)),
-        _ => Err(TrainError::Device(name.into(), "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu or metal".into())),
+        _ => Err(TrainError::Device(
+            name.into(),
+            "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu or metal".into(),
+        )),
     }
 }
 
@@ -217,7 +222,9 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 /// in a process takes effect.
 pub fn set_threads(threads: usize) {
     if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
     }
 }
 
@@ -265,7 +272,11 @@ impl Session {
         config.validate()?;
         set_threads(config.training.threads);
         let device = parse_device(&config.training.device)?;
-        let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) = if config.data.corpus_list.is_empty() {
+        let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) = if config
+            .data
+            .corpus_list
+            .is_empty()
+        {
             let s = Synthetic::new(config.training.seed);
             (Box::new(SyntheticSource(s.clone())), Some(s))
         } else {
@@ -274,7 +285,11 @@ impl Session {
                 config.data.corpus_list
             )));
         };
-        let vocab = if config.model.vocab_size == 0 { data.vocab() } else { config.model.vocab_size };
+        let vocab = if config.model.vocab_size == 0 {
+            data.vocab()
+        } else {
+            config.model.vocab_size
+        };
         if vocab < data.vocab() {
             return Err(TrainError::Data(format!(
                 "model.vocab_size = {vocab} but the data uses {} token ids",
@@ -284,7 +299,15 @@ impl Session {
         let model = Llama::new(&config.model, vocab);
         let params = model.init(config.training.seed, &device);
         let optimizer = AdamW::new(&config.optimizer, model.specs(), &device);
-        Ok(Self { config: config.clone(), device, model, params, optimizer, data, synthetic })
+        Ok(Self {
+            config: config.clone(),
+            device,
+            model,
+            params,
+            optimizer,
+            data,
+            synthetic,
+        })
     }
 
     /// Hash of what fixes parameter shapes (model section and vocab).
@@ -303,14 +326,22 @@ impl Session {
             .specs()
             .iter()
             .zip(&self.params)
-            .map(|(s, t)| HostTensor { name: s.name.clone(), shape: s.shape.clone(), values: to_vec(t) })
+            .map(|(s, t)| HostTensor {
+                name: s.name.clone(),
+                shape: s.shape.clone(),
+                values: to_vec(t),
+            })
             .collect()
     }
 
     fn host_optimizer(&self) -> Vec<HostTensor> {
         let mut out = Vec::with_capacity(2 * self.params.len());
         for (i, s) in self.model.specs().iter().enumerate() {
-            out.push(HostTensor { name: format!("{}.exp_avg", s.name), shape: s.shape.clone(), values: to_vec(&self.optimizer.exp_avg[i]) });
+            out.push(HostTensor {
+                name: format!("{}.exp_avg", s.name),
+                shape: s.shape.clone(),
+                values: to_vec(&self.optimizer.exp_avg[i]),
+            });
             out.push(HostTensor {
                 name: format!("{}.exp_avg_sq", s.name),
                 shape: s.shape.clone(),
@@ -326,31 +357,48 @@ impl Session {
         Ok(())
     }
 
-    fn lookup(&self, tensors: &[HostTensor], suffix: &str, origin: &Path) -> Result<Vec<Tensor<1>>, TrainError> {
-        let by_name: std::collections::HashMap<&str, &HostTensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    fn lookup(
+        &self,
+        tensors: &[HostTensor],
+        suffix: &str,
+        origin: &Path,
+    ) -> Result<Vec<Tensor<1>>, TrainError> {
+        let by_name: std::collections::HashMap<&str, &HostTensor> =
+            tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         self.model
             .specs()
             .iter()
             .map(|s| {
                 let name = format!("{}{suffix}", s.name);
-                let t = by_name.get(name.as_str()).ok_or_else(|| TrainError::ResumeMismatch {
-                    path: origin.to_path_buf(),
-                    reason: format!("tensor {name} is missing"),
-                })?;
+                let t = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| TrainError::ResumeMismatch {
+                        path: origin.to_path_buf(),
+                        reason: format!("tensor {name} is missing"),
+                    })?;
                 if t.shape != s.shape {
                     return Err(TrainError::ResumeMismatch {
                         path: origin.to_path_buf(),
-                        reason: format!("tensor {name} has shape {:?}, the model needs {:?}", t.shape, s.shape),
+                        reason: format!(
+                            "tensor {name} has shape {:?}, the model needs {:?}",
+                            t.shape, s.shape
+                        ),
                     });
                 }
-                Ok(Tensor::from_data(TensorData::new(t.values.clone(), [s.numel()]), &self.device))
+                Ok(Tensor::from_data(
+                    TensorData::new(t.values.clone(), [s.numel()]),
+                    &self.device,
+                ))
             })
             .collect()
     }
 
     /// Token ids `[rows, len]` as an Int tensor on `device`.
     pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
-        let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().take(len).map(|&t| i64::from(t))).collect();
+        let flat: Vec<i64> = rows
+            .iter()
+            .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
+            .collect();
         Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
     }
 
@@ -360,18 +408,28 @@ impl Session {
         let inputs = Self::int_tensor(rows, len, &self.device);
         let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
         let targets = Self::int_tensor(&shifted, len, &self.device);
-        self.model.loss(&self.params, inputs, targets).into_scalar::<f32>()
+        self.model
+            .loss(&self.params, inputs, targets)
+            .into_scalar::<f32>()
     }
 
     /// Held-out loss and answer accuracy on the synthetic corpus (`samples` sequences).
-    pub fn evaluate_synthetic(&self, step: u64, samples: usize, unigram: Option<f64>) -> Option<EvalMetrics> {
+    pub fn evaluate_synthetic(
+        &self,
+        step: u64,
+        samples: usize,
+        unigram: Option<f64>,
+    ) -> Option<EvalMetrics> {
         let syn = self.synthetic.as_ref()?;
         let len = self.config.training.seq_len + 1;
         let batch = self.config.training.batch_size.max(1);
-        let (mut loss_sum, mut n_batches, mut correct, mut total) = (0.0f64, 0usize, 0usize, 0usize);
+        let (mut loss_sum, mut n_batches, mut correct, mut total) =
+            (0.0f64, 0usize, 0usize, 0usize);
         let mut idx = 0u64;
         while (idx as usize) < samples {
-            let rows: Vec<_> = (0..batch.min(samples - idx as usize)).map(|r| syn.eval_sample(idx + r as u64, len)).collect();
+            let rows: Vec<_> = (0..batch.min(samples - idx as usize))
+                .map(|r| syn.eval_sample(idx + r as u64, len))
+                .collect();
             idx += rows.len() as u64;
             let tokens: Vec<Vec<u32>> = rows.iter().map(|s| s.tokens.clone()).collect();
             let inputs = Self::int_tensor(&tokens, len - 1, &self.device);
@@ -380,7 +438,12 @@ impl Session {
             let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
             let targets = Self::int_tensor(&shifted, t, &self.device);
             let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
-            loss_sum += f64::from(logp.gather(1, targets.reshape([b * t, 1])).mean().neg().into_scalar::<f32>());
+            loss_sum += f64::from(
+                logp.gather(1, targets.reshape([b * t, 1]))
+                    .mean()
+                    .neg()
+                    .into_scalar::<f32>(),
+            );
             n_batches += 1;
             // `iter` converts from whatever int dtype the backend uses (flex: i32).
             let pred: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
@@ -391,7 +454,9 @@ impl Session {
                         continue;
                     }
                     total += 1;
-                    let ok = (start..end).all(|p| pred.get(r * t + p - 1).copied() == Some(i64::from(sample.tokens[p])));
+                    let ok = (start..end).all(|p| {
+                        pred.get(r * t + p - 1).copied() == Some(i64::from(sample.tokens[p]))
+                    });
                     correct += usize::from(ok);
                 }
             }
@@ -407,7 +472,10 @@ impl Session {
 
 /// Host copy of a flat tensor.
 pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    t.clone().into_data().try_to_vec::<f32>().unwrap_or_default()
+    t.clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap_or_default()
 }
 
 /// What a rollback restores.
@@ -429,7 +497,11 @@ pub struct TrainOptions {
 }
 
 /// Signals that ask the trainer to checkpoint and stop.
-pub const STOP_SIGNALS: [i32; 3] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1, signal_hook::consts::SIGINT];
+pub const STOP_SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGUSR1,
+    signal_hook::consts::SIGINT,
+];
 
 /// Trains according to `opts`, resuming from the newest valid checkpoint in the run
 /// directory. Returns when all steps are done or a stop signal was handled.
@@ -446,12 +518,17 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     std::fs::write(&config_path, cfg.to_toml()).map_err(io(&config_path))?;
     let mut events = EventLog::open(run_dir, "train")?;
     let metrics_path = run_dir.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).map_err(io(&metrics_path))?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .map_err(io(&metrics_path))?;
 
     // Signals: remember the first stop signal; the loop checks it after every step.
     let stop = Arc::new(AtomicUsize::new(0));
     for sig in STOP_SIGNALS {
-        signal_hook::flag::register_usize(sig, Arc::clone(&stop), sig as usize).map_err(io(run_dir))?;
+        signal_hook::flag::register_usize(sig, Arc::clone(&stop), sig as usize)
+            .map_err(io(run_dir))?;
     }
 
     let mut s = Session::new(cfg)?;
@@ -470,15 +547,19 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
 
     if cfg.checkpoint.resume {
         let mut rejected = Vec::new();
-        let found = checkpoint::load_latest_valid(&ckpt_root, |p, reason| rejected.push((p.to_path_buf(), reason.to_string())));
+        let found = checkpoint::load_latest_valid(&ckpt_root, |p, reason| {
+            rejected.push((p.to_path_buf(), reason.to_string()))
+        });
         for (p, reason) in &rejected {
             events.emit("checkpoint_rejected", json!({"path": p, "reason": reason}))?;
             observer.on_note(&format!("rejected checkpoint {}: {reason}", p.display()));
         }
         if let Some((dir, ck)) = found {
-            let st: TrainState = serde_json::from_value(ck.state.clone()).map_err(|e| TrainError::ResumeMismatch {
-                path: dir.join("state.json"),
-                reason: format!("unreadable state: {e}"),
+            let st: TrainState = serde_json::from_value(ck.state.clone()).map_err(|e| {
+                TrainError::ResumeMismatch {
+                    path: dir.join("state.json"),
+                    reason: format!("unreadable state: {e}"),
+                }
             })?;
             if st.model_hash != model_hash {
                 return Err(TrainError::ResumeMismatch {
@@ -502,7 +583,10 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
                 events.emit("config_changed", json!({"path": dir, "note": "hyper-parameters differ from the checkpoint's run"}))?;
             }
             events.emit("checkpoint_loaded", json!({"path": dir, "step": step}))?;
-            events.emit("resume", json!({"step": step, "data_cursor": data_cursor, "path": dir}))?;
+            events.emit(
+                "resume",
+                json!({"step": step, "data_cursor": data_cursor, "path": dir}),
+            )?;
             observer.on_note(&format!("resumed from {} (step {step})", dir.display()));
             resumed_from = Some(dir);
         }
@@ -521,18 +605,26 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         .iter()
         .map(|p| !cfg.debug.freeze_params.is_empty() && p.name.contains(&cfg.debug.freeze_params))
         .collect();
-    let unigram = s.synthetic.as_ref().map(|syn| syn.unigram_entropy(64, cfg.training.seq_len + 1));
+    let unigram = s
+        .synthetic
+        .as_ref()
+        .map(|syn| syn.unigram_entropy(64, cfg.training.seq_len + 1));
     let flops_per_token = s.model.flops_per_token(cfg.training.seq_len);
     let peak_flops = if cfg.training.peak_flops > 0.0 {
         cfg.training.peak_flops
     } else {
         // A rough CPU peak: 32 f32 FLOP/cycle (two AVX2 FMA units) at 2.5 GHz per thread.
-        let threads = if cfg.training.threads > 0 { cfg.training.threads } else { rayon::current_num_threads() };
+        let threads = if cfg.training.threads > 0 {
+            cfg.training.threads
+        } else {
+            rayon::current_num_threads()
+        };
         threads as f64 * 80e9
     };
     let progress_dir = std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from);
     // The rank names this process's beacon; a malformed rank environment is an error.
-    let rank_env = kiln_topology::RankEnv::from_process_env().map_err(|e| TrainError::Data(format!("rank environment: {e}")))?;
+    let rank_env = kiln_topology::RankEnv::from_process_env()
+        .map_err(|e| TrainError::Data(format!("rank environment: {e}")))?;
     if rank_env.world_size > 1 {
         return Err(TrainError::Data(format!(
             "WORLD_SIZE={} but data-parallel training (gradient all-reduce) is not built yet; run one rank",
@@ -547,7 +639,11 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     };
 
     let ad_device = s.device.clone().autodiff();
-    let (batch, seq, accum) = (cfg.training.batch_size, cfg.training.seq_len, cfg.training.grad_accum_steps);
+    let (batch, seq, accum) = (
+        cfg.training.batch_size,
+        cfg.training.seq_len,
+        cfg.training.grad_accum_steps,
+    );
     let fresh = resumed_from.is_none() && step == 0;
     let snapshot_every = cfg.guards.snapshot_interval;
     // The data cursor is not restored by a rollback: the batches after it are skipped.
@@ -566,7 +662,16 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     let mut last_frozen_check: Option<Vec<Tensor<1>>> = None;
     let mut saved_at = resumed_from.as_ref().map(|_| step);
 
-    let save = |s: &Session, events: &mut EventLog, step, data_cursor, tokens_seen, spike: &SpikeDetector, lr, nonfinite_skipped, rollbacks| -> Result<PathBuf, TrainError> {
+    let save = |s: &Session,
+                events: &mut EventLog,
+                step,
+                data_cursor,
+                tokens_seen,
+                spike: &SpikeDetector,
+                lr,
+                nonfinite_skipped,
+                rollbacks|
+     -> Result<PathBuf, TrainError> {
         let t0 = Instant::now();
         let state = TrainState {
             step,
@@ -609,19 +714,32 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
                 .map(|r| s.data.sample(base + r, seq + 1))
                 .collect::<Result<_, _>>()
                 .map_err(TrainError::Data)?;
-            let rows = if cfg.debug.spike_at_step > 0 && data_cursor + 1 == cfg.debug.spike_at_step {
+            let rows = if cfg.debug.spike_at_step > 0 && data_cursor + 1 == cfg.debug.spike_at_step
+            {
                 corrupt_batch(&rows, s.model.vocab(), cfg.training.seed)
             } else {
                 rows
             };
             let poison = cfg.debug.nan_at_step > 0 && data_cursor + 1 == cfg.debug.nan_at_step;
             let shards = cfg.training.compute_shards.max(1);
-            let (loss_value, micro_grads) =
-                loss_and_grads(&s.model, &s.params, &rows, seq, &ad_device, 1.0 / accum as f64, shards, poison);
+            let (loss_value, micro_grads) = loss_and_grads(
+                &s.model,
+                &s.params,
+                &rows,
+                seq,
+                &ad_device,
+                1.0 / accum as f64,
+                shards,
+                poison,
+            );
             loss_sum += loss_value;
             grads = Some(match grads {
                 None => micro_grads,
-                Some(acc) => acc.into_iter().zip(micro_grads).map(|(a, b)| a + b).collect(),
+                Some(acc) => acc
+                    .into_iter()
+                    .zip(micro_grads)
+                    .map(|(a, b)| a + b)
+                    .collect(),
             });
         }
         let grads = grads.unwrap_or_default();
@@ -634,10 +752,15 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             nonfinite_in_row += 1;
             data_cursor += 1;
             events.emit("nonfinite_skip", json!({"step": step, "loss": loss.to_string(), "grad_norm": grad_norm.to_string(), "in_row": nonfinite_in_row}))?;
-            observer.on_note(&format!("step {}: non-finite loss/gradients, step skipped", step + 1));
+            observer.on_note(&format!(
+                "step {}: non-finite loss/gradients, step skipped",
+                step + 1
+            ));
             if nonfinite_in_row >= cfg.guards.max_nonfinite_in_row {
                 let Some(snap) = snapshot.clone() else {
-                    return Err(TrainError::Guard(format!("{nonfinite_in_row} non-finite steps in a row and no snapshot to roll back to")));
+                    return Err(TrainError::Guard(format!(
+                        "{nonfinite_in_row} non-finite steps in a row and no snapshot to roll back to"
+                    )));
                 };
                 events.emit("rollback", json!({"from_step": step, "to_step": snap.step, "reason": "nonfinite", "data_cursor": data_cursor}))?;
                 (step, tokens_seen) = (snap.step, snap.tokens_seen);
@@ -651,15 +774,26 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         }
         nonfinite_in_row = 0;
         if fresh && step == 0 {
-            if let Some(msg) = guards::check_initial_loss(loss, s.model.vocab(), cfg.guards.initial_loss_tolerance) {
-                events.emit("initial_loss_error", json!({"loss": loss, "vocab": s.model.vocab(), "message": msg}))?;
+            if let Some(msg) =
+                guards::check_initial_loss(loss, s.model.vocab(), cfg.guards.initial_loss_tolerance)
+            {
+                events.emit(
+                    "initial_loss_error",
+                    json!({"loss": loss, "vocab": s.model.vocab(), "message": msg}),
+                )?;
                 return Err(TrainError::Guard(msg));
             }
-            events.emit("initial_loss_ok", json!({"loss": loss, "expected": (s.model.vocab() as f64).ln()}))?;
+            events.emit(
+                "initial_loss_ok",
+                json!({"loss": loss, "expected": (s.model.vocab() as f64).ln()}),
+            )?;
         }
         if let LossVerdict::Spike { loss, mean, std } = spike.observe(loss, &cfg.guards) {
             let skip = cfg.guards.spike_skip_batches;
-            events.emit("loss_spike", json!({"step": step + 1, "loss": loss, "window_mean": mean, "window_std": std}))?;
+            events.emit(
+                "loss_spike",
+                json!({"step": step + 1, "loss": loss, "window_mean": mean, "window_std": std}),
+            )?;
             match snapshot.clone() {
                 Some(snap) => {
                     let new_cursor = data_cursor + 1 + skip;
@@ -683,7 +817,10 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
                 None => {
                     // Without a snapshot, at least do not learn from the spiking batch.
                     data_cursor += 1;
-                    events.emit("spike_skip", json!({"step": step + 1, "note": "no snapshot; batch skipped"}))?;
+                    events.emit(
+                        "spike_skip",
+                        json!({"step": step + 1, "note": "no snapshot; batch skipped"}),
+                    )?;
                     continue;
                 }
             }
@@ -726,8 +863,14 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             if let Some(prev) = &last_frozen_check {
                 let unchanged = unchanged_params(&s.params, prev);
                 if !unchanged.is_empty() {
-                    let names: Vec<&str> = unchanged.iter().map(|&i| s.model.specs()[i].name.as_str()).collect();
-                    events.emit("frozen_params", json!({"step": step, "since_step": step - frozen_every, "params": names}))?;
+                    let names: Vec<&str> = unchanged
+                        .iter()
+                        .map(|&i| s.model.specs()[i].name.as_str())
+                        .collect();
+                    events.emit(
+                        "frozen_params",
+                        json!({"step": step, "since_step": step - frozen_every, "params": names}),
+                    )?;
                     observer.on_note(&format!("step {step}: {} parameter tensors did not change in {frozen_every} steps: {}", names.len(), names.join(", ")));
                 }
             }
@@ -748,28 +891,72 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         let interval_due = cfg.checkpoint.interval > 0 && step % cfg.checkpoint.interval == 0;
         if interval_due || step == total || signal != 0 {
             beacon(step, "checkpoint");
-            let dir = save(&s, &mut events, step, data_cursor, tokens_seen, &spike, lr, nonfinite_skipped, rollbacks)?;
+            let dir = save(
+                &s,
+                &mut events,
+                step,
+                data_cursor,
+                tokens_seen,
+                &spike,
+                lr,
+                nonfinite_skipped,
+                rollbacks,
+            )?;
             saved_at = Some(step);
             observer.on_note(&format!("saved {}", dir.display()));
         }
         if signal != 0 {
             events.emit("signal", json!({"signal": signal, "step": step}))?;
-            events.emit("exit", json!({"reason": "preempted", "code": kiln_run::EXIT_PREEMPTED, "step": step}))?;
-            return Ok(TrainReport { outcome: Outcome::Preempted { signal: signal as i32 }, step, last_loss, last_eval, seconds: started.elapsed().as_secs_f64() });
+            events.emit(
+                "exit",
+                json!({"reason": "preempted", "code": kiln_run::EXIT_PREEMPTED, "step": step}),
+            )?;
+            return Ok(TrainReport {
+                outcome: Outcome::Preempted {
+                    signal: signal as i32,
+                },
+                step,
+                last_loss,
+                last_eval,
+                seconds: started.elapsed().as_secs_f64(),
+            });
         }
     }
     if saved_at != Some(step) {
-        save(&s, &mut events, step, data_cursor, tokens_seen, &spike, lr, nonfinite_skipped, rollbacks)?;
+        save(
+            &s,
+            &mut events,
+            step,
+            data_cursor,
+            tokens_seen,
+            &spike,
+            lr,
+            nonfinite_skipped,
+            rollbacks,
+        )?;
     }
     // The final weights also at the top of the run directory, for eval and export.
     let final_path = run_dir.join("model.safetensors");
-    let bytes = checkpoint::to_safetensors(&s.host_params())
-        .map_err(|e| TrainError::Io { path: final_path.clone(), source: std::io::Error::other(e.to_string()) })?;
+    let bytes = checkpoint::to_safetensors(&s.host_params()).map_err(|e| TrainError::Io {
+        path: final_path.clone(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     let tmp = run_dir.join(".model.safetensors.tmp");
-    std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &final_path)).map_err(io(&final_path))?;
+    std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, &final_path))
+        .map_err(io(&final_path))?;
     beacon(step, "done");
-    events.emit("exit", json!({"reason": "completed", "code": 0, "step": step}))?;
-    Ok(TrainReport { outcome: Outcome::Completed, step, last_loss, last_eval, seconds: started.elapsed().as_secs_f64() })
+    events.emit(
+        "exit",
+        json!({"reason": "completed", "code": 0, "step": step}),
+    )?;
+    Ok(TrainReport {
+        outcome: Outcome::Completed,
+        step,
+        last_loss,
+        last_eval,
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }
 
 /// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on as
@@ -794,7 +981,10 @@ fn loss_and_grads(
         let inputs = Session::int_tensor(chunk, seq, device);
         let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
         let targets = Session::int_tensor(&shifted, seq, device);
-        let leaves: Vec<Tensor<1>> = params.iter().map(|p| p.clone().autodiff().require_grad()).collect();
+        let leaves: Vec<Tensor<1>> = params
+            .iter()
+            .map(|p| p.clone().autodiff().require_grad())
+            .collect();
         let mut loss = model.loss(&leaves, inputs, targets);
         if scale != 1.0 {
             loss = loss.mul_scalar(scale);
@@ -805,8 +995,11 @@ fn loss_and_grads(
             value = f32::NAN;
         }
         let g = loss.backward();
-        let grads: Vec<Tensor<1>> =
-            leaves.iter().zip(params).map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like())).collect();
+        let grads: Vec<Tensor<1>> = leaves
+            .iter()
+            .zip(params)
+            .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
+            .collect();
         (value, grads)
     };
     let shards = shards.min(rows.len()).max(1);
@@ -824,7 +1017,10 @@ fn loss_and_grads(
                 scope.spawn(move || one(chunk, shard_scale, poison && i == 0))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
     });
     let mut iter = results.into_iter();
     let (mut loss, mut grads) = iter.next().unwrap_or_default();
@@ -837,12 +1033,23 @@ fn loss_and_grads(
 
 /// Indices of parameters identical to `prev` (one host read-back for all of them).
 fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
-    let diffs: Vec<Tensor<1>> = params.iter().zip(prev).map(|(a, b)| (a.clone() - b.clone()).abs().max()).collect();
+    let diffs: Vec<Tensor<1>> = params
+        .iter()
+        .zip(prev)
+        .map(|(a, b)| (a.clone() - b.clone()).abs().max())
+        .collect();
     if diffs.is_empty() {
         return Vec::new();
     }
-    let d = Tensor::cat(diffs, 0).into_data().try_to_vec::<f32>().unwrap_or_default();
-    d.iter().enumerate().filter(|(_, v)| **v == 0.0).map(|(i, _)| i).collect()
+    let d = Tensor::cat(diffs, 0)
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap_or_default();
+    d.iter()
+        .enumerate()
+        .filter(|(_, v)| **v == 0.0)
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// The injected spike (`debug.spike_at_step`): the batch replaced by uniformly random tokens
@@ -850,5 +1057,7 @@ fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
 fn corrupt_batch(rows: &[Vec<u32>], vocab: usize, seed: u64) -> Vec<Vec<u32>> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_BAD0);
-    rows.iter().map(|r| r.iter().map(|_| rng.gen_range(0..vocab as u32)).collect()).collect()
+    rows.iter()
+        .map(|r| r.iter().map(|_| rng.gen_range(0..vocab as u32)).collect())
+        .collect()
 }

@@ -29,7 +29,10 @@ const TINY: &[&str] = &[
 
 fn train(run_dir: &Path, extra: &[&str]) -> Output {
     let mut cmd = Command::new(KILN);
-    cmd.arg("train").arg("--run-dir").arg(run_dir).arg("--no-progress-bar");
+    cmd.arg("train")
+        .arg("--run-dir")
+        .arg(run_dir)
+        .arg("--no-progress-bar");
     for s in TINY.iter().chain(extra) {
         cmd.arg("--set").arg(s);
     }
@@ -55,7 +58,12 @@ fn step_losses(run_dir: &Path) -> Vec<(u64, f64)> {
 }
 
 fn assert_ok(out: &Output) {
-    assert!(out.status.success(), "kiln train failed:\n{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "kiln train failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -64,11 +72,18 @@ fn injected_nan_is_skipped_and_training_finishes() {
     let out = train(tmp.path(), &["debug.nan_at_step=12"]);
     assert_ok(&out);
     let ev = events(tmp.path());
-    let skips: Vec<_> = ev.iter().filter(|e| e["event"] == "nonfinite_skip").collect();
+    let skips: Vec<_> = ev
+        .iter()
+        .filter(|e| e["event"] == "nonfinite_skip")
+        .collect();
     assert_eq!(skips.len(), 1, "{ev:?}");
     assert_eq!(skips[0]["step"], 11);
     let losses = step_losses(tmp.path());
-    assert_eq!(losses.last().unwrap().0, 80, "the run must still complete all steps");
+    assert_eq!(
+        losses.last().unwrap().0,
+        80,
+        "the run must still complete all steps"
+    );
     assert!(losses.iter().all(|(_, l)| l.is_finite()));
 }
 
@@ -80,16 +95,28 @@ fn loss_spike_rolls_back_skips_batches_and_loss_returns_to_its_curve() {
     let spiked = tmp.path().join("spiked");
     assert_ok(&train(&spiked, &["debug.spike_at_step=50"]));
     let ev = events(&spiked);
-    let spike = ev.iter().find(|e| e["event"] == "loss_spike").expect("loss_spike event");
+    let spike = ev
+        .iter()
+        .find(|e| e["event"] == "loss_spike")
+        .expect("loss_spike event");
     assert_eq!(spike["step"], 50);
-    let rollback = ev.iter().find(|e| e["event"] == "rollback").expect("rollback event");
+    let rollback = ev
+        .iter()
+        .find(|e| e["event"] == "rollback")
+        .expect("rollback event");
     assert_eq!(rollback["reason"], "loss_spike");
-    assert_eq!(rollback["to_step"], 40, "rolls back to the snapshot before the spike");
+    assert_eq!(
+        rollback["to_step"], 40,
+        "rolls back to the snapshot before the spike"
+    );
     assert_eq!(rollback["skip_batches"], 5);
     // The spiking batch was never learned from: no logged step has the spike's loss...
     let spike_loss = spike["loss"].as_f64().unwrap();
     let losses = step_losses(&spiked);
-    assert!(losses.iter().all(|(_, l)| *l < spike_loss * 0.8), "{losses:?}");
+    assert!(
+        losses.iter().all(|(_, l)| *l < spike_loss * 0.8),
+        "{losses:?}"
+    );
     // ...and the run ends on the clean run's curve.
     let end = |l: &[(u64, f64)]| l.iter().rev().take(10).map(|x| x.1).sum::<f64>() / 10.0;
     let (a, b) = (end(&step_losses(&clean)), end(&losses));
@@ -100,12 +127,32 @@ fn loss_spike_rolls_back_skips_batches_and_loss_returns_to_its_curve() {
 #[test]
 fn frozen_parameters_are_reported_by_name() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = train(tmp.path(), &["debug.freeze_params=post_attention_layernorm", "guards.frozen_check_interval=20"]);
+    let out = train(
+        tmp.path(),
+        &[
+            "debug.freeze_params=post_attention_layernorm",
+            "guards.frozen_check_interval=20",
+        ],
+    );
     assert_ok(&out);
     let ev = events(tmp.path());
-    let frozen = ev.iter().find(|e| e["event"] == "frozen_params").expect("frozen_params event");
-    let names: Vec<&str> = frozen["params"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
-    assert_eq!(names, ["model.layers.0.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]);
+    let frozen = ev
+        .iter()
+        .find(|e| e["event"] == "frozen_params")
+        .expect("frozen_params event");
+    let names: Vec<&str> = frozen["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight"
+        ]
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("did not change"));
 }
 
@@ -113,9 +160,19 @@ fn frozen_parameters_are_reported_by_name() {
 fn first_step_loss_far_from_ln_vocab_stops_with_an_explanation() {
     let tmp = tempfile::tempdir().unwrap();
     // A broken init (std 3 instead of 0.02) makes the first loss far above ln(vocab).
-    let out = train(tmp.path(), &["model.init_std=3.0", "model.scale_residual_init=false"]);
+    let out = train(
+        tmp.path(),
+        &["model.init_std=3.0", "model.scale_residual_init=false"],
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("ln(vocab=16)") && err.contains("far above"), "{err}");
-    assert!(events(tmp.path()).iter().any(|e| e["event"] == "initial_loss_error"));
+    assert!(
+        err.contains("ln(vocab=16)") && err.contains("far above"),
+        "{err}"
+    );
+    assert!(
+        events(tmp.path())
+            .iter()
+            .any(|e| e["event"] == "initial_loss_error")
+    );
 }

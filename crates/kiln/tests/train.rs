@@ -29,7 +29,10 @@ const TINY: &[&str] = &[
 
 fn train_cmd(run_dir: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(KILN);
-    cmd.arg("train").arg("--run-dir").arg(run_dir).arg("--no-progress-bar");
+    cmd.arg("train")
+        .arg("--run-dir")
+        .arg(run_dir)
+        .arg("--no-progress-bar");
     for s in TINY.iter().chain(extra) {
         cmd.arg("--set").arg(s);
     }
@@ -49,12 +52,18 @@ fn run_to_end(run_dir: &Path, extra: &[&str]) -> std::process::Output {
 
 /// Spawns a training run and returns once it printed `step=<at least n>`.
 fn spawn_until_step(run_dir: &Path, n: u64) -> Child {
-    let mut child = train_cmd(run_dir, &[]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn");
+    let mut child = train_cmd(run_dir, &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let step = line.strip_prefix("step=").and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok());
+            let step = line
+                .strip_prefix("step=")
+                .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok());
             if let Some(s) = step {
                 if s >= n {
                     let _ = tx.send(s);
@@ -62,7 +71,8 @@ fn spawn_until_step(run_dir: &Path, n: u64) -> Child {
             }
         }
     });
-    rx.recv_timeout(Duration::from_secs(120)).expect("training never reached the step");
+    rx.recv_timeout(Duration::from_secs(120))
+        .expect("training never reached the step");
     child
 }
 
@@ -113,12 +123,23 @@ fn sigkill_at_any_point_then_resume_is_bit_identical() {
         .filter(|e| e["event"] == "resume")
         .map(|e| e["step"].as_u64().unwrap())
         .collect();
-    assert_eq!(resumes.len(), 2, "expected two resumes, events: {:?}", events(&dir));
+    assert_eq!(
+        resumes.len(),
+        2,
+        "expected two resumes, events: {:?}",
+        events(&dir)
+    );
     assert!(resumes.iter().all(|&s| s > 0 && s < 30), "{resumes:?}");
     let (a, b) = (final_files(&reference), final_files(&dir));
-    assert!(a.0 == b.0, "final model.safetensors differs after SIGKILL + resume");
+    assert!(
+        a.0 == b.0,
+        "final model.safetensors differs after SIGKILL + resume"
+    );
     assert!(a.1 == b.1, "checkpoint model differs");
-    assert!(a.2 == b.2, "optimizer state differs: resume did not restore AdamW exactly");
+    assert!(
+        a.2 == b.2,
+        "optimizer state differs: resume did not restore AdamW exactly"
+    );
 }
 
 #[test]
@@ -137,13 +158,29 @@ fn corrupt_newest_checkpoint_is_rejected_and_the_previous_one_used() {
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     run_to_end(&dir, &[]);
     let ev = events(&dir);
-    let rejected: Vec<&str> =
-        ev.iter().filter(|e| e["event"] == "checkpoint_rejected").filter_map(|e| e["path"].as_str()).collect();
-    assert!(rejected.iter().any(|p| p.ends_with("step-30")), "{rejected:?}");
-    assert!(rejected.iter().any(|p| p.ends_with("step-25")), "{rejected:?}");
-    let resume = ev.iter().rev().find(|e| e["event"] == "resume").expect("resume event");
+    let rejected: Vec<&str> = ev
+        .iter()
+        .filter(|e| e["event"] == "checkpoint_rejected")
+        .filter_map(|e| e["path"].as_str())
+        .collect();
+    assert!(
+        rejected.iter().any(|p| p.ends_with("step-30")),
+        "{rejected:?}"
+    );
+    assert!(
+        rejected.iter().any(|p| p.ends_with("step-25")),
+        "{rejected:?}"
+    );
+    let resume = ev
+        .iter()
+        .rev()
+        .find(|e| e["event"] == "resume")
+        .expect("resume event");
     assert_eq!(resume["step"], 20);
-    assert!(final_files(&reference) == final_files(&dir), "result after fallback differs");
+    assert!(
+        final_files(&reference) == final_files(&dir),
+        "result after fallback differs"
+    );
 }
 
 #[test]
@@ -155,16 +192,32 @@ fn sigterm_finishes_the_step_saves_and_exits_preempted() {
     let t0 = Instant::now();
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(75), "SIGTERM must exit 75 (preempted, resumable)");
+    assert_eq!(
+        status.code(),
+        Some(75),
+        "SIGTERM must exit 75 (preempted, resumable)"
+    );
     assert!(t0.elapsed() < Duration::from_secs(30));
     let ev = events(&dir);
-    let sig = ev.iter().find(|e| e["event"] == "signal").expect("signal event");
+    let sig = ev
+        .iter()
+        .find(|e| e["event"] == "signal")
+        .expect("signal event");
     assert_eq!(sig["signal"], libc::SIGTERM);
     let step = sig["step"].as_u64().unwrap();
-    assert!(dir.join(format!("checkpoints/step-{step}/manifest.json")).exists());
-    assert!(ev.iter().any(|e| e["event"] == "exit" && e["reason"] == "preempted"));
+    assert!(
+        dir.join(format!("checkpoints/step-{step}/manifest.json"))
+            .exists()
+    );
+    assert!(
+        ev.iter()
+            .any(|e| e["event"] == "exit" && e["reason"] == "preempted")
+    );
     run_to_end(&dir, &[]);
-    assert!(final_files(&reference) == final_files(&dir), "result after SIGTERM + resume differs");
+    assert!(
+        final_files(&reference) == final_files(&dir),
+        "result after SIGTERM + resume differs"
+    );
 }
 
 #[test]
@@ -172,10 +225,15 @@ fn changed_model_shape_refuses_to_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("shape");
     run_to_end(&dir, &["training.steps=5"]);
-    let out = train_cmd(&dir, &["training.steps=10", "model.d_model=64"]).output().unwrap();
+    let out = train_cmd(&dir, &["training.steps=10", "model.d_model=64"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot resume") && err.contains("model shape"), "{err}");
+    assert!(
+        err.contains("cannot resume") && err.contains("model shape"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -183,25 +241,41 @@ fn bad_config_errors_name_the_problem() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("bad.toml");
     std::fs::write(&cfg, "[training]\nstepz = 10\n").unwrap();
-    let out = Command::new(KILN).args(["train"]).arg(&cfg).output().unwrap();
+    let out = Command::new(KILN)
+        .args(["train"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("stepz") && err.contains("bad.toml"), "{err}");
 
-    let out = Command::new(KILN).args(["train", "--set", "training.steps"]).output().unwrap();
+    let out = Command::new(KILN)
+        .args(["train", "--set", "training.steps"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("section.key=value"));
 
-    let out = Command::new(KILN).args(["train", "/nonexistent/x.toml"]).output().unwrap();
+    let out = Command::new(KILN)
+        .args(["train", "/nonexistent/x.toml"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/x.toml"));
 }
 
 #[test]
 fn print_config_shows_effective_values() {
-    let out = Command::new(KILN).args(["train", "--print-config", "--set", "training.steps=77"]).output().unwrap();
+    let out = Command::new(KILN)
+        .args(["train", "--print-config", "--set", "training.steps=77"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("steps = 77"), "{text}");
-    assert!(text.contains("[checkpoint]") && text.contains("keep_latest_k"), "{text}");
+    assert!(
+        text.contains("[checkpoint]") && text.contains("keep_latest_k"),
+        "{text}"
+    );
 }

@@ -63,7 +63,11 @@ impl Progress {
             );
             bar
         });
-        Self { bar, started: Instant::now(), first_step: None }
+        Self {
+            bar,
+            started: Instant::now(),
+            first_step: None,
+        }
     }
 
     fn eta(&mut self, step: u64, total: u64) -> f64 {
@@ -86,7 +90,10 @@ impl Observer for Progress {
         match &self.bar {
             Some(bar) => {
                 bar.set_position(m.step);
-                bar.set_message(format!("loss {:.4} | {:.0} tok/s | lr {:.2e}", m.loss, m.tokens_per_s, m.lr));
+                bar.set_message(format!(
+                    "loss {:.4} | {:.0} tok/s | lr {:.2e}",
+                    m.loss, m.tokens_per_s, m.lr
+                ));
             }
             None => println!(
                 "step={} total={} loss={:.4} grad_norm={:.3} lr={:.3e} tok/s={:.0} mfu={:.3} eta={:.0}s",
@@ -96,9 +103,16 @@ impl Observer for Progress {
     }
 
     fn on_eval(&mut self, e: &EvalMetrics) {
-        let acc = e.eval_accuracy.map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"));
-        let uni = e.unigram_loss.map_or(String::new(), |u| format!(" unigram_baseline={u:.4}"));
-        self.println(&format!("eval step={} held_out_loss={:.4}{uni}{acc}", e.step, e.eval_loss));
+        let acc = e
+            .eval_accuracy
+            .map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"));
+        let uni = e
+            .unigram_loss
+            .map_or(String::new(), |u| format!(" unigram_baseline={u:.4}"));
+        self.println(&format!(
+            "eval step={} held_out_loss={:.4}{uni}{acc}",
+            e.step, e.eval_loss
+        ));
     }
 
     fn on_note(&mut self, msg: &str) {
@@ -115,21 +129,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     let live = !args.no_progress_bar && std::io::stderr().is_terminal();
     let mut progress = Progress::new(live, config.training.steps);
-    let opts = TrainOptions { config, run_dir: args.run_dir.clone() };
+    let opts = TrainOptions {
+        config,
+        run_dir: args.run_dir.clone(),
+    };
     let report = kiln_train::train(&opts, &mut progress)
         .with_context(|| format!("training in run directory {}", args.run_dir.display()))?;
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
-    let loss = report.last_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+    let loss = report
+        .last_loss
+        .map_or("-".to_string(), |l| format!("{l:.4}"));
     match report.outcome {
         Outcome::Completed => {
             let eval = report.last_eval.map_or(String::new(), |e| {
                 format!(
                     " held_out_loss={:.4}{}{}",
                     e.eval_loss,
-                    e.unigram_loss.map_or(String::new(), |u| format!(" unigram_baseline={u:.4}")),
-                    e.eval_accuracy.map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
+                    e.unigram_loss
+                        .map_or(String::new(), |u| format!(" unigram_baseline={u:.4}")),
+                    e.eval_accuracy
+                        .map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
                 )
             });
             println!(
