@@ -200,7 +200,9 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Split each micro-batch into this many shards computed on parallel threads (gradient
     /// accumulation inside the step). Helps on CPU, where burn's element-wise kernels are
-    /// single-threaded; changes numerics in the last bits (f32 summation order).
+    /// single-threaded (2 shards: 1.25x faster steps on 2 cores). The default is fixed, not
+    /// the core count, so numerics are the same on every machine; changing it changes the
+    /// last bits (f32 summation order).
     pub compute_shards: usize,
     /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
     pub peak_flops: f64,
@@ -216,7 +218,7 @@ impl Default for TrainingConfig {
             seed: 1234,
             device: "flex".into(),
             threads: 0,
-            compute_shards: 1,
+            compute_shards: 2,
             peak_flops: 0.0,
         }
     }
