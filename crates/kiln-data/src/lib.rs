@@ -1,1 +1,43 @@
-//! Megatron-compatible indexed datasets, tokenization, deterministic weighted blending and the resumable loader.
+//! kiln's data layer: Megatron-compatible indexed datasets, tokenization, deterministic
+//! weighted blending and the resumable loader.
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`indexed`] | `.bin`/`.idx` reader (mmap) and writer, byte-compatible with Megatron |
+//! | [`tokenize`] | BPE training and parallel tokenization with HF `tokenizers` |
+//! | [`corpus`] | corpus lists: `weight prefix [corpus]` lines |
+//! | [`blend`] | megatron-core's greedy blend, with weight-stable schedule changes |
+//! | [`index`] | per-dataset shuffled, packed sample index (O(1) access, tiny cache) |
+//! | [`loader`] | [`BlendedLoader`]: `(step, dp_rank, dp_size, batch)` to token rows |
+//! | [`manifest`] | shard pins (size + SHA-256) and their verification |
+//!
+//! The trainer's seam:
+//!
+//! ```no_run
+//! # use kiln_data::{BlendedLoader, LoaderConfig};
+//! # fn main() -> Result<(), kiln_data::DataError> {
+//! let cfg = LoaderConfig::new(2048, 1234, 1000 * 256, "cache".into());
+//! let loader = BlendedLoader::open("corpus.txt".as_ref(), &cfg)?;
+//! let rows: Vec<Vec<u32>> = loader.batch(17, 0, 8, 32)?; // step 17, rank 0 of 8, 32 rows
+//! # Ok(()) }
+//! ```
+
+pub mod blend;
+pub mod cache;
+pub mod corpus;
+pub mod error;
+pub mod fingerprint;
+pub mod index;
+pub mod indexed;
+pub mod loader;
+pub mod manifest;
+pub mod perm;
+pub mod progress;
+pub mod tokenize;
+
+pub use blend::{BlendSchedule, BlendSegment};
+pub use corpus::{CorpusEntry, CorpusList};
+pub use error::DataError;
+pub use indexed::{DType, IndexedDataset, IndexedDatasetBuilder};
+pub use loader::{BlendedLoader, LoaderConfig, Resume};
+pub use manifest::{Manifest, Verify};

@@ -253,7 +253,8 @@ pub struct DataConfig {
     /// Corpus list file (lines `weight prefix [corpus]`) of Megatron indexed datasets; empty =
     /// the built-in synthetic arithmetic corpus.
     pub corpus_list: String,
-    /// Directory for cached blend indices; empty = `<run dir>/data-cache`.
+    /// Directory for cached blend indices; empty = `.kiln-cache` beside the corpus list
+    /// (shared by all ranks and runs that read it).
     pub cache_dir: String,
     /// Verify every shard's full SHA-256 against the manifest at start (slow; the default
     /// checks sizes and a sampled hash).

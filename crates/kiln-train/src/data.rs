@@ -12,6 +12,10 @@ pub trait TokenSource: Send {
     fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String>;
     /// Short description for the event log.
     fn describe(&self) -> String;
+    /// State to save in checkpoints and hand back on resume (the blend's weight history).
+    fn resume_state(&self) -> Option<serde_json::Value> {
+        None
+    }
 }
 
 /// The synthetic arithmetic corpus.
@@ -26,5 +30,63 @@ impl TokenSource for SyntheticSource {
     }
     fn describe(&self) -> String {
         "synthetic arithmetic corpus (built in)".into()
+    }
+}
+
+/// Megatron indexed datasets blended by `kiln-data` (`data.corpus_list`).
+pub struct BlendedSource {
+    loader: kiln_data::BlendedLoader,
+    seq_len: usize,
+}
+
+impl BlendedSource {
+    /// Opens the corpus list for a run of `total_samples` samples of `seq_len + 1` tokens.
+    /// `resume` is the weight history saved in the checkpoint being resumed (see
+    /// [`TokenSource::resume_state`]) and the first sample of the resumed step; with it,
+    /// samples before that point stay exactly what they were even if the weights changed.
+    pub fn open(
+        list: &std::path::Path,
+        seq_len: usize,
+        seed: u64,
+        total_samples: u64,
+        cache_dir: std::path::PathBuf,
+        full_verify: bool,
+        resume: Option<(serde_json::Value, u64)>,
+    ) -> Result<Self, String> {
+        let mut cfg = kiln_data::LoaderConfig::new(seq_len, seed, total_samples, cache_dir);
+        if full_verify {
+            cfg.verify = kiln_data::Verify::Full;
+        }
+        if let Some((schedule, at_sample)) = resume {
+            let schedule = serde_json::from_value(schedule)
+                .map_err(|e| format!("checkpoint data schedule is unreadable: {e}"))?;
+            cfg.resume = Some(kiln_data::Resume {
+                schedule,
+                at_sample,
+            });
+        }
+        let loader = kiln_data::BlendedLoader::open(list, &cfg).map_err(|e| e.to_string())?;
+        Ok(Self { loader, seq_len })
+    }
+}
+
+impl TokenSource for BlendedSource {
+    fn vocab(&self) -> usize {
+        self.loader.vocab_hint().unwrap_or(0)
+    }
+    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String> {
+        if len != self.seq_len + 1 {
+            return Err(format!(
+                "asked for {len} tokens, the loader packs {}",
+                self.seq_len + 1
+            ));
+        }
+        self.loader.sample(index).map_err(|e| e.to_string())
+    }
+    fn describe(&self) -> String {
+        format!("blended corpus list {}", self.loader.list().display())
+    }
+    fn resume_state(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(self.loader.schedule()).ok()
     }
 }

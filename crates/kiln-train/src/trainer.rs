@@ -9,7 +9,7 @@
 
 use crate::checkpoint::{self, Checkpoint, HostTensor};
 use crate::config::Config;
-use crate::data::{SyntheticSource, TokenSource};
+use crate::data::{BlendedSource, SyntheticSource, TokenSource};
 use crate::guards::{self, LossVerdict, SpikeDetector};
 use crate::model::Llama;
 use crate::optim::{self, AdamW};
@@ -272,19 +272,13 @@ impl Session {
         config.validate()?;
         set_threads(config.training.threads);
         let device = parse_device(&config.training.device)?;
-        let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) = if config
-            .data
-            .corpus_list
-            .is_empty()
-        {
-            let s = Synthetic::new(config.training.seed);
-            (Box::new(SyntheticSource(s.clone())), Some(s))
-        } else {
-            return Err(TrainError::Data(format!(
-                "data.corpus_list = {:?}: the blended-data loader is not wired into the trainer yet",
-                config.data.corpus_list
-            )));
-        };
+        let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) =
+            if config.data.corpus_list.is_empty() {
+                let s = Synthetic::new(config.training.seed);
+                (Box::new(SyntheticSource(s.clone())), Some(s))
+            } else {
+                (Box::new(Self::open_blended(config, None)?), None)
+            };
         let vocab = if config.model.vocab_size == 0 {
             data.vocab()
         } else {
@@ -308,6 +302,34 @@ impl Session {
             data,
             synthetic,
         })
+    }
+
+    /// Opens `data.corpus_list` for this run (with the weight history of a checkpoint when
+    /// resuming).
+    fn open_blended(
+        config: &Config,
+        resume: Option<(serde_json::Value, u64)>,
+    ) -> Result<BlendedSource, TrainError> {
+        let t = &config.training;
+        // Room for the batches that spike rollbacks skip beyond the planned steps.
+        let batches = t.steps + (t.steps / 4).max(100);
+        let total_samples = batches * (t.grad_accum_steps * t.batch_size) as u64;
+        let list = Path::new(&config.data.corpus_list);
+        let cache_dir = if config.data.cache_dir.is_empty() {
+            list.parent().unwrap_or(Path::new(".")).join(".kiln-cache")
+        } else {
+            PathBuf::from(&config.data.cache_dir)
+        };
+        BlendedSource::open(
+            list,
+            t.seq_len,
+            t.seed,
+            total_samples,
+            cache_dir,
+            config.data.full_verify,
+            resume,
+        )
+        .map_err(|e| TrainError::Data(format!("data.corpus_list {}: {e}", list.display())))
     }
 
     /// Hash of what fixes parameter shapes (model section and vocab).
@@ -569,6 +591,11 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
                         .into(),
                 });
             }
+            if let Some(schedule) = ck.state.get("data_schedule").filter(|v| !v.is_null()) {
+                let per_batch = (cfg.training.grad_accum_steps * cfg.training.batch_size) as u64;
+                let resume = Some((schedule.clone(), st.data_cursor * per_batch));
+                s.data = Box::new(Session::open_blended(cfg, resume)?);
+            }
             s.load_params(&ck.model, &dir)?;
             s.optimizer.exp_avg = s.lookup(&ck.optimizer, ".exp_avg", &dir)?;
             s.optimizer.exp_avg_sq = s.lookup(&ck.optimizer, ".exp_avg_sq", &dir)?;
@@ -692,7 +719,13 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             step,
             model: s.host_params(),
             optimizer: s.host_optimizer(),
-            state: serde_json::to_value(&state).unwrap_or_default(),
+            state: {
+                let mut v = serde_json::to_value(&state).unwrap_or_default();
+                if let (Some(obj), Some(schedule)) = (v.as_object_mut(), s.data.resume_state()) {
+                    obj.insert("data_schedule".into(), schedule);
+                }
+                v
+            },
         };
         let dir = checkpoint::save(&ckpt_root, &ck)?;
         let pruned = checkpoint::prune(&ckpt_root, cfg.checkpoint.keep_latest_k)?;

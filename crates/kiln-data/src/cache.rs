@@ -1,0 +1,183 @@
+//! The index cache: files named by a hash of everything that affects their content, written
+//! to a unique temporary name and renamed into place, so that a reader (another rank, another
+//! job) never sees a partial file, and two builders racing on a cold cache both end with the
+//! same, complete file. An advisory lock on a sibling `.lock` file makes the second builder
+//! wait for the first and reuse its result instead of repeating the work; where locks do not
+//! work (some network file systems), the rename alone still keeps readers safe.
+//!
+//! Every cache file starts with a header: magic, format version, the 32-byte key, the payload
+//! length; a file whose header or length does not match is ignored and rebuilt.
+
+use crate::error::{DataError, Result};
+use crate::indexed::tmp_name;
+use memmap2::Mmap;
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"KILNIDX1";
+/// Header bytes: magic, kind tag (8), key (32), payload length (8).
+pub const HEADER: usize = 8 + 8 + 32 + 8;
+
+/// A cache key: SHA-256 over a description of every input.
+#[derive(Debug, Clone)]
+pub struct Key {
+    pub kind: [u8; 8],
+    pub digest: [u8; 32],
+}
+
+impl Key {
+    /// Key for a kind of file (8 ASCII bytes) and a canonical description of its inputs.
+    pub fn new(kind: &[u8; 8], description: &str) -> Key {
+        let mut h = Sha256::new();
+        h.update(kind);
+        h.update(description.as_bytes());
+        Key {
+            kind: *kind,
+            digest: h.finalize().into(),
+        }
+    }
+
+    /// The file name for this key.
+    pub fn file_name(&self, stem: &str) -> String {
+        format!(
+            "{stem}-{}.{}",
+            &hex::encode(self.digest)[..24],
+            String::from_utf8_lossy(&self.kind).trim().to_lowercase()
+        )
+    }
+}
+
+/// A cache file mapped read-only; `payload()` is the bytes after the header.
+#[derive(Debug)]
+pub struct CacheFile {
+    pub path: PathBuf,
+    map: Option<Mmap>,
+    len: usize,
+}
+
+impl CacheFile {
+    /// The payload bytes.
+    pub fn payload(&self) -> &[u8] {
+        match &self.map {
+            Some(m) => &m[HEADER..HEADER + self.len],
+            None => &[],
+        }
+    }
+}
+
+/// Open a cache file if it exists and is complete and matches `key`.
+pub fn open(path: &Path, key: &Key) -> Result<Option<CacheFile>> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(DataError::io(path, e)),
+    };
+    let size = file.metadata().map_err(|e| DataError::io(path, e))?.len() as usize;
+    if size < HEADER {
+        tracing::warn!(path = %path.display(), "ignoring truncated cache file");
+        return Ok(None);
+    }
+    // SAFETY: cache files are only ever replaced by rename, never modified in place, so the
+    // mapped inode stays intact for as long as we hold it.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&map[48..56]);
+    let len = u64::from_le_bytes(l) as usize;
+    if &map[..8] != MAGIC
+        || map[8..16] != key.kind
+        || map[16..48] != key.digest
+        || HEADER.checked_add(len) != Some(size)
+    {
+        tracing::warn!(path = %path.display(), "ignoring cache file with a foreign or torn header");
+        return Ok(None);
+    }
+    Ok(Some(CacheFile {
+        path: path.to_path_buf(),
+        map: Some(map),
+        len,
+    }))
+}
+
+/// Exclusive advisory lock on `path.lock`, held until dropped. Failing to lock (unsupported
+/// file system) is not an error: correctness rests on the atomic rename.
+pub struct BuildLock {
+    _file: Option<File>,
+}
+
+/// Take the build lock for a cache file.
+pub fn lock(path: &Path) -> Result<BuildLock> {
+    let mut s = path.as_os_str().to_owned();
+    s.push(".lock");
+    let lock_path = PathBuf::from(s);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| DataError::io(&lock_path, e))?;
+    match file.lock() {
+        Ok(()) => Ok(BuildLock { _file: Some(file) }),
+        Err(e) => {
+            tracing::warn!(path = %lock_path.display(), error = %e, "cannot lock; relying on atomic rename");
+            Ok(BuildLock { _file: None })
+        }
+    }
+}
+
+/// Write `payload` (given as parts) under `path` atomically: temporary name, fsync, rename.
+pub fn write(path: &Path, key: &Key, parts: &[&[u8]]) -> Result<()> {
+    let tmp = tmp_name(path);
+    let io = |e| DataError::io(&tmp, e);
+    let result = (|| {
+        let file = File::create(&tmp).map_err(io)?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        w.write_all(MAGIC).map_err(io)?;
+        w.write_all(&key.kind).map_err(io)?;
+        w.write_all(&key.digest).map_err(io)?;
+        w.write_all(&(len as u64).to_le_bytes()).map_err(io)?;
+        for p in parts {
+            w.write_all(p).map_err(io)?;
+        }
+        let file = w.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| DataError::io(path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Open a cache file, or build it under the lock and open the result.
+pub fn get_or_build(
+    path: &Path,
+    key: &Key,
+    build: impl FnOnce() -> Result<Vec<Vec<u8>>>,
+) -> Result<CacheFile> {
+    if let Some(f) = open(path, key)? {
+        return Ok(f);
+    }
+    let _guard = lock(path)?;
+    // Another process may have finished the build while we waited for the lock.
+    if let Some(f) = open(path, key)? {
+        tracing::debug!(path = %path.display(), "cache built by another process");
+        return Ok(f);
+    }
+    let parts = build()?;
+    let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+    write(path, key, &refs)?;
+    open(path, key)?.ok_or_else(|| {
+        DataError::format(path, "cache file vanished or changed right after it was written")
+    })
+}
+
+/// Read a little-endian u64 at word `i` of a byte slice.
+#[inline]
+pub fn word(b: &[u8], i: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[8 * i..8 * i + 8]);
+    u64::from_le_bytes(a)
+}

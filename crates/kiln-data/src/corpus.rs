@@ -1,0 +1,216 @@
+//! Corpus lists: the blendcorpus format, one dataset per line.
+//!
+//! ```text
+//! # weight  prefix                      [corpus]
+//! 0.7       shards/web/cc_0001_text     web
+//! 0.3       /data/code/stack_0001_text  code
+//! ```
+//!
+//! Blank lines and `#` comments (whole-line or trailing) are ignored. Weights are relative
+//! (they are normalised, as Megatron does). A relative prefix resolves against the list file's
+//! directory, so a list and its shards can move together. A prefix may be given with its
+//! `.bin`/`.idx` suffix; the suffix is dropped.
+
+use crate::error::{DataError, Result};
+use std::path::{Path, PathBuf};
+
+/// One line of a corpus list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CorpusEntry {
+    /// Relative weight (finite, >= 0).
+    pub weight: f64,
+    /// The prefix as written in the list; identifies the dataset across weight changes.
+    pub key: String,
+    /// The prefix resolved against the list's directory.
+    pub prefix: PathBuf,
+    /// Corpus name (third column), or the prefix's file name.
+    pub corpus: String,
+    /// 1-based line number, for error messages.
+    pub line: usize,
+}
+
+/// A parsed corpus list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CorpusList {
+    /// The list file.
+    pub path: PathBuf,
+    /// Its entries in file order.
+    pub entries: Vec<CorpusEntry>,
+}
+
+impl CorpusList {
+    /// Read and parse a list file.
+    pub fn read(path: &Path) -> Result<CorpusList> {
+        let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        CorpusList::parse(&text, path, base)
+    }
+
+    /// Parse list text; `path` names it in errors, `base` resolves relative prefixes.
+    pub fn parse(text: &str, path: &Path, base: &Path) -> Result<CorpusList> {
+        let mut entries: Vec<CorpusEntry> = Vec::new();
+        for (i, raw) in text.lines().enumerate() {
+            let line = i + 1;
+            let content = raw.split('#').next().unwrap_or("").trim();
+            if content.is_empty() {
+                continue;
+            }
+            let bad = |reason: String| DataError::ListLine {
+                path: path.to_path_buf(),
+                line,
+                reason,
+            };
+            let fields: Vec<&str> = content.split_whitespace().collect();
+            if fields.len() < 2 || fields.len() > 3 {
+                return Err(bad(format!(
+                    "expected `weight prefix [corpus]`, found {} field(s): {content:?}",
+                    fields.len()
+                )));
+            }
+            let weight: f64 = fields[0].parse().map_err(|_| {
+                bad(format!(
+                    "weight {:?} is not a number (expected `weight prefix [corpus]`)",
+                    fields[0]
+                ))
+            })?;
+            if !weight.is_finite() || weight < 0.0 {
+                return Err(bad(format!(
+                    "weight {} must be a finite number >= 0",
+                    fields[0]
+                )));
+            }
+            let mut key = fields[1].to_string();
+            for suffix in [".bin", ".idx"] {
+                if let Some(stripped) = key.strip_suffix(suffix) {
+                    key = stripped.to_string();
+                }
+            }
+            if let Some(prev) = entries.iter().find(|e| e.key == key) {
+                return Err(bad(format!(
+                    "prefix {key} is already listed on line {}; list each dataset once and give it the combined weight",
+                    prev.line
+                )));
+            }
+            let p = Path::new(&key);
+            let prefix = if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                base.join(p)
+            };
+            let corpus = match fields.get(2) {
+                Some(c) => c.to_string(),
+                None => p
+                    .file_name()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| key.clone()),
+            };
+            entries.push(CorpusEntry {
+                weight,
+                key,
+                prefix,
+                corpus,
+                line,
+            });
+        }
+        if entries.is_empty() {
+            return Err(DataError::List {
+                path: path.to_path_buf(),
+                reason: "no datasets listed (expected lines of `weight prefix [corpus]`)"
+                    .into(),
+            });
+        }
+        if entries.iter().all(|e| e.weight == 0.0) {
+            return Err(DataError::List {
+                path: path.to_path_buf(),
+                reason: "every weight is 0; at least one dataset needs a positive weight".into(),
+            });
+        }
+        Ok(CorpusList {
+            path: path.to_path_buf(),
+            entries,
+        })
+    }
+
+    /// Weights normalised to sum to 1, computed exactly as megatron-core's `normalize` does
+    /// (`w / sum(w)` in f64), so that the blend order matches its `build_blending_indices`.
+    pub fn normalized_weights(&self) -> Vec<f64> {
+        normalize(&self.entries.iter().map(|e| e.weight).collect::<Vec<_>>())
+    }
+}
+
+/// `w / sum(w)` in f64, summing left to right like `numpy.sum` does for short arrays.
+pub fn normalize(weights: &[f64]) -> Vec<f64> {
+    let sum = pairwise_sum(weights);
+    weights.iter().map(|w| w / sum).collect()
+}
+
+/// numpy's pairwise summation (blocks of 8 accumulators below 128 elements), so that even
+/// long weight lists normalise to the same bits as megatron-core's.
+fn pairwise_sum(a: &[f64]) -> f64 {
+    let n = a.len();
+    if n < 8 {
+        let mut s = 0.0;
+        for &x in a {
+            s += x;
+        }
+        s
+    } else if n <= 128 {
+        let mut r = [0.0f64; 8];
+        r.copy_from_slice(&a[..8]);
+        let mut i = 8;
+        while i + 8 <= n {
+            for (j, rj) in r.iter_mut().enumerate() {
+                *rj += a[i + j];
+            }
+            i += 8;
+        }
+        let mut res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        while i < n {
+            res += a[i];
+            i += 1;
+        }
+        res
+    } else {
+        let mut n2 = n / 2;
+        n2 -= n2 % 8;
+        pairwise_sum(&a[..n2]) + pairwise_sum(&a[n2..])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<CorpusList> {
+        CorpusList::parse(text, Path::new("list.txt"), Path::new("/base"))
+    }
+
+    #[test]
+    fn parses_weights_prefixes_and_corpora() {
+        let l = parse("# header\n0.7 a/b_text web\n\n0.3 /abs/c.bin  # trailing\n").unwrap();
+        assert_eq!(l.entries.len(), 2);
+        assert_eq!(l.entries[0].prefix, PathBuf::from("/base/a/b_text"));
+        assert_eq!(l.entries[0].corpus, "web");
+        assert_eq!(l.entries[0].line, 2);
+        assert_eq!(l.entries[1].prefix, PathBuf::from("/abs/c"));
+        assert_eq!(l.entries[1].corpus, "c");
+        assert_eq!(l.normalized_weights(), vec![0.7 / 1.0, 0.3 / 1.0]);
+    }
+
+    #[test]
+    fn bad_lines_name_file_and_line() {
+        for (text, want) in [
+            ("0.5 a\nx b\n", "list.txt:2: weight \"x\""),
+            ("0.5\n", "list.txt:1: expected"),
+            ("0.5 a b c d\n", "list.txt:1: expected"),
+            ("-1 a\n", "list.txt:1: weight -1"),
+            ("nan a\n", "list.txt:1: weight nan"),
+            ("1 a\n1 a\n", "list.txt:2: prefix a is already listed on line 1"),
+            ("# nothing\n", "list.txt: no datasets"),
+            ("0 a\n0 b\n", "list.txt: every weight is 0"),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.starts_with(want), "{text:?}: {err}");
+        }
+    }
+}

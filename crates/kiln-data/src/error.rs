@@ -1,0 +1,65 @@
+//! The data layer's single error type. Every variant names the file (and line, where there is
+//! one) so that an operator can fix the input without reading code.
+
+use std::path::{Path, PathBuf};
+
+/// Everything that can go wrong in the data layer.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// An I/O error on a named file.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A `.idx` or `.bin` file that is not a valid Megatron indexed dataset.
+    #[error("{}: {reason}", path.display())]
+    Format { path: PathBuf, reason: String },
+    /// A bad line in a corpus list.
+    #[error("{}:{line}: {reason}", path.display())]
+    ListLine {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    /// A corpus list that is bad as a whole (empty, all weights zero, ...).
+    #[error("{}: {reason}", path.display())]
+    List { path: PathBuf, reason: String },
+    /// A shard whose bytes differ from what the manifest pinned.
+    #[error(
+        "{}: shard changed since it was pinned in {} ({reason}); if the change is intended, re-pin with `kiln data manifest`",
+        path.display(),
+        manifest.display()
+    )]
+    ShardChanged {
+        path: PathBuf,
+        manifest: PathBuf,
+        reason: String,
+    },
+    /// A tokenizer file that cannot be loaded, or tokenization that failed.
+    #[error("{}: {reason}", path.display())]
+    Tokenizer { path: PathBuf, reason: String },
+    /// A request the loader cannot serve (out of range, bad configuration).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl DataError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub(crate) fn format(path: &Path, reason: impl Into<String>) -> Self {
+        DataError::Format {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Shorthand used throughout the crate.
+pub type Result<T, E = DataError> = std::result::Result<T, E>;

@@ -1,0 +1,357 @@
+//! Per-dataset sample index: how a dataset's sequences are shuffled, packed into samples of
+//! `seq_len + 1` tokens and the samples shuffled, with O(1) access to sample `j`.
+//!
+//! The same three steps as megatron-core's `GPTDataset` (document index, sample index,
+//! shuffle index), arranged so that almost nothing has to be built or stored:
+//!
+//! 1. **Documents shuffled per epoch.** Epoch `e` visits the sequences in the order of a keyed
+//!    bijection `pi_e` ([`crate::perm::Permutation`]); epochs are concatenated into one token
+//!    stream. The only stored data are the token counts before every [`GROUP`]-th position of
+//!    each epoch (8 bytes per 32 sequences per epoch, vs. Megatron's 4 bytes per sequence per
+//!    epoch plus the sample index), built in parallel by chunks whose sums do not depend on the
+//!    thread count.
+//! 2. **Packing.** Unshuffled sample `u` is stream tokens `[u*seq_len, u*seq_len + seq_len + 1)`:
+//!    consecutive samples overlap by one token, as Megatron's `add_extra_token_to_sequence`,
+//!    and samples cross document and epoch boundaries.
+//! 3. **Samples shuffled** within blocks of `B = tokens_per_epoch / seq_len` samples by another
+//!    keyed bijection. The block size depends only on the dataset and `seq_len`, never on how
+//!    many samples are drawn, so drawing more samples (a longer run, a weight change that draws
+//!    more from this dataset) leaves every earlier sample unchanged.
+//!
+//! The prefix table depends only on the dataset's content, the seed and the epoch — not on
+//! `seq_len` nor the blend — so one cache file per dataset serves every run over it, and grows
+//! by whole epochs when a run needs more.
+
+use crate::cache::{self, CacheFile, Key};
+use crate::error::{DataError, Result};
+use crate::indexed::{IndexFile, IndexedDataset};
+use crate::perm::{Permutation, derive_key};
+use rayon::prelude::*;
+use std::path::Path;
+
+/// Sequences per stored prefix entry: a lookup walks at most this many sequences.
+pub const GROUP: u64 = 32;
+const PURPOSE_DOC: u64 = 0x646f_6373;
+const PURPOSE_SAMPLE: u64 = 0x7361_6d70;
+const HEAD_WORDS: usize = 4;
+
+/// The sample index of one dataset for one `seq_len`.
+#[derive(Debug)]
+pub struct DatasetIndex {
+    ds: IndexedDataset,
+    file: CacheFile,
+    key: u64,
+    seqs: u64,
+    tokens_per_epoch: u64,
+    groups: u64,
+    epochs: u64,
+    seq_len: u64,
+    block: u64,
+}
+
+/// Count of epochs whose prefix tables are needed to serve `samples` samples.
+pub fn epochs_needed(tokens_per_epoch: u64, seq_len: u64, samples: u64) -> u64 {
+    if samples == 0 || tokens_per_epoch == 0 {
+        return 0;
+    }
+    let block = (tokens_per_epoch / seq_len).max(1);
+    let blocks = samples.div_ceil(block);
+    // The last sample of the last block may be any of its block, so cover the whole block.
+    let last_start = (blocks * block - 1) as u128 * seq_len as u128;
+    (last_start / tokens_per_epoch as u128) as u64 + 1
+}
+
+/// Sum of all sequence lengths, in parallel; an error names the first bad sequence.
+pub fn total_tokens(idx: &IndexFile) -> Result<u64> {
+    let n = idx.sequences();
+    let chunk = 1 << 16;
+    let sums: Vec<Result<u64>> = (0..n.div_ceil(chunk))
+        .into_par_iter()
+        .map(|c| {
+            let mut s = 0u64;
+            for i in c * chunk..((c + 1) * chunk).min(n) {
+                s += idx.length(i)? as u64;
+            }
+            Ok(s)
+        })
+        .collect();
+    sums.into_iter().sum()
+}
+
+impl DatasetIndex {
+    /// Open (building or extending the cache as needed) the index of `ds` serving `samples`
+    /// samples of `seq_len + 1` tokens. `fingerprint` identifies the dataset's content.
+    pub fn open(
+        ds: IndexedDataset,
+        fingerprint: &str,
+        seed: u64,
+        seq_len: u64,
+        samples: u64,
+        cache_dir: &Path,
+    ) -> Result<DatasetIndex> {
+        if seq_len == 0 {
+            return Err(DataError::Invalid("seq_len must be at least 1".into()));
+        }
+        let key = Key::new(
+            b"PREFIX  ",
+            &format!("v1 group={GROUP} seed={seed} idx={fingerprint}"),
+        );
+        let stem = ds
+            .prefix()
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "dataset".into());
+        let path = cache_dir.join(key.file_name(&stem));
+        let shuffle_key = derive_key(&[seed, crate::fingerprint::digest_u64(fingerprint)]);
+        let seqs = ds.len() as u64;
+        let groups = seqs.div_ceil(GROUP);
+
+        let usable = |f: &CacheFile| -> Option<(u64, u64)> {
+            let p = f.payload();
+            if p.len() < 8 * HEAD_WORDS {
+                return None;
+            }
+            let (tokens, s, g, e) = (
+                cache::word(p, 0),
+                cache::word(p, 1),
+                cache::word(p, 2),
+                cache::word(p, 3),
+            );
+            let words = HEAD_WORDS as u64 + e.checked_mul(g + 1)?;
+            (s == seqs && g == groups && p.len() as u64 == 8 * words).then_some((tokens, e))
+        };
+        let mut file = cache::open(&path, &key)?;
+        let mut state = file.as_ref().and_then(usable);
+        let enough = |state: Option<(u64, u64)>| {
+            state.is_some_and(|(tokens, e)| e >= epochs_needed(tokens, seq_len, samples))
+        };
+        if !enough(state) {
+            let _lock = cache::lock(&path)?;
+            file = cache::open(&path, &key)?;
+            state = file.as_ref().and_then(usable);
+            if !enough(state) {
+                let tokens = match state {
+                    Some((t, _)) => t,
+                    None => total_tokens(ds.index())?,
+                };
+                if tokens == 0 && samples > 0 {
+                    return Err(DataError::format(
+                        ds.prefix(),
+                        "dataset has no tokens but the blend draws samples from it; give it weight 0 or remove it",
+                    ));
+                }
+                let have = state.map_or(0, |(_, e)| e);
+                let want = epochs_needed(tokens, seq_len, samples).max(have);
+                let mut payload: Vec<u8> =
+                    Vec::with_capacity(8 * (HEAD_WORDS + (want * (groups + 1)) as usize));
+                for w in [tokens, seqs, groups, want] {
+                    payload.extend_from_slice(&w.to_le_bytes());
+                }
+                if let Some(f) = &file
+                    && have > 0
+                {
+                    payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
+                }
+                let t0 = std::time::Instant::now();
+                let bar = crate::progress::bar(
+                    (want - have) * seqs,
+                    &format!("index {stem}"),
+                );
+                for e in have..want {
+                    let prefix = build_epoch(ds.index(), shuffle_key, e, &bar)?;
+                    if prefix.last() != Some(&tokens) {
+                        return Err(DataError::format(
+                            ds.index().path(),
+                            "sequence lengths changed while the index was being built",
+                        ));
+                    }
+                    for w in prefix {
+                        payload.extend_from_slice(&w.to_le_bytes());
+                    }
+                }
+                bar.finish_and_clear();
+                tracing::info!(
+                    dataset = %ds.prefix().display(),
+                    epochs = want - have,
+                    elapsed_s = t0.elapsed().as_secs_f64(),
+                    "dataset index built"
+                );
+                cache::write(&path, &key, &[&payload])?;
+                file = cache::open(&path, &key)?;
+                state = file.as_ref().and_then(usable);
+            }
+        }
+        let (file, (tokens, epochs)) = match (file, state) {
+            (Some(f), Some(s)) => (f, s),
+            _ => {
+                return Err(DataError::format(
+                    &path,
+                    "index cache unreadable right after it was written",
+                ));
+            }
+        };
+        Ok(DatasetIndex {
+            ds,
+            file,
+            key: shuffle_key,
+            seqs,
+            tokens_per_epoch: tokens,
+            groups,
+            epochs,
+            seq_len,
+            block: (tokens / seq_len).max(1),
+        })
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &IndexedDataset {
+        &self.ds
+    }
+    /// Tokens in one epoch (all sequences once).
+    pub fn tokens_per_epoch(&self) -> u64 {
+        self.tokens_per_epoch
+    }
+    /// Epochs whose prefix tables are cached.
+    pub fn epochs(&self) -> u64 {
+        self.epochs
+    }
+    /// Samples per shuffle block.
+    pub fn block(&self) -> u64 {
+        self.block
+    }
+
+    fn doc_perm(&self, epoch: u64) -> Permutation {
+        Permutation::new(self.seqs, derive_key(&[self.key, PURPOSE_DOC, epoch]))
+    }
+
+    fn prefix(&self, epoch: u64, g: u64) -> u64 {
+        cache::word(
+            self.file.payload(),
+            HEAD_WORDS + (epoch * (self.groups + 1) + g) as usize,
+        )
+    }
+
+    /// The unshuffled position of shuffled sample `j`.
+    pub fn unshuffled(&self, j: u64) -> u64 {
+        let b = j / self.block;
+        let perm = Permutation::new(self.block, derive_key(&[self.key, PURPOSE_SAMPLE, b]));
+        b * self.block + perm.apply(j % self.block)
+    }
+
+    /// Append sample `j`'s `seq_len + 1` tokens to `out`.
+    pub fn sample_into(&self, j: u64, out: &mut Vec<u32>) -> Result<()> {
+        if self.tokens_per_epoch == 0 {
+            return Err(DataError::format(self.ds.prefix(), "dataset has no tokens"));
+        }
+        let u = self.unshuffled(j);
+        let start = u as u128 * self.seq_len as u128;
+        let mut epoch = (start / self.tokens_per_epoch as u128) as u64;
+        if epoch >= self.epochs {
+            return Err(DataError::Invalid(format!(
+                "{}: sample {j} needs epoch {epoch} but the index covers {}; open the loader with enough samples",
+                self.ds.prefix().display(),
+                self.epochs
+            )));
+        }
+        let t = (start % self.tokens_per_epoch as u128) as u64;
+        // Largest group whose start is <= t (prefix[0] = 0 <= t < prefix[groups]).
+        let (mut lo, mut hi) = (0u64, self.groups);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.prefix(epoch, mid) <= t {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut acc = self.prefix(epoch, lo);
+        let mut pos = lo * GROUP;
+        let mut perm = self.doc_perm(epoch);
+        let idx = self.ds.index();
+        let mut seq = perm.apply(pos) as usize;
+        let mut len = idx.length(seq)? as u64;
+        while acc + len <= t {
+            acc += len;
+            pos += 1;
+            if pos >= self.seqs {
+                return Err(DataError::format(
+                    idx.path(),
+                    "sequence lengths disagree with the cached index; delete the cache to rebuild",
+                ));
+            }
+            seq = perm.apply(pos) as usize;
+            len = idx.length(seq)? as u64;
+        }
+        let mut offset = t - acc;
+        let mut need = self.seq_len + 1;
+        loop {
+            let take = (len - offset).min(need);
+            self.ds
+                .read_into(seq, offset as usize, take as usize, out)?;
+            need -= take;
+            if need == 0 {
+                return Ok(());
+            }
+            pos += 1;
+            offset = 0;
+            if pos == self.seqs {
+                epoch += 1;
+                pos = 0;
+                perm = self.doc_perm(epoch);
+            }
+            seq = perm.apply(pos) as usize;
+            len = idx.length(seq)? as u64;
+        }
+    }
+}
+
+/// Token counts before every GROUP-th position of epoch `e`: `groups + 1` entries.
+fn build_epoch(
+    idx: &IndexFile,
+    key: u64,
+    e: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<u64>> {
+    let seqs = idx.sequences() as u64;
+    let perm = Permutation::new(seqs, derive_key(&[key, PURPOSE_DOC, e]));
+    let groups = seqs.div_ceil(GROUP);
+    let lengths = idx.lengths_bytes();
+    // Fixed-size chunks of groups: the sums are the same whatever the thread count.
+    const CHUNK: u64 = 1 << 12;
+    let sums: Vec<Vec<u64>> = (0..groups.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let g0 = c * CHUNK;
+            let g1 = (g0 + CHUNK).min(groups);
+            let mut out = Vec::with_capacity((g1 - g0) as usize);
+            for g in g0..g1 {
+                let p0 = g * GROUP;
+                let p1 = (p0 + GROUP).min(seqs);
+                let mut s = 0u64;
+                for p in p0..p1 {
+                    let at = 4 * perm.apply(p) as usize;
+                    let l = i32::from_le_bytes([
+                        lengths[at],
+                        lengths[at + 1],
+                        lengths[at + 2],
+                        lengths[at + 3],
+                    ]);
+                    // Lengths were validated non-negative by total_tokens; a file changed
+                    // underneath shows up as the final-sum mismatch checked by the caller.
+                    s += l.max(0) as u64;
+                }
+                out.push(s);
+            }
+            bar.inc((g1 - g0) * GROUP);
+            out
+        })
+        .collect();
+    let mut prefix = Vec::with_capacity(groups as usize + 1);
+    let mut acc = 0u64;
+    prefix.push(0);
+    for s in sums.into_iter().flatten() {
+        acc += s;
+        prefix.push(acc);
+    }
+    Ok(prefix)
+}

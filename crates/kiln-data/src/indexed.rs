@@ -1,0 +1,700 @@
+//! Megatron indexed datasets (`PREFIX.bin` + `PREFIX.idx`), byte-compatible with Megatron-LM
+//! and megatron-core in both directions.
+//!
+//! `.idx` layout (all little-endian, no padding, so nothing after the header is aligned):
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 9 | magic `MMIDIDX\0\0` |
+//! | 8 | version, `u64` = 1 |
+//! | 1 | dtype code (1 u8, 2 i8, 3 i16, 4 i32, 5 i64, 6 f64, 7 f32, 8 u16) |
+//! | 8 | `sequence_count` (`u64`) |
+//! | 8 | `document_count` (`u64`): length of the document-index array, i.e. documents + 1 |
+//! | 4·S | sequence lengths (`i32`, in tokens) |
+//! | 8·S | sequence pointers (`i64`, byte offsets into `.bin`) |
+//! | 8·D | document indices (`i64`, first sequence of each document, then `S`) |
+//! | S | optional: sequence modes (`i8`), only in multimodal datasets |
+//!
+//! `.bin` is the tokens of every sequence back to back in the dtype.
+//!
+//! Like megatron-core's `GPTDataset`, the blending layer treats each *sequence* as a
+//! document; `tokenize` writes one sequence per document, as Megatron's `preprocess_data.py`
+//! does without `--split-sentences`.
+
+use crate::error::{DataError, Result};
+use memmap2::Mmap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// The `.idx` magic bytes.
+pub const INDEX_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
+const HEADER_LEN: usize = 9 + 8 + 1 + 8 + 8;
+
+/// Token dtype codes, as Megatron numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    F32,
+    U16,
+}
+
+impl DType {
+    /// Megatron's numeric code for the dtype.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::U8 => 1,
+            DType::I8 => 2,
+            DType::I16 => 3,
+            DType::I32 => 4,
+            DType::I64 => 5,
+            DType::F64 => 6,
+            DType::F32 => 7,
+            DType::U16 => 8,
+        }
+    }
+
+    /// The dtype for a Megatron code, if it is one.
+    pub fn from_code(code: u8) -> Option<DType> {
+        Some(match code {
+            1 => DType::U8,
+            2 => DType::I8,
+            3 => DType::I16,
+            4 => DType::I32,
+            5 => DType::I64,
+            6 => DType::F64,
+            7 => DType::F32,
+            8 => DType::U16,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per token.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::U16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// The dtype Megatron picks for a vocabulary: `uint16` below 65500 entries, else `int32`
+    /// (`DType.optimal_dtype`). Matching it keeps files byte-identical with Megatron's.
+    pub fn optimal(vocab_size: usize) -> DType {
+        if vocab_size < 65_500 {
+            DType::U16
+        } else {
+            DType::I32
+        }
+    }
+
+    /// numpy's name for the dtype.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F64 => "float64",
+            DType::F32 => "float32",
+            DType::U16 => "uint16",
+        }
+    }
+}
+
+/// Path of the `.idx` file of a prefix (the prefix plus `.idx`, as Megatron appends it).
+pub fn idx_path(prefix: &Path) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(".idx");
+    PathBuf::from(s)
+}
+
+/// Path of the `.bin` file of a prefix.
+pub fn bin_path(prefix: &Path) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(".bin");
+    PathBuf::from(s)
+}
+
+#[inline]
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+#[inline]
+fn le_i32(b: &[u8], at: usize) -> i32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    i32::from_le_bytes(a)
+}
+
+#[inline]
+fn le_i64(b: &[u8], at: usize) -> i64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    i64::from_le_bytes(a)
+}
+
+/// The parsed `.idx` of a dataset, memory-mapped. Opening costs O(1): the arrays are read
+/// lazily through the map, so a 100M-sequence index opens instantly.
+#[derive(Debug)]
+pub struct IndexFile {
+    path: PathBuf,
+    map: Mmap,
+    dtype: DType,
+    sequences: usize,
+    doc_index_len: usize,
+    lengths_at: usize,
+    pointers_at: usize,
+    docs_at: usize,
+    has_modes: bool,
+}
+
+impl IndexFile {
+    /// Open and validate the header and the size of an `.idx` file.
+    pub fn open(path: &Path) -> Result<IndexFile> {
+        let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+        // SAFETY: the map is read-only; a file truncated underneath us by another process is
+        // the one case memmap cannot protect against, as for every mmap-based reader
+        // (Megatron's included). Shards are immutable by convention and pinned by the manifest.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
+        let b = &map[..];
+        if b.len() < HEADER_LEN {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "truncated index: {} bytes, shorter than the {HEADER_LEN}-byte header",
+                    b.len()
+                ),
+            ));
+        }
+        if &b[..9] != INDEX_MAGIC {
+            return Err(DataError::format(
+                path,
+                "not a Megatron indexed dataset: bad magic (expected MMIDIDX\\0\\0)",
+            ));
+        }
+        let version = le_u64(b, 9);
+        if version != 1 {
+            return Err(DataError::format(
+                path,
+                format!("unsupported index version {version} (only 1 exists)"),
+            ));
+        }
+        let dtype = DType::from_code(b[17])
+            .ok_or_else(|| DataError::format(path, format!("unknown dtype code {}", b[17])))?;
+        if matches!(dtype, DType::F32 | DType::F64) {
+            return Err(DataError::format(
+                path,
+                format!("dtype {} cannot hold token ids", dtype.name()),
+            ));
+        }
+        let sequences = le_u64(b, 18);
+        let doc_index_len = le_u64(b, 26);
+        let too_big = || DataError::format(path, "corrupt index: counts larger than the file");
+        let sequences_usize = usize::try_from(sequences).map_err(|_| too_big())?;
+        let docs_usize = usize::try_from(doc_index_len).map_err(|_| too_big())?;
+        let body = sequences_usize
+            .checked_mul(12)
+            .and_then(|x| x.checked_add(docs_usize.checked_mul(8)?))
+            .and_then(|x| x.checked_add(HEADER_LEN))
+            .ok_or_else(too_big)?;
+        let has_modes = if b.len() == body {
+            false
+        } else if Some(b.len()) == body.checked_add(sequences_usize) {
+            true
+        } else {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "truncated or corrupt index: {} bytes, but {sequences} sequences and {doc_index_len} document indices need {body}",
+                    b.len()
+                ),
+            ));
+        };
+        let idx = IndexFile {
+            path: path.to_path_buf(),
+            dtype,
+            sequences: sequences_usize,
+            doc_index_len: docs_usize,
+            lengths_at: HEADER_LEN,
+            pointers_at: HEADER_LEN + 4 * sequences_usize,
+            docs_at: HEADER_LEN + 12 * sequences_usize,
+            has_modes,
+            map,
+        };
+        if idx.doc_index_len == 0 {
+            return Err(DataError::format(
+                path,
+                "corrupt index: empty document index (it always starts with 0)",
+            ));
+        }
+        let first = idx.document_index(0);
+        let last = idx.document_index(idx.doc_index_len - 1);
+        if first != 0 || last != sequences as i64 {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "corrupt index: document index runs {first}..{last}, expected 0..{sequences}"
+                ),
+            ));
+        }
+        Ok(idx)
+    }
+
+    /// The file this index was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Token dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Number of sequences (the unit of shuffling and packing).
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+    /// Number of documents (the document index holds one more entry).
+    pub fn documents(&self) -> usize {
+        self.doc_index_len - 1
+    }
+    /// Whether the index carries multimodal sequence modes (read, then ignored).
+    pub fn has_modes(&self) -> bool {
+        self.has_modes
+    }
+
+    /// Raw length of sequence `i` as stored (may be negative in a corrupt file).
+    #[inline]
+    pub fn raw_length(&self, i: usize) -> i32 {
+        le_i32(&self.map, self.lengths_at + 4 * i)
+    }
+
+    /// Length of sequence `i` in tokens; a negative stored length reads as an error.
+    #[inline]
+    pub fn length(&self, i: usize) -> Result<u32> {
+        let l = self.raw_length(i);
+        u32::try_from(l).map_err(|_| {
+            DataError::format(&self.path, format!("corrupt index: sequence {i} has length {l}"))
+        })
+    }
+
+    /// Byte offset of sequence `i` in the `.bin`.
+    #[inline]
+    pub fn pointer(&self, i: usize) -> i64 {
+        le_i64(&self.map, self.pointers_at + 8 * i)
+    }
+
+    /// Entry `i` of the document index.
+    #[inline]
+    pub fn document_index(&self, i: usize) -> i64 {
+        le_i64(&self.map, self.docs_at + 8 * i)
+    }
+
+    /// The raw bytes of the sequence-length array (little-endian `i32`s, unaligned).
+    pub fn lengths_bytes(&self) -> &[u8] {
+        &self.map[self.lengths_at..self.pointers_at]
+    }
+
+    /// Sum of all sequence lengths, checking every length and pointer (O(sequences)). Used by
+    /// `inspect` and `verify`; the loader only needs the O(1) checks of [`IndexFile::open`].
+    pub fn check_all(&self) -> Result<u64> {
+        let size = self.dtype.size() as i64;
+        let mut expected_ptr: i64 = 0;
+        let mut total: u64 = 0;
+        for i in 0..self.sequences {
+            let len = self.length(i)?;
+            let ptr = self.pointer(i);
+            if ptr != expected_ptr {
+                return Err(DataError::format(
+                    &self.path,
+                    format!("corrupt index: sequence {i} points at byte {ptr}, expected {expected_ptr}"),
+                ));
+            }
+            expected_ptr += len as i64 * size;
+            total += len as u64;
+        }
+        let mut prev = 0i64;
+        for i in 0..self.doc_index_len {
+            let d = self.document_index(i);
+            if d < prev {
+                return Err(DataError::format(
+                    &self.path,
+                    format!("corrupt index: document index {i} ({d}) goes backwards from {prev}"),
+                ));
+            }
+            prev = d;
+        }
+        Ok(total)
+    }
+
+    /// Bytes the `.bin` must have: one past the last sequence's end.
+    pub fn expected_bin_len(&self) -> Result<u64> {
+        if self.sequences == 0 {
+            return Ok(0);
+        }
+        let last = self.sequences - 1;
+        let end = self
+            .pointer(last)
+            .checked_add(self.length(last)? as i64 * self.dtype.size() as i64);
+        match end {
+            Some(e) if e >= 0 => Ok(e as u64),
+            _ => Err(DataError::format(
+                &self.path,
+                "corrupt index: last sequence pointer out of range",
+            )),
+        }
+    }
+}
+
+/// An indexed dataset: the `.idx` plus the memory-mapped `.bin`.
+#[derive(Debug)]
+pub struct IndexedDataset {
+    prefix: PathBuf,
+    index: IndexFile,
+    bin_path: PathBuf,
+    bin: Option<Mmap>,
+}
+
+impl IndexedDataset {
+    /// Open `PREFIX.idx` and `PREFIX.bin`, checking that the `.bin` has exactly the size the
+    /// index describes (a truncated shard is caught here, naming the file).
+    pub fn open(prefix: &Path) -> Result<IndexedDataset> {
+        let index = IndexFile::open(&idx_path(prefix))?;
+        let bin_path = bin_path(prefix);
+        let file = File::open(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| DataError::io(&bin_path, e))?
+            .len();
+        let expected = index.expected_bin_len()?;
+        if len != expected {
+            return Err(DataError::format(
+                &bin_path,
+                format!(
+                    "{} .bin: {len} bytes, but its index {} describes {expected}",
+                    if len < expected { "truncated" } else { "mismatched" },
+                    index.path().display()
+                ),
+            ));
+        }
+        // A zero-length file cannot be mapped on every platform; an empty dataset needs no map.
+        let bin = if len == 0 {
+            None
+        } else {
+            // SAFETY: read-only map of an immutable shard; see IndexFile::open.
+            Some(unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(&bin_path, e))?)
+        };
+        Ok(IndexedDataset {
+            prefix: prefix.to_path_buf(),
+            index,
+            bin_path,
+            bin,
+        })
+    }
+
+    /// Open only the `.idx` (enough to build sample indices); token reads will fail.
+    pub fn open_index_only(prefix: &Path) -> Result<IndexedDataset> {
+        Ok(IndexedDataset {
+            prefix: prefix.to_path_buf(),
+            index: IndexFile::open(&idx_path(prefix))?,
+            bin_path: bin_path(prefix),
+            bin: None,
+        })
+    }
+
+    /// The prefix this dataset was opened from.
+    pub fn prefix(&self) -> &Path {
+        &self.prefix
+    }
+    /// The parsed index.
+    pub fn index(&self) -> &IndexFile {
+        &self.index
+    }
+    /// Token dtype.
+    pub fn dtype(&self) -> DType {
+        self.index.dtype
+    }
+    /// Number of sequences.
+    pub fn len(&self) -> usize {
+        self.index.sequences
+    }
+    /// Whether the dataset has no sequences.
+    pub fn is_empty(&self) -> bool {
+        self.index.sequences == 0
+    }
+
+    /// Append tokens `[offset, offset + count)` of sequence `seq` to `out`.
+    pub fn read_into(
+        &self,
+        seq: usize,
+        offset: usize,
+        count: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
+        if seq >= self.index.sequences {
+            return Err(DataError::Invalid(format!(
+                "{}: sequence {seq} out of range (dataset has {})",
+                self.prefix.display(),
+                self.index.sequences
+            )));
+        }
+        let len = self.index.length(seq)? as usize;
+        if offset.checked_add(count).is_none_or(|end| end > len) {
+            return Err(DataError::Invalid(format!(
+                "{}: tokens {offset}..{} of sequence {seq} out of range (length {len})",
+                self.prefix.display(),
+                offset.saturating_add(count)
+            )));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let size = self.index.dtype.size();
+        let ptr = self.index.pointer(seq);
+        let bin = self.bin.as_deref().ok_or_else(|| {
+            DataError::format(&self.bin_path, "no token data (.bin not opened or empty)")
+        })?;
+        let start = usize::try_from(ptr)
+            .ok()
+            .and_then(|p| p.checked_add(offset * size))
+            .filter(|s| s + count * size <= bin.len())
+            .ok_or_else(|| {
+                DataError::format(
+                    &self.bin_path,
+                    format!("sequence {seq} points at byte {ptr}, outside the file"),
+                )
+            })?;
+        let bytes = &bin[start..start + count * size];
+        out.reserve(count);
+        let bad = |v: i64| {
+            DataError::format(
+                &self.bin_path,
+                format!("sequence {seq} holds token {v}, not a valid token id"),
+            )
+        };
+        match self.index.dtype {
+            DType::U16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
+            ),
+            DType::U8 => out.extend(bytes.iter().map(|&b| b as u32)),
+            DType::I32 => {
+                for c in bytes.chunks_exact(4) {
+                    let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
+                }
+            }
+            DType::I8 => {
+                for &b in bytes {
+                    let v = b as i8;
+                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
+                }
+            }
+            DType::I16 => {
+                for c in bytes.chunks_exact(2) {
+                    let v = i16::from_le_bytes([c[0], c[1]]);
+                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
+                }
+            }
+            DType::I64 => {
+                for c in bytes.chunks_exact(8) {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(c);
+                    let v = i64::from_le_bytes(a);
+                    out.push(u32::try_from(v).map_err(|_| bad(v))?);
+                }
+            }
+            DType::F32 | DType::F64 => unreachable!("rejected in IndexFile::open"),
+        }
+        Ok(())
+    }
+
+    /// All tokens of sequence `seq`.
+    pub fn sequence(&self, seq: usize) -> Result<Vec<u32>> {
+        let len = if seq < self.index.sequences {
+            self.index.length(seq)? as usize
+        } else {
+            0
+        };
+        let mut out = Vec::with_capacity(len);
+        self.read_into(seq, 0, len, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Writes a Megatron indexed dataset. Files are written under temporary names and renamed on
+/// [`IndexedDatasetBuilder::finish`], so a crash never leaves a half-written shard under the
+/// real name.
+pub struct IndexedDatasetBuilder {
+    prefix: PathBuf,
+    dtype: DType,
+    bin_tmp: PathBuf,
+    bin: BufWriter<File>,
+    lengths: Vec<i32>,
+    doc_index: Vec<i64>,
+    bytes: u64,
+}
+
+impl IndexedDatasetBuilder {
+    /// Start writing `PREFIX.bin`/`PREFIX.idx` with the given token dtype (integer dtypes only).
+    pub fn create(prefix: &Path, dtype: DType) -> Result<IndexedDatasetBuilder> {
+        if matches!(dtype, DType::F32 | DType::F64) {
+            return Err(DataError::Invalid(format!(
+                "{}: dtype {} cannot hold token ids",
+                prefix.display(),
+                dtype.name()
+            )));
+        }
+        let bin_tmp = tmp_name(&bin_path(prefix));
+        let file = File::create(&bin_tmp).map_err(|e| DataError::io(&bin_tmp, e))?;
+        Ok(IndexedDatasetBuilder {
+            prefix: prefix.to_path_buf(),
+            dtype,
+            bin_tmp,
+            bin: BufWriter::with_capacity(1 << 20, file),
+            lengths: Vec::new(),
+            doc_index: vec![0],
+            bytes: 0,
+        })
+    }
+
+    /// Token dtype being written.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Add one sequence (Megatron's `add_item`); call [`Self::end_document`] after the last
+    /// sequence of a document.
+    pub fn add_item(&mut self, tokens: &[u32]) -> Result<()> {
+        let len = i32::try_from(tokens.len()).map_err(|_| {
+            DataError::Invalid(format!(
+                "{}: a sequence of {} tokens exceeds the format's i32 length",
+                self.prefix.display(),
+                tokens.len()
+            ))
+        })?;
+        let mut buf = Vec::with_capacity(tokens.len() * self.dtype.size());
+        for &t in tokens {
+            let fits = match self.dtype {
+                DType::U8 => t <= u8::MAX as u32,
+                DType::I8 => t <= i8::MAX as u32,
+                DType::U16 => t <= u16::MAX as u32,
+                DType::I16 => t <= i16::MAX as u32,
+                DType::I32 => t <= i32::MAX as u32,
+                _ => true,
+            };
+            if !fits {
+                return Err(DataError::Invalid(format!(
+                    "{}: token id {t} does not fit dtype {}",
+                    self.prefix.display(),
+                    self.dtype.name()
+                )));
+            }
+            match self.dtype {
+                DType::U8 | DType::I8 => buf.push(t as u8),
+                DType::U16 | DType::I16 => buf.extend_from_slice(&(t as u16).to_le_bytes()),
+                DType::I32 => buf.extend_from_slice(&(t as i32).to_le_bytes()),
+                DType::I64 => buf.extend_from_slice(&(t as i64).to_le_bytes()),
+                DType::F32 | DType::F64 => unreachable!("rejected in create"),
+            }
+        }
+        self.bin
+            .write_all(&buf)
+            .map_err(|e| DataError::io(&self.bin_tmp, e))?;
+        self.bytes += buf.len() as u64;
+        self.lengths.push(len);
+        Ok(())
+    }
+
+    /// Close the current document (Megatron's `end_document`).
+    pub fn end_document(&mut self) {
+        self.doc_index.push(self.lengths.len() as i64);
+    }
+
+    /// Add a one-sequence document.
+    pub fn add_document(&mut self, tokens: &[u32]) -> Result<()> {
+        self.add_item(tokens)?;
+        self.end_document();
+        Ok(())
+    }
+
+    /// Sequences written so far.
+    pub fn sequences(&self) -> usize {
+        self.lengths.len()
+    }
+
+    /// Tokens written so far.
+    pub fn tokens(&self) -> u64 {
+        self.bytes / self.dtype.size() as u64
+    }
+
+    /// Write the `.idx` and publish both files under their real names.
+    pub fn finish(mut self) -> Result<()> {
+        self.bin
+            .flush()
+            .map_err(|e| DataError::io(&self.bin_tmp, e))?;
+        let idx_final = idx_path(&self.prefix);
+        let idx_tmp = tmp_name(&idx_final);
+        write_index(&idx_tmp, self.dtype, &self.lengths, &self.doc_index)?;
+        let bin_final = bin_path(&self.prefix);
+        std::fs::rename(&self.bin_tmp, &bin_final).map_err(|e| DataError::io(&bin_final, e))?;
+        std::fs::rename(&idx_tmp, &idx_final).map_err(|e| DataError::io(&idx_final, e))?;
+        Ok(())
+    }
+}
+
+/// Write an `.idx` file for the given sequence lengths and document index (pointers are
+/// derived from the lengths, as Megatron's `_IndexWriter` does). Public so that benchmarks can
+/// write index-only corpora.
+pub fn write_index(path: &Path, dtype: DType, lengths: &[i32], doc_index: &[i64]) -> Result<()> {
+    let file = File::create(path).map_err(|e| DataError::io(path, e))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    let io = |e| DataError::io(path, e);
+    w.write_all(INDEX_MAGIC).map_err(io)?;
+    w.write_all(&1u64.to_le_bytes()).map_err(io)?;
+    w.write_all(&[dtype.code()]).map_err(io)?;
+    w.write_all(&(lengths.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    w.write_all(&(doc_index.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    w.write_all(bytemuck::cast_slice(&to_le_i32(lengths)))
+        .map_err(io)?;
+    let size = dtype.size() as i64;
+    let mut ptr = 0i64;
+    let mut pointers = Vec::with_capacity(lengths.len());
+    for &l in lengths {
+        pointers.push(ptr.to_le());
+        ptr += l as i64 * size;
+    }
+    w.write_all(bytemuck::cast_slice(&pointers)).map_err(io)?;
+    let docs: Vec<i64> = doc_index.iter().map(|d| d.to_le()).collect();
+    w.write_all(bytemuck::cast_slice(&docs)).map_err(io)?;
+    w.flush().map_err(io)?;
+    Ok(())
+}
+
+fn to_le_i32(v: &[i32]) -> Vec<i32> {
+    v.iter().map(|x| x.to_le()).collect()
+}
+
+/// A temporary sibling name unique to this process and call, so that concurrent writers never
+/// share a temporary file.
+pub(crate) fn tmp_name(path: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut s = path.as_os_str().to_owned();
+    s.push(format!(".tmp.{}.{n}", std::process::id()));
+    PathBuf::from(s)
+}

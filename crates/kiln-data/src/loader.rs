@@ -1,0 +1,290 @@
+//! The deterministic, resumable loader: `(step, dp_rank, dp_size, batch_size)` to token rows.
+//!
+//! # Addressing
+//!
+//! With `global_batch = batch_size * dp_size`, row `r` of rank `k` at step `s` is global
+//! sample
+//!
+//! ```text
+//! i = s * global_batch + k * batch_size + r
+//! ```
+//!
+//! Global sample `i` comes from dataset `d` and that dataset's sample `j` per the blend
+//! ([`crate::blend`]), and its tokens from the dataset's sample index ([`crate::index`]). Every
+//! step is computed from cached tables in O(1) (plus a walk of at most [`crate::index::GROUP`]
+//! sequences), so resuming at step `S` costs nothing, and the result depends only on the
+//! corpus contents, the weights, `seq_len` and `seed` — not on thread count, host or history
+//! of restarts.
+//!
+//! # Weight-stable resumption
+//!
+//! [`BlendedLoader::schedule`] is the run's weight history; the trainer stores it (JSON) in
+//! its checkpoint. On resume at step `S` it passes it back in [`LoaderConfig::resume`] with
+//! `at_sample = S * global_batch`; if the corpus list's weights differ from those in force, a
+//! new blend segment starts at `at_sample` and only samples from there on change.
+
+use crate::blend::{Blend, BlendSchedule};
+use crate::corpus::CorpusList;
+use crate::error::{DataError, Result};
+use crate::index::DatasetIndex;
+use crate::indexed::IndexedDataset;
+use crate::manifest::{self, Manifest, Verify};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+
+/// Where a resumed run picks up its weight history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resume {
+    /// The schedule stored with the checkpoint ([`BlendedLoader::schedule`]).
+    pub schedule: BlendSchedule,
+    /// First global sample of the resumed step: `step * global_batch`.
+    pub at_sample: u64,
+}
+
+/// How to open a [`BlendedLoader`].
+#[derive(Debug, Clone)]
+pub struct LoaderConfig {
+    /// Tokens per training sequence; each sample has `seq_len + 1` tokens (inputs + shifted
+    /// targets).
+    pub seq_len: usize,
+    /// Seed of every shuffle.
+    pub seed: u64,
+    /// Global samples the run will draw: `steps * global_batch`. Requests beyond it fail.
+    pub total_samples: u64,
+    /// Directory for the index cache (shared by ranks and runs; created if missing).
+    pub cache_dir: PathBuf,
+    /// How to check shards against the manifest (default: fast).
+    pub verify: Verify,
+    /// Manifest to check against; `None` means `LIST.manifest.json` next to the list, if it
+    /// exists.
+    pub manifest: Option<PathBuf>,
+    /// Fail when there is no manifest to check against (default: warn and go on).
+    pub require_manifest: bool,
+    /// Weight history of a resumed run; `None` for a fresh run.
+    pub resume: Option<Resume>,
+    /// A `tokenizer.json` to take the vocabulary size from.
+    pub tokenizer: Option<PathBuf>,
+}
+
+impl LoaderConfig {
+    /// A config with the defaults for everything but the essentials.
+    pub fn new(seq_len: usize, seed: u64, total_samples: u64, cache_dir: PathBuf) -> Self {
+        LoaderConfig {
+            seq_len,
+            seed,
+            total_samples,
+            cache_dir,
+            verify: Verify::Fast,
+            manifest: None,
+            require_manifest: false,
+            resume: None,
+            tokenizer: None,
+        }
+    }
+}
+
+/// One dataset of the blend, as the loader sees it.
+#[derive(Debug)]
+pub struct LoadedDataset {
+    /// The prefix as written in the list.
+    pub key: String,
+    /// Corpus name.
+    pub corpus: String,
+    /// Relative weight currently in force.
+    pub weight: f64,
+    /// Samples the whole blend draws from it.
+    pub samples: u64,
+    index: DatasetIndex,
+}
+
+impl LoadedDataset {
+    /// The dataset's sample index.
+    pub fn index(&self) -> &DatasetIndex {
+        &self.index
+    }
+}
+
+/// Blended, shuffled, packed samples over the datasets of a corpus list.
+#[derive(Debug)]
+pub struct BlendedLoader {
+    list: PathBuf,
+    seq_len: usize,
+    datasets: Vec<LoadedDataset>,
+    blend: Blend,
+    schedule: BlendSchedule,
+    vocab: Option<usize>,
+}
+
+impl BlendedLoader {
+    /// Open from a corpus-list file (lines `weight prefix [corpus]`, `#` comments; relative
+    /// prefixes resolve against the list file's directory), checking shards against the
+    /// manifest and building or loading the cached indices under `cfg.cache_dir`. Safe to call
+    /// from every rank at once: ranks that find the cache cold wait for the first builder and
+    /// share its files.
+    pub fn open(list: &Path, cfg: &LoaderConfig) -> Result<BlendedLoader> {
+        if cfg.seq_len == 0 {
+            return Err(DataError::Invalid("seq_len must be at least 1".into()));
+        }
+        let corpus = CorpusList::read(list)?;
+        let prefixes: Vec<PathBuf> = corpus.entries.iter().map(|e| e.prefix.clone()).collect();
+
+        if cfg.verify != Verify::Off {
+            let mpath = cfg
+                .manifest
+                .clone()
+                .unwrap_or_else(|| manifest::default_path(list));
+            if mpath.exists() {
+                Manifest::read(&mpath)?.verify(&mpath, &prefixes, cfg.verify)?;
+            } else if cfg.require_manifest {
+                return Err(DataError::Io {
+                    path: mpath,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "no manifest; pin the shards with `kiln data manifest`",
+                    ),
+                });
+            } else {
+                tracing::warn!(manifest = %mpath.display(), "no shard manifest; shards are not checked for changes (pin them with `kiln data manifest`)");
+            }
+        }
+
+        std::fs::create_dir_all(&cfg.cache_dir).map_err(|e| DataError::io(&cfg.cache_dir, e))?;
+
+        let weights: Vec<(String, f64)> = corpus
+            .entries
+            .iter()
+            .map(|e| (e.key.clone(), e.weight))
+            .collect();
+        let schedule = match &cfg.resume {
+            None => BlendSchedule::single(weights),
+            Some(r) => r.schedule.continued(weights, r.at_sample),
+        };
+        let table: Vec<String> = corpus.entries.iter().map(|e| e.key.clone()).collect();
+        let blend = Blend::build(&schedule, &table, cfg.total_samples, &cfg.cache_dir)?;
+        let totals = blend.totals();
+
+        let at_line = |line: usize, err: DataError| DataError::ListLine {
+            path: list.to_path_buf(),
+            line,
+            reason: err.to_string(),
+        };
+        let opened: Vec<Result<LoadedDataset>> = corpus
+            .entries
+            .par_iter()
+            .zip(totals.par_iter())
+            .map(|(e, &samples)| {
+                let ds = IndexedDataset::open(&e.prefix).map_err(|err| at_line(e.line, err))?;
+                let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
+                let index = DatasetIndex::open(
+                    ds,
+                    &fp,
+                    cfg.seed,
+                    cfg.seq_len as u64,
+                    samples,
+                    &cfg.cache_dir,
+                )
+                .map_err(|err| at_line(e.line, err))?;
+                Ok(LoadedDataset {
+                    key: e.key.clone(),
+                    corpus: e.corpus.clone(),
+                    weight: e.weight,
+                    samples,
+                    index,
+                })
+            })
+            .collect();
+        let datasets = opened.into_iter().collect::<Result<Vec<_>>>()?;
+
+        let vocab = match &cfg.tokenizer {
+            Some(t) => Some(crate::tokenize::load(t)?.get_vocab_size(true)),
+            None => datasets
+                .iter()
+                .filter_map(|d| {
+                    crate::tokenize::read_sidecar(d.index.dataset().prefix()).map(|s| s.vocab_size)
+                })
+                .max(),
+        };
+        Ok(BlendedLoader {
+            list: list.to_path_buf(),
+            seq_len: cfg.seq_len,
+            datasets,
+            blend,
+            schedule,
+            vocab,
+        })
+    }
+
+    /// The rows of one step for one data-parallel rank: `batch_size` rows of `seq_len + 1`
+    /// token ids. Row `r` is global sample `step * batch_size * dp_size + dp_rank * batch_size
+    /// + r`. Identical on every run; O(1) in `step`.
+    pub fn batch(
+        &self,
+        step: u64,
+        dp_rank: usize,
+        dp_size: usize,
+        batch_size: usize,
+    ) -> Result<Vec<Vec<u32>>> {
+        if dp_size == 0 || dp_rank >= dp_size || batch_size == 0 {
+            return Err(DataError::Invalid(format!(
+                "bad batch request: dp_rank {dp_rank} of dp_size {dp_size}, batch_size {batch_size}"
+            )));
+        }
+        let global = (batch_size as u64)
+            .checked_mul(dp_size as u64)
+            .and_then(|gb| step.checked_mul(gb))
+            .and_then(|x| x.checked_add(dp_rank as u64 * batch_size as u64))
+            .ok_or_else(|| DataError::Invalid(format!("step {step} overflows the sample index")))?;
+        (0..batch_size as u64)
+            .map(|r| self.sample(global + r))
+            .collect()
+    }
+
+    /// Global sample `i`: `seq_len + 1` token ids.
+    pub fn sample(&self, i: u64) -> Result<Vec<u32>> {
+        let (d, j) = self.blend.get(i)?;
+        let mut out = Vec::with_capacity(self.seq_len + 1);
+        self.datasets[d].index.sample_into(j, &mut out)?;
+        Ok(out)
+    }
+
+    /// Which dataset (position in the list) and which of its samples global sample `i` is.
+    pub fn source(&self, i: u64) -> Result<(usize, u64)> {
+        self.blend.get(i)
+    }
+
+    /// Vocabulary size, if known from `cfg.tokenizer` or the datasets' `kiln tokenize`
+    /// sidecars (`PREFIX.kiln.json`).
+    pub fn vocab_hint(&self) -> Option<usize> {
+        self.vocab
+    }
+
+    /// The weight history to store with a checkpoint (serde-serialisable).
+    pub fn schedule(&self) -> &BlendSchedule {
+        &self.schedule
+    }
+
+    /// Global samples available.
+    pub fn total_samples(&self) -> u64 {
+        self.blend.samples()
+    }
+
+    /// Tokens per sample (`seq_len + 1`).
+    pub fn sample_len(&self) -> usize {
+        self.seq_len + 1
+    }
+
+    /// The datasets, in list order.
+    pub fn datasets(&self) -> &[LoadedDataset] {
+        &self.datasets
+    }
+
+    /// The corpus list this loader was opened from.
+    pub fn list(&self) -> &Path {
+        &self.list
+    }
+
+    /// The blend cache file.
+    pub fn blend_path(&self) -> &Path {
+        self.blend.path()
+    }
+}

@@ -1,0 +1,438 @@
+//! Tokenizer training and corpus tokenization with Hugging Face `tokenizers`.
+//!
+//! Inputs are `.jsonl`/`.json` files (one JSON object per line, text under `--json-key`, as
+//! Megatron's `preprocess_data.py` reads them) or plain text files, split into documents by
+//! paragraph (blank lines, the default), by line, or taken whole. Each document becomes one
+//! sequence and one document of the indexed dataset, followed by EOS, exactly as
+//! `preprocess_data.py --append-eod` writes it.
+
+use crate::error::{DataError, Result};
+use crate::indexed::{DType, IndexedDatasetBuilder};
+use rayon::prelude::*;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tokenizers::Tokenizer;
+
+/// End-of-document tokens looked for, in order, when none is named.
+pub const EOS_CANDIDATES: &[&str] = &["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"];
+
+/// How plain-text files are cut into documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TextSplit {
+    /// Blank-line separated paragraphs.
+    #[default]
+    Paragraph,
+    /// Every non-empty line.
+    Line,
+    /// The whole file.
+    File,
+}
+
+impl std::str::FromStr for TextSplit {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "paragraph" => Ok(TextSplit::Paragraph),
+            "line" => Ok(TextSplit::Line),
+            "file" => Ok(TextSplit::File),
+            _ => Err(format!(
+                "unknown split {s:?} (expected paragraph, line or file)"
+            )),
+        }
+    }
+}
+
+/// Where documents come from.
+#[derive(Debug, Clone)]
+pub struct DocSource {
+    pub files: Vec<PathBuf>,
+    /// JSON field holding the text in `.jsonl`/`.json` files.
+    pub json_key: String,
+    /// How `.txt` (any non-JSON) files split into documents.
+    pub split: TextSplit,
+}
+
+impl DocSource {
+    /// Total input bytes (for progress).
+    pub fn total_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum()
+    }
+
+    /// A streaming reader over all documents of all files, in order.
+    pub fn reader(&self) -> DocReader<'_> {
+        DocReader {
+            src: self,
+            next_file: 0,
+            current: None,
+            bytes: 0,
+        }
+    }
+}
+
+struct OpenFile {
+    path: PathBuf,
+    reader: BufReader<File>,
+    json: bool,
+    line: usize,
+    done: bool,
+}
+
+/// Streams documents; see [`DocSource::reader`].
+pub struct DocReader<'a> {
+    src: &'a DocSource,
+    next_file: usize,
+    current: Option<OpenFile>,
+    bytes: u64,
+}
+
+impl DocReader<'_> {
+    /// Input bytes consumed so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The next document, or `None` at the end of the last file.
+    pub fn next_doc(&mut self) -> Result<Option<String>> {
+        loop {
+            if self.current.as_ref().is_none_or(|c| c.done) {
+                let Some(path) = self.src.files.get(self.next_file) else {
+                    return Ok(None);
+                };
+                self.next_file += 1;
+                let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+                let ext = path
+                    .extension()
+                    .map(|e| e.to_string_lossy().to_lowercase())
+                    .unwrap_or_default();
+                self.current = Some(OpenFile {
+                    path: path.clone(),
+                    reader: BufReader::with_capacity(1 << 20, file),
+                    json: ext == "jsonl" || ext == "json" || ext == "ndjson",
+                    line: 0,
+                    done: false,
+                });
+            }
+            let Some(f) = self.current.as_mut() else {
+                continue;
+            };
+            let split = if f.json {
+                TextSplit::Line
+            } else {
+                self.src.split
+            };
+            let mut doc = String::new();
+            let mut line = String::new();
+            loop {
+                line.clear();
+                let n = f
+                    .reader
+                    .read_line(&mut line)
+                    .map_err(|e| DataError::io(&f.path, e))?;
+                self.bytes += n as u64;
+                if n == 0 {
+                    f.done = true;
+                    break;
+                }
+                f.line += 1;
+                if f.json {
+                    if line.trim().is_empty() {
+                        continue;
+                    }
+                    let v: serde_json::Value =
+                        serde_json::from_str(&line).map_err(|e| DataError::ListLine {
+                            path: f.path.clone(),
+                            line: f.line,
+                            reason: format!("not a JSON object: {e}"),
+                        })?;
+                    let text = v.get(&self.src.json_key).and_then(|t| t.as_str()).ok_or_else(
+                        || DataError::ListLine {
+                            path: f.path.clone(),
+                            line: f.line,
+                            reason: format!(
+                                "no string field {:?} (choose the field with --json-key)",
+                                self.src.json_key
+                            ),
+                        },
+                    )?;
+                    return Ok(Some(text.to_string()));
+                }
+                match split {
+                    TextSplit::Line => {
+                        let t = line.trim_end_matches(['\n', '\r']);
+                        if !t.trim().is_empty() {
+                            return Ok(Some(t.to_string()));
+                        }
+                    }
+                    TextSplit::Paragraph => {
+                        if line.trim().is_empty() {
+                            if !doc.is_empty() {
+                                break;
+                            }
+                        } else {
+                            doc.push_str(&line);
+                        }
+                    }
+                    TextSplit::File => doc.push_str(&line),
+                }
+            }
+            if !doc.is_empty() {
+                let trimmed = doc.trim_end_matches(['\n', '\r']).len();
+                doc.truncate(trimmed);
+                return Ok(Some(doc));
+            }
+        }
+    }
+}
+
+/// Load a `tokenizer.json`.
+pub fn load(path: &Path) -> Result<Tokenizer> {
+    Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
+        path: path.to_path_buf(),
+        reason: format!("cannot load tokenizer: {e}"),
+    })
+}
+
+/// Options for [`train_bpe`].
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub vocab_size: usize,
+    pub min_frequency: u64,
+    /// Special tokens, the first of which serves as end-of-document.
+    pub special_tokens: Vec<String>,
+}
+
+/// Train a byte-level BPE tokenizer (GPT-2 style: byte-level pre-tokenizer and decoder, no
+/// normaliser) on the documents and save it as `tokenizer.json` at `output`.
+pub fn train_bpe(src: &DocSource, opts: &TrainOptions, output: &Path) -> Result<Tokenizer> {
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{
+        AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+        TokenizerBuilder,
+    };
+    let tok_err = |e: tokenizers::Error| DataError::Tokenizer {
+        path: output.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(opts.vocab_size)
+        .min_frequency(opts.min_frequency)
+        .special_tokens(
+            opts.special_tokens
+                .iter()
+                .map(|t| AddedToken::from(t.clone(), true))
+                .collect(),
+        )
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let byte_level = ByteLevel::new(false, true, true);
+    let mut tokenizer = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    >::new()
+    .with_model(BPE::default())
+    .with_normalizer(None)
+    .with_pre_tokenizer(Some(byte_level.into()))
+    .with_post_processor(Some(byte_level.into()))
+    .with_decoder(Some(byte_level.into()))
+    .build()
+    .map_err(tok_err)?;
+
+    // The trainer pulls documents through an iterator; a read error is parked here and
+    // reported after training stops.
+    let mut reader = src.reader();
+    let bar = crate::progress::bytes_bar(src.total_bytes(), "read");
+    let mut failure: Option<DataError> = None;
+    let docs = std::iter::from_fn(|| match reader.next_doc() {
+        Ok(d) => {
+            bar.set_position(reader.bytes());
+            d
+        }
+        Err(e) => {
+            failure = Some(e);
+            None
+        }
+    });
+    tokenizer.train(&mut trainer, docs).map_err(tok_err)?;
+    bar.finish_and_clear();
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let tokenizer: Tokenizer = tokenizer.into();
+    let tmp = crate::indexed::tmp_name(output);
+    tokenizer.save(&tmp, true).map_err(tok_err)?;
+    std::fs::rename(&tmp, output).map_err(|e| DataError::io(output, e))?;
+    Ok(tokenizer)
+}
+
+/// What `kiln tokenize` records next to a dataset (`PREFIX.kiln.json`), so that the loader
+/// and `inspect` know the vocabulary and EOS without the tokenizer at hand.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Sidecar {
+    pub vocab_size: usize,
+    pub eos_id: Option<u32>,
+    pub tokenizer_sha256: String,
+    pub documents: u64,
+    pub tokens: u64,
+    pub dtype: DType,
+}
+
+/// Path of a dataset's sidecar.
+pub fn sidecar_path(prefix: &Path) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(".kiln.json");
+    PathBuf::from(s)
+}
+
+/// The sidecar of a dataset, if it has a readable one.
+pub fn read_sidecar(prefix: &Path) -> Option<Sidecar> {
+    let text = std::fs::read_to_string(sidecar_path(prefix)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// Options for [`tokenize`].
+#[derive(Debug, Clone)]
+pub struct TokenizeOptions {
+    /// Append this token after each document (`None`: don't).
+    pub eos: Option<String>,
+    /// Documents encoded per parallel batch.
+    pub batch_docs: usize,
+}
+
+/// What [`tokenize`] did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TokenizeStats {
+    pub documents: u64,
+    pub tokens: u64,
+    pub input_bytes: u64,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    pub dtype: DType,
+}
+
+/// Find the end-of-document token id: the named token, or the first of [`EOS_CANDIDATES`].
+pub fn find_eos(tok: &Tokenizer, tok_path: &Path, name: Option<&str>) -> Result<(String, u32)> {
+    let candidates: Vec<&str> = match name {
+        Some(n) => vec![n],
+        None => EOS_CANDIDATES.to_vec(),
+    };
+    for c in &candidates {
+        if let Some(id) = tok.token_to_id(c) {
+            return Ok((c.to_string(), id));
+        }
+    }
+    Err(DataError::Tokenizer {
+        path: tok_path.to_path_buf(),
+        reason: format!(
+            "no end-of-document token among {candidates:?}; name one with --eos or pass --no-eos"
+        ),
+    })
+}
+
+/// Tokenize documents into `output_prefix.{bin,idx}` (+ sidecar), in parallel batches whose
+/// order is kept, so the output is the same for any thread count.
+pub fn tokenize(
+    tokenizer_path: &Path,
+    src: &DocSource,
+    output_prefix: &Path,
+    opts: &TokenizeOptions,
+) -> Result<TokenizeStats> {
+    let tok = load(tokenizer_path)?;
+    let vocab = tok.get_vocab_size(true);
+    let eos = match &opts.eos {
+        Some(name) => Some(find_eos(&tok, tokenizer_path, Some(name))?.1),
+        None => None,
+    };
+    let dtype = DType::optimal(vocab);
+    if let Some(parent) = output_prefix.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
+    }
+    let mut builder = IndexedDatasetBuilder::create(output_prefix, dtype)?;
+    let t0 = Instant::now();
+    let total = src.total_bytes();
+    let bar = crate::progress::bytes_bar(total, "tokenize");
+    let mut reader = src.reader();
+    let mut docs = 0u64;
+    let batch = opts.batch_docs.max(1);
+    let enc_err = |e: tokenizers::Error| DataError::Tokenizer {
+        path: tokenizer_path.to_path_buf(),
+        reason: format!("encoding failed: {e}"),
+    };
+    loop {
+        let mut texts = Vec::with_capacity(batch);
+        let mut bytes = 0usize;
+        while texts.len() < batch && bytes < (16 << 20) {
+            match reader.next_doc()? {
+                Some(t) => {
+                    bytes += t.len();
+                    texts.push(t);
+                }
+                None => break,
+            }
+        }
+        if texts.is_empty() {
+            break;
+        }
+        let encoded: Vec<Result<Vec<u32>>> = texts
+            .par_iter()
+            .map(|t| {
+                let enc = tok.encode_fast(t.as_str(), false).map_err(enc_err)?;
+                let mut ids = enc.get_ids().to_vec();
+                if let Some(e) = eos {
+                    ids.push(e);
+                }
+                Ok(ids)
+            })
+            .collect();
+        for ids in encoded {
+            builder.add_document(&ids?)?;
+            docs += 1;
+        }
+        bar.set_position(reader.bytes());
+        if bar.is_hidden() {
+            tracing::debug!(docs, bytes = reader.bytes(), "tokenized");
+        } else {
+            bar.set_message(format!(
+                "{:.2}M tok/s",
+                builder.tokens() as f64 / t0.elapsed().as_secs_f64() / 1e6
+            ));
+        }
+    }
+    bar.finish_and_clear();
+    let tokens = builder.tokens();
+    builder.finish()?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let sha = crate::fingerprint::full(tokenizer_path, |_| {})?;
+    let sidecar = Sidecar {
+        vocab_size: vocab,
+        eos_id: eos,
+        tokenizer_sha256: sha,
+        documents: docs,
+        tokens,
+        dtype,
+    };
+    let sp = sidecar_path(output_prefix);
+    let text = serde_json::to_string_pretty(&sidecar)
+        .map_err(|e| DataError::format(&sp, e.to_string()))?;
+    std::fs::write(&sp, text + "\n").map_err(|e| DataError::io(&sp, e))?;
+    Ok(TokenizeStats {
+        documents: docs,
+        tokens,
+        input_bytes: reader.bytes(),
+        seconds,
+        tokens_per_second: tokens as f64 / seconds.max(1e-9),
+        dtype,
+    })
+}
