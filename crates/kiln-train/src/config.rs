@@ -251,7 +251,7 @@ impl Default for CheckpointConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Corpus list file (lines `weight prefix [corpus]`) of Megatron indexed datasets; empty =
-    /// the built-in synthetic arithmetic corpus.
+    /// the built-in synthetic copy corpus.
     pub corpus_list: String,
     /// Directory for cached blend indices; empty = `.kiln-cache` beside the corpus list
     /// (shared by all ranks and runs that read it).

@@ -18,7 +18,7 @@ pub trait TokenSource: Send {
     }
 }
 
-/// The synthetic arithmetic corpus.
+/// The synthetic copy corpus.
 pub struct SyntheticSource(pub Synthetic);
 
 impl TokenSource for SyntheticSource {
@@ -29,7 +29,7 @@ impl TokenSource for SyntheticSource {
         Ok(self.0.train_sample(index, len))
     }
     fn describe(&self) -> String {
-        "synthetic arithmetic corpus (built in)".into()
+        "synthetic copy corpus (built in)".into()
     }
 }
 

@@ -20,7 +20,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Train a model (default: a small Llama on the built-in synthetic arithmetic corpus).
+    /// Train a model (default: a small Llama on the built-in synthetic copy corpus).
     Train(cmd::train::TrainArgs),
     /// Run any program on every rank of the allocation, watch its progress and recover it.
     Launch(cmd::launch::LaunchArgs),

@@ -29,7 +29,7 @@ Examples:
   kiln train configs/tiny.toml --set training.steps=2000 --run-dir runs/long
   kiln train --print-config > my.toml          # every key, with its default")]
 pub struct TrainArgs {
-    /// TOML config file; without one, the built-in defaults (synthetic arithmetic corpus).
+    /// TOML config file; without one, the built-in defaults (synthetic copy corpus).
     pub config: Option<PathBuf>,
     /// Override a config key, e.g. `--set training.steps=100` (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
