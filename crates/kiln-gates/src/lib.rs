@@ -1,1 +1,73 @@
-//! Correctness gates: the bit-exact smoke gate, the LR finder, eval, and run reports (status, plots).
+//! Correctness gates: the bit-exact smoke gate ([`smoke`]), the LR finder ([`lrfind`]),
+//! multiple-choice and held-out eval ([`mc`]), and run reports ([`report`]: status and
+//! plots of a run directory).
+//!
+//! Everything here is a library so the CLI (`kiln smoke`, `lr-find`, `eval`, `status`,
+//! `plot`) stays thin and the trainer can call the same eval ([`mc::score_multiple_choice`]).
+
+pub mod lrfind;
+pub mod mc;
+pub mod plot;
+pub mod report;
+pub mod smoke;
+
+use std::path::PathBuf;
+
+/// Errors of the gates.
+#[derive(Debug, thiserror::Error)]
+pub enum GatesError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A file is malformed; `line` is 1-based, 0 when the whole file is at fault.
+    #[error("{}: {message}", location(path, *line))]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number (0: the whole file).
+        line: usize,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// The trainer failed (config, checkpoint, data).
+    #[error(transparent)]
+    Train(#[from] kiln_train::TrainError),
+    /// Reading a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] kiln_train::checkpoint::CheckpointError),
+    /// The event log is unreadable.
+    #[error(transparent)]
+    Events(#[from] kiln_run::EventLogError),
+    /// Drawing a plot failed.
+    #[error("plot {path}: {message}")]
+    Plot {
+        /// The output file.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
+    /// Anything else that makes the request impossible (the message says why).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn location(path: &std::path::Path, line: usize) -> String {
+    if line == 0 {
+        path.display().to_string()
+    } else {
+        format!("{} line {line}", path.display())
+    }
+}
+
+/// Shorthand for an I/O error naming `path`.
+pub(crate) fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> GatesError + '_ {
+    move |source| GatesError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}

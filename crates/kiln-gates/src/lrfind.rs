@@ -1,0 +1,293 @@
+//! The learning-rate finder (Smith 2015, fastai's `lr_find`): train from a fresh model while
+//! the LR grows exponentially from `min` to `max`, smooth the loss with a debiased EMA, stop
+//! when it blows up (smoothed loss above `blowup_factor` times the best so far, or not
+//! finite), and suggest the LR where the smoothed loss falls fastest (steepest descent
+//! against log LR) and, as a more conservative bound, the blow-up LR divided by 10.
+//!
+//! The steps are the trainer's (same model, data, AdamW and gradient clipping from the
+//! config); only the LR differs: no schedule, no warmup.
+
+use crate::plot::{Panel, Series, write_plots};
+use crate::{GatesError, io_err};
+use kiln_train::optim::{clip_by_global_norm, global_norm};
+use kiln_train::{Config, Session};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Sweep settings.
+#[derive(Debug, Clone)]
+pub struct LrFindOptions {
+    /// First LR.
+    pub min_lr: f64,
+    /// Last LR.
+    pub max_lr: f64,
+    /// Steps of the sweep.
+    pub steps: u64,
+    /// EMA coefficient of the smoothing (0.9: about the last 10 steps).
+    pub beta: f64,
+    /// Stop when the smoothed loss exceeds this many times the best smoothed loss.
+    pub blowup_factor: f64,
+}
+
+impl Default for LrFindOptions {
+    fn default() -> Self {
+        Self {
+            min_lr: 1e-6,
+            max_lr: 1.0,
+            steps: 100,
+            beta: 0.9,
+            blowup_factor: 4.0,
+        }
+    }
+}
+
+/// One step of the sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct LrPoint {
+    /// Step (1-based).
+    pub step: u64,
+    /// LR used.
+    pub lr: f64,
+    /// Raw loss.
+    pub loss: f64,
+    /// Debiased EMA of the loss.
+    pub smoothed: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// Result of a sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct LrFindResult {
+    /// Every step run.
+    pub points: Vec<LrPoint>,
+    /// LR where the smoothed loss falls fastest against log LR.
+    pub steepest_lr: Option<f64>,
+    /// LR at which the smoothed loss blew up, if it did.
+    pub blowup_lr: Option<f64>,
+    /// LR of the lowest smoothed loss.
+    pub min_loss_lr: Option<f64>,
+    /// The conservative suggestion: blow-up LR / 10 (or, without a blow-up, min-loss LR / 10).
+    pub conservative_lr: Option<f64>,
+    /// The suggestion: the steepest-descent LR.
+    pub suggested_lr: Option<f64>,
+}
+
+/// LR of step `i` (0-based) of an exponential ramp over `n` steps.
+pub fn ramp(min: f64, max: f64, i: u64, n: u64) -> f64 {
+    if n <= 1 {
+        return min;
+    }
+    min * (max / min).powf(i as f64 / (n - 1) as f64)
+}
+
+/// Runs the sweep; `progress` sees each point.
+pub fn run(
+    config: &Config,
+    opts: &LrFindOptions,
+    progress: &mut dyn FnMut(&LrPoint),
+) -> Result<LrFindResult, GatesError> {
+    if !(opts.min_lr > 0.0 && opts.max_lr > opts.min_lr && opts.max_lr.is_finite()) {
+        return Err(GatesError::Invalid(format!(
+            "need 0 < --min < --max, got --min {} --max {}",
+            opts.min_lr, opts.max_lr
+        )));
+    }
+    if opts.steps < 5 {
+        return Err(GatesError::Invalid(format!(
+            "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",
+            opts.steps
+        )));
+    }
+    if !(0.0..1.0).contains(&opts.beta) {
+        return Err(GatesError::Invalid(format!(
+            "smoothing beta must be in [0, 1), got {}",
+            opts.beta
+        )));
+    }
+    let mut s = Session::new(config)?;
+    let ad = s.device.clone().autodiff();
+    let seq = config.training.seq_len;
+    let rows_per_step = (config.training.batch_size * config.training.grad_accum_steps) as u64;
+    let frozen = vec![false; s.params.len()];
+    let mut points: Vec<LrPoint> = Vec::new();
+    let (mut avg, mut best) = (0.0f64, f64::INFINITY);
+    let mut blowup = None;
+    for i in 0..opts.steps {
+        let lr = ramp(opts.min_lr, opts.max_lr, i, opts.steps);
+        let rows: Vec<Vec<u32>> = (0..rows_per_step)
+            .map(|r| s.data.sample(i * rows_per_step + r, seq + 1))
+            .collect::<Result<_, _>>()
+            .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
+        let inputs = Session::int_tensor(&rows, seq, &ad);
+        let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
+        let targets = Session::int_tensor(&shifted, seq, &ad);
+        let leaves: Vec<_> = s
+            .params
+            .iter()
+            .map(|p| p.clone().autodiff().require_grad())
+            .collect();
+        let loss = s.model.loss(&leaves, inputs, targets);
+        let value = f64::from(loss.clone().into_scalar::<f32>());
+        let g = loss.backward();
+        let grads: Vec<_> = leaves
+            .iter()
+            .zip(&s.params)
+            .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
+            .collect();
+        let norm = global_norm(&grads);
+        avg = opts.beta * avg + (1.0 - opts.beta) * value;
+        let smoothed = avg / (1.0 - opts.beta.powi(i as i32 + 1));
+        let p = LrPoint {
+            step: i + 1,
+            lr,
+            loss: value,
+            smoothed,
+            grad_norm: f64::from(norm),
+        };
+        progress(&p);
+        points.push(p);
+        if !smoothed.is_finite() || (i > 0 && smoothed > opts.blowup_factor * best) {
+            blowup = Some(lr);
+            break;
+        }
+        best = best.min(smoothed);
+        if !norm.is_finite() {
+            blowup = Some(lr);
+            break;
+        }
+        let grads = clip_by_global_norm(grads, norm, config.optimizer.max_grad_norm);
+        s.optimizer.update(&mut s.params, grads, lr, &frozen);
+    }
+    Ok(analyse(points, blowup))
+}
+
+/// The suggestions from a sweep's points (exposed for tests).
+pub fn analyse(points: Vec<LrPoint>, blowup_lr: Option<f64>) -> LrFindResult {
+    // Points before the blow-up (the last point is the blow-up itself when there was one).
+    let usable = if blowup_lr.is_some() {
+        points.len().saturating_sub(1)
+    } else {
+        points.len()
+    };
+    let pts = &points[..usable];
+    let min_loss_lr = pts
+        .iter()
+        .filter(|p| p.smoothed.is_finite())
+        .min_by(|a, b| a.smoothed.total_cmp(&b.smoothed))
+        .map(|p| p.lr);
+    // Steepest descent: central differences of the smoothed loss against ln(lr), skipping the
+    // first tenth (the EMA is still warming up) and the region past the minimum loss.
+    let skip = (points.len() / 10).max(1);
+    let end = pts
+        .iter()
+        .position(|p| Some(p.lr) == min_loss_lr)
+        .map_or(pts.len(), |i| (i + 1).min(pts.len()));
+    let mut steepest: Option<(f64, f64)> = None;
+    for i in skip.max(1)..end.saturating_sub(1) {
+        let (a, b) = (&pts[i - 1], &pts[i + 1]);
+        let slope = (b.smoothed - a.smoothed) / (b.lr.ln() - a.lr.ln());
+        if slope.is_finite() && steepest.is_none_or(|(s, _)| slope < s) {
+            steepest = Some((slope, pts[i].lr));
+        }
+    }
+    let steepest_lr = steepest.map(|(_, lr)| lr);
+    let conservative_lr = blowup_lr.or(min_loss_lr).map(|lr| lr / 10.0);
+    LrFindResult {
+        points,
+        steepest_lr,
+        blowup_lr,
+        min_loss_lr,
+        conservative_lr,
+        suggested_lr: steepest_lr.or(conservative_lr),
+    }
+}
+
+/// Writes `lr-find.csv`, `lr-find.json` (the suggestions) and `lr-find.svg`/`.png` into `dir`;
+/// returns the paths written.
+pub fn write_outputs(result: &LrFindResult, dir: &Path) -> Result<Vec<PathBuf>, GatesError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let csv = dir.join("lr-find.csv");
+    let mut text = String::from("step,lr,loss,smoothed_loss,grad_norm\n");
+    for p in &result.points {
+        text.push_str(&format!(
+            "{},{:e},{},{},{}\n",
+            p.step, p.lr, p.loss, p.smoothed, p.grad_norm
+        ));
+    }
+    std::fs::write(&csv, text).map_err(io_err(&csv))?;
+    let json = dir.join("lr-find.json");
+    let summary = serde_json::json!({
+        "suggested_lr": result.suggested_lr,
+        "steepest_lr": result.steepest_lr,
+        "conservative_lr": result.conservative_lr,
+        "blowup_lr": result.blowup_lr,
+        "min_loss_lr": result.min_loss_lr,
+        "steps_run": result.points.len(),
+    });
+    std::fs::write(&json, format!("{summary:#}\n")).map_err(io_err(&json))?;
+    let mut markers = Vec::new();
+    if let Some(lr) = result.steepest_lr {
+        markers.push((lr, format!("steepest {lr:.1e}")));
+    }
+    if let Some(lr) = result.conservative_lr {
+        markers.push((lr, format!("{lr:.1e}")));
+    }
+    let panels = vec![Panel {
+        title: "loss vs learning rate".into(),
+        x_label: "learning rate (log)".into(),
+        log_x: true,
+        series: vec![
+            Series {
+                name: "loss".into(),
+                points: result.points.iter().map(|p| (p.lr, p.loss)).collect(),
+            },
+            Series {
+                name: "smoothed".into(),
+                points: result.points.iter().map(|p| (p.lr, p.smoothed)).collect(),
+            },
+        ],
+        markers,
+        ..Default::default()
+    }];
+    let (svg, png) = write_plots(&dir.join("lr-find"), "kiln lr-find", &panels, 1)?;
+    Ok(vec![csv, json, svg, png])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pts(losses: &[f64]) -> Vec<LrPoint> {
+        losses
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| LrPoint {
+                step: i as u64 + 1,
+                lr: ramp(1e-5, 1.0, i as u64, losses.len() as u64),
+                loss: l,
+                smoothed: l,
+                grad_norm: 1.0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ramp_is_exponential() {
+        assert_eq!(ramp(1e-4, 1e-2, 0, 3), 1e-4);
+        assert!((ramp(1e-4, 1e-2, 1, 3) - 1e-3).abs() < 1e-12);
+        assert!((ramp(1e-4, 1e-2, 2, 3) - 1e-2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn steepest_descent_and_blowup() {
+        // flat, then a steep fall around step 6, a minimum, then a blow-up
+        let losses = [3.0, 3.0, 3.0, 2.9, 2.7, 2.0, 1.0, 0.9, 0.85, 1.5, 9.0];
+        let r = analyse(pts(&losses), Some(1.0));
+        let lrs: Vec<f64> = r.points.iter().map(|p| p.lr).collect();
+        assert_eq!(r.steepest_lr, Some(lrs[5]));
+        assert_eq!(r.min_loss_lr, Some(lrs[8]));
+        assert_eq!(r.conservative_lr, Some(0.1));
+        assert_eq!(r.suggested_lr, r.steepest_lr);
+    }
+}

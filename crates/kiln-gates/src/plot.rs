@@ -1,0 +1,317 @@
+//! Line plots as SVG and PNG with `plotters`: a grid of panels, each with one or more series.
+//!
+//! Text in the PNG needs a TrueType font, found at run time: `$KILN_FONT`, else DejaVu Sans
+//! at the usual system paths (Debian/Ubuntu package `fonts-dejavu-core`). Without one the
+//! plots are still drawn, without any text (a warning says so).
+
+use crate::GatesError;
+use plotters::prelude::*;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// One curve.
+#[derive(Debug, Clone, Default)]
+pub struct Series {
+    /// Legend name.
+    pub name: String,
+    /// (x, y) points; non-finite ones are dropped.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One chart of the grid.
+#[derive(Debug, Clone, Default)]
+pub struct Panel {
+    /// Caption.
+    pub title: String,
+    /// X axis description.
+    pub x_label: String,
+    /// Logarithmic x axis (values must be positive).
+    pub log_x: bool,
+    /// Logarithmic y axis (values must be positive).
+    pub log_y: bool,
+    /// The curves.
+    pub series: Vec<Series>,
+    /// Vertical marker lines (x, label).
+    pub markers: Vec<(f64, String)>,
+}
+
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+];
+
+/// Registers a font for plot text once per process; returns whether one is available.
+pub fn font_available() -> bool {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    *FONT.get_or_init(|| {
+        let candidates: Vec<PathBuf> = std::env::var_os("KILN_FONT")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(FONT_PATHS.iter().map(PathBuf::from))
+            .collect();
+        for p in candidates {
+            if let Ok(bytes) = std::fs::read(&p) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        tracing::warn!(
+            "no TrueType font found (set KILN_FONT or install fonts-dejavu-core): plots have no text"
+        );
+        false
+    })
+}
+
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+fn range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
+    let mut lo = f64::INFINITY;
+    let mut hi = f64::NEG_INFINITY;
+    for v in values.filter(|v| v.is_finite()) {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if !lo.is_finite() {
+        return None;
+    }
+    if hi - lo < 1e-12 * hi.abs().max(1e-12) {
+        let pad = (hi.abs() * 0.05).max(1e-6);
+        return Some((lo - pad, hi + pad));
+    }
+    let pad = (hi - lo) * 0.04;
+    Some((lo - pad, hi + pad))
+}
+
+fn log_label(v: f64) -> String {
+    let x = 10f64.powf(v);
+    format!("{x:.0e}")
+}
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    panels: &[Panel],
+    cols: usize,
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let root = if text && !title.is_empty() {
+        root.titled(title, ("sans-serif", 22))
+            .map_err(|e| e.to_string())?
+    } else {
+        root
+    };
+    let cols = cols.max(1);
+    let rows = panels.len().div_ceil(cols).max(1);
+    let areas = root.split_evenly((rows, cols));
+    for (panel, area) in panels.iter().zip(areas) {
+        let tx = |x: f64| if panel.log_x { x.log10() } else { x };
+        let ty = |y: f64| if panel.log_y { y.log10() } else { y };
+        let pts: Vec<Vec<(f64, f64)>> = panel
+            .series
+            .iter()
+            .map(|s| {
+                s.points
+                    .iter()
+                    .map(|&(x, y)| (tx(x), ty(y)))
+                    .filter(|(x, y)| x.is_finite() && y.is_finite())
+                    .collect()
+            })
+            .collect();
+        let xr = range(pts.iter().flatten().map(|p| p.0));
+        let yr = range(pts.iter().flatten().map(|p| p.1));
+        let (Some(xr), Some(yr)) = (xr, yr) else {
+            if text {
+                area.draw(&Text::new(
+                    format!("{}: no data", panel.title),
+                    (20, 20),
+                    ("sans-serif", 14),
+                ))
+                .map_err(|e| e.to_string())?;
+            }
+            continue;
+        };
+        let mut builder = ChartBuilder::on(&area);
+        builder.margin(8);
+        if text {
+            builder
+                .caption(&panel.title, ("sans-serif", 16))
+                .x_label_area_size(32)
+                .y_label_area_size(56);
+        }
+        let mut chart = builder
+            .build_cartesian_2d(xr.0..xr.1, yr.0..yr.1)
+            .map_err(|e| e.to_string())?;
+        let xf = |v: &f64| {
+            if panel.log_x {
+                log_label(*v)
+            } else if v.abs() >= 1e4 {
+                format!("{v:.1e}")
+            } else {
+                format!("{v}")
+            }
+        };
+        let yf = |v: &f64| {
+            if panel.log_y {
+                log_label(*v)
+            } else if v.abs() >= 1e4 || (v.abs() < 1e-2 && *v != 0.0) {
+                format!("{v:.1e}")
+            } else {
+                format!("{v:.3}")
+            }
+        };
+        let mut mesh = chart.configure_mesh();
+        mesh.x_label_formatter(&xf).y_label_formatter(&yf);
+        if text {
+            mesh.x_desc(panel.x_label.as_str())
+                .label_style(("sans-serif", 11));
+        } else {
+            mesh.x_labels(0).y_labels(0);
+        }
+        mesh.draw().map_err(|e| e.to_string())?;
+        for (i, (s, p)) in panel.series.iter().zip(&pts).enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let drawn = chart
+                .draw_series(LineSeries::new(p.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| e.to_string())?;
+            if text && panel.series.len() > 1 {
+                drawn.label(s.name.as_str()).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
+            }
+        }
+        for (x, label) in &panel.markers {
+            let x = tx(*x);
+            if !x.is_finite() {
+                continue;
+            }
+            chart
+                .draw_series(LineSeries::new(
+                    vec![(x, yr.0), (x, yr.1)],
+                    RED.mix(0.6).stroke_width(1),
+                ))
+                .map_err(|e| e.to_string())?;
+            if text {
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        label.clone(),
+                        (x, yr.1 - (yr.1 - yr.0) * 0.08),
+                        ("sans-serif", 11).into_font().color(&RED),
+                    )))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        if text && panel.series.len() > 1 {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 11))
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+/// Draws `panels` in a grid of `cols` columns to `stem.svg` and `stem.png`; returns both paths.
+pub fn write_plots(
+    stem: &Path,
+    title: &str,
+    panels: &[Panel],
+    cols: usize,
+) -> Result<(PathBuf, PathBuf), GatesError> {
+    let rows = panels.len().div_ceil(cols.max(1)).max(1) as u32;
+    let size = (480 * cols.max(1) as u32, 320 * rows + 40);
+    let svg = stem.with_extension("svg");
+    let png = stem.with_extension("png");
+    if let Some(parent) = stem.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(crate::io_err(parent))?;
+    }
+    let text = font_available();
+    draw(
+        SVGBackend::new(&svg, size).into_drawing_area(),
+        title,
+        panels,
+        cols,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: svg.clone(),
+        message,
+    })?;
+    draw(
+        BitMapBackend::new(&png, size).into_drawing_area(),
+        title,
+        panels,
+        cols,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: png.clone(),
+        message,
+    })?;
+    Ok((svg, png))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_svg_and_png() {
+        let dir = tempfile::tempdir().unwrap();
+        let panels = vec![
+            Panel {
+                title: "loss".into(),
+                x_label: "step".into(),
+                series: vec![
+                    Series {
+                        name: "train".into(),
+                        points: (1..50).map(|i| (i as f64, 3.0 / i as f64)).collect(),
+                    },
+                    Series {
+                        name: "eval".into(),
+                        points: vec![(10.0, 0.5), (40.0, 0.1)],
+                    },
+                ],
+                ..Default::default()
+            },
+            Panel {
+                title: "lr".into(),
+                x_label: "lr".into(),
+                log_x: true,
+                series: vec![Series {
+                    name: "x".into(),
+                    points: vec![(1e-5, 1.0), (1e-3, 2.0), (1e-1, 0.5)],
+                }],
+                markers: vec![(1e-3, "here".into())],
+                ..Default::default()
+            },
+            Panel {
+                title: "empty".into(),
+                ..Default::default()
+            },
+        ];
+        let (svg, png) = write_plots(&dir.path().join("p"), "test", &panels, 2).unwrap();
+        assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
+        let bytes = std::fs::read(png).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+    }
+}

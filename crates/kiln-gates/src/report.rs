@@ -1,0 +1,350 @@
+//! What happened to a run, from its files: `metrics.jsonl` (step and eval lines),
+//! `events.jsonl` and `checkpoints/step-N`. Backs `kiln status` and `kiln plot`.
+
+use crate::plot::{Panel, Series, write_plots};
+use crate::{GatesError, io_err};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A step line of `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepLine {
+    /// Step.
+    pub step: u64,
+    /// Training loss.
+    pub loss: f64,
+    /// Gradient norm.
+    pub grad_norm: f64,
+    /// Learning rate.
+    pub lr: f64,
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// Tokens seen so far.
+    pub tokens_seen: u64,
+}
+
+/// An eval line of `metrics.jsonl`: `eval_loss` and every other number on it (for example
+/// `eval_accuracy`, `unigram_loss`, multiple-choice `mc_acc`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EvalLine {
+    /// Step.
+    pub step: u64,
+    /// Numbers by key (includes `eval_loss`).
+    pub values: BTreeMap<String, f64>,
+}
+
+/// Parsed `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Metrics {
+    /// Step lines, in file order (a resumed run may repeat steps).
+    pub steps: Vec<StepLine>,
+    /// Eval lines, in file order.
+    pub evals: Vec<EvalLine>,
+}
+
+fn num(obj: &Map<String, Value>, key: &str) -> f64 {
+    obj.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN)
+}
+
+/// Reads `RUN_DIR/metrics.jsonl`. A torn last line is skipped; any other malformed line is an
+/// error naming it. Lines that are neither step nor eval lines are ignored.
+pub fn read_metrics(run_dir: &Path) -> Result<Metrics, GatesError> {
+    let path = run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut m = Metrics::default();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let obj = match serde_json::from_str::<Value>(line) {
+            Ok(Value::Object(o)) => o,
+            Err(_) if i + 1 == lines.len() => continue, // torn final line
+            Ok(_) | Err(_) => {
+                return Err(GatesError::Parse {
+                    path,
+                    line: i + 1,
+                    message: "not a JSON object".into(),
+                });
+            }
+        };
+        let step = obj.get("step").and_then(Value::as_u64).unwrap_or(0);
+        if obj.contains_key("step_time_s") {
+            m.steps.push(StepLine {
+                step,
+                loss: num(&obj, "loss"),
+                grad_norm: num(&obj, "grad_norm"),
+                lr: num(&obj, "lr"),
+                tokens_per_s: num(&obj, "tokens_per_s"),
+                tokens_seen: obj.get("tokens_seen").and_then(Value::as_u64).unwrap_or(0),
+            });
+        } else if obj.contains_key("eval_loss") {
+            let values = obj
+                .iter()
+                .filter(|(k, _)| k.as_str() != "step")
+                .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+                .collect();
+            m.evals.push(EvalLine { step, values });
+        }
+    }
+    Ok(m)
+}
+
+/// Events that guards and recovery write, counted by `kiln status`.
+pub const GUARD_EVENTS: &[&str] = &[
+    "initial_loss_ok",
+    "initial_loss_error",
+    "nonfinite_skip",
+    "loss_spike",
+    "rollback",
+    "spike_skip",
+    "frozen_params",
+    "checkpoint_rejected",
+    "config_changed",
+];
+
+fn check_run_dir(run_dir: &Path) -> Result<(), GatesError> {
+    if !run_dir.is_dir() {
+        return Err(GatesError::Invalid(format!(
+            "{}: no such run directory",
+            run_dir.display()
+        )));
+    }
+    if !run_dir.join("metrics.jsonl").exists() && !run_dir.join("events.jsonl").exists() {
+        return Err(GatesError::Invalid(format!(
+            "{}: not a run directory (no metrics.jsonl or events.jsonl); give the --run-dir of `kiln train`",
+            run_dir.display()
+        )));
+    }
+    Ok(())
+}
+
+fn fmt_value(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(a) => a.iter().map(fmt_value).collect::<Vec<_>>().join(","),
+        other => other.to_string(),
+    }
+}
+
+/// The text of `kiln status RUN_DIR`.
+pub fn status(run_dir: &Path) -> Result<String, GatesError> {
+    check_run_dir(run_dir)?;
+    let metrics = if run_dir.join("metrics.jsonl").exists() {
+        read_metrics(run_dir)?
+    } else {
+        Metrics::default()
+    };
+    let events = kiln_run::read_events(run_dir)?;
+    let mut out = format!("run: {}\n", run_dir.display());
+    let total = events
+        .iter()
+        .rev()
+        .find(|e| e.event == "start")
+        .and_then(|e| e.fields.get("total_steps").and_then(Value::as_u64));
+    let last = metrics.steps.last();
+    match last {
+        Some(s) => {
+            out.push_str(&format!(
+                "steps: {}{}  tokens: {}\n",
+                s.step,
+                total.map_or(String::new(), |t| format!(" of {t}")),
+                s.tokens_seen
+            ));
+            out.push_str(&format!(
+                "last loss: {:.4} (step {}), grad_norm {:.3}, lr {:.3e}, {:.0} tokens/s\n",
+                s.loss, s.step, s.grad_norm, s.lr, s.tokens_per_s
+            ));
+        }
+        None => out.push_str(&format!(
+            "steps: 0{}  (no step metrics yet)\n",
+            total.map_or(String::new(), |t| format!(" of {t}"))
+        )),
+    }
+    match metrics.evals.last() {
+        Some(e) => {
+            let rest: Vec<String> = e
+                .values
+                .iter()
+                .filter(|(k, _)| k.as_str() != "eval_loss")
+                .map(|(k, v)| format!("{k} {v:.4}"))
+                .collect();
+            out.push_str(&format!(
+                "last eval: step {}: eval_loss {:.4}{}{}\n",
+                e.step,
+                e.values.get("eval_loss").copied().unwrap_or(f64::NAN),
+                if rest.is_empty() { "" } else { ", " },
+                rest.join(", ")
+            ));
+        }
+        None => out.push_str("last eval: none\n"),
+    }
+    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join("checkpoints"));
+    ckpts.reverse();
+    let final_weights = run_dir.join("model.safetensors").exists();
+    out.push_str(&format!(
+        "checkpoints: {}{}\n",
+        if ckpts.is_empty() {
+            "none".to_string()
+        } else {
+            ckpts
+                .iter()
+                .map(|s| kiln_train::checkpoint::dir_name(*s))
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+        if final_weights {
+            "; final weights: model.safetensors"
+        } else {
+            ""
+        }
+    ));
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in &events {
+        *counts.entry(e.event.as_str()).or_default() += 1;
+    }
+    let starts = counts.get("start").copied().unwrap_or(0);
+    let resumes = counts.get("resume").copied().unwrap_or(0);
+    out.push_str(&format!(
+        "attempts: {starts} start(s), {resumes} resume(s), {} checkpoint(s) saved\n",
+        counts.get("checkpoint_saved").copied().unwrap_or(0)
+    ));
+    let guards: Vec<String> = GUARD_EVENTS
+        .iter()
+        .filter_map(|g| counts.get(g).map(|n| format!("{g} x{n}")))
+        .collect();
+    out.push_str(&format!(
+        "guard events: {}\n",
+        if guards.is_empty() {
+            "none".to_string()
+        } else {
+            guards.join(", ")
+        }
+    ));
+    for e in events
+        .iter()
+        .filter(|e| GUARD_EVENTS.contains(&e.event.as_str()) && e.event != "initial_loss_ok")
+        .rev()
+        .take(5)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
+        let fields: Vec<String> = e
+            .fields
+            .iter()
+            .map(|(k, v)| format!("{k}={}", fmt_value(v)))
+            .collect();
+        out.push_str(&format!("  {}: {}\n", e.event, fields.join(" ")));
+    }
+    match events.iter().rev().find(|e| e.event == "exit") {
+        Some(e) => out.push_str(&format!(
+            "last exit: {} (code {}) at step {}\n",
+            e.fields.get("reason").map_or("?".into(), fmt_value),
+            e.fields.get("code").map_or("?".into(), fmt_value),
+            e.fields.get("step").map_or("?".into(), fmt_value),
+        )),
+        None => out.push_str("last exit: none recorded (running, or killed without a trace)\n"),
+    }
+    Ok(out)
+}
+
+/// Draws a run's curves (loss and eval loss, eval accuracies, LR, gradient norm, tokens/s)
+/// to `out_stem.svg` and `out_stem.png` (default stem: `RUN_DIR/plots/curves`).
+pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<(PathBuf, PathBuf), GatesError> {
+    check_run_dir(run_dir)?;
+    let m = read_metrics(run_dir)?;
+    if m.steps.is_empty() && m.evals.is_empty() {
+        return Err(GatesError::Invalid(format!(
+            "{}: metrics.jsonl has no step or eval lines yet",
+            run_dir.join("metrics.jsonl").display()
+        )));
+    }
+    let step_series = |name: &str, f: fn(&StepLine) -> f64| Series {
+        name: name.into(),
+        points: m.steps.iter().map(|s| (s.step as f64, f(s))).collect(),
+    };
+    let eval_series = |key: &str| Series {
+        name: key.into(),
+        points: m
+            .evals
+            .iter()
+            .filter_map(|e| Some((e.step as f64, *e.values.get(key)?)))
+            .collect(),
+    };
+    let mut keys: Vec<String> = m
+        .evals
+        .iter()
+        .flat_map(|e| e.values.keys().cloned())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    let mut loss = vec![
+        step_series("train loss", |s| s.loss),
+        eval_series("eval_loss"),
+    ];
+    if keys.iter().any(|k| k == "unigram_loss") {
+        loss.push(eval_series("unigram_loss"));
+    }
+    let acc: Vec<Series> = keys
+        .iter()
+        .filter(|k| k.contains("acc"))
+        .map(|k| eval_series(k))
+        .collect();
+    let panel = |title: &str, series: Vec<Series>, log_y: bool| Panel {
+        title: title.into(),
+        x_label: "step".into(),
+        log_y,
+        series,
+        ..Default::default()
+    };
+    let panels = vec![
+        panel("loss (nats/token)", loss, false),
+        panel("eval accuracy", acc, false),
+        panel("learning rate", vec![step_series("lr", |s| s.lr)], false),
+        panel(
+            "gradient norm (before clipping)",
+            vec![step_series("grad_norm", |s| s.grad_norm)],
+            false,
+        ),
+        panel(
+            "tokens/s",
+            vec![step_series("tokens/s", |s| s.tokens_per_s)],
+            false,
+        ),
+    ];
+    let stem = out_stem.map_or_else(|| run_dir.join("plots").join("curves"), Path::to_path_buf);
+    write_plots(
+        &stem,
+        &format!("kiln run {}", run_dir.display()),
+        &panels,
+        3,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_lines_are_sorted_into_steps_and_evals() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":1,\"loss\":2.5,\"grad_norm\":1.0,\"lr\":0.001,\"tokens_per_s\":100.0,\"step_time_s\":0.1,\"mfu\":0.0,\"rss_mib\":10.0,\"tokens_seen\":64}\n\
+             {\"step\":1,\"eval_loss\":2.4,\"eval_accuracy\":0.0,\"unigram_loss\":2.1}\n\
+             {\"step\":2,\"loss\":2.",
+        )
+        .unwrap();
+        let m = read_metrics(dir.path()).unwrap();
+        assert_eq!(m.steps.len(), 1);
+        assert_eq!(m.steps[0].tokens_seen, 64);
+        assert_eq!(m.evals[0].values["eval_accuracy"], 0.0);
+        std::fs::write(dir.path().join("metrics.jsonl"), "oops\n{\"step\":1}\n").unwrap();
+        let e = read_metrics(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("metrics.jsonl line 1"), "{e}");
+        let e = status(&dir.path().join("nope")).unwrap_err().to_string();
+        assert!(e.contains("no such run directory"), "{e}");
+    }
+}

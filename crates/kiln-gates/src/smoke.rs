@@ -1,0 +1,497 @@
+//! The bit-exact smoke gate: run N deterministic training steps, record every step's loss
+//! and gradient norm as exact f32 bits plus the peak memory, and compare with a stored
+//! baseline. Any difference in the numbers, even one unit in the last place, fails the gate:
+//! it is how an upgrade of burn (or any dependency, or a refactor of the model) that changes
+//! the numerics is caught within minutes instead of after a week of training.
+//!
+//! The baseline file (JSON) keeps the effective config it was made with; a run with a
+//! different config is refused (the numbers would not be comparable) unless the caller asks
+//! to compare anyway. Memory is compared with a tolerance, never exactly.
+
+use crate::{GatesError, io_err};
+use kiln_train::{Config, Observer, StepMetrics, TrainOptions};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+use std::time::Instant;
+
+/// Format tag of smoke baseline files.
+pub const FORMAT: &str = "kiln-smoke/1";
+
+/// One recorded step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// Optimizer step (1-based) as the trainer reported it.
+    pub step: u64,
+    /// Loss as f32 bits, hex (`0x40312345`): the value that is compared.
+    pub loss_bits: String,
+    /// Gradient norm (before clipping) as f32 bits, hex: compared.
+    pub grad_norm_bits: String,
+    /// The loss as a decimal, for people (not compared).
+    pub loss: f32,
+    /// The gradient norm as a decimal, for people (not compared).
+    pub grad_norm: f32,
+}
+
+impl StepRecord {
+    fn new(step: u64, loss: f32, grad_norm: f32) -> Self {
+        Self {
+            step,
+            loss_bits: format!("{:#010x}", loss.to_bits()),
+            grad_norm_bits: format!("{:#010x}", grad_norm.to_bits()),
+            loss,
+            grad_norm,
+        }
+    }
+}
+
+/// A smoke run: what is stored as a baseline and what a new run is compared with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SmokeRun {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// kiln version that made it.
+    pub kiln_version: String,
+    /// CPU architecture and the SIMD level kernels may pick at run time (informational:
+    /// a baseline made on another CPU may legitimately differ).
+    pub cpu: String,
+    /// Steps run.
+    pub steps: u64,
+    /// SHA-256 of `config`.
+    pub config_sha256: String,
+    /// The effective config (TOML) the run used.
+    pub config: String,
+    /// Peak resident memory (VmHWM) of the process at the end, MiB (compared with a tolerance).
+    pub peak_rss_mib: f64,
+    /// Wall time of the training, seconds (informational).
+    pub seconds: f64,
+    /// Every step, in the order the trainer reported them.
+    pub records: Vec<StepRecord>,
+}
+
+/// The config a smoke run of `steps` steps uses: `base` with `training.steps = steps`.
+/// Checkpoint and eval cadence do not change the numerics, so they are set to "only at the
+/// end" for speed.
+pub fn smoke_config(base: &Config, steps: u64) -> Config {
+    let mut c = base.clone();
+    c.training.steps = steps;
+    c.checkpoint.interval = 0;
+    c.checkpoint.resume = false;
+    c.eval.interval = 0;
+    c
+}
+
+/// The CPU description stored in a baseline.
+pub fn cpu_description() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let level = if std::arch::is_x86_feature_detected!("avx512f") {
+            "avx512f"
+        } else if std::arch::is_x86_feature_detected!("avx2") {
+            "avx2"
+        } else {
+            "sse2"
+        };
+        format!("x86_64 {level}")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        std::env::consts::ARCH.to_string()
+    }
+}
+
+struct Recorder<'a> {
+    records: Vec<StepRecord>,
+    progress: &'a mut dyn FnMut(&StepRecord),
+}
+
+impl Observer for Recorder<'_> {
+    fn on_step(&mut self, m: &StepMetrics) {
+        let r = StepRecord::new(m.step, m.loss, m.grad_norm);
+        (self.progress)(&r);
+        self.records.push(r);
+    }
+}
+
+/// Runs `config` (already passed through [`smoke_config`]) in a temporary run directory and
+/// records every step. `progress` sees each step as it completes.
+pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<SmokeRun, GatesError> {
+    let dir = tempfile::Builder::new()
+        .prefix("kiln-smoke-")
+        .tempdir()
+        .map_err(io_err(&std::env::temp_dir()))?;
+    let mut rec = Recorder {
+        records: Vec::new(),
+        progress,
+    };
+    let t0 = Instant::now();
+    let opts = TrainOptions {
+        config: config.clone(),
+        run_dir: dir.path().to_path_buf(),
+    };
+    kiln_train::train(&opts, &mut rec)?;
+    let text = config.to_toml();
+    Ok(SmokeRun {
+        format: FORMAT.to_string(),
+        kiln_version: env!("CARGO_PKG_VERSION").to_string(),
+        cpu: cpu_description(),
+        steps: config.training.steps,
+        config_sha256: hex::encode(Sha256::digest(text.as_bytes())),
+        config: text,
+        peak_rss_mib: kiln_train::trainer::peak_rss_mib(),
+        seconds: t0.elapsed().as_secs_f64(),
+        records: rec.records,
+    })
+}
+
+/// Writes a run as a baseline file (pretty JSON, one record per line block).
+pub fn save(run: &SmokeRun, path: &Path) -> Result<(), GatesError> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    }
+    let mut text =
+        serde_json::to_string_pretty(run).map_err(|e| GatesError::Invalid(e.to_string()))?;
+    text.push('\n');
+    std::fs::write(path, text).map_err(io_err(path))
+}
+
+/// Reads and checks a baseline file.
+pub fn load(path: &Path) -> Result<SmokeRun, GatesError> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let run: SmokeRun = serde_json::from_str(&text).map_err(|e| GatesError::Parse {
+        path: path.to_path_buf(),
+        line: e.line(),
+        message: format!("not a kiln smoke baseline: {e}; re-create it with `kiln smoke --bless`"),
+    })?;
+    if run.format != FORMAT {
+        return Err(GatesError::Parse {
+            path: path.to_path_buf(),
+            line: 0,
+            message: format!(
+                "format {:?}, this kiln reads {FORMAT:?}; re-create it with `kiln smoke --bless`",
+                run.format
+            ),
+        });
+    }
+    for r in &run.records {
+        for bits in [&r.loss_bits, &r.grad_norm_bits] {
+            if parse_bits(bits).is_none() {
+                return Err(GatesError::Parse {
+                    path: path.to_path_buf(),
+                    line: 0,
+                    message: format!(
+                        "step {}: {bits:?} is not f32 bits as hex (0x + 8 hex digits)",
+                        r.step
+                    ),
+                });
+            }
+        }
+    }
+    Ok(run)
+}
+
+/// `0x40312345` -> the f32 bits.
+pub fn parse_bits(s: &str) -> Option<u32> {
+    let hex = s.strip_prefix("0x")?;
+    if hex.len() != 8 {
+        return None;
+    }
+    u32::from_str_radix(hex, 16).ok()
+}
+
+/// Distance in units in the last place between two f32 bit patterns (0 = identical bits;
+/// +0 and -0 are 1 apart; NaNs compare by their bits).
+pub fn ulp_distance(a: u32, b: u32) -> u64 {
+    // Map sign-magnitude to a monotonic integer line.
+    let key = |x: u32| -> i64 {
+        if x & 0x8000_0000 != 0 {
+            -i64::from(x & 0x7FFF_FFFF) - 1
+        } else {
+            i64::from(x)
+        }
+    };
+    key(a).abs_diff(key(b))
+}
+
+/// Keys (`section.key`) whose values differ between two config TOML texts, with both values.
+pub fn config_differences(a: &str, b: &str) -> Vec<(String, String, String)> {
+    use std::collections::BTreeMap;
+    fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let parse = |text: &str| {
+        let mut out = BTreeMap::new();
+        if let Ok(t) = text.parse::<toml::Table>() {
+            flatten("", &toml::Value::Table(t), &mut out);
+        }
+        out
+    };
+    let (fa, fb) = (parse(a), parse(b));
+    let mut keys: Vec<&String> = fa.keys().chain(fb.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| fa.get(*k) != fb.get(*k))
+        .map(|k| {
+            let v = |m: &BTreeMap<String, String>| {
+                m.get(k).cloned().unwrap_or_else(|| "(absent)".into())
+            };
+            (k.clone(), v(&fa), v(&fb))
+        })
+        .collect()
+}
+
+/// What differs between a baseline and a new run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Every recorded value is bit-identical and memory is within tolerance.
+    Identical,
+    /// The configs differ: the runs are not comparable. Each entry: key, baseline value, run value.
+    ConfigMismatch(Vec<(String, String, String)>),
+    /// A number differs.
+    NumericsDiffer {
+        /// First differing step.
+        step: u64,
+        /// `loss` or `grad_norm`.
+        quantity: &'static str,
+        /// Baseline bits.
+        baseline: u32,
+        /// New bits.
+        run: u32,
+        /// How many recorded values differ in all.
+        differing_values: usize,
+    },
+    /// The runs have different numbers of recorded steps (a guard rolled back in one only).
+    LengthDiffers {
+        /// Records in the baseline.
+        baseline: usize,
+        /// Records in the run.
+        run: usize,
+    },
+    /// Peak memory grew beyond the tolerance.
+    MemoryGrew {
+        /// Baseline MiB.
+        baseline: f64,
+        /// Run MiB.
+        run: f64,
+        /// The allowed relative growth.
+        tolerance: f64,
+    },
+}
+
+/// Compares `run` with `baseline`. `check_config`: refuse differing configs.
+/// `mem_tolerance`: allowed relative growth of peak memory (0.25 = 25 %; negative disables).
+pub fn compare(
+    baseline: &SmokeRun,
+    run: &SmokeRun,
+    check_config: bool,
+    mem_tolerance: f64,
+) -> Verdict {
+    if check_config && baseline.config != run.config {
+        return Verdict::ConfigMismatch(config_differences(&baseline.config, &run.config));
+    }
+    let mut first = None;
+    let mut differing = 0usize;
+    for (b, r) in baseline.records.iter().zip(&run.records) {
+        for (quantity, bb, rb) in [
+            ("loss", &b.loss_bits, &r.loss_bits),
+            ("grad_norm", &b.grad_norm_bits, &r.grad_norm_bits),
+        ] {
+            let (bb, rb) = (parse_bits(bb).unwrap_or(0), parse_bits(rb).unwrap_or(0));
+            if bb != rb {
+                differing += 1;
+                if first.is_none() {
+                    first = Some((b.step, quantity, bb, rb));
+                }
+            }
+        }
+    }
+    if let Some((step, quantity, baseline, run)) = first {
+        return Verdict::NumericsDiffer {
+            step,
+            quantity,
+            baseline,
+            run,
+            differing_values: differing,
+        };
+    }
+    if baseline.records.len() != run.records.len() {
+        return Verdict::LengthDiffers {
+            baseline: baseline.records.len(),
+            run: run.records.len(),
+        };
+    }
+    if mem_tolerance >= 0.0 && run.peak_rss_mib > baseline.peak_rss_mib * (1.0 + mem_tolerance) {
+        return Verdict::MemoryGrew {
+            baseline: baseline.peak_rss_mib,
+            run: run.peak_rss_mib,
+            tolerance: mem_tolerance,
+        };
+    }
+    Verdict::Identical
+}
+
+/// A human-readable report of a verdict (several lines; the first says pass or FAIL).
+pub fn report(
+    verdict: &Verdict,
+    baseline: &SmokeRun,
+    run: &SmokeRun,
+    baseline_path: &Path,
+) -> String {
+    let bp = baseline_path.display();
+    let mem = format!(
+        "peak memory {:.1} MiB (baseline {:.1} MiB)",
+        run.peak_rss_mib, baseline.peak_rss_mib
+    );
+    let cpu_note = if baseline.cpu != run.cpu {
+        format!(
+            "\nnote: the baseline was made on a different CPU ({}; this one: {}): SIMD kernels chosen at run time can change the last bits",
+            baseline.cpu, run.cpu
+        )
+    } else {
+        String::new()
+    };
+    match verdict {
+        Verdict::Identical => format!(
+            "smoke: PASS: {} steps bit-identical to {bp} (loss and grad_norm); {mem}; {:.1}s",
+            run.records.len(),
+            run.seconds
+        ),
+        Verdict::ConfigMismatch(diffs) => {
+            let mut s = format!(
+                "smoke: FAIL: the config differs from the one {bp} was made with, so the numbers are not comparable:\n"
+            );
+            for (k, b, r) in diffs {
+                s.push_str(&format!("  {k}: baseline {b}, this run {r}\n"));
+            }
+            s.push_str(
+                "use the baseline's config (its `config` field), re-bless with --bless, or pass --ignore-config to compare anyway",
+            );
+            s
+        }
+        Verdict::NumericsDiffer {
+            step,
+            quantity,
+            baseline: b,
+            run: r,
+            differing_values,
+        } => {
+            let (bf, rf) = (f32::from_bits(*b), f32::from_bits(*r));
+            format!(
+                "smoke: FAIL: numerics differ from {bp}\n  first differing step: {step} ({quantity})\n  baseline: {bf:e} ({b:#010x})\n  this run: {rf:e} ({r:#010x})\n  difference: {} ULPs ({:+e})\n  {differing_values} of {} recorded values differ; {mem}{cpu_note}\n  if the change is intended, re-bless with `kiln smoke --bless --baseline {bp}` and commit the file",
+                ulp_distance(*b, *r),
+                f64::from(rf) - f64::from(bf),
+                2 * baseline.records.len().min(run.records.len()),
+            )
+        }
+        Verdict::LengthDiffers {
+            baseline: b,
+            run: r,
+        } => format!(
+            "smoke: FAIL: the baseline {bp} has {b} recorded steps, this run {r} (a guard rolled back or skipped in one of them); {mem}"
+        ),
+        Verdict::MemoryGrew {
+            baseline: b,
+            run: r,
+            tolerance,
+        } => format!(
+            "smoke: FAIL: numerics bit-identical, but peak memory grew from {b:.1} MiB to {r:.1} MiB (+{:.0} %, tolerance {:.0} %) against {bp}",
+            (r / b - 1.0) * 100.0,
+            tolerance * 100.0
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ulps() {
+        let one = 1.0f32.to_bits();
+        assert_eq!(ulp_distance(one, one), 0);
+        assert_eq!(ulp_distance(one, one + 1), 1);
+        assert_eq!(ulp_distance(one + 3, one), 3);
+        assert_eq!(ulp_distance(0.0f32.to_bits(), (-0.0f32).to_bits()), 1);
+        let tiny = f32::from_bits(1);
+        assert_eq!(ulp_distance(tiny.to_bits(), (-tiny).to_bits()), 3);
+    }
+
+    #[test]
+    fn bits_round_trip() {
+        let r = StepRecord::new(1, 2.5, 0.1);
+        assert_eq!(parse_bits(&r.loss_bits), Some(2.5f32.to_bits()));
+        assert_eq!(parse_bits("0x1234"), None);
+        assert_eq!(parse_bits("40200000"), None);
+    }
+
+    #[test]
+    fn config_diff_names_keys() {
+        let a = "[training]\nseed = 1\nsteps = 3\n[model]\nd_model = 8\n";
+        let b = "[training]\nseed = 7\nsteps = 3\n[model]\nd_model = 8\n";
+        assert_eq!(
+            config_differences(a, b),
+            vec![(
+                "training.seed".to_string(),
+                "1".to_string(),
+                "7".to_string()
+            )]
+        );
+    }
+
+    fn fake(values: &[(f32, f32)]) -> SmokeRun {
+        SmokeRun {
+            format: FORMAT.into(),
+            kiln_version: "x".into(),
+            cpu: "x".into(),
+            steps: values.len() as u64,
+            config_sha256: String::new(),
+            config: "[training]\nsteps = 2\n".into(),
+            peak_rss_mib: 100.0,
+            seconds: 1.0,
+            records: values
+                .iter()
+                .enumerate()
+                .map(|(i, &(l, g))| StepRecord::new(i as u64 + 1, l, g))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn first_difference_is_reported_with_ulps() {
+        let a = fake(&[(2.0, 1.0), (1.5, 0.5)]);
+        let b = fake(&[(2.0, 1.0), (f32::from_bits(1.5f32.to_bits() + 2), 0.5)]);
+        assert_eq!(compare(&a, &a, true, 0.25), Verdict::Identical);
+        let v = compare(&a, &b, true, 0.25);
+        let text = report(&v, &a, &b, Path::new("base.json"));
+        assert!(text.contains("first differing step: 2 (loss)"), "{text}");
+        assert!(text.contains("2 ULPs"), "{text}");
+        let mut c = a.clone();
+        c.peak_rss_mib = 200.0;
+        assert!(matches!(
+            compare(&a, &c, true, 0.25),
+            Verdict::MemoryGrew { .. }
+        ));
+        let mut d = a.clone();
+        d.config = "[training]\nsteps = 3\n".into();
+        let text = report(&compare(&a, &d, true, 0.25), &a, &d, Path::new("b"));
+        assert!(
+            text.contains("training.steps: baseline 2, this run 3"),
+            "{text}"
+        );
+    }
+}
