@@ -53,14 +53,121 @@ pub struct SmokeArgs {
     #[arg(long, short)]
     pub verbose: bool,
 }
+/// Arguments of `kiln lr-find`.
 #[derive(Debug, clap::Args)]
-pub struct LrFindArgs {}
+#[command(after_long_help = "\
+Trains a fresh model (the config's model, data, AdamW and clipping) while the learning rate
+grows exponentially from --min to --max over --steps, smooths the loss with a debiased EMA,
+and stops when the smoothed loss exceeds --blowup times its best (or is not finite).
+
+It suggests the LR where the smoothed loss falls fastest against log(LR) (the steepest
+descent), and the more conservative blow-up LR / 10. Writes into --out:
+  lr-find.csv                 step, lr, loss, smoothed_loss, grad_norm
+  lr-find.json                the suggestions
+  lr-find.svg, lr-find.png    loss and smoothed loss against LR (log axis), suggestions marked
+
+Examples:
+  kiln lr-find                                  # default config, 1e-6 .. 1, 100 steps
+  kiln lr-find configs/tiny.toml --min 1e-5 --max 1e-1 --steps 200 --out runs/lr")]
+pub struct LrFindArgs {
+    /// TOML config file; without one, the built-in defaults (as `kiln train`).
+    pub config: Option<PathBuf>,
+    /// Override a config key (repeatable), as `kiln train`.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// First learning rate of the ramp.
+    #[arg(long, default_value_t = 1e-6)]
+    pub min: f64,
+    /// Last learning rate of the ramp.
+    #[arg(long, default_value_t = 1.0)]
+    pub max: f64,
+    /// Steps of the ramp (the sweep stops early at a blow-up).
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
+    /// EMA coefficient of the loss smoothing.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta: f64,
+    /// Blow-up: smoothed loss above this many times the best smoothed loss.
+    #[arg(long, default_value_t = 4.0)]
+    pub blowup: f64,
+    /// Output directory for the CSV, JSON and plots.
+    #[arg(long, value_name = "DIR", default_value = "runs/lr-find")]
+    pub out: PathBuf,
+    /// Print every step.
+    #[arg(long, short)]
+    pub verbose: bool,
+}
+
+/// Arguments of `kiln eval`.
 #[derive(Debug, clap::Args)]
-pub struct EvalArgs {}
+#[command(after_long_help = "\
+Loads the weights of a run directory (its final model.safetensors, else its newest valid
+checkpoint) or of one checkpoint directory (RUN_DIR/checkpoints/step-N, verified against its
+manifest) with the run's config.toml, and reports:
+  held-out loss and answer accuracy   on the synthetic corpus's held-out problems (when the
+                                      run used the synthetic corpus)
+  acc, acc_norm                       multiple-choice tasks scored as lm-evaluation-harness:
+                                      the choice with the highest log-likelihood given the
+                                      context (acc), or per byte of the choice (acc_norm)
+
+Task file (--tasks): JSON lines, one task each; blank and # lines are skipped:
+  {\"context\": \"04213=04213\\n58213=\", \"choices\": [\"58213\\n\", \"58218\\n\"], \"answer\": 0}
+Text is in the synthetic corpus's vocabulary (one character per token: digits, + - * = space
+and newline). Without --tasks, the built-in task of the synthetic corpus is used (the same as
+tasks/synthetic-copy-mc.jsonl).
+
+Examples:
+  kiln eval runs/default --tasks tasks/synthetic-copy-mc.jsonl
+  kiln eval runs/default/checkpoints/step-200 --json")]
+pub struct EvalArgs {
+    /// A run directory or a checkpoint directory.
+    pub path: PathBuf,
+    /// Multiple-choice task file (JSON lines) [default: the built-in synthetic copy task].
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub tasks: Option<PathBuf>,
+    /// Config to rebuild the model with [default: the run's config.toml].
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Held-out sequences for the held-out loss [default: the config's eval.samples].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `kiln status`.
 #[derive(Debug, clap::Args)]
-pub struct StatusArgs {}
+#[command(after_long_help = "\
+Reads RUN_DIR/metrics.jsonl, RUN_DIR/events.jsonl and RUN_DIR/checkpoints/ and prints: steps
+and tokens done, the last loss, the last eval, the checkpoints present, starts and resumes,
+and the guard events (non-finite skips, loss spikes, rollbacks, frozen parameters, rejected
+checkpoints) with counts and the latest few in full.
+
+Example:
+  kiln status runs/default")]
+pub struct StatusArgs {
+    /// The run directory (`kiln train --run-dir`).
+    pub run_dir: PathBuf,
+}
+
+/// Arguments of `kiln plot`.
 #[derive(Debug, clap::Args)]
-pub struct PlotArgs {}
+#[command(after_long_help = "\
+Draws, from RUN_DIR/metrics.jsonl, the training and held-out loss, the eval accuracies, the
+learning rate, the gradient norm and tokens/s against the step, as one SVG and one PNG.
+Text in the PNG needs a TrueType font: $KILN_FONT, or DejaVu Sans (Debian/Ubuntu package
+fonts-dejavu-core); without one the PNG has no text.
+
+Example:
+  kiln plot runs/default            # runs/default/plots/curves.svg and .png")]
+pub struct PlotArgs {
+    /// The run directory (`kiln train --run-dir`).
+    pub run_dir: PathBuf,
+    /// Output path without extension [default: RUN_DIR/plots/curves].
+    #[arg(long, value_name = "STEM")]
+    pub out: Option<PathBuf>,
+}
 
 /// `kiln smoke`.
 pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
@@ -140,15 +247,108 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-pub fn lr_find(_a: LrFindArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+/// `kiln lr-find`.
+pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
+    let config = Config::load(a.config.as_deref(), &a.overrides)?;
+    let opts = kiln_gates::lrfind::LrFindOptions {
+        min_lr: a.min,
+        max_lr: a.max,
+        steps: a.steps,
+        beta: a.beta,
+        blowup_factor: a.blowup,
+    };
+    let verbose = a.verbose;
+    let mut progress = |p: &kiln_gates::lrfind::LrPoint| {
+        if verbose {
+            println!(
+                "step={} lr={:.3e} loss={:.4} smoothed={:.4} grad_norm={:.3}",
+                p.step, p.lr, p.loss, p.smoothed, p.grad_norm
+            );
+        }
+    };
+    let result = kiln_gates::lrfind::run(&config, &opts, &mut progress)?;
+    let files = kiln_gates::lrfind::write_outputs(&result, &a.out)?;
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2e}"));
+    println!(
+        "lr-find: {} steps, lr {:.1e} .. {:.1e}; blow-up at {}",
+        result.points.len(),
+        a.min,
+        result.points.last().map_or(a.min, |p| p.lr),
+        result.blowup_lr.map_or("none (raise --max to find it)".to_string(), |v| format!("{v:.2e}"))
+    );
+    println!(
+        "suggested lr: {} (steepest descent of the smoothed loss); conservative: {} ({}); lowest smoothed loss at {}",
+        fmt(result.suggested_lr),
+        fmt(result.conservative_lr),
+        if result.blowup_lr.is_some() { "blow-up / 10" } else { "min-loss lr / 10" },
+        fmt(result.min_loss_lr)
+    );
+    for f in files {
+        println!("wrote {}", f.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
-pub fn eval(_a: EvalArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// `kiln eval`.
+pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
+    let tasks = match &a.tasks {
+        Some(path) => kiln_gates::mc::load_tasks(path)?,
+        None => kiln_gates::mc::synthetic_copy_tasks(
+            kiln_gates::mc::SHIPPED_TASKS,
+            kiln_gates::mc::SHIPPED_SEED,
+        ),
+    };
+    let loaded = kiln_gates::mc::load_model(&a.path, a.config.as_deref())?;
+    let s = &loaded.session;
+    let samples = a.samples.unwrap_or(s.config.eval.samples);
+    let held_out = s.evaluate_synthetic(loaded.step.unwrap_or(0), samples, None);
+    let score = kiln_gates::mc::score_multiple_choice(s, &tasks);
+    let task_name = a
+        .tasks
+        .as_ref()
+        .map_or("built-in synthetic copy task".to_string(), |p| p.display().to_string());
+    if a.json {
+        let v = serde_json::json!({
+            "weights": loaded.weights,
+            "config": loaded.config_path,
+            "step": loaded.step,
+            "tasks_file": task_name,
+            "mc": score,
+            "held_out_loss": held_out.as_ref().map(|e| e.eval_loss),
+            "answer_accuracy": held_out.as_ref().and_then(|e| e.eval_accuracy),
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "weights: {}{}",
+            loaded.weights.display(),
+            loaded.step.map_or(String::new(), |s| format!(" (step {s})"))
+        );
+        match &held_out {
+            Some(e) => println!(
+                "held-out loss: {:.4} nats/token over {samples} sequences; answer accuracy {}",
+                e.eval_loss,
+                e.eval_accuracy.map_or("-".to_string(), |x| format!("{x:.3}"))
+            ),
+            None => println!("held-out loss: - (only for the synthetic corpus)"),
+        }
+        println!(
+            "{task_name}: {} tasks, acc {:.3}, acc_norm {:.3} (chance {:.3}), mean log-likelihood of the answer {:.3}",
+            score.tasks, score.acc, score.acc_norm, score.chance, score.mean_answer_loglik
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
-pub fn status(_a: StatusArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// `kiln status`.
+pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
+    print!("{}", kiln_gates::report::status(&a.run_dir)?);
+    Ok(ExitCode::SUCCESS)
 }
-pub fn plot(_a: PlotArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// `kiln plot`.
+pub fn plot(a: PlotArgs) -> anyhow::Result<ExitCode> {
+    let (svg, png) = kiln_gates::report::plot_run(&a.run_dir, a.out.as_deref())?;
+    println!("wrote {}\nwrote {}", svg.display(), png.display());
+    Ok(ExitCode::SUCCESS)
 }
