@@ -172,6 +172,10 @@ where
                 log_label(*v)
             } else if v.abs() >= 1e4 || (v.abs() < 1e-2 && *v != 0.0) {
                 format!("{v:.1e}")
+            } else if v.abs() >= 100.0 {
+                format!("{v:.0}")
+            } else if v.abs() >= 1.0 {
+                format!("{v:.2}")
             } else {
                 format!("{v:.3}")
             }

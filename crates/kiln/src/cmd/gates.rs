@@ -274,13 +274,21 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
         result.points.len(),
         a.min,
         result.points.last().map_or(a.min, |p| p.lr),
-        result.blowup_lr.map_or("none (raise --max to find it)".to_string(), |v| format!("{v:.2e}"))
+        result
+            .blowup_lr
+            .map_or("none (raise --max to find it)".to_string(), |v| format!(
+                "{v:.2e}"
+            ))
     );
     println!(
         "suggested lr: {} (steepest descent of the smoothed loss); conservative: {} ({}); lowest smoothed loss at {}",
         fmt(result.suggested_lr),
         fmt(result.conservative_lr),
-        if result.blowup_lr.is_some() { "blow-up / 10" } else { "min-loss lr / 10" },
+        if result.blowup_lr.is_some() {
+            "blow-up / 10"
+        } else {
+            "min-loss lr / 10"
+        },
         fmt(result.min_loss_lr)
     );
     for f in files {
@@ -306,7 +314,9 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let task_name = a
         .tasks
         .as_ref()
-        .map_or("built-in synthetic copy task".to_string(), |p| p.display().to_string());
+        .map_or("built-in synthetic copy task".to_string(), |p| {
+            p.display().to_string()
+        });
     if a.json {
         let v = serde_json::json!({
             "weights": loaded.weights,
@@ -322,13 +332,16 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
         println!(
             "weights: {}{}",
             loaded.weights.display(),
-            loaded.step.map_or(String::new(), |s| format!(" (step {s})"))
+            loaded
+                .step
+                .map_or(String::new(), |s| format!(" (step {s})"))
         );
         match &held_out {
             Some(e) => println!(
                 "held-out loss: {:.4} nats/token over {samples} sequences; answer accuracy {}",
                 e.eval_loss,
-                e.eval_accuracy.map_or("-".to_string(), |x| format!("{x:.3}"))
+                e.eval_accuracy
+                    .map_or("-".to_string(), |x| format!("{x:.3}"))
             ),
             None => println!("held-out loss: - (only for the synthetic corpus)"),
         }

@@ -1,0 +1,220 @@
+//! End-to-end tests of the gates through the real binary: `kiln smoke` against the committed
+//! baseline (and failing readably when numerics change), `kiln eval`, `kiln status`,
+//! `kiln plot` and `kiln lr-find`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// A tiny model so the tests stay fast on two cores.
+const TINY: &[&str] = &[
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_hidden=64",
+    "training.seq_len=32",
+    "training.batch_size=4",
+];
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn kiln(args: &[&str], sets: &[&str]) -> (i32, String) {
+    let mut cmd = Command::new(KILN);
+    cmd.current_dir(repo_root()).args(args);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().expect("run kiln");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn smoke_passes_against_the_committed_default_baseline() {
+    let (code, out) = kiln(&["smoke", "--baseline", "gates/smoke-default.json"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("smoke: PASS: 20 steps bit-identical"), "{out}");
+}
+
+#[test]
+fn smoke_fails_readably_when_numerics_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("tiny.json");
+    let base = base.to_str().unwrap();
+    let (code, out) = kiln(
+        &["smoke", "--steps", "3", "--bless", "--baseline", base],
+        TINY,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("blessed"), "{out}");
+    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PASS: 3 steps"), "{out}");
+
+    // A changed init seed: refused as a different config, naming the key...
+    let seven: Vec<&str> = TINY.iter().copied().chain(["training.seed=7"]).collect();
+    let (code, out) = kiln(&["smoke", "--baseline", base], &seven);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("config differs"), "{out}");
+    assert!(
+        out.contains("training.seed: baseline 1234, this run 7"),
+        "{out}"
+    );
+    // ...and compared anyway, the first differing step with both values and the ULPs.
+    let (code, out) = kiln(&["smoke", "--baseline", base, "--ignore-config"], &seven);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("smoke: FAIL: numerics differ"), "{out}");
+    assert!(out.contains("first differing step: 1 (loss)"), "{out}");
+    assert!(
+        out.contains("baseline: ") && out.contains("this run: "),
+        "{out}"
+    );
+    assert!(out.contains(" ULPs"), "{out}");
+
+    // A one-ULP change of one recorded value (as a dependency upgrade might make) is caught.
+    let text = std::fs::read_to_string(base).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rec = &mut v["records"][1]["grad_norm_bits"];
+    let bits = u32::from_str_radix(rec.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    *rec = serde_json::Value::String(format!("{:#010x}", bits + 1));
+    std::fs::write(base, serde_json::to_string(&v).unwrap()).unwrap();
+    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("first differing step: 2 (grad_norm)"), "{out}");
+    assert!(out.contains("difference: 1 ULPs"), "{out}");
+
+    // A malformed baseline is an error naming the file.
+    std::fs::write(base, "{ nope").unwrap();
+    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("tiny.json") && out.contains("--bless"),
+        "{out}"
+    );
+}
+
+#[test]
+fn eval_status_and_plot_on_a_tiny_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let sets: Vec<&str> = TINY
+        .iter()
+        .copied()
+        .chain([
+            "training.steps=6",
+            "checkpoint.interval=3",
+            "eval.interval=3",
+            "eval.samples=8",
+        ])
+        .collect();
+    let (code, out) = kiln(&["train", "--run-dir", run_s, "--no-progress-bar"], &sets);
+    assert_eq!(code, 0, "{out}");
+
+    // eval on the run dir (final weights) with the shipped task file
+    let (code, out) = kiln(
+        &["eval", run_s, "--tasks", "tasks/synthetic-copy-mc.jsonl"],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("held-out loss:"), "{out}");
+    assert!(out.contains("200 tasks, acc "), "{out}");
+    // on a checkpoint directory, as JSON
+    let ck = run.join("checkpoints/step-3");
+    let (code, out) = kiln(&["eval", ck.to_str().unwrap(), "--json"], &[]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["step"], 3);
+    let acc = v["mc"]["acc"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acc), "{v}");
+    assert!(v["held_out_loss"].as_f64().unwrap() > 0.0, "{v}");
+    // bad task files and paths are named
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"context\": \"1=\", \"choices\": [\"1\", \"2\"], \"answer\": 0}\n{\"context\": \"x=\", \"choices\": [\"1\", \"2\"], \"answer\": 0}\n",
+    )
+    .unwrap();
+    let (code, out) = kiln(&["eval", run_s, "--tasks", bad.to_str().unwrap()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("bad.jsonl line 2") && out.contains("'x'"),
+        "{out}"
+    );
+    let (code, out) = kiln(&["eval", dir.path().join("nope").to_str().unwrap()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nope"), "{out}");
+
+    // status
+    let (code, out) = kiln(&["status", run_s], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("steps: 6 of 6"), "{out}");
+    assert!(out.contains("tokens: 768"), "{out}");
+    assert!(out.contains("last eval: step 6"), "{out}");
+    assert!(out.contains("checkpoints: step-3, step-6"), "{out}");
+    assert!(out.contains("initial_loss_ok x1"), "{out}");
+    assert!(
+        out.contains("last exit: completed (code 0) at step 6"),
+        "{out}"
+    );
+    let (code, out) = kiln(&["status", dir.path().join("nope").to_str().unwrap()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("no such run directory"), "{out}");
+
+    // plot
+    let (code, out) = kiln(&["plot", run_s], &[]);
+    assert_eq!(code, 0, "{out}");
+    let svg = std::fs::read_to_string(run.join("plots/curves.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("<polyline"), "svg");
+    let png = std::fs::read(run.join("plots/curves.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+}
+
+#[test]
+fn lr_find_suggests_a_sensible_lr_and_writes_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("lr");
+    let (code, out) = kiln(
+        &[
+            "lr-find",
+            "--min",
+            "1e-5",
+            "--max",
+            "3",
+            "--steps",
+            "60",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+        &["training.batch_size=8"],
+    );
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("lr-find.json")).unwrap())
+            .unwrap();
+    let lr = v["suggested_lr"].as_f64().unwrap();
+    assert!((1e-4..=1e-1).contains(&lr), "suggested {lr}: {out}");
+    let csv = std::fs::read_to_string(out_dir.join("lr-find.csv")).unwrap();
+    assert!(
+        csv.starts_with("step,lr,loss,smoothed_loss,grad_norm\n"),
+        "{csv}"
+    );
+    assert!(csv.lines().count() > 10, "{csv}");
+    assert!(
+        std::fs::read_to_string(out_dir.join("lr-find.svg"))
+            .unwrap()
+            .contains("<svg")
+    );
+    assert_eq!(
+        &std::fs::read(out_dir.join("lr-find.png")).unwrap()[1..4],
+        b"PNG"
+    );
+}
