@@ -202,6 +202,11 @@ pub fn synthetic_copy_tasks(n: usize, seed: u64) -> Vec<McTask> {
     out
 }
 
+/// Tasks in the shipped file `tasks/synthetic-copy-mc.jsonl`.
+pub const SHIPPED_TASKS: usize = 200;
+/// Seed of the shipped file.
+pub const SHIPPED_SEED: u64 = 20_240_905;
+
 /// Scores of a multiple-choice eval.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct McScore {
@@ -477,8 +482,3 @@ mod tests {
         assert_eq!(a.acc, a.acc_norm);
     }
 }
-
-/// Tasks in the shipped file `tasks/synthetic-copy-mc.jsonl`.
-pub const SHIPPED_TASKS: usize = 200;
-/// Seed of the shipped file.
-pub const SHIPPED_SEED: u64 = 20_240_905;
