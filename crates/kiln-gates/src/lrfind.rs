@@ -176,16 +176,18 @@ pub fn analyse(points: Vec<LrPoint>, blowup_lr: Option<f64>) -> LrFindResult {
         .filter(|p| p.smoothed.is_finite())
         .min_by(|a, b| a.smoothed.total_cmp(&b.smoothed))
         .map(|p| p.lr);
-    // Steepest descent: central differences of the smoothed loss against ln(lr), skipping the
-    // first tenth (the EMA is still warming up) and the region past the minimum loss.
-    let skip = (points.len() / 10).max(1);
+    // Steepest descent: differences of the smoothed loss against ln(lr) over a window of
+    // +-k points (k = 1/20 of the sweep, at least 2: single-step differences pick noise),
+    // skipping the first tenth (the EMA is still warming up) and the region past the minimum.
+    let k = (points.len() / 20).max(2);
+    let skip = (points.len() / 10).max(k);
     let end = pts
         .iter()
         .position(|p| Some(p.lr) == min_loss_lr)
         .map_or(pts.len(), |i| (i + 1).min(pts.len()));
     let mut steepest: Option<(f64, f64)> = None;
-    for i in skip.max(1)..end.saturating_sub(1) {
-        let (a, b) = (&pts[i - 1], &pts[i + 1]);
+    for i in skip..end.saturating_sub(k) {
+        let (a, b) = (&pts[i - k], &pts[i + k]);
         let slope = (b.smoothed - a.smoothed) / (b.lr.ln() - a.lr.ln());
         if slope.is_finite() && steepest.is_none_or(|(s, _)| slope < s) {
             steepest = Some((slope, pts[i].lr));
@@ -281,12 +283,12 @@ mod tests {
 
     #[test]
     fn steepest_descent_and_blowup() {
-        // flat, then a steep fall around step 6, a minimum, then a blow-up
-        let losses = [3.0, 3.0, 3.0, 2.9, 2.7, 2.0, 1.0, 0.9, 0.85, 1.5, 9.0];
+        // flat, then a steep fall over indices 3-6, a minimum, then a blow-up
+        let losses = [3.0, 3.0, 3.0, 2.9, 2.7, 2.0, 1.0, 0.9, 0.85, 0.8, 1.5, 9.0];
         let r = analyse(pts(&losses), Some(1.0));
         let lrs: Vec<f64> = r.points.iter().map(|p| p.lr).collect();
-        assert_eq!(r.steepest_lr, Some(lrs[5]));
-        assert_eq!(r.min_loss_lr, Some(lrs[8]));
+        assert_eq!(r.steepest_lr, Some(lrs[4]));
+        assert_eq!(r.min_loss_lr, Some(lrs[9]));
         assert_eq!(r.conservative_lr, Some(0.1));
         assert_eq!(r.suggested_lr, r.steepest_lr);
     }

@@ -1,8 +1,8 @@
 //! Line plots as SVG and PNG with `plotters`: a grid of panels, each with one or more series.
 //!
 //! Text in the PNG needs a TrueType font, found at run time: `$KILN_FONT`, else DejaVu Sans
-//! at the usual system paths (Debian/Ubuntu package `fonts-dejavu-core`). Without one the
-//! plots are still drawn, without any text (a warning says so).
+//! at the usual system paths (Debian/Ubuntu package `fonts-dejavu-core`). Without one (or
+//! with `KILN_FONT` set empty) the plots are still drawn, without any text (a warning says so).
 
 use crate::GatesError;
 use plotters::prelude::*;
@@ -48,6 +48,9 @@ const FONT_PATHS: &[&str] = &[
 pub fn font_available() -> bool {
     static FONT: OnceLock<bool> = OnceLock::new();
     *FONT.get_or_init(|| {
+        if std::env::var_os("KILN_FONT").is_some_and(|v| v.is_empty()) {
+            return false; // KILN_FONT= (empty): plots without text
+        }
         let candidates: Vec<PathBuf> = std::env::var_os("KILN_FONT")
             .map(PathBuf::from)
             .into_iter()
