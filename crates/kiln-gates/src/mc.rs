@@ -338,6 +338,12 @@ pub struct LoadedModel {
 /// checkpoint) or a checkpoint directory (`RUN_DIR/checkpoints/step-N`, verified against
 /// its manifest). The config is `config` if given, else the run's `config.toml`.
 pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, GatesError> {
+    if !path.exists() {
+        return Err(GatesError::Invalid(format!(
+            "{}: no such run or checkpoint directory",
+            path.display()
+        )));
+    }
     if !path.is_dir() {
         return Err(GatesError::Invalid(format!(
             "{}: not a directory; give a run directory (with config.toml and model.safetensors or checkpoints/) or a checkpoint directory (checkpoints/step-N)",
