@@ -100,6 +100,9 @@ pub struct EvalMetrics {
     pub eval_accuracy: Option<f64>,
     /// Unigram baseline loss of the corpus, for comparison.
     pub unigram_loss: Option<f64>,
+    /// Results of [`Observer::extra_eval`] (multiple-choice accuracy, ...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// How a training run ended.
@@ -137,6 +140,12 @@ pub trait Observer {
     fn on_eval(&mut self, _e: &EvalMetrics) {}
     /// Called for notable events (resume, checkpoint, guard), with a one-line message.
     fn on_note(&mut self, _msg: &str) {}
+    /// Extra evaluations run at every eval point (e.g. multiple-choice tasks scored by
+    /// `kiln-gates`, which depends on this crate and so cannot be called from here); the
+    /// returned fields are added to the eval line of `metrics.jsonl`.
+    fn extra_eval(&mut self, _session: &Session) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
 }
 
 /// An observer that ignores everything.
@@ -488,6 +497,7 @@ impl Session {
             eval_loss: loss_sum / n_batches.max(1) as f64,
             eval_accuracy: (total > 0).then(|| correct as f64 / total as f64),
             unigram_loss: unigram,
+            extra: serde_json::Map::new(),
         })
     }
 }
@@ -912,7 +922,8 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         let eval_every = cfg.eval.interval;
         if (eval_every > 0 && step % eval_every == 0) || step == total {
             beacon(step, "eval");
-            if let Some(e) = s.evaluate_synthetic(step, cfg.eval.samples, unigram) {
+            if let Some(mut e) = s.evaluate_synthetic(step, cfg.eval.samples, unigram) {
+                e.extra = observer.extra_eval(&s);
                 let mut line = serde_json::to_vec(&e).unwrap_or_default();
                 line.push(b'\n');
                 metrics.write_all(&line).map_err(io(&metrics_path))?;

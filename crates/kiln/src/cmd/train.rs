@@ -49,6 +49,8 @@ pub struct TrainArgs {
 /// (what `kiln launch` and any other supervisor parse).
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// Multiple-choice tasks scored at every eval (as `mc_acc`, `mc_acc_norm`).
+    tasks: Vec<kiln_gates::mc::McTask>,
     started: Instant,
     first_step: Option<u64>,
 }
@@ -65,6 +67,7 @@ impl Progress {
         });
         Self {
             bar,
+            tasks: Vec::new(),
             started: Instant::now(),
             first_step: None,
         }
@@ -109,14 +112,33 @@ impl Observer for Progress {
         let uni = e
             .unigram_loss
             .map_or(String::new(), |u| format!(" unigram_baseline={u:.4}"));
+        let mc = e
+            .extra
+            .get("mc_acc")
+            .and_then(|v| v.as_f64())
+            .map_or(String::new(), |a| format!(" mc_acc={a:.3}"));
         self.println(&format!(
-            "eval step={} held_out_loss={:.4}{uni}{acc}",
+            "eval step={} held_out_loss={:.4}{uni}{acc}{mc}",
             e.step, e.eval_loss
         ));
     }
 
     fn on_note(&mut self, msg: &str) {
         self.println(&format!("note: {msg}"));
+    }
+
+    fn extra_eval(
+        &mut self,
+        session: &kiln_train::Session,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let mut out = serde_json::Map::new();
+        if !self.tasks.is_empty() {
+            let score = kiln_gates::mc::score_multiple_choice(session, &self.tasks);
+            out.insert("mc_acc".into(), score.acc.into());
+            out.insert("mc_acc_norm".into(), score.acc_norm.into());
+            out.insert("mc_chance".into(), score.chance.into());
+        }
+        out
     }
 }
 
@@ -129,6 +151,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     let live = !args.no_progress_bar && std::io::stderr().is_terminal();
     let mut progress = Progress::new(live, config.training.steps);
+    // The multiple-choice eval: `eval.tasks`, or the built-in task of the synthetic corpus.
+    if !config.eval.tasks.is_empty() {
+        progress.tasks = kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))?;
+    } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
+        progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
+            kiln_gates::mc::SHIPPED_TASKS,
+            kiln_gates::mc::SHIPPED_SEED,
+        );
+    }
     let opts = TrainOptions {
         config,
         run_dir: args.run_dir.clone(),
