@@ -415,19 +415,19 @@ impl Config {
                 "model.d_model, n_layers, n_heads, n_kv_heads and ffn_hidden must be > 0".into(),
             );
         }
-        if m.d_model % m.n_heads != 0 {
+        if !m.d_model.is_multiple_of(m.n_heads) {
             return bad(format!(
                 "model.d_model ({}) must be divisible by model.n_heads ({})",
                 m.d_model, m.n_heads
             ));
         }
-        if (m.d_model / m.n_heads) % 2 != 0 {
+        if !(m.d_model / m.n_heads).is_multiple_of(2) {
             return bad(format!(
                 "head dim d_model/n_heads = {} must be even for RoPE",
                 m.d_model / m.n_heads
             ));
         }
-        if m.n_heads % m.n_kv_heads != 0 {
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
             return bad(format!(
                 "model.n_kv_heads ({}) must divide model.n_heads ({})",
                 m.n_kv_heads, m.n_heads

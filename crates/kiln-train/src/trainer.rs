@@ -691,7 +691,7 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
         optimizer: s.optimizer.clone(),
         spike: spike.clone(),
     };
-    let mut snapshot = (snapshot_every > 0 && step % snapshot_every == 0)
+    let mut snapshot = (snapshot_every > 0 && step.is_multiple_of(snapshot_every))
         .then(|| take_snapshot(&s, step, tokens_seen, &spike));
     let mut nonfinite_in_row = 0u32;
     let mut last_loss = None;
@@ -891,18 +891,18 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             rss_mib: rss_mib(),
             tokens_seen,
         };
-        if step % cfg.metrics.log_interval.max(1) == 0 || step == total {
+        if step.is_multiple_of(cfg.metrics.log_interval.max(1)) || step == total {
             let mut line = serde_json::to_vec(&m).unwrap_or_default();
             line.push(b'\n');
             metrics.write_all(&line).map_err(io(&metrics_path))?;
         }
         observer.on_step(&m);
 
-        if snapshot_every > 0 && step % snapshot_every == 0 {
+        if snapshot_every > 0 && step.is_multiple_of(snapshot_every) {
             snapshot = Some(take_snapshot(&s, step, tokens_seen, &spike));
         }
         let frozen_every = cfg.guards.frozen_check_interval;
-        if frozen_every > 0 && step % frozen_every == 0 {
+        if frozen_every > 0 && step.is_multiple_of(frozen_every) {
             if let Some(prev) = &last_frozen_check {
                 let unchanged = unchanged_params(&s.params, prev);
                 if !unchanged.is_empty() {
@@ -920,7 +920,7 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             last_frozen_check = Some(s.params.clone());
         }
         let eval_every = cfg.eval.interval;
-        if (eval_every > 0 && step % eval_every == 0) || step == total {
+        if (eval_every > 0 && step.is_multiple_of(eval_every)) || step == total {
             beacon(step, "eval");
             if let Some(mut e) = s.evaluate_synthetic(step, cfg.eval.samples, unigram) {
                 e.extra = observer.extra_eval(&s);
@@ -932,7 +932,8 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             }
         }
         let signal = stop.load(Ordering::SeqCst);
-        let interval_due = cfg.checkpoint.interval > 0 && step % cfg.checkpoint.interval == 0;
+        let interval_due =
+            cfg.checkpoint.interval > 0 && step.is_multiple_of(cfg.checkpoint.interval);
         if interval_due || step == total || signal != 0 {
             beacon(step, "checkpoint");
             let dir = save(

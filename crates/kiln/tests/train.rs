@@ -64,10 +64,10 @@ fn spawn_until_step(run_dir: &Path, n: u64) -> Child {
             let step = line
                 .strip_prefix("step=")
                 .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok());
-            if let Some(s) = step {
-                if s >= n {
-                    let _ = tx.send(s);
-                }
+            if let Some(s) = step
+                && s >= n
+            {
+                let _ = tx.send(s);
             }
         }
     });
