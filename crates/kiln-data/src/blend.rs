@@ -182,7 +182,10 @@ impl Blend {
             let mut ids: Vec<u16> = Vec::with_capacity(samples as usize);
             let bar = crate::progress::bar(samples, "blend");
             for (k, (start, seg_ids, weights)) in segs.iter().enumerate() {
-                let end = segs.get(k + 1).map_or(samples, |n| n.0.min(samples)).max(*start);
+                let end = segs
+                    .get(k + 1)
+                    .map_or(samples, |n| n.0.min(samples))
+                    .max(*start);
                 if *start >= samples {
                     break;
                 }
@@ -331,7 +334,10 @@ mod tests {
         let blend = Blend::build(&sched, &table, n, dir.path()).unwrap();
         let (ids, s) = megatron_blend(&normalize(&[0.2, 0.3, 0.5]), n);
         for i in 0..n {
-            assert_eq!(blend.get(i).unwrap(), (ids[i as usize] as usize, s[i as usize]));
+            assert_eq!(
+                blend.get(i).unwrap(),
+                (ids[i as usize] as usize, s[i as usize])
+            );
         }
         // Change weights at sample 5000: prefix unchanged, no dataset sample repeated.
         let w2 = vec![("c".into(), 1.0), ("a".into(), 1.0), ("b".into(), 0.0)];
@@ -349,6 +355,9 @@ mod tests {
             assert!(seen.insert(got), "sample {got:?} served twice");
         }
         // The same weights again are no change.
-        assert_eq!(sched2.continued(sched2.segments[1].weights.clone(), 7000), sched2);
+        assert_eq!(
+            sched2.continued(sched2.segments[1].weights.clone(), 7000),
+            sched2
+        );
     }
 }

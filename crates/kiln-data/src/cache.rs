@@ -170,7 +170,10 @@ pub fn get_or_build(
     let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
     write(path, key, &refs)?;
     open(path, key)?.ok_or_else(|| {
-        DataError::format(path, "cache file vanished or changed right after it was written")
+        DataError::format(
+            path,
+            "cache file vanished or changed right after it was written",
+        )
     })
 }
 

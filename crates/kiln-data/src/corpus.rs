@@ -115,8 +115,7 @@ impl CorpusList {
         if entries.is_empty() {
             return Err(DataError::List {
                 path: path.to_path_buf(),
-                reason: "no datasets listed (expected lines of `weight prefix [corpus]`)"
-                    .into(),
+                reason: "no datasets listed (expected lines of `weight prefix [corpus]`)".into(),
             });
         }
         if entries.iter().all(|e| e.weight == 0.0) {
@@ -205,7 +204,10 @@ mod tests {
             ("0.5 a b c d\n", "list.txt:1: expected"),
             ("-1 a\n", "list.txt:1: weight -1"),
             ("nan a\n", "list.txt:1: weight nan"),
-            ("1 a\n1 a\n", "list.txt:2: prefix a is already listed on line 1"),
+            (
+                "1 a\n1 a\n",
+                "list.txt:2: prefix a is already listed on line 1",
+            ),
             ("# nothing\n", "list.txt: no datasets"),
             ("0 a\n0 b\n", "list.txt: every weight is 0"),
         ] {

@@ -153,10 +153,7 @@ impl DatasetIndex {
                     payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
                 }
                 let t0 = std::time::Instant::now();
-                let bar = crate::progress::bar(
-                    (want - have) * seqs,
-                    &format!("index {stem}"),
-                );
+                let bar = crate::progress::bar((want - have) * seqs, &format!("index {stem}"));
                 for e in have..want {
                     let prefix = build_epoch(ds.index(), shuffle_key, e, &bar)?;
                     if prefix.last() != Some(&tokens) {

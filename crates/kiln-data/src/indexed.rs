@@ -284,7 +284,10 @@ impl IndexFile {
     pub fn length(&self, i: usize) -> Result<u32> {
         let l = self.raw_length(i);
         u32::try_from(l).map_err(|_| {
-            DataError::format(&self.path, format!("corrupt index: sequence {i} has length {l}"))
+            DataError::format(
+                &self.path,
+                format!("corrupt index: sequence {i} has length {l}"),
+            )
         })
     }
 
@@ -317,7 +320,9 @@ impl IndexFile {
             if ptr != expected_ptr {
                 return Err(DataError::format(
                     &self.path,
-                    format!("corrupt index: sequence {i} points at byte {ptr}, expected {expected_ptr}"),
+                    format!(
+                        "corrupt index: sequence {i} points at byte {ptr}, expected {expected_ptr}"
+                    ),
                 ));
             }
             expected_ptr += len as i64 * size;
@@ -382,7 +387,11 @@ impl IndexedDataset {
                 &bin_path,
                 format!(
                     "{} .bin: {len} bytes, but its index {} describes {expected}",
-                    if len < expected { "truncated" } else { "mismatched" },
+                    if len < expected {
+                        "truncated"
+                    } else {
+                        "mismatched"
+                    },
                     index.path().display()
                 ),
             ));

@@ -38,7 +38,9 @@ impl std::str::FromStr for Verify {
             "off" => Ok(Verify::Off),
             "fast" => Ok(Verify::Fast),
             "full" => Ok(Verify::Full),
-            _ => Err(format!("unknown verify mode {s:?} (expected off, fast or full)")),
+            _ => Err(format!(
+                "unknown verify mode {s:?} (expected off, fast or full)"
+            )),
         }
     }
 }
@@ -125,7 +127,10 @@ impl Manifest {
         if m.version != 1 {
             return Err(DataError::format(
                 path,
-                format!("manifest version {} is not supported (expected 1)", m.version),
+                format!(
+                    "manifest version {} is not supported (expected 1)",
+                    m.version
+                ),
             ));
         }
         Ok(m)

@@ -19,7 +19,9 @@ pub fn mix64(mut z: u64) -> u64 {
 
 /// Derive a key from a list of words (seed, fingerprint, purpose, index, ...).
 pub fn derive_key(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x6B69_6C6E_6461_7461, |acc, &p| mix64(acc ^ mix64(p)))
+    parts
+        .iter()
+        .fold(0x6B69_6C6E_6461_7461, |acc, &p| mix64(acc ^ mix64(p)))
 }
 
 const ROUNDS: usize = 4;
@@ -125,6 +127,9 @@ mod tests {
             .map(|i| (a.apply(i) as f64 - a.apply(i - 1) as f64).abs())
             .sum::<f64>()
             / (n - 1) as f64;
-        assert!((mean_gap - n as f64 / 3.0).abs() < n as f64 * 0.05, "{mean_gap}");
+        assert!(
+            (mean_gap - n as f64 / 3.0).abs() < n as f64 * 0.05,
+            "{mean_gap}"
+        );
     }
 }

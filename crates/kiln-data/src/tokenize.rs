@@ -150,16 +150,17 @@ impl DocReader<'_> {
                             line: f.line,
                             reason: format!("not a JSON object: {e}"),
                         })?;
-                    let text = v.get(&self.src.json_key).and_then(|t| t.as_str()).ok_or_else(
-                        || DataError::ListLine {
+                    let text = v
+                        .get(&self.src.json_key)
+                        .and_then(|t| t.as_str())
+                        .ok_or_else(|| DataError::ListLine {
                             path: f.path.clone(),
                             line: f.line,
                             reason: format!(
                                 "no string field {:?} (choose the field with --json-key)",
                                 self.src.json_key
                             ),
-                        },
-                    )?;
+                        })?;
                     return Ok(Some(text.to_string()));
                 }
                 match split {
