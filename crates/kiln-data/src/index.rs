@@ -240,7 +240,15 @@ impl DatasetIndex {
         if self.tokens_per_epoch == 0 {
             return Err(DataError::format(self.ds.prefix(), "dataset has no tokens"));
         }
-        let u = self.unshuffled(j);
+        self.packed_into(self.unshuffled(j), j, out)
+    }
+
+    /// Append the tokens of unshuffled (packed) sample `u` to `out`: stream tokens
+    /// `[u * seq_len, u * seq_len + seq_len + 1)`. `j` only names the sample in errors.
+    pub fn packed_into(&self, u: u64, j: u64, out: &mut Vec<u32>) -> Result<()> {
+        if self.tokens_per_epoch == 0 {
+            return Err(DataError::format(self.ds.prefix(), "dataset has no tokens"));
+        }
         let start = u as u128 * self.seq_len as u128;
         let mut epoch = (start / self.tokens_per_epoch as u128) as u64;
         if epoch >= self.epochs {

@@ -41,3 +41,19 @@ pub use error::DataError;
 pub use indexed::{DType, IndexedDataset, IndexedDatasetBuilder};
 pub use loader::{BlendedLoader, LoaderConfig, Resume};
 pub use manifest::{Manifest, Verify};
+
+/// Run `f` on a pool of `threads` workers (all cores when `None`). Every result of this crate
+/// is the same whatever the thread count; this only changes speed.
+pub fn with_threads<R: Send>(
+    threads: Option<usize>,
+    f: impl FnOnce() -> R + Send,
+) -> Result<R, DataError> {
+    match threads {
+        None => Ok(f()),
+        Some(n) => rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build()
+            .map(|pool| pool.install(f))
+            .map_err(|e| DataError::Invalid(format!("cannot start {n} worker threads: {e}"))),
+    }
+}

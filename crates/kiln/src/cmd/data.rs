@@ -1,16 +1,547 @@
-//! `kiln data ...` (scaffold: filled by the data-layer work).
+//! `kiln data ...`: token data verbs. Thin: flags here, logic in `kiln-data`.
+use anyhow::{Context, bail};
+use kiln_data::blend::BlendSchedule;
+use kiln_data::corpus::CorpusList;
+use kiln_data::indexed::{IndexedDataset, idx_path};
+use kiln_data::manifest::{self, Manifest, Verify};
+use kiln_data::tokenize::{self, DocSource, TextSplit};
+use kiln_data::{BlendedLoader, LoaderConfig, Resume};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Token data verbs.
 #[derive(Debug, clap::Subcommand)]
 pub enum DataCommand {
-    /// Print a dataset's statistics.
-    Inspect {
-        /// Dataset prefix (without .bin/.idx).
-        prefix: String,
-    },
+    /// Train a byte-level BPE tokenizer and write it as a Hugging Face `tokenizer.json`.
+    TrainTokenizer(TrainTokenizerArgs),
+    /// Tokenize text/JSONL files into a Megatron indexed dataset (PREFIX.bin + PREFIX.idx).
+    Tokenize(TokenizeArgs),
+    /// Print a dataset's dtype, documents, tokens and length statistics, or dump documents.
+    Inspect(InspectArgs),
+    /// Build (or load) the blended sample indices of a corpus list and report the blend.
+    Blend(BlendArgs),
+    /// Pin every shard of a corpus list (size + SHA-256) in a manifest.
+    Manifest(ManifestArgs),
+    /// Check a corpus list's shards against their manifest.
+    Verify(VerifyArgs),
 }
 
-pub fn run(_command: DataCommand) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("kiln data is not built yet")
+/// Input documents.
+#[derive(Debug, clap::Args)]
+pub struct InputArgs {
+    /// Input files: `.jsonl`/`.json` (one JSON object per line) or plain text.
+    #[arg(long = "input", short = 'i', required = true, num_args = 1..)]
+    pub input: Vec<PathBuf>,
+    /// JSON field that holds the text.
+    #[arg(long, default_value = "text")]
+    pub json_key: String,
+    /// How plain-text files split into documents: paragraph (blank lines), line, or file.
+    #[arg(long, default_value = "paragraph")]
+    pub split: TextSplit,
+}
+
+impl InputArgs {
+    fn source(&self) -> DocSource {
+        DocSource {
+            files: self.input.clone(),
+            json_key: self.json_key.clone(),
+            split: self.split,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TrainTokenizerArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Where to write the tokenizer.
+    #[arg(long, short = 'o', default_value = "tokenizer.json")]
+    pub output: PathBuf,
+    /// Vocabulary size, special tokens and the 256 byte tokens included.
+    #[arg(long, default_value_t = 32_000)]
+    pub vocab_size: usize,
+    /// Minimum pair frequency for a merge.
+    #[arg(long, default_value_t = 2)]
+    pub min_frequency: u64,
+    /// Special tokens (repeatable); the first is the end-of-document token.
+    #[arg(long = "special-token", default_value = "<|endoftext|>")]
+    pub special_tokens: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TokenizeArgs {
+    /// The `tokenizer.json` to use.
+    #[arg(long, short = 't')]
+    pub tokenizer: PathBuf,
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.kiln.json.
+    #[arg(long, short = 'o')]
+    pub output_prefix: PathBuf,
+    /// End-of-document token appended to each document (default: the first of
+    /// <|endoftext|>, </s>, <eos>, <|end_of_text|> the tokenizer has).
+    #[arg(long, conflicts_with = "no_eos")]
+    pub eos: Option<String>,
+    /// Do not append an end-of-document token.
+    #[arg(long)]
+    pub no_eos: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Print the statistics as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// Dataset prefix (without .bin/.idx).
+    pub prefix: PathBuf,
+    /// Print the statistics as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Print document I's token ids as a JSON array; `A..B` prints documents A to B-1, one
+    /// array per line.
+    #[arg(long, value_name = "I|A..B")]
+    pub dump_doc: Option<String>,
+    /// Also check every length and pointer of the index (O(sequences)).
+    #[arg(long)]
+    pub check: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LoaderArgs {
+    /// Corpus list: lines of `weight prefix [corpus]`, `#` comments; relative prefixes are
+    /// relative to the list's directory.
+    pub list: PathBuf,
+    /// Tokens per training sequence (samples hold seq_len + 1 tokens).
+    #[arg(long, default_value_t = 2048)]
+    pub seq_len: usize,
+    /// Global samples to index (default: steps x global batch).
+    #[arg(long, conflicts_with_all = ["steps", "global_batch"])]
+    pub samples: Option<u64>,
+    /// Training steps (with --global-batch).
+    #[arg(long, requires = "global_batch")]
+    pub steps: Option<u64>,
+    /// Global batch size in samples (with --steps).
+    #[arg(long, requires = "steps")]
+    pub global_batch: Option<u64>,
+    /// Shuffle seed.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// Index cache directory (default: $KILN_DATA_CACHE, else .kiln-cache next to the list).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Shard check against the manifest: off, fast (size + sampled hash) or full (SHA-256).
+    #[arg(long, default_value = "fast")]
+    pub verify: Verify,
+    /// Manifest to check against (default: LIST.manifest.json if it exists).
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+    /// Fail if there is no manifest.
+    #[arg(long)]
+    pub require_manifest: bool,
+    /// Weight history (JSON, as written by --write-schedule) of the run being resumed.
+    #[arg(long, requires = "resume_at_sample")]
+    pub schedule: Option<PathBuf>,
+    /// Global sample at which the run resumes (step x global batch); the list's weights
+    /// apply from here on, earlier samples stay as they were.
+    #[arg(long, requires = "schedule")]
+    pub resume_at_sample: Option<u64>,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BlendArgs {
+    #[command(flatten)]
+    pub loader: LoaderArgs,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the dataset index of the first N global samples, as a JSON array.
+    #[arg(long, value_name = "N")]
+    pub dump_order: Option<u64>,
+    /// Print the tokens of global samples A..B, one JSON array per line.
+    #[arg(long, value_name = "A..B")]
+    pub dump_samples: Option<String>,
+    /// Write the blend's weight history (JSON) to this file, for a later --schedule.
+    #[arg(long)]
+    pub write_schedule: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ManifestArgs {
+    /// Corpus list whose shards to pin.
+    pub list: PathBuf,
+    /// Manifest to write (default: LIST.manifest.json).
+    #[arg(long, short = 'o')]
+    pub output: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VerifyArgs {
+    /// Corpus list whose shards to check.
+    pub list: PathBuf,
+    /// Manifest to check against (default: LIST.manifest.json).
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+    /// Hash every byte instead of the fast sampled check.
+    #[arg(long)]
+    pub full: bool,
+}
+
+pub fn run(command: DataCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        DataCommand::TrainTokenizer(a) => train_tokenizer(a),
+        DataCommand::Tokenize(a) => with_threads(a.workers, || tokenize_cmd(a)),
+        DataCommand::Inspect(a) => inspect(a),
+        DataCommand::Blend(a) => with_threads(a.loader.threads, || blend(a)),
+        DataCommand::Manifest(a) => manifest_cmd(a),
+        DataCommand::Verify(a) => verify(a),
+    }
+}
+
+fn with_threads(
+    threads: Option<usize>,
+    f: impl FnOnce() -> anyhow::Result<ExitCode> + Send,
+) -> anyhow::Result<ExitCode> {
+    kiln_data::with_threads(threads, f)?
+}
+
+fn train_tokenizer(a: TrainTokenizerArgs) -> anyhow::Result<ExitCode> {
+    if a.special_tokens.is_empty() {
+        bail!("give at least one --special-token (the first is the end-of-document token)");
+    }
+    let t0 = std::time::Instant::now();
+    let tok = tokenize::train_bpe(
+        &a.input.source(),
+        &tokenize::TrainOptions {
+            vocab_size: a.vocab_size,
+            min_frequency: a.min_frequency,
+            special_tokens: a.special_tokens.clone(),
+        },
+        &a.output,
+    )?;
+    eprintln!(
+        "wrote {} (vocab {}, eos {:?}) in {:.1}s",
+        a.output.display(),
+        tok.get_vocab_size(true),
+        a.special_tokens[0],
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
+    let eos = if a.no_eos {
+        None
+    } else {
+        let tok = tokenize::load(&a.tokenizer)?;
+        Some(tokenize::find_eos(&tok, &a.tokenizer, a.eos.as_deref())?.0)
+    };
+    let stats = tokenize::tokenize(
+        &a.tokenizer,
+        &a.input.source(),
+        &a.output_prefix,
+        &tokenize::TokenizeOptions {
+            eos,
+            batch_docs: 4096,
+        },
+    )?;
+    if a.json {
+        println!("{}", serde_json::to_string(&stats)?);
+    } else {
+        println!(
+            "{}: {} documents, {} tokens ({}) in {:.2}s: {:.0} tokens/s, {:.1} MB/s",
+            a.output_prefix.display(),
+            stats.documents,
+            stats.tokens,
+            stats.dtype.name(),
+            stats.seconds,
+            stats.tokens_per_second,
+            stats.input_bytes as f64 / stats.seconds.max(1e-9) / 1e6
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn parse_range(s: &str, what: &str) -> anyhow::Result<(u64, u64)> {
+    let parse = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .with_context(|| format!("{what} {s:?}: expected I or A..B with integers"))
+    };
+    match s.split_once("..") {
+        Some((a, b)) => {
+            let (a, b) = (parse(a)?, parse(b)?);
+            if b < a {
+                bail!("{what} {s:?}: the end is before the start");
+            }
+            Ok((a, b))
+        }
+        None => {
+            let a = parse(s)?;
+            Ok((a, a + 1))
+        }
+    }
+}
+
+fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
+    let ds = IndexedDataset::open(&a.prefix)?;
+    let idx = ds.index();
+    if let Some(r) = &a.dump_doc {
+        let (start, end) = parse_range(r, "--dump-doc")?;
+        if end > idx.documents() as u64 {
+            bail!(
+                "{}: --dump-doc {r}: the dataset has {} documents",
+                a.prefix.display(),
+                idx.documents()
+            );
+        }
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        for d in start..end {
+            let (s0, s1) = (
+                idx.document_index(d as usize),
+                idx.document_index(d as usize + 1),
+            );
+            if s0 < 0 || s1 < s0 || s1 as usize > idx.sequences() {
+                bail!(
+                    "{}: corrupt document index at {d}",
+                    idx_path(&a.prefix).display()
+                );
+            }
+            let mut tokens = Vec::new();
+            for s in s0 as usize..s1 as usize {
+                tokens.extend(ds.sequence(s)?);
+            }
+            use std::io::Write;
+            writeln!(out, "{}", serde_json::to_string(&tokens)?)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let total = if a.check {
+        idx.check_all()?
+    } else {
+        kiln_data::index::total_tokens(idx)?
+    };
+    let mut lengths: Vec<u32> = (0..idx.sequences())
+        .map(|i| idx.length(i))
+        .collect::<Result<_, _>>()?;
+    lengths.sort_unstable();
+    let pct = |p: f64| -> u32 {
+        if lengths.is_empty() {
+            0
+        } else {
+            lengths[((lengths.len() - 1) as f64 * p).round() as usize]
+        }
+    };
+    let sidecar = tokenize::read_sidecar(&a.prefix);
+    let report = serde_json::json!({
+        "prefix": a.prefix,
+        "dtype": ds.dtype().name(),
+        "documents": idx.documents(),
+        "sequences": idx.sequences(),
+        "tokens": total,
+        "multimodal_modes": idx.has_modes(),
+        "length": {
+            "min": lengths.first().copied().unwrap_or(0),
+            "mean": if lengths.is_empty() { 0.0 } else { total as f64 / lengths.len() as f64 },
+            "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
+            "max": lengths.last().copied().unwrap_or(0),
+        },
+        "vocab_size": sidecar.as_ref().map(|s| s.vocab_size),
+        "eos_id": sidecar.as_ref().and_then(|s| s.eos_id),
+        "checked": a.check,
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        println!("{}", a.prefix.display());
+        println!("  dtype      {}", ds.dtype().name());
+        println!("  documents  {}", idx.documents());
+        println!("  sequences  {}", idx.sequences());
+        println!("  tokens     {total}");
+        println!(
+            "  length     min {} / mean {:.1} / p50 {} / p90 {} / p99 {} / max {}",
+            report["length"]["min"],
+            report["length"]["mean"].as_f64().unwrap_or(0.0),
+            pct(0.5),
+            pct(0.9),
+            pct(0.99),
+            report["length"]["max"]
+        );
+        if let Some(s) = sidecar {
+            println!("  vocab      {} (eos {:?})", s.vocab_size, s.eos_id);
+        }
+        if a.check {
+            println!("  check      every length and pointer consistent");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn default_cache_dir(list: &Path) -> PathBuf {
+    if let Some(dir) = std::env::var_os("KILN_DATA_CACHE") {
+        return PathBuf::from(dir);
+    }
+    list.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join(".kiln-cache")
+}
+
+fn open_loader(a: &LoaderArgs) -> anyhow::Result<BlendedLoader> {
+    let samples = match (a.samples, a.steps, a.global_batch) {
+        (Some(n), _, _) => n,
+        (None, Some(s), Some(g)) => s
+            .checked_mul(g)
+            .context("--steps x --global-batch overflows")?,
+        _ => bail!("give --samples N, or --steps S with --global-batch G"),
+    };
+    let mut cfg = LoaderConfig::new(
+        a.seq_len,
+        a.seed,
+        samples,
+        a.cache_dir
+            .clone()
+            .unwrap_or_else(|| default_cache_dir(&a.list)),
+    );
+    cfg.verify = a.verify;
+    cfg.manifest = a.manifest.clone();
+    cfg.require_manifest = a.require_manifest;
+    if let (Some(path), Some(at)) = (&a.schedule, a.resume_at_sample) {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read schedule {}", path.display()))?;
+        let schedule: BlendSchedule = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a blend schedule", path.display()))?;
+        cfg.resume = Some(Resume {
+            schedule,
+            at_sample: at,
+        });
+    }
+    Ok(BlendedLoader::open(&a.list, &cfg)?)
+}
+
+fn blend(a: BlendArgs) -> anyhow::Result<ExitCode> {
+    let t0 = std::time::Instant::now();
+    let loader = open_loader(&a.loader)?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    if let Some(path) = &a.write_schedule {
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(loader.schedule())? + "\n",
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(n) = a.dump_order {
+        let n = n.min(loader.total_samples());
+        let order: Vec<usize> = (0..n)
+            .map(|i| loader.source(i).map(|(d, _)| d))
+            .collect::<Result<_, _>>()?;
+        println!("{}", serde_json::to_string(&order)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(r) = &a.dump_samples {
+        let (start, end) = parse_range(r, "--dump-samples")?;
+        use std::io::Write;
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        for i in start..end {
+            writeln!(out, "{}", serde_json::to_string(&loader.sample(i)?)?)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let total = loader.total_samples().max(1) as f64;
+    let weights: Vec<f64> = CorpusList::read(&a.loader.list)?.normalized_weights();
+    let datasets: Vec<serde_json::Value> = loader
+        .datasets()
+        .iter()
+        .zip(&weights)
+        .map(|(d, w)| {
+            serde_json::json!({
+                "key": d.key,
+                "corpus": d.corpus,
+                "weight": w,
+                "samples": d.samples,
+                "share": d.samples as f64 / total,
+                "tokens_per_epoch": d.index().tokens_per_epoch(),
+                "epochs": d.samples as f64 * a.loader.seq_len as f64
+                    / d.index().tokens_per_epoch().max(1) as f64,
+            })
+        })
+        .collect();
+    let report = serde_json::json!({
+        "list": a.loader.list,
+        "samples": loader.total_samples(),
+        "seq_len": a.loader.seq_len,
+        "seed": a.loader.seed,
+        "seconds": elapsed,
+        "blend_cache": loader.blend_path(),
+        "vocab_hint": loader.vocab_hint(),
+        "datasets": datasets,
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{}: {} samples of {} tokens over {} datasets ({:.2}s)",
+            a.loader.list.display(),
+            loader.total_samples(),
+            a.loader.seq_len + 1,
+            loader.datasets().len(),
+            elapsed
+        );
+        println!(
+            "  {:<32} {:>8} {:>8} {:>12} {:>8}",
+            "dataset", "weight", "share", "samples", "epochs"
+        );
+        for d in &datasets {
+            println!(
+                "  {:<32} {:>8.4} {:>8.4} {:>12} {:>8.3}",
+                d["corpus"].as_str().unwrap_or(""),
+                d["weight"].as_f64().unwrap_or(0.0),
+                d["share"].as_f64().unwrap_or(0.0),
+                d["samples"],
+                d["epochs"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn manifest_cmd(a: ManifestArgs) -> anyhow::Result<ExitCode> {
+    let list = CorpusList::read(&a.list)?;
+    let out = a.output.unwrap_or_else(|| manifest::default_path(&a.list));
+    let prefixes: Vec<PathBuf> = list.entries.iter().map(|e| e.prefix.clone()).collect();
+    let t0 = std::time::Instant::now();
+    let m = Manifest::create(&prefixes, &out)?;
+    m.write(&out)?;
+    let bytes: u64 = m.shards.iter().map(|s| s.size).sum();
+    println!(
+        "pinned {} files ({:.1} MB) in {} ({:.1}s)",
+        m.shards.len(),
+        bytes as f64 / 1e6,
+        out.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
+    let list = CorpusList::read(&a.list)?;
+    let path = a
+        .manifest
+        .unwrap_or_else(|| manifest::default_path(&a.list));
+    let m = Manifest::read(&path)?;
+    let prefixes: Vec<PathBuf> = list.entries.iter().map(|e| e.prefix.clone()).collect();
+    let mode = if a.full { Verify::Full } else { Verify::Fast };
+    m.verify(&path, &prefixes, mode)?;
+    println!(
+        "{} shards match {} ({})",
+        2 * prefixes.len(),
+        path.display(),
+        if a.full { "full SHA-256" } else { "fast" }
+    );
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,379 @@
+//! Property tests of the data layer: round trips, packing, blend proportions, thread-count
+//! independence, weight-stable resumption, and clear errors (never panics) on bad input.
+
+use kiln_data::blend::{Blend, BlendSchedule, megatron_blend};
+use kiln_data::corpus::{CorpusList, normalize};
+use kiln_data::indexed::{DType, IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path};
+use kiln_data::{BlendedLoader, LoaderConfig, Resume, Verify};
+use proptest::prelude::*;
+use std::path::{Path, PathBuf};
+
+/// Token `k` of document `d`: unique per (d, k), so a sample's tokens say where they came from.
+fn tok(d: usize, k: usize) -> u32 {
+    (d * 1000 + k) as u32
+}
+
+fn write_docs(prefix: &Path, lens: &[usize], dtype: DType) {
+    let mut b = IndexedDatasetBuilder::create(prefix, dtype).unwrap();
+    for (d, &l) in lens.iter().enumerate() {
+        let doc: Vec<u32> = (0..l).map(|k| tok(d, k)).collect();
+        b.add_document(&doc).unwrap();
+    }
+    b.finish().unwrap();
+}
+
+fn write_list(dir: &Path, name: &str, lines: &[(f64, &str)]) -> PathBuf {
+    let text: String = lines.iter().map(|(w, p)| format!("{w} {p}\n")).collect();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn cfg(dir: &Path, seq_len: usize, samples: u64) -> LoaderConfig {
+    let mut c = LoaderConfig::new(seq_len, 7, samples, dir.join("cache"));
+    c.verify = Verify::Off;
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn indexed_round_trip(lens in prop::collection::vec(0usize..300, 0..40), wide in any::<bool>()) {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("ds");
+        let dtype = if wide { DType::I32 } else { DType::U16 };
+        write_docs(&prefix, &lens, dtype);
+        let ds = IndexedDataset::open(&prefix).unwrap();
+        prop_assert_eq!(ds.len(), lens.len());
+        prop_assert_eq!(ds.index().documents(), lens.len());
+        prop_assert_eq!(ds.dtype(), dtype);
+        prop_assert_eq!(ds.index().check_all().unwrap(), lens.iter().sum::<usize>() as u64);
+        for (d, &l) in lens.iter().enumerate() {
+            let want: Vec<u32> = (0..l).map(|k| tok(d, k)).collect();
+            prop_assert_eq!(ds.sequence(d).unwrap(), want);
+        }
+    }
+
+    /// Every sample has seq_len + 1 tokens; unshuffled samples overlap by one token and,
+    /// laid end to end, visit every document exactly once per epoch, whole and in order.
+    #[test]
+    fn packing_covers_each_epoch_exactly(
+        lens in prop::collection::vec(0usize..200, 1..30),
+        seq_len in 1usize..64,
+        samples in 1u64..200,
+    ) {
+        prop_assume!(lens.iter().sum::<usize>() > 0);
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("ds");
+        write_docs(&prefix, &lens, DType::U16);
+        let list = write_list(dir.path(), "list.txt", &[(1.0, "ds")]);
+        let loader = BlendedLoader::open(&list, &cfg(dir.path(), seq_len, samples)).unwrap();
+        for i in 0..samples {
+            prop_assert_eq!(loader.sample(i).unwrap().len(), seq_len + 1);
+        }
+        let idx = loader.datasets()[0].index();
+        let total: usize = lens.iter().sum();
+        // Rebuild the stream from unshuffled samples: u covers [u*seq_len, u*seq_len+seq_len].
+        let mut stream: Vec<u32> = Vec::new();
+        let mut prev_last = None;
+        let mut u = 0u64;
+        while stream.len() < 2 * total && (u as u128 * seq_len as u128) < (idx.epochs() as u128 * total as u128) {
+            let mut s = Vec::new();
+            idx.packed_into(u, u, &mut s).unwrap();
+            prop_assert_eq!(s.len(), seq_len + 1);
+            if let Some(p) = prev_last { prop_assert_eq!(s[0], p); }
+            prev_last = s.last().copied();
+            stream.extend_from_slice(&s[..seq_len]);
+            u += 1;
+        }
+        // Check each full epoch present in the stream.
+        for epoch in stream.chunks_exact(total) {
+            let mut k = 0;
+            let mut seen = vec![false; lens.len()];
+            while k < epoch.len() {
+                let d = (epoch[k] / 1000) as usize;
+                prop_assert!(!seen[d], "document {} twice in an epoch", d);
+                seen[d] = true;
+                for off in 0..lens[d] {
+                    prop_assert_eq!(epoch[k + off], tok(d, off));
+                }
+                k += lens[d];
+            }
+            for (d, &l) in lens.iter().enumerate() {
+                prop_assert!(seen[d] || l == 0, "document {} missing from an epoch", d);
+            }
+        }
+    }
+
+    /// The blend follows the weights: after any prefix of m samples each dataset's count is
+    /// within 1 of its target w*max(m-1, 1) (Megatron's rule aims at w*i when choosing sample
+    /// i, one behind the count), so proportions are within (1 + w)/m of the weights.
+    #[test]
+    fn blend_proportions_match_weights(
+        raw in prop::collection::vec(0.0f64..10.0, 1..12),
+        n in 1u64..5000,
+    ) {
+        prop_assume!(raw.iter().any(|&w| w > 0.01));
+        let w = normalize(&raw);
+        let (ids, _) = megatron_blend(&w, n);
+        let mut counts = vec![0u64; w.len()];
+        for (i, &d) in ids.iter().enumerate() {
+            counts[d as usize] += 1;
+            let m = (i as f64).max(1.0);
+            for (c, wd) in counts.iter().zip(&w) {
+                prop_assert!((*c as f64 - wd * m).abs() <= 1.0 + 1e-9,
+                    "after {} samples: count {} vs expected {}", m, c, wd * m);
+            }
+        }
+    }
+
+    /// Same loader output and byte-identical cache files for 1 and 4 threads.
+    #[test]
+    fn thread_count_does_not_matter(
+        a in prop::collection::vec(1usize..150, 1..40),
+        b in prop::collection::vec(1usize..150, 1..40),
+        seq_len in 1usize..40,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        write_docs(&dir.path().join("a"), &a, DType::U16);
+        write_docs(&dir.path().join("b"), &b, DType::I32);
+        let list = write_list(dir.path(), "list.txt", &[(0.3, "a"), (0.7, "b")]);
+        let samples = 300;
+        let run = |threads: usize, cache: &str| {
+            let mut c = cfg(dir.path(), seq_len, samples);
+            c.cache_dir = dir.path().join(cache);
+            kiln_data::with_threads(Some(threads), || {
+                let l = BlendedLoader::open(&list, &c).unwrap();
+                (0..samples).map(|i| l.sample(i).unwrap()).collect::<Vec<_>>()
+            }).unwrap()
+        };
+        prop_assert_eq!(run(1, "c1"), run(4, "c4"));
+        let files = |d: &str| {
+            let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir.path().join(d)).unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| !p.to_string_lossy().ends_with(".lock"))
+                .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+                .collect();
+            v.sort();
+            v
+        };
+        prop_assert_eq!(files("c1"), files("c4"));
+    }
+
+    /// Truncated or corrupted .idx/.bin files give errors naming the file, never a panic.
+    #[test]
+    fn corrupt_files_error_cleanly(
+        lens in prop::collection::vec(1usize..100, 1..20),
+        which_idx in any::<bool>(),
+        cut in any::<prop::sample::Index>(),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        truncate in any::<bool>(),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("ds");
+        write_docs(&prefix, &lens, DType::U16);
+        let target = if which_idx { idx_path(&prefix) } else { bin_path(&prefix) };
+        let mut bytes = std::fs::read(&target).unwrap();
+        if truncate {
+            let at = cut.index(bytes.len());
+            bytes.truncate(at);
+        } else {
+            for (i, v) in &flips {
+                let at = i.index(bytes.len());
+                bytes[at] ^= v | 1;
+            }
+        }
+        std::fs::write(&target, &bytes).unwrap();
+        let list = write_list(dir.path(), "list.txt", &[(1.0, "ds")]);
+        let name = target.file_name().unwrap().to_string_lossy().into_owned();
+        let result = std::panic::catch_unwind(|| {
+            let l = BlendedLoader::open(&list, &cfg(dir.path(), 16, 50))?;
+            for i in 0..50 { l.sample(i)?; }
+            let ds = IndexedDataset::open(&prefix)?;
+            for s in 0..ds.len() { ds.sequence(s)?; }
+            Ok::<(), kiln_data::DataError>(())
+        });
+        match result {
+            Err(_) => prop_assert!(false, "panicked"),
+            Ok(Err(e)) => {
+                let msg = e.to_string();
+                prop_assert!(msg.contains(&name) || msg.contains("ds"), "error does not name the file: {}", msg);
+            }
+            // A flipped byte inside token data is still a valid file.
+            Ok(Ok(())) => prop_assert!(!truncate || bytes.is_empty() || !which_idx || true),
+        }
+    }
+
+    /// Garbage list lines are refused with the file and line, never a panic.
+    #[test]
+    fn bad_list_lines_name_file_and_line(junk in "[ -~]{0,40}", line in 0usize..4) {
+        let mut lines = vec!["1.0 a".to_string(), "2.0 b corpus".to_string(), "# c".to_string(), "".to_string()];
+        lines.insert(line, junk.clone());
+        let text = lines.join("\n");
+        let r = std::panic::catch_unwind(|| CorpusList::parse(&text, Path::new("x/list.txt"), Path::new("x")));
+        prop_assert!(r.is_ok(), "panicked on {:?}", junk);
+        if let Ok(Err(e)) = r {
+            let msg = e.to_string();
+            prop_assert!(msg.starts_with(&format!("x/list.txt:{}:", line + 1)), "{}", msg);
+        }
+    }
+}
+
+#[test]
+fn weight_change_keeps_every_earlier_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[50; 40], DType::U16);
+    write_docs(&dir.path().join("b"), &[70; 30], DType::U16);
+    write_docs(&dir.path().join("c"), &[20; 90], DType::I32);
+    let list = write_list(dir.path(), "list.txt", &[(0.5, "a"), (0.5, "b")]);
+    let (steps, gb) = (100u64, 8u64);
+    let before = BlendedLoader::open(&list, &cfg(dir.path(), 32, steps * gb)).unwrap();
+    let schedule = before.schedule().clone();
+    // At step 40: reweight, and add a corpus.
+    let resume_step = 40;
+    let list2 = write_list(
+        dir.path(),
+        "list2.txt",
+        &[(0.1, "a"), (0.6, "b"), (0.3, "c")],
+    );
+    let mut c = cfg(dir.path(), 32, steps * gb);
+    c.resume = Some(Resume {
+        schedule,
+        at_sample: resume_step * gb,
+    });
+    let after = BlendedLoader::open(&list2, &c).unwrap();
+    assert_eq!(after.schedule().segments.len(), 2);
+    for step in 0..steps {
+        for rank in 0..2 {
+            let x = before.batch(step, rank, 2, 4).unwrap();
+            let y = after.batch(step, rank, 2, 4).unwrap();
+            if step < resume_step {
+                assert_eq!(x, y, "step {step} changed");
+            }
+            assert!(y.iter().all(|r| r.len() == 33));
+        }
+    }
+    let from_c = (resume_step * gb..steps * gb)
+        .filter(|&i| after.source(i).unwrap().0 == 2)
+        .count() as f64;
+    let tail = ((steps - resume_step) * gb) as f64;
+    assert!((from_c / tail - 0.3).abs() < 0.01, "{from_c}/{tail}");
+    // Reopening with the same weights and history changes nothing.
+    let mut c2 = c.clone();
+    c2.resume = Some(Resume {
+        schedule: after.schedule().clone(),
+        at_sample: 70 * gb,
+    });
+    let again = BlendedLoader::open(&list2, &c2).unwrap();
+    assert_eq!(again.schedule(), after.schedule());
+}
+
+#[test]
+fn batch_addressing_and_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[33; 20], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "a")]);
+    let l = BlendedLoader::open(&list, &cfg(dir.path(), 16, 64)).unwrap();
+    // step 3, rank 1 of 2, batch 4: global samples 3*8 + 4 + r.
+    let rows = l.batch(3, 1, 2, 4).unwrap();
+    for (r, row) in rows.iter().enumerate() {
+        assert_eq!(row, &l.sample(28 + r as u64).unwrap());
+    }
+    assert!(
+        l.batch(8, 0, 2, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("past the end")
+    );
+    assert!(l.batch(0, 2, 2, 4).is_err());
+    assert!(l.batch(0, 0, 0, 4).is_err());
+    // Different seeds give different orders.
+    let mut c = cfg(dir.path(), 16, 64);
+    c.seed = 8;
+    let l2 = BlendedLoader::open(&list, &c).unwrap();
+    assert_ne!(
+        (0..64).map(|i| l.sample(i).unwrap()).collect::<Vec<_>>(),
+        (0..64).map(|i| l2.sample(i).unwrap()).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn missing_and_empty_datasets_name_the_list_line() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[10; 5], DType::U16);
+    write_docs(&dir.path().join("empty"), &[], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "a"), (1.0, "nope")]);
+    let err = BlendedLoader::open(&list, &cfg(dir.path(), 4, 10))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("list.txt:2") && err.contains("nope.idx"),
+        "{err}"
+    );
+    let list = write_list(dir.path(), "list2.txt", &[(1.0, "a"), (1.0, "empty")]);
+    let err = BlendedLoader::open(&list, &cfg(dir.path(), 4, 10))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("list2.txt:2") && err.contains("no tokens"),
+        "{err}"
+    );
+    // Weight 0 for the empty one is fine.
+    let list = write_list(dir.path(), "list3.txt", &[(1.0, "a"), (0.0, "empty")]);
+    BlendedLoader::open(&list, &cfg(dir.path(), 4, 10)).unwrap();
+}
+
+#[test]
+fn manifest_is_enforced_by_the_loader() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[10; 5], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "a")]);
+    let mpath = kiln_data::manifest::default_path(&list);
+    let mut c = cfg(dir.path(), 4, 10);
+    c.verify = Verify::Fast;
+    c.require_manifest = true;
+    assert!(BlendedLoader::open(&list, &c).is_err());
+    let m = kiln_data::Manifest::create(&[dir.path().join("a")], &mpath).unwrap();
+    m.write(&mpath).unwrap();
+    BlendedLoader::open(&list, &c).unwrap();
+    write_docs(&dir.path().join("a"), &[10; 6], DType::U16);
+    let err = BlendedLoader::open(&list, &c).unwrap_err().to_string();
+    assert!(err.contains("a.idx") && err.contains("changed"), "{err}");
+}
+
+#[test]
+fn cached_blend_of_many_segments_matches_reference() {
+    // The greedy restarted per segment, with dataset counters carried over.
+    let dir = tempfile::tempdir().unwrap();
+    let table: Vec<String> = (0..4).map(|i| format!("d{i}")).collect();
+    let mut sched = BlendSchedule::single(table.iter().map(|k| (k.clone(), 1.0)).collect());
+    sched = sched.continued(vec![("d3".into(), 2.0), ("d0".into(), 1.0)], 1000);
+    sched = sched.continued(vec![("d1".into(), 1.0), ("d2".into(), 5.0)], 5000);
+    let blend = Blend::build(&sched, &table, 9001, dir.path()).unwrap();
+    let mut counts = [0u64; 4];
+    let mut expect = Vec::new();
+    for (seg, (start, end)) in
+        sched
+            .segments
+            .iter()
+            .zip([(0u64, 1000u64), (1000, 5000), (5000, 9001)])
+    {
+        let ids: Vec<usize> = seg
+            .weights
+            .iter()
+            .map(|(k, _)| table.iter().position(|t| t == k).unwrap())
+            .collect();
+        let w = normalize(&seg.weights.iter().map(|x| x.1).collect::<Vec<_>>());
+        let (local, _) = megatron_blend(&w, end - start);
+        for l in local {
+            let d = ids[l as usize];
+            expect.push((d, counts[d]));
+            counts[d] += 1;
+        }
+    }
+    for (i, e) in expect.iter().enumerate() {
+        assert_eq!(blend.get(i as u64).unwrap(), *e, "sample {i}");
+    }
+    assert_eq!(blend.totals(), counts.to_vec());
+}
