@@ -160,7 +160,8 @@ pub struct BlendArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Print the dataset index of the first N global samples, as a JSON array.
+    /// Print the blend of the first N global samples as JSON: `{"dataset_index": [...],
+    /// "dataset_sample_index": [...]}` (megatron-core's `build_blending_indices` outputs).
     #[arg(long, value_name = "N")]
     pub dump_order: Option<u64>,
     /// Print the tokens of global samples A..B, one JSON array per line.
@@ -437,10 +438,13 @@ fn blend(a: BlendArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(n) = a.dump_order {
         let n = n.min(loader.total_samples());
-        let order: Vec<usize> = (0..n)
-            .map(|i| loader.source(i).map(|(d, _)| d))
-            .collect::<Result<_, _>>()?;
-        println!("{}", serde_json::to_string(&order)?);
+        let order: Vec<(usize, u64)> =
+            (0..n).map(|i| loader.source(i)).collect::<Result<_, _>>()?;
+        let (d, j): (Vec<usize>, Vec<u64>) = order.into_iter().unzip();
+        println!(
+            "{}",
+            serde_json::json!({"dataset_index": d, "dataset_sample_index": j})
+        );
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(r) = &a.dump_samples {
