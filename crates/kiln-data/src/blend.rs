@@ -81,7 +81,7 @@ impl BlendSchedule {
 
     /// Check the schedule against a dataset table; returns, per segment, the table ids and
     /// normalised weights.
-    fn resolve(&self, table: &[String]) -> Result<Vec<(u64, Vec<usize>, Vec<f64>)>> {
+    fn resolve(&self, table: &[String]) -> Result<Vec<ResolvedSegment>> {
         let mut out = Vec::new();
         let mut prev_start = None;
         for seg in &self.segments {
@@ -111,13 +111,25 @@ impl BlendSchedule {
                     seg.start_sample
                 )));
             }
-            out.push((seg.start_sample, ids, normalize(&ws)));
+            out.push(ResolvedSegment {
+                start: seg.start_sample,
+                ids,
+                weights: normalize(&ws),
+            });
         }
         if out.is_empty() {
             return Err(DataError::Invalid("blend schedule has no segments".into()));
         }
         Ok(out)
     }
+}
+
+/// One blend segment checked against the dataset table: from global sample `start` on, the
+/// table ids it draws from and their normalised weights.
+struct ResolvedSegment {
+    start: u64,
+    ids: Vec<usize>,
+    weights: Vec<f64>,
 }
 
 /// megatron-core's `build_blending_indices`: for each of `size` samples, the dataset index
@@ -163,10 +175,10 @@ impl Blend {
             "version": 1,
             "samples": samples,
             "table": table,
-            "segments": segs.iter().map(|(s, ids, w)| serde_json::json!({
-                "start": s,
-                "ids": ids,
-                "weight_bits": w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "segments": segs.iter().map(|s| serde_json::json!({
+                "start": s.start,
+                "ids": s.ids,
+                "weight_bits": s.weights.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         })
         .to_string();
@@ -181,17 +193,18 @@ impl Blend {
             let mut checkpoints: Vec<u64> = Vec::with_capacity(n_ck * d);
             let mut ids: Vec<u16> = Vec::with_capacity(samples as usize);
             let bar = crate::progress::bar(samples, "blend");
-            for (k, (start, seg_ids, weights)) in segs.iter().enumerate() {
+            for (k, seg) in segs.iter().enumerate() {
+                let (start, seg_ids, weights) = (seg.start, &seg.ids, &seg.weights);
                 let end = segs
                     .get(k + 1)
-                    .map_or(samples, |n| n.0.min(samples))
-                    .max(*start);
-                if *start >= samples {
+                    .map_or(samples, |n| n.start.min(samples))
+                    .max(start);
+                if start >= samples {
                     break;
                 }
                 let mut local = vec![0u64; seg_ids.len()];
                 // Emit in chunks so checkpoints land exactly every CHECKPOINT global samples.
-                let mut pos = *start;
+                let mut pos = start;
                 let mut done_local = 0u64;
                 while pos < end {
                     if pos % CHECKPOINT == 0 {
