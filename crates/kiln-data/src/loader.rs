@@ -160,31 +160,47 @@ impl BlendedLoader {
             Some(r) => r.schedule.continued(weights, r.at_sample),
         };
         let table: Vec<String> = corpus.entries.iter().map(|e| e.key.clone()).collect();
-        let blend = Blend::build(&schedule, &table, cfg.total_samples, &cfg.cache_dir)?;
-        let totals = blend.totals();
+        let bounds = crate::blend::sample_bounds(&schedule, &table, cfg.total_samples)?;
 
         let at_line = |line: usize, err: DataError| DataError::ListLine {
             path: list.to_path_buf(),
             line,
             reason: err.to_string(),
         };
-        let opened: Vec<Result<LoadedDataset>> = corpus
-            .entries
-            .par_iter()
-            .zip(totals.par_iter())
-            .map(|(e, &samples)| {
-                let ds = IndexedDataset::open(&e.prefix).map_err(|err| at_line(e.line, err))?;
-                let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
-                let index = DatasetIndex::open(
-                    ds,
-                    &fp,
-                    cfg.seed,
-                    cfg.seq_len as u64,
-                    samples,
-                    &cfg.cache_dir,
-                )
-                .map_err(|err| at_line(e.line, err))?;
-                Ok(LoadedDataset {
+        // The blend is one sequential pass; the dataset indices are parallel work sized by an
+        // upper bound of each dataset's share, so both run at once.
+        let (blend, opened) = rayon::join(
+            || Blend::build(&schedule, &table, cfg.total_samples, &cfg.cache_dir),
+            || -> Vec<Result<(DatasetIndex, &crate::corpus::CorpusEntry)>> {
+                corpus
+                    .entries
+                    .par_iter()
+                    .zip(bounds.par_iter())
+                    .map(|(e, &bound)| {
+                        let ds =
+                            IndexedDataset::open(&e.prefix).map_err(|err| at_line(e.line, err))?;
+                        let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
+                        let index = DatasetIndex::open(
+                            ds,
+                            &fp,
+                            cfg.seed,
+                            cfg.seq_len as u64,
+                            bound,
+                            &cfg.cache_dir,
+                        )
+                        .map_err(|err| at_line(e.line, err))?;
+                        Ok((index, e))
+                    })
+                    .collect()
+            },
+        );
+        let blend = blend?;
+        let totals = blend.totals();
+        let opened: Vec<Result<LoadedDataset>> = opened
+            .into_iter()
+            .zip(totals)
+            .map(|(r, samples)| {
+                r.map(|(index, e)| LoadedDataset {
                     key: e.key.clone(),
                     corpus: e.corpus.clone(),
                     weight: e.weight,
