@@ -128,6 +128,35 @@ proptest! {
         }
     }
 
+    /// The per-dataset bounds used to size the dataset indices before the blend exists are
+    /// never below what the blend actually draws, whatever the weight history.
+    #[test]
+    fn sample_bounds_cover_the_blend(
+        first in prop::collection::vec(0.0f64..10.0, 1..10),
+        second in prop::collection::vec(0.0f64..10.0, 1..10),
+        switch in 0u64..3000,
+        n in 1u64..3000,
+    ) {
+        prop_assume!(first.iter().any(|&w| w > 0.01) && second.iter().any(|&w| w > 0.01));
+        let dir = tempfile::tempdir().unwrap();
+        let d = first.len().max(second.len());
+        let table: Vec<String> = (0..d).map(|i| format!("d{i}")).collect();
+        let mut sched = BlendSchedule::single(
+            first.iter().enumerate().map(|(i, &w)| (table[i].clone(), w)).collect(),
+        );
+        if switch > 0 {
+            sched = sched.continued(
+                second.iter().enumerate().map(|(i, &w)| (table[i].clone(), w)).collect(),
+                switch,
+            );
+        }
+        let blend = Blend::build(&sched, &table, n, dir.path()).unwrap();
+        let bounds = kiln_data::blend::sample_bounds(&sched, &table, n).unwrap();
+        for (k, (b, t)) in bounds.iter().zip(blend.totals()).enumerate() {
+            prop_assert!(*b >= t, "dataset {}: bound {} < drawn {}", k, b, t);
+        }
+    }
+
     /// Same loader output and byte-identical cache files for 1 and 4 threads.
     #[test]
     fn thread_count_does_not_matter(
