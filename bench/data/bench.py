@@ -16,7 +16,7 @@ Two measurements:
    `json.loads` + the same `tokenizer.json` through the `tokenizers` library + EOD, written by
    megatron-core's `IndexedDatasetBuilder`. Both outputs must be byte-identical.
 
-Usage: bench/data/bench.sh [--tokens 100e9] [--text-mb 64] [--out DIR]
+Usage: bench/data/bench.sh [--tokens 100e9] [--text-mb 64] [--workers N] [--keep-corpora]
 """
 
 import argparse
