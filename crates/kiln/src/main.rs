@@ -3,11 +3,6 @@
 
 mod cmd;
 
-/// mimalloc instead of glibc malloc: tokenization allocates many small strings on every
-/// thread, and glibc's arena locking and consolidation took 45% of `kiln data tokenize`.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 

@@ -374,7 +374,8 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
             report["length"]["max"]
         );
         if let Some(s) = sidecar {
-            println!("  vocab      {} (eos {:?})", s.vocab_size, s.eos_id);
+            let eos = s.eos_id.map_or("none".to_string(), |id| id.to_string());
+            println!("  vocab      {} (eos id {eos})", s.vocab_size);
         }
         if a.check {
             println!("  check      every length and pointer consistent");
@@ -497,16 +498,17 @@ fn blend(a: BlendArgs) -> anyhow::Result<ExitCode> {
             elapsed
         );
         println!(
-            "  {:<32} {:>8} {:>8} {:>12} {:>8}",
-            "dataset", "weight", "share", "samples", "epochs"
+            "  {:<36} {:<14} {:>8} {:>8} {:>12} {:>8}",
+            "dataset", "corpus", "weight", "share", "samples", "epochs"
         );
         for d in &datasets {
             println!(
-                "  {:<32} {:>8.4} {:>8.4} {:>12} {:>8.3}",
+                "  {:<36} {:<14} {:>8.4} {:>8.4} {:>12} {:>8.3}",
+                d["key"].as_str().unwrap_or(""),
                 d["corpus"].as_str().unwrap_or(""),
                 d["weight"].as_f64().unwrap_or(0.0),
                 d["share"].as_f64().unwrap_or(0.0),
-                d["samples"],
+                d["samples"].as_u64().unwrap_or(0),
                 d["epochs"].as_f64().unwrap_or(0.0)
             );
         }
