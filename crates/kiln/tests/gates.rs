@@ -5,18 +5,15 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::KILN;
 
-/// A tiny model so the tests stay fast on two cores.
-const TINY: &[&str] = &[
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_hidden=64",
-    "training.seq_len=32",
-    "training.batch_size=4",
-];
+/// The tiny model, so the tests stay fast on two cores.
+fn tiny() -> Vec<&'static str> {
+    let mut sets = common::TINY_MODEL.to_vec();
+    sets.push("training.batch_size=4");
+    sets
+}
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -51,16 +48,16 @@ fn smoke_fails_readably_when_numerics_change() {
     let base = base.to_str().unwrap();
     let (code, out) = kiln(
         &["smoke", "--steps", "3", "--bless", "--baseline", base],
-        TINY,
+        &tiny(),
     );
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("blessed"), "{out}");
-    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    let (code, out) = kiln(&["smoke", "--baseline", base], &tiny());
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("PASS: 3 steps"), "{out}");
 
     // A changed init seed: refused as a different config, naming the key...
-    let seven: Vec<&str> = TINY.iter().copied().chain(["training.seed=7"]).collect();
+    let seven: Vec<&str> = tiny().iter().copied().chain(["training.seed=7"]).collect();
     let (code, out) = kiln(&["smoke", "--baseline", base], &seven);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("config differs"), "{out}");
@@ -86,14 +83,14 @@ fn smoke_fails_readably_when_numerics_change() {
     let bits = u32::from_str_radix(rec.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
     *rec = serde_json::Value::String(format!("{:#010x}", bits + 1));
     std::fs::write(base, serde_json::to_string(&v).unwrap()).unwrap();
-    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    let (code, out) = kiln(&["smoke", "--baseline", base], &tiny());
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("first differing step: 2 (grad_norm)"), "{out}");
     assert!(out.contains("difference: 1 ULPs"), "{out}");
 
     // A malformed baseline is an error naming the file.
     std::fs::write(base, "{ nope").unwrap();
-    let (code, out) = kiln(&["smoke", "--baseline", base], TINY);
+    let (code, out) = kiln(&["smoke", "--baseline", base], &tiny());
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("tiny.json") && out.contains("--bless"),
@@ -106,9 +103,8 @@ fn eval_status_and_plot_on_a_tiny_run() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
-    let sets: Vec<&str> = TINY
-        .iter()
-        .copied()
+    let sets: Vec<&str> = tiny()
+        .into_iter()
         .chain([
             "training.steps=6",
             "checkpoint.interval=3",

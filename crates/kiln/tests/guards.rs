@@ -2,17 +2,12 @@
 //! fires, writes its event, and training recovers and finishes.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
 
+/// Settings on top of the tiny model: a high LR, and guards that react within a short run.
 const TINY: &[&str] = &[
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_hidden=64",
-    "training.seq_len=32",
     "training.batch_size=8",
     "training.steps=80",
     "training.threads=1",
@@ -28,15 +23,10 @@ const TINY: &[&str] = &[
 ];
 
 fn train(run_dir: &Path, extra: &[&str]) -> Output {
-    let mut cmd = Command::new(KILN);
-    cmd.arg("train")
-        .arg("--run-dir")
-        .arg(run_dir)
-        .arg("--no-progress-bar");
-    for s in TINY.iter().chain(extra) {
-        cmd.arg("--set").arg(s);
-    }
-    cmd.output().expect("spawn kiln")
+    let sets: Vec<&str> = TINY.iter().chain(extra).copied().collect();
+    common::train_cmd(run_dir, &sets)
+        .output()
+        .expect("spawn kiln")
 }
 
 fn events(run_dir: &Path) -> Vec<serde_json::Value> {

@@ -7,16 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::KILN;
 
-/// A tiny model so each run takes a second or two.
+/// Settings on top of the tiny model: short runs with frequent checkpoints.
 const TINY: &[&str] = &[
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_hidden=64",
-    "training.seq_len=32",
     "training.batch_size=4",
     "training.steps=30",
     "training.threads=1",
@@ -28,15 +23,8 @@ const TINY: &[&str] = &[
 ];
 
 fn train_cmd(run_dir: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(KILN);
-    cmd.arg("train")
-        .arg("--run-dir")
-        .arg(run_dir)
-        .arg("--no-progress-bar");
-    for s in TINY.iter().chain(extra) {
-        cmd.arg("--set").arg(s);
-    }
-    cmd
+    let sets: Vec<&str> = TINY.iter().chain(extra).copied().collect();
+    common::train_cmd(run_dir, &sets)
 }
 
 fn run_to_end(run_dir: &Path, extra: &[&str]) -> std::process::Output {
