@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// An I/O error on a named file.
-    #[error("{}: {source}", path.display())]
+    // The I/O error is part of the message and deliberately not a `source`: printing the
+    // chain (`{:#}`) would repeat it.
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A `.idx` or `.bin` file that is not a valid Megatron indexed dataset.
     #[error("{}: {reason}", path.display())]
@@ -49,7 +50,7 @@ impl DataError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
         DataError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 

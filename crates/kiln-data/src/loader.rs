@@ -138,7 +138,7 @@ impl BlendedLoader {
             } else if cfg.require_manifest {
                 return Err(DataError::Io {
                     path: mpath,
-                    source: std::io::Error::new(
+                    error: std::io::Error::new(
                         std::io::ErrorKind::NotFound,
                         "no manifest; pin the shards with `kiln data manifest`",
                     ),
