@@ -326,7 +326,6 @@ fn build_epoch(
     let seqs = idx.sequences() as u64;
     let perm = Permutation::new(seqs, derive_key(&[key, PURPOSE_DOC, e]));
     let groups = seqs.div_ceil(GROUP) as usize;
-    let lengths = idx.lengths_bytes();
     // One partial table per worker, within a memory budget. Integer sums do not depend on how
     // the sequences are split, so the result is the same for any thread count.
     const PARTIAL_BUDGET: usize = 512 << 20;
@@ -346,13 +345,7 @@ fn build_epoch(
                 let run = (i1 - i).min(RUN as u64) as usize;
                 perm.apply_inverse_run(i, &mut positions[..run]);
                 for (k, &p) in positions[..run].iter().enumerate() {
-                    let at = 4 * (i as usize + k);
-                    let l = i32::from_le_bytes([
-                        lengths[at],
-                        lengths[at + 1],
-                        lengths[at + 2],
-                        lengths[at + 3],
-                    ]);
+                    let l = idx.raw_length(i as usize + k);
                     // Lengths were validated non-negative by total_tokens; a file changed
                     // underneath shows up as the final-sum mismatch checked by the caller.
                     table[(p / GROUP) as usize] += l.max(0) as u64;

@@ -303,11 +303,6 @@ impl IndexFile {
         le_i64(&self.map, self.docs_at + 8 * i)
     }
 
-    /// The raw bytes of the sequence-length array (little-endian `i32`s, unaligned).
-    pub fn lengths_bytes(&self) -> &[u8] {
-        &self.map[self.lengths_at..self.pointers_at]
-    }
-
     /// Sum of all sequence lengths, checking every length and pointer (O(sequences)). Used by
     /// `inspect` and `verify`; the loader only needs the O(1) checks of [`IndexFile::open`].
     pub fn check_all(&self) -> Result<u64> {
