@@ -10,19 +10,22 @@
 //! | `checkpoints/step-<N>/`  | `kiln train`      | safetensors + `state.json` + `manifest`  |
 //! | `attempt-<i>.log`        | `kiln launch`     | raw bytes of one attempt's output        |
 //!
+//! File names live in [`layout`], event names in [`event`], exit codes in [`exit`].
+//!
 //! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line `<step> <phase> <unix_time>`,
 //! replaced atomically, so a supervisor can tell which rank stopped advancing.
 
 mod beacon;
+pub mod event;
 mod events;
+pub mod exit;
+pub mod layout;
 
 pub use beacon::{Beacon, BeaconError, PROGRESS_DIR_ENV, read_beacons, write_beacon};
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 
-/// Exit code of a process that was asked to stop (SIGTERM/SIGUSR1, walltime), saved a
-/// checkpoint and can be resumed by running the same command again. 75 is `EX_TEMPFAIL`
-/// from sysexits.h: "temporary failure, try again later".
-pub const EXIT_PREEMPTED: i32 = 75;
+/// Exit code of a process that was asked to stop; see [`exit::PREEMPTED`].
+pub const EXIT_PREEMPTED: i32 = exit::PREEMPTED;
 
-/// Exit code of a watchdog kill, as GNU `timeout` uses.
-pub const EXIT_WATCHDOG: i32 = 124;
+/// Exit code of a watchdog kill; see [`exit::WATCHDOG`].
+pub const EXIT_WATCHDOG: i32 = exit::WATCHDOG;

@@ -1,0 +1,48 @@
+//! Names of the events in `events.jsonl`: the one place they are spelled, so writers and
+//! readers (`kiln status`, plots, tests) cannot drift apart.
+
+// Trainer.
+/// The trainer started (fields: step, total_steps, params, device, data, ...).
+pub const START: &str = "start";
+/// A checkpoint was loaded to resume from.
+pub const CHECKPOINT_LOADED: &str = "checkpoint_loaded";
+/// A checkpoint failed verification and was moved aside (fields: path, reason, moved_to).
+pub const CHECKPOINT_REJECTED: &str = "checkpoint_rejected";
+/// A checkpoint was published (fields: step, path, seconds, pruned).
+pub const CHECKPOINT_SAVED: &str = "checkpoint_saved";
+/// The run resumed (fields: step, data_cursor, path).
+pub const RESUME: &str = "resume";
+/// The effective config differs from the one of the resumed checkpoint.
+pub const CONFIG_CHANGED: &str = "config_changed";
+/// A step was skipped for a non-finite loss or gradient.
+pub const NONFINITE_SKIP: &str = "nonfinite_skip";
+/// The trainer rolled back to an in-memory snapshot.
+pub const ROLLBACK: &str = "rollback";
+/// A loss spike was detected.
+pub const LOSS_SPIKE: &str = "loss_spike";
+/// A spike without a snapshot: the batch was skipped.
+pub const SPIKE_SKIP: &str = "spike_skip";
+/// Parameter tensors did not change over the check interval.
+pub const FROZEN_PARAMS: &str = "frozen_params";
+/// The first-step loss matches ln(vocab).
+pub const INITIAL_LOSS_OK: &str = "initial_loss_ok";
+/// The first-step loss is far from ln(vocab).
+pub const INITIAL_LOSS_ERROR: &str = "initial_loss_error";
+/// A stop signal was handled.
+pub const SIGNAL: &str = "signal";
+/// A torn last line of a JSON-lines file was cut off on open (fields: path, bytes_removed).
+pub const LOG_REPAIRED: &str = "log_repaired";
+/// The process is leaving (fields: reason, code, step, error).
+pub const EXIT: &str = "exit";
+
+// Launcher.
+/// `kiln launch` started.
+pub const LAUNCH_START: &str = "launch_start";
+/// One attempt started.
+pub const ATTEMPT_START: &str = "attempt_start";
+/// One attempt ended, with its classification.
+pub const ATTEMPT_END: &str = "attempt_end";
+/// Waiting before the next attempt.
+pub const BACKOFF: &str = "backoff";
+/// `kiln launch` ended.
+pub const LAUNCH_END: &str = "launch_end";

@@ -1,0 +1,62 @@
+//! Names of the files and directories of a run directory: the one place they are spelled.
+//! Every component (trainer, launcher, status, plots) joins these to the run directory.
+
+/// The effective config of the training run (TOML).
+pub const CONFIG: &str = "config.toml";
+/// Per-step and per-eval metrics, JSON lines.
+pub const METRICS: &str = "metrics.jsonl";
+/// The event log, JSON lines (see [`crate::Event`]).
+pub const EVENTS: &str = "events.jsonl";
+/// Directory of `step-<N>` checkpoint directories.
+pub const CHECKPOINTS: &str = "checkpoints";
+/// Where checkpoints that were rejected (corrupt, torn, foreign) are moved aside under
+/// [`CHECKPOINTS`]; never deleted by kiln.
+pub const REJECTED: &str = "rejected";
+/// The final weights (safetensors) at the top of the run directory.
+pub const FINAL_MODEL: &str = "model.safetensors";
+/// The run-directory lock (flock) held by the one writer of a training run; it holds the
+/// holder's `pid host` for the error message of a second trainer.
+pub const LOCK: &str = "train.lock";
+/// Per-rank progress beacons (the default `$KILN_PROGRESS_DIR` of `kiln launch`).
+pub const PROGRESS: &str = "progress";
+/// The hosts of the current attempt (`kiln launch`).
+pub const HOSTFILE: &str = "hostfile";
+
+/// Output of launch attempt `i` (raw bytes).
+pub fn attempt_log(i: u32) -> String {
+    format!("attempt-{i}.log")
+}
+
+/// Name of the checkpoint directory of step `step`.
+pub fn checkpoint_dir(step: u64) -> String {
+    format!("step-{step}")
+}
+
+/// The step of a checkpoint directory name (`step-<N>`), if it is one.
+pub fn parse_checkpoint_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    // Only canonical decimal names: `step-010` or `step-+1` are not ours.
+    if digits.is_empty() || (digits.len() > 1 && digits.starts_with('0')) {
+        return None;
+    }
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_dir_names_round_trip_and_only_canonical_ones_parse() {
+        assert_eq!(parse_checkpoint_dir(&checkpoint_dir(120)), Some(120));
+        assert_eq!(parse_checkpoint_dir("step-0"), Some(0));
+        for bad in [
+            "step-", "step-010", "step-+1", "step-1a", "rejected", "step--1",
+        ] {
+            assert_eq!(parse_checkpoint_dir(bad), None, "{bad}");
+        }
+    }
+}
