@@ -693,7 +693,7 @@ impl<'o> Trainer<'o> {
             self.facts.total,
         );
         let first_sample = self.state.next_sample();
-        let (loss, grads) = self.compute_gradients()?;
+        let (loss, grads, allreduce_s) = self.compute_gradients()?;
         let grad_norm = optim::global_norm(&grads);
         if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
             return Ok(None);
@@ -724,11 +724,13 @@ impl<'o> Trainer<'o> {
             tokens_seen: self.state.tokens_seen,
             first_sample,
             global_batch: self.layout.global_batch(),
+            allreduce_s,
         }))
     }
 
-    /// This rank's loss and gradients over its micro-batches, averaged over all ranks.
-    fn compute_gradients(&mut self) -> Result<(f32, Vec<Tensor<1>>), TrainError> {
+    /// This rank's loss and gradients over its micro-batches, averaged over all ranks, and
+    /// the seconds the averaging took.
+    fn compute_gradients(&mut self) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
         let base = self.state.next_sample();
         let cfg = &self.cfg;
         let mut grads: Option<Vec<Tensor<1>>> = None;
@@ -769,14 +771,16 @@ impl<'o> Trainer<'o> {
         }
         let grads = grads.unwrap_or_default();
         if self.comm.size() == 1 {
-            return Ok((loss_sum, grads));
+            return Ok((loss_sum, grads, 0.0));
         }
         // One flat host buffer: every gradient, then the loss, averaged over the ranks.
+        let t0 = Instant::now();
         let mut flat = step::flatten(&grads);
         flat.push(loss_sum);
         self.facts.grads.mean(self.comm.as_ref(), &mut flat);
         let loss = flat.pop().unwrap_or(f32::NAN);
-        Ok((loss, step::unflatten(&flat, &grads, &self.session.device)))
+        let grads = step::unflatten(&flat, &grads, &self.session.device);
+        Ok((loss, grads, t0.elapsed().as_secs_f64()))
     }
 
     /// The guards on one step's (global) loss and gradient norm: skip non-finite steps, roll
