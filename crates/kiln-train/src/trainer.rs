@@ -58,9 +58,13 @@ pub enum TrainError {
     /// Event log failure.
     #[error(transparent)]
     Events(#[from] kiln_run::EventLogError),
-    /// The data source failed.
+    /// The data could not be opened or does not fit the model (at start: deterministic).
     #[error("data: {0}")]
     Data(String),
+    /// Reading a sample failed during training (perhaps transient: worth a retry; the
+    /// launcher stops retrying when the same error repeats).
+    #[error("data: {0}")]
+    DataRead(String),
     /// The device named in the config is unknown or not compiled in.
     #[error("device {0:?}: {1}")]
     Device(String, String),
@@ -108,9 +112,11 @@ impl TrainError {
             Self::Guard(_) => exit::GUARD_STOP,
             Self::RunDir(RunDirError::Locked { .. }) => exit::RUN_DIR_LOCKED,
             Self::ReplicaMismatch { .. } => exit::REPLICA_MISMATCH,
-            Self::RunDir(_) | Self::Io { .. } | Self::Events(_) | Self::Checkpoint(_) => {
-                exit::FAILURE
-            }
+            Self::RunDir(_)
+            | Self::Io { .. }
+            | Self::Events(_)
+            | Self::Checkpoint(_)
+            | Self::DataRead(_) => exit::FAILURE,
         }
     }
 
@@ -741,7 +747,7 @@ impl<'o> Trainer<'o> {
                 .rows(base, micro)
                 .map(|i| self.data.source.sample(i, self.layout.seq + 1))
                 .collect::<Result<_, _>>()
-                .map_err(TrainError::Data)?;
+                .map_err(TrainError::DataRead)?;
             let batch_no = self.state.data_cursor + 1;
             let rows = if cfg.debug.spike_at_step > 0 && batch_no == cfg.debug.spike_at_step {
                 step::corrupt_batch(&rows, self.session.model.vocab(), cfg.training.seed)
