@@ -214,6 +214,10 @@ pub struct TrainingConfig {
     pub compute_shards: usize,
     /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
     pub peak_flops: f64,
+    /// Use kiln's fused CPU kernels (RMSNorm, SwiGLU, RoPE, causal softmax, output head +
+    /// cross-entropy) on the flex backend; false computes the same functions from burn's
+    /// ops (slower, more memory; for A/B checks and profiling). Equal up to f32 rounding.
+    pub fused_kernels: bool,
 }
 
 impl Default for TrainingConfig {
@@ -229,6 +233,7 @@ impl Default for TrainingConfig {
             threads: 0,
             compute_shards: 2,
             peak_flops: 0.0,
+            fused_kernels: true,
         }
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! Layout (torchtitan-like): [`config`] (the TOML sections), [`model`] (parameters and the
 //! forward pass), [`optim`] (AdamW, clipping, LR schedules), [`data`] (token sources),
-//! [`synthetic`] (the built-in corpus), [`session`] (a model and its parameters),
+//! [`kernels`] (fused CPU kernels with their backward passes), [`synthetic`] (the built-in corpus), [`session`] (a model and its parameters),
 //! [`state`] (the exact-resume state), [`step`] (the arithmetic of a step and the batch
 //! layout over ranks), [`checkpoint`] (atomic, verified checkpoints and retention),
 //! [`run_dir`] (the locked run directory), [`guards`] (spike and sanity checks),
@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod guards;
+pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod optim;

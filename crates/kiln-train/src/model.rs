@@ -11,7 +11,7 @@
 //! export transposes them.
 
 use crate::config::ModelConfig;
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use crate::kernels;
 use burn::tensor::module::{embedding, linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::SeedableRng;
@@ -277,9 +277,7 @@ impl Llama {
         let [b, t] = inputs.dims();
         let n = b * t;
         let h = self.hidden(p, inputs).reshape([n, self.cfg.d_model]);
-        let logits = linear(h, self.head_matrix(p), None);
-        let logp = log_softmax(logits, 1);
-        logp.gather(1, targets.reshape([n, 1])).mean().neg()
+        kernels::linear_cross_entropy(h, self.head_matrix(p), targets.reshape([n]))
     }
 
     fn mat(&self, p: &[Tensor<1>], i: usize) -> Tensor<2> {
@@ -301,18 +299,16 @@ impl Llama {
         let cfg = &self.cfg;
         let eps = cfg.norm_eps;
         let hd = cfg.d_model / cfg.n_heads;
-        let groups = cfg.n_heads / cfg.n_kv_heads;
         let rope = RopeTables::new(t, hd, cfg.rope_theta, &device);
-        let mask = causal_bias(t, groups, &device);
         let mut x = embedding(self.mat(p, self.embed), tokens);
         for blk in &self.blocks {
             let h = rms_norm(x.clone(), p[blk.attn_norm].clone(), eps);
-            let attn = self.attention(p, blk, h, &rope, mask.clone(), b, t);
+            let attn = self.attention(p, blk, h, &rope, b, t);
             x = x + attn;
             let h = rms_norm(x.clone(), p[blk.mlp_norm].clone(), eps);
-            let gate = silu(linear(h.clone(), self.mat(p, blk.w_gate), None));
+            let gate = linear(h.clone(), self.mat(p, blk.w_gate), None);
             let up = linear(h, self.mat(p, blk.w_up), None);
-            x = x + linear(gate * up, self.mat(p, blk.w_down), None);
+            x = x + linear(kernels::swiglu(gate, up), self.mat(p, blk.w_down), None);
         }
         rms_norm(x, p[self.final_norm].clone(), eps)
     }
@@ -327,7 +323,6 @@ impl Llama {
         blk: &BlockParams,
         h: Tensor<3>,
         rope: &RopeTables,
-        mask: Tensor<4>,
         b: usize,
         t: usize,
     ) -> Tensor<3> {
@@ -335,12 +330,8 @@ impl Llama {
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let hd = cfg.d_model / nh;
         let groups = nh / nkv;
-        let q = linear(h.clone(), self.mat(p, blk.wq), None)
-            .reshape([b, t, nh, hd])
-            .swap_dims(1, 2);
-        let k = linear(h.clone(), self.mat(p, blk.wk), None)
-            .reshape([b, t, nkv, hd])
-            .swap_dims(1, 2);
+        let q = linear(h.clone(), self.mat(p, blk.wq), None).reshape([b, t, nh, hd]);
+        let k = linear(h.clone(), self.mat(p, blk.wk), None).reshape([b, t, nkv, hd]);
         let v = linear(h, self.mat(p, blk.wv), None)
             .reshape([b, t, nkv, hd])
             .swap_dims(1, 2);
@@ -351,14 +342,14 @@ impl Llama {
             ),
             _ => (q, k),
         };
+        // [b, t, heads, hd] -> [b, heads, t, hd], rotated
         let q = rope.apply(q);
         let k = rope.apply(k);
         // Query head h uses K/V head h / groups (as Hugging Face's repeat_kv), so the heads of
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let scores = q.matmul(k.transpose()).mul_scalar(scale) + mask;
-        let probs = softmax(scores, 3);
+        let probs = kernels::causal_softmax(q.matmul(k.transpose()), scale);
         let y = probs
             .matmul(v)
             .reshape([b, nh, t, hd])
@@ -370,21 +361,13 @@ impl Llama {
 
 /// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.
 fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
-    let inv_rms = x
-        .clone()
-        .powi_scalar(2)
-        .mean_dim(D - 1)
-        .add_scalar(eps)
-        .sqrt()
-        .recip();
-    x * inv_rms * w.unsqueeze()
+    kernels::rms_norm(x, w, eps)
 }
 
 /// Rotate-half RoPE tables (the Llama / Hugging Face layout, not burn's interleaved one).
 struct RopeTables {
-    cos: Tensor<4>,
-    sin: Tensor<4>,
-    half: usize,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
 }
 
 impl RopeTables {
@@ -404,28 +387,16 @@ impl RopeTables {
             }
         }
         Self {
-            cos: Tensor::from_data(TensorData::new(cos, [1, 1, t, hd]), device),
-            sin: Tensor::from_data(TensorData::new(sin, [1, 1, t, hd]), device),
-            half,
+            cos: Tensor::from_data(TensorData::new(cos, [t, hd]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [t, hd]), device),
         }
     }
 
-    /// x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1).
+    /// x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1), for `x`
+    /// `[b, t, heads, hd]`; returned head-major, `[b, heads, t, hd]`.
     fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        let x1 = x.clone().narrow(3, 0, self.half);
-        let x2 = x.clone().narrow(3, self.half, self.half);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * self.cos.clone() + rotated * self.sin.clone()
+        let [b, t, heads, hd] = x.dims();
+        let x = x.reshape([b, t, heads * hd]);
+        kernels::rope(x, self.cos.clone(), self.sin.clone(), heads)
     }
-}
-
-/// Additive causal mask `[1, 1, groups*t, t]`: 0 where a query may attend, -inf elsewhere.
-/// Row r is query position r % t (the grouped heads are stacked along the rows).
-fn causal_bias(t: usize, groups: usize, device: &Device) -> Tensor<4> {
-    let mut v = Vec::with_capacity(groups * t * t);
-    for r in 0..groups * t {
-        let qpos = r % t;
-        v.extend((0..t).map(|k| if k <= qpos { 0.0f32 } else { f32::NEG_INFINITY }));
-    }
-    Tensor::from_data(TensorData::new(v, [1, 1, groups * t, t]), device)
 }

@@ -91,6 +91,7 @@ impl Session {
     pub fn new(config: &Config, vocab: usize) -> Result<Self, TrainError> {
         config.validate()?;
         set_threads(config.training.threads);
+        crate::kernels::set_enabled(config.training.fused_kernels);
         let device = parse_device(&config.training.device)?;
         let model = Llama::new(&config.model, vocab);
         let params = model.init(config.training.seed, &device);

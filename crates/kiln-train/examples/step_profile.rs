@@ -1,0 +1,95 @@
+//! One training step of the benchmark model, repeated, for profilers (used by
+//! bench/train/profile.sh): the same forward/backward (`step::loss_and_grads`), global-norm
+//! clipping and AdamW update as `kiln train`, on a fixed random batch, with no run directory,
+//! data loader or checkpoint around it, so a sampling profiler sees only the step.
+//!
+//! Everything runs inside a rayon pool of `--threads` threads (the thread calling the model is
+//! a pool thread), so at `--threads 1` every sample's call stack reaches back to the model
+//! code that caused it. Prints the wall and CPU time of each phase per step.
+//!
+//! Usage: step_profile [--threads N] [--steps N] [--warmup N] [--set key=value]...
+use burn::tensor::Tensor;
+use kiln_train::optim::{AdamW, clip_by_global_norm, global_norm};
+use kiln_train::{Config, Session, step};
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+fn cpu_s() -> f64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut threads = 1usize;
+    let mut steps = 5usize;
+    let mut warmup = 2usize;
+    let mut overrides = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or(format!("{a} needs a value"));
+        match a.as_str() {
+            "--threads" => threads = value()?.parse()?,
+            "--steps" => steps = value()?.parse()?,
+            "--warmup" => warmup = value()?.parse()?,
+            "--set" => overrides.push(value()?),
+            _ => return Err(format!("unknown argument {a}").into()),
+        }
+    }
+    overrides.push(format!("training.threads={threads}"));
+    let cfg = Config::load(None, &overrides)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
+    pool.install(|| run(&cfg, steps, warmup).map_err(|e| e.to_string()))?;
+    Ok(())
+}
+
+fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let vocab = cfg.model.vocab_size;
+    let s = Session::new(cfg, vocab)?;
+    let (b, t) = (cfg.training.batch_size, cfg.training.seq_len);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.training.seed + 1);
+    let rows: Vec<Vec<u32>> = (0..b)
+        .map(|_| (0..=t).map(|_| rng.gen_range(0..vocab as u32)).collect())
+        .collect();
+    let ad = s.device.clone().autodiff();
+    let mut params: Vec<Tensor<1>> = s.params.clone();
+    let mut opt = AdamW::new(&cfg.optimizer, s.model.specs(), &s.device);
+    let frozen = vec![false; params.len()];
+    println!("step fwd_bwd_ms clip_ms optim_ms total_ms cpu_ms loss");
+    for i in 0..warmup + steps {
+        let (w0, c0) = (Instant::now(), cpu_s());
+        let (loss, grads) = step::loss_and_grads(
+            &s.model,
+            &params,
+            &rows,
+            t,
+            &ad,
+            1.0,
+            cfg.training.compute_shards.max(1),
+            false,
+        );
+        let w1 = Instant::now();
+        let norm = global_norm(&grads);
+        let grads = clip_by_global_norm(grads, norm, cfg.optimizer.max_grad_norm);
+        let w2 = Instant::now();
+        opt.update(&mut params, grads, cfg.optimizer.lr, &frozen);
+        // The update is lazy only in name on flex; read one value so it is surely done.
+        let _ = params[0].clone().slice([0..1]).into_scalar::<f32>();
+        let w3 = Instant::now();
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        let tag = if i < warmup { "warmup" } else { "step" };
+        println!(
+            "{tag} {:.1} {:.1} {:.1} {:.1} {:.1} {loss:.6}",
+            ms(w0, w1),
+            ms(w1, w2),
+            ms(w2, w3),
+            ms(w0, w3),
+            (cpu_s() - c0) * 1e3
+        );
+    }
+    Ok(())
+}

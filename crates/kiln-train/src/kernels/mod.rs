@@ -1,0 +1,244 @@
+//! Fused CPU kernels for the model's hot spots, with their own backward passes.
+//!
+//! burn's autodiff records every primitive op of a composed function (RMSNorm is seven,
+//! log-softmax six, SiLU three), and each primitive op on the flex backend is one
+//! single-threaded pass over memory that allocates its output; the backward pass doubles
+//! that. Each kernel here does one such function in one or two multithreaded passes, and
+//! registers one backward step with burn's autodiff (`burn::backend::autodiff::ops::Backward`)
+//! through a backend extension (`#[backend_extension]`), so a model mixes them freely with
+//! burn's own ops.
+//!
+//! Every kernel has a composed twin in [`composed`], built from burn tensor ops: it is the
+//! reference the tests compare values and gradients against, and the path taken on devices
+//! the kernels do not cover (GPU backends, dtypes other than f32), so the model code runs
+//! unchanged everywhere.
+//!
+//! Determinism: work is cut into fixed-size blocks of rows whatever the thread count, and
+//! partial sums are combined in block order, so results are bit-identical for any number of
+//! threads. Reductions accumulate in 16 explicit lanes and the kernels use no fused
+//! multiply-add, so the AVX-512, AVX2 and SSE builds of a kernel (chosen at run time by
+//! `multiversion`) give the same bits too.
+//!
+//! Upstream: each module says what burn would need for its kernel to go away. In short: burn's
+//! autodiff should use the backend's fused forward ops (flex already has a fused softmax and
+//! layer norm forward) and give them fused backward ops, and flex's element-wise ops should be
+//! multithreaded.
+
+pub mod composed;
+mod cross_entropy;
+mod math;
+mod rms_norm;
+mod rope;
+mod softmax;
+mod swiglu;
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, Flex, backend_extension};
+use burn::tensor::{Bytes, DType, Int, Shape, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The operations kiln fuses. Each is implemented for flex (forward only) and for autodiff
+/// over flex (forward plus a backward step); the `kernels::*` functions route to them.
+#[backend_extension(Flex, Autodiff)]
+pub trait KilnOps: Backend {
+    /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w`.
+    fn kiln_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+    /// SwiGLU's gate: `silu(gate) * up`.
+    fn kiln_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Rotate-half RoPE of `x` `[b, t, heads * hd]`, returned as `[b, heads, t, hd]`.
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self>;
+    /// Softmax over the last dimension of `scores * scale` under a causal mask: row `r` may
+    /// see columns `0..=r % t` (`t` = the last dimension).
+    fn kiln_causal_softmax(scores: FloatTensor<Self>, scale: f64) -> FloatTensor<Self>;
+    /// Mean cross-entropy of the logits `h @ w` (`h` `[n, d]`, `w` `[d, vocab]`) against
+    /// `targets` `[n]`, as a one-element tensor; the logits are never materialised whole.
+    fn kiln_linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+/// RMSNorm over the last dimension (see [`KilnOps::kiln_rms_norm`]).
+pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
+    if !fusable(&x) {
+        return composed::rms_norm(x, w, eps);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_rms_norm(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        eps,
+    ))
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    if !fusable(&gate) {
+        return composed::swiglu(gate, up);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
+    ))
+}
+
+/// Rotate-half RoPE of the heads in `x` `[b, t, heads * hd]` with tables `cos`, `sin`
+/// `[t, hd]`, returned head-major: `[b, heads, t, hd]`.
+pub fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
+    if !fusable(&x) {
+        return composed::rope(x, cos, sin, heads);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_rope(
+        x.into_dispatch(),
+        cos.into_dispatch(),
+        sin.into_dispatch(),
+        heads,
+    ))
+}
+
+/// Causal softmax of attention scores `[.., rows, t]` (see [`KilnOps::kiln_causal_softmax`]).
+pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
+    if !fusable(&scores) {
+        return composed::causal_softmax(scores, scale);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_causal_softmax(scores.into_dispatch(), scale))
+}
+
+/// Mean cross-entropy of `h @ w` against `targets` (see
+/// [`KilnOps::kiln_linear_cross_entropy`]), as a one-element tensor.
+pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    if !fusable(&h) || !fusable(&w) {
+        return composed::linear_cross_entropy(h, w, targets);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_linear_cross_entropy(
+        h.into_dispatch(),
+        w.into_dispatch(),
+        targets.into_dispatch(),
+    ))
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels on or off for the whole process (`training.fused_kernels`); off,
+/// every function here takes its composed path.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether the fused kernels cover this tensor: f32 on the flex backend (with or without
+/// autodiff), and kernels enabled.
+fn fusable<const D: usize>(t: &Tensor<D>) -> bool {
+    ENABLED.load(Ordering::Relaxed)
+        && t.dtype() == DType::F32
+        && matches!(
+            t.device().as_dispatch().clone().inner(),
+            DispatchDevice::Flex(_)
+        )
+}
+
+// ---------------------------------------------------------------------------------------
+// Flex: forward only (no autodiff tracking).
+
+impl KilnOps for Flex {
+    fn kiln_rms_norm(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
+        rms_norm::forward(&x, &w, eps).0
+    }
+
+    fn kiln_swiglu(gate: FlexTensor, up: FlexTensor) -> FlexTensor {
+        swiglu::forward(&gate, &up)
+    }
+
+    fn kiln_rope(x: FlexTensor, cos: FlexTensor, sin: FlexTensor, heads: usize) -> FlexTensor {
+        rope::forward(&x, &cos, &sin, heads)
+    }
+
+    fn kiln_causal_softmax(scores: FlexTensor, scale: f64) -> FlexTensor {
+        softmax::forward(&scores, scale)
+    }
+
+    fn kiln_linear_cross_entropy(h: FlexTensor, w: FlexTensor, targets: FlexTensor) -> FlexTensor {
+        cross_entropy::forward(&h, &w, &targets, (false, false)).loss
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Autodiff over flex: forward plus one backward step per kernel.
+
+impl<C: CheckpointStrategy> KilnOps for Autodiff<Flex, C> {
+    fn kiln_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        rms_norm::autodiff::<C>(x, w, eps)
+    }
+
+    fn kiln_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::autodiff::<C>(gate, up)
+    }
+
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        rope::autodiff::<C>(x, cos, sin, heads)
+    }
+
+    fn kiln_causal_softmax(scores: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
+        softmax::autodiff::<C>(scores, scale)
+    }
+
+    fn kiln_linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cross_entropy::autodiff::<C>(h, w, targets)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers shared by the kernels.
+
+/// Rows per block of work: small enough to spread over threads, large enough to amortise
+/// scheduling. Fixed, so results do not depend on the thread count.
+const ROW_BLOCK: usize = 16;
+
+/// `t` as a contiguous f32 slice (copies a strided view once).
+fn contiguous(t: &FlexTensor) -> FlexTensor {
+    assert_eq!(t.dtype(), DType::F32, "kiln kernels take f32 tensors");
+    t.to_contiguous()
+}
+
+/// The f32 elements of a contiguous tensor.
+fn values(t: &FlexTensor) -> &[f32] {
+    t.as_slice::<f32>()
+        .expect("kiln kernels: contiguous f32 tensor expected")
+}
+
+/// A contiguous f32 tensor owning `v`.
+fn tensor(v: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
+    FlexTensor::new(
+        Bytes::from_elems(v),
+        Layout::contiguous(shape.into()),
+        DType::F32,
+    )
+}
+
+/// The dimensions of a flex tensor.
+fn dims(t: &FlexTensor) -> Vec<usize> {
+    t.layout().shape().iter().copied().collect()
+}
+
+/// The value of a one-element tensor (the upstream gradient of a scalar loss).
+fn scalar(t: &FlexTensor) -> f32 {
+    values(&contiguous(t))[0]
+}
+
+#[cfg(test)]
+mod tests;
