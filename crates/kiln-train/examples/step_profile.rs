@@ -5,7 +5,8 @@
 //!
 //! Everything runs inside a rayon pool of `--threads` threads (the thread calling the model is
 //! a pool thread), so at `--threads 1` every sample's call stack reaches back to the model
-//! code that caused it. Prints the wall and CPU time of each phase per step.
+//! code that caused it. Prints the wall and CPU time of each phase per step, and the
+//! CLOCK_MONOTONIC window of the timed steps (to cut a profile to them).
 //!
 //! Usage: step_profile [--threads N] [--steps N] [--warmup N] [--set key=value]...
 use burn::tensor::Tensor;
@@ -20,6 +21,17 @@ fn cpu_s() -> f64 {
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// CLOCK_MONOTONIC in seconds (the clock `perf record -k mono` stamps samples with).
+fn monotonic_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -60,7 +72,11 @@ fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::err
     let mut opt = AdamW::new(&cfg.optimizer, s.model.specs(), &s.device);
     let frozen = vec![false; params.len()];
     println!("step fwd_bwd_ms clip_ms optim_ms total_ms cpu_ms loss");
+    let mut window = (0.0, 0.0);
     for i in 0..warmup + steps {
+        if i == warmup {
+            window.0 = monotonic_s();
+        }
         let (w0, c0) = (Instant::now(), cpu_s());
         let (loss, grads) = step::loss_and_grads(
             &s.model,
@@ -91,5 +107,7 @@ fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::err
             (cpu_s() - c0) * 1e3
         );
     }
+    window.1 = monotonic_s();
+    println!("timed_window {:.6} {:.6}", window.0, window.1);
     Ok(())
 }

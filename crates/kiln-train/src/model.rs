@@ -11,8 +11,8 @@
 //! export transposes them.
 
 use crate::config::ModelConfig;
-use crate::kernels;
-use burn::tensor::module::{embedding, linear};
+use crate::kernels::{self, linear};
+use burn::tensor::module::embedding;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -268,6 +268,9 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
+    // Not inlined (nor `hidden`, `attention`, `rms_norm`, `RopeTables::apply`): each stays a
+    // frame of its own in profiles (bench/train/profile.sh), at no measurable cost.
+    #[inline(never)]
     pub fn loss(
         &self,
         p: &[Tensor<1>],
@@ -293,6 +296,7 @@ impl Llama {
     }
 
     /// Final-norm hidden states `[batch, seq, d_model]`.
+    #[inline(never)]
     fn hidden(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = tokens.dims();
         let device = tokens.device();
@@ -317,6 +321,7 @@ impl Llama {
     /// share a K/V head are stacked along the sequence axis (`[b, kv, groups*t, hd]`), so one
     /// batched matmul serves them all against the shared K/V.
     #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
     fn attention(
         &self,
         p: &[Tensor<1>],
@@ -360,6 +365,7 @@ impl Llama {
 }
 
 /// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.
+#[inline(never)]
 fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
     kernels::rms_norm(x, w, eps)
 }
@@ -394,6 +400,7 @@ impl RopeTables {
 
     /// x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1), for `x`
     /// `[b, t, heads, hd]`; returned head-major, `[b, heads, t, hd]`.
+    #[inline(never)]
     fn apply(&self, x: Tensor<4>) -> Tensor<4> {
         let [b, t, heads, hd] = x.dims();
         let x = x.reshape([b, t, heads * hd]);

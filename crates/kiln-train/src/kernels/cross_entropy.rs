@@ -19,6 +19,7 @@
 //! linear + cross-entropy op (the matmul is inside the loop over blocks).
 
 use super::math::{exp, lane_max, lane_sum};
+use super::matmul::{View, gemm_into};
 use super::{ROW_BLOCK, contiguous, dims, scalar, tensor, values};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -42,30 +43,6 @@ pub(super) struct Output {
     pub dw: Option<FlexTensor>,
 }
 
-/// A matrix in flex storage: base pointer offset and strides, in elements.
-struct Matrix<'a> {
-    data: &'a [f32],
-    offset: usize,
-    row_stride: isize,
-    col_stride: isize,
-}
-
-impl<'a> Matrix<'a> {
-    fn of(t: &'a FlexTensor) -> Self {
-        let strides = t.layout().strides();
-        Self {
-            data: t.storage::<f32>(),
-            offset: t.layout().start_offset(),
-            row_stride: strides[0],
-            col_stride: strides[1],
-        }
-    }
-
-    fn ptr(&self) -> *const f32 {
-        self.data[self.offset..].as_ptr()
-    }
-}
-
 fn targets_of(targets: &FlexTensor) -> Vec<usize> {
     let t = targets.to_contiguous();
     let as_usize = |v: i64| usize::try_from(v).expect("cross-entropy: negative target");
@@ -83,49 +60,6 @@ fn targets_of(targets: &FlexTensor) -> Vec<usize> {
 fn values_of<E: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> &[E] {
     t.as_slice::<E>()
         .expect("cross-entropy: contiguous targets expected")
-}
-
-/// `gemm` of `m x k` by `k x n` into `dst` (`dst = beta * lhs @ rhs`, plus `dst` when
-/// `accumulate`), all given by pointer and (column, row) strides.
-#[allow(clippy::too_many_arguments)]
-fn matmul(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [f32],
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-) {
-    assert!(
-        dst.len() >= (m - 1) * dst_rs + n,
-        "cross-entropy: destination too small"
-    );
-    // SAFETY: `dst` holds the m x n output at row stride `dst_rs` (checked above); the
-    // operands point into live tensors whose layouts give these strides and extents (the
-    // callers derive them from the tensors' shapes).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.0,
-            lhs.1,
-            lhs.2,
-            rhs.0,
-            rhs.1,
-            rhs.2,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(0),
-        );
-    }
 }
 
 /// The loss, and `d loss / d h`, `d loss / d w` when `need` says so.
@@ -155,7 +89,7 @@ pub(super) fn forward(
         panic!("cross-entropy: target {bad} outside the vocabulary of {v}");
     }
     let hs = values(&h);
-    let wm = Matrix::of(w);
+    let wm = View::of(w);
     let (need_dh, need_dw) = need;
     let grads = need_dh || need_dw;
     let inv_n = 1.0 / n as f32;
@@ -165,17 +99,10 @@ pub(super) fn forward(
     let mut dw = vec![0.0f32; if need_dw { d * v } else { 0 }];
     for (c, start) in (0..n).step_by(CHUNK).enumerate() {
         let rows = CHUNK.min(n - start);
-        let hc = hs[start * d..].as_ptr();
+        let hc = View::rows(hs, n, d).row_range(start, rows);
         let lc = &mut logits[..rows * v];
         // logits = h[block] @ w
-        matmul(
-            (rows, v, d),
-            lc,
-            v,
-            false,
-            (hc, 1, d as isize),
-            (wm.ptr(), wm.col_stride, wm.row_stride),
-        );
+        gemm_into(lc, v, hc, wm, false, true);
         lc.par_chunks_mut(ROW_BLOCK * v)
             .zip(row_loss[start..start + rows].par_chunks_mut(ROW_BLOCK))
             .enumerate()
@@ -183,27 +110,14 @@ pub(super) fn forward(
                 let first = start + b * ROW_BLOCK;
                 rows_block(lb, &tg[first..first + loss.len()], loss, v, inv_n, grads);
             });
+        let dlogits = View::rows(lc, rows, v);
         if need_dh {
             // d h[block] = dlogits @ w^T
-            matmul(
-                (rows, d, v),
-                &mut dh[start * d..],
-                d,
-                false,
-                (lc.as_ptr(), 1, v as isize),
-                (wm.ptr(), wm.row_stride, wm.col_stride),
-            );
+            gemm_into(&mut dh[start * d..], d, dlogits, wm.t(), false, true);
         }
         if need_dw {
             // d w += h[block]^T @ dlogits
-            matmul(
-                (d, v, rows),
-                &mut dw,
-                v,
-                c > 0,
-                (hc, d as isize, 1),
-                (lc.as_ptr(), 1, v as isize),
-            );
+            gemm_into(&mut dw, v, hc.t(), dlogits, c > 0, true);
         }
     }
     let total: f64 = row_loss.iter().map(|&l| f64::from(l)).sum();

@@ -26,7 +26,9 @@
 
 pub mod composed;
 mod cross_entropy;
+mod linear;
 mod math;
+mod matmul;
 mod rms_norm;
 mod rope;
 mod softmax;
@@ -43,6 +45,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// over flex (forward plus a backward step); the `kernels::*` functions route to them.
 #[backend_extension(Flex, Autodiff)]
 pub trait KilnOps: Backend {
+    /// `x @ w` for `x` `[.., in]`, `w` `[in, out]`.
+    fn kiln_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
     /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w`.
     fn kiln_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
     /// SwiGLU's gate: `silu(gate) * up`.
@@ -64,6 +68,15 @@ pub trait KilnOps: Backend {
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
     ) -> FloatTensor<Self>;
+}
+
+/// `x @ w (+ bias)`, as burn's `linear` (`w` is `[in, out]`); the kernel covers the
+/// bias-free case.
+pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
+    if bias.is_some() || !fusable(&x) || !fusable(&w) {
+        return burn::tensor::module::linear(x, w, bias);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_linear(x.into_dispatch(), w.into_dispatch()))
 }
 
 /// RMSNorm over the last dimension (see [`KilnOps::kiln_rms_norm`]).
@@ -147,6 +160,10 @@ fn fusable<const D: usize>(t: &Tensor<D>) -> bool {
 // Flex: forward only (no autodiff tracking).
 
 impl KilnOps for Flex {
+    fn kiln_linear(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+        linear::forward(&x, &w)
+    }
+
     fn kiln_rms_norm(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
         rms_norm::forward(&x, &w, eps).0
     }
@@ -172,6 +189,10 @@ impl KilnOps for Flex {
 // Autodiff over flex: forward plus one backward step per kernel.
 
 impl<C: CheckpointStrategy> KilnOps for Autodiff<Flex, C> {
+    fn kiln_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        linear::autodiff::<C>(x, w)
+    }
+
     fn kiln_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         rms_norm::autodiff::<C>(x, w, eps)
     }

@@ -80,6 +80,28 @@ fn check<const N: usize, const D: usize>(
 }
 
 #[test]
+fn linear_matches_burn() {
+    // a 3-D input (rows are flattened), the weight also as a transposed view
+    let x = random(3 * 41 * 24, 16, 1.0);
+    let w = random(24 * 37, 17, 1.0);
+    for transposed in [false, true] {
+        let weight = move |t: &Tensor<3>| {
+            if transposed {
+                t.clone().reshape([37, 24]).transpose()
+            } else {
+                t.clone().reshape([24, 37])
+            }
+        };
+        check::<2, 3>(
+            [(&x, vec![3, 41, 24]), (&w, vec![1, 1, 24 * 37])],
+            |t| linear(t[0].clone(), weight(&t[1]), None),
+            |t| burn::tensor::module::linear(t[0].clone(), weight(&t[1]), None),
+            2e-6,
+        );
+    }
+}
+
+#[test]
 fn rms_norm_matches_composed() {
     // 37 rows (not a multiple of the row block), 40 columns (not a multiple of the lanes)
     let x = random(37 * 40, 1, 2.0);
