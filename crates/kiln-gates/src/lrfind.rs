@@ -11,7 +11,7 @@ use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
 use kiln_train::data::TrainData;
 use kiln_train::optim::AdamW;
-use kiln_train::optim::{clip_by_global_norm, global_norm};
+use kiln_train::optim::{clip_coefficient, global_norm};
 use kiln_train::{Config, Session};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -164,8 +164,8 @@ pub fn run(
             blowup = Some(lr);
             break;
         }
-        let grads = clip_by_global_norm(grads, norm, config.optimizer.max_grad_norm);
-        optimizer.update(&mut s.params, grads, lr, &frozen);
+        let clip = clip_coefficient(norm, config.optimizer.max_grad_norm);
+        optimizer.update_clipped(&mut s.params, grads, clip, lr, &frozen);
     }
     Ok(analyse(points, blowup))
 }

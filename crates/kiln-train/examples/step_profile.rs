@@ -10,7 +10,7 @@
 //!
 //! Usage: step_profile [--threads N] [--steps N] [--warmup N] [--set key=value]...
 use burn::tensor::Tensor;
-use kiln_train::optim::{AdamW, clip_by_global_norm, global_norm};
+use kiln_train::optim::{AdamW, clip_coefficient, global_norm};
 use kiln_train::{Config, Session, step};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
@@ -90,9 +90,9 @@ fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::err
         );
         let w1 = Instant::now();
         let norm = global_norm(&grads);
-        let grads = clip_by_global_norm(grads, norm, cfg.optimizer.max_grad_norm);
+        let clip = clip_coefficient(norm, cfg.optimizer.max_grad_norm);
         let w2 = Instant::now();
-        opt.update(&mut params, grads, cfg.optimizer.lr, &frozen);
+        opt.update_clipped(&mut params, grads, clip, cfg.optimizer.lr, &frozen);
         // The update is lazy only in name on flex; read one value so it is surely done.
         let _ = params[0].clone().slice([0..1]).into_scalar::<f32>();
         let w3 = Instant::now();

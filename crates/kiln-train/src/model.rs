@@ -337,9 +337,9 @@ impl Llama {
         let groups = nh / nkv;
         let q = linear(h.clone(), self.mat(p, blk.wq), None).reshape([b, t, nh, hd]);
         let k = linear(h.clone(), self.mat(p, blk.wk), None).reshape([b, t, nkv, hd]);
-        let v = linear(h, self.mat(p, blk.wv), None)
-            .reshape([b, t, nkv, hd])
-            .swap_dims(1, 2);
+        // V stays in the projection's [b, t, kv * hd] layout: the attention kernel reads it
+        // (and writes its result as [b, t, heads * hd]) through strided views, no copies.
+        let v = linear(h, self.mat(p, blk.wv), None);
         let (q, k) = match (blk.q_norm, blk.k_norm) {
             (Some(qn), Some(kn)) => (
                 rms_norm(q, p[qn].clone(), cfg.norm_eps),
@@ -354,12 +354,7 @@ impl Llama {
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let probs = kernels::causal_softmax(q.matmul(k.transpose()), scale);
-        let y = probs
-            .matmul(v)
-            .reshape([b, nh, t, hd])
-            .swap_dims(1, 2)
-            .reshape([b, t, nh * hd]);
+        let y = kernels::causal_attention(q, k, v, scale);
         linear(y, self.mat(p, blk.wo), None)
     }
 }

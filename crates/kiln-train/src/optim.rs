@@ -7,6 +7,7 @@
 //! by parameter name and saved in safetensors beside the weights.
 
 use crate::config::{LrSchedulerConfig, OptimizerConfig, ScheduleKind};
+use crate::kernels::{self, adamw::AdamWScalars};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
 
@@ -53,14 +54,10 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
 /// Scales gradients so their global norm is at most `max_norm` (as
 /// `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), clamped to 1).
 pub fn clip_by_global_norm(grads: Vec<Tensor<1>>, norm: f32, max_norm: f64) -> Vec<Tensor<1>> {
-    if max_norm <= 0.0 {
-        return grads;
+    match clip_coefficient(norm, max_norm) {
+        Some(coef) => grads.into_iter().map(|g| g.mul_scalar(coef)).collect(),
+        None => grads,
     }
-    let coef = (max_norm / (f64::from(norm) + 1e-6)).min(1.0);
-    if coef >= 1.0 {
-        return grads;
-    }
-    grads.into_iter().map(|g| g.mul_scalar(coef)).collect()
 }
 
 /// AdamW state: first and second moments per parameter, and the step count.
@@ -116,6 +113,20 @@ impl AdamW {
         lr: f64,
         frozen: &[bool],
     ) {
+        self.update_clipped(params, grads, None, lr, frozen);
+    }
+
+    /// As [`AdamW::update`], with the gradients first scaled by `grad_scale` (the clipping
+    /// coefficient from [`clip_coefficient`]), in the same pass: bit-identical to
+    /// [`clip_by_global_norm`] followed by [`AdamW::update`].
+    pub fn update_clipped(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        grad_scale: Option<f64>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
         self.step += 1;
         let (b1, b2, eps, wd) = (
             self.cfg.beta1,
@@ -130,19 +141,74 @@ impl AdamW {
             if frozen.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            let m = self.exp_avg[i].clone().mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
-            let v =
-                self.exp_avg_sq[i].clone().mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
-            let mut p = params[i].clone();
-            if self.decay[i] && wd != 0.0 {
-                p = p.mul_scalar(1.0 - lr * wd);
-            }
-            let denom = v.clone().sqrt().div_scalar(bc2_sqrt).add_scalar(eps);
-            params[i] = p - (m.clone() / denom).mul_scalar(step_size);
+            let decay = (self.decay[i] && wd != 0.0).then_some(1.0 - lr * wd);
+            // Scalars rounded to f32 as flex rounds a scalar operand (see kernels::adamw).
+            let s = AdamWScalars {
+                grad_scale: grad_scale.map(|c| c as f32),
+                b1: (b1 as f32, (1.0 - b1) as f32),
+                b2: (b2 as f32, (1.0 - b2) as f32),
+                decay: decay.map(|d| d as f32),
+                bc2_sqrt: bc2_sqrt as f32,
+                eps: eps as f32,
+                step_size: step_size as f32,
+            };
+            let p = params[i].clone();
+            let (m, v) = (self.exp_avg[i].clone(), self.exp_avg_sq[i].clone());
+            // Drop our handles so the fused pass finds the buffers unshared and writes in place.
+            let placeholder = || Tensor::<1>::empty([0], &g.device());
+            params[i] = placeholder();
+            self.exp_avg[i] = placeholder();
+            self.exp_avg_sq[i] = placeholder();
+            let (p, m, v) = match kernels::adamw::update(p, g, m, v, &s) {
+                Ok(done) => done,
+                Err((p, g, m, v)) => {
+                    let g = match grad_scale {
+                        Some(c) => g.mul_scalar(c),
+                        None => g,
+                    };
+                    update_composed(p, g, m, v, (b1, b2, eps), decay, bc2_sqrt, step_size)
+                }
+            };
+            params[i] = p;
             self.exp_avg[i] = m;
             self.exp_avg_sq[i] = v;
         }
     }
+}
+
+/// The clipping coefficient for gradients of global norm `norm` (as
+/// `torch.nn.utils.clip_grad_norm_`: max_norm / (norm + 1e-6)), or None when no clipping
+/// applies (disabled, or the norm is within bounds).
+pub fn clip_coefficient(norm: f32, max_norm: f64) -> Option<f64> {
+    if max_norm <= 0.0 {
+        return None;
+    }
+    let coef = (max_norm / (f64::from(norm) + 1e-6)).min(1.0);
+    (coef < 1.0).then_some(coef)
+}
+
+/// One AdamW update from burn tensor ops: the path for tensors the fused kernel does not
+/// cover (other backends and dtypes), and its reference in the tests. Returns `(p, m, v)`.
+#[allow(clippy::too_many_arguments)]
+fn update_composed(
+    p: Tensor<1>,
+    g: Tensor<1>,
+    m: Tensor<1>,
+    v: Tensor<1>,
+    (b1, b2, eps): (f64, f64, f64),
+    decay: Option<f64>,
+    bc2_sqrt: f64,
+    step_size: f64,
+) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
+    let m = m.mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
+    let v = v.mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
+    let p = match decay {
+        Some(d) => p.mul_scalar(d),
+        None => p,
+    };
+    let denom = v.clone().sqrt().div_scalar(bc2_sqrt).add_scalar(eps);
+    let p = p - (m.clone() / denom).mul_scalar(step_size);
+    (p, m, v)
 }
 
 #[cfg(test)]
@@ -201,6 +267,78 @@ mod tests {
         let expect = [1.0 * (1.0 - 0.05) - 0.1, -2.0 * (1.0 - 0.05) - 0.1];
         for (a, b) in got.iter().zip(expect) {
             assert!((a - b).abs() < 1e-6, "{got:?} vs {expect:?}");
+        }
+    }
+
+    /// The fused update (kernels::adamw) against the composed one: the same bits, with and
+    /// without clipping and decay, and a clone of a parameter taken before the update (a
+    /// guard snapshot) keeps its old values.
+    #[test]
+    fn fused_update_is_bit_identical_to_the_composed_one() {
+        let device = Device::flex();
+        let n = 40_000; // more than one block of work
+        let vals = |seed: u32, scale: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32)
+                .map(|x| (x - 0.5) * scale)
+                .collect()
+        };
+        let t =
+            |v: Vec<f32>| Tensor::<1>::from_data(burn::tensor::TensorData::new(v, [n]), &device);
+        let cfg = OptimizerConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            beta2: 0.999,
+            ..OptimizerConfig::default()
+        };
+        for (decay, clip) in [(true, Some(0.37)), (false, None), (true, None)] {
+            let (b1, b2, eps) = (cfg.beta1, cfg.beta2, cfg.eps);
+            let mut p = t(vals(1, 2.0));
+            let mut m = t(vals(2, 0.1));
+            let mut v = t(vals(3, 0.01).iter().map(|x| x.abs()).collect());
+            for step in 1..=3u64 {
+                let g = t(vals(3 + step as u32, 1.0));
+                let bc1 = 1.0 - b1.powi(step as i32);
+                let bc2_sqrt = (1.0 - b2.powi(step as i32)).sqrt();
+                let d = decay.then_some(1.0 - cfg.lr * cfg.weight_decay);
+                let gc = match clip {
+                    Some(c) => g.clone().mul_scalar(c),
+                    None => g.clone(),
+                };
+                let want = update_composed(
+                    p.clone(),
+                    gc,
+                    m.clone(),
+                    v.clone(),
+                    (b1, b2, eps),
+                    d,
+                    bc2_sqrt,
+                    cfg.lr / bc1,
+                );
+                let s = AdamWScalars {
+                    grad_scale: clip.map(|c| c as f32),
+                    b1: (b1 as f32, (1.0 - b1) as f32),
+                    b2: (b2 as f32, (1.0 - b2) as f32),
+                    decay: d.map(|d| d as f32),
+                    bc2_sqrt: bc2_sqrt as f32,
+                    eps: eps as f32,
+                    step_size: (cfg.lr / bc1) as f32,
+                };
+                let snapshot = p.clone();
+                let before = snapshot.clone().into_data();
+                let (p2, m2, v2) = kernels::adamw::update(p, g, m, v, &s)
+                    .unwrap_or_else(|_| panic!("flex f32 tensors must take the fused path"));
+                assert_eq!(snapshot.into_data(), before, "a shared buffer was written");
+                for (got, want) in [(&p2, &want.0), (&m2, &want.1), (&v2, &want.2)] {
+                    let (a, b) = (got.clone().into_data(), want.clone().into_data());
+                    let (a, b) = (a.as_slice::<f32>().unwrap(), b.as_slice::<f32>().unwrap());
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "decay {decay} clip {clip:?} step {step}: fused != composed"
+                    );
+                }
+                (p, m, v) = (p2, m2, v2);
+            }
         }
     }
 

@@ -704,9 +704,15 @@ impl<'o> Trainer<'o> {
         if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
             return Ok(None);
         }
-        let grads = optim::clip_by_global_norm(grads, grad_norm, self.cfg.optimizer.max_grad_norm);
-        self.optimizer
-            .update(&mut self.session.params, grads, lr, &self.facts.frozen);
+        // Clipping is folded into the optimizer's pass over each parameter (same bits).
+        let clip = optim::clip_coefficient(grad_norm, self.cfg.optimizer.max_grad_norm);
+        self.optimizer.update_clipped(
+            &mut self.session.params,
+            grads,
+            clip,
+            lr,
+            &self.facts.frozen,
+        );
         self.state.step += 1;
         self.state.advance_data(1);
         let tokens = self.layout.global_batch() * self.layout.seq as u64;

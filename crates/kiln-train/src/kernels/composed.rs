@@ -49,6 +49,21 @@ pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
     softmax(scores.mul_scalar(scale) + mask, 3)
 }
 
+/// Causal grouped-query attention: `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`,
+/// `v` `[b, t, kv * hd]`, returned as `[b, t, heads * hd]`.
+pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
+    let [b, nkv, gt, hd] = q.dims();
+    let t = k.dims()[2];
+    let heads = nkv * (gt / t);
+    let v = v.reshape([b, t, nkv, hd]).swap_dims(1, 2);
+    let probs = causal_softmax(q.matmul(k.transpose()), scale);
+    probs
+        .matmul(v)
+        .reshape([b, heads, t, hd])
+        .swap_dims(1, 2)
+        .reshape([b, t, heads * hd])
+}
+
 /// Mean cross-entropy of the logits `h @ w` against `targets`, as a one-element tensor.
 pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let [n, _] = h.dims();

@@ -90,6 +90,16 @@ impl<'a> View<'a> {
         }
     }
 
+    /// Rows.
+    pub fn n_rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn n_cols(&self) -> usize {
+        self.cols
+    }
+
     fn ptr(&self) -> *const f32 {
         self.data[self.offset..].as_ptr()
     }
@@ -148,7 +158,14 @@ pub(super) fn product(a: View, b: View, parallel: bool) -> Vec<f32> {
 /// # Safety
 /// `dst` must be valid for writes (and for reads when `accumulate`) of an
 /// `a.rows x b.cols` matrix at row stride `ld`; `a` and `b` must be valid views.
-unsafe fn raw(dst: *mut f32, ld: usize, a: View, b: View, accumulate: bool, parallel: bool) {
+pub(super) unsafe fn raw(
+    dst: *mut f32,
+    ld: usize,
+    a: View,
+    b: View,
+    accumulate: bool,
+    parallel: bool,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     unsafe {
         gemm::gemm(

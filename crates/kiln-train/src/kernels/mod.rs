@@ -24,6 +24,8 @@
 //! layer norm forward) and give them fused backward ops, and flex's element-wise ops should be
 //! multithreaded.
 
+pub mod adamw;
+mod attention;
 pub mod composed;
 mod cross_entropy;
 mod linear;
@@ -58,6 +60,15 @@ pub trait KilnOps: Backend {
         sin: FloatTensor<Self>,
         heads: usize,
     ) -> FloatTensor<Self>;
+    /// Causal grouped-query attention `softmax(q k^T * scale, causal) v` for `q`
+    /// `[b, kv, groups * t, hd]` (the query heads sharing a K/V head stacked along the
+    /// sequence), `k` `[b, kv, t, hd]` and `v` `[b, t, kv * hd]`; returns `[b, t, heads * hd]`.
+    fn kiln_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self>;
     /// Softmax over the last dimension of `scores * scale` under a causal mask: row `r` may
     /// see columns `0..=r % t` (`t` = the last dimension).
     fn kiln_causal_softmax(scores: FloatTensor<Self>, scale: f64) -> FloatTensor<Self>;
@@ -73,7 +84,11 @@ pub trait KilnOps: Backend {
 /// `x @ w (+ bias)`, as burn's `linear` (`w` is `[in, out]`); the kernel covers the
 /// bias-free case.
 pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
-    if bias.is_some() || !fusable(&x) || !fusable(&w) {
+    if bias.is_some()
+        || !fusable(&x)
+        || !fusable(&w)
+        || std::env::var_os("KILN_BURN_LINEAR").is_some()
+    {
         return burn::tensor::module::linear(x, w, bias);
     }
     Tensor::from_dispatch(Dispatch::kiln_linear(x.into_dispatch(), w.into_dispatch()))
@@ -122,6 +137,19 @@ pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
         return composed::causal_softmax(scores, scale);
     }
     Tensor::from_dispatch(Dispatch::kiln_causal_softmax(scores.into_dispatch(), scale))
+}
+
+/// Causal grouped-query attention (see [`KilnOps::kiln_causal_attention`]).
+pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
+    if !fusable(&q) {
+        return composed::causal_attention(q, k, v, scale);
+    }
+    Tensor::from_dispatch(Dispatch::kiln_causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        scale,
+    ))
 }
 
 /// Mean cross-entropy of `h @ w` against `targets` (see
@@ -176,6 +204,15 @@ impl KilnOps for Flex {
         rope::forward(&x, &cos, &sin, heads)
     }
 
+    fn kiln_causal_attention(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        scale: f64,
+    ) -> FlexTensor {
+        attention::forward_only(&q, &k, &v, scale)
+    }
+
     fn kiln_causal_softmax(scores: FlexTensor, scale: f64) -> FlexTensor {
         softmax::forward(&scores, scale)
     }
@@ -208,6 +245,15 @@ impl<C: CheckpointStrategy> KilnOps for Autodiff<Flex, C> {
         heads: usize,
     ) -> FloatTensor<Self> {
         rope::autodiff::<C>(x, cos, sin, heads)
+    }
+
+    fn kiln_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        attention::autodiff::<C>(q, k, v, scale)
     }
 
     fn kiln_causal_softmax(scores: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {

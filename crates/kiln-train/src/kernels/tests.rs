@@ -164,6 +164,39 @@ fn causal_softmax_matches_composed() {
     );
 }
 
+#[test]
+fn causal_attention_matches_composed() {
+    // t = 150 (two blocks of query rows, the second partial), 3 query heads per kv head
+    let (b, kv, g, t, hd) = (2, 2, 3, 150, 16);
+    let q = random(b * kv * g * t * hd, 18, 1.5);
+    let k = random(b * kv * t * hd, 19, 1.5);
+    let v = random(b * t * kv * hd, 20, 1.0);
+    let shaped = move |x: &[Tensor<4>]| {
+        (
+            x[0].clone(),
+            x[1].clone(),
+            x[2].clone().reshape([b, t, kv * hd]),
+        )
+    };
+    let out = move |y: Tensor<3>| y.reshape([b, t, kv * g, hd]);
+    check::<3, 4>(
+        [
+            (&q, vec![b, kv, g * t, hd]),
+            (&k, vec![b, kv, t, hd]),
+            (&v, vec![b, t, kv, hd]),
+        ],
+        |x| {
+            let (q, k, v) = shaped(x);
+            out(causal_attention(q, k, v, 0.25))
+        },
+        |x| {
+            let (q, k, v) = shaped(x);
+            out(composed::causal_attention(q, k, v, 0.25))
+        },
+        2e-6,
+    );
+}
+
 fn targets(n: usize, vocab: usize, device: &Device) -> Tensor<1, Int> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
     let t: Vec<i64> = (0..n).map(|_| rng.gen_range(0..vocab as i64)).collect();
@@ -235,7 +268,12 @@ fn results_do_not_depend_on_the_thread_count() {
             let ws = leaf(&w, [64]);
             let y = rms_norm(xs.clone(), ws.clone(), 1e-5);
             let s = causal_softmax(y.clone().reshape([1, 3, 100, 64]), 0.5);
-            let g = (s.clone() * s).sum().backward();
+            // attention over t = 100 (two blocks of query rows), 3 query heads per kv head
+            let qkv = y.clone().reshape([1, 1, 300, 64]);
+            let k = y.clone().slice([0..100]).reshape([1, 1, 100, 64]);
+            let v = y.clone().slice([100..200]).reshape([1, 100, 64]);
+            let a = causal_attention(qkv, k, v, 0.125);
+            let g = ((s.clone() * s).sum() + (a.clone() * a).sum()).backward();
             (
                 host(&y),
                 host(&xs.grad(&g).unwrap()),
