@@ -26,6 +26,7 @@ KERNELS = {
     "swiglu": "SwiGLU gate",
     "rope": "RoPE",
     "softmax": "attention core",
+    "attention": "attention core",
     "cross_entropy": "head matmul + cross-entropy",
     "linear": None,  # forward: by caller (attention / MLP); backward: projections
 }

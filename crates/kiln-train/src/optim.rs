@@ -10,6 +10,7 @@ use crate::config::{LrSchedulerConfig, OptimizerConfig, ScheduleKind};
 use crate::kernels::{self, adamw::AdamWScalars};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
+use rayon::prelude::*;
 
 /// Learning rate at optimizer step `step` (0-based) of `total`.
 pub fn lr_at(sched: &LrSchedulerConfig, peak: f64, step: u64, total: u64) -> f64 {
@@ -44,8 +45,11 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
     if grads.is_empty() {
         return 0.0;
     }
+    // One tensor per rayon task: flex runs each element-wise op on one thread, and the
+    // per-tensor results are the same whichever thread computes them (concatenated and
+    // summed in parameter order below), so the norm keeps its bits.
     let sq: Vec<Tensor<1>> = grads
-        .iter()
+        .par_iter()
         .map(|g| g.clone().powi_scalar(2).sum())
         .collect();
     Tensor::cat(sq, 0).sum().sqrt().into_scalar::<f32>()
