@@ -94,7 +94,7 @@ fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::err
         let w2 = Instant::now();
         opt.update_clipped(&mut params, grads, clip, cfg.optimizer.lr, &frozen);
         // The update is lazy only in name on flex; read one value so it is surely done.
-        let _ = params[0].clone().slice([0..1]).into_scalar::<f32>();
+        let _ = params[0].clone().slice(0..1).into_scalar::<f32>();
         let w3 = Instant::now();
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let tag = if i < warmup { "warmup" } else { "step" };

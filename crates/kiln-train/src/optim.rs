@@ -165,7 +165,8 @@ impl AdamW {
             self.exp_avg_sq[i] = placeholder();
             let (p, m, v) = match kernels::adamw::update(p, g, m, v, &s) {
                 Ok(done) => done,
-                Err((p, g, m, v)) => {
+                Err(back) => {
+                    let (p, g, m, v) = *back;
                     let g = match grad_scale {
                         Some(c) => g.mul_scalar(c),
                         None => g,

@@ -101,7 +101,7 @@ fn owned(t: FlexTensor) -> FlexTensor {
 }
 
 /// The fused update of one parameter, when the kernels cover its tensors (f32 on flex, not
-/// tracked by autodiff); `None` hands the tensors back for the composed path.
+/// tracked by autodiff); `Err` hands the tensors back for the composed path.
 #[allow(clippy::type_complexity)]
 pub fn update(
     p: Tensor<1>,
@@ -109,14 +109,14 @@ pub fn update(
     m: Tensor<1>,
     v: Tensor<1>,
     s: &AdamWScalars,
-) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>), (Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)> {
+) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>), Box<(Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)>> {
     // A tensor tracked by autodiff (or on another backend) does not convert to a flex
     // primitive; the probe converts a clone, dropped at once, so uniqueness is unaffected.
     let covered = [&p, &g, &m, &v].into_iter().all(|t| {
         fusable(t) && t.dims() == p.dims() && (*t).clone().try_into_primitive::<Flex>().is_ok()
     });
     if !covered {
-        return Err((p, g, m, v));
+        return Err(Box::new((p, g, m, v)));
     }
     let prim = |t: Tensor<1>| {
         t.try_into_primitive::<Flex>()

@@ -22,7 +22,7 @@ pub fn exp(x: f32) -> f32 {
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 0.5; // Cephes' 5.0000001e-1, which rounds to 0.5 in f32
     let y = p * (r * r) + r + 1.0;
     // 2^n as a float: the exponent field is n + 127.
     let scale = f32::from_bits(

@@ -84,11 +84,7 @@ pub trait KilnOps: Backend {
 /// `x @ w (+ bias)`, as burn's `linear` (`w` is `[in, out]`); the kernel covers the
 /// bias-free case.
 pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
-    if bias.is_some()
-        || !fusable(&x)
-        || !fusable(&w)
-        || std::env::var_os("KILN_BURN_LINEAR").is_some()
-    {
+    if bias.is_some() || !fusable(&x) || !fusable(&w) {
         return burn::tensor::module::linear(x, w, bias);
     }
     Tensor::from_dispatch(Dispatch::kiln_linear(x.into_dispatch(), w.into_dispatch()))

@@ -33,12 +33,12 @@ impl Dims {
         let s = dims(x);
         assert_eq!(s.len(), 3, "rope: x must be [b, t, heads * hd]");
         assert!(
-            heads > 0 && s[2] % heads == 0,
+            heads > 0 && s[2].is_multiple_of(heads),
             "rope: {} columns for {heads} heads",
             s[2]
         );
         let hd = s[2] / heads;
-        assert!(hd % 2 == 0, "rope: odd head dim {hd}");
+        assert!(hd.is_multiple_of(2), "rope: odd head dim {hd}");
         Self {
             b: s[0],
             t: s[1],

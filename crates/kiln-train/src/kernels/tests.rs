@@ -270,8 +270,8 @@ fn results_do_not_depend_on_the_thread_count() {
             let s = causal_softmax(y.clone().reshape([1, 3, 100, 64]), 0.5);
             // attention over t = 100 (two blocks of query rows), 3 query heads per kv head
             let qkv = y.clone().reshape([1, 1, 300, 64]);
-            let k = y.clone().slice([0..100]).reshape([1, 1, 100, 64]);
-            let v = y.clone().slice([100..200]).reshape([1, 100, 64]);
+            let k = y.clone().slice(0..100).reshape([1, 1, 100, 64]);
+            let v = y.clone().slice(100..200).reshape([1, 100, 64]);
             let a = causal_attention(qkv, k, v, 0.125);
             let g = ((s.clone() * s).sum() + (a.clone() * a).sum()).backward();
             (
