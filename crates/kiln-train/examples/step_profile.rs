@@ -39,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut steps = 5usize;
     let mut warmup = 2usize;
     let mut overrides = Vec::new();
+    let mut outside = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -47,11 +48,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--steps" => steps = value()?.parse()?,
             "--warmup" => warmup = value()?.parse()?,
             "--set" => overrides.push(value()?),
+            "--outside-pool" => outside = true,
             _ => return Err(format!("unknown argument {a}").into()),
         }
     }
     overrides.push(format!("training.threads={threads}"));
     let cfg = Config::load(None, &overrides)?;
+    if outside {
+        // As `kiln train` calls the model: from a thread outside the rayon pool.
+        kiln_train::session::set_threads(threads);
+        run(&cfg, steps, warmup)?;
+        return Ok(());
+    }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()?;
