@@ -2,13 +2,13 @@
 //! the gates, eval and export all start from; it needs no training data (the vocabulary is
 //! given, or read from the weights).
 
-use crate::checkpoint::HostTensor;
+use crate::checkpoint::{HostTensor, StoredDtype};
 use crate::config::Config;
 use crate::metrics::EvalMetrics;
-use crate::model::Llama;
+use crate::model::{Llama, dtype_of};
 use crate::synthetic::Synthetic;
 use crate::trainer::TrainError;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 
@@ -20,7 +20,8 @@ pub struct Session {
     pub device: Device,
     /// Model structure.
     pub model: Llama,
-    /// Parameters (flat, in `model.specs()` order), without autodiff.
+    /// Parameters (flat, in `model.specs()` order), without autodiff, in the master dtype
+    /// (`training.master_dtype`).
     pub params: Vec<Tensor<1>>,
 }
 
@@ -78,12 +79,15 @@ pub fn set_threads(threads: usize) {
     }
 }
 
-/// Host copy of a flat tensor.
+/// Host copy of a flat tensor, widened to f32 whatever its dtype.
 pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default()
+    let data = t.clone().into_data();
+    let data = if data.dtype() == DType::F32 {
+        data
+    } else {
+        data.convert::<f32>()
+    };
+    data.try_into_vec::<f32>().unwrap_or_default()
 }
 
 impl Session {
@@ -92,8 +96,13 @@ impl Session {
         config.validate()?;
         set_threads(config.training.threads);
         let device = parse_device(&config.training.device)?;
-        let model = Llama::new(&config.model, vocab);
-        let params = model.init(config.training.seed, &device);
+        let model = Llama::new(&config.model, vocab).with_compute(config.training.dtype);
+        let master = dtype_of(config.training.master_dtype);
+        let params = model
+            .init(config.training.seed, &device)
+            .into_iter()
+            .map(|p| p.cast(master))
+            .collect();
         Ok(Self {
             config: config.clone(),
             device,
@@ -149,14 +158,26 @@ impl Session {
             .map(|(s, t)| HostTensor {
                 name: format!("{}{suffix}", s.name),
                 shape: s.shape.clone(),
+                dtype: if t.dtype() == DType::BF16 {
+                    StoredDtype::Bf16
+                } else {
+                    StoredDtype::F32
+                },
                 values: to_vec(t),
             })
             .collect()
     }
 
-    /// Loads weights (by name) from host tensors; every parameter must be present with its shape.
+    /// Loads weights (by name) from host tensors; every parameter must be present with its
+    /// shape. They are stored in the master dtype (f32 weights into a bf16-master run are
+    /// rounded; bf16 weights into an f32 run are widened exactly).
     pub fn load_params(&mut self, tensors: &[HostTensor], origin: &Path) -> Result<(), TrainError> {
-        self.params = self.lookup(tensors, "", origin)?;
+        let master = dtype_of(self.config.training.master_dtype);
+        self.params = self
+            .lookup(tensors, "", origin)?
+            .into_iter()
+            .map(|p| p.cast(master))
+            .collect();
         Ok(())
     }
 
