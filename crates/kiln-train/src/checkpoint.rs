@@ -748,6 +748,31 @@ mod tests {
     }
 
     #[test]
+    fn bf16_tensors_keep_their_dtype_and_other_dtypes_are_named() {
+        let w = HostTensor {
+            name: "w".into(),
+            shape: vec![3],
+            dtype: StoredDtype::Bf16,
+            values: vec![1.0, -0.00390625, 3.140625],
+        };
+        let m = HostTensor::f32("m".into(), vec![1], vec![0.1]);
+        let bytes = to_safetensors(&[w.clone(), m.clone()]).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("w").unwrap().dtype(), safetensors::Dtype::BF16);
+        assert_eq!(st.tensor("w").unwrap().data().len(), 6);
+        let back = from_safetensors(&bytes, Path::new("x")).unwrap();
+        assert_eq!(back, vec![m, w]);
+        // An f16 tensor is refused by name, not misread.
+        let f16 = safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![1], &[0, 60])
+            .unwrap();
+        let bytes = safetensors::serialize([("h", f16)], &None).unwrap();
+        let err = from_safetensors(&bytes, Path::new("x.safetensors"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tensor h has dtype F16") && err.contains("x.safetensors"), "{err}");
+    }
+
+    #[test]
     fn manifest_may_name_only_the_formats_files_and_never_special_ones() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();

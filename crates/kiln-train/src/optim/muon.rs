@@ -170,7 +170,7 @@ mod tests {
         // Diagonal of X X^T for an orthogonalised wide X is ~ its squared singular values
         // when X's rows are near-orthogonal; check the off-diagonal too.
         let g = x.clone().matmul(x.transpose());
-        g.into_data().to_vec::<f32>().unwrap()
+        g.into_data().try_to_vec::<f32>().unwrap()
     }
 
     #[test]
