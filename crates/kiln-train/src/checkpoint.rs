@@ -769,7 +769,10 @@ mod tests {
         let err = from_safetensors(&bytes, Path::new("x.safetensors"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("tensor h has dtype F16") && err.contains("x.safetensors"), "{err}");
+        assert!(
+            err.contains("tensor h has dtype F16") && err.contains("x.safetensors"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -85,8 +85,16 @@ fn run_case(python: &str, adjust: MuonLrAdjust, dir: &Path) -> serde_json::Value
             )
         })
         .collect();
-    std::fs::write(dir.join("inputs.safetensors"), to_safetensors(&inputs).unwrap()).unwrap();
-    std::fs::write(dir.join("kiln.safetensors"), to_safetensors(&after).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("inputs.safetensors"),
+        to_safetensors(&inputs).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("kiln.safetensors"),
+        to_safetensors(&after).unwrap(),
+    )
+    .unwrap();
     let hidden: Vec<&str> = specs
         .iter()
         .filter(|s| role(s) == Role::Hidden)

@@ -21,7 +21,11 @@ const RUN: &[&str] = &[
 fn train(dir: &Path, extra: &[&str]) {
     let sets: Vec<&str> = RUN.iter().chain(extra).copied().collect();
     let out = common::train_cmd(dir, &sets).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn export(src: &Path, out: &Path) -> (i32, String) {
@@ -83,11 +87,23 @@ fn export_writes_a_hugging_face_llama_directory() {
     // nn.Linear layout [out, in]: q_proj [32, 32], k_proj [16, 32], gate [64, 32], down [32, 64],
     // lm_head [vocab, hidden]; the embedding [vocab, hidden] as it is.
     let shape = |n: &str| h[n]["shape"].clone();
-    assert_eq!(shape("model.layers.0.self_attn.k_proj.weight"), serde_json::json!([16, 32]));
-    assert_eq!(shape("model.layers.0.mlp.gate_proj.weight"), serde_json::json!([64, 32]));
-    assert_eq!(shape("model.layers.1.mlp.down_proj.weight"), serde_json::json!([32, 64]));
+    assert_eq!(
+        shape("model.layers.0.self_attn.k_proj.weight"),
+        serde_json::json!([16, 32])
+    );
+    assert_eq!(
+        shape("model.layers.0.mlp.gate_proj.weight"),
+        serde_json::json!([64, 32])
+    );
+    assert_eq!(
+        shape("model.layers.1.mlp.down_proj.weight"),
+        serde_json::json!([32, 64])
+    );
     assert_eq!(shape("lm_head.weight"), serde_json::json!([16, 32]));
-    assert_eq!(shape("model.embed_tokens.weight"), serde_json::json!([16, 32]));
+    assert_eq!(
+        shape("model.embed_tokens.weight"),
+        serde_json::json!([16, 32])
+    );
     assert_eq!(shape("model.norm.weight"), serde_json::json!([32]));
     assert_eq!(h.len(), 1 + 2 * 9 + 1 + 1 + 1, "{:?}", h.keys());
 
@@ -151,6 +167,9 @@ fn qk_norm_models_are_refused() {
     let out = tmp.path().join("hf");
     let (code, text) = export(&run, &out);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("QK-norm") && text.contains("refused"), "{text}");
+    assert!(
+        text.contains("QK-norm") && text.contains("refused"),
+        "{text}"
+    );
     assert!(!out.exists());
 }

@@ -4,10 +4,8 @@
 //! (the frozen-parameter guard names them) while bf16 compute on f32 masters does not, and
 //! checkpoints keep their dtypes.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Stdio};
-use std::time::Duration;
+use std::process::Child;
 
 mod common;
 
@@ -41,27 +39,10 @@ fn run_to_end(dir: &Path, extra: &[&str]) -> std::process::Output {
     out
 }
 
+/// Spawns a run and returns once it printed step `n` and the note of the checkpoint at or
+/// before it (written in the background).
 fn spawn_until_step(dir: &Path, extra: &[&str], n: u64) -> Child {
-    let mut child = common::train_cmd(dir, &sets(extra))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let step = line
-                .strip_prefix("step=")
-                .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok());
-            if step.is_some_and(|s| s >= n) {
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(300))
-        .expect("training never reached the step");
-    child
+    common::spawn_until(common::train_cmd(dir, &sets(extra)), n, Some(n / 4 * 4))
 }
 
 fn events(dir: &Path) -> Vec<serde_json::Value> {
@@ -154,7 +135,10 @@ fn optimizer_state_is_keyed_by_parameter_name_and_kind_is_checked_on_resume() {
     let sophia = tmp.path().join("sophia");
     run_to_end(&sophia, &["optimizer.kind=sophiag", "training.steps=4"]);
     let names = tensors(&sophia.join("checkpoints/step-4/optimizer.safetensors"));
-    assert!(names.iter().any(|(n, _)| n == "lm_head.weight.hessian"), "{names:?}");
+    assert!(
+        names.iter().any(|(n, _)| n == "lm_head.weight.hessian"),
+        "{names:?}"
+    );
 
     // Resuming the Muon run as SophiaG is refused, naming both (exit 78).
     let out = common::train_cmd(&dir, &sets(&["optimizer.kind=sophiag", "training.steps=8"]))
@@ -201,7 +185,11 @@ fn bf16_master_weights_freeze_the_norms_and_the_guard_names_them() {
     s.extend(["training.dtype=bf16", "training.master_dtype=bf16"]);
     run_to_end(&bad, &s);
     let reports = frozen_reports(&bad);
-    assert_eq!(reports.len(), 1, "one check after the first interval: {reports:?}");
+    assert_eq!(
+        reports.len(),
+        1,
+        "one check after the first interval: {reports:?}"
+    );
     let (step, names) = &reports[0];
     assert_eq!(*step, 10);
     let norms: Vec<&String> = names.iter().filter(|n| n.contains("norm")).collect();
@@ -219,7 +207,11 @@ fn bf16_master_weights_freeze_the_norms_and_the_guard_names_them() {
     let mut s: Vec<&str> = common_sets.to_vec();
     s.push("training.dtype=bf16");
     run_to_end(&good, &s);
-    assert!(frozen_reports(&good).is_empty(), "{:?}", frozen_reports(&good));
+    assert!(
+        frozen_reports(&good).is_empty(),
+        "{:?}",
+        frozen_reports(&good)
+    );
     let model = tensors(&good.join("checkpoints/step-10/model.safetensors"));
     assert!(model.iter().all(|(_, d)| d == "F32"), "{model:?}");
 }
@@ -246,7 +238,10 @@ fn bf16_compute_resumes_bit_exactly_after_sigkill() {
 #[test]
 fn checkpoint_events_report_the_stall_and_the_write_time() {
     let tmp = tempfile::tempdir().unwrap();
-    for (name, mode) in [("async", "checkpoint.async=true"), ("sync", "checkpoint.async=false")] {
+    for (name, mode) in [
+        ("async", "checkpoint.async=true"),
+        ("sync", "checkpoint.async=false"),
+    ] {
         let dir = tmp.path().join(name);
         run_to_end(&dir, &[mode, "training.steps=8"]);
         let saved: Vec<serde_json::Value> = events(&dir)
@@ -261,7 +256,10 @@ fn checkpoint_events_report_the_stall_and_the_write_time() {
             assert!(stall >= 0.0 && write > 0.0, "{e}");
             assert_eq!(e["async"], name == "async", "{e}");
             if name == "sync" {
-                assert!(stall >= write, "a synchronous save stalls for its write: {e}");
+                assert!(
+                    stall >= write,
+                    "a synchronous save stalls for its write: {e}"
+                );
             }
         }
         // The run's last event is the exit, after the last save was reported.
