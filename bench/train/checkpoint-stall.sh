@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Checkpoint stall, asynchronous vs synchronous: the same run (the reference model of
 # bench/train/bench.sh: 8192 vocab, d 384, 6 layers, ~24M parameters, so a checkpoint is
-# ~290 MB of weights and AdamW moments) checkpointing every 2 steps, once with
+# ~290 MB of weights and AdamW moments) checkpointing every 8 steps (room for the writer to
+# finish before the next save, as in a real run), once with
 # checkpoint.async=true and once with false. Prints, per mode, the mean and max of the
 # step's stall (stall_s of the checkpoint_saved events) and of the write time (write_s),
 # and the async stall as a fraction of the synchronous save.
 #
-# Usage: bench/train/checkpoint-stall.sh [--steps N] [--dir DIR]   (DIR on the disk to measure)
+# Usage: bench/train/checkpoint-stall.sh [--steps N] [--interval N] [--dir DIR]   (DIR on the disk to measure)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-steps=12 dir=""
+steps=24 interval=8 dir=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps=$2; shift 2 ;;
+    --interval) interval=$2; shift 2 ;;
     --dir) dir=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -28,7 +30,7 @@ for mode in true false; do
     --set model.vocab_size=8192 --set model.d_model=384 --set model.n_layers=6 \
     --set model.n_heads=6 --set model.n_kv_heads=2 --set model.ffn_hidden=1024 \
     --set training.batch_size=2 --set training.seq_len=64 --set training.steps="$steps" \
-    --set checkpoint.interval=2 --set checkpoint.keep_latest_k=2 --set checkpoint.async=$mode \
+    --set checkpoint.interval=$interval --set checkpoint.keep_latest_k=2 --set checkpoint.async=$mode \
     --set eval.interval=0 --set eval.samples=0 --set guards.frozen_check_interval=0 \
     --set guards.snapshot_interval=0 >/dev/null
 done

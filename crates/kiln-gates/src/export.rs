@@ -22,7 +22,7 @@
 use crate::mc::{LoadedModel, load_model};
 use crate::{GatesError, io_err};
 use kiln_train::checkpoint::{HostTensor, StoredDtype, to_safetensors};
-use kiln_train::{Config, synthetic};
+use kiln_train::{Config, Session, synthetic};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -157,8 +157,8 @@ fn read_tokenizer(path: &Path) -> Result<Tokenizer, GatesError> {
     })
 }
 
-/// The tokenizer to ship: `--tokenizer`, else the config's `data.tokenizer` (relative to
-/// the config file), else the synthetic corpus's when the run used it.
+/// The tokenizer to ship: `--tokenizer`, else the config's `data.tokenizer`, else the
+/// synthetic corpus's when the run used it.
 fn choose_tokenizer(
     opts: &ExportOptions,
     cfg: &Config,
@@ -168,9 +168,12 @@ fn choose_tokenizer(
         return read_tokenizer(p).map(Some);
     }
     if !cfg.data.tokenizer.is_empty() {
+        // A relative path is as the run was started (the working directory), else beside
+        // the config.
         let p = Path::new(&cfg.data.tokenizer);
-        let p = if p.is_relative() {
-            config_path.parent().unwrap_or(Path::new(".")).join(p)
+        let beside = config_path.parent().unwrap_or(Path::new(".")).join(p);
+        let p = if p.is_relative() && !p.exists() && beside.exists() {
+            beside
         } else {
             p.to_path_buf()
         };
@@ -270,6 +273,27 @@ fn export_loaded(loaded: &LoadedModel, opts: &ExportOptions) -> Result<ExportRep
         files: files.into_iter().map(|(n, _)| n).collect(),
         tokenizer: tokenizer.map(|t| t.origin),
     })
+}
+
+/// kiln's logits for `text` of the synthetic corpus (one token per character), as the JSON
+/// `scripts/hf-parity.py` compares an export's logits with: `{text, ids, shape, logits}`.
+pub fn reference_logits(session: &Session, text: &str) -> Result<serde_json::Value, GatesError> {
+    let ids: Vec<u32> = text
+        .bytes()
+        .map(|c| {
+            synthetic::token_of(c).ok_or_else(|| {
+                GatesError::Invalid(format!(
+                    "{:?} is not a symbol of the synthetic corpus",
+                    c as char
+                ))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let tokens = Session::int_tensor(std::slice::from_ref(&ids), ids.len(), &session.device);
+    let logits = session.model.forward(&session.params, tokens);
+    let dims = logits.dims();
+    let flat = kiln_train::session::to_vec(&logits.reshape([dims.iter().product::<usize>()]));
+    Ok(json!({"text": text, "ids": ids, "shape": dims, "logits": flat}))
 }
 
 fn pretty(v: &serde_json::Value) -> Vec<u8> {

@@ -389,9 +389,9 @@ pub struct DataConfig {
     /// Verify every shard's full SHA-256 against the manifest at start (slow; the default
     /// checks sizes and a sampled hash).
     pub full_verify: bool,
-    /// The `tokenizer.json` the corpus was tokenized with (relative to the config file when
-    /// the run's config is read back); `kiln export` ships it with the model. Empty = none
-    /// recorded (the synthetic corpus has its own).
+    /// The `tokenizer.json` the corpus was tokenized with (a relative path is resolved from
+    /// the working directory, else beside the config); `kiln export` ships it with the
+    /// model. Empty = none recorded (the synthetic corpus has its own).
     pub tokenizer: String,
 }
 

@@ -127,18 +127,10 @@ fn export_writes_a_hugging_face_llama_directory() {
 /// export (which also tokenizes the text itself, to check the shipped tokenizer).
 fn compare_with_transformers(python: &str, run: &Path, out: &Path) {
     let loaded = kiln_gates::mc::load_model(run, None).unwrap();
-    let s = &loaded.session;
-    let text = "58213=58213\n90417=90417\n33=";
-    let ids: Vec<u32> = text
-        .bytes()
-        .map(|c| kiln_train::synthetic::token_of(c).unwrap())
-        .collect();
-    let tokens = kiln_train::Session::int_tensor(std::slice::from_ref(&ids), ids.len(), &s.device);
-    let logits = s.model.forward(&s.params, tokens);
-    let dims = logits.dims();
-    let flat = kiln_train::session::to_vec(&logits.reshape([dims.iter().product::<usize>()]));
+    let reference =
+        kiln_gates::export::reference_logits(&loaded.session, "58213=58213\n90417=90417\n33=")
+            .unwrap();
     let ref_path = out.with_extension("kiln-logits.json");
-    let reference = serde_json::json!({"text": text, "ids": ids, "shape": dims, "logits": flat});
     std::fs::write(&ref_path, reference.to_string()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf-parity.py");
     let o = Command::new(python)
@@ -172,4 +164,31 @@ fn qk_norm_models_are_refused() {
         "{text}"
     );
     assert!(!out.exists());
+}
+
+#[test]
+fn bf16_master_weights_export_as_bf16() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("bf16");
+    train(
+        &run,
+        &[
+            "training.master_dtype=bf16",
+            "training.dtype=bf16",
+            "training.steps=2",
+        ],
+    );
+    let out = tmp.path().join("hf");
+    let (code, text) = export(&run, &out);
+    assert_eq!(code, 0, "{text}");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["torch_dtype"], "bfloat16");
+    let h = header(&out.join("model.safetensors"));
+    assert!(
+        h.iter()
+            .filter(|(k, _)| *k != "__metadata__")
+            .all(|(_, v)| v["dtype"] == "BF16"),
+        "{h:?}"
+    );
 }

@@ -224,14 +224,19 @@ fn lr_find_sweeps_muon_and_sophiag() {
         // 30 steps: SophiaG takes three Hessian estimates on the way.
         sets.push("optimizer.sophia.hessian_interval=10");
         let (code, out) = kiln(
-            &["lr-find", "--steps", "30", "--out", out_dir.to_str().unwrap()],
+            &[
+                "lr-find",
+                "--steps",
+                "30",
+                "--out",
+                out_dir.to_str().unwrap(),
+            ],
             &sets,
         );
         assert_eq!(code, 0, "{kind}: {out}");
-        let v: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(out_dir.join("lr-find.json")).unwrap(),
-        )
-        .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out_dir.join("lr-find.json")).unwrap())
+                .unwrap();
         let lr = v["suggested_lr"].as_f64().unwrap();
         assert!(lr > 0.0 && lr < 1.0, "{kind}: suggested {lr}: {out}");
         assert!(v["steps_run"].as_u64().unwrap() >= 10, "{kind}: {v}");
