@@ -33,6 +33,9 @@ pub struct StepMetrics {
     pub first_sample: u64,
     /// Sequences per step, all ranks.
     pub global_batch: u64,
+    /// Seconds of this step spent averaging gradients over the ranks (host copies and the
+    /// bucketed all-reduce); 0 with one rank.
+    pub allreduce_s: f64,
 }
 
 /// Evaluation on held-out data.

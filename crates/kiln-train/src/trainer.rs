@@ -61,9 +61,13 @@ pub enum TrainError {
     /// Event log failure.
     #[error(transparent)]
     Events(#[from] kiln_run::EventLogError),
-    /// The data source failed.
+    /// The data could not be opened or does not fit the model (at start: deterministic).
     #[error("data: {0}")]
     Data(String),
+    /// Reading a sample failed during training (perhaps transient: worth a retry; the
+    /// launcher stops retrying when the same error repeats).
+    #[error("data: {0}")]
+    DataRead(String),
     /// The device named in the config is unknown or not compiled in.
     #[error("device {0:?}: {1}")]
     Device(String, String),
@@ -111,9 +115,11 @@ impl TrainError {
             Self::Guard(_) => exit::GUARD_STOP,
             Self::RunDir(RunDirError::Locked { .. }) => exit::RUN_DIR_LOCKED,
             Self::ReplicaMismatch { .. } => exit::REPLICA_MISMATCH,
-            Self::RunDir(_) | Self::Io { .. } | Self::Events(_) | Self::Checkpoint(_) => {
-                exit::FAILURE
-            }
+            Self::RunDir(_)
+            | Self::Io { .. }
+            | Self::Events(_)
+            | Self::Checkpoint(_)
+            | Self::DataRead(_) => exit::FAILURE,
         }
     }
 
@@ -728,7 +734,7 @@ impl<'o> Trainer<'o> {
             self.facts.total,
         );
         let first_sample = self.state.next_sample();
-        let (loss, grads) = self.compute_gradients(first_sample, None)?;
+        let (loss, grads, allreduce_s) = self.compute_gradients(first_sample, None)?;
         let grad_norm = optim::global_norm(&grads);
         if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
             return Ok(None);
@@ -762,6 +768,7 @@ impl<'o> Trainer<'o> {
             tokens_seen: self.state.tokens_seen,
             first_sample,
             global_batch: self.layout.global_batch(),
+            allreduce_s,
         }))
     }
 
@@ -774,7 +781,7 @@ impl<'o> Trainer<'o> {
         let seed = self.cfg.training.seed
             ^ self.optimizer.step().wrapping_mul(0xD1B5_4A32_D192_ED03)
             ^ (self.comm.rank() as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
-        let (_, grads) = self.compute_gradients(base, Some(seed))?;
+        let (_, grads, _) = self.compute_gradients(base, Some(seed))?;
         let norm = optim::global_norm(&grads);
         let grads = optim::clip_by_global_norm(grads, norm, self.cfg.optimizer.max_grad_norm);
         self.optimizer.update_hessian(grads);
@@ -782,13 +789,14 @@ impl<'o> Trainer<'o> {
     }
 
     /// This rank's loss and gradients over its micro-batches of the step starting at global
-    /// sample `base`, averaged over all ranks; against the data's labels, or with
-    /// `sampled = Some(seed)` against labels drawn from the model (SophiaG's estimator).
+    /// sample `base`, averaged over all ranks, and the seconds the averaging took; against
+    /// the data's labels, or with `sampled = Some(seed)` against labels drawn from the model
+    /// (SophiaG's estimator).
     fn compute_gradients(
         &mut self,
         base: u64,
         sampled: Option<u64>,
-    ) -> Result<(f32, Vec<Tensor<1>>), TrainError> {
+    ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
         let cfg = &self.cfg;
         let mut grads: Option<Vec<Tensor<1>>> = None;
         let mut loss_sum = 0.0f32;
@@ -798,7 +806,7 @@ impl<'o> Trainer<'o> {
                 .rows(base, micro)
                 .map(|i| self.data.source.sample(i, self.layout.seq + 1))
                 .collect::<Result<_, _>>()
-                .map_err(TrainError::Data)?;
+                .map_err(TrainError::DataRead)?;
             let batch_no = self.state.data_cursor + 1;
             let rows = if cfg.debug.spike_at_step > 0 && batch_no == cfg.debug.spike_at_step {
                 step::corrupt_batch(&rows, self.session.model.vocab(), cfg.training.seed)
@@ -835,14 +843,16 @@ impl<'o> Trainer<'o> {
         }
         let grads = grads.unwrap_or_default();
         if self.comm.size() == 1 {
-            return Ok((loss_sum, grads));
+            return Ok((loss_sum, grads, 0.0));
         }
         // One flat host buffer: every gradient, then the loss, averaged over the ranks.
+        let t0 = Instant::now();
         let mut flat = step::flatten(&grads);
         flat.push(loss_sum);
         self.facts.grads.mean(self.comm.as_ref(), &mut flat);
         let loss = flat.pop().unwrap_or(f32::NAN);
-        Ok((loss, step::unflatten(&flat, &grads, &self.session.device)))
+        let grads = step::unflatten(&flat, &grads, &self.session.device);
+        Ok((loss, grads, t0.elapsed().as_secs_f64()))
     }
 
     /// The guards on one step's (global) loss and gradient norm: skip non-finite steps, roll
