@@ -1,18 +1,77 @@
 //! [`Saver`]: writes checkpoints through the run's [`CheckpointManager`], synchronously or
 //! on a writer thread (`checkpoint.async`).
 //!
-//! Asynchronous saving: the training step hands over a host copy of the state (the only part
-//! the step waits for) and goes on; the writer thread serialises, writes, fsyncs, writes the
-//! manifest, renames and applies retention. At most one save is in flight: submitting the
+//! Asynchronous saving: the training step hands over the state as [`Staged`] tensors and
+//! goes on; the writer thread copies them to the host, serialises, writes, fsyncs, writes the
+//! manifest, renames and applies retention. Handing over costs no copy: burn tensors are
+//! immutable values whose buffers a step only ever replaces (an operation writes in place
+//! only into a buffer nobody else holds), so the staged tensors keep the step's values while
+//! training goes on; the price is that those buffers stay allocated until the writer has
+//! copied them (on a GPU: one more copy of weights and optimizer state in device memory). At most one save is in flight: submitting the
 //! next one first waits for it. Every way out of training waits for it too
 //! ([`Saver::wait`]); dropping the saver joins the thread, so not even an early return can
 //! leave a save half done while the process exits normally. A SIGKILL during a write leaves
 //! a temporary directory, never a published checkpoint, exactly as a synchronous save would.
 
-use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointManager, SaveReport};
+use crate::checkpoint::{
+    Checkpoint, CheckpointError, CheckpointManager, HostTensor, SaveReport, StoredDtype,
+};
+use burn::tensor::{DType, Tensor};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
+
+/// A named tensor still on the device.
+#[derive(Debug, Clone)]
+pub struct DeviceTensor {
+    /// Its name in the checkpoint.
+    pub name: String,
+    /// Its logical shape (the tensor itself is flat).
+    pub shape: Vec<usize>,
+    /// The tensor.
+    pub tensor: Tensor<1>,
+}
+
+impl DeviceTensor {
+    /// A host copy, widened to f32, remembering whether it was bf16.
+    pub fn to_host(&self) -> HostTensor {
+        HostTensor {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            dtype: if self.tensor.dtype() == DType::BF16 {
+                StoredDtype::Bf16
+            } else {
+                StoredDtype::F32
+            },
+            values: crate::session::to_vec(&self.tensor),
+        }
+    }
+}
+
+/// A checkpoint as the step hands it over: references to the tensors, not copies.
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// Optimizer step the checkpoint is taken after.
+    pub step: u64,
+    /// Weights.
+    pub model: Vec<DeviceTensor>,
+    /// Optimizer state.
+    pub optimizer: Vec<DeviceTensor>,
+    /// `state.json`.
+    pub state: serde_json::Value,
+}
+
+impl Staged {
+    /// The host copy the files are written from.
+    pub fn to_host(&self) -> Checkpoint {
+        Checkpoint {
+            step: self.step,
+            model: self.model.iter().map(DeviceTensor::to_host).collect(),
+            optimizer: self.optimizer.iter().map(DeviceTensor::to_host).collect(),
+            state: self.state.clone(),
+        }
+    }
+}
 
 /// A save that finished.
 #[derive(Debug)]
@@ -22,16 +81,17 @@ pub struct Saved {
     /// What the manager did.
     pub report: SaveReport,
     /// Seconds the training step was blocked by this save (waiting for the previous save,
-    /// taking the host copy, and for a synchronous save the write itself).
+    /// staging the state, and for a synchronous save the host copy and the write).
     pub stall_s: f64,
-    /// Seconds the write took (serialise, write, fsync, manifest, rename, retention).
+    /// Seconds the save took (host copy, serialise, write, fsync, manifest, rename,
+    /// retention).
     pub write_s: f64,
     /// Whether it was written on the writer thread.
     pub asynchronous: bool,
 }
 
 struct Job {
-    ckpt: Checkpoint,
+    staged: Staged,
     stall_s: f64,
 }
 
@@ -95,15 +155,18 @@ impl Saver {
         }
     }
 
-    /// Saves `ckpt`, whose host copy took `copy_s` seconds. A synchronous saver writes it
-    /// now; an asynchronous one first waits for the save in flight, then hands it to the
-    /// writer. Returns the saves that finished meanwhile (the previous one, or this one when
-    /// synchronous), for the caller to report.
-    pub fn submit(&mut self, ckpt: Checkpoint, copy_s: f64) -> Vec<Outcome> {
+    /// Saves `staged`, whose staging took `stage_s` seconds. A synchronous saver copies and
+    /// writes it now; an asynchronous one first waits for the save in flight, then hands it
+    /// to the writer. Returns the saves that finished meanwhile (the previous one, or this
+    /// one when synchronous), for the caller to report.
+    pub fn submit(&mut self, staged: Staged, stage_s: f64) -> Vec<Outcome> {
         let t0 = Instant::now();
+        let copy_s = stage_s;
         match &mut self.mode {
             Mode::Sync(manager) => {
-                let step = ckpt.step;
+                let step = staged.step;
+                let ckpt = staged.to_host();
+                drop(staged);
                 let res = manager.save(&ckpt).map(|report| {
                     let write_s = t0.elapsed().as_secs_f64();
                     Saved {
@@ -127,7 +190,7 @@ impl Saver {
                 let stall_s = copy_s + t0.elapsed().as_secs_f64();
                 let sent = jobs
                     .as_ref()
-                    .is_some_and(|tx| tx.send(Job { ckpt, stall_s }).is_ok());
+                    .is_some_and(|tx| tx.send(Job { staged, stall_s }).is_ok());
                 *in_flight = sent;
                 let mut out = finished;
                 if !sent {
@@ -212,15 +275,19 @@ fn writer_gone() -> CheckpointError {
 fn writer(mut manager: CheckpointManager, inbox: Receiver<Job>, outbox: Sender<Outcome>) {
     for job in inbox {
         let t0 = Instant::now();
-        let step = job.ckpt.step;
-        let res = manager.save(&job.ckpt).map(|report| Saved {
+        let step = job.staged.step;
+        let ckpt = job.staged.to_host();
+        let stall_s = job.stall_s;
+        // The device tensors are released as soon as they are copied.
+        drop(job);
+        let res = manager.save(&ckpt).map(|report| Saved {
             step,
             report,
-            stall_s: job.stall_s,
+            stall_s,
             write_s: t0.elapsed().as_secs_f64(),
             asynchronous: true,
         });
-        drop(job);
+        drop(ckpt);
         if outbox.send(res).is_err() {
             return;
         }
@@ -230,17 +297,19 @@ fn writer(mut manager: CheckpointManager, inbox: Receiver<Job>, outbox: Sender<O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::{HostTensor, list_steps};
+    use crate::checkpoint::list_steps;
 
-    fn ckpt(step: u64) -> Checkpoint {
-        Checkpoint {
+    fn ckpt(step: u64) -> Staged {
+        let d = burn::tensor::Device::flex();
+        let t = |name: &str, v: [f32; 3]| DeviceTensor {
+            name: name.into(),
+            shape: vec![3],
+            tensor: Tensor::from_floats(v, &d),
+        };
+        Staged {
             step,
-            model: vec![HostTensor::f32(
-                "w".into(),
-                vec![3],
-                vec![1.0, 2.0, step as f32],
-            )],
-            optimizer: vec![HostTensor::f32("w.exp_avg".into(), vec![3], vec![0.0; 3])],
+            model: vec![t("w", [1.0, 2.0, step as f32])],
+            optimizer: vec![t("w.exp_avg", [0.0; 3])],
             state: serde_json::json!({"step": step, "run_id": "r"}),
         }
     }

@@ -2,10 +2,11 @@
 //! the gates, eval and export all start from; it needs no training data (the vocabulary is
 //! given, or read from the weights).
 
-use crate::checkpoint::{HostTensor, StoredDtype};
+use crate::checkpoint::HostTensor;
 use crate::config::Config;
 use crate::metrics::EvalMetrics;
 use crate::model::{Llama, dtype_of};
+use crate::saver::DeviceTensor;
 use crate::synthetic::Synthetic;
 use crate::trainer::TrainError;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
@@ -145,25 +146,22 @@ impl Session {
 
     /// Parameters as named host tensors (logical shapes).
     pub fn host_params(&self) -> Vec<HostTensor> {
-        self.named_host(&self.params, "")
+        self.named_params()
+            .iter()
+            .map(DeviceTensor::to_host)
+            .collect()
     }
 
-    /// `tensors` (one per parameter, in parameter order) as named host tensors, each name
-    /// followed by `suffix` (`.exp_avg`, ...).
-    pub fn named_host(&self, tensors: &[Tensor<1>], suffix: &str) -> Vec<HostTensor> {
+    /// Parameters as named tensors on the device (references, no copy).
+    pub fn named_params(&self) -> Vec<DeviceTensor> {
         self.model
             .specs()
             .iter()
-            .zip(tensors)
-            .map(|(s, t)| HostTensor {
-                name: format!("{}{suffix}", s.name),
+            .zip(&self.params)
+            .map(|(s, t)| DeviceTensor {
+                name: s.name.clone(),
                 shape: s.shape.clone(),
-                dtype: if t.dtype() == DType::BF16 {
-                    StoredDtype::Bf16
-                } else {
-                    StoredDtype::F32
-                },
-                values: to_vec(t),
+                tensor: t.clone(),
             })
             .collect()
     }

@@ -24,7 +24,7 @@ use crate::guards::{self, LossVerdict};
 use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
 use crate::optim::{self, Optimizer};
 use crate::run_dir::{RunDir, RunDirError};
-use crate::saver::{Saved, Saver};
+use crate::saver::{Saved, Saver, Staged};
 use crate::session::{Session, sha256_hex};
 use crate::state::{TrainState, new_run_id};
 use crate::step::{self, BatchLayout, Labels};
@@ -1166,19 +1166,18 @@ impl<'o> Trainer<'o> {
         self.state.config_hash = self.facts.config_hash.clone();
         self.state.kiln_version = env!("CARGO_PKG_VERSION").to_string();
         if self.writer.is_some() {
-            // The step waits for this host copy only (and, with a save still in flight, for
-            // that save); the files are written by the saver.
+            // The step stages references to the state (no copy) and, with a save still in
+            // flight, waits for that save; the saver copies and writes (see crate::saver).
             let t0 = Instant::now();
-            let specs = self.session.model.specs();
-            let ck = Checkpoint {
+            let staged = Staged {
                 step: self.state.step,
-                model: self.session.host_params(),
-                optimizer: self.optimizer.host_state(specs),
+                model: self.session.named_params(),
+                optimizer: self.optimizer.named_state(self.session.model.specs()),
                 state: serde_json::to_value(&self.state).unwrap_or_default(),
             };
-            let copy_s = t0.elapsed().as_secs_f64();
+            let stage_s = t0.elapsed().as_secs_f64();
             let finished = match &mut self.writer {
-                Some(w) => w.saver.submit(ck, copy_s),
+                Some(w) => w.saver.submit(staged, stage_s),
                 None => Vec::new(),
             };
             for outcome in finished {

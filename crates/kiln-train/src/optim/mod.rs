@@ -23,6 +23,7 @@ pub use sophia::SophiaG;
 use crate::checkpoint::HostTensor;
 use crate::config::{LrSchedulerConfig, OptimizerConfig, OptimizerKind, ScheduleKind};
 use crate::model::ParamSpec;
+use crate::saver::DeviceTensor;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 
 /// Learning rate at optimizer step `step` (0-based) of `total`.
@@ -237,15 +238,23 @@ impl Optimizer {
 
     /// The state as host tensors named `<param>.<slot>` (what `optimizer.safetensors` holds).
     pub fn host_state(&self, specs: &[ParamSpec]) -> Vec<HostTensor> {
+        self.named_state(specs)
+            .iter()
+            .map(DeviceTensor::to_host)
+            .collect()
+    }
+
+    /// The state as named tensors on the device (references, no copy).
+    pub fn named_state(&self, specs: &[ParamSpec]) -> Vec<DeviceTensor> {
         let mut out = Vec::new();
         for (suffix, tensors) in self.slots() {
             for (spec, t) in specs.iter().zip(tensors) {
                 if let Some(t) = t {
-                    out.push(HostTensor::f32(
-                        format!("{}.{suffix}", spec.name),
-                        spec.shape.clone(),
-                        crate::session::to_vec(t),
-                    ));
+                    out.push(DeviceTensor {
+                        name: format!("{}.{suffix}", spec.name),
+                        shape: spec.shape.clone(),
+                        tensor: t.clone(),
+                    });
                 }
             }
         }
