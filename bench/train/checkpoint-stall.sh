@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Checkpoint stall, asynchronous vs synchronous: the same run (the reference model of
-# bench/train/bench.sh: 8192 vocab, d 384, 6 layers, ~24M parameters, so a checkpoint is
-# ~290 MB of weights and AdamW moments) checkpointing every 8 steps (room for the writer to
+# Checkpoint stall, asynchronous vs synchronous: the same run (the reference model's shape of
+# bench/train/bench.sh: 8192 vocab, d 384, 6 layers, 15.7M parameters, so a checkpoint is
+# 181 MB of weights and AdamW moments) checkpointing every 8 steps (room for the writer to
 # finish before the next save, as in a real run), once with
 # checkpoint.async=true and once with false. Prints, per mode, the mean and max of the
 # step's stall (stall_s of the checkpoint_saved events) and of the write time (write_s),
