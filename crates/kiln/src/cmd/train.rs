@@ -110,7 +110,7 @@ impl Progress {
     fn println(&self, msg: &str) {
         match &self.bar {
             Some(bar) => bar.println(msg),
-            None => println!("{msg}"),
+            None => say(format_args!("{msg}")),
         }
     }
 }
@@ -126,10 +126,10 @@ impl Observer for Progress {
                     m.loss, m.tokens_per_s, m.lr
                 ));
             }
-            None => println!(
+            None => say(format_args!(
                 "step={} total={} loss={:.4} grad_norm={:.3} lr={:.3e} tok/s={:.0} mfu={:.3} eta={:.0}s",
                 m.step, m.total_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s, m.mfu, eta
-            ),
+            )),
         }
     }
 
@@ -168,6 +168,14 @@ impl Observer for Progress {
         }
         out
     }
+}
+
+/// Prints a progress line. A closed stdout (the reader went away: a pipe to `head`, a
+/// launcher that died) must not stop training, so write errors are ignored here rather
+/// than panicking as `println!` does.
+fn say(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
 }
 
 /// `kiln train`.
@@ -223,12 +231,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                         .map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
                 )
             });
-            println!(
+            say(format_args!(
                 "done: steps={} loss={loss}{eval} time={:.1}s weights={}",
                 report.step,
                 report.seconds,
                 args.run_dir.join("model.safetensors").display()
-            );
+            ));
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Preempted { signal } => {
