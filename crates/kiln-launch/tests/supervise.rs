@@ -31,6 +31,8 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         deadline: None,
         echo: false,
         reap_orphans: false,
+        stdout_pty: true,
+        expected_ranks: None,
     }
 }
 

@@ -12,8 +12,9 @@
 //!
 //! File names live in [`layout`], event names in [`event`], exit codes in [`exit`].
 //!
-//! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line `<step> <phase> <unix_time>`,
-//! replaced atomically, so a supervisor can tell which rank stopped advancing.
+//! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line
+//! `<step> <phase> <unix_time> <host>`, replaced atomically, so a supervisor can tell which
+//! rank stopped advancing and on which host.
 
 mod beacon;
 pub mod event;
@@ -21,7 +22,10 @@ mod events;
 pub mod exit;
 pub mod layout;
 
-pub use beacon::{Beacon, BeaconError, PROGRESS_DIR_ENV, read_beacons, write_beacon};
+pub use beacon::{
+    Beacon, BeaconError, ExitRecord, HOST_ENV, PROGRESS_DIR_ENV, clear_rank_files, read_beacons,
+    read_exit_records, this_host, write_beacon, write_exit_record,
+};
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 
 /// Exit code of a process that was asked to stop; see [`exit::PREEMPTED`].
