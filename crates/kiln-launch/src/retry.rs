@@ -454,14 +454,17 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         };
         let cause = if blind { "blind" } else { diagnosis.cause.as_str() };
         for host in &replace {
-            let evidence = diagnosis
+            let found: Vec<String> = diagnosis
                 .evidence
                 .iter()
-                .find(|e| &e.host == host)
-                .map_or_else(
-                    || "no evidence named a host; rank 0's host swapped as a guess".to_string(),
-                    |e| format!("{}: {}", e.source, e.detail),
-                );
+                .filter(|e| &e.host == host)
+                .map(|e| format!("{}: {}", e.source, e.detail))
+                .collect();
+            let evidence = if found.is_empty() {
+                "no evidence named a host; rank 0's host swapped as a guess".to_string()
+            } else {
+                found.join("; ")
+            };
             let spare_free = !scope.pool.spares.is_empty();
             if blind && !spare_free {
                 break; // a guess never shrinks the job

@@ -21,6 +21,7 @@ pub mod event;
 mod events;
 pub mod exit;
 pub mod layout;
+pub mod ledger;
 
 pub use beacon::{
     Beacon, BeaconError, ExitRecord, HOST_ENV, PROGRESS_DIR_ENV, clear_rank_files, read_beacons,
