@@ -374,16 +374,21 @@ where
     let mut b = ChartBuilder::on(&top);
     b.margin(10);
     if text {
-        b.caption("steps reached per attempt; failures (red) and node swaps", ("sans-serif", 15))
-            .x_label_area_size(30)
-            .y_label_area_size(56);
+        b.caption(
+            "steps reached per attempt; failures (red) and node swaps",
+            ("sans-serif", 15),
+        )
+        .x_label_area_size(30)
+        .y_label_area_size(56);
     }
     let mut chart = b
         .build_cartesian_2d(0.0..total, 0.0..max_step * 1.1)
         .map_err(e)?;
     let mut mesh = chart.configure_mesh();
     if text {
-        mesh.x_desc("wall time (s)").y_desc("step").label_style(("sans-serif", 11));
+        mesh.x_desc("wall time (s)")
+            .y_desc("step")
+            .label_style(("sans-serif", 11));
     } else {
         mesh.x_labels(0).y_labels(0);
     }
@@ -463,30 +468,29 @@ where
             [(0.0, 1.8), (total, 2.8)],
             bucket_color("other").filled(),
         ))
-        .chain(l.spans.iter().map(|s| {
-            Rectangle::new([(s.from, 1.8), (s.to, 2.8)], bucket_color(s.kind).filled())
-        })),
+        .chain(
+            l.spans.iter().map(|s| {
+                Rectangle::new([(s.from, 1.8), (s.to, 2.8)], bucket_color(s.kind).filled())
+            }),
+        ),
     )
     .map_err(e)?;
     if text {
-        let mut x = 0.0;
-        for (name, secs) in l.buckets.rows() {
-            let label = format!("{name} {:.1}%", 100.0 * secs / total);
+        // The legend: two rows of four, each a swatch and "name share".
+        for (i, (name, secs)) in l.buckets.rows().into_iter().enumerate() {
+            let x = total * (i % 4) as f64 / 4.0;
+            let y = if i < 4 { 1.0 } else { 0.2 };
             band.draw_series(std::iter::once(Rectangle::new(
-                [(x, 0.5), (x + total * 0.015, 1.1)],
+                [(x, y), (x + total * 0.015, y + 0.5)],
                 bucket_color(name).filled(),
             )))
             .map_err(e)?;
             band.draw_series(std::iter::once(Text::new(
-                label,
-                (x + total * 0.02, 1.15),
-                ("sans-serif", 11),
+                format!("{name} {:.1}% ({secs:.1} s)", 100.0 * secs / total),
+                (x + total * 0.02, y + 0.55),
+                ("sans-serif", 12),
             )))
             .map_err(e)?;
-            x += total / 4.0;
-            if x >= total * 0.99 {
-                x = 0.0;
-            }
         }
     }
     root.present().map_err(e)
@@ -506,15 +510,25 @@ pub fn write_timeline(
         std::fs::create_dir_all(parent).map_err(crate::io_err(parent))?;
     }
     let text = font_available();
-    draw_timeline(SVGBackend::new(&svg, size).into_drawing_area(), title, ledger, text)
-        .map_err(|message| GatesError::Plot {
-            path: svg.clone(),
-            message,
-        })?;
-    draw_timeline(BitMapBackend::new(&png, size).into_drawing_area(), title, ledger, text)
-        .map_err(|message| GatesError::Plot {
-            path: png.clone(),
-            message,
-        })?;
+    draw_timeline(
+        SVGBackend::new(&svg, size).into_drawing_area(),
+        title,
+        ledger,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: svg.clone(),
+        message,
+    })?;
+    draw_timeline(
+        BitMapBackend::new(&png, size).into_drawing_area(),
+        title,
+        ledger,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: png.clone(),
+        message,
+    })?;
     Ok((svg, png))
 }

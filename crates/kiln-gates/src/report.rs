@@ -335,13 +335,21 @@ fn goodput(events: &[kiln_run::Event]) -> String {
     if !quarantined.is_empty() {
         out.push_str(&format!("quarantined: {}\n", quarantined.join(", ")));
     }
-    if let Some(e) = events.iter().rev().find(|e| e.event == kiln_run::event::STOPPED) {
+    if let Some(e) = events
+        .iter()
+        .rev()
+        .find(|e| e.event == kiln_run::event::STOPPED)
+    {
         out.push_str(&format!(
             "recovery stopped: {}\n",
             e.fields.get("reason").map_or("?".into(), fmt_value)
         ));
     }
-    if let Some(e) = events.iter().rev().find(|e| e.event == kiln_run::event::CHAIN) {
+    if let Some(e) = events
+        .iter()
+        .rev()
+        .find(|e| e.event == kiln_run::event::CHAIN)
+    {
         out.push_str(&format!(
             "chain: job {} of {}: {}\n",
             e.fields.get("chain_index").map_or("?".into(), fmt_value),
@@ -367,7 +375,8 @@ pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<Vec<PathBuf>,
     let l = kiln_run::ledger::ledger(&events);
     if !l.attempts.is_empty() && l.total > 0.0 {
         let t = stem.with_file_name("timeline");
-        let (svg, png) = crate::plot::write_timeline(&t, &format!("kiln run {}", run_dir.display()), &l)?;
+        let (svg, png) =
+            crate::plot::write_timeline(&t, &format!("kiln run {}", run_dir.display()), &l)?;
         written.extend([svg, png]);
     }
     let has_metrics = run_dir.join(kiln_run::layout::METRICS).exists();

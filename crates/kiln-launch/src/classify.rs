@@ -124,8 +124,16 @@ mod tests {
         assert_eq!(classify_exit(Some(0), None), Classification::Success);
         assert_eq!(classify_exit(Some(1), None), Classification::Failed);
         assert_eq!(classify_exit(Some(75), None), Classification::Preempted);
-        assert_eq!(classify_exit(Some(76), None), Classification::ReplicaMismatch);
-        for c in [exit::CONFIG, exit::GUARD_STOP, exit::RUN_DIR_LOCKED, exit::USAGE] {
+        assert_eq!(
+            classify_exit(Some(76), None),
+            Classification::ReplicaMismatch
+        );
+        for c in [
+            exit::CONFIG,
+            exit::GUARD_STOP,
+            exit::RUN_DIR_LOCKED,
+            exit::USAGE,
+        ] {
             let class = classify_exit(Some(c), None);
             assert_eq!(class, Classification::Deterministic, "{c}");
             assert!(!class.retryable());

@@ -248,7 +248,12 @@ pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
         })
         .collect();
     let logged = scan_log(clues.log, hosts);
-    evidence.extend(logged.iter().filter(|e| e.cause == Cause::NodeFailure).cloned());
+    evidence.extend(
+        logged
+            .iter()
+            .filter(|e| e.cause == Cause::NodeFailure)
+            .cloned(),
+    );
     for h in &clues.mismatch_hosts {
         if let Some(host) = canonical(h, hosts) {
             evidence.push(Evidence {
@@ -340,9 +345,16 @@ pub fn error_signature(log: &[u8]) -> Option<String> {
         })
         .as_ref()?;
     let text = String::from_utf8_lossy(log);
-    let line = text.lines().rev().map(crate::progress::strip_ansi).find(|l| {
-        re.is_match(l) && !l.starts_with("srun:") && !l.starts_with("kiln") && !l.contains("slurmstepd")
-    })?;
+    let line = text
+        .lines()
+        .rev()
+        .map(crate::progress::strip_ansi)
+        .find(|l| {
+            re.is_match(l)
+                && !l.starts_with("srun:")
+                && !l.starts_with("kiln")
+                && !l.contains("slurmstepd")
+        })?;
     let masked: String = line
         .trim()
         .chars()
@@ -365,16 +377,52 @@ mod tests {
         assert_eq!(compiled().len(), LOG_PATTERNS.len());
         let lines = [
             ("srun: error: Node failure on n2", "n2", Cause::NodeFailure),
-            ("srun: error: n3: task 2: Exited with exit code 1", "n3", Cause::Crash),
-            ("srun: error: n1: task 0: Segmentation fault (core dumped)", "n1", Cause::Crash),
+            (
+                "srun: error: n3: task 2: Exited with exit code 1",
+                "n3",
+                Cause::Crash,
+            ),
+            (
+                "srun: error: n1: task 0: Segmentation fault (core dumped)",
+                "n1",
+                Cause::Crash,
+            ),
             ("n2: rank 5 died from signal 9", "n2", Cause::Crash),
-            ("shepherd on n3 died from signal 9", "n3", Cause::NodeFailure),
-            ("mpirun noticed that process rank 1 with PID 77 on node n2 exited on signal 9 (Killed).", "n2", Cause::Crash),
-            ("  Remote daemon: [[1234,0],1] on node n3", "n3", Cause::NodeFailure),
-            ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [n2.cluster]:21847", "n2", Cause::Crash),
-            ("n1:123:456 [0] misc/socket.cc:49 NCCL WARN socketProgress: Connection closed by remote peer n3<49122>", "n3", Cause::Crash),
-            ("NCCL WARN NET/IB : Got completion from peer n2<1234> with error 12", "n2", Cause::Crash),
-            ("[proxy:0:1@n3] HYDU_sock_write (utils/sock/sock.c:256): write error (Bad file descriptor)", "n3", Cause::Crash),
+            (
+                "shepherd on n3 died from signal 9",
+                "n3",
+                Cause::NodeFailure,
+            ),
+            (
+                "mpirun noticed that process rank 1 with PID 77 on node n2 exited on signal 9 (Killed).",
+                "n2",
+                Cause::Crash,
+            ),
+            (
+                "  Remote daemon: [[1234,0],1] on node n3",
+                "n3",
+                Cause::NodeFailure,
+            ),
+            (
+                "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [n2.cluster]:21847",
+                "n2",
+                Cause::Crash,
+            ),
+            (
+                "n1:123:456 [0] misc/socket.cc:49 NCCL WARN socketProgress: Connection closed by remote peer n3<49122>",
+                "n3",
+                Cause::Crash,
+            ),
+            (
+                "NCCL WARN NET/IB : Got completion from peer n2<1234> with error 12",
+                "n2",
+                Cause::Crash,
+            ),
+            (
+                "[proxy:0:1@n3] HYDU_sock_write (utils/sock/sock.c:256): write error (Bad file descriptor)",
+                "n3",
+                Cause::Crash,
+            ),
         ];
         for (line, host, cause) in lines {
             let e = scan_log(line.as_bytes(), &hosts());

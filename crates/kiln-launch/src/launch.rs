@@ -358,8 +358,16 @@ fn describe(setup: &Setup, run_dir: &std::path::Path) -> String {
         let spares: Vec<&str> = setup.spares.iter().map(|h| h.name.as_str()).collect();
         line(format!(
             "spares:       {}; quarantined: {}",
-            if spares.is_empty() { "none".into() } else { spares.join(",") },
-            if setup.excluded.is_empty() { "none".into() } else { setup.excluded.join(",") }
+            if spares.is_empty() {
+                "none".into()
+            } else {
+                spares.join(",")
+            },
+            if setup.excluded.is_empty() {
+                "none".into()
+            } else {
+                setup.excluded.join(",")
+            }
         ));
     }
     let acc = setup.accelerators.value;
@@ -378,7 +386,11 @@ fn describe(setup: &Setup, run_dir: &std::path::Path) -> String {
     ));
     line(format!("run dir:      {}", run_dir.display()));
     if let Some((path, text)) = &setup.hostfile_to_write {
-        line(format!("hostfile:     {} would contain {:?}", path.display(), text));
+        line(format!(
+            "hostfile:     {} would contain {:?}",
+            path.display(),
+            text
+        ));
     }
     for p in &setup.procs {
         let rank = p.rank.map_or(String::new(), |r| format!(" (rank {r})"));
@@ -470,7 +482,8 @@ pub fn launch(
         && (k == 0 || req.chain_script.is_none())
     {
         return Err(LaunchError::Usage(
-            "--chain needs a count of at least 1 and --chain-script (kiln submit writes both)".into(),
+            "--chain needs a count of at least 1 and --chain-script (kiln submit writes both)"
+                .into(),
         ));
     }
     let started = Instant::now();
@@ -479,11 +492,11 @@ pub fn launch(
     // find KILN_PROGRESS_DIR and the hostfile.
     let run_dir = std::path::absolute(&run_dir).unwrap_or(run_dir);
     // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not cleared.
-    let (progress_dir, own_progress_dir) =
-        match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty()) {
-            Some(d) => (PathBuf::from(d), false),
-            None => (run_dir.join(layout::PROGRESS), true),
-        };
+    let (progress_dir, own_progress_dir) = match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty())
+    {
+        Some(d) => (PathBuf::from(d), false),
+        None => (run_dir.join(layout::PROGRESS), true),
+    };
     let (setup, command) = set_up(req, &run_dir, &progress_dir)?;
     if req.dry_run {
         return Ok(LaunchEnd::DryRun(describe(&setup, &run_dir)));
@@ -501,7 +514,14 @@ pub fn launch(
         EventLog::open(&run_dir, "launch").map_err(|e| LaunchError::Io(e.to_string()))?;
     let job_id = job_id_of(&setup.scheduler.value);
     let chain = chain_job(req, &setup, job_id.as_deref());
-    emit_start(&mut events, &setup, &command, &progress_dir, chain.as_ref(), req)?;
+    emit_start(
+        &mut events,
+        &setup,
+        &command,
+        &progress_dir,
+        chain.as_ref(),
+        req,
+    )?;
 
     crate::install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
     // Grandchildren that escape the process group (setsid, daemonize) are re-parented to
@@ -590,7 +610,11 @@ fn events_made_progress(run_dir: &std::path::Path, started: Instant) -> bool {
         .unwrap_or_default()
         .iter()
         .filter(|e| e.event == event::ATTEMPT_END && e.time >= since)
-        .any(|e| e.fields.get("first_advance_time").is_some_and(|v| !v.is_null()))
+        .any(|e| {
+            e.fields
+                .get("first_advance_time")
+                .is_some_and(|v| !v.is_null())
+        })
 }
 
 fn chain_job(req: &LaunchRequest, setup: &Setup, job_id: Option<&str>) -> Option<ChainJob> {
@@ -622,7 +646,10 @@ fn emit_start(
 ) -> Result<(), LaunchError> {
     let acc = setup.accelerators.value;
     let err = |e: kiln_run::EventLogError| LaunchError::Io(e.to_string());
-    if let Some(job) = chain.map(|c| c.job_id.clone()).or(job_id_of(&setup.scheduler.value)) {
+    if let Some(job) = chain
+        .map(|c| c.job_id.clone())
+        .or(job_id_of(&setup.scheduler.value))
+    {
         let submitted = kiln_run::read_events(events.path().parent().unwrap_or(progress_dir))
             .unwrap_or_default()
             .into_iter()

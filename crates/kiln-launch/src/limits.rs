@@ -130,8 +130,18 @@ mod tests {
             clock_time("--walltime", "1:00:30").unwrap(),
             Duration::from_secs(3630)
         );
-        assert_eq!(clock_time("--walltime", "90").unwrap(), Duration::from_secs(90));
-        for bad in ["soon", "1:-5:00", "1:2:3:4", "1e300", "99999999:00:00", "nan"] {
+        assert_eq!(
+            clock_time("--walltime", "90").unwrap(),
+            Duration::from_secs(90)
+        );
+        for bad in [
+            "soon",
+            "1:-5:00",
+            "1:2:3:4",
+            "1e300",
+            "99999999:00:00",
+            "nan",
+        ] {
             assert!(clock_time("--walltime", bad).is_err(), "{bad}");
         }
     }

@@ -65,7 +65,9 @@ pub fn resolve_sizes(
             let nnodes = nnodes.unwrap_or(hosts);
             let ppn = ppn.unwrap_or(default_ppn);
             let Some(np) = nnodes.checked_mul(ppn) else {
-                return err(format!("{nnodes} nodes x {ppn} ranks per node is too many ranks"));
+                return err(format!(
+                    "{nnodes} nodes x {ppn} ranks per node is too many ranks"
+                ));
             };
             Sizes { np, ppn, nnodes }
         }

@@ -92,7 +92,9 @@ pub enum QuarantineError {
         source: std::io::Error,
     },
     /// A line is not a quarantine entry.
-    #[error("quarantine file {path} line {line}: {message} (each line is a JSON object with time, host, cause, evidence)")]
+    #[error(
+        "quarantine file {path} line {line}: {message} (each line is a JSON object with time, host, cause, evidence)"
+    )]
     Parse {
         /// The file.
         path: PathBuf,

@@ -435,7 +435,10 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
                 });
             }
             Stop { reason, code } => {
-                emit(event::STOPPED, json!({"attempt": attempt, "reason": reason, "exit_code": code}));
+                emit(
+                    event::STOPPED,
+                    json!({"attempt": attempt, "reason": reason, "exit_code": code}),
+                );
                 let mut last = outcome;
                 last.exit_code = code;
                 return Ok(LaunchResult {
@@ -448,11 +451,20 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             Retry { replace, blind } => (replace, blind),
         };
         let replace = if blind {
-            scope.pool.active.first().map(|h| vec![h.name.clone()]).unwrap_or_default()
+            scope
+                .pool
+                .active
+                .first()
+                .map(|h| vec![h.name.clone()])
+                .unwrap_or_default()
         } else {
             replace
         };
-        let cause = if blind { "blind" } else { diagnosis.cause.as_str() };
+        let cause = if blind {
+            outcome.classification.name()
+        } else {
+            diagnosis.cause.as_str()
+        };
         for host in &replace {
             let found: Vec<String> = diagnosis
                 .evidence
@@ -471,13 +483,22 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             }
             match scope.pool.replace(host) {
                 Replacement::Swapped(with) => {
-                    emit(event::NODE_SWAP, json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}));
+                    emit(
+                        event::NODE_SWAP,
+                        json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
+                    );
                     eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
                     swaps.push((host.clone(), with, blind));
                 }
                 Replacement::Dropped => {
-                    emit(event::SHRINK, json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}));
-                    eprintln!("kiln: no spare left; continuing without {host} on {} host(s)", scope.pool.active.len());
+                    emit(
+                        event::SHRINK,
+                        json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}),
+                    );
+                    eprintln!(
+                        "kiln: no spare left; continuing without {host} on {} host(s)",
+                        scope.pool.active.len()
+                    );
                 }
                 Replacement::Exhausted => {
                     let reason = format!(
@@ -485,7 +506,10 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
                         scope.pool.min_active
                     );
                     quarantine(&mut emit, &scope, host, cause, &evidence, &run_dir);
-                    emit(event::STOPPED, json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}));
+                    emit(
+                        event::STOPPED,
+                        json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
+                    );
                     let mut last = outcome;
                     last.exit_code = exit::NODES_EXHAUSTED;
                     return Ok(LaunchResult {
@@ -496,9 +520,19 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
                     });
                 }
             }
-            quarantine(&mut emit, &scope, host, cause, &evidence, &run_dir);
+            // A guess is not evidence: the host is set aside for this launch, not quarantined.
+            if !blind {
+                quarantine(&mut emit, &scope, host, cause, &evidence, &run_dir);
+            }
         }
-        if let Some(last) = wait_backoff(&mut emit, attempt, &outcome, &backoff, template.deadline, stop) {
+        if let Some(last) = wait_backoff(
+            &mut emit,
+            attempt,
+            &outcome,
+            &backoff,
+            template.deadline,
+            stop,
+        ) {
             return Ok(LaunchResult {
                 last,
                 attempts: attempt,
@@ -556,7 +590,10 @@ fn wait_backoff(
         last.exit_code = crate::classify::WALLTIME_EXIT;
         last.message =
             Some("walltime reached before the next attempt could start; not retrying".into());
-        emit(event::STOPPED, json!({"attempt": attempt, "reason": "walltime"}));
+        emit(
+            event::STOPPED,
+            json!({"attempt": attempt, "reason": "walltime"}),
+        );
         return Some(last);
     }
     emit(
@@ -591,7 +628,10 @@ fn wait_backoff(
                 "kiln received signal {} during backoff; not retrying",
                 req.signal
             ));
-            emit(event::STOPPED, json!({"attempt": attempt, "signal": req.signal}));
+            emit(
+                event::STOPPED,
+                json!({"attempt": attempt, "signal": req.signal}),
+            );
             return Some(last);
         }
         std::thread::sleep(
@@ -643,34 +683,128 @@ mod tests {
         let auto = RetryLimit::Auto;
         // A named culprit is replaced.
         let mut h = History::default();
-        let d = decide(&outcome(Classification::Failed, 1, true), &diag("node-failure", &["n2"]), None, auto, true, &mut h);
-        assert_eq!(d, Retry { replace: vec!["n2".into()], blind: false });
+        let d = decide(
+            &outcome(Classification::Failed, 1, true),
+            &diag("node-failure", &["n2"]),
+            None,
+            auto,
+            true,
+            &mut h,
+        );
+        assert_eq!(
+            d,
+            Retry {
+                replace: vec!["n2".into()],
+                blind: false
+            }
+        );
         // Deterministic exit codes finish at once.
         let mut h = History::default();
-        let d = decide(&outcome(Classification::Deterministic, 78, false), &diag("unknown", &[]), None, auto, true, &mut h);
+        let d = decide(
+            &outcome(Classification::Deterministic, 78, false),
+            &diag("unknown", &[]),
+            None,
+            auto,
+            true,
+            &mut h,
+        );
         assert_eq!(d, Finish);
         // Two zero-step attempts stop without spares; the first is retried in place.
         let mut h = History::default();
         let o = outcome(Classification::Failed, 1, false);
-        assert_eq!(decide(&o, &diag("unknown", &[]), None, auto, true, &mut h), Retry { replace: vec![], blind: false });
-        assert!(matches!(decide(&o, &diag("unknown", &[]), None, auto, true, &mut h), Stop { code: 1, .. }));
+        assert_eq!(
+            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        assert!(matches!(
+            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            Stop { code: 1, .. }
+        ));
         // ... unless a node died: that is never the program's fault.
-        let mut h = History { previous_zero_step: true, ..History::default() };
-        assert!(matches!(decide(&o, &diag("node-failure", &["n3"]), None, auto, true, &mut h), Retry { .. }));
+        let mut h = History {
+            previous_zero_step: true,
+            ..History::default()
+        };
+        assert!(matches!(
+            decide(&o, &diag("node-failure", &["n3"]), None, auto, true, &mut h),
+            Retry { .. }
+        ));
         // The same error twice after a swap is the program's.
         let mut h = History::default();
         let sig = Some("ValueError: x".to_string());
         let o = outcome(Classification::Failed, 1, false);
-        let _ = decide(&outcome(Classification::Failed, 1, true), &diag("crash", &["n1"]), sig.clone(), auto, true, &mut h);
-        assert!(matches!(decide(&o, &diag("crash", &["n4"]), sig, auto, true, &mut h), Stop { .. }));
+        let _ = decide(
+            &outcome(Classification::Failed, 1, true),
+            &diag("crash", &["n1"]),
+            sig.clone(),
+            auto,
+            true,
+            &mut h,
+        );
+        assert!(matches!(
+            decide(&o, &diag("crash", &["n4"]), sig, auto, true, &mut h),
+            Stop { .. }
+        ));
         // No evidence after progress: a blind swap; a preemption: retried in place.
         let mut h = History::default();
-        assert_eq!(decide(&outcome(Classification::HungStalled, 124, true), &diag("unknown", &[]), None, auto, true, &mut h), Retry { replace: vec![], blind: true });
-        assert_eq!(decide(&outcome(Classification::Preempted, 75, true), &diag("unknown", &[]), None, auto, true, &mut h), Retry { replace: vec![], blind: false });
+        assert_eq!(
+            decide(
+                &outcome(Classification::HungStalled, 124, true),
+                &diag("unknown", &[]),
+                None,
+                auto,
+                true,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: true
+            }
+        );
+        assert_eq!(
+            decide(
+                &outcome(Classification::Preempted, 75, true),
+                &diag("unknown", &[]),
+                None,
+                auto,
+                true,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
         // Process scope only: never a swap; the count is respected.
         let mut h = History::default();
         let o = outcome(Classification::Failed, 1, true);
-        assert_eq!(decide(&o, &diag("crash", &["n2"]), None, RetryLimit::Count(1), false, &mut h), Retry { replace: vec![], blind: false });
-        assert_eq!(decide(&o, &diag("crash", &["n2"]), None, RetryLimit::Count(1), false, &mut h), Finish);
+        assert_eq!(
+            decide(
+                &o,
+                &diag("crash", &["n2"]),
+                None,
+                RetryLimit::Count(1),
+                false,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        assert_eq!(
+            decide(
+                &o,
+                &diag("crash", &["n2"]),
+                None,
+                RetryLimit::Count(1),
+                false,
+                &mut h
+            ),
+            Finish
+        );
     }
 }

@@ -191,7 +191,8 @@ pub fn prepare(
     let scheduler = scheduler_choice(opts, vars)?;
     let hosts = allocation_hosts(&scheduler.value, opts.hostfile.as_deref())?;
     let accelerators = accelerators(opts, vars, probe)?;
-    limits::per_node("accelerators per node", accelerators.value.count).map_err(SetupError::Flag)?;
+    limits::per_node("accelerators per node", accelerators.value.count)
+        .map_err(SetupError::Flag)?;
     let launcher = match (&scheduler.value, opts.mpi) {
         (Scheduler::Pbs { .. }, _) => Launcher::Mpiexec,
         (Scheduler::Slurm { .. }, _) => Launcher::Srun,
@@ -241,7 +242,9 @@ pub fn prepare(
     let reason = if min_spares > 0 || !excluded.is_empty() {
         format!(
             "{} ({} usable, {} kept as spares)",
-            hosts.reason, usable.len(), min_spares
+            hosts.reason,
+            usable.len(),
+            min_spares
         )
     } else {
         hosts.reason.clone()

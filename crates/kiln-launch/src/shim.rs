@@ -45,7 +45,10 @@ extern "C" fn forward(sig: libc::c_int) {
         unsafe { libc::kill(-pg, sig) };
         // A stopped program (SIGSTOP, a debugger) would keep a termination request pending
         // forever: continue it so it can act on it, as Slurm's own cancel does.
-        if matches!(sig, libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGUSR1) {
+        if matches!(
+            sig,
+            libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGUSR1
+        ) {
             // SAFETY: as above.
             unsafe { libc::kill(-pg, libc::SIGCONT) };
         }

@@ -199,7 +199,12 @@ pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> String {
             d("#SBATCH --no-kill".into());
             d(format!(
                 "#SBATCH --output={}",
-                shell_quote(&req.run_dir.join(layout::JOB_OUTPUT_PATTERN).display().to_string())
+                shell_quote(
+                    &req.run_dir
+                        .join(layout::JOB_OUTPUT_PATTERN)
+                        .display()
+                        .to_string()
+                )
             ));
             d("#SBATCH --open-mode=append".into());
             if let Some(a) = &req.account {
@@ -239,9 +244,14 @@ pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> String {
     d(String::new());
     d(format!(
         "# Written by `kiln submit`; kept as {}. Every job of the chain runs this script:",
-        req.run_dir.join(layout::batch_script(req.scheduler.name())).display()
+        req.run_dir
+            .join(layout::batch_script(req.scheduler.name()))
+            .display()
     ));
-    d("# kiln launch recovers failed nodes from the spares, stops the ranks resumably before".into());
+    d(
+        "# kiln launch recovers failed nodes from the spares, stops the ranks resumably before"
+            .into(),
+    );
     d(format!(
         "# the walltime, and submits the next job (chain of at most {}) while the run is unfinished.",
         req.chain
@@ -253,7 +263,10 @@ pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> String {
             shell_quote(&run)
         ));
     }
-    d(format!("cd {}", shell_quote(&req.workdir.display().to_string())));
+    d(format!(
+        "cd {}",
+        shell_quote(&req.workdir.display().to_string())
+    ));
     let mut argv: Vec<String> = vec![
         req.kiln.display().to_string(),
         "launch".into(),
@@ -319,10 +332,7 @@ fn run_submit(program: &str, args: &[String]) -> Result<String, SubmitError> {
         .map(str::to_string)
         .filter(|id| id.chars().next().is_some_and(|c| c.is_ascii_digit()))
         .ok_or_else(|| {
-            SubmitError::Scheduler(format!(
-                "{program} printed no job id: {:?}",
-                stdout.trim()
-            ))
+            SubmitError::Scheduler(format!("{program} printed no job id: {:?}", stdout.trim()))
         })?;
     Ok(id)
 }
@@ -433,13 +443,29 @@ pub fn continue_chain(
     } else if job.index >= job.limit {
         (false, format!("chain limit {} reached", job.limit))
     } else if !made_progress {
-        (false, "this job made no progress; a new job would not either".into())
+        (
+            false,
+            "this job made no progress; a new job would not either".into(),
+        )
     } else {
-        (true, format!("resumable exit {exit_code}; submitting job {} of {}", job.index + 1, job.limit))
+        (
+            true,
+            format!(
+                "resumable exit {exit_code}; submitting job {} of {}",
+                job.index + 1,
+                job.limit
+            ),
+        )
     };
     let mut fields = json!({"job_id": job.job_id, "chain_index": job.index, "chain_limit": job.limit, "exit_code": exit_code, "decision": if next {"next"} else {"end"}, "reason": reason});
     if next {
-        match submit_script(job.scheduler, &job.script, job.index + 1, Some(&job.job_id), exclude) {
+        match submit_script(
+            job.scheduler,
+            &job.script,
+            job.index + 1,
+            Some(&job.job_id),
+            exclude,
+        ) {
             Ok(id) => {
                 let _ = events.emit(
                     event::JOB_SUBMITTED,
@@ -486,7 +512,12 @@ mod tests {
             scheduler_args: vec![],
             launch_args: vec!["--timeout=600".into()],
             quarantine_file: None,
-            command: vec!["kiln".into(), "train".into(), "--set".into(), "x='1 2'".into()],
+            command: vec![
+                "kiln".into(),
+                "train".into(),
+                "--set".into(),
+                "x='1 2'".into(),
+            ],
         }
     }
 
@@ -506,7 +537,12 @@ mod tests {
             assert!(s.contains(line), "missing {line:?} in\n{s}");
         }
         let p = batch_script(&req(BatchScheduler::Pbs), &[]);
-        for line in ["#PBS -l select=4", "#PBS -l walltime=1:00:00", "#PBS -A proj", "--walltime 3300"] {
+        for line in [
+            "#PBS -l select=4",
+            "#PBS -l walltime=1:00:00",
+            "#PBS -A proj",
+            "--walltime 3300",
+        ] {
             assert!(p.contains(line), "missing {line:?} in\n{p}");
         }
     }

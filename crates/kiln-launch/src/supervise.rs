@@ -555,7 +555,11 @@ impl Watch {
             }
         };
         let message = message.or_else(|| {
-            match (classification, self.first_failure, running.ranks.get(decide)) {
+            match (
+                classification,
+                self.first_failure,
+                running.ranks.get(decide),
+            ) {
                 (
                     Classification::Failed
                     | Classification::Signaled
@@ -675,7 +679,11 @@ fn spawn(spec: &ProcSpec, pty: bool) -> std::io::Result<(Child, Stream)> {
             "empty argv",
         ));
     };
-    let pty = if pty { crate::pty::open_raw_pty() } else { None };
+    let pty = if pty {
+        crate::pty::open_raw_pty()
+    } else {
+        None
+    };
     let mut cmd = Command::new(program);
     let (stdout, master) = match pty {
         Some(p) => (Stdio::from(p.slave), Some(p.master)),

@@ -314,9 +314,16 @@ fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
     let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
     // n2 is quarantined; of n1, n3, n4 one (2 %, at least 1) is a spare.
     assert_eq!(s.used_hosts, ["n1", "n3"]);
-    assert_eq!(s.spares.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(), ["n4"]);
+    assert_eq!(
+        s.spares.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+        ["n4"]
+    );
     assert_eq!(s.excluded, ["n2"]);
-    assert!(s.procs[0].argv.contains(&"--nodelist=n1,n3".to_string()), "{:?}", s.procs[0].argv);
+    assert!(
+        s.procs[0].argv.contains(&"--nodelist=n1,n3".to_string()),
+        "{:?}",
+        s.procs[0].argv
+    );
     let swapped = [s.active[0].clone(), s.spares[0].clone()];
     let p = s.plan_for(&swapped).unwrap();
     assert!(p.procs[0].argv.contains(&"--nodelist=n1,n4".to_string()));
@@ -335,7 +342,9 @@ fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
     assert_eq!((s.used_hosts.len(), s.spares.len()), (3, 1));
     o.sizes.nnodes = None;
     o.spares = Some(4);
-    let e = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap_err().to_string();
+    let e = prepare(&o, &vars, &no_gpu_tools, 2, false)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("--spares 4 leaves no active host"), "{e}");
 }
 
@@ -344,7 +353,10 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     let cases: Vec<(Box<dyn Fn(&mut LaunchOptions)>, &str)> = vec![
         (Box::new(|o| o.sizes.np = Some(1usize << 32)), "at most"),
-        (Box::new(|o| o.gpus_per_node = Some(1usize << 32)), "--gpus-per-node"),
+        (
+            Box::new(|o| o.gpus_per_node = Some(1usize << 32)),
+            "--gpus-per-node",
+        ),
         (Box::new(|o| o.sizes.ppn = Some(5000)), "--ppn 5000"),
         (Box::new(|o| o.sizes.np = Some(100_000)), "--oversubscribe"),
         (Box::new(|o| o.master_port = 0), "--master-port 0"),
@@ -360,13 +372,30 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     let mut o = opts(dir.path());
     o.sizes.np = Some(100);
     o.oversubscribe = true;
-    assert_eq!(prepare(&o, &env(&[]), &no_gpu_tools, 2, false).unwrap().procs.len(), 100);
+    assert_eq!(
+        prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
+            .unwrap()
+            .procs
+            .len(),
+        100
+    );
     // Under a scheduler the local CPU count does not cap the ranks.
     let vars = env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n[1-1000]")]);
     let mut o = opts(dir.path());
     o.sizes.ppn = Some(8);
-    assert_eq!(prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap().sizes.np, 8000);
+    assert_eq!(
+        prepare(&o, &vars, &no_gpu_tools, 2, false)
+            .unwrap()
+            .sizes
+            .np,
+        8000
+    );
     let vars = env(&[("CUDA_VISIBLE_DEVICES", "GPU-zzz,,%%")]);
-    let e = prepare(&opts(dir.path()), &vars, &no_gpu_tools, 2, false).unwrap_err().to_string();
-    assert!(e.contains("CUDA_VISIBLE_DEVICES") && e.contains("GPU-zzz"), "{e}");
+    let e = prepare(&opts(dir.path()), &vars, &no_gpu_tools, 2, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("CUDA_VISIBLE_DEVICES") && e.contains("GPU-zzz"),
+        "{e}"
+    );
 }

@@ -279,10 +279,16 @@ mod tests {
         let r = read_exit_records(dir.path());
         assert_eq!(r.len(), 2);
         assert_eq!((r[0].rank, r[0].shell_code()), (0, 137));
-        assert_eq!((r[1].rank, r[1].code, r[1].host.as_str()), (2, Some(78), this_host()));
+        assert_eq!(
+            (r[1].rank, r[1].code, r[1].host.as_str()),
+            (2, Some(78), this_host())
+        );
         std::fs::write(dir.path().join("unrelated"), "x").unwrap();
         clear_rank_files(dir.path());
-        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, ["unrelated"]);
     }
 }

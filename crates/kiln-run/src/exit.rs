@@ -76,10 +76,25 @@ mod tests {
 
     #[test]
     fn retry_meaning_of_each_code() {
-        for c in [CONFIG, GUARD_STOP, RUN_DIR_LOCKED, USAGE, NOT_FOUND, NOT_EXECUTABLE] {
+        for c in [
+            CONFIG,
+            GUARD_STOP,
+            RUN_DIR_LOCKED,
+            USAGE,
+            NOT_FOUND,
+            NOT_EXECUTABLE,
+        ] {
             assert!(is_deterministic(c), "{c}");
         }
-        for c in [SUCCESS, FAILURE, PREEMPTED, REPLICA_MISMATCH, NODES_EXHAUSTED, WATCHDOG, 137] {
+        for c in [
+            SUCCESS,
+            FAILURE,
+            PREEMPTED,
+            REPLICA_MISMATCH,
+            NODES_EXHAUSTED,
+            WATCHDOG,
+            137,
+        ] {
             assert!(!is_deterministic(c), "{c}");
         }
         assert!(is_resumable(PREEMPTED) && is_resumable(NODES_EXHAUSTED) && !is_resumable(FAILURE));

@@ -145,7 +145,11 @@ fn strings(e: &Event, k: &str) -> Vec<String> {
     e.fields
         .get(k)
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|v| Some(v.as_str()?.to_string())).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| Some(v.as_str()?.to_string()))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -196,7 +200,11 @@ fn attempts(events: &[Event]) -> Vec<Att> {
                         last: Some(e.time),
                         start_step: u(s, "step"),
                         last_step: u(e, "step"),
-                        class: if code == 0 { "success".into() } else { format!("exit {code}") },
+                        class: if code == 0 {
+                            "success".into()
+                        } else {
+                            format!("exit {code}")
+                        },
                         culprits: Vec::new(),
                         hosts: Vec::new(),
                     });
@@ -207,6 +215,21 @@ fn attempts(events: &[Event]) -> Vec<Att> {
         }
     }
     v.sort_by(|a, b| a.start.total_cmp(&b.start));
+    // The trainer says exactly where it started; a beacon read may come a few steps late.
+    for a in &mut v {
+        if let Some(s) = events
+            .iter()
+            .find(|e| {
+                e.event == event::START
+                    && e.source == "train"
+                    && e.time >= a.start
+                    && e.time <= a.end
+            })
+            .and_then(|e| u(e, "step"))
+        {
+            a.start_step = Some(s);
+        }
+    }
     v
 }
 
@@ -273,7 +296,16 @@ pub fn ledger(events: &[Event]) -> Ledger {
         let (Some(first), Some(last)) = (a.first, a.last.or(a.first)) else {
             // No step completed: the whole attempt was a start that went nowhere (a hang's
             // detection included, when it was one).
-            span(a.start, a.end, if a.class.starts_with("hung") { "hang detection" } else { "startup" }, &mut b);
+            span(
+                a.start,
+                a.end,
+                if a.class.starts_with("hung") {
+                    "hang detection"
+                } else {
+                    "startup"
+                },
+                &mut b,
+            );
             summaries.push(summary(a, t0));
             continue;
         };
@@ -281,12 +313,7 @@ pub fn ledger(events: &[Event]) -> Ledger {
         // Where the work of this attempt stops being kept: the save of the checkpoint the
         // next attempt resumed from (or, for the last attempt, its last save).
         let next_start = atts.get(i + 1).map(|n| n.start);
-        let resumed = next_start.map(|ns| {
-            resumes
-                .iter()
-                .find(|r| r.0 >= ns)
-                .map_or(0, |r| r.1)
-        });
+        let resumed = next_start.map(|ns| resumes.iter().find(|r| r.0 >= ns).map_or(0, |r| r.1));
         let kept_until = if success {
             a.end
         } else {
@@ -315,13 +342,22 @@ pub fn ledger(events: &[Event]) -> Ledger {
         span(kept_end - kept_stall, kept_end, "checkpoint stall", &mut b);
         span(kept_end, work_end, "lost work", &mut b);
         if !success {
-            let tail = if a.class.starts_with("hung") { "hang detection" } else { "lost work" };
+            let tail = if a.class.starts_with("hung") {
+                "hang detection"
+            } else {
+                "lost work"
+            };
             span(work_end, a.end, tail, &mut b);
         }
         summaries.push(summary(a, t0));
     }
     for e in events.iter().filter(|e| e.event == event::BACKOFF) {
-        span(e.time, e.time + f(e, "seconds").unwrap_or(0.0), "backoff", &mut b);
+        span(
+            e.time,
+            e.time + f(e, "seconds").unwrap_or(0.0),
+            "backoff",
+            &mut b,
+        );
     }
     let mut jobs = 0;
     for e in events.iter().filter(|e| e.event == event::JOB_START) {
@@ -345,9 +381,22 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 .and_then(Value::as_str)
                 .unwrap_or("?")
                 .to_string(),
-            replacement: e.fields.get("replacement").and_then(Value::as_str).map(str::to_string),
-            cause: e.fields.get("cause").and_then(Value::as_str).unwrap_or("?").to_string(),
-            blind: e.fields.get("blind").and_then(Value::as_bool).unwrap_or(false),
+            replacement: e
+                .fields
+                .get("replacement")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            cause: e
+                .fields
+                .get("cause")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string(),
+            blind: e
+                .fields
+                .get("blind")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
         })
         .collect();
     Ledger {
@@ -381,9 +430,19 @@ mod tests {
 
     fn ev(time: f64, source: &str, name: &str, fields: Value) -> Event {
         let Value::Object(fields) = fields else {
-            return Event { time, source: source.into(), event: name.into(), fields: Map::new() };
+            return Event {
+                time,
+                source: source.into(),
+                event: name.into(),
+                fields: Map::new(),
+            };
         };
-        Event { time, source: source.into(), event: name.into(), fields }
+        Event {
+            time,
+            source: source.into(),
+            event: name.into(),
+            fields,
+        }
     }
 
     #[test]
@@ -393,14 +452,39 @@ mod tests {
         // 42-80, resumes at 100, first step at 45, success.
         let events = vec![
             ev(0.0, "submit", "job_submitted", json!({"job_id": "7"})),
-            ev(10.0, "launch", "job_start", json!({"job_id": "7", "submit_time": 0.0})),
+            ev(
+                10.0,
+                "launch",
+                "job_start",
+                json!({"job_id": "7", "submit_time": 0.0}),
+            ),
             ev(10.0, "launch", "attempt_start", json!({"attempt": 1})),
-            ev(30.0, "train", "checkpoint_saved", json!({"step": 100, "seconds": 1.0})),
-            ev(40.0, "launch", "attempt_end", json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0, "last_advance_time": 35.0, "classification": "failed", "last_progress": 130, "culprit_hosts": ["n2"]})),
+            ev(
+                30.0,
+                "train",
+                "checkpoint_saved",
+                json!({"step": 100, "seconds": 1.0}),
+            ),
+            ev(
+                40.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0, "last_advance_time": 35.0, "classification": "failed", "last_progress": 130, "culprit_hosts": ["n2"]}),
+            ),
             ev(40.0, "launch", "backoff", json!({"seconds": 2.0})),
             ev(42.5, "train", "resume", json!({"step": 100})),
-            ev(80.0, "launch", "attempt_end", json!({"start_time": 42.0, "end_time": 80.0, "first_advance_time": 45.0, "last_advance_time": 79.0, "classification": "success", "last_progress": 200})),
-            ev(80.0, "launch", "node_swap", json!({"host": "n2", "replacement": "n4", "cause": "crash"})),
+            ev(
+                80.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 42.0, "end_time": 80.0, "first_advance_time": 45.0, "last_advance_time": 79.0, "classification": "success", "last_progress": 200}),
+            ),
+            ev(
+                80.0,
+                "launch",
+                "node_swap",
+                json!({"host": "n2", "replacement": "n4", "cause": "crash"}),
+            ),
         ];
         let l = ledger(&events);
         assert_eq!(l.total, 80.0);
@@ -423,8 +507,18 @@ mod tests {
     #[test]
     fn hangs_and_failed_starts() {
         let events = vec![
-            ev(0.0, "launch", "attempt_end", json!({"start_time": 0.0, "end_time": 5.0, "classification": "failed"})),
-            ev(20.0, "launch", "attempt_end", json!({"start_time": 5.0, "end_time": 20.0, "first_advance_time": 6.0, "last_advance_time": 10.0, "classification": "hung-stalled"})),
+            ev(
+                0.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 0.0, "end_time": 5.0, "classification": "failed"}),
+            ),
+            ev(
+                20.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 5.0, "end_time": 20.0, "first_advance_time": 6.0, "last_advance_time": 10.0, "classification": "hung-stalled"}),
+            ),
         ];
         let b = ledger(&events).buckets;
         assert_eq!(b.startup, 5.0 + 1.0);
@@ -439,7 +533,12 @@ mod tests {
     fn a_run_without_launch_counts_trainer_sessions() {
         let events = vec![
             ev(0.0, "train", "start", json!({"step": 0})),
-            ev(9.0, "train", "checkpoint_saved", json!({"step": 10, "seconds": 0.5})),
+            ev(
+                9.0,
+                "train",
+                "checkpoint_saved",
+                json!({"step": 10, "seconds": 0.5}),
+            ),
             ev(10.0, "train", "exit", json!({"code": 0, "step": 10})),
         ];
         let l = ledger(&events);

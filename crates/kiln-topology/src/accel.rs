@@ -147,7 +147,10 @@ fn parse_entry(var: &str, entry: &str) -> Result<Entry, String> {
 /// `NoDevFiles` (Slurm without GPUs) hides every device. Anything else malformed (an empty
 /// entry, garbage, a repeated device) is an error naming the entry: guessing a count would
 /// start the wrong number of ranks.
-pub fn parse_visible_devices(var: &'static str, value: &str) -> Result<Vec<String>, VisibleDevicesError> {
+pub fn parse_visible_devices(
+    var: &'static str,
+    value: &str,
+) -> Result<Vec<String>, VisibleDevicesError> {
     let err = |message: String| VisibleDevicesError {
         var,
         value: value.to_string(),
@@ -319,7 +322,10 @@ mod tests {
             let e = parse_visible_devices("CUDA_VISIBLE_DEVICES", value)
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("CUDA_VISIBLE_DEVICES=") && e.contains(needle), "{value:?}: {e}");
+            assert!(
+                e.contains("CUDA_VISIBLE_DEVICES=") && e.contains(needle),
+                "{value:?}: {e}"
+            );
         }
         let e = detect_accelerators(&with("CUDA_VISIBLE_DEVICES", "GPU-zzz,,%%"), &no_tools)
             .unwrap_err()
@@ -334,14 +340,18 @@ mod tests {
         assert_eq!(p("0,2,-1,1"), ["0", "2"]);
         assert_eq!(p(" 3 , 1 "), ["3", "1"]);
         assert_eq!(
-            p("GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b,MIG-GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b/1/0"),
+            p(
+                "GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b,MIG-GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b/1/0"
+            ),
             [
                 "GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b",
                 "MIG-GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b/1/0"
             ]
         );
         assert_eq!(
-            parse_visible_devices("ZE_AFFINITY_MASK", "0.0,0.1,1").unwrap().len(),
+            parse_visible_devices("ZE_AFFINITY_MASK", "0.0,0.1,1")
+                .unwrap()
+                .len(),
             3
         );
     }
@@ -413,7 +423,10 @@ mod tests {
         let xpu = "+---+---+\n| Device ID | Device Information |\n+---+\n| 0 | Device Name: Intel Max 1550 |\n|   | Vendor Name: Intel |\n| 1 | Device Name: Intel Max 1550 |\n";
         assert_eq!(count_xpu_smi(xpu), 2);
         assert_eq!(
-            detect_accelerators(&|_| None, &no_tools).unwrap().value.kind,
+            detect_accelerators(&|_| None, &no_tools)
+                .unwrap()
+                .value
+                .kind,
             AcceleratorKind::Cpu
         );
     }

@@ -212,7 +212,13 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
 pub fn rank_variables() -> Vec<&'static str> {
     let mut names: Vec<&'static str> = vec!["MASTER_ADDR", "MASTER_PORT"];
     for s in SCHEMES {
-        for &n in s.rank.iter().chain(s.size).chain(s.local_rank).chain(s.local_size) {
+        for &n in s
+            .rank
+            .iter()
+            .chain(s.size)
+            .chain(s.local_rank)
+            .chain(s.local_size)
+        {
             if !names.contains(&n) {
                 names.push(n);
             }
@@ -381,10 +387,19 @@ mod tests {
     fn non_utf8_rank_variables_are_errors_naming_them() {
         use std::ffi::OsString;
         use std::os::unix::ffi::OsStringExt;
-        for var in ["RANK", "PMI_RANK", "SLURM_LOCALID", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE"] {
+        for var in [
+            "RANK",
+            "PMI_RANK",
+            "SLURM_LOCALID",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_SIZE",
+        ] {
             let lookup = |k: &str| (k == var).then(|| OsString::from_vec(b"\xff1".to_vec()));
             let e = rank_env_from_os(lookup).unwrap_err().to_string();
-            assert!(e.starts_with(&format!("{var} is set but is not valid UTF-8")), "{e}");
+            assert!(
+                e.starts_with(&format!("{var} is set but is not valid UTF-8")),
+                "{e}"
+            );
         }
         let ok = |k: &str| (k == "RANK").then(|| OsString::from("0"));
         assert_eq!(rank_env_from_os(ok).unwrap().source, "torchrun");

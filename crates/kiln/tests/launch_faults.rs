@@ -63,7 +63,11 @@ fn refused(out: &Output, needle: &str, run_dir: &Path) {
     assert_eq!(out.status.code(), Some(2), "{needle}: {err}");
     assert!(err.contains(needle), "want {needle:?} in: {err}");
     assert!(!err.contains("panicked"), "{err}");
-    assert!(!run_dir.exists(), "something started: {}", run_dir.display());
+    assert!(
+        !run_dir.exists(),
+        "something started: {}",
+        run_dir.display()
+    );
 }
 
 #[test]
@@ -72,10 +76,16 @@ fn absurd_rank_counts_are_refused_before_anything_starts() {
     let rd = dir.path().join("run");
     for (flags, needle) in [
         (&["--np", "4294967296"][..], "at most 1048576 ranks"),
-        (&["--gpus-per-node", "4294967296"][..], "--gpus-per-node 4294967296"),
+        (
+            &["--gpus-per-node", "4294967296"][..],
+            "--gpus-per-node 4294967296",
+        ),
         (&["--ppn", "100000"][..], "--ppn 100000"),
         (&["--np", "100000"][..], "pass --oversubscribe"),
-        (&["--np", "5000", "--oversubscribe"][..], "at most 4096 local ranks"),
+        (
+            &["--np", "5000", "--oversubscribe"][..],
+            "at most 4096 local ranks",
+        ),
     ] {
         let t = Instant::now();
         let rd_s = s(&rd);
@@ -84,12 +94,25 @@ fn absurd_rank_counts_are_refused_before_anything_starts() {
         args.extend(["--run-dir", &rd_s, "--", "true"]);
         let out = kiln(&args).output().unwrap();
         refused(&out, needle, &rd);
-        assert!(t.elapsed() < Duration::from_secs(5), "{flags:?} took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{flags:?} took {:?}",
+            t.elapsed()
+        );
     }
     // Forced, a modest oversubscription runs.
-    let out = kiln(&["launch", "--np", "20", "--oversubscribe", "--run-dir", &s(&rd), "--", "true"])
-        .output()
-        .unwrap();
+    let out = kiln(&[
+        "launch",
+        "--np",
+        "20",
+        "--oversubscribe",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "true",
+    ])
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
 
@@ -127,14 +150,20 @@ fn a_non_executable_program_exits_126_and_a_missing_one_127() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(126), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains("permission denied"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("permission denied"),
+        "{}",
+        text(&out.stderr)
+    );
     // A directory is not executable either.
     let out = kiln(&["launch", "--run-dir", &s(&rd), "--", &s(dir.path())])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(126));
     // Under a launcher the rank shim says the same.
-    let out = kiln(&["launch", "--as-rank", "--", &s(&script)]).output().unwrap();
+    let out = kiln(&["launch", "--as-rank", "--", &s(&script)])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(126), "{}", text(&out.stderr));
     let out = kiln(&["launch", "--run-dir", &s(&rd), "--", "no-such-kiln-program"])
         .output()
@@ -146,16 +175,28 @@ fn a_non_executable_program_exits_126_and_a_missing_one_127() {
 fn master_port_zero_is_refused_and_help_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let rd = dir.path().join("run");
-    let out = kiln(&["launch", "--master-port", "0", "--run-dir", &s(&rd), "--", "true"])
-        .output()
-        .unwrap();
+    let out = kiln(&[
+        "launch",
+        "--master-port",
+        "0",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "true",
+    ])
+    .output()
+    .unwrap();
     refused(&out, "--master-port 0", &rd);
     let help = text(&kiln(&["launch", "--help"]).output().unwrap().stdout);
     assert!(help.contains("0 is refused"), "{help}");
     // A rank environment with MASTER_PORT=0 is an error too.
     let out = kiln(&["doctor"]).env("MASTER_PORT", "0").output().unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stdout).contains("MASTER_PORT=0"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("MASTER_PORT=0"),
+        "{}",
+        text(&out.stdout)
+    );
 }
 
 #[test]
@@ -189,7 +230,13 @@ fn malformed_visible_device_lists_are_errors_not_gpu_counts() {
 
 #[test]
 fn non_utf8_rank_variables_are_errors_naming_them() {
-    for var in ["RANK", "WORLD_SIZE", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_LOCAL_RANK"] {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "PMI_RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ] {
         let bad = OsStr::from_bytes(b"\xff1");
         let out = kiln(&["doctor"]).env(var, bad).output().unwrap();
         assert_eq!(out.status.code(), Some(1), "{var}");
@@ -215,7 +262,17 @@ fn buffered_python_output_reaches_the_watchdog_line_by_line() {
     let rd = dir.path().join("run");
     let program = "import time\nfor i in range(1,11):\n print(f\"step={i}\"); time.sleep(0.5)";
     let out = kiln(&[
-        "launch", "--np", "1", "--timeout", "2", "--run-dir", &s(&rd), "--", "python3", "-c", program,
+        "launch",
+        "--np",
+        "1",
+        "--timeout",
+        "2",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "python3",
+        "-c",
+        program,
     ])
     .output()
     .expect("python3 (Debian: python3) is needed for this test");
@@ -227,7 +284,12 @@ fn buffered_python_output_reaches_the_watchdog_line_by_line() {
     // bytes unchanged (no \r\n), and PYTHONUNBUFFERED=1 is set for launchers without a pty.
     let rd = dir.path().join("tty");
     let out = kiln(&[
-        "launch", "--run-dir", &s(&rd), "--", "sh", "-c",
+        "launch",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
         "[ -t 1 ] && echo stdout-is-a-tty; echo \"PYTHONUNBUFFERED=$PYTHONUNBUFFERED\"",
     ])
     .output()
@@ -245,21 +307,47 @@ fn mpirun_rank_that_exits_0_with_a_leftover_holding_stdout_is_a_success() {
     let t = Instant::now();
     let script = format!("sleep 60 & echo $! > {}; echo step=1", s(&pid_file));
     let out = kiln(&[
-        "launch", "--mpi", "--np", "1", "--timeout", "3", "--grace", "1", "--run-dir", &s(&rd),
-        "--", "sh", "-c", &script,
+        "launch",
+        "--mpi",
+        "--np",
+        "1",
+        "--timeout",
+        "3",
+        "--grace",
+        "1",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        &script,
     ])
     .output()
     .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
     let end = &attempt_ends(&rd)[0];
     assert_eq!(end["classification"], "success");
     assert_eq!(end["rank_exits"][0]["code"], 0);
-    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
-    assert!(!Path::new(&format!("/proc/{pid}")).exists() || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("Z")
-    }, "the leftover survived");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists() || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                == Some("Z")
+        },
+        "the leftover survived"
+    );
 }
 
 #[test]
@@ -274,7 +362,16 @@ fn deterministic_exit_codes_are_not_retried_and_replica_mismatch_is() {
     ] {
         let rd = dir.path().join(format!("run-{code}"));
         let out = kiln(&[
-            "launch", "--retries", "2", "--backoff", "0.05", "--run-dir", &s(&rd), "--", "sh", "-c",
+            "launch",
+            "--retries",
+            "2",
+            "--backoff",
+            "0.05",
+            "--run-dir",
+            &s(&rd),
+            "--",
+            "sh",
+            "-c",
             &format!("exit {code}"),
         ])
         .output()
@@ -287,13 +384,28 @@ fn deterministic_exit_codes_are_not_retried_and_replica_mismatch_is() {
     // Under mpirun the rank's own code decides (the shim records it), and it is not retried.
     let rd = dir.path().join("mpi");
     let out = kiln(&[
-        "launch", "--mpi", "--np", "2", "--retries", "2", "--backoff", "0.05", "--run-dir", &s(&rd),
-        "--", "sh", "-c", "[ \"$RANK\" = 1 ] && exit 78; sleep 5",
+        "launch",
+        "--mpi",
+        "--np",
+        "2",
+        "--retries",
+        "2",
+        "--backoff",
+        "0.05",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        "[ \"$RANK\" = 1 ] && exit 78; sleep 5",
     ])
     .output()
     .unwrap();
     assert_eq!(out.status.code(), Some(78), "{}", text(&out.stderr));
     assert_eq!(attempt_ends(&rd).len(), 1);
     let help = text(&kiln(&["launch", "--help"]).output().unwrap().stdout);
-    assert!(help.contains("deterministic") && help.contains("replica-mismatch"), "{help}");
+    assert!(
+        help.contains("deterministic") && help.contains("replica-mismatch"),
+        "{help}"
+    );
 }

@@ -49,7 +49,11 @@ fn reference_weights(dir: &Path, steps: u64) -> Vec<u8> {
     let run = dir.join("reference");
     let args = train_args(&run, steps);
     let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::read(run.join("model.safetensors")).unwrap()
 }
 
@@ -99,7 +103,14 @@ fn submit(cluster: &Cluster, run: &Path, flags: &[&str], command: &[String]) -> 
         .args(flags)
         .arg("--")
         .args(command);
-    for v in ["SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID", "KILN_PROGRESS_DIR", "RANK", "WORLD_SIZE"] {
+    for v in [
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "PBS_JOBID",
+        "KILN_PROGRESS_DIR",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
         c.env_remove(v);
     }
     let out = c.output().unwrap();
@@ -143,10 +154,21 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     let id = submit(
         &cluster,
         &run,
-        &["--nodes", "3", "--spares", "1", "--time", "10:00", "--launch-arg=--timeout=30", "--launch-arg=--backoff=0.5"],
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--time",
+            "10:00",
+            "--launch-arg=--timeout=30",
+            "--launch-arg=--backoff=0.5",
+        ],
         &["sh".into(), script.display().to_string()],
     );
-    wait_until(Duration::from_secs(120), "a checkpoint at step 200", || last_step(&run) >= 200);
+    wait_until(Duration::from_secs(120), "a checkpoint at step 200", || {
+        last_step(&run) >= 200
+    });
     cluster.down("n2");
     let state = cluster.wait_job(&id, Duration::from_secs(240));
     let out = job_output(&run);
@@ -155,23 +177,42 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     let ends = named(&ev, "attempt_end");
     assert!(ends.len() >= 2, "{out}");
     let failed = ends[0];
-    assert_eq!(failed.fields["cause"], "node-failure", "{:?}", failed.fields);
+    assert_eq!(
+        failed.fields["cause"], "node-failure",
+        "{:?}",
+        failed.fields
+    );
     assert_eq!(failed.fields["culprit_hosts"], serde_json::json!(["n2"]));
     let swap = named(&ev, "node_swap");
     assert_eq!(swap.len(), 1, "{out}");
-    assert_eq!((swap[0].fields["host"].as_str(), swap[0].fields["replacement"].as_str()), (Some("n2"), Some("n4")));
+    assert_eq!(
+        (
+            swap[0].fields["host"].as_str(),
+            swap[0].fields["replacement"].as_str()
+        ),
+        (Some("n2"), Some("n4"))
+    );
     assert_eq!(swap[0].fields["blind"], false);
-    assert_eq!(ends[1].fields["hosts"], serde_json::json!(["n1", "n4", "n3"]));
+    assert_eq!(
+        ends[1].fields["hosts"],
+        serde_json::json!(["n1", "n4", "n3"])
+    );
     assert_eq!(ends.last().unwrap().fields["classification"], "success");
     let q = kiln_launch::read_quarantine(&run.join("quarantine.jsonl")).unwrap();
     assert_eq!(q.len(), 1);
-    assert_eq!((q[0].host.as_str(), q[0].cause.as_str()), ("n2", "node-failure"));
+    assert_eq!(
+        (q[0].host.as_str(), q[0].cause.as_str()),
+        ("n2", "node-failure")
+    );
     assert!(q[0].evidence.contains("n2"), "{}", q[0].evidence);
     let launch_end = named(&ev, "launch_end");
     assert_eq!(launch_end[0].fields["exit_code"], 0);
     // Resumed from the last checkpoint: the same weights as a run never interrupted.
     let weights = std::fs::read(run.join("model.safetensors")).unwrap();
-    assert!(weights == reference_weights(&dir, steps), "final weights differ from an uninterrupted run");
+    assert!(
+        weights == reference_weights(&dir, steps),
+        "final weights differ from an uninterrupted run"
+    );
     // kiln status shows the ledger and the swap.
     let status = Command::new(KILN).arg("status").arg(&run).output().unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
@@ -188,12 +229,29 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     let id = submit(
         &cluster,
         &run,
-        &["--nodes", "3", "--spares", "1", "--time", "10:00", "--launch-arg=--stall-timeout=3", "--launch-arg=--timeout=30", "--launch-arg=--backoff=0.5", "--launch-arg=--grace=5"],
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--time",
+            "10:00",
+            "--launch-arg=--stall-timeout=3",
+            "--launch-arg=--timeout=30",
+            "--launch-arg=--backoff=0.5",
+            "--launch-arg=--grace=5",
+        ],
         &["sh".into(), script.display().to_string()],
     );
-    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || last_step(&run) >= 100);
+    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
+        last_step(&run) >= 100
+    });
     // Rank 1 (on n2) hangs; the others keep going, output and heartbeats continue.
-    let pid: i32 = std::fs::read_to_string(dir.join("rank-1")).unwrap().trim().parse().unwrap();
+    let pid: i32 = std::fs::read_to_string(dir.join("rank-1"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     // SAFETY: kill(2) on a rank process this test's cluster started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let state = cluster.wait_job(&id, Duration::from_secs(240));
@@ -210,7 +268,10 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     assert_eq!(swap[0].fields["host"], "n2");
     assert_eq!(swap[0].fields["replacement"], "n4");
     assert_eq!(ends.last().unwrap().fields["classification"], "success");
-    assert_eq!(kiln_launch::read_quarantine(&run.join("quarantine.jsonl")).unwrap()[0].cause, "hang");
+    assert_eq!(
+        kiln_launch::read_quarantine(&run.join("quarantine.jsonl")).unwrap()[0].cause,
+        "hang"
+    );
 }
 
 #[test]
@@ -220,8 +281,20 @@ fn two_attempts_without_a_step_stop_the_loop_without_using_spares() {
     let id = submit(
         &cluster,
         &run,
-        &["--nodes", "3", "--spares", "1", "--time", "5:00", "--launch-arg=--backoff=0.2"],
-        &["sh".into(), "-c".into(), "echo 'RuntimeError: cannot open shard 7'; exit 1".into()],
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--time",
+            "5:00",
+            "--launch-arg=--backoff=0.2",
+        ],
+        &[
+            "sh".into(),
+            "-c".into(),
+            "echo 'RuntimeError: cannot open shard 7'; exit 1".into(),
+        ],
     );
     cluster.wait_job(&id, Duration::from_secs(120));
     let out = job_output(&run);
@@ -234,7 +307,13 @@ fn two_attempts_without_a_step_stop_the_loop_without_using_spares() {
     assert!(named(&ev, "node_swap").is_empty(), "{out}");
     assert!(named(&ev, "quarantine").is_empty());
     let stopped = named(&ev, "stopped");
-    assert!(stopped[0].fields["reason"].as_str().unwrap().contains("completed no step"), "{out}");
+    assert!(
+        stopped[0].fields["reason"]
+            .as_str()
+            .unwrap()
+            .contains("completed no step"),
+        "{out}"
+    );
     assert_eq!(named(&ev, "launch_end")[0].fields["exit_code"], 1);
     assert!(!run.join("quarantine.jsonl").exists());
 }
@@ -254,7 +333,17 @@ fn a_chained_job_crosses_the_walltime_through_a_usr1_checkpoint_with_the_same_we
     let first = submit(
         &cluster,
         &run,
-        &["--nodes", "1", "--spares", "0", "--time", "1:00", "--chain", "6", "--launch-arg=--backoff=0.5"],
+        &[
+            "--nodes",
+            "1",
+            "--spares",
+            "0",
+            "--time",
+            "1:00",
+            "--chain",
+            "6",
+            "--launch-arg=--backoff=0.5",
+        ],
         &train_args(&run, steps),
     );
     cluster.wait_job(&first, Duration::from_secs(120));
@@ -269,18 +358,83 @@ fn a_chained_job_crosses_the_walltime_through_a_usr1_checkpoint_with_the_same_we
     let last = chain.last().unwrap();
     assert_eq!(last.fields["reason"], "the run completed", "{out}");
     let jobs = named(&ev, "job_submitted");
-    assert!(jobs.len() >= 2, "one job did it all: make the run longer\n{out}");
+    assert!(
+        jobs.len() >= 2,
+        "one job did it all: make the run longer\n{out}"
+    );
     // The first job ended on the walltime warning: kiln got USR1 and forwarded it, the trainer
     // checkpointed and exited 75, and the next job resumed.
-    let signals: Vec<i64> = named(&ev, "signal").iter().filter_map(|e| e.fields["signal"].as_i64()).collect();
-    assert!(signals.contains(&(libc::SIGUSR1 as i64)), "{signals:?}\n{out}");
+    let signals: Vec<i64> = named(&ev, "signal")
+        .iter()
+        .filter_map(|e| e.fields["signal"].as_i64())
+        .collect();
+    assert!(
+        signals.contains(&(libc::SIGUSR1 as i64)),
+        "{signals:?}\n{out}"
+    );
     assert_eq!(chain[0].fields["exit_code"], 75);
     assert!(named(&ev, "resume").len() >= 1);
     assert_eq!(named(&ev, "job_start").len(), jobs.len());
     let weights = std::fs::read(run.join("model.safetensors")).unwrap();
-    assert!(weights == reference.join().unwrap(), "chained weights differ from one long job");
+    assert!(
+        weights == reference.join().unwrap(),
+        "chained weights differ from one long job"
+    );
     let status = Command::new(KILN).arg("status").arg(&run).output().unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(text.contains("queue") && text.contains("ETTR"), "{text}");
     let _ = Value::Null;
+}
+
+#[test]
+fn a_replica_mismatch_swaps_the_host_of_the_named_rank() {
+    let cluster = Cluster::start(4, 2);
+    let run = cluster.dir.path().join("run");
+    // Attempt 1: rank 1 reports that its parameters disagree (the trainer's event and exit
+    // code), as a data-parallel trainer does on a corrupting host. Attempt 2 runs clean.
+    let program = format!(
+        r#"if [ "$RANK" = 1 ] && [ ! -e "{r}/mismatched" ]; then
+  touch "{r}/mismatched"
+  printf '{{"time":%s,"source":"train","event":"replica_mismatch","step":5,"ranks":[1]}}\n' "$(date +%s.%N)" >> "{r}/events.jsonl"
+  exit 76
+fi
+sleep 0.5; echo step=1; sleep 0.5; echo step=2"#,
+        r = run.display()
+    );
+    std::fs::create_dir_all(&run).unwrap();
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--time",
+            "5:00",
+            "--launch-arg=--backoff=0.2",
+        ],
+        &["sh".into(), "-c".into(), program],
+    );
+    cluster.wait_job(&id, Duration::from_secs(120));
+    let out = job_output(&run);
+    let ev = events(&run);
+    let ends = named(&ev, "attempt_end");
+    assert_eq!(ends.len(), 2, "{out}");
+    assert_eq!(
+        ends[0].fields["classification"], "replica-mismatch",
+        "{out}"
+    );
+    assert_eq!(ends[0].fields["exit_code"], 76);
+    assert_eq!(ends[0].fields["cause"], "replica-mismatch");
+    assert_eq!(ends[0].fields["culprit_hosts"], serde_json::json!(["n2"]));
+    let swap = named(&ev, "node_swap");
+    assert_eq!(
+        (
+            swap[0].fields["host"].as_str(),
+            swap[0].fields["replacement"].as_str()
+        ),
+        (Some("n2"), Some("n4"))
+    );
+    assert_eq!(ends[1].fields["classification"], "success");
 }

@@ -490,4 +490,3 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         ExitCode::FAILURE
     })
 }
-

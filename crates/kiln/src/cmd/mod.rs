@@ -3,5 +3,5 @@
 pub mod data;
 pub mod gates;
 pub mod launch;
-pub mod train;
 pub mod submit;
+pub mod train;

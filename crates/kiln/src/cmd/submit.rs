@@ -72,7 +72,12 @@ pub struct SubmitArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// -- PROGRAM [ARGS...]: what every job runs on every rank.
-    #[arg(value_name = "ARGS", trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    #[arg(
+        value_name = "ARGS",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true
+    )]
     pub command: Vec<String>,
 }
 
@@ -122,7 +127,9 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         queue: args.queue,
         scheduler_args: args.scheduler_arg,
         launch_args: args.launch_arg,
-        quarantine_file: args.quarantine_file.map(|q| std::path::absolute(&q).unwrap_or(q)),
+        quarantine_file: args
+            .quarantine_file
+            .map(|q| std::path::absolute(&q).unwrap_or(q)),
         command,
         run_dir,
     };

@@ -123,7 +123,9 @@ impl Cluster {
             dir,
         };
         let ctld = cluster.daemon(
-            Command::new(sbin("slurmctld")).args(["-D", "-c", "-f"]).arg(&conf_path),
+            Command::new(sbin("slurmctld"))
+                .args(["-D", "-c", "-f"])
+                .arg(&conf_path),
             "slurmctld",
         );
         cluster.daemons.push(ctld);
@@ -156,7 +158,8 @@ impl Cluster {
                 Ok(())
             });
         }
-        cmd.spawn().unwrap_or_else(|e| panic!("starting {name}: {e}"))
+        cmd.spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"))
     }
 
     /// A command with this cluster's `SLURM_CONF`.
@@ -205,13 +208,22 @@ impl Cluster {
     pub fn down(&self, node: &str) {
         self.run(
             "scontrol",
-            &["update", &format!("nodename={node}"), "state=down", "reason=kiln-test"],
+            &[
+                "update",
+                &format!("nodename={node}"),
+                "state=down",
+                "reason=kiln-test",
+            ],
         );
     }
 
     /// `scontrol show job ID -o` as `Key=Value` pairs.
     pub fn job(&self, id: &str) -> std::collections::HashMap<String, String> {
-        let out = self.cmd("scontrol").args(["show", "job", id, "-o"]).output().unwrap();
+        let out = self
+            .cmd("scontrol")
+            .args(["show", "job", id, "-o"])
+            .output()
+            .unwrap();
         String::from_utf8_lossy(&out.stdout)
             .split_whitespace()
             .filter_map(|kv| kv.split_once('='))
@@ -224,8 +236,15 @@ impl Cluster {
         let until = Instant::now() + limit;
         loop {
             let state = self.job(id).get("JobState").cloned().unwrap_or_default();
-            if ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"]
-                .contains(&state.as_str())
+            if [
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+            ]
+            .contains(&state.as_str())
             {
                 return state;
             }
@@ -263,10 +282,7 @@ impl Cluster {
                     .filter(|&pid| pid != me && !daemons.contains(&pid))
                     .filter(|pid| {
                         std::fs::read(format!("/proc/{pid}/environ"))
-                            .map(|env| {
-                                env.split(|&b| b == 0)
-                                    .any(|v| v == needle.as_bytes())
-                            })
+                            .map(|env| env.split(|&b| b == 0).any(|v| v == needle.as_bytes()))
                             .unwrap_or(false)
                     })
                     .collect()
