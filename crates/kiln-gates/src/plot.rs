@@ -277,52 +277,6 @@ pub fn write_plots(
     Ok((svg, png))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn writes_svg_and_png() {
-        let dir = tempfile::tempdir().unwrap();
-        let panels = vec![
-            Panel {
-                title: "loss".into(),
-                x_label: "step".into(),
-                series: vec![
-                    Series {
-                        name: "train".into(),
-                        points: (1..50).map(|i| (i as f64, 3.0 / i as f64)).collect(),
-                    },
-                    Series {
-                        name: "eval".into(),
-                        points: vec![(10.0, 0.5), (40.0, 0.1)],
-                    },
-                ],
-                ..Default::default()
-            },
-            Panel {
-                title: "lr".into(),
-                x_label: "lr".into(),
-                log_x: true,
-                series: vec![Series {
-                    name: "x".into(),
-                    points: vec![(1e-5, 1.0), (1e-3, 2.0), (1e-1, 0.5)],
-                }],
-                markers: vec![(1e-3, "here".into())],
-                ..Default::default()
-            },
-            Panel {
-                title: "empty".into(),
-                ..Default::default()
-            },
-        ];
-        let (svg, png) = write_plots(&dir.path().join("p"), "test", &panels, 2).unwrap();
-        assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
-        let bytes = std::fs::read(png).unwrap();
-        assert_eq!(&bytes[1..4], b"PNG");
-    }
-}
-
 /// Colors of the ledger buckets, in [`kiln_run::ledger::Buckets::rows`] order.
 const BUCKET_COLORS: [(&str, RGBColor); 8] = [
     ("productive", RGBColor(44, 160, 44)),
@@ -531,4 +485,67 @@ pub fn write_timeline(
         message,
     })?;
     Ok((svg, png))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_svg_and_png() {
+        let dir = tempfile::tempdir().unwrap();
+        let panels = vec![
+            Panel {
+                title: "loss".into(),
+                x_label: "step".into(),
+                series: vec![
+                    Series {
+                        name: "train".into(),
+                        points: (1..50).map(|i| (i as f64, 3.0 / i as f64)).collect(),
+                    },
+                    Series {
+                        name: "eval".into(),
+                        points: vec![(10.0, 0.5), (40.0, 0.1)],
+                    },
+                ],
+                ..Default::default()
+            },
+            Panel {
+                title: "lr".into(),
+                x_label: "lr".into(),
+                log_x: true,
+                series: vec![Series {
+                    name: "x".into(),
+                    points: vec![(1e-5, 1.0), (1e-3, 2.0), (1e-1, 0.5)],
+                }],
+                markers: vec![(1e-3, "here".into())],
+                ..Default::default()
+            },
+            Panel {
+                title: "empty".into(),
+                ..Default::default()
+            },
+        ];
+        let (svg, png) = write_plots(&dir.path().join("p"), "test", &panels, 2).unwrap();
+        assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
+        let bytes = std::fs::read(png).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+    }
+
+    #[test]
+    fn writes_a_timeline() {
+        let dir = tempfile::tempdir().unwrap();
+        let events: Vec<kiln_run::Event> = [
+            r#"{"time":0.0,"source":"launch","event":"attempt_end","start_time":0.0,"end_time":10.0,"first_advance_time":1.0,"last_advance_time":9.0,"classification":"hung-stalled","start_step":0,"last_progress":90,"culprit_hosts":["n2"]}"#,
+            r#"{"time":10.0,"source":"launch","event":"node_swap","host":"n2","replacement":"n4","cause":"hang"}"#,
+            r#"{"time":20.0,"source":"launch","event":"attempt_end","start_time":10.5,"end_time":20.0,"first_advance_time":11.0,"last_advance_time":20.0,"classification":"success","start_step":50,"last_progress":150}"#,
+        ]
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+        let l = kiln_run::ledger::ledger(&events);
+        let (svg, png) = write_timeline(&dir.path().join("t"), "run", &l).unwrap();
+        assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
+        assert_eq!(&std::fs::read(png).unwrap()[1..4], b"PNG");
+    }
 }

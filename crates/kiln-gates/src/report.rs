@@ -3,6 +3,7 @@
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
+use kiln_run::{event, layout};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -50,7 +51,7 @@ fn num(obj: &Map<String, Value>, key: &str) -> f64 {
 /// Reads `RUN_DIR/metrics.jsonl`. A torn last line is skipped; any other malformed line is an
 /// error naming it. Lines that are neither step nor eval lines are ignored.
 pub fn read_metrics(run_dir: &Path) -> Result<Metrics, GatesError> {
-    let path = run_dir.join("metrics.jsonl");
+    let path = run_dir.join(layout::METRICS);
     let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
     let lines: Vec<&str> = text.lines().collect();
     let mut m = Metrics::default();
@@ -111,7 +112,7 @@ fn check_run_dir(run_dir: &Path) -> Result<(), GatesError> {
             run_dir.display()
         )));
     }
-    if !run_dir.join("metrics.jsonl").exists() && !run_dir.join("events.jsonl").exists() {
+    if !run_dir.join(layout::METRICS).exists() && !run_dir.join(layout::EVENTS).exists() {
         return Err(GatesError::Invalid(format!(
             "{}: not a run directory (no metrics.jsonl or events.jsonl); give the --run-dir of `kiln train`",
             run_dir.display()
@@ -131,7 +132,7 @@ fn fmt_value(v: &Value) -> String {
 /// The text of `kiln status RUN_DIR`.
 pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     check_run_dir(run_dir)?;
-    let metrics = if run_dir.join("metrics.jsonl").exists() {
+    let metrics = if run_dir.join(layout::METRICS).exists() {
         read_metrics(run_dir)?
     } else {
         Metrics::default()
@@ -141,7 +142,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     let total = events
         .iter()
         .rev()
-        .find(|e| e.event == "start")
+        .find(|e| e.event == event::START)
         .and_then(|e| e.fields.get("total_steps").and_then(Value::as_u64));
     let last = metrics.steps.last();
     match last {
@@ -180,7 +181,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
         }
         None => out.push_str("last eval: none\n"),
     }
-    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join("checkpoints"));
+    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join(layout::CHECKPOINTS));
     ckpts.reverse();
     let final_weights = run_dir.join("model.safetensors").exists();
     out.push_str(&format!(
@@ -204,11 +205,11 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     for e in &events {
         *counts.entry(e.event.as_str()).or_default() += 1;
     }
-    let starts = counts.get("start").copied().unwrap_or(0);
-    let resumes = counts.get("resume").copied().unwrap_or(0);
+    let starts = counts.get(event::START).copied().unwrap_or(0);
+    let resumes = counts.get(event::RESUME).copied().unwrap_or(0);
     out.push_str(&format!(
         "attempts: {starts} start(s), {resumes} resume(s), {} checkpoint(s) saved\n",
-        counts.get("checkpoint_saved").copied().unwrap_or(0)
+        counts.get(event::CHECKPOINT_SAVED).copied().unwrap_or(0)
     ));
     let guards: Vec<String> = GUARD_EVENTS
         .iter()
@@ -238,7 +239,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
             .collect();
         out.push_str(&format!("  {}: {}\n", e.event, fields.join(" ")));
     }
-    match events.iter().rev().find(|e| e.event == "exit") {
+    match events.iter().rev().find(|e| e.event == event::EXIT) {
         Some(e) => out.push_str(&format!(
             "last exit: {} (code {}) at step {}\n",
             e.fields.get("reason").map_or("?".into(), fmt_value),

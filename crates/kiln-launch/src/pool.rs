@@ -224,7 +224,7 @@ mod tests {
         append_quarantine(&f, &e).unwrap();
         append_quarantine(&f, &e).unwrap();
         assert_eq!(read_quarantine(&f).unwrap().len(), 2);
-        assert_eq!(quarantined_hosts(&[f.clone()]).unwrap(), ["n2"]);
+        assert_eq!(quarantined_hosts(std::slice::from_ref(&f)).unwrap(), ["n2"]);
         std::fs::write(&f, "nonsense\n{\"time\":1}\n").unwrap();
         let err = read_quarantine(&f).unwrap_err().to_string();
         assert!(err.contains("line 1"), "{err}");

@@ -351,7 +351,8 @@ fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
 #[test]
 fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: Vec<(Box<dyn Fn(&mut LaunchOptions)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut LaunchOptions)>;
+    let cases: Vec<(Edit, &str)> = vec![
         (Box::new(|o| o.sizes.np = Some(1usize << 32)), "at most"),
         (
             Box::new(|o| o.gpus_per_node = Some(1usize << 32)),

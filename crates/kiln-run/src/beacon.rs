@@ -7,6 +7,7 @@
 //! writes it under a launcher), so a job is classified by its ranks' exits even when the
 //! launcher itself does not say.
 
+use crate::layout;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -81,7 +82,7 @@ pub fn write_beacon(
     phase: &str,
     time: f64,
 ) -> Result<(), BeaconError> {
-    let path = dir.join(format!("rank-{rank}"));
+    let path = dir.join(layout::beacon(rank));
     let tmp = dir.join(format!(".rank-{rank}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
@@ -143,7 +144,7 @@ pub fn write_exit_record(
     signal: Option<i32>,
     time: f64,
 ) -> Result<(), BeaconError> {
-    let path = dir.join(format!("exit-{rank}"));
+    let path = dir.join(layout::exit_record(rank));
     let tmp = dir.join(format!(".exit-{rank}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
@@ -184,7 +185,7 @@ fn parse_exit_record(rank: usize, text: &str) -> Option<ExitRecord> {
 
 /// Reads every `exit-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
 pub fn read_exit_records(dir: &Path) -> Vec<ExitRecord> {
-    let mut records: Vec<ExitRecord> = read_rank_files(dir, "exit-")
+    let mut records: Vec<ExitRecord> = read_rank_files(dir, layout::EXIT_RECORD_PREFIX)
         .into_iter()
         .filter_map(|(rank, text)| parse_exit_record(rank, &text))
         .collect();
@@ -237,7 +238,7 @@ pub fn clear_rank_files(dir: &Path) {
 /// Reads every `rank-<R>` beacon in `dir`, sorted by rank. Files that do not parse are
 /// ignored (a foreign program may write garbage; it must not crash the supervisor).
 pub fn read_beacons(dir: &Path) -> Vec<Beacon> {
-    let mut beacons: Vec<Beacon> = read_rank_files(dir, "rank-")
+    let mut beacons: Vec<Beacon> = read_rank_files(dir, layout::BEACON_PREFIX)
         .into_iter()
         .filter_map(|(rank, text)| parse_beacon(rank, &text))
         .collect();

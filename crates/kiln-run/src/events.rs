@@ -64,7 +64,7 @@ pub struct EventLog {
 impl EventLog {
     /// Opens (creating) `dir/events.jsonl` for appending; `source` names the writer.
     pub fn open(dir: &Path, source: &str) -> Result<Self, EventLogError> {
-        let path = dir.join("events.jsonl");
+        let path = dir.join(crate::layout::EVENTS);
         let io = |source| EventLogError::Io {
             path: path.clone(),
             source,
@@ -114,7 +114,7 @@ impl EventLog {
 /// Reads every event of `dir/events.jsonl` (an absent file is an empty log). A torn last line
 /// (a writer killed mid-write) is skipped; any other malformed line is an error naming it.
 pub fn read_events(dir: &Path) -> Result<Vec<Event>, EventLogError> {
-    let path = dir.join("events.jsonl");
+    let path = dir.join(crate::layout::EVENTS);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

@@ -28,9 +28,19 @@ pub const QUARANTINE: &str = "quarantine.jsonl";
 /// Plots (`kiln plot`, `kiln lr-find`).
 pub const PLOTS: &str = "plots";
 
+/// A rank's progress beacon in the progress directory (see [`crate::write_beacon`]).
+pub fn beacon(rank: usize) -> String {
+    format!("{BEACON_PREFIX}{rank}")
+}
+
+/// File-name prefix of beacons (`rank-<R>`).
+pub const BEACON_PREFIX: &str = "rank-";
+/// File-name prefix of exit records (`exit-<R>`).
+pub const EXIT_RECORD_PREFIX: &str = "exit-";
+
 /// A rank's exit record in the progress directory (see [`crate::write_exit_record`]).
 pub fn exit_record(rank: usize) -> String {
-    format!("exit-{rank}")
+    format!("{EXIT_RECORD_PREFIX}{rank}")
 }
 
 /// The batch script `kiln submit` writes for `scheduler` (`slurm` or `pbs`), kept in the

@@ -403,7 +403,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         gpus_per_node: args.gpus_per_node,
         command: vec!["PROGRAM".into()],
         master_port: 29500,
-        progress_dir: dir.join("progress"),
+        progress_dir: dir.join(kiln_run::layout::PROGRESS),
         run_dir: dir,
         ..LaunchOptions::default()
     };
