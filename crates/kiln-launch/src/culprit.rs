@@ -285,17 +285,30 @@ pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
             .iter()
             .filter(|r| r.shell_code() != 0)
             .min_by(|a, b| a.time.total_cmp(&b.time));
+        let mut crash: Vec<Evidence> = Vec::new();
         if let Some(r) = first
             && let Some(host) = canonical(&r.host, hosts).or_else(|| host_of_rank(r.rank))
         {
-            evidence.push(Evidence {
+            crash.push(Evidence {
                 host,
                 cause: Cause::Crash,
                 source: "exit-record".into(),
                 detail: format!("rank {} failed first (exit {})", r.rank, r.shell_code()),
             });
         }
-        evidence.extend(logged.into_iter().filter(|e| e.cause != Cause::NodeFailure));
+        // A launcher's "task N exited" lines name every rank that failed, not the first: they
+        // count only when they agree on one host and nothing better is known. Lines of the
+        // communication libraries name the peer that went away, which is the culprit.
+        let (task_lines, peer_lines): (Vec<Evidence>, Vec<Evidence>) = logged
+            .into_iter()
+            .filter(|e| e.cause != Cause::NodeFailure)
+            .partition(|e| e.source.starts_with("log:slurm-task"));
+        crash.extend(peer_lines);
+        let one_host = task_lines.iter().all(|e| e.host == task_lines[0].host);
+        if crash.is_empty() && !task_lines.is_empty() && one_host {
+            crash.extend(task_lines);
+        }
+        evidence.extend(crash);
     }
     pick(evidence, hosts.len())
 }
@@ -438,6 +451,69 @@ mod tests {
         ] {
             assert!(scan_log(line.as_bytes(), &hosts()).is_empty(), "{line}");
         }
+    }
+
+    fn failed() -> AttemptOutcome {
+        let mut o = AttemptOutcome::not_started(1, String::new());
+        o.classification = Classification::Failed;
+        o
+    }
+
+    fn exit(rank: usize, host: &str, time: f64) -> kiln_run::ExitRecord {
+        kiln_run::ExitRecord {
+            rank,
+            code: Some(1),
+            signal: None,
+            time,
+            host: host.into(),
+        }
+    }
+
+    #[test]
+    fn diagnoses_by_the_strongest_evidence() {
+        let hosts = hosts();
+        let clues = |log: &'static str| Clues {
+            log: log.as_bytes(),
+            hosts: &hosts,
+            ppn: 1,
+            ..Clues::default()
+        };
+        let all_exit = "srun: error: n1: task 0: Exited with exit code 1\nsrun: error: n3: task 2: Exited with exit code 1\n";
+        // Every rank failing alike, no record of who was first: no culprit.
+        assert_eq!(diagnose(&failed(), &clues(all_exit)).cause, "unknown");
+        // The first rank to fail, from the exit records.
+        let mut o = failed();
+        o.rank_exits = vec![exit(0, "n1", 2.0), exit(1, "n2", 1.0)];
+        let d = diagnose(&o, &clues(all_exit));
+        assert_eq!(
+            (d.cause.as_str(), d.hosts.clone()),
+            ("crash", vec!["n2".to_string()])
+        );
+        // A node failure wins over everything.
+        let mut c = clues(all_exit);
+        c.lost = vec![("n3".into(), "left the job".into())];
+        assert_eq!(diagnose(&o, &c).hosts, ["n3"]);
+        // A hang names the host of the rank that stopped first (its beacon's host).
+        let mut o = failed();
+        o.classification = Classification::HungStalled;
+        o.culprits = vec![1];
+        o.progress = vec![crate::RankProgress {
+            rank: Some(1),
+            step: 3,
+            phase: Some("train".into()),
+            host: Some("n3".into()),
+            idle_s: 5.0,
+            source: "beacon",
+        }];
+        let d = diagnose(&o, &clues(""));
+        assert_eq!(
+            (d.cause.as_str(), d.hosts.clone()),
+            ("hang", vec!["n3".to_string()])
+        );
+        // Every rank stalled at once: nobody is named.
+        o.culprits = vec![0, 1, 2];
+        o.progress.clear();
+        assert_eq!(diagnose(&o, &clues("")).cause, "unknown");
     }
 
     #[test]

@@ -260,7 +260,10 @@ pub fn decide(
             blind: false,
         };
     }
-    if !d.hosts.is_empty() {
+    // A failure before any step is most often the program or its input: only a node that
+    // died or a replica that disagreed justifies a spare then.
+    let strong = matches!(d.cause.as_str(), "node-failure" | "replica-mismatch");
+    if !d.hosts.is_empty() && (strong || !zero_step) {
         return Retry {
             replace: d.hosts.clone(),
             blind: false,
@@ -723,6 +726,15 @@ mod tests {
             decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
             Stop { code: 1, .. }
         ));
+        // A crash before any step names no host worth a spare: retried in place.
+        let mut h = History::default();
+        assert_eq!(
+            decide(&o, &diag("crash", &["n1"]), None, auto, true, &mut h),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
         // ... unless a node died: that is never the program's fault.
         let mut h = History {
             previous_zero_step: true,

@@ -300,8 +300,8 @@ fn two_attempts_without_a_step_stop_the_loop_without_using_spares() {
     let ev = events(&run);
     let ends = named(&ev, "attempt_end");
     assert_eq!(ends.len(), 2, "{out}");
-    // Every host failed alike: no culprit, and both attempts ran on the same hosts.
-    assert_eq!(ends[0].fields["culprit_hosts"], serde_json::json!([]));
+    // A failure before any step uses no spare (whichever rank happened to fail first):
+    // both attempts ran on the same hosts.
     assert_eq!(ends[0].fields["hosts"], ends[1].fields["hosts"]);
     assert!(named(&ev, "node_swap").is_empty(), "{out}");
     assert!(named(&ev, "quarantine").is_empty());
