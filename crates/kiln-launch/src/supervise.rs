@@ -860,6 +860,13 @@ fn update_beacons(
     (changed, advanced)
 }
 
+/// Beacon phases that mean "waiting for the other ranks" (in a collective).
+pub const WAITING_PHASES: &[&str] = &["allreduce", "all_reduce", "collective", "barrier", "wait"];
+
+fn waiting(phase: &str) -> bool {
+    WAITING_PHASES.contains(&phase)
+}
+
 /// A rank whose beacon says it finished is not stalled.
 fn finished(phase: &str) -> bool {
     matches!(phase, "done" | "finished" | "exit")
@@ -962,8 +969,27 @@ fn culprits(
                 .into(),
         );
     }
-    let min_step = ranks.iter().map(|r| r.1).min().unwrap_or(0);
-    let lowest: Vec<_> = ranks.iter().filter(|r| r.1 == min_step).collect();
+    // In a collective every healthy rank waits for the stuck one at the same step: a rank
+    // whose beacon says it waits on the others is not the culprit when some rank does not.
+    let working: Vec<usize> = beacons
+        .iter()
+        .filter(|(_, t)| !waiting(&t.phase) && !finished(&t.phase))
+        .map(|(r, _)| *r)
+        .collect();
+    let suspects: Vec<&(usize, u64, Instant, &str)> = if !working.is_empty()
+        && working.len() < ranks.len()
+        && ranks.iter().all(|r| r.3 == "beacon")
+    {
+        ranks.iter().filter(|r| working.contains(&r.0)).collect()
+    } else {
+        ranks.iter().collect()
+    };
+    let min_step = suspects.iter().map(|r| r.1).min().unwrap_or(0);
+    let lowest: Vec<_> = suspects
+        .iter()
+        .filter(|r| r.1 == min_step)
+        .copied()
+        .collect();
     let earliest = lowest.iter().map(|r| r.2).min().unwrap_or(now);
     let first: Vec<usize> = lowest
         .iter()

@@ -105,3 +105,33 @@ fn a_missing_program_is_not_found() {
     );
     assert!(!o.classification.retryable());
 }
+
+#[test]
+fn in_a_collective_the_rank_that_is_not_waiting_is_the_culprit() {
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    // Both ranks reach step 5 and stop at the same moment; rank 0 says it waits in the
+    // all-reduce, rank 1 (stuck in its own compute) does not.
+    let beacon = |rank: usize, phase: &str| {
+        format!(
+            "for i in 1 2 3 4 5; do printf '%s {phase} %s h{rank}\\n' $i $(date +%s.%N) > {p}/.t{rank}; mv {p}/.t{rank} {p}/rank-{rank}; sleep 0.05; done; echo alive; sleep 30",
+            p = progress.display()
+        )
+    };
+    let mut cfg = config(
+        dir.path(),
+        vec![
+            sh(&beacon(0, "allreduce"), Some(0)),
+            sh(&beacon(1, "train"), Some(1)),
+        ],
+    );
+    cfg.progress_dir = Some(progress.clone());
+    cfg.stall_timeout = Some(Duration::from_secs(1));
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::HungStalled);
+    assert_eq!(o.culprits, [1]);
+    let hosts: Vec<_> = o.progress.iter().filter_map(|p| p.host.clone()).collect();
+    assert_eq!(hosts, ["h0", "h1"]);
+    assert!(o.advanced());
+}

@@ -436,3 +436,46 @@ sleep 0.5; echo step=1; sleep 0.5; echo step=2"#,
     );
     assert_eq!(ends[1].fields["classification"], "success");
 }
+
+#[test]
+fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
+    let cluster = Cluster::start(3, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let script = rank_script(&dir, &run, 900);
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "0",
+            "--time",
+            "10:00",
+            "--launch-arg=--min-nodes=2",
+            "--launch-arg=--timeout=30",
+            "--launch-arg=--backoff=0.5",
+        ],
+        &["sh".into(), script.display().to_string()],
+    );
+    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
+        last_step(&run) >= 100
+    });
+    cluster.down("n3");
+    let state = cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    assert_eq!(state, "COMPLETED", "{out}");
+    let ev = events(&run);
+    let shrink = named(&ev, "shrink");
+    assert_eq!(shrink.len(), 1, "{out}");
+    assert_eq!(shrink[0].fields["dropped"], "n3");
+    let starts = named(&ev, "attempt_start");
+    assert_eq!(starts[1].fields["hosts"], serde_json::json!(["n1", "n2"]));
+    assert_eq!(starts[1].fields["np"], 2);
+    assert_eq!(
+        named(&ev, "attempt_end").last().unwrap().fields["classification"],
+        "success"
+    );
+}

@@ -38,7 +38,9 @@ Progress and watchdogs:
   holding `<step> <phase> <unix_time> <host>` (kiln's trainer writes them; any program may).
   --timeout fires on silence (no output, no beacon update); --stall-timeout fires when output
   continues but progress stops, armed once the first progress is seen. When one fires, kiln
-  names the ranks that stopped advancing first, sends SIGTERM to every process group, waits
+  names the ranks that stopped advancing first (a rank whose beacon phase is allreduce,
+  collective, barrier or wait is waiting on the others and is named only if every rank is),
+  sends SIGTERM to every process group, waits
   --grace seconds, then SIGKILL. Every duration is a positive number of seconds, at most a year.
 
 Exit codes and classifications (classification is written to RUN_DIR/events.jsonl):
