@@ -573,6 +573,27 @@ pub fn launch(
     })
     .map_err(|e| LaunchError::Io(e.to_string()))?;
     let last = &result.last;
+    finish(&mut events, &result, started, job_id, chain.as_ref(), &run_dir, req);
+    Ok(LaunchEnd::Done {
+        exit_code: last.exit_code,
+        attempts: result.attempts,
+        classification: last.classification,
+        stop_reason: result.stop_reason,
+        run_dir,
+    })
+}
+
+/// Writes `launch_end` and, for a job of a chain, submits the next job when it should.
+fn finish(
+    events: &mut EventLog,
+    result: &crate::LaunchResult,
+    started: Instant,
+    job_id: Option<String>,
+    chain: Option<&ChainJob>,
+    run_dir: &std::path::Path,
+    req: &LaunchRequest,
+) {
+    let last = &result.last;
     let _ = events.emit(
         event::LAUNCH_END,
         json!({
@@ -587,20 +608,13 @@ pub fn launch(
             "job_id": job_id,
         }),
     );
-    if let Some(job) = &chain {
-        let made_progress = events_made_progress(&run_dir, started);
-        let exclude = quarantined_hosts(&quarantine_files(&run_dir, &req.quarantine_file))
+    if let Some(job) = chain {
+        let made_progress = events_made_progress(run_dir, started);
+        let exclude = quarantined_hosts(&quarantine_files(run_dir, &req.quarantine_file))
             .unwrap_or_default();
-        let (_, reason) = continue_chain(job, last.exit_code, made_progress, &exclude, &mut events);
+        let (_, reason) = continue_chain(job, last.exit_code, made_progress, &exclude, events);
         eprintln!("kiln: chain job {} of {}: {reason}", job.index, job.limit);
     }
-    Ok(LaunchEnd::Done {
-        exit_code: last.exit_code,
-        attempts: result.attempts,
-        classification: last.classification,
-        stop_reason: result.stop_reason,
-        run_dir,
-    })
 }
 
 /// Whether any attempt of this launch (since `started`) completed a step.
@@ -650,7 +664,11 @@ fn emit_start(
         .map(|c| c.job_id.clone())
         .or(job_id_of(&setup.scheduler.value))
     {
-        let submitted = kiln_run::read_events(events.path().parent().unwrap_or(progress_dir))
+        let run_dir = events.path().parent().map(std::path::Path::to_path_buf);
+        let submitted = run_dir
+            .as_deref()
+            .map(kiln_run::read_events)
+            .and_then(Result::ok)
             .unwrap_or_default()
             .into_iter()
             .rev()

@@ -326,8 +326,117 @@ fn mismatch_hosts(run_dir: &Path, since: f64, hosts: &[String], ppn: usize) -> V
     out
 }
 
-/// Runs attempts with recovery. Event-log write failures are reported (tracing) but never
-/// stop the job: losing a log line is better than losing the run.
+/// Appends to the event log; a failed write is reported (tracing) but never stops the job:
+/// losing a log line is better than losing the run.
+struct Log<'a>(&'a mut EventLog);
+
+impl Log<'_> {
+    fn emit(&mut self, name: &str, fields: Value) {
+        if let Err(e) = self.0.emit(name, fields) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Names the culprit of a finished attempt (nothing to name after a success).
+fn diagnose_attempt(
+    outcome: &AttemptOutcome,
+    plan: &AttemptPlan,
+    log_tail: &[u8],
+    run_dir: &Path,
+    scope: &NodeScope<'_>,
+    swap_hosts: bool,
+) -> Diagnosis {
+    if outcome.classification == Classification::Success {
+        return Diagnosis {
+            cause: "none".into(),
+            hosts: Vec::new(),
+            evidence: Vec::new(),
+        };
+    }
+    let lost = if swap_hosts {
+        scope.health.lost(&plan.hosts)
+    } else {
+        Vec::new()
+    };
+    let ppn = plan.sizes.ppn;
+    diagnose(
+        outcome,
+        &Clues {
+            log: log_tail,
+            hosts: &plan.hosts,
+            ppn,
+            lost,
+            mismatch_hosts: mismatch_hosts(run_dir, outcome.start_time, &plan.hosts, ppn),
+        },
+    )
+}
+
+/// Replaces each culprit by a spare (or drops it), recording swaps and quarantines. Returns
+/// the reason to stop when a host can be neither replaced nor dropped.
+#[allow(clippy::too_many_arguments)]
+fn replace_hosts(
+    log: &mut Log<'_>,
+    scope: &mut NodeScope<'_>,
+    swaps: &mut Vec<(String, String, bool)>,
+    attempt: u32,
+    replace: &[String],
+    blind: bool,
+    cause: &str,
+    diagnosis: &Diagnosis,
+    run_dir: &Path,
+) -> Option<String> {
+    for host in replace {
+        let found: Vec<String> = diagnosis
+            .evidence
+            .iter()
+            .filter(|e| &e.host == host)
+            .map(|e| format!("{}: {}", e.source, e.detail))
+            .collect();
+        let evidence = if found.is_empty() {
+            "no evidence named a host; rank 0's host swapped as a guess".to_string()
+        } else {
+            found.join("; ")
+        };
+        if blind && scope.pool.spares.is_empty() {
+            return None; // a guess never shrinks the job
+        }
+        match scope.pool.replace(host) {
+            Replacement::Swapped(with) => {
+                log.emit(
+                    event::NODE_SWAP,
+                    json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
+                );
+                eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
+                swaps.push((host.clone(), with, blind));
+            }
+            Replacement::Dropped => {
+                log.emit(
+                    event::SHRINK,
+                    json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}),
+                );
+                eprintln!(
+                    "kiln: no spare left; continuing without {host} on {} host(s)",
+                    scope.pool.active.len()
+                );
+            }
+            Replacement::Exhausted => {
+                quarantine(log, scope, host, cause, &evidence, run_dir);
+                return Some(format!(
+                    "no spare left to replace {host} ({cause}) and the job may not shrink below {} host(s)",
+                    scope.pool.min_active
+                ));
+            }
+        }
+        // A guess is not evidence: the host is set aside for this launch, not quarantined.
+        if !blind {
+            quarantine(log, scope, host, cause, &evidence, run_dir);
+        }
+    }
+    None
+}
+
+/// Runs attempts with recovery (see the module docs).
 pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseError> {
     let RetryConfig {
         attempt: template,
@@ -341,14 +450,18 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         stop,
         on_attempt_end,
     } = cfg;
-    let mut emit = |name: &str, fields: Value| {
-        if let Err(e) = events.emit(name, fields) {
-            tracing::warn!("{e}");
-        }
-    };
+    let mut log = Log(events);
     let mut history = History::default();
     let mut swaps: Vec<(String, String, bool)> = Vec::new();
     let mut attempt: u32 = 0;
+    let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
+        Ok(LaunchResult {
+            last,
+            attempts,
+            stop_reason,
+            swaps,
+        })
+    };
     loop {
         attempt += 1;
         let log_name = layout::attempt_log(attempt);
@@ -356,12 +469,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             Ok(p) => p,
             Err(e) => {
                 let o = AttemptOutcome::not_started(exit::USAGE, e.to_string());
-                return Ok(LaunchResult {
-                    last: o,
-                    attempts: attempt - 1,
-                    stop_reason: Some(e.to_string()),
-                    swaps,
-                });
+                return end(o, attempt - 1, Some(e.to_string()), swaps);
             }
         };
         if let Some((path, text)) = &plan.hostfile_to_write
@@ -374,92 +482,43 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         cfg.procs = plan.procs.clone();
         cfg.expected_ranks = Some(plan.sizes.np);
         let argv: Vec<Vec<String>> = cfg.procs.iter().map(|p| p.argv.clone()).collect();
-        emit(
+        log.emit(
             event::ATTEMPT_START,
             json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
         let log_tail = tail(&cfg.log_path, 256 * 1024);
-        let diagnosis = if outcome.classification == Classification::Success {
-            Diagnosis {
-                cause: "none".into(),
-                hosts: Vec::new(),
-                evidence: Vec::new(),
-            }
-        } else {
-            let lost = if swap_hosts {
-                scope.health.lost(&plan.hosts)
-            } else {
-                Vec::new()
-            };
-            diagnose(
-                &outcome,
-                &Clues {
-                    log: &log_tail,
-                    hosts: &plan.hosts,
-                    ppn: plan.sizes.ppn,
-                    lost,
-                    mismatch_hosts: mismatch_hosts(
-                        &run_dir,
-                        outcome.start_time,
-                        &plan.hosts,
-                        plan.sizes.ppn,
-                    ),
-                },
-            )
-        };
-        let mut end = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
-        if let Some(obj) = end.as_object_mut() {
+        let diagnosis =
+            diagnose_attempt(&outcome, &plan, &log_tail, &run_dir, &scope, swap_hosts);
+        let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
+        if let Some(obj) = fields.as_object_mut() {
             obj.insert("cause".into(), json!(diagnosis.cause));
             obj.insert("culprit_hosts".into(), json!(diagnosis.hosts));
             obj.insert("evidence".into(), json!(diagnosis.evidence));
         }
-        emit(event::ATTEMPT_END, end);
+        log.emit(event::ATTEMPT_END, fields);
         on_attempt_end(attempt, &outcome, &diagnosis);
 
         let signature = (outcome.classification != Classification::Success)
             .then(|| error_signature(&log_tail))
             .flatten();
-        let decision = decide(
-            &outcome,
-            &diagnosis,
-            signature,
-            limit,
-            swap_hosts,
-            &mut history,
-        );
+        let decision = decide(&outcome, &diagnosis, signature, limit, swap_hosts, &mut history);
         let (replace, blind) = match decision {
-            Finish => {
-                return Ok(LaunchResult {
-                    last: outcome,
-                    attempts: attempt,
-                    stop_reason: None,
-                    swaps,
-                });
-            }
+            Finish => return end(outcome, attempt, None, swaps),
             Stop { reason, code } => {
-                emit(
+                log.emit(
                     event::STOPPED,
                     json!({"attempt": attempt, "reason": reason, "exit_code": code}),
                 );
                 let mut last = outcome;
                 last.exit_code = code;
-                return Ok(LaunchResult {
-                    last,
-                    attempts: attempt,
-                    stop_reason: Some(reason),
-                    swaps,
-                });
+                return end(last, attempt, Some(reason), swaps);
             }
             Retry { replace, blind } => (replace, blind),
         };
+        // A guess swaps rank 0's host: it does the most besides training (I/O, logging).
         let replace = if blind {
-            scope
-                .pool
-                .active
-                .first()
-                .map(|h| vec![h.name.clone()])
-                .unwrap_or_default()
+            scope.pool.active_names().into_iter().take(1).collect()
         } else {
             replace
         };
@@ -468,86 +527,35 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         } else {
             diagnosis.cause.as_str()
         };
-        for host in &replace {
-            let found: Vec<String> = diagnosis
-                .evidence
-                .iter()
-                .filter(|e| &e.host == host)
-                .map(|e| format!("{}: {}", e.source, e.detail))
-                .collect();
-            let evidence = if found.is_empty() {
-                "no evidence named a host; rank 0's host swapped as a guess".to_string()
-            } else {
-                found.join("; ")
-            };
-            let spare_free = !scope.pool.spares.is_empty();
-            if blind && !spare_free {
-                break; // a guess never shrinks the job
-            }
-            match scope.pool.replace(host) {
-                Replacement::Swapped(with) => {
-                    emit(
-                        event::NODE_SWAP,
-                        json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
-                    );
-                    eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
-                    swaps.push((host.clone(), with, blind));
-                }
-                Replacement::Dropped => {
-                    emit(
-                        event::SHRINK,
-                        json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}),
-                    );
-                    eprintln!(
-                        "kiln: no spare left; continuing without {host} on {} host(s)",
-                        scope.pool.active.len()
-                    );
-                }
-                Replacement::Exhausted => {
-                    let reason = format!(
-                        "no spare left to replace {host} ({cause}) and the job may not shrink below {} host(s)",
-                        scope.pool.min_active
-                    );
-                    quarantine(&mut emit, &scope, host, cause, &evidence, &run_dir);
-                    emit(
-                        event::STOPPED,
-                        json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
-                    );
-                    let mut last = outcome;
-                    last.exit_code = exit::NODES_EXHAUSTED;
-                    return Ok(LaunchResult {
-                        last,
-                        attempts: attempt,
-                        stop_reason: Some(reason),
-                        swaps,
-                    });
-                }
-            }
-            // A guess is not evidence: the host is set aside for this launch, not quarantined.
-            if !blind {
-                quarantine(&mut emit, &scope, host, cause, &evidence, &run_dir);
-            }
-        }
-        if let Some(last) = wait_backoff(
-            &mut emit,
+        let stopped = replace_hosts(
+            &mut log,
+            &mut scope,
+            &mut swaps,
             attempt,
-            &outcome,
-            &backoff,
-            template.deadline,
-            stop,
-        ) {
-            return Ok(LaunchResult {
-                last,
-                attempts: attempt,
-                stop_reason: None,
-                swaps,
-            });
+            &replace,
+            blind,
+            cause,
+            &diagnosis,
+            &run_dir,
+        );
+        if let Some(reason) = stopped {
+            log.emit(
+                event::STOPPED,
+                json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
+            );
+            let mut last = outcome;
+            last.exit_code = exit::NODES_EXHAUSTED;
+            return end(last, attempt, Some(reason), swaps);
+        }
+        let waited = wait_backoff(&mut log, attempt, &outcome, &backoff, template.deadline, stop);
+        if let Some(last) = waited {
+            return end(last, attempt, None, swaps);
         }
     }
 }
 
 fn quarantine(
-    emit: &mut dyn FnMut(&str, Value),
+    log: &mut Log<'_>,
     scope: &NodeScope<'_>,
     host: &str,
     cause: &str,
@@ -568,7 +576,7 @@ fn quarantine(
             eprintln!("kiln: {e}");
         }
     }
-    emit(
+    log.emit(
         event::QUARANTINE,
         json!({"host": host, "cause": cause, "evidence": evidence, "files": scope.quarantine_files}),
     );
@@ -577,7 +585,7 @@ fn quarantine(
 /// Waits the backoff before the next attempt. Returns the outcome to end with when the
 /// walltime leaves no room for another attempt or a stop signal arrives meanwhile.
 fn wait_backoff(
-    emit: &mut dyn FnMut(&str, Value),
+    log: &mut Log<'_>,
     attempt: u32,
     outcome: &AttemptOutcome,
     backoff: &Backoff,
@@ -593,13 +601,13 @@ fn wait_backoff(
         last.exit_code = crate::classify::WALLTIME_EXIT;
         last.message =
             Some("walltime reached before the next attempt could start; not retrying".into());
-        emit(
+        log.emit(
             event::STOPPED,
             json!({"attempt": attempt, "reason": "walltime"}),
         );
         return Some(last);
     }
-    emit(
+    log.emit(
         event::BACKOFF,
         json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
     );
@@ -631,7 +639,7 @@ fn wait_backoff(
                 "kiln received signal {} during backoff; not retrying",
                 req.signal
             ));
-            emit(
+            log.emit(
                 event::STOPPED,
                 json!({"attempt": attempt, "signal": req.signal}),
             );

@@ -7,6 +7,10 @@
 //! Environment: KILN_SOAK_MINUTES (30), KILN_SOAK_FAULT_EVERY (120 s), KILN_SOAK_DIR (where the
 //! run directory and soak-report.json are kept; default target/soak-<unix time>).
 //!
+//! Faulted hosts are repaired by the "operator" 150 s after their fault: a downed node is
+//! resumed, and the host is taken off the run's quarantine file (otherwise a long soak would
+//! quarantine the whole cluster, as a real one would without its admins).
+//!
 //! The job runs 2 active nodes + 1 spare per batch job (walltime 6 minutes, chained). Until the
 //! trainer runs data-parallel, rank 0 is the real `kiln train` and rank 1 stands in for a
 //! replica (it follows rank 0's beacon). At the end the final weights are compared with an
@@ -117,6 +121,23 @@ fn current(cluster: &Cluster, run: &Path) -> Option<(Vec<String>, String)> {
     Some((hosts, batch))
 }
 
+/// Takes `host` off a quarantine file, as an operator does after a repair (write a new file,
+/// rename it over the old one).
+fn unquarantine(file: &Path, host: &str) {
+    let Ok(entries) = kiln_launch::read_quarantine(file) else {
+        return;
+    };
+    let kept: String = entries
+        .iter()
+        .filter(|e| e.host != host)
+        .map(|e| serde_json::to_string(e).unwrap() + "\n")
+        .collect();
+    let tmp = file.with_extension("repair");
+    if std::fs::write(&tmp, kept).is_ok() {
+        let _ = std::fs::rename(&tmp, file);
+    }
+}
+
 fn pid_of(dir: &Path, rank: usize) -> Option<i32> {
     std::fs::read_to_string(dir.join(format!("rank-{rank}")))
         .ok()?
@@ -203,7 +224,7 @@ fn soak() {
     let kinds = ["node-down", "stop-replica", "kill-trainer", "stop-trainer"];
     let mut faults: Vec<serde_json::Value> = Vec::new();
     let mut next = Instant::now() + Duration::from_secs_f64(every);
-    let mut downed: Vec<(String, Instant)> = Vec::new();
+    let mut repairs: Vec<(String, Instant, bool)> = Vec::new();
     let limit = Instant::now() + Duration::from_secs_f64(minutes * 60.0 * 3.0 + 600.0);
     let done = |run: &Path| {
         events(run)
@@ -213,17 +234,19 @@ fn soak() {
     while !done(&run) {
         assert!(Instant::now() < limit, "the soak run did not finish");
         std::thread::sleep(Duration::from_millis(500));
-        // Repaired nodes come back to the cluster (this run keeps them quarantined).
-        downed.retain(|(n, at)| {
-            if at.elapsed() > Duration::from_secs(90) {
+        // The operator repairs faulted hosts: back into Slurm and off the quarantine list.
+        repairs.retain(|(n, at, down)| {
+            if at.elapsed() < Duration::from_secs(150) {
+                return true;
+            }
+            if *down {
                 let _ = cluster
                     .cmd("scontrol")
                     .args(["update", &format!("nodename={n}"), "state=resume"])
                     .output();
-                false
-            } else {
-                true
             }
+            unquarantine(&run.join("quarantine.jsonl"), n);
+            false
         });
         if Instant::now() < next {
             continue;
@@ -236,7 +259,7 @@ fn soak() {
             "node-down" => match hosts.iter().find(|h| **h != batch) {
                 Some(h) => {
                     cluster.down(h);
-                    downed.push((h.clone(), Instant::now()));
+                    repairs.push((h.clone(), Instant::now(), true));
                     true
                 }
                 None => false,
@@ -245,6 +268,14 @@ fn soak() {
             "kill-trainer" => pid_of(&keep, 0).is_some_and(|p| signal(p, libc::SIGKILL)),
             _ => pid_of(&keep, 0).is_some_and(|p| signal(p, libc::SIGSTOP)),
         };
+        if ok && kind != "node-down" {
+            let faulted = if kind == "stop-replica" {
+                hosts.get(1)
+            } else {
+                hosts.first()
+            };
+            repairs.extend(faulted.map(|h| (h.clone(), Instant::now(), false)));
+        }
         if ok {
             eprintln!(
                 "soak: t={:.0} s: {kind} (hosts {hosts:?})",

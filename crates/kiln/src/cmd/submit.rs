@@ -39,7 +39,7 @@ pub struct SubmitArgs {
     /// Walltime of each job: seconds or H:MM:SS (at least 1 minute).
     #[arg(long, value_name = "TIME")]
     pub time: String,
-    /// Most jobs in the chain [default: 1, no resubmission].
+    /// Most jobs in the chain (1: no resubmission).
     #[arg(long, value_name = "K", default_value_t = 1)]
     pub chain: u32,
     /// Seconds before the walltime at which the ranks are told to checkpoint
