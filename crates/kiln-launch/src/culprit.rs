@@ -198,7 +198,10 @@ pub struct Clues<'a> {
     pub ppn: usize,
     /// Hosts the scheduler says were lost (left the job, down, drained), with why.
     pub lost: Vec<(String, String)>,
-    /// Hosts (or ranks mapped to hosts) named by the trainer's `replica_mismatch` event.
+    /// Ranks named by the trainer's `replica_mismatch` event (mapped to hosts through their
+    /// beacons, else the block distribution).
+    pub mismatch_ranks: Vec<usize>,
+    /// Hosts named by that event, when it names them.
     pub mismatch_hosts: Vec<String>,
 }
 
@@ -254,8 +257,9 @@ pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
             .filter(|e| e.cause == Cause::NodeFailure)
             .cloned(),
     );
-    for h in &clues.mismatch_hosts {
-        if let Some(host) = canonical(h, hosts) {
+    let named = clues.mismatch_ranks.iter().filter_map(|&r| host_of_rank(r));
+    for h in clues.mismatch_hosts.iter().cloned().chain(named) {
+        if let Some(host) = canonical(&h, hosts) {
             evidence.push(Evidence {
                 host,
                 cause: Cause::ReplicaMismatch,

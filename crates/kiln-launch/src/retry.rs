@@ -300,30 +300,22 @@ fn tail(path: &Path, n: u64) -> Vec<u8> {
     buf
 }
 
-/// Hosts named by the trainer's `replica_mismatch` events written during the attempt
-/// (by host, or by rank mapped through `hosts`/`ppn`).
-fn mismatch_hosts(run_dir: &Path, since: f64, hosts: &[String], ppn: usize) -> Vec<String> {
+/// Ranks and hosts named by the trainer's `replica_mismatch` events written during the
+/// attempt.
+fn mismatches(run_dir: &Path, since: f64) -> (Vec<usize>, Vec<String>) {
     let Ok(events) = kiln_run::read_events(run_dir) else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
-    let mut out: Vec<String> = Vec::new();
+    let (mut ranks, mut hosts) = (Vec::new(), Vec::new());
     for e in events
         .iter()
         .filter(|e| e.event == event::REPLICA_MISMATCH && e.time + 1.0 >= since)
     {
-        let named = e.fields.get("hosts").and_then(Value::as_array);
-        for h in named.into_iter().flatten().filter_map(Value::as_str) {
-            out.push(h.to_string());
-        }
-        let ranks = e.fields.get("ranks").and_then(Value::as_array);
-        for r in ranks.into_iter().flatten().filter_map(Value::as_u64) {
-            if let Some(h) = hosts.get(r as usize / ppn.max(1)) {
-                out.push(h.clone());
-            }
-        }
+        let list = |k: &str| e.fields.get(k).and_then(Value::as_array).cloned().unwrap_or_default();
+        hosts.extend(list("hosts").iter().filter_map(|v| Some(v.as_str()?.to_string())));
+        ranks.extend(list("ranks").iter().filter_map(|v| Some(v.as_u64()? as usize)));
     }
-    out.dedup();
-    out
+    (ranks, hosts)
 }
 
 /// Appends to the event log; a failed write is reported (tracing) but never stops the job:
@@ -359,15 +351,16 @@ fn diagnose_attempt(
     } else {
         Vec::new()
     };
-    let ppn = plan.sizes.ppn;
+    let (mismatch_ranks, mismatch_hosts) = mismatches(run_dir, outcome.start_time);
     diagnose(
         outcome,
         &Clues {
             log: log_tail,
             hosts: &plan.hosts,
-            ppn,
+            ppn: plan.sizes.ppn,
             lost,
-            mismatch_hosts: mismatch_hosts(run_dir, outcome.start_time, &plan.hosts, ppn),
+            mismatch_ranks,
+            mismatch_hosts,
         },
     )
 }

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -70,16 +70,20 @@ impl EventLog {
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(io)?;
-        Ok(Self {
+        let (file, cut) = crate::jsonl::open_append(&path).map_err(io)?;
+        let mut log = Self {
             path,
             file,
             source: source.to_string(),
-        })
+        };
+        if cut > 0 {
+            let path = log.path.display().to_string();
+            log.emit(
+                crate::event::LOG_REPAIRED,
+                serde_json::json!({"path": path, "bytes_removed": cut}),
+            )?;
+        }
+        Ok(log)
     }
 
     /// The file written to.

@@ -5,3 +5,4 @@ pub mod gates;
 pub mod launch;
 pub mod submit;
 pub mod train;
+pub mod yeet;
