@@ -573,7 +573,15 @@ pub fn launch(
     })
     .map_err(|e| LaunchError::Io(e.to_string()))?;
     let last = &result.last;
-    finish(&mut events, &result, started, job_id, chain.as_ref(), &run_dir, req);
+    finish(
+        &mut events,
+        &result,
+        started,
+        job_id,
+        chain.as_ref(),
+        &run_dir,
+        req,
+    );
     Ok(LaunchEnd::Done {
         exit_code: last.exit_code,
         attempts: result.attempts,
@@ -610,8 +618,8 @@ fn finish(
     );
     if let Some(job) = chain {
         let made_progress = events_made_progress(run_dir, started);
-        let exclude = quarantined_hosts(&quarantine_files(run_dir, &req.quarantine_file))
-            .unwrap_or_default();
+        let exclude =
+            quarantined_hosts(&quarantine_files(run_dir, &req.quarantine_file)).unwrap_or_default();
         let (_, reason) = continue_chain(job, last.exit_code, made_progress, &exclude, events);
         eprintln!("kiln: chain job {} of {}: {reason}", job.index, job.limit);
     }

@@ -311,9 +311,23 @@ fn mismatches(run_dir: &Path, since: f64) -> (Vec<usize>, Vec<String>) {
         .iter()
         .filter(|e| e.event == event::REPLICA_MISMATCH && e.time + 1.0 >= since)
     {
-        let list = |k: &str| e.fields.get(k).and_then(Value::as_array).cloned().unwrap_or_default();
-        hosts.extend(list("hosts").iter().filter_map(|v| Some(v.as_str()?.to_string())));
-        ranks.extend(list("ranks").iter().filter_map(|v| Some(v.as_u64()? as usize)));
+        let list = |k: &str| {
+            e.fields
+                .get(k)
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+        };
+        hosts.extend(
+            list("hosts")
+                .iter()
+                .filter_map(|v| Some(v.as_str()?.to_string())),
+        );
+        ranks.extend(
+            list("ranks")
+                .iter()
+                .filter_map(|v| Some(v.as_u64()? as usize)),
+        );
     }
     (ranks, hosts)
 }
@@ -481,8 +495,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         );
         let outcome = run_attempt(&cfg, stop)?;
         let log_tail = tail(&cfg.log_path, 256 * 1024);
-        let diagnosis =
-            diagnose_attempt(&outcome, &plan, &log_tail, &run_dir, &scope, swap_hosts);
+        let diagnosis = diagnose_attempt(&outcome, &plan, &log_tail, &run_dir, &scope, swap_hosts);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
         if let Some(obj) = fields.as_object_mut() {
             obj.insert("cause".into(), json!(diagnosis.cause));
@@ -495,7 +508,14 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         let signature = (outcome.classification != Classification::Success)
             .then(|| error_signature(&log_tail))
             .flatten();
-        let decision = decide(&outcome, &diagnosis, signature, limit, swap_hosts, &mut history);
+        let decision = decide(
+            &outcome,
+            &diagnosis,
+            signature,
+            limit,
+            swap_hosts,
+            &mut history,
+        );
         let (replace, blind) = match decision {
             Finish => return end(outcome, attempt, None, swaps),
             Stop { reason, code } => {
@@ -521,15 +541,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             diagnosis.cause.as_str()
         };
         let stopped = replace_hosts(
-            &mut log,
-            &mut scope,
-            &mut swaps,
-            attempt,
-            &replace,
-            blind,
-            cause,
-            &diagnosis,
-            &run_dir,
+            &mut log, &mut scope, &mut swaps, attempt, &replace, blind, cause, &diagnosis, &run_dir,
         );
         if let Some(reason) = stopped {
             log.emit(
@@ -540,7 +552,14 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             last.exit_code = exit::NODES_EXHAUSTED;
             return end(last, attempt, Some(reason), swaps);
         }
-        let waited = wait_backoff(&mut log, attempt, &outcome, &backoff, template.deadline, stop);
+        let waited = wait_backoff(
+            &mut log,
+            attempt,
+            &outcome,
+            &backoff,
+            template.deadline,
+            stop,
+        );
         if let Some(last) = waited {
             return end(last, attempt, None, swaps);
         }

@@ -18,7 +18,8 @@ use nix::unistd::Pid;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long leftovers get between SIGTERM and SIGKILL once the program has exited.
@@ -137,6 +138,11 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     let pgid = child.id() as i32;
     CHILD_GROUP.store(pgid, Ordering::SeqCst);
     install_forwarding();
+    let sampling = Arc::new(AtomicBool::new(true));
+    if let Some(dir) = progress_dir.clone() {
+        let (rank, on) = (env.rank, Arc::clone(&sampling));
+        std::thread::spawn(move || report_liveness(&dir, rank, pgid, &on));
+    }
     let status = loop {
         match child.wait() {
             Ok(s) => break s,
@@ -144,6 +150,7 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
             Err(_) => break std::process::ExitStatus::from_raw(1 << 8),
         }
     };
+    sampling.store(false, Ordering::SeqCst);
     let exit = match (status.code(), status.signal()) {
         (Some(c), _) => RankExit::Code(c),
         (None, Some(s)) => RankExit::Signal(s),
@@ -155,6 +162,58 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     }
     end_leftovers(Pid::from_raw(pgid));
     Ok(exit)
+}
+
+/// How often a rank's process state and CPU time are written for the supervisor.
+const LIVENESS_EVERY: Duration = Duration::from_millis(500);
+
+/// The state and CPU ticks of the processes of group `pgid`: `T` if any is stopped, else `R`
+/// if any runs, else the state of the group leader; CPU summed over the group (so a wrapper
+/// script's worker counts).
+pub(crate) fn group_liveness(pgid: i32) -> Option<(char, u64)> {
+    let mut cpu = 0u64;
+    let (mut stopped, mut running, mut leader) = (false, false, None);
+    for e in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command name, which may contain spaces and ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() < 13 || f[2].parse::<i32>().ok() != Some(pgid) {
+            continue;
+        }
+        let state = f[0].chars().next().unwrap_or('?');
+        stopped |= matches!(state, 'T' | 't');
+        running |= state == 'R';
+        if pid == pgid {
+            leader = Some(state);
+        }
+        cpu += f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0);
+    }
+    let state = if stopped {
+        'T'
+    } else if running {
+        'R'
+    } else {
+        leader?
+    };
+    Some((state, cpu))
+}
+
+/// Writes `live-<rank>` every [`LIVENESS_EVERY`] while `on` holds.
+fn report_liveness(dir: &std::path::Path, rank: usize, pgid: i32, on: &AtomicBool) {
+    while on.load(Ordering::SeqCst) {
+        if let Some((state, cpu)) = group_liveness(pgid) {
+            let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+        }
+        std::thread::sleep(LIVENESS_EVERY);
+    }
 }
 
 fn install_forwarding() {

@@ -253,6 +253,7 @@ pub fn run_attempt(
         verdict: None,
         stop_signal: None,
         beacons: BTreeMap::new(),
+        live: BTreeMap::new(),
         handled_stops,
     };
     w.run(cfg, &running, &shared, stop, start, start_time);
@@ -373,7 +374,37 @@ struct Watch {
     verdict: Option<Verdict>,
     stop_signal: Option<i32>,
     beacons: BTreeMap<usize, Tracked>,
+    live: BTreeMap<usize, Live>,
     handled_stops: u32,
+}
+
+/// A rank's process as its shim last reported it.
+#[derive(Debug, Clone)]
+struct Live {
+    state: char,
+    cpu_ticks: u64,
+    cpu_changed: Instant,
+}
+
+/// Merges fresh liveness records.
+fn update_liveness(
+    live: &mut BTreeMap<usize, Live>,
+    fresh: Vec<kiln_run::Liveness>,
+    start_time: f64,
+    now: Instant,
+) {
+    for l in fresh.into_iter().filter(|l| l.time + 1.0 >= start_time) {
+        let entry = live.entry(l.rank).or_insert(Live {
+            state: l.state,
+            cpu_ticks: l.cpu_ticks,
+            cpu_changed: now,
+        });
+        if l.cpu_ticks != entry.cpu_ticks {
+            entry.cpu_ticks = l.cpu_ticks;
+            entry.cpu_changed = now;
+        }
+        entry.state = l.state;
+    }
 }
 
 impl Watch {
@@ -469,10 +500,33 @@ impl Watch {
                 if advanced && let Ok(mut s) = shared.lock() {
                     s.advanced(now);
                 }
+                // Ranks kiln spawned itself have no shim to report them: sample them here.
+                let mut fresh = kiln_run::read_liveness(dir);
+                for (pg, rank) in running.groups.iter().zip(&running.ranks) {
+                    if let (Some(rank), Some((state, cpu_ticks))) =
+                        (rank, crate::shim::group_liveness(pg.as_raw()))
+                    {
+                        fresh.push(kiln_run::Liveness {
+                            rank: *rank,
+                            state,
+                            cpu_ticks,
+                            time: kiln_run::unix_time(),
+                            host: kiln_run::this_host().to_string(),
+                        });
+                    }
+                }
+                update_liveness(&mut self.live, fresh, start_time, now);
             }
             if self.verdict.is_none() && self.first_failure.is_none() {
-                self.verdict = watchdog(cfg, shared, &self.beacons, last_beacon_change, now)
-                    .map(|v| ranks_already_exited(cfg).unwrap_or(v));
+                self.verdict = watchdog(
+                    cfg,
+                    shared,
+                    &self.beacons,
+                    &self.live,
+                    last_beacon_change,
+                    now,
+                )
+                .map(|v| ranks_already_exited(cfg).unwrap_or(v));
                 if let Some(v) = &self.verdict {
                     // Say it now, not after the grace period: the operator watching wants to know.
                     if cfg.echo
@@ -876,6 +930,7 @@ fn watchdog(
     cfg: &AttemptConfig,
     shared: &Arc<Mutex<Shared>>,
     beacons: &BTreeMap<usize, Tracked>,
+    live: &BTreeMap<usize, Live>,
     last_beacon_change: Instant,
     now: Instant,
 ) -> Option<Verdict> {
@@ -900,7 +955,7 @@ fn watchdog(
         }
         let worst = idle.iter().map(|i| i.2).fold(0.0, f64::max);
         if !idle.is_empty() && worst >= limit.as_secs_f64() {
-            let (culprits, who) = culprits(beacons, &output_progress, now);
+            let (culprits, who) = culprits(beacons, live, &output_progress, now);
             let step = idle.iter().map(|i| i.1).max().unwrap_or(0);
             return Some(Verdict {
                 exit_code: None,
@@ -920,7 +975,7 @@ fn watchdog(
         let last = last_output.unwrap_or(now).max(last_beacon_change);
         let quiet = now.duration_since(last).as_secs_f64();
         if quiet >= limit.as_secs_f64() {
-            let (culprits, who) = culprits(beacons, &output_progress, now);
+            let (culprits, who) = culprits(beacons, live, &output_progress, now);
             let step = output_progress
                 .values()
                 .map(|p| p.0)
@@ -947,6 +1002,7 @@ fn watchdog(
 /// last advance is within half a second of the earliest. Beacons win over output.
 fn culprits(
     beacons: &BTreeMap<usize, Tracked>,
+    live: &BTreeMap<usize, Live>,
     output: &BTreeMap<Option<usize>, (u64, Instant)>,
     now: Instant,
 ) -> (Vec<usize>, String) {
@@ -1005,14 +1061,49 @@ fn culprits(
             )
         })
         .collect();
+    let (first, how) = narrow_by_liveness(first, live, now);
     let list: Vec<String> = first.iter().map(usize::to_string).collect();
     let who = format!(
-        "ranks that stopped advancing first: {} (from {}s: {})",
+        "ranks that stopped advancing first: {} (from {}s{how}: {})",
         list.join(", "),
         ranks[0].3,
         detail.join(", ")
     );
     (first, who)
+}
+
+/// Among ranks that stopped at the same step at the same time (a collective: the healthy
+/// ones wait for the stuck one), the stuck one is the process that does nothing: stopped, or
+/// using no CPU while the others spin in MPI. Returns the narrowed list (unchanged when the
+/// processes do not tell them apart) and how it was narrowed.
+fn narrow_by_liveness(
+    tied: Vec<usize>,
+    live: &BTreeMap<usize, Live>,
+    now: Instant,
+) -> (Vec<usize>, &'static str) {
+    if tied.len() < 2 || !tied.iter().all(|r| live.contains_key(r)) {
+        return (tied, "");
+    }
+    let strict = |v: &Vec<usize>| !v.is_empty() && v.len() < tied.len();
+    let stopped: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| matches!(live[r].state, 'T' | 't'))
+        .collect();
+    if strict(&stopped) {
+        return (stopped, " and process states: stopped");
+    }
+    let idle_for = |r: &usize| now.saturating_duration_since(live[r].cpu_changed);
+    let busy = tied.iter().any(|r| idle_for(r) < Duration::from_secs(1));
+    let idle: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| idle_for(r) >= Duration::from_secs(2))
+        .collect();
+    if busy && strict(&idle) {
+        return (idle, " and CPU use: no CPU while the others spin");
+    }
+    (tied, "")
 }
 
 fn progress_report(

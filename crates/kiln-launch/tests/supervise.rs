@@ -135,3 +135,32 @@ fn in_a_collective_the_rank_that_is_not_waiting_is_the_culprit() {
     assert_eq!(hosts, ["h0", "h1"]);
     assert!(o.advanced());
 }
+
+#[test]
+fn in_a_tie_the_stopped_rank_is_the_culprit() {
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    // Both ranks write beacons up to step 3 at the same moments and then stop advancing, as
+    // data-parallel ranks do when one of them hangs: rank 1 is stopped (SIGSTOP), rank 0 keeps
+    // spinning (as MPI does while it waits in a collective).
+    let script = |rank: usize, tail: &str| {
+        format!(
+            "for i in 1 2 3; do printf '%s train %s\n' $i $(date +%s.%N) > {p}/.t{rank}; mv {p}/.t{rank} {p}/rank-{rank}; sleep 0.05; done; echo ready; {tail}",
+            p = progress.display()
+        )
+    };
+    let mut cfg = config(
+        dir.path(),
+        vec![
+            sh(&script(0, "while :; do :; done"), Some(0)),
+            sh(&script(1, "kill -STOP $$"), Some(1)),
+        ],
+    );
+    cfg.progress_dir = Some(progress.clone());
+    cfg.stall_timeout = Some(Duration::from_secs(2));
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::HungStalled);
+    assert_eq!(o.culprits, [1], "{:?}", o.message);
+    assert!(o.message.unwrap().contains("stopped"));
+}

@@ -193,6 +193,74 @@ pub fn read_exit_records(dir: &Path) -> Vec<ExitRecord> {
     records
 }
 
+/// What the operating system says about a rank's process: written every half second by
+/// `kiln launch --as-rank`, so a hang can be pinned on the rank that does nothing (stopped,
+/// or blocked without using the CPU) while the others wait for it in a collective (where MPI
+/// spins).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Liveness {
+    /// The rank (from the file name).
+    pub rank: usize,
+    /// The process state letter of `/proc/<pid>/stat` (`R`, `S`, `D`, `T` stopped, ...).
+    pub state: char,
+    /// CPU time used so far, in clock ticks (user + system, all threads).
+    pub cpu_ticks: u64,
+    /// When it was sampled, Unix seconds.
+    pub time: f64,
+    /// The host.
+    pub host: String,
+}
+
+/// Atomically writes `dir/live-<rank>`: `<state> <cpu_ticks> <time> <host>`.
+pub fn write_liveness(
+    dir: &Path,
+    rank: usize,
+    state: char,
+    cpu_ticks: u64,
+    time: f64,
+) -> Result<(), BeaconError> {
+    let path = dir.join(layout::liveness(rank));
+    let tmp = dir.join(format!(".{}.tmp", layout::liveness(rank)));
+    let io = |source| BeaconError::Io {
+        path: path.clone(),
+        source,
+    };
+    let state = if state.is_ascii_alphabetic() {
+        state
+    } else {
+        '?'
+    };
+    std::fs::write(
+        &tmp,
+        format!("{state} {cpu_ticks} {time:.3} {}\n", this_host()),
+    )
+    .map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)
+}
+
+/// Reads every `live-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
+pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
+    let mut v: Vec<Liveness> = read_rank_files(dir, layout::LIVENESS_PREFIX)
+        .into_iter()
+        .filter_map(|(rank, text)| {
+            let mut it = text.split_whitespace();
+            let state = it.next()?.chars().next()?;
+            let cpu_ticks = it.next()?.parse().ok()?;
+            let time = it.next()?.parse().ok()?;
+            let host = it.next()?.to_string();
+            Some(Liveness {
+                rank,
+                state,
+                cpu_ticks,
+                time,
+                host,
+            })
+        })
+        .collect();
+    v.sort_by_key(|l| l.rank);
+    v
+}
+
 /// `(rank, contents)` of every readable `<prefix><rank>` file in `dir`. Reads are bounded:
 /// a beacon is one short line, and the directory may be shared with foreign programs.
 fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> {
@@ -226,7 +294,7 @@ pub fn clear_rank_files(dir: &Path) {
     };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = ["rank-", "exit-", ".rank-", ".exit-"]
+        let ours = ["rank-", "exit-", "live-", ".rank-", ".exit-", ".live-"]
             .iter()
             .any(|p| name.starts_with(p));
         if ours {
@@ -284,6 +352,9 @@ mod tests {
             (r[1].rank, r[1].code, r[1].host.as_str()),
             (2, Some(78), this_host())
         );
+        write_liveness(dir.path(), 1, 'T', 42, 7.0).unwrap();
+        let l = read_liveness(dir.path());
+        assert_eq!((l[0].rank, l[0].state, l[0].cpu_ticks), (1, 'T', 42));
         std::fs::write(dir.path().join("unrelated"), "x").unwrap();
         clear_rank_files(dir.path());
         let left: Vec<_> = std::fs::read_dir(dir.path())

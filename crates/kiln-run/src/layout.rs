@@ -37,6 +37,13 @@ pub fn beacon(rank: usize) -> String {
 pub const BEACON_PREFIX: &str = "rank-";
 /// File-name prefix of exit records (`exit-<R>`).
 pub const EXIT_RECORD_PREFIX: &str = "exit-";
+/// File-name prefix of liveness records (`live-<R>`).
+pub const LIVENESS_PREFIX: &str = "live-";
+
+/// A rank's liveness record in the progress directory (see [`crate::write_liveness`]).
+pub fn liveness(rank: usize) -> String {
+    format!("{LIVENESS_PREFIX}{rank}")
+}
 
 /// A rank's exit record in the progress directory (see [`crate::write_exit_record`]).
 pub fn exit_record(rank: usize) -> String {

@@ -25,8 +25,9 @@ pub mod layout;
 pub mod ledger;
 
 pub use beacon::{
-    Beacon, BeaconError, ExitRecord, HOST_ENV, PROGRESS_DIR_ENV, clear_rank_files, read_beacons,
-    read_exit_records, this_host, write_beacon, write_exit_record,
+    Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, PROGRESS_DIR_ENV, clear_rank_files,
+    read_beacons, read_exit_records, read_liveness, this_host, write_beacon, write_exit_record,
+    write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 

@@ -2,10 +2,11 @@
 //! own directory and port range; see `common/slurm.rs`), training with the real `kiln train`.
 //! Without Slurm installed these tests fail on purpose (`.ci/run` installs it).
 //!
-//! Until the trainer runs data-parallel over MPI, rank 0 of a multi-node job is the real
+//! Multi-node jobs train data-parallel over MPI (srun with PMIx) when kiln is built with the
+//! `mpi` feature, as the README's test command builds it. Without it, rank 0 is the real
 //! trainer and the other ranks stand in for its replicas: each follows rank 0's progress in
-//! its own beacon (with its own host) and ends when rank 0 is done. A downed node or a stopped
-//! rank is then exactly what node scope must find and replace.
+//! its own beacon (with its own host) and ends when rank 0 is done. Either way a downed node
+//! or a stopped rank is what node scope must find and replace.
 
 mod common;
 
@@ -24,11 +25,21 @@ fn train_sets(steps: u64) -> Vec<String> {
         format!("training.steps={steps}"),
         "checkpoint.interval=50".to_string(),
         "eval.interval=0".to_string(),
+        "training.batch_size=2".to_string(),
+        "training.compute_shards=1".to_string(),
     ]);
     v
 }
 
+/// Whether multi-node jobs run the data-parallel trainer on every rank.
+const DATA_PARALLEL: bool = cfg!(feature = "mpi");
+
 fn train_args(run: &Path, steps: u64) -> Vec<String> {
+    train_args_with(run, steps, &[])
+}
+
+/// [`train_args`] with more `--set`s.
+fn train_args_with(run: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
     let mut a = vec![
         KILN.to_string(),
         "train".into(),
@@ -36,24 +47,92 @@ fn train_args(run: &Path, steps: u64) -> Vec<String> {
         run.display().to_string(),
         "--no-progress-bar".into(),
     ];
-    for s in train_sets(steps) {
+    for s in train_sets(steps)
+        .iter()
+        .map(String::as_str)
+        .chain(extra.iter().copied())
+    {
         a.push("--set".into());
-        a.push(s);
+        a.push(s.to_string());
     }
     a
 }
 
-/// The same training run, uninterrupted, for the weights to compare with.
-fn reference_weights(dir: &Path, steps: u64) -> Vec<u8> {
+/// The same training run on `ranks` ranks, uninterrupted, for the weights to compare with
+/// (data-parallel ranks through a local `kiln launch --mpi`).
+fn reference_weights(dir: &Path, steps: u64, ranks: usize) -> Vec<u8> {
     let run = dir.join("reference");
-    let args = train_args(&run, steps);
-    let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
+    let mut args = train_args(&run, steps);
+    if ranks > 1 && DATA_PARALLEL {
+        let np = ranks.to_string();
+        let mut launch: Vec<String> = [KILN, "launch", "--mpi", "--np", &np, "--run-dir"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        launch.push(run.display().to_string());
+        launch.push("--".into());
+        launch.append(&mut args);
+        args = launch;
+    }
+    let mut cmd = Command::new(&args[0]);
+    cmd.args(&args[1..]);
+    for v in [
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "PBS_JOBID",
+        "KILN_PROGRESS_DIR",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
+        cmd.env_remove(v);
+    }
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     std::fs::read(run.join("model.safetensors")).unwrap()
+}
+
+/// What every rank of a multi-node job runs: the data-parallel trainer, or (without MPI)
+/// the rank script.
+fn rank_command(dir: &Path, run: &Path, steps: u64) -> Vec<String> {
+    if DATA_PARALLEL {
+        train_args(run, steps)
+    } else {
+        vec![
+            "sh".into(),
+            rank_script(dir, run, steps).display().to_string(),
+        ]
+    }
+}
+
+/// The PID of rank `rank`'s program: the trainer whose environment has RANK=<rank> (set by
+/// `kiln launch --as-rank`), or the rank script's recorded PID.
+fn rank_pid(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
+    if !DATA_PARALLEL {
+        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}"))).ok()?;
+        return text.trim().parse().ok();
+    }
+    let want_rank = format!("RANK={rank}");
+    let want_dir = run.display().to_string();
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let trainer = args.get(1).is_some_and(|a| a == "train") && args.contains(&want_dir);
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 /// The rank program: rank 0 trains, the others follow (see the module docs). Each rank
@@ -149,7 +228,7 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
     let steps = 1200;
-    let script = rank_script(&dir, &run, steps);
+    let command = rank_command(&dir, &run, steps);
     let id = submit(
         &cluster,
         &run,
@@ -163,7 +242,7 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
             "--launch-arg=--timeout=30",
             "--launch-arg=--backoff=0.5",
         ],
-        &["sh".into(), script.display().to_string()],
+        &command,
     );
     wait_until(Duration::from_secs(120), "a checkpoint at step 200", || {
         last_step(&run) >= 200
@@ -209,7 +288,7 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     // Resumed from the last checkpoint: the same weights as a run never interrupted.
     let weights = std::fs::read(run.join("model.safetensors")).unwrap();
     assert!(
-        weights == reference_weights(&dir, steps),
+        weights == reference_weights(&dir, steps, if DATA_PARALLEL { 3 } else { 1 }),
         "final weights differ from an uninterrupted run"
     );
     // kiln status shows the ledger and the swap.
@@ -224,7 +303,7 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
-    let script = rank_script(&dir, &run, 900);
+    let command = rank_command(&dir, &run, 900);
     let id = submit(
         &cluster,
         &run,
@@ -240,17 +319,13 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
             "--launch-arg=--backoff=0.5",
             "--launch-arg=--grace=5",
         ],
-        &["sh".into(), script.display().to_string()],
+        &command,
     );
     wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
         last_step(&run) >= 100
     });
     // Rank 1 (on n2) hangs; the others keep going, output and heartbeats continue.
-    let pid: i32 = std::fs::read_to_string(dir.join("rank-1"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = rank_pid(&dir, &run, 1).expect("rank 1's process");
     // SAFETY: kill(2) on a rank process this test's cluster started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let state = cluster.wait_job(&id, Duration::from_secs(240));
@@ -327,7 +402,7 @@ fn a_chained_job_crosses_the_walltime_through_a_usr1_checkpoint_with_the_same_we
     let steps = 3000;
     let reference = std::thread::spawn({
         let dir = dir.clone();
-        move || reference_weights(&dir, steps)
+        move || reference_weights(&dir, steps, 1)
     });
     let first = submit(
         &cluster,
@@ -443,7 +518,13 @@ fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
-    let script = rank_script(&dir, &run, 900);
+    // A global batch that 3 and 2 ranks share evenly: the trainer resumes at fewer ranks with
+    // the same samples per step.
+    let command = if DATA_PARALLEL {
+        train_args_with(&run, 900, &["training.global_batch_size=12"])
+    } else {
+        rank_command(&dir, &run, 900)
+    };
     let id = submit(
         &cluster,
         &run,
@@ -458,7 +539,7 @@ fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
             "--launch-arg=--timeout=30",
             "--launch-arg=--backoff=0.5",
         ],
-        &["sh".into(), script.display().to_string()],
+        &command,
     );
     wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
         last_step(&run) >= 100

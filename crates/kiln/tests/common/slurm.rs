@@ -8,7 +8,9 @@
 //! fake nodes `NodeName=nI NodeHostname=localhost NodeAddr=127.0.0.1 Port=<own>` with `%n` in
 //! the slurmd paths and `SlurmdParameters=config_overrides`; `batch_sched_delay=0,bf_interval=1`,
 //! `AuthInfo=cred_expire=5` (a requeued job restarts in seconds), `ReturnToService=1`,
-//! `MinJobAge=600`, `JobCompType=jobcomp/filetxt` (no slurmdbd, so no sacct).
+//! `MinJobAge=600`, `JobCompType=jobcomp/filetxt` (no slurmdbd, so no sacct); MPI jobs
+//! through `MpiDefault=pmix` with `TmpFS=<dir>/tmp-%n` (the PMIx plugin's per-step directory
+//! would collide between fake nodes in one /tmp).
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -94,7 +96,8 @@ impl Cluster {
              SlurmdParameters=config_overrides\n\
              ProctrackType=proctrack/linuxproc\n\
              TaskPlugin=task/none\n\
-             MpiDefault=none\n\
+             MpiDefault=pmix\n\
+             TmpFS={d}/tmp-%n\n\
              SchedulerType=sched/backfill\n\
              SchedulerParameters=batch_sched_delay=0,bf_interval=1\n\
              SelectType=select/linear\n\
@@ -107,6 +110,11 @@ impl Cluster {
             d = d.display()
         );
         let nodes: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
+        // Per-node temporary directories: Slurm's PMIx plugin (MPI jobs) keeps one per job
+        // step in TmpFS, and the fake nodes share one machine.
+        for node in &nodes {
+            std::fs::create_dir_all(d.join(format!("tmp-{node}"))).unwrap();
+        }
         for (i, node) in nodes.iter().enumerate() {
             conf.push_str(&format!(
                 "NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={} CPUs={cpus}\n",
