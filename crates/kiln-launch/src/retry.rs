@@ -198,6 +198,8 @@ pub struct History {
     pub previous_zero_step: bool,
     /// The previous failed attempt's error signature.
     pub previous_signature: Option<String>,
+    /// The previous attempt's last step.
+    pub previous_last_step: Option<u64>,
 }
 
 /// The policy, as a pure function of the attempt, its diagnosis and the history (which it
@@ -225,6 +227,7 @@ pub fn decide(
     let zero_step = !o.advanced();
     let previous_zero = std::mem::replace(&mut h.previous_zero_step, zero_step);
     let previous_signature = std::mem::replace(&mut h.previous_signature, signature.clone());
+    let previous_last_step = std::mem::replace(&mut h.previous_last_step, o.last_progress);
     if !o.classification.retryable() {
         return Finish;
     }
@@ -236,7 +239,9 @@ pub fn decide(
                 code: o.exit_code,
             };
         }
-        if signature.is_some() && signature == previous_signature && !o.advanced() {
+        // The same error again, before any step or at the very step it happened before.
+        let same_place = !o.advanced() || o.last_progress == previous_last_step;
+        if signature.is_some() && signature == previous_signature && same_place {
             return Stop {
                 reason: format!(
                     "the same error twice in a row ({}): deterministic; not using spares",
@@ -777,7 +782,33 @@ mod tests {
             &mut h,
         );
         assert!(matches!(
-            decide(&o, &diag("crash", &["n4"]), sig, auto, true, &mut h),
+            decide(&o, &diag("crash", &["n4"]), sig.clone(), auto, true, &mut h),
+            Stop { .. }
+        ));
+        // The same error at the same step after a swap is the program's, even with progress.
+        let mut h = History::default();
+        let at = |step| {
+            let mut o = outcome(Classification::ReplicaMismatch, 76, true);
+            o.last_progress = Some(step);
+            o
+        };
+        let _ = decide(
+            &at(40),
+            &diag("replica-mismatch", &["n2"]),
+            sig.clone(),
+            auto,
+            true,
+            &mut h,
+        );
+        assert!(matches!(
+            decide(
+                &at(40),
+                &diag("replica-mismatch", &["n4"]),
+                sig.clone(),
+                auto,
+                true,
+                &mut h
+            ),
             Stop { .. }
         ));
         // No evidence after progress: a blind swap; a preemption: retried in place.

@@ -77,14 +77,18 @@ Node scope (--auto-retry, or --spares N):
   `Node failure on nX` and `nX: task N: Exited with exit code`, PALS `rank N died from
   signal`/shepherd, OpenMPI `on node X exited on signal`/lost daemon, gloo `Connection closed by
   peer [X]`, NCCL `remote peer X<port>`, Hydra `[proxy:..@X]`), the trainer's replica_mismatch
-  event, per-rank beacons (the rank that stopped advancing first, on its host), per-rank exit
-  records (the rank that failed first). Evidence that blames every host names none. Then:
+  event, per-rank beacons (the rank that stopped advancing first, on its host; when ranks
+  stopped together, as in a collective, the one whose process is stopped or uses no CPU while
+  the others spin, from $KILN_PROGRESS_DIR/live-<rank> written by the rank shim), per-rank
+  exit records (the rank that failed first). Evidence that blames every host names none. Then:
     culprit named   swap it for a spare (same rank positions), quarantine it, relaunch; with no
-                    spare left, drop it if --min-nodes allows, else stop with 69
+                    spare left, drop it if --min-nodes allows, else stop with 69. Before any
+                    step only a node failure or a replica mismatch is worth a spare
     no evidence     after progress: swap rank 0's host as a guess (a blind swap, counted apart);
                     before any step, or a preemption: retry on the same hosts
     deterministic   exit 2/65/73/78, two attempts in a row that completed no step, or the same
-                    error twice in a row: stop with the program's code; no spare is used
+                    error twice in a row (before any step, or at the same step): stop with the
+                    program's code; no spare is used
   Quarantined hosts go to RUN_DIR/quarantine.jsonl and --quarantine-file (a shared file later
   jobs read: `kiln launch` skips and `kiln submit` excludes the hosts it lists).
   Job scope (`kiln submit`) adds --chain/--chain-script: at the end of a batch job whose exit is
