@@ -95,6 +95,20 @@ fn reference_weights(dir: &Path, steps: u64, ranks: usize) -> Vec<u8> {
     std::fs::read(run.join("model.safetensors")).unwrap()
 }
 
+/// Training steps that take about `target` on this machine now (measured on 300 steps).
+fn steps_for(dir: &Path, target: Duration) -> u64 {
+    let args = train_args(&dir.join("calibrate"), 300);
+    let t = std::time::Instant::now();
+    let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let per_step = t.elapsed().as_secs_f64() / 300.0;
+    ((target.as_secs_f64() / per_step) as u64).clamp(1000, 200_000) / 50 * 50
+}
+
 /// What every rank of a multi-node job runs: the data-parallel trainer, or (without MPI)
 /// the rank script.
 fn rank_command(dir: &Path, run: &Path, steps: u64) -> Vec<String> {
@@ -398,8 +412,9 @@ fn a_chained_job_crosses_the_walltime_through_a_usr1_checkpoint_with_the_same_we
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
-    // More steps than fit before the first job's warning (about 30 s into a 1-minute job).
-    let steps = 3000;
+    // About 45 s of training on this machine now: more than fits before the first job's
+    // warning (about 30 s into a 1-minute job), on a quiet or a busy machine.
+    let steps = steps_for(&dir, Duration::from_secs(45));
     let reference = std::thread::spawn({
         let dir = dir.clone();
         move || reference_weights(&dir, steps, 1)

@@ -11,10 +11,12 @@
 //! resumed, and the host is taken off the run's quarantine file (otherwise a long soak would
 //! quarantine the whole cluster, as a real one would without its admins).
 //!
-//! The job runs 2 active nodes + 1 spare per batch job (walltime 6 minutes, chained). Until the
-//! trainer runs data-parallel, rank 0 is the real `kiln train` and rank 1 stands in for a
-//! replica (it follows rank 0's beacon). At the end the final weights are compared with an
-//! uninterrupted run of the same config (run alongside), and the ledger is printed.
+//! The job runs 2 active nodes + 1 spare per batch job (walltime 6 minutes, chained), and
+//! trains data-parallel over MPI on both nodes when built with `--features mpi` (without it,
+//! rank 0 is the real `kiln train` and rank 1 stands in for a replica, following rank 0's
+//! beacon). At the end the final weights are compared with an uninterrupted run of the same
+//! config (run alongside: `kiln launch --mpi --np 2` locally for data-parallel), and the
+//! ledger is printed.
 
 mod common;
 
@@ -41,8 +43,49 @@ fn train_sets(steps: u64) -> Vec<String> {
         "checkpoint.interval=200".to_string(),
         "checkpoint.keep_latest_k=3".to_string(),
         "eval.interval=0".to_string(),
+        "training.batch_size=2".to_string(),
+        "training.compute_shards=1".to_string(),
     ]);
     v
+}
+
+/// Whether both ranks run the data-parallel trainer.
+const DATA_PARALLEL: bool = cfg!(feature = "mpi");
+
+/// `args` run uninterrupted on `ranks` ranks (a local `kiln launch --mpi` for more than one).
+fn uninterrupted(run: &Path, args: Vec<String>, ranks: usize) -> Command {
+    let mut argv = args;
+    if ranks > 1 {
+        let mut launch: Vec<String> = vec![
+            KILN.into(),
+            "launch".into(),
+            "--mpi".into(),
+            "--np".into(),
+            ranks.to_string(),
+            "--run-dir".into(),
+            run.display().to_string(),
+            "--".into(),
+        ];
+        launch.append(&mut argv);
+        argv = launch;
+    }
+    let mut c = Command::new(&argv[0]);
+    c.args(&argv[1..]);
+    for v in [
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "PBS_JOBID",
+        "KILN_PROGRESS_DIR",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn ranks() -> usize {
+    if DATA_PARALLEL { 2 } else { 1 }
 }
 
 fn train_args(run: &Path, steps: u64) -> Vec<String> {
@@ -63,9 +106,10 @@ fn train_args(run: &Path, steps: u64) -> Vec<String> {
 /// Seconds per step of this config on this machine now.
 fn step_time(dir: &Path) -> f64 {
     let run = dir.join("calibrate");
-    let args = train_args(&run, 400);
     let t = Instant::now();
-    let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
+    let out = uninterrupted(&run, train_args(&run, 400), ranks())
+        .output()
+        .unwrap();
     assert!(out.status.success());
     t.elapsed().as_secs_f64() / 400.0
 }
@@ -138,12 +182,31 @@ fn unquarantine(file: &Path, host: &str) {
     }
 }
 
-fn pid_of(dir: &Path, rank: usize) -> Option<i32> {
-    std::fs::read_to_string(dir.join(format!("rank-{rank}")))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+/// The PID of rank `rank`'s program: the trainer whose environment has RANK=<rank> (set by
+/// `kiln launch --as-rank`), or the rank script's recorded PID.
+fn pid_of(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
+    if !DATA_PARALLEL {
+        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}"))).ok()?;
+        return text.trim().parse().ok();
+    }
+    let want_rank = format!("RANK={rank}");
+    let want_dir = run.display().to_string();
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let trainer = args.get(1).is_some_and(|a| a == "train") && args.contains(&want_dir);
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 fn signal(pid: i32, sig: i32) -> bool {
@@ -179,8 +242,9 @@ fn soak() {
         let keep = keep.clone();
         move || {
             let r = keep.join("reference");
-            let args = train_args(&r, steps);
-            let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
+            let out = uninterrupted(&r, train_args(&r, steps), ranks())
+                .output()
+                .unwrap();
             assert!(
                 out.status.success(),
                 "{}",
@@ -189,7 +253,14 @@ fn soak() {
             std::fs::read(r.join("model.safetensors")).unwrap()
         }
     });
-    let script = rank_script(&keep, &run, steps);
+    let command: Vec<String> = if DATA_PARALLEL {
+        train_args(&run, steps)
+    } else {
+        vec![
+            "sh".into(),
+            rank_script(&keep, &run, steps).display().to_string(),
+        ]
+    };
     let mut c = cluster.cmd(KILN);
     c.args([
         "submit",
@@ -213,8 +284,7 @@ fn soak() {
         "--launch-arg=--grace=5",
         "--",
     ])
-    .arg("sh")
-    .arg(&script);
+    .args(&command);
     let out = c.output().unwrap();
     assert!(
         out.status.success(),
@@ -264,9 +334,9 @@ fn soak() {
                 }
                 None => false,
             },
-            "stop-replica" => pid_of(&keep, 1).is_some_and(|p| signal(p, libc::SIGSTOP)),
-            "kill-trainer" => pid_of(&keep, 0).is_some_and(|p| signal(p, libc::SIGKILL)),
-            _ => pid_of(&keep, 0).is_some_and(|p| signal(p, libc::SIGSTOP)),
+            "stop-replica" => pid_of(&keep, &run, 1).is_some_and(|p| signal(p, libc::SIGSTOP)),
+            "kill-trainer" => pid_of(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGKILL)),
+            _ => pid_of(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGSTOP)),
         };
         if ok && kind != "node-down" {
             let faulted = if kind == "stop-replica" {
