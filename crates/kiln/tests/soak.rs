@@ -4,8 +4,9 @@
 //!
 //!   cargo test --release -p kiln --test soak -- --ignored --nocapture
 //!
-//! Environment: KILN_SOAK_MINUTES (30), KILN_SOAK_FAULT_EVERY (120 s), KILN_SOAK_DIR (where the
-//! run directory and soak-report.json are kept; default target/soak-<unix time>).
+//! Environment: KILN_SOAK_MINUTES (30), KILN_SOAK_FAULT_EVERY (120 s), KILN_SOAK_STEPS (the
+//! training length; default: what a calibration run says fits the minutes), KILN_SOAK_DIR
+//! (where the run directory and soak-report.json are kept; default target/soak-<unix time>).
 //!
 //! Faulted hosts are repaired by the "operator" 150 s after their fault: a downed node is
 //! resumed, and the host is taken off the run's quarantine file (otherwise a long soak would
@@ -230,8 +231,12 @@ fn soak() {
     let keep = std::path::absolute(&keep).unwrap();
     let run = keep.join("run");
     let per_step = step_time(&keep);
-    // Sized to take about the soak's length when nothing fails.
-    let steps = ((minutes * 60.0 / per_step) as u64 / 200 * 200).max(2000);
+    // Sized to take about the soak's length when nothing fails (the calibration includes a
+    // launch and runs beside other work: KILN_SOAK_STEPS overrides it).
+    let steps = env_or(
+        "KILN_SOAK_STEPS",
+        ((minutes * 60.0 / per_step) as u64 / 200 * 200).max(2000),
+    );
     eprintln!(
         "soak: {minutes} min, a fault every {every} s, {steps} steps at {:.1} ms/step, in {}",
         per_step * 1e3,
