@@ -109,15 +109,44 @@ impl Default for ModelConfig {
     }
 }
 
-/// AdamW with decoupled weight decay (PyTorch semantics and defaults).
+/// Which optimizer updates the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// AdamW with decoupled weight decay (PyTorch's arithmetic).
+    #[default]
+    Adamw,
+    /// Muon (momentum orthogonalised by Newton-Schulz) for the 2-D hidden matrices, AdamW
+    /// for embeddings, norms and the output head.
+    Muon,
+    /// SophiaG: clipped, Hessian-preconditioned momentum with the Gauss-Newton-Bartlett
+    /// estimate of the diagonal Hessian every `sophia.hessian_interval` steps.
+    Sophiag,
+}
+
+impl OptimizerKind {
+    /// The name used in configs and checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Adamw => "adamw",
+            Self::Muon => "muon",
+            Self::Sophiag => "sophiag",
+        }
+    }
+}
+
+/// The optimizer: AdamW (default), Muon or SophiaG, with PyTorch's semantics and defaults.
+/// `lr`, the schedule, weight decay and clipping apply to all three.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// Peak learning rate.
+    /// `adamw`, `muon` or `sophiag`.
+    pub kind: OptimizerKind,
+    /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
-    /// Adam beta1.
+    /// Adam beta1; SophiaG's momentum beta1.
     pub beta1: f64,
-    /// Adam beta2.
+    /// Adam beta2; SophiaG's beta2 of the Hessian EMA.
     pub beta2: f64,
     /// Adam epsilon (PyTorch's 1e-8, not burn's 1e-5).
     pub eps: f64,
@@ -127,11 +156,16 @@ pub struct OptimizerConfig {
     pub decay_norms_and_embeddings: bool,
     /// Clip the global gradient norm to this value; 0 disables clipping.
     pub max_grad_norm: f64,
+    /// Muon's settings (`kind = "muon"`).
+    pub muon: MuonConfig,
+    /// SophiaG's settings (`kind = "sophiag"`).
+    pub sophia: SophiaConfig,
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
         Self {
+            kind: OptimizerKind::Adamw,
             lr: 3e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -139,6 +173,66 @@ impl Default for OptimizerConfig {
             weight_decay: 0.1,
             decay_norms_and_embeddings: false,
             max_grad_norm: 1.0,
+            muon: MuonConfig::default(),
+            sophia: SophiaConfig::default(),
+        }
+    }
+}
+
+/// How Muon scales its learning rate per matrix (PyTorch's `adjust_lr_fn`), for a matrix of
+/// `out x in` (Hugging Face layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonLrAdjust {
+    /// Keller Jordan's: lr * sqrt(max(1, out/in)); Muon then wants its own, larger LR.
+    Original,
+    /// Moonshot's: lr * 0.2 * sqrt(max(out, in)), which matches the update RMS of AdamW, so
+    /// one LR (and one LR sweep) serves both the Muon and the AdamW parameters.
+    MatchRmsAdamw,
+}
+
+/// Muon (Jordan et al. 2024; PyTorch's `torch.optim.Muon`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MuonConfig {
+    /// Momentum coefficient.
+    pub momentum: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315).
+    pub ns_steps: usize,
+    /// Per-matrix LR scaling: `match_rms_adamw` or `original`.
+    pub adjust_lr: MuonLrAdjust,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            adjust_lr: MuonLrAdjust::MatchRmsAdamw,
+        }
+    }
+}
+
+/// SophiaG (Liu et al. 2023). beta1, beta2 and weight decay are `optimizer.beta1/beta2/
+/// weight_decay`; the defaults are the seeds' settings (0.9/0.95, rho 0.01, wd 0.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SophiaConfig {
+    /// Clipping threshold: the update is lr * sign(m) * min(|m| / (rho * tokens * h), 1),
+    /// tokens = tokens per optimizer step.
+    pub rho: f64,
+    /// Estimate the diagonal Hessian (Gauss-Newton-Bartlett) every this many steps (k).
+    pub hessian_interval: u64,
+}
+
+impl Default for SophiaConfig {
+    fn default() -> Self {
+        Self {
+            rho: 0.01,
+            hessian_interval: 10,
         }
     }
 }
@@ -214,6 +308,25 @@ pub struct TrainingConfig {
     pub compute_shards: usize,
     /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
     pub peak_flops: f64,
+    /// Compute precision of the matmuls (forward and backward): `f32` or `bf16`. With
+    /// `bf16`, weights and activations enter every matmul as bf16 while norms, softmax, the
+    /// loss and the residual stream stay f32 (as PyTorch's autocast).
+    pub dtype: Precision,
+    /// Precision of the stored (master) weights: `f32` (default; optimizer state is always
+    /// f32) or `bf16`, which saves memory but loses every update smaller than half a bf16
+    /// step: norm weights near 1.0 then never move (the seeds' frozen-RMSNorm bug).
+    pub master_dtype: Precision,
+}
+
+/// A floating-point precision of `training.dtype` / `training.master_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// bfloat16: f32's exponent range, 8 bits of mantissa.
+    Bf16,
 }
 
 impl Default for TrainingConfig {
@@ -229,6 +342,8 @@ impl Default for TrainingConfig {
             threads: 0,
             compute_shards: 2,
             peak_flops: 0.0,
+            dtype: Precision::F32,
+            master_dtype: Precision::F32,
         }
     }
 }
@@ -243,6 +358,11 @@ pub struct CheckpointConfig {
     pub keep_latest_k: usize,
     /// Resume from the newest valid checkpoint in the run directory, if there is one.
     pub resume: bool,
+    /// Write checkpoints on a background thread: the step waits only for a host copy of
+    /// the state; at most one save is in flight and every exit waits for it. `false` =
+    /// the step waits for the files, fsync and rename.
+    #[serde(rename = "async")]
+    pub asynchronous: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -251,6 +371,7 @@ impl Default for CheckpointConfig {
             interval: 100,
             keep_latest_k: 3,
             resume: true,
+            asynchronous: true,
         }
     }
 }
@@ -268,6 +389,10 @@ pub struct DataConfig {
     /// Verify every shard's full SHA-256 against the manifest at start (slow; the default
     /// checks sizes and a sampled hash).
     pub full_verify: bool,
+    /// The `tokenizer.json` the corpus was tokenized with (a relative path is resolved from
+    /// the working directory, else beside the config); `kiln export` ships it with the
+    /// model. Empty = none recorded (the synthetic corpus has its own).
+    pub tokenizer: String,
 }
 
 /// Metrics logging.
@@ -495,6 +620,25 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&self.lr_scheduler.decay_ratio) {
             return bad("lr_scheduler.decay_ratio must be in [0, 1]".into());
+        }
+        self.validate_optimizer_kinds()
+    }
+
+    /// Muon's and SophiaG's settings.
+    fn validate_optimizer_kinds(&self) -> Result<(), ConfigError> {
+        let bad = |msg: &str| Err(ConfigError::Inconsistent(msg.to_string()));
+        let (mu, so) = (&self.optimizer.muon, &self.optimizer.sophia);
+        if !(0.0..1.0).contains(&mu.momentum) {
+            return bad("optimizer.muon.momentum must be in [0, 1)");
+        }
+        if !(1..100).contains(&mu.ns_steps) {
+            return bad("optimizer.muon.ns_steps must be in 1..=99 (5 is the usual)");
+        }
+        if !(so.rho > 0.0 && so.rho.is_finite()) {
+            return bad("optimizer.sophia.rho must be a positive number (0.01-0.05 is usual)");
+        }
+        if so.hessian_interval == 0 {
+            return bad("optimizer.sophia.hessian_interval must be at least 1 (10 is usual)");
         }
         Ok(())
     }

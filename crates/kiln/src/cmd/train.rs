@@ -19,7 +19,8 @@ Exit codes (kiln launch reads them: 65, 73 and 78 are never retried):
       finished, a checkpoint was saved; run the same command again to resume exactly
   76  data-parallel replicas disagree on their parameters; the rank is named in
       events.jsonl (replica_mismatch) and nothing of the bad weights was saved
-  78  invalid config, data, checkpoint or rank environment: fix the input, do not retry
+  78  invalid config, data, checkpoint or rank environment (also: resuming a checkpoint of
+      another optimizer.kind): fix the input, do not retry
 
 Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
 mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
@@ -27,12 +28,25 @@ global batch (training.global_batch_size, or batch_size x grad_accum_steps x ran
 gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
 on any number of ranks that divides its global batch.
 
+Optimizers (optimizer.kind): adamw (default), muon (Newton-Schulz orthogonalised momentum
+for the hidden matrices, AdamW for embeddings, norms and the head), sophiag (clipped,
+Hessian-preconditioned momentum; optimizer.sophia.rho, hessian_interval). Precision:
+training.dtype = f32 | bf16 (matmuls), training.master_dtype = f32 | bf16 (stored weights;
+bf16 loses small updates: the norms freeze). Checkpoints are written on a background thread
+(checkpoint.async = true): a step waits only for a host copy of the state, and every exit
+waits for the save in flight.
+
 Run directory:
   config.toml      the effective config
   metrics.jsonl    one line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
                    rss_mib) and per evaluation (eval_loss, eval_accuracy)
-  events.jsonl     start, resume, checkpoint saved/loaded/rejected, guards, signal, exit
-  checkpoints/step-<N>/  model.safetensors, optimizer.safetensors, state.json, manifest.json
+  events.jsonl     start, resume, checkpoint saved (with the step's stall_s and the write_s)
+                   /loaded/rejected, guards, signal, exit
+  checkpoints/step-<N>/  model.safetensors (weights, in the master dtype),
+                   optimizer.safetensors (the optimizer's state, f32, keyed <param>.<slot>:
+                   exp_avg/exp_avg_sq for AdamW, momentum_buffer for Muon's matrices,
+                   exp_avg/hessian for SophiaG), state.json (incl. the optimizer kind),
+                   manifest.json
   checkpoints/rejected/  checkpoints that failed verification or belong to another run,
                    moved aside with a REJECTED.txt note (kiln never deletes them)
   train.lock       held (flock) by the one trainer writing this directory
