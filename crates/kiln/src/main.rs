@@ -24,6 +24,9 @@ enum Command {
     Train(cmd::train::TrainArgs),
     /// Run any program on every rank of the allocation, watch its progress and recover it.
     Launch(cmd::launch::LaunchArgs),
+    /// Write a PBS/Slurm batch script that runs `kiln launch` with spares, stops before the
+    /// walltime and resubmits itself until the run completes; submit it.
+    Submit(cmd::submit::SubmitArgs),
     /// Print the detected scheduler, hosts, accelerators and rank environment, and why.
     Doctor(cmd::launch::DoctorArgs),
     /// Token data: train a tokenizer, tokenize, blend, inspect, pin shards in a manifest.
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
         Command::Launch(args) => cmd::launch::run(args),
+        Command::Submit(args) => cmd::submit::run(args),
         Command::Doctor(args) => cmd::launch::doctor(args),
         Command::Data(command) => cmd::data::run(command),
         Command::Smoke(args) => cmd::gates::smoke(args),

@@ -144,6 +144,12 @@ and tokens done, the last loss, the last eval, the checkpoints present, starts a
 and the guard events (non-finite skips, loss spikes, rollbacks, frozen parameters, rejected
 checkpoints) with counts and the latest few in full.
 
+Then the goodput ledger over every batch job and launch attempt of the run: each second of
+wall time as productive training, startup (launch to first step), checkpoint stall, lost work
+(steps redone after a failure), hang detection, backoff, queue wait (submission to start) or
+other, and ETTR = productive / total; the attempts with their classification and culprit
+hosts, the node swaps (named and blind), the quarantined hosts, and the chain's last decision.
+
 Example:
   kiln status runs/default")]
 pub struct StatusArgs {
@@ -155,12 +161,15 @@ pub struct StatusArgs {
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = "\
 Draws, from RUN_DIR/metrics.jsonl, the training and held-out loss, the eval accuracies, the
-learning rate, the gradient norm and tokens/s against the step, as one SVG and one PNG.
+learning rate, the gradient norm and tokens/s against the step, as one SVG and one PNG; and,
+for a run started by `kiln launch`/`kiln submit`, its timeline from RUN_DIR/events.jsonl
+(timeline.svg/.png beside the curves): the step each attempt reached over wall time, failures
+and node swaps marked, and the goodput ledger as a colored band.
 Text in the PNG needs a TrueType font: $KILN_FONT, or DejaVu Sans (Debian/Ubuntu package
 fonts-dejavu-core); without one the PNG has no text.
 
 Example:
-  kiln plot runs/default            # runs/default/plots/curves.svg and .png")]
+  kiln plot runs/default            # runs/default/plots/curves.svg and .png (+ timeline)")]
 pub struct PlotArgs {
     /// The run directory (`kiln train --run-dir`).
     pub run_dir: PathBuf,
@@ -365,7 +374,8 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln plot`.
 pub fn plot(a: PlotArgs) -> anyhow::Result<ExitCode> {
-    let (svg, png) = kiln_gates::report::plot_run(&a.run_dir, a.out.as_deref())?;
-    println!("wrote {}\nwrote {}", svg.display(), png.display());
+    for path in kiln_gates::report::plot_run(&a.run_dir, a.out.as_deref())? {
+        println!("wrote {}", path.display());
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -4,5 +4,6 @@ pub mod data;
 pub mod export;
 pub mod gates;
 pub mod launch;
+pub mod submit;
 pub mod train;
 pub mod yeet;

@@ -2,6 +2,8 @@
 // Each test binary uses a different subset.
 #![allow(dead_code)]
 
+pub mod slurm;
+
 use std::path::Path;
 use std::process::Command;
 
