@@ -193,7 +193,9 @@ impl DocReader<'_> {
 
 /// Load a `tokenizer.json`.
 pub fn load(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
+    let bytes = kiln_run::files::read_limited(path, crate::error::limits::TOKENIZER, "a tokenizer")
+        .map_err(|e| DataError::io(path, e))?;
+    Tokenizer::from_bytes(&bytes).map_err(|e| DataError::Tokenizer {
         path: path.to_path_buf(),
         reason: format!("cannot load tokenizer: {e}"),
     })
@@ -208,9 +210,48 @@ pub struct TrainOptions {
     pub special_tokens: Vec<String>,
 }
 
+/// Refuses outputs that are (through any path or link) one of the inputs: writing them would
+/// destroy the input, and the tokenizer or tokenized data with it.
+fn refuse_overwriting_inputs(outputs: &[PathBuf], inputs: &[&Path]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    for out in outputs {
+        let Some(out_id) = id(out) else { continue };
+        if let Some(input) = inputs.iter().find(|i| id(i) == Some(out_id)) {
+            return Err(DataError::Invalid(format!(
+                "output {} is the input {}: writing it would destroy the input; choose another output",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Largest vocabulary a tokenizer may have: ids must fit Megatron's int32 dtype.
+pub const MAX_VOCAB: usize = i32::MAX as usize;
+
+/// Checks a byte-level BPE vocabulary size: it holds the 256 byte tokens and the special
+/// tokens, so it must be at least `256 + specials` (the trainer silently exceeds a smaller
+/// one). The error says what is allowed.
+pub fn check_vocab_size(vocab_size: usize, specials: usize) -> std::result::Result<(), String> {
+    let min = 256 + specials;
+    if (min..=MAX_VOCAB).contains(&vocab_size) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{vocab_size}: must be in [{min}, {MAX_VOCAB}] (a byte-level vocabulary holds the 256 byte tokens and the {specials} special token(s), then the merges)"
+        ))
+    }
+}
+
 /// Train a byte-level BPE tokenizer (GPT-2 style: byte-level pre-tokenizer and decoder, no
 /// normaliser) on the documents and save it as `tokenizer.json` at `output`.
 pub fn train_bpe(src: &DocSource, opts: &TrainOptions, output: &Path) -> Result<Tokenizer> {
+    check_vocab_size(opts.vocab_size, opts.special_tokens.len())
+        .map_err(|e| DataError::Invalid(format!("vocabulary size {e}")))?;
+    let inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
+    refuse_overwriting_inputs(&[output.to_path_buf()], &inputs)?;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{
@@ -297,8 +338,26 @@ pub fn sidecar_path(prefix: &Path) -> PathBuf {
 
 /// The sidecar of a dataset, if it has a readable one.
 pub fn read_sidecar(prefix: &Path) -> Option<Sidecar> {
-    let text = std::fs::read_to_string(sidecar_path(prefix)).ok()?;
-    serde_json::from_str(&text).ok()
+    let path = sidecar_path(prefix);
+    let text = match kiln_run::files::read_to_string_limited(
+        &path,
+        crate::error::limits::SIDECAR,
+        "a dataset sidecar",
+    ) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable dataset sidecar");
+            return None;
+        }
+    };
+    match serde_json::from_str(&text) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "ignoring malformed dataset sidecar");
+            None
+        }
+    }
 }
 
 /// Options for [`tokenize`].
@@ -348,6 +407,16 @@ pub fn tokenize(
     output_prefix: &Path,
     opts: &TokenizeOptions,
 ) -> Result<TokenizeStats> {
+    let mut inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
+    inputs.push(tokenizer_path);
+    refuse_overwriting_inputs(
+        &[
+            crate::indexed::bin_path(output_prefix),
+            crate::indexed::idx_path(output_prefix),
+            sidecar_path(output_prefix),
+        ],
+        &inputs,
+    )?;
     let tok = load(tokenizer_path)?;
     let vocab = tok.get_vocab_size(true);
     let eos = match &opts.eos {

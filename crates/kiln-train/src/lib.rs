@@ -3,9 +3,11 @@
 //!
 //! Layout (torchtitan-like): [`config`] (the TOML sections), [`model`] (parameters and the
 //! forward pass), [`optim`] (AdamW, clipping, LR schedules), [`data`] (token sources),
-//! [`synthetic`] (the built-in corpus), [`checkpoint`] (atomic, verified checkpoints),
+//! [`synthetic`] (the built-in corpus), [`budget`] (memory and threads checked before
+//! allocating), [`checkpoint`] (atomic, verified checkpoints),
 //! [`guards`] (spike and sanity checks) and [`trainer`] (the step loop).
 
+pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

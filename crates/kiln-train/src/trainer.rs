@@ -228,13 +228,9 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 }
 
 /// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
-/// in a process takes effect.
-pub fn set_threads(threads: usize) {
-    if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
+/// in a process takes effect; see [`crate::budget::start_threads`].
+pub fn set_threads(threads: usize) -> Result<(), TrainError> {
+    Ok(crate::budget::start_threads(threads)?)
 }
 
 fn rss_mib() -> f64 {
@@ -279,7 +275,11 @@ impl Session {
     /// Builds the model, fresh parameters and zero optimizer state from `config`.
     pub fn new(config: &Config) -> Result<Self, TrainError> {
         config.validate()?;
-        set_threads(config.training.threads);
+        // Memory is checked before anything is allocated, and again once the data has said
+        // its vocabulary.
+        let known_vocab = crate::budget::known_vocab(config);
+        crate::budget::check(config, known_vocab)?;
+        set_threads(config.training.threads)?;
         let device = parse_device(&config.training.device)?;
         let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) =
             if config.data.corpus_list.is_empty() {
@@ -288,16 +288,9 @@ impl Session {
             } else {
                 (Box::new(Self::open_blended(config, None)?), None)
             };
-        let vocab = if config.model.vocab_size == 0 {
-            data.vocab()
-        } else {
-            config.model.vocab_size
-        };
-        if vocab < data.vocab() {
-            return Err(TrainError::Data(format!(
-                "model.vocab_size = {vocab} but the data uses {} token ids",
-                data.vocab()
-            )));
+        let vocab = crate::data::model_vocab(config, data.as_ref()).map_err(TrainError::Data)?;
+        if vocab != known_vocab {
+            crate::budget::check(config, vocab)?;
         }
         let model = Llama::new(&config.model, vocab);
         let params = model.init(config.training.seed, &device);
@@ -324,11 +317,7 @@ impl Session {
         let batches = t.steps + (t.steps / 4).max(100);
         let total_samples = batches * (t.grad_accum_steps * t.batch_size) as u64;
         let list = Path::new(&config.data.corpus_list);
-        let cache_dir = if config.data.cache_dir.is_empty() {
-            list.parent().unwrap_or(Path::new(".")).join(".kiln-cache")
-        } else {
-            PathBuf::from(&config.data.cache_dir)
-        };
+        let cache_dir = kiln_data::cache::cache_dir(Some(Path::new(&config.data.cache_dir)), list);
         BlendedSource::open(
             list,
             t.seq_len,
@@ -451,6 +440,10 @@ impl Session {
         samples: usize,
         unigram: Option<f64>,
     ) -> Option<EvalMetrics> {
+        // No sequences, no evaluation (`eval.samples = 0`), rather than a loss of 0.
+        if samples == 0 {
+            return None;
+        }
         let syn = self.synthetic.as_ref()?;
         let len = self.config.training.seq_len + 1;
         let batch = self.config.training.batch_size.max(1);

@@ -171,6 +171,7 @@ pub struct PlotArgs {
 
 /// `kiln smoke`.
 pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
+    smoke::check_mem_tolerance(a.mem_tolerance)?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
     let baseline = if a.bless && !a.baseline.exists() {
         None
@@ -299,6 +300,9 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln eval`.
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
+    if a.samples == Some(0) {
+        anyhow::bail!("--samples 0: must be at least 1 (held-out sequences to score)");
+    }
     let tasks = match &a.tasks {
         Some(path) => kiln_gates::mc::load_tasks(path)?,
         None => kiln_gates::mc::synthetic_copy_tasks(
@@ -343,6 +347,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
                 e.eval_accuracy
                     .map_or("-".to_string(), |x| format!("{x:.3}"))
             ),
+            None if samples == 0 => println!("held-out loss: - (eval.samples = 0)"),
             None => println!("held-out loss: - (only for the synthetic corpus)"),
         }
         println!(
