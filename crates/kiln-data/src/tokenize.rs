@@ -10,10 +10,13 @@ use crate::error::{DataError, Result};
 use crate::indexed::{DType, IndexedDatasetBuilder};
 use rayon::prelude::*;
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tokenizers::Tokenizer;
+
+/// Longest input line read (a JSONL document is one line).
+pub const MAX_LINE_BYTES: u64 = 256 << 20;
 
 /// End-of-document tokens looked for, in order, when none is named.
 pub const EOS_CANDIDATES: &[&str] = &["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"];
@@ -130,10 +133,22 @@ impl DocReader<'_> {
             let mut line = String::new();
             loop {
                 line.clear();
-                let n = f
-                    .reader
+                // Bounded, so that an input without newlines (/dev/zero, a binary file) is
+                // an error instead of a read that fills memory.
+                let n = (&mut f.reader)
+                    .take(MAX_LINE_BYTES + 1)
                     .read_line(&mut line)
                     .map_err(|e| DataError::io(&f.path, e))?;
+                if n as u64 > MAX_LINE_BYTES {
+                    return Err(DataError::ListLine {
+                        path: f.path.clone(),
+                        line: f.line + 1,
+                        reason: format!(
+                            "line longer than {} MiB; is this a text or JSONL file?",
+                            MAX_LINE_BYTES >> 20
+                        ),
+                    });
+                }
                 self.bytes += n as u64;
                 if n == 0 {
                     f.done = true;
@@ -505,4 +520,34 @@ pub fn tokenize(
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_vocabularies_hold_the_bytes_and_specials() {
+        assert!(check_vocab_size(257, 1).is_ok());
+        assert!(
+            check_vocab_size(256, 1)
+                .unwrap_err()
+                .starts_with("256: must be in [257,")
+        );
+        assert!(check_vocab_size(0, 1).is_err());
+        assert!(check_vocab_size(MAX_VOCAB + 1, 1).is_err());
+    }
+
+    #[test]
+    fn outputs_that_are_inputs_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.txt");
+        std::fs::write(&input, "x").unwrap();
+        let link = dir.path().join("out.bin");
+        std::os::unix::fs::symlink(&input, &link).unwrap();
+        let err = refuse_overwriting_inputs(&[link], &[&input]).unwrap_err();
+        assert!(err.to_string().contains("is the input"), "{err}");
+        let other = dir.path().join("other.bin");
+        assert!(refuse_overwriting_inputs(&[other], &[&input]).is_ok());
+    }
 }

@@ -743,4 +743,141 @@ mod tests {
             .to_string();
         assert!(err.contains("n_kv_heads"), "{err}");
     }
+
+    fn domain_error(set: &str) -> String {
+        match Config::load(None, &[set.to_string()]) {
+            Err(ConfigError::OutOfDomain(v)) => v
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+            other => panic!("{set}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_numeric_key_is_checked_against_its_domain() {
+        for (set, want) in [
+            (
+                "model.vocab_size=1",
+                "model.vocab_size = 1: must be 0 (take it from the data)",
+            ),
+            (
+                "model.d_model=0",
+                "model.d_model = 0: must be an integer >= 1",
+            ),
+            (
+                "model.rope_theta=nan",
+                "model.rope_theta = NaN: must be a finite number > 1",
+            ),
+            ("model.rope_theta=1", "model.rope_theta = 1"),
+            (
+                "model.norm_eps=0",
+                "model.norm_eps = 0: must be a finite number in (0, 1]",
+            ),
+            (
+                "model.init_std=-0.1",
+                "model.init_std = -0.1: must be a finite number in (0, 100]",
+            ),
+            (
+                "optimizer.lr=-1",
+                "optimizer.lr = -1: must be a finite number > 0",
+            ),
+            (
+                "optimizer.beta1=nan",
+                "optimizer.beta1 = NaN: must be a finite number in [0, 1)",
+            ),
+            ("optimizer.eps=0", "optimizer.eps = 0"),
+            (
+                "optimizer.weight_decay=-0.1",
+                "optimizer.weight_decay = -0.1: must be a finite number >= 0",
+            ),
+            (
+                "optimizer.max_grad_norm=inf",
+                "optimizer.max_grad_norm = inf",
+            ),
+            (
+                "lr_scheduler.min_lr_ratio=1.5",
+                "lr_scheduler.min_lr_ratio = 1.5",
+            ),
+            (
+                "lr_scheduler.decay_ratio=nan",
+                "lr_scheduler.decay_ratio = NaN",
+            ),
+            (
+                "training.steps=0",
+                "training.steps = 0: must be an integer in [1, 1000000000000]",
+            ),
+            ("training.batch_size=0", "training.batch_size = 0"),
+            ("training.seq_len=0", "training.seq_len = 0"),
+            (
+                "training.grad_accum_steps=0",
+                "training.grad_accum_steps = 0",
+            ),
+            (
+                "training.threads=100000",
+                "training.threads = 100000: must be 0 (all cores)",
+            ),
+            (
+                "training.compute_shards=0",
+                "training.compute_shards = 0: must be an integer in [1, 256]",
+            ),
+            ("training.peak_flops=-1", "training.peak_flops = -1"),
+            ("checkpoint.keep_latest_k=0", "checkpoint.keep_latest_k = 0"),
+            ("metrics.log_interval=0", "metrics.log_interval = 0"),
+            (
+                "guards.initial_loss_tolerance=0",
+                "guards.initial_loss_tolerance = 0",
+            ),
+            (
+                "guards.max_nonfinite_in_row=0",
+                "guards.max_nonfinite_in_row = 0",
+            ),
+            ("guards.spike_sigma=-1", "guards.spike_sigma = -1"),
+            ("guards.spike_min_ratio=nan", "guards.spike_min_ratio = NaN"),
+            (
+                "guards.spike_window=10000000",
+                "guards.spike_window = 10000000",
+            ),
+            (
+                "debug.spike_scale=nan",
+                "debug.spike_scale = NaN: must be a finite number",
+            ),
+            (
+                "optimizer.weight_decay=400",
+                "optimizer.lr x optimizer.weight_decay = 1.2",
+            ),
+            (
+                "training.batch_size=1000000000000000",
+                "sequences is more than the",
+            ),
+        ] {
+            let err = domain_error(set);
+            assert!(err.contains(want), "{set}: {err}");
+        }
+        // Every offender is listed, in one error.
+        let err = Config::load(
+            None,
+            &["optimizer.eps=nan".into(), "model.norm_eps=-1".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("config: model.norm_eps = -1") && err.contains("; optimizer.eps = NaN"),
+            "{err}"
+        );
+        // Edges that are allowed.
+        for ok in [
+            "model.vocab_size=2",
+            "optimizer.beta1=0",
+            "optimizer.weight_decay=0",
+            "lr_scheduler.min_lr_ratio=0",
+            "lr_scheduler.min_lr_ratio=1",
+            "training.threads=0",
+            "eval.samples=0",
+            "guards.spike_sigma=0",
+        ] {
+            assert!(Config::load(None, &[ok.into()]).is_ok(), "{ok}");
+        }
+    }
 }

@@ -436,6 +436,29 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         30,
     );
     refused(&r, "FIFO tokenizer", &["tok.json: is a FIFO"]);
+    // An input without newlines is an error after a bounded read, not a read that fills
+    // memory.
+    let r = run(
+        kiln(
+            &[
+                "data",
+                "train-tokenizer",
+                "-i",
+                "/dev/zero",
+                "-o",
+                "t.json",
+                "--vocab-size",
+                "300",
+            ],
+            d,
+        ),
+        60,
+    );
+    refused(
+        &r,
+        "input /dev/zero",
+        &["/dev/zero:1: line longer than 256 MiB"],
+    );
 }
 
 #[test]
