@@ -63,8 +63,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// In-training evaluation.
     pub eval: EvalConfig,
-    /// In-run guards (NaN, loss spikes, frozen parameters).
+    /// In-run guards (NaN, loss spikes, frozen parameters, replica consistency).
     pub guards: GuardsConfig,
+    /// Data parallelism over several ranks (gradient all-reduce).
+    pub parallelism: ParallelismConfig,
     /// Fault injection for testing the guards. Never set these in a real run.
     pub debug: DebugConfig,
 }
@@ -120,15 +122,44 @@ impl Default for ModelConfig {
     }
 }
 
-/// AdamW with decoupled weight decay (PyTorch semantics and defaults).
+/// Which optimizer updates the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// AdamW with decoupled weight decay (PyTorch's arithmetic).
+    #[default]
+    Adamw,
+    /// Muon (momentum orthogonalised by Newton-Schulz) for the 2-D hidden matrices, AdamW
+    /// for embeddings, norms and the output head.
+    Muon,
+    /// SophiaG: clipped, Hessian-preconditioned momentum with the Gauss-Newton-Bartlett
+    /// estimate of the diagonal Hessian every `sophia.hessian_interval` steps.
+    Sophiag,
+}
+
+impl OptimizerKind {
+    /// The name used in configs and checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Adamw => "adamw",
+            Self::Muon => "muon",
+            Self::Sophiag => "sophiag",
+        }
+    }
+}
+
+/// The optimizer: AdamW (default), Muon or SophiaG, with PyTorch's semantics and defaults.
+/// `lr`, the schedule, weight decay and clipping apply to all three.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// Peak learning rate.
+    /// `adamw`, `muon` or `sophiag`.
+    pub kind: OptimizerKind,
+    /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
-    /// Adam beta1.
+    /// Adam beta1; SophiaG's momentum beta1.
     pub beta1: f64,
-    /// Adam beta2.
+    /// Adam beta2; SophiaG's beta2 of the Hessian EMA.
     pub beta2: f64,
     /// Adam epsilon (PyTorch's 1e-8, not burn's 1e-5).
     pub eps: f64,
@@ -138,11 +169,16 @@ pub struct OptimizerConfig {
     pub decay_norms_and_embeddings: bool,
     /// Clip the global gradient norm to this value; 0 disables clipping.
     pub max_grad_norm: f64,
+    /// Muon's settings (`kind = "muon"`).
+    pub muon: MuonConfig,
+    /// SophiaG's settings (`kind = "sophiag"`).
+    pub sophia: SophiaConfig,
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
         Self {
+            kind: OptimizerKind::Adamw,
             lr: 3e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -150,6 +186,66 @@ impl Default for OptimizerConfig {
             weight_decay: 0.1,
             decay_norms_and_embeddings: false,
             max_grad_norm: 1.0,
+            muon: MuonConfig::default(),
+            sophia: SophiaConfig::default(),
+        }
+    }
+}
+
+/// How Muon scales its learning rate per matrix (PyTorch's `adjust_lr_fn`), for a matrix of
+/// `out x in` (Hugging Face layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonLrAdjust {
+    /// Keller Jordan's: lr * sqrt(max(1, out/in)); Muon then wants its own, larger LR.
+    Original,
+    /// Moonshot's: lr * 0.2 * sqrt(max(out, in)), which matches the update RMS of AdamW, so
+    /// one LR (and one LR sweep) serves both the Muon and the AdamW parameters.
+    MatchRmsAdamw,
+}
+
+/// Muon (Jordan et al. 2024; PyTorch's `torch.optim.Muon`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MuonConfig {
+    /// Momentum coefficient.
+    pub momentum: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315).
+    pub ns_steps: usize,
+    /// Per-matrix LR scaling: `match_rms_adamw` or `original`.
+    pub adjust_lr: MuonLrAdjust,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            adjust_lr: MuonLrAdjust::MatchRmsAdamw,
+        }
+    }
+}
+
+/// SophiaG (Liu et al. 2023). beta1, beta2 and weight decay are `optimizer.beta1/beta2/
+/// weight_decay`; the defaults are the seeds' settings (0.9/0.95, rho 0.01, wd 0.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SophiaConfig {
+    /// Clipping threshold: the update is lr * sign(m) * min(|m| / (rho * tokens * h), 1),
+    /// tokens = tokens per optimizer step.
+    pub rho: f64,
+    /// Estimate the diagonal Hessian (Gauss-Newton-Bartlett) every this many steps (k).
+    pub hessian_interval: u64,
+}
+
+impl Default for SophiaConfig {
+    fn default() -> Self {
+        Self {
+            rho: 0.01,
+            hessian_interval: 10,
         }
     }
 }
@@ -200,6 +296,12 @@ pub struct TrainingConfig {
     pub steps: u64,
     /// Sequences per micro-batch (per data-parallel rank).
     pub batch_size: usize,
+    /// Sequences per optimizer step, all data-parallel ranks together; 0 = batch_size x
+    /// grad_accum_steps x ranks. When set, grad_accum_steps is derived from it (it must be a
+    /// multiple of batch_size x ranks), so a run resumed on another number of ranks keeps
+    /// its global batch. A run resumed on another number of ranks with 0 here keeps the
+    /// global batch of its checkpoint the same way.
+    pub global_batch_size: u64,
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Micro-batches accumulated into one optimizer step.
@@ -220,6 +322,25 @@ pub struct TrainingConfig {
     pub compute_shards: usize,
     /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
     pub peak_flops: f64,
+    /// Compute precision of the matmuls (forward and backward): `f32` or `bf16`. With
+    /// `bf16`, weights and activations enter every matmul as bf16 while norms, softmax, the
+    /// loss and the residual stream stay f32 (as PyTorch's autocast).
+    pub dtype: Precision,
+    /// Precision of the stored (master) weights: `f32` (default; optimizer state is always
+    /// f32) or `bf16`, which saves memory but loses every update smaller than half a bf16
+    /// step: norm weights near 1.0 then never move (the seeds' frozen-RMSNorm bug).
+    pub master_dtype: Precision,
+}
+
+/// A floating-point precision of `training.dtype` / `training.master_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// bfloat16: f32's exponent range, 8 bits of mantissa.
+    Bf16,
 }
 
 impl Default for TrainingConfig {
@@ -227,6 +348,7 @@ impl Default for TrainingConfig {
         Self {
             steps: 500,
             batch_size: 16,
+            global_batch_size: 0,
             seq_len: 64,
             grad_accum_steps: 1,
             seed: 1234,
@@ -234,6 +356,8 @@ impl Default for TrainingConfig {
             threads: 0,
             compute_shards: 2,
             peak_flops: 0.0,
+            dtype: Precision::F32,
+            master_dtype: Precision::F32,
         }
     }
 }
@@ -248,6 +372,11 @@ pub struct CheckpointConfig {
     pub keep_latest_k: usize,
     /// Resume from the newest valid checkpoint in the run directory, if there is one.
     pub resume: bool,
+    /// Write checkpoints on a background thread: the step waits only for a host copy of
+    /// the state; at most one save is in flight and every exit waits for it. `false` =
+    /// the step waits for the files, fsync and rename.
+    #[serde(rename = "async")]
+    pub asynchronous: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -256,6 +385,7 @@ impl Default for CheckpointConfig {
             interval: 100,
             keep_latest_k: 3,
             resume: true,
+            asynchronous: true,
         }
     }
 }
@@ -274,6 +404,10 @@ pub struct DataConfig {
     /// Verify every shard's full SHA-256 against the manifest at start (slow; the default
     /// checks sizes and a sampled hash).
     pub full_verify: bool,
+    /// The `tokenizer.json` the corpus was tokenized with (a relative path is resolved from
+    /// the working directory, else beside the config); `kiln export` ships it with the
+    /// model. Empty = none recorded (the synthetic corpus has its own).
+    pub tokenizer: String,
 }
 
 /// Metrics logging.
@@ -334,6 +468,15 @@ pub struct GuardsConfig {
     pub snapshot_interval: u64,
     /// Check every this many steps that every parameter tensor changed; 0 disables it.
     pub frozen_check_interval: u64,
+    /// Stop the run (exit 65) after this many rollbacks in a row that did not get training
+    /// past the step where the previous rollback happened: a config or data problem that
+    /// rolling back cannot fix. 0 = no limit.
+    pub max_rollbacks: u32,
+    /// With several data-parallel ranks, compare a checksum of every rank's parameters every
+    /// this many steps (and before every checkpoint); a rank that differs (silent data
+    /// corruption, a desynced rank) is named and the run stops (exit 76) before its weights
+    /// are saved. 0 = only before checkpoints.
+    pub replica_check_interval: u64,
 }
 
 impl Default for GuardsConfig {
@@ -347,6 +490,8 @@ impl Default for GuardsConfig {
             spike_skip_batches: 20,
             snapshot_interval: 50,
             frozen_check_interval: 50,
+            max_rollbacks: 3,
+            replica_check_interval: 100,
         }
     }
 }
@@ -363,6 +508,27 @@ pub struct DebugConfig {
     pub spike_scale: f64,
     /// Parameters whose name contains this string never get updated ("" = none).
     pub freeze_params: String,
+    /// Perturb the parameters of data-parallel rank `corrupt_replica_rank` after this step,
+    /// as silent data corruption would (0 = never).
+    pub corrupt_replica_at_step: u64,
+    /// The rank whose parameters `corrupt_replica_at_step` perturbs.
+    pub corrupt_replica_rank: usize,
+}
+
+/// Data parallelism: every rank holds the whole model and trains on its slice of the global
+/// batch; gradients are averaged over the ranks (MPI all-reduce) before clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelismConfig {
+    /// Gradients are all-reduced in buckets of this many MiB (PyTorch DDP uses 25); the
+    /// bucket size is part of what makes the reduction repeatable, so keep it fixed in a run.
+    pub bucket_mb: usize,
+}
+
+impl Default for ParallelismConfig {
+    fn default() -> Self {
+        Self { bucket_mb: 25 }
+    }
 }
 
 impl Config {
@@ -445,6 +611,24 @@ impl Config {
         d.real("optimizer.eps", o.eps, Open(0.0), Closed(1.0));
         d.real("optimizer.weight_decay", o.weight_decay, Closed(0.0), Inf);
         d.real("optimizer.max_grad_norm", o.max_grad_norm, Closed(0.0), Inf);
+        d.real(
+            "optimizer.muon.momentum",
+            o.muon.momentum,
+            Closed(0.0),
+            Open(1.0),
+        );
+        d.check(
+            "optimizer.muon.ns_steps",
+            o.muon.ns_steps,
+            (1..100).contains(&o.muon.ns_steps),
+            "an integer in [1, 99] (5 is the usual)".into(),
+        );
+        d.real("optimizer.sophia.rho", o.sophia.rho, Open(0.0), Inf);
+        d.at_least(
+            "optimizer.sophia.hessian_interval",
+            o.sophia.hessian_interval,
+            1,
+        );
 
         let l = &self.lr_scheduler;
         d.real(
@@ -489,6 +673,14 @@ impl Config {
         );
         d.real("training.peak_flops", t.peak_flops, Closed(0.0), Inf);
 
+        d.check(
+            "training.global_batch_size",
+            t.global_batch_size,
+            t.global_batch_size <= MAX_SAMPLES,
+            format!(
+                "0 (batch_size x grad_accum_steps x ranks) or an integer in [1, {MAX_SAMPLES}]"
+            ),
+        );
         d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
         d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
 
@@ -519,6 +711,12 @@ impl Config {
             Closed(f64::MIN),
             Closed(f64::MAX),
         );
+        d.check(
+            "parallelism.bucket_mb",
+            self.parallelism.bucket_mb,
+            (1..=MAX_BUCKET_MB).contains(&self.parallelism.bucket_mb),
+            format!("an integer in [1, {MAX_BUCKET_MB}] (MiB; PyTorch DDP uses 25)"),
+        );
 
         // Rules between keys, checked once each key is in its own domain.
         if d.0.is_empty() {
@@ -545,10 +743,12 @@ impl Config {
                     o.lr * o.weight_decay
                 ));
             }
-            let samples = u128::from(t.steps) * t.batch_size as u128 * t.grad_accum_steps as u128;
+            let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
+                .max(u128::from(t.global_batch_size));
+            let samples = u128::from(t.steps) * per_step;
             if samples > u128::from(MAX_SAMPLES) {
                 d.rule(format!(
-                    "training.steps x batch_size x grad_accum_steps = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
+                    "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
                 ));
             }
         }
@@ -566,6 +766,8 @@ pub const MAX_VOCAB: usize = i32::MAX as usize;
 pub const MAX_STEPS: u64 = 1_000_000_000_000;
 /// Most sequences a run may draw (`steps x batch_size x grad_accum_steps`).
 pub const MAX_SAMPLES: u64 = 1 << 56;
+/// Largest gradient all-reduce bucket, MiB.
+pub const MAX_BUCKET_MB: usize = 1 << 16;
 /// Most compute shards per micro-batch (each is a thread).
 pub const MAX_COMPUTE_SHARDS: usize = 256;
 /// Longest spike-guard window.

@@ -132,6 +132,62 @@ impl TokenSource for BlendedSource {
     }
 }
 
+/// The training data of a run: the token source, and the synthetic corpus when it is the
+/// source (for the built-in held-out eval).
+pub struct TrainData {
+    /// Where samples come from.
+    pub source: Box<dyn TokenSource>,
+    /// The synthetic corpus, when it is the data.
+    pub synthetic: Option<Synthetic>,
+}
+
+impl TrainData {
+    /// Opens the data of `config`: the synthetic corpus, or `data.corpus_list` sized for
+    /// `total_samples` samples. `resume` is the blend's weight history from a checkpoint and
+    /// the first sample of the resumed step.
+    pub fn open(
+        config: &crate::Config,
+        total_samples: u64,
+        resume: Option<(serde_json::Value, u64)>,
+    ) -> Result<Self, String> {
+        let t = &config.training;
+        if config.data.corpus_list.is_empty() {
+            let s = Synthetic::new(t.seed);
+            return Ok(Self {
+                source: Box::new(SyntheticSource(s.clone())),
+                synthetic: Some(s),
+            });
+        }
+        let list = std::path::Path::new(&config.data.corpus_list);
+        let cache_dir =
+            kiln_data::cache::cache_dir(Some(std::path::Path::new(&config.data.cache_dir)), list);
+        let source = BlendedSource::open(
+            list,
+            t.seq_len,
+            t.seed,
+            total_samples,
+            cache_dir,
+            config.data.full_verify,
+            resume,
+        )
+        .map_err(|e| format!("data.corpus_list {}: {e}", list.display()))?;
+        // Every open (a resume reopens with the checkpoint's weight history) checks the
+        // data's token ids against the model's vocabulary and arms the per-sample check.
+        model_vocab(config, &source)?;
+        Ok(Self {
+            source: Box::new(source),
+            synthetic: None,
+        })
+    }
+
+    /// The vocabulary of the model: `model.vocab_size`, or the data's when that is 0; an
+    /// error when the data says nothing and the config neither, or when the data holds ids
+    /// the model would not have (see [`model_vocab`]).
+    pub fn vocab(&self, config: &crate::Config) -> Result<usize, String> {
+        model_vocab(config, self.source.as_ref())
+    }
+}
+
 /// The model's vocabulary for `data`: `model.vocab_size`, or the data's declared one when
 /// that is 0; checked against every token id the data can serve (see
 /// [`TokenSource::fit_vocab`]).

@@ -36,10 +36,14 @@ enum Command {
     LrFind(cmd::gates::LrFindArgs),
     /// Held-out loss and multiple-choice accuracy of a checkpoint.
     Eval(cmd::gates::EvalArgs),
+    /// Write a run's or checkpoint's weights as a Hugging Face Llama directory.
+    Export(cmd::export::ExportArgs),
     /// A short text summary of a run: steps, tokens, last loss, checkpoints, events.
     Status(cmd::gates::StatusArgs),
     /// Plot a run's curves (loss, eval, LR, grad-norm, tokens/s) as SVG and PNG.
     Plot(cmd::gates::PlotArgs),
+    /// Put a file, directory or tarball on every node's local disk over MPI broadcast.
+    Yeet(cmd::yeet::YeetArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,8 +67,10 @@ fn main() -> ExitCode {
         Command::Smoke(args) => cmd::gates::smoke(args),
         Command::LrFind(args) => cmd::gates::lr_find(args),
         Command::Eval(args) => cmd::gates::eval(args),
+        Command::Export(args) => cmd::export::run(args),
         Command::Status(args) => cmd::gates::status(args),
         Command::Plot(args) => cmd::gates::plot(args),
+        Command::Yeet(args) => cmd::yeet::run(args),
     };
     match result {
         Ok(code) => code,

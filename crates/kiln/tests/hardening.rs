@@ -70,9 +70,17 @@ fn kiln(args: &[&str], dir: &Path) -> Command {
     c
 }
 
+/// Exit code of `kiln train` for invalid input (never retried by `kiln launch`).
+const INVALID: i32 = kiln_run::exit::CONFIG;
+
 /// A clean refusal: exit 1, no panic or abort, and the message says each of `needles`.
 fn refused(r: &Run, what: &str, needles: &[&str]) {
-    assert_eq!(r.code, 1, "{what}: exit {}\n{}", r.code, r.stderr);
+    refused_with(r, 1, what, needles)
+}
+
+/// A clean refusal with exit `code`.
+fn refused_with(r: &Run, code: i32, what: &str, needles: &[&str]) {
+    assert_eq!(r.code, code, "{what}: exit {}\n{}", r.code, r.stderr);
     assert!(!r.stderr.contains("panicked"), "{what}: {}", r.stderr);
     for n in needles {
         assert!(r.stderr.contains(n), "{what}: no {n:?} in:\n{}", r.stderr);
@@ -139,7 +147,7 @@ fn config_domains_are_checked_before_anything_runs() {
         let mut cmd = train_cmd(&run_dir, &[set, "training.steps=3"]);
         cmd.current_dir(dir.path());
         let r = run(cmd, 60);
-        refused(&r, set, &["config: ", needle]);
+        refused_with(&r, INVALID, set, &["config: ", needle]);
         assert!(r.seconds < 20.0, "{set}: took {:.1}s", r.seconds);
         assert!(!run_dir.join("checkpoints").exists(), "{set}: it trained");
     }
@@ -150,8 +158,9 @@ fn config_domains_are_checked_before_anything_runs() {
     );
     cmd.current_dir(dir.path());
     let r = run(cmd, 60);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "two keys",
         &["optimizer.eps = NaN", "model.norm_eps = -1"],
     );
@@ -189,8 +198,9 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate_and_the_key() {
         let mut cmd = train_cmd(&dir.path().join("run"), &[set]);
         cmd.current_dir(dir.path());
         let r = run(cmd, 60);
-        refused(
+        refused_with(
             &r,
+            INVALID,
             set,
             &[
                 "needs about",
@@ -204,7 +214,12 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate_and_the_key() {
     let mut cmd = train_cmd(&dir.path().join("run"), &["training.steps=2"]);
     cmd.current_dir(dir.path()).env("KILN_MEMORY_LIMIT", "64M");
     let r = run(cmd, 60);
-    refused(&r, "KILN_MEMORY_LIMIT", &["$KILN_MEMORY_LIMIT=64M"]);
+    refused_with(
+        &r,
+        INVALID,
+        "KILN_MEMORY_LIMIT",
+        &["$KILN_MEMORY_LIMIT=64M"],
+    );
 
     // The data layer estimates its index sizes before building them.
     megatron_dataset(&dir.path().join("d"), 20, 100);
@@ -251,14 +266,16 @@ fn a_megatron_corpus_without_a_vocab_record_needs_a_vocab_that_fits() {
         run(cmd, 120)
     };
     let r = train("zero", &[]);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "vocab 0",
         &["no dataset records its vocabulary", "set model.vocab_size"],
     );
     let r = train("small", &["model.vocab_size=500"]);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "vocab 500",
         &[
             "model.vocab_size = 500 is too small",
@@ -414,7 +431,12 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
     );
     cmd.current_dir(d);
     let r = run(cmd, 30);
-    refused(&r, "tasks /dev/zero", &["/dev/zero: is a character device"]);
+    refused_with(
+        &r,
+        INVALID,
+        "tasks /dev/zero",
+        &["/dev/zero: is a character device"],
+    );
     let big = std::fs::File::create(d.join("big.jsonl")).unwrap();
     big.set_len(600 << 20).unwrap(); // sparse: no disk used
     let r = run(kiln(&["eval", "nowhere", "--tasks", "big.jsonl"], d), 30);
@@ -688,6 +710,11 @@ fn output_has_no_colour_in_pipes_and_says_each_error_once() {
     assert_eq!(r.stderr.matches("os error 28").count(), 1, "{}", r.stderr);
     // And a missing config file.
     let r = run(kiln(&["train", "missing.toml"], d), 30);
-    refused(&r, "missing config", &["missing.toml", "(os error 2)"]);
+    refused_with(
+        &r,
+        INVALID,
+        "missing config",
+        &["missing.toml", "(os error 2)"],
+    );
     assert_eq!(r.stderr.matches("os error 2)").count(), 1, "{}", r.stderr);
 }

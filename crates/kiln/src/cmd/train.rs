@@ -1,6 +1,5 @@
 //! `kiln train`: load the config, run the trainer, show progress.
 
-use anyhow::Context;
 use kiln_train::{Config, EvalMetrics, Observer, Outcome, StepMetrics, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,18 +9,47 @@ use std::time::Instant;
 /// Arguments of `kiln train`.
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = "\
-Exit codes:
+Exit codes (kiln launch reads them: 65, 73 and 78 are never retried):
   0   all steps done (final weights in RUN_DIR/model.safetensors)
-  1   error (bad config, corrupt data, a guard stopped the run); the message says which
-  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived, the current step finished, a checkpoint
-      was saved; run the same command again to resume exactly where it stopped
+  1   error that may be transient (I/O on the run directory); the message says which
+  65  a guard stopped the run: non-finite steps or loss spikes that rollbacks did not cure
+      (guards.max_rollbacks), or a first-step loss far from ln(vocab); checkpoints are kept
+  73  the run directory is locked by another trainer (named: pid and host)
+  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived (on any rank), the current step
+      finished, a checkpoint was saved; run the same command again to resume exactly
+  76  data-parallel replicas disagree on their parameters; the rank is named in
+      events.jsonl (replica_mismatch) and nothing of the bad weights was saved
+  78  invalid config, data, checkpoint or rank environment (also: resuming a checkpoint of
+      another optimizer.kind): fix the input, do not retry
+
+Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
+mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
+global batch (training.global_batch_size, or batch_size x grad_accum_steps x ranks);
+gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
+on any number of ranks that divides its global batch.
+
+Optimizers (optimizer.kind): adamw (default), muon (Newton-Schulz orthogonalised momentum
+for the hidden matrices, AdamW for embeddings, norms and the head), sophiag (clipped,
+Hessian-preconditioned momentum; optimizer.sophia.rho, hessian_interval). Precision:
+training.dtype = f32 | bf16 (matmuls), training.master_dtype = f32 | bf16 (stored weights;
+bf16 loses small updates: the norms freeze). Checkpoints are written on a background thread
+(checkpoint.async = true): a step waits only for a host copy of the state, and every exit
+waits for the save in flight.
 
 Run directory:
   config.toml      the effective config
   metrics.jsonl    one line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
                    rss_mib) and per evaluation (eval_loss, eval_accuracy)
-  events.jsonl     start, resume, checkpoint saved/loaded/rejected, guards, signal, exit
-  checkpoints/step-<N>/  model.safetensors, optimizer.safetensors, state.json, manifest.json
+  events.jsonl     start, resume, checkpoint saved (with the step's stall_s and the write_s)
+                   /loaded/rejected, guards, signal, exit
+  checkpoints/step-<N>/  model.safetensors (weights, in the master dtype),
+                   optimizer.safetensors (the optimizer's state, f32, keyed <param>.<slot>:
+                   exp_avg/exp_avg_sq for AdamW, momentum_buffer for Muon's matrices,
+                   exp_avg/hessian for SophiaG), state.json (incl. the optimizer kind),
+                   manifest.json
+  checkpoints/rejected/  checkpoints that failed verification or belong to another run,
+                   moved aside with a REJECTED.txt note (kiln never deletes them)
+  train.lock       held (flock) by the one trainer writing this directory
   model.safetensors      the final weights
 
 Examples:
@@ -144,7 +172,16 @@ impl Observer for Progress {
 
 /// `kiln train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
-    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
+    // whether it is found here or once training starts.
+    let invalid = |e: &dyn std::fmt::Display| {
+        eprintln!("kiln: error: {e}");
+        Ok(exit_code(kiln_run::exit::CONFIG))
+    };
+    let config = match Config::load(args.config.as_deref(), &args.overrides) {
+        Ok(c) => c,
+        Err(e) => return invalid(&e),
+    };
     if args.print_config {
         print!("{}", config.to_toml());
         return Ok(ExitCode::SUCCESS);
@@ -153,7 +190,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut progress = Progress::new(live, config.training.steps);
     // The multiple-choice eval: `eval.tasks`, or the built-in task of the synthetic corpus.
     if !config.eval.tasks.is_empty() {
-        progress.tasks = kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))?;
+        progress.tasks = match kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))
+        {
+            Ok(t) => t,
+            Err(e) => return invalid(&format!("eval.tasks: {e}")),
+        };
     } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
         progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
             kiln_gates::mc::SHIPPED_TASKS,
@@ -164,8 +205,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         config,
         run_dir: args.run_dir.clone(),
     };
-    let report = kiln_train::train(&opts, &mut progress)
-        .with_context(|| format!("training in run directory {}", args.run_dir.display()))?;
+    let report = match kiln_train::train(&opts, &mut progress) {
+        Ok(report) => report,
+        Err(e) => {
+            if let Some(bar) = &progress.bar {
+                bar.finish_and_clear();
+            }
+            eprintln!(
+                "kiln: error: training in run directory {}: {e}",
+                args.run_dir.display()
+            );
+            return Ok(exit_code(e.exit_code()));
+        }
+    };
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
@@ -197,7 +249,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 "kiln: preempted by signal {signal} after step {}; checkpoint saved; run the same command to resume",
                 report.step
             );
-            Ok(ExitCode::from(kiln_run::EXIT_PREEMPTED as u8))
+            Ok(exit_code(kiln_run::exit::PREEMPTED))
         }
     }
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

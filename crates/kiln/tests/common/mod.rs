@@ -29,3 +29,48 @@ pub fn train_cmd(run_dir: &Path, sets: &[&str]) -> Command {
     }
     cmd
 }
+
+/// Spawns `cmd` (a `kiln train` with `--no-progress-bar`) and returns once it printed
+/// `step=<at least step>` and, when `saved` is given, the note of a published checkpoint of
+/// at least that step. Checkpoints are written in the background, so a step line alone does
+/// not mean the checkpoint before it is on disk; killing only after the note makes "kill
+/// between two checkpoints" deterministic.
+pub fn spawn_until(mut cmd: Command, step: u64, saved: Option<u64>) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut at, mut published) = (0u64, saved.is_none());
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(s) = line
+                .strip_prefix("step=")
+                .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+            {
+                at = at.max(s);
+            }
+            // "note: saved RUN_DIR/checkpoints/step-N (step stalled ...)"
+            if let Some(k) = line.strip_prefix("note: saved ").and_then(|r| {
+                r.split(" (")
+                    .next()?
+                    .rsplit("step-")
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            }) {
+                published |= saved.is_some_and(|want| k >= want);
+            }
+            // Keep reading to the end: a closed pipe would fail kiln's next print.
+            if at >= step && published {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(300))
+        .expect("training never reached the step (and checkpoint)");
+    child
+}
