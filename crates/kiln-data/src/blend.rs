@@ -204,7 +204,17 @@ impl Blend {
         let key = Key::new(b"BLEND   ", &description);
         let path = cache_dir.join(key.file_name("blend"));
         let d = table.len();
+        let n_ck = samples.div_ceil(CHECKPOINT) as f64;
+        let file_bytes = 8.0 * d as f64 + 8.0 * n_ck * d as f64 + 2.0 * samples as f64;
         let file = cache::get_or_build(&path, &key, || {
+            // The ids are collected, then copied into the file's bytes: twice the file.
+            cache::ensure_room(
+                &format!("the blend of {samples} samples over {d} datasets"),
+                2.0 * file_bytes,
+                file_bytes,
+                cache_dir,
+                cache::FIX_SAMPLES,
+            )?;
             let _span = tracing::info_span!("blend", samples, datasets = d).entered();
             let t0 = std::time::Instant::now();
             let n_ck = samples.div_ceil(CHECKPOINT) as usize;

@@ -41,7 +41,12 @@ pub struct CorpusList {
 impl CorpusList {
     /// Read and parse a list file.
     pub fn read(path: &Path) -> Result<CorpusList> {
-        let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+        let text = kiln_run::files::read_to_string_limited(
+            path,
+            crate::error::limits::CORPUS_LIST,
+            "a corpus list",
+        )
+        .map_err(|e| DataError::io(path, e))?;
         let base = path.parent().unwrap_or(Path::new("."));
         CorpusList::parse(&text, path, base)
     }

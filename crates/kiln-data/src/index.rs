@@ -142,6 +142,17 @@ impl DatasetIndex {
                 }
                 let have = state.map_or(0, |(_, e)| e);
                 let want = epochs_needed(tokens, seq_len, samples).max(have);
+                let bytes = 8.0 * (HEAD_WORDS as f64 + want as f64 * (groups + 1) as f64);
+                cache::ensure_room(
+                    &format!(
+                        "the sample index of {} ({want} epochs of {tokens} tokens for {samples} samples of {seq_len} tokens)",
+                        ds.prefix().display()
+                    ),
+                    bytes,
+                    bytes,
+                    cache_dir,
+                    cache::FIX_SAMPLES,
+                )?;
                 let mut payload: Vec<u8> =
                     Vec::with_capacity(8 * (HEAD_WORDS + (want * (groups + 1)) as usize));
                 for w in [tokens, seqs, groups, want] {

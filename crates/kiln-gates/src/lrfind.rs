@@ -96,6 +96,12 @@ pub fn run(
             opts.min_lr, opts.max_lr
         )));
     }
+    if !(opts.blowup_factor.is_finite() && opts.blowup_factor > 1.0) {
+        return Err(GatesError::Invalid(format!(
+            "--blowup {}: must be a finite number > 1 (the smoothed loss over its best that ends the sweep; 4 is typical)",
+            opts.blowup_factor
+        )));
+    }
     if opts.steps < 5 {
         return Err(GatesError::Invalid(format!(
             "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",

@@ -10,7 +10,10 @@
 //! | `checkpoints/step-<N>/`  | `kiln train`      | safetensors + `state.json` + `manifest`  |
 //! | `attempt-<i>.log`        | `kiln launch`     | raw bytes of one attempt's output        |
 //!
-//! File names live in [`layout`], event names in [`event`], exit codes in [`exit`].
+//! File names live in [`layout`], event names in [`event`], exit codes in [`exit`]. Two
+//! helpers every component needs sit here too: [`files`] (bounded reads of regular files
+//! only, for names taken from files a user received) and [`host`] (memory and cores this
+//! process may use, for checks before allocating).
 //!
 //! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line
 //! `<step> <phase> <unix_time> <host>`, replaced atomically, so a supervisor can tell which
@@ -20,6 +23,8 @@ mod beacon;
 pub mod event;
 mod events;
 pub mod exit;
+pub mod files;
+pub mod host;
 pub mod jsonl;
 pub mod layout;
 pub mod ledger;

@@ -4,13 +4,15 @@
 //!
 //! Layout (torchtitan-like): [`config`] (the TOML sections), [`model`] (parameters and the
 //! forward pass), [`optim`] (AdamW, Muon and SophiaG behind one seam, clipping, LR
-//! schedules), [`data`] (token sources), [`synthetic`] (the built-in corpus), [`session`] (a
-//! model and its parameters), [`state`] (the exact-resume state), [`step`] (the arithmetic
-//! of a step and the batch layout over ranks), [`checkpoint`] (atomic, verified checkpoints
-//! and retention), [`saver`] (synchronous or background checkpoint writing), [`run_dir`]
-//! (the locked run directory), [`guards`] (spike and sanity checks), [`metrics`] (what a
-//! run reports) and [`trainer`] (the step loop).
+//! schedules), [`data`] (token sources), [`synthetic`] (the built-in corpus), [`budget`]
+//! (memory and threads checked before allocating), [`session`] (a model and its
+//! parameters), [`state`] (the exact-resume state), [`step`] (the arithmetic of a step and
+//! the batch layout over ranks), [`checkpoint`] (atomic, verified checkpoints and
+//! retention), [`saver`] (synchronous or background checkpoint writing), [`run_dir`] (the
+//! locked run directory), [`guards`] (spike and sanity checks), [`metrics`] (what a run
+//! reports) and [`trainer`] (the step loop).
 
+pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

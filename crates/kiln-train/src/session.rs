@@ -71,13 +71,9 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 }
 
 /// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
-/// in a process takes effect.
-pub fn set_threads(threads: usize) {
-    if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
+/// in a process takes effect; see [`crate::budget::start_threads`].
+pub fn set_threads(threads: usize) -> Result<(), TrainError> {
+    Ok(crate::budget::start_threads(threads)?)
 }
 
 /// Host copy of a flat tensor, widened to f32 whatever its dtype.
@@ -95,7 +91,9 @@ impl Session {
     /// Builds the model for `vocab` tokens with fresh parameters drawn from the seed.
     pub fn new(config: &Config, vocab: usize) -> Result<Self, TrainError> {
         config.validate()?;
-        set_threads(config.training.threads);
+        // The memory of the model, its optimizer and a step, before any of it is allocated.
+        crate::budget::check(config, vocab)?;
+        set_threads(config.training.threads)?;
         let device = parse_device(&config.training.device)?;
         let model = Llama::new(&config.model, vocab).with_compute(config.training.dtype);
         let master = dtype_of(config.training.master_dtype);

@@ -370,6 +370,8 @@ impl<'o> Trainer<'o> {
         let build = || -> Result<_, TrainError> {
             let layout = BatchLayout::new(&cfg.training, comm.rank(), comm.size())
                 .map_err(TrainError::Parallel)?;
+            // Sizes that cannot fit are refused before the data is indexed for them.
+            crate::budget::check(&cfg, crate::budget::known_vocab(&cfg))?;
             let data = TrainData::open(&cfg, layout.samples_for(cfg.training.steps), None)
                 .map_err(TrainError::Data)?;
             let vocab = data.vocab(&cfg).map_err(TrainError::Data)?;
@@ -1108,7 +1110,13 @@ impl<'o> Trainer<'o> {
             return Ok(());
         }
         self.beacon("eval");
-        let Some(syn) = &self.data.synthetic else {
+        // eval.samples = 0: no held-out eval (rather than a loss of 0 over no sequences).
+        let Some(syn) = self
+            .data
+            .synthetic
+            .as_ref()
+            .filter(|_| self.cfg.eval.samples > 0)
+        else {
             return Ok(());
         };
         let mut e = self.session.evaluate_synthetic(

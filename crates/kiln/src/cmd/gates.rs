@@ -180,6 +180,7 @@ pub struct PlotArgs {
 
 /// `kiln smoke`.
 pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
+    smoke::check_mem_tolerance(a.mem_tolerance)?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
     let baseline = if a.bless && !a.baseline.exists() {
         None
@@ -308,6 +309,9 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln eval`.
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
+    if a.samples == Some(0) {
+        anyhow::bail!("--samples 0: must be at least 1 (held-out sequences to score)");
+    }
     let tasks = match &a.tasks {
         Some(path) => kiln_gates::mc::load_tasks(path)?,
         None => kiln_gates::mc::synthetic_copy_tasks(
@@ -319,7 +323,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let s = &loaded.session;
     let samples = a.samples.unwrap_or(s.config.eval.samples);
     // The held-out synthetic eval applies to runs trained on the built-in corpus.
-    let held_out = s.config.data.corpus_list.is_empty().then(|| {
+    let held_out = (s.config.data.corpus_list.is_empty() && samples > 0).then(|| {
         let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
         s.evaluate_synthetic(&syn, loaded.step.unwrap_or(0), samples, None)
     });
@@ -332,8 +336,8 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
         });
     if a.json {
         let v = serde_json::json!({
-            "weights": loaded.weights,
-            "config": loaded.config_path,
+            "weights": loaded.weights.display().to_string(),
+            "config": loaded.config_path.display().to_string(),
             "step": loaded.step,
             "tasks_file": task_name,
             "mc": score,
@@ -356,6 +360,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
                 e.eval_accuracy
                     .map_or("-".to_string(), |x| format!("{x:.3}"))
             ),
+            None if samples == 0 => println!("held-out loss: - (eval.samples = 0)"),
             None => println!("held-out loss: - (only for the synthetic corpus)"),
         }
         println!(

@@ -180,7 +180,16 @@ fn say(line: std::fmt::Arguments) {
 
 /// `kiln train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
-    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
+    // whether it is found here or once training starts.
+    let invalid = |e: &dyn std::fmt::Display| {
+        eprintln!("kiln: error: {e}");
+        Ok(exit_code(kiln_run::exit::CONFIG))
+    };
+    let config = match Config::load(args.config.as_deref(), &args.overrides) {
+        Ok(c) => c,
+        Err(e) => return invalid(&e),
+    };
     if args.print_config {
         print!("{}", config.to_toml());
         return Ok(ExitCode::SUCCESS);
@@ -189,7 +198,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut progress = Progress::new(live, config.training.steps);
     // The multiple-choice eval: `eval.tasks`, or the built-in task of the synthetic corpus.
     if !config.eval.tasks.is_empty() {
-        progress.tasks = kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))?;
+        progress.tasks = match kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))
+        {
+            Ok(t) => t,
+            Err(e) => return invalid(&format!("eval.tasks: {e}")),
+        };
     } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
         progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
             kiln_gates::mc::SHIPPED_TASKS,
