@@ -1,0 +1,65 @@
+//! Fuzz harness: a checkpoint's `state.json` as resume interprets it: the JSON value
+//! `checkpoint::load` returns, the trainer's `TrainState`, and the data schedule
+//! (`data_schedule`, a `kiln_data::BlendSchedule`) that the loader continues, bounds and
+//! builds a blend from.
+//!
+//! A schedule that resolves must give per-dataset bounds and a blend whose every sample
+//! comes from a listed dataset.
+
+use kiln_data::blend::{Blend, BlendSchedule, sample_bounds};
+use kiln_train::trainer::TrainState;
+
+pub fn run(data: &[u8]) {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
+        return;
+    };
+    let state = serde_json::from_value::<TrainState>(value.clone()).ok();
+    let Some(schedule) = value.get("data_schedule").filter(|v| !v.is_null()) else {
+        return;
+    };
+    let Ok(schedule) = serde_json::from_value::<BlendSchedule>(schedule.clone()) else {
+        return;
+    };
+    // The corpus list of the resumed run: every key the schedule names (so that it resolves),
+    // with the weights of its last segment, or one new dataset.
+    let mut table: Vec<String> = Vec::new();
+    for seg in &schedule.segments {
+        for (k, _) in &seg.weights {
+            if !table.contains(k) {
+                table.push(k.clone());
+            }
+        }
+    }
+    let weights = match schedule.segments.last() {
+        Some(s) if !s.weights.is_empty() => s.weights.clone(),
+        _ => {
+            table.push("new".into());
+            vec![("new".to_string(), 1.0)]
+        }
+    };
+    let at_sample = state.as_ref().map_or(0, |s| s.data_cursor);
+    let far = state.as_ref().map_or(u64::MAX, |s| s.tokens_seen);
+    for sched in [schedule.clone(), schedule.continued(weights, at_sample)] {
+        for samples in [far, at_sample, u64::MAX] {
+            if let Ok(bounds) = sample_bounds(&sched, &table, samples) {
+                assert_eq!(bounds.len(), table.len());
+                assert!(bounds.iter().all(|&b| b <= samples), "bounds {bounds:?} > {samples}");
+            }
+        }
+        let samples = at_sample.min(3000) + 17;
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let Ok(blend) = Blend::build(&sched, &table, samples, dir.path()) else {
+            continue;
+        };
+        let totals = blend.totals();
+        assert_eq!(totals.len(), table.len());
+        assert_eq!(totals.iter().sum::<u64>(), samples, "every sample has one dataset");
+        let bounds = sample_bounds(&sched, &table, samples).expect("resolved once already");
+        for i in [0, samples / 2, samples - 1] {
+            let (d, j) = blend.get(i).expect("sample in range");
+            assert!(d < table.len());
+            assert!(j < bounds[d], "sample {i}: dataset {d} sample {j} >= bound {}", bounds[d]);
+        }
+        assert!(blend.get(samples).is_err());
+    }
+}
