@@ -56,7 +56,7 @@ failed=()
 printf '%-16s %12s %8s %s\n' target executions seconds result > fuzz/target/logs/summary.txt
 for t in "${targets[@]}"; do
   work=fuzz/target/corpus/$t
-  mkdir -p "$work" "fuzz/regressions/$t"
+  mkdir -p "$work" "fuzz/corpus/$t" "fuzz/regressions/$t"
   args=(-max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1)
   dict=$(dict_of "$t")
   [ -f "$dict" ] && args+=(-dict="$dict")

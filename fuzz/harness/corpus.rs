@@ -3,6 +3,8 @@
 //! by the corpus tests of the crates that own the parsers (`tests/fuzz_corpus.rs`), so the
 //! seeds and every past finding run in the ordinary `cargo test`, without cargo-fuzz.
 
+#![allow(dead_code)] // each test binary uses only some of these helpers
+
 use std::path::{Path, PathBuf};
 
 /// The repository's `fuzz/` directory (the including crate sits in `crates/<name>/`).
