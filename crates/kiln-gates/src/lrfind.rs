@@ -9,6 +9,8 @@
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
+use kiln_train::data::TrainData;
+use kiln_train::optim::AdamW;
 use kiln_train::optim::{clip_by_global_norm, global_norm};
 use kiln_train::{Config, Session};
 use serde::Serialize;
@@ -105,10 +107,16 @@ pub fn run(
             opts.beta
         )));
     }
-    let mut s = Session::new(config)?;
-    let ad = s.device.clone().autodiff();
     let seq = config.training.seq_len;
     let rows_per_step = (config.training.batch_size * config.training.grad_accum_steps) as u64;
+    let data = TrainData::open(config, opts.steps * rows_per_step, None)
+        .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
+    let vocab = data
+        .vocab(config)
+        .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
+    let mut s = Session::new(config, vocab)?;
+    let mut optimizer = AdamW::new(&config.optimizer, s.model.specs(), &s.device);
+    let ad = s.device.clone().autodiff();
     let frozen = vec![false; s.params.len()];
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);
@@ -116,7 +124,7 @@ pub fn run(
     for i in 0..opts.steps {
         let lr = ramp(opts.min_lr, opts.max_lr, i, opts.steps);
         let rows: Vec<Vec<u32>> = (0..rows_per_step)
-            .map(|r| s.data.sample(i * rows_per_step + r, seq + 1))
+            .map(|r| data.source.sample(i * rows_per_step + r, seq + 1))
             .collect::<Result<_, _>>()
             .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
         let inputs = Session::int_tensor(&rows, seq, &ad);
@@ -157,7 +165,7 @@ pub fn run(
             break;
         }
         let grads = clip_by_global_norm(grads, norm, config.optimizer.max_grad_norm);
-        s.optimizer.update(&mut s.params, grads, lr, &frozen);
+        optimizer.update(&mut s.params, grads, lr, &frozen);
     }
     Ok(analyse(points, blowup))
 }

@@ -392,8 +392,7 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
         )));
     }
     let cfg = Config::load(Some(&config_path), &[]).map_err(kiln_train::TrainError::from)?;
-    let mut session = Session::new(&cfg)?;
-    session.load_params(&tensors, &weights)?;
+    let session = Session::from_weights(&cfg, &tensors, &weights)?;
     Ok(LoadedModel {
         session,
         weights,
@@ -476,7 +475,7 @@ mod tests {
             ],
         )
         .unwrap();
-        let s = Session::new(&cfg).unwrap();
+        let s = Session::new(&cfg, synthetic::VOCAB).unwrap();
         let tasks = synthetic_copy_tasks(40, 3);
         let a = score_multiple_choice(&s, &tasks);
         let b = score_multiple_choice(&s, &tasks);

@@ -138,7 +138,7 @@ pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<Smo
         steps: config.training.steps,
         config_sha256: hex::encode(Sha256::digest(text.as_bytes())),
         config: text,
-        peak_rss_mib: kiln_train::trainer::peak_rss_mib(),
+        peak_rss_mib: kiln_train::metrics::peak_rss_mib(),
         seconds: t0.elapsed().as_secs_f64(),
         records: rec.records,
     })
@@ -233,9 +233,14 @@ pub fn config_differences(a: &str, b: &str) -> Vec<(String, String, String)> {
             }
         }
     }
+    // Each side as the effective config it stands for: a key added to kiln after a baseline
+    // was blessed compares at its default (the baseline ran with that behaviour).
     let parse = |text: &str| {
+        let effective = kiln_train::Config::from_toml(text, "smoke baseline")
+            .map(|c| c.to_toml())
+            .unwrap_or_else(|_| text.to_string());
         let mut out = BTreeMap::new();
-        if let Ok(t) = text.parse::<toml::Table>() {
+        if let Ok(t) = effective.parse::<toml::Table>() {
             flatten("", &toml::Value::Table(t), &mut out);
         }
         out
@@ -301,8 +306,11 @@ pub fn compare(
     check_config: bool,
     mem_tolerance: f64,
 ) -> Verdict {
-    if check_config && baseline.config != run.config {
-        return Verdict::ConfigMismatch(config_differences(&baseline.config, &run.config));
+    if check_config {
+        let differences = config_differences(&baseline.config, &run.config);
+        if !differences.is_empty() {
+            return Verdict::ConfigMismatch(differences);
+        }
     }
     let mut first = None;
     let mut differing = 0usize;

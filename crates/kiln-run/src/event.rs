@@ -24,6 +24,13 @@ pub const LOSS_SPIKE: &str = "loss_spike";
 pub const SPIKE_SKIP: &str = "spike_skip";
 /// Parameter tensors did not change over the check interval.
 pub const FROZEN_PARAMS: &str = "frozen_params";
+/// Rollbacks stopped making progress; the run stops (exit 65).
+pub const ROLLBACK_LIMIT: &str = "rollback_limit";
+/// Data-parallel replicas disagree on their parameters (fields: step, ranks, checksums).
+pub const REPLICA_MISMATCH: &str = "replica_mismatch";
+/// The run resumed on another number of ranks or another global batch (fields: from_ranks,
+/// to_ranks, global_batch, grad_accum_steps, step).
+pub const RESIZED: &str = "resized";
 /// The first-step loss matches ln(vocab).
 pub const INITIAL_LOSS_OK: &str = "initial_loss_ok";
 /// The first-step loss is far from ln(vocab).

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -64,22 +64,26 @@ pub struct EventLog {
 impl EventLog {
     /// Opens (creating) `dir/events.jsonl` for appending; `source` names the writer.
     pub fn open(dir: &Path, source: &str) -> Result<Self, EventLogError> {
-        let path = dir.join("events.jsonl");
+        let path = dir.join(crate::layout::EVENTS);
         let io = |source| EventLogError::Io {
             path: path.clone(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(io)?;
-        Ok(Self {
+        let (file, cut) = crate::jsonl::open_append(&path).map_err(io)?;
+        let mut log = Self {
             path,
             file,
             source: source.to_string(),
-        })
+        };
+        if cut > 0 {
+            let path = log.path.display().to_string();
+            log.emit(
+                crate::event::LOG_REPAIRED,
+                serde_json::json!({"path": path, "bytes_removed": cut}),
+            )?;
+        }
+        Ok(log)
     }
 
     /// The file written to.
@@ -114,7 +118,7 @@ impl EventLog {
 /// Reads every event of `dir/events.jsonl` (an absent file is an empty log). A torn last line
 /// (a writer killed mid-write) is skipped; any other malformed line is an error naming it.
 pub fn read_events(dir: &Path) -> Result<Vec<Event>, EventLogError> {
-    let path = dir.join("events.jsonl");
+    let path = dir.join(crate::layout::EVENTS);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

@@ -19,10 +19,22 @@ mod beacon;
 pub mod event;
 mod events;
 pub mod exit;
+pub mod jsonl;
 pub mod layout;
 
 pub use beacon::{Beacon, BeaconError, PROGRESS_DIR_ENV, read_beacons, write_beacon};
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
+
+/// This machine's host name (as `hostname` prints it), for lock files, beacons and events;
+/// `unknown` if it cannot be read.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
 
 /// Exit code of a process that was asked to stop; see [`exit::PREEMPTED`].
 pub const EXIT_PREEMPTED: i32 = exit::PREEMPTED;

@@ -11,10 +11,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("usage: dump_step DIR [--set k=v]...")?;
     let overrides: Vec<String> = std::env::args().skip(2).filter(|a| a != "--set").collect();
     let cfg = Config::load(None, &overrides)?;
-    let s = Session::new(&cfg)?;
     let (b, t) = (cfg.training.batch_size, cfg.training.seq_len);
+    let data = kiln_train::data::TrainData::open(&cfg, b as u64, None)?;
+    let s = Session::new(&cfg, data.vocab(&cfg)?)?;
     let rows: Vec<Vec<u32>> = (0..b as u64)
-        .map(|i| s.data.sample(i, t + 1))
+        .map(|i| data.source.sample(i, t + 1))
         .collect::<Result<_, _>>()?;
     std::fs::write(
         format!("{dir}/params.safetensors"),

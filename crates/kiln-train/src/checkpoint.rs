@@ -3,15 +3,41 @@
 //!
 //! Publishing is crash-safe: everything is written into a temporary directory, each file and
 //! the directory are fsynced, and only then is it renamed to `step-<N>` (rename is atomic).
-//! Loading verifies the manifest; a torn or corrupt checkpoint is rejected (and reported by
-//! the caller) and the one before it is used.
+//! Loading verifies the manifest; a torn or corrupt checkpoint is rejected and the one before
+//! it is used.
+//!
+//! A checkpoint directory may come from elsewhere (copied from another machine, or planted),
+//! so loading trusts nothing in it: the manifest may name only the fixed files of the format
+//! ([`FILES`]), every file must be a regular file (not a link, FIFO or device), and no read
+//! goes beyond the size the manifest declares.
+//!
+//! [`CheckpointManager`] owns a run's checkpoint directory: which checkpoint to resume from,
+//! moving rejected and foreign checkpoints aside (`checkpoints/rejected/`, never deleted), and
+//! retention that only ever deletes older checkpoints of this run's own lineage.
 
+use kiln_run::layout;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+
+/// The weights file of a checkpoint.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The optimizer state file of a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The training state file of a checkpoint (the trainer's `TrainState` as JSON).
+pub const STATE_FILE: &str = "state.json";
+/// The manifest (checksums and sizes of the other files).
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The files a manifest lists: exactly these, nothing else.
+pub const FILES: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+/// Largest manifest or state file accepted (they are a few hundred bytes to a few KB).
+const MAX_SMALL_FILE: u64 = 16 << 20;
+/// Note left inside a directory moved to `checkpoints/rejected/`.
+const REJECTED_NOTE: &str = "REJECTED.txt";
 
 /// Errors saving or loading checkpoints.
 #[derive(Debug, thiserror::Error)]
@@ -62,15 +88,13 @@ pub struct HostTensor {
 /// Serialises tensors to safetensors bytes. Deterministic: same tensors, same bytes (the
 /// metadata map has a single fixed key, tensors are ordered by the format's rules).
 pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
     let views = tensors
         .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.shape.clone(), b)
+        .map(|t| {
+            // f32 values in memory are the little-endian bytes safetensors stores on every
+            // platform kiln builds for (x86-64, aarch64); no copy.
+            let bytes: &[u8] = bytemuck::cast_slice(&t.values);
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.shape.clone(), bytes)
                 .map(|v| (t.name.clone(), v))
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -138,7 +162,7 @@ pub struct Checkpoint {
 
 /// Name of a checkpoint directory.
 pub fn dir_name(step: u64) -> String {
-    format!("step-{step}")
+    layout::checkpoint_dir(step)
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
@@ -148,7 +172,11 @@ fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointError> {
-    let mut f = File::create(path).map_err(io_err(path))?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(io_err(path))?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
         .map_err(io_err(path))?;
@@ -167,34 +195,36 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         dir_name(ckpt.step),
         std::process::id()
     ));
-    if tmp.exists() {
+    if std::fs::symlink_metadata(&tmp).is_ok() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
     let mut files = BTreeMap::new();
     let ser = |t: &[HostTensor], name: &str| {
         to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()))
     };
-    let model = ser(&ckpt.model, "model.safetensors")?;
+    let model = ser(&ckpt.model, MODEL_FILE)?;
     files.insert(
-        "model.safetensors".to_string(),
-        write_synced(&tmp.join("model.safetensors"), &model)?,
+        MODEL_FILE.to_string(),
+        write_synced(&tmp.join(MODEL_FILE), &model)?,
     );
-    let opt = ser(&ckpt.optimizer, "optimizer.safetensors")?;
+    drop(model);
+    let opt = ser(&ckpt.optimizer, OPTIMIZER_FILE)?;
     files.insert(
-        "optimizer.safetensors".to_string(),
-        write_synced(&tmp.join("optimizer.safetensors"), &opt)?,
+        OPTIMIZER_FILE.to_string(),
+        write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
     );
+    drop(opt);
     let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(&tmp, e.to_string()))?;
     files.insert(
-        "state.json".to_string(),
-        write_synced(&tmp.join("state.json"), &state)?,
+        STATE_FILE.to_string(),
+        write_synced(&tmp.join(STATE_FILE), &state)?,
     );
     let manifest = serde_json::to_vec_pretty(&Manifest { version: 1, files })
         .map_err(|e| invalid(&tmp, e.to_string()))?;
-    write_synced(&tmp.join("manifest.json"), &manifest)?;
+    write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
     fsync_dir(&tmp)?;
-    if final_dir.exists() {
+    if std::fs::symlink_metadata(&final_dir).is_ok() {
         // Re-saving a step that exists (a resumed run that stops at the same step): move the
         // old one aside first, so there is never a moment without a valid step-<N>.
         let old = root.join(format!(
@@ -204,12 +234,22 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         ));
         std::fs::rename(&final_dir, &old).map_err(io_err(&final_dir))?;
         std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
-        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+        remove_tree(&old)?;
     } else {
         std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
     }
     fsync_dir(root)?;
     Ok(final_dir)
+}
+
+/// Removes a directory kiln wrote; a symlink is removed itself, never followed.
+fn remove_tree(path: &Path) -> Result<(), CheckpointError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path).map_err(io_err(path)),
+        Ok(_) => std::fs::remove_file(path).map_err(io_err(path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(path)(e)),
+    }
 }
 
 /// Steps of the `step-<N>` directories under `root`, newest first.
@@ -219,73 +259,150 @@ pub fn list_steps(root: &Path) -> Vec<u64> {
     };
     let mut steps: Vec<u64> = entries
         .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+        .filter_map(|e| layout::parse_checkpoint_dir(e.file_name().to_str()?))
         .collect();
     steps.sort_unstable_by(|a, b| b.cmp(a));
     steps
 }
 
-/// Loads and verifies `dir` against its manifest.
-pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
-    let manifest_path = dir.join("manifest.json");
-    let manifest_bytes = std::fs::read(&manifest_path)
-        .map_err(|e| invalid(dir, format!("no readable manifest.json ({e})")))?;
-    let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
-        .map_err(|e| invalid(&manifest_path, format!("malformed manifest: {e}")))?;
-    let mut contents = BTreeMap::new();
-    for required in ["model.safetensors", "optimizer.safetensors", "state.json"] {
-        if !manifest.files.contains_key(required) {
-            return Err(invalid(
-                &manifest_path,
-                format!("manifest does not list {required}"),
-            ));
-        }
+/// Reads a file of a checkpoint: refuses links and anything but a regular file, and never
+/// reads more than `expect` bytes (the size the manifest declares, or a cap).
+fn read_bounded(path: &Path, expect: Option<u64>, cap: u64) -> Result<Vec<u8>, CheckpointError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        // O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: no links.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                invalid(
+                    path,
+                    "is a symbolic link; checkpoint files must be regular files",
+                )
+            } else {
+                invalid(path, format!("unreadable: {e}"))
+            }
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| invalid(path, format!("unreadable: {e}")))?;
+    if !meta.is_file() {
+        return Err(invalid(
+            path,
+            "is not a regular file (a device, FIFO or directory); refused",
+        ));
     }
-    for (name, entry) in &manifest.files {
-        let path = dir.join(name);
-        let bytes = std::fs::read(&path).map_err(|e| invalid(&path, format!("unreadable: {e}")))?;
-        if bytes.len() as u64 != entry.bytes {
+    let size = meta.len();
+    let limit = expect.unwrap_or(cap);
+    if size > limit {
+        return Err(invalid(
+            path,
+            match expect {
+                Some(e) => format!("size {size} != {e} in manifest (torn write or corrupt)"),
+                None => format!("{size} bytes; at most {cap} expected"),
+            },
+        ));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| invalid(path, format!("unreadable: {e}")))?;
+    if let Some(e) = expect
+        && bytes.len() as u64 != e
+    {
+        return Err(invalid(
+            path,
+            format!("size {} != {e} in manifest (torn write?)", bytes.len()),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Reads and checks `dir/manifest.json`: it must list exactly [`FILES`].
+fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = read_bounded(&path, None, MAX_SMALL_FILE).map_err(|e| match e {
+        CheckpointError::Invalid { reason, .. } => {
+            invalid(dir, format!("no usable {MANIFEST_FILE} ({reason})"))
+        }
+        other => other,
+    })?;
+    let manifest: Manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| invalid(&path, format!("malformed manifest: {e}")))?;
+    for name in manifest.files.keys() {
+        if !FILES.contains(&name.as_str()) {
             return Err(invalid(
                 &path,
                 format!(
-                    "size {} != {} in manifest (torn write?)",
-                    bytes.len(),
-                    entry.bytes
+                    "manifest names {name:?}, which is not a file of a kiln checkpoint (only {}); refused",
+                    FILES.join(", ")
                 ),
             ));
         }
-        let sum = hex::encode(Sha256::digest(&bytes));
-        if sum != entry.sha256 {
-            return Err(invalid(
-                &path,
-                format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
-            ));
-        }
-        contents.insert(name.clone(), bytes);
     }
-    let state_path = dir.join("state.json");
-    let state: serde_json::Value = serde_json::from_slice(&contents["state.json"])
+    for required in FILES {
+        if !manifest.files.contains_key(required) {
+            return Err(invalid(&path, format!("manifest does not list {required}")));
+        }
+    }
+    Ok(manifest)
+}
+
+/// Reads one file of `dir` listed in `manifest` and checks its size and SHA-256.
+fn read_verified(dir: &Path, manifest: &Manifest, name: &str) -> Result<Vec<u8>, CheckpointError> {
+    let path = dir.join(name);
+    let entry = &manifest.files[name];
+    let bytes = read_bounded(&path, Some(entry.bytes), entry.bytes)?;
+    let sum = hex::encode(Sha256::digest(&bytes));
+    if sum != entry.sha256 {
+        return Err(invalid(
+            &path,
+            format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Loads and verifies only `state.json` of `dir` (cheap: for lineage checks).
+pub fn load_state(dir: &Path) -> Result<serde_json::Value, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    parse_state(dir, &read_verified(dir, &manifest, STATE_FILE)?).map(|(_, v)| v)
+}
+
+fn parse_state(dir: &Path, bytes: &[u8]) -> Result<(u64, serde_json::Value), CheckpointError> {
+    let state_path = dir.join(STATE_FILE);
+    let state: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| invalid(&state_path, format!("malformed: {e}")))?;
     let step = state
         .get("step")
         .and_then(serde_json::Value::as_u64)
         .ok_or_else(|| invalid(&state_path, "no integer `step`"))?;
+    Ok((step, state))
+}
+
+/// Loads and verifies `dir` against its manifest.
+pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    let (step, state) = parse_state(dir, &read_verified(dir, &manifest, STATE_FILE)?)?;
+    let model = from_safetensors(
+        &read_verified(dir, &manifest, MODEL_FILE)?,
+        &dir.join(MODEL_FILE),
+    )?;
+    let optimizer = from_safetensors(
+        &read_verified(dir, &manifest, OPTIMIZER_FILE)?,
+        &dir.join(OPTIMIZER_FILE),
+    )?;
     Ok(Checkpoint {
         step,
-        model: from_safetensors(
-            &contents["model.safetensors"],
-            &dir.join("model.safetensors"),
-        )?,
-        optimizer: from_safetensors(
-            &contents["optimizer.safetensors"],
-            &dir.join("optimizer.safetensors"),
-        )?,
+        model,
+        optimizer,
         state,
     })
 }
 
 /// The newest checkpoint under `root` that verifies. Each rejected one is passed to
-/// `on_reject` (path and reason) before the next older one is tried.
+/// `on_reject` (path and reason) before the next older one is tried. Read-only: for tools
+/// that inspect a run (eval, export); a training run uses [`CheckpointManager`].
 pub fn load_latest_valid(
     root: &Path,
     mut on_reject: impl FnMut(&Path, &str),
@@ -300,34 +417,239 @@ pub fn load_latest_valid(
     None
 }
 
-/// Deletes all but the newest `keep` checkpoints and any leftover temporary directories of
-/// this process's earlier crashes. Returns the deleted directories.
-pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
-    let mut deleted = Vec::new();
-    for step in list_steps(root).into_iter().skip(keep) {
-        let dir = root.join(dir_name(step));
-        std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
-        deleted.push(dir);
+/// The lineage id recorded in a checkpoint's state (`run_id`); checkpoints written before
+/// lineages existed have none.
+fn lineage_of(state: &serde_json::Value) -> Option<&str> {
+    state.get("run_id").and_then(serde_json::Value::as_str)
+}
+
+/// A checkpoint moved to `checkpoints/rejected/`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rejection {
+    /// Where it was.
+    pub path: PathBuf,
+    /// Why it was rejected.
+    pub reason: String,
+    /// Where it is now.
+    pub moved_to: PathBuf,
+}
+
+/// What a save did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SaveReport {
+    /// The published checkpoint.
+    pub path: PathBuf,
+    /// Older checkpoints of this lineage deleted by retention.
+    pub pruned: Vec<PathBuf>,
+    /// Newer checkpoints of this lineage that a rollback made obsolete, moved aside.
+    pub superseded: Vec<Rejection>,
+}
+
+/// The checkpoints of one training run: resume choice, move-aside of bad or foreign ones,
+/// saving and retention.
+///
+/// Retention rule: after saving step S, only checkpoints of this run's lineage (its
+/// `run_id`) older than S are candidates for deletion, and the newest `keep - 1` of them
+/// stay. Nothing of another lineage, nothing corrupt and nothing newer than S is ever
+/// deleted: those are moved to `checkpoints/rejected/` with a note saying why.
+#[derive(Debug)]
+pub struct CheckpointManager {
+    root: PathBuf,
+    keep: usize,
+    run_id: String,
+    /// Steps known to be this lineage's (found at open or saved since).
+    ours: Vec<u64>,
+}
+
+/// The result of [`CheckpointManager::open`].
+pub struct Opened {
+    /// The manager, with the lineage of the resumed checkpoint (or a new one).
+    pub manager: CheckpointManager,
+    /// The checkpoint to resume from, when resuming and one verified.
+    pub resume: Option<(PathBuf, Checkpoint)>,
+    /// Checkpoints moved aside (corrupt, torn, foreign).
+    pub rejected: Vec<Rejection>,
+}
+
+impl CheckpointManager {
+    /// Scans `root`. With `resume`, the newest checkpoint that verifies is chosen and its
+    /// lineage adopted; corrupt checkpoints newer than it and valid ones of another lineage
+    /// are moved aside. Without `resume` (or when none verifies) a new lineage `new_run_id`
+    /// starts and every existing checkpoint is moved aside: none of them is this run's.
+    pub fn open(
+        root: &Path,
+        keep: usize,
+        resume: bool,
+        new_run_id: &str,
+    ) -> Result<Opened, CheckpointError> {
+        let mut rejected = Vec::new();
+        let mut chosen: Option<(PathBuf, Checkpoint)> = None;
+        let steps = list_steps(root);
+        if resume {
+            for &step in &steps {
+                let dir = root.join(dir_name(step));
+                match load(&dir) {
+                    Ok(c) => {
+                        chosen = Some((dir, c));
+                        break;
+                    }
+                    Err(e) => rejected.push(move_aside(root, &dir, &e.to_string())?),
+                }
+            }
+        }
+        let run_id = chosen.as_ref().map_or(new_run_id.to_string(), |(_, c)| {
+            lineage_of(&c.state).unwrap_or(new_run_id).to_string()
+        });
+        let mut ours = Vec::new();
+        for &step in &steps {
+            let dir = root.join(dir_name(step));
+            if std::fs::symlink_metadata(&dir).is_err() {
+                continue; // moved aside above
+            }
+            let Some((chosen_dir, chosen_ck)) = &chosen else {
+                let why = if resume {
+                    "no checkpoint of this directory verified, so this run started afresh"
+                } else {
+                    "checkpoint.resume = false: a new run started in this directory"
+                };
+                rejected.push(move_aside(root, &dir, &format!("not this run's: {why}"))?);
+                continue;
+            };
+            if &dir == chosen_dir {
+                ours.push(step);
+                continue;
+            }
+            // Older than the chosen one: ours if its lineage matches (checkpoints from
+            // before lineages existed belong to a lineage-less resumed run). A corrupt one
+            // older than the resume point is harmless: it stays where it is, out of our set.
+            match load_state(&dir) {
+                Ok(state) if lineage_of(&state) == lineage_of(&chosen_ck.state) => {
+                    ours.push(step);
+                }
+                Ok(state) => rejected.push(move_aside(
+                    root,
+                    &dir,
+                    &format!(
+                        "belongs to another run (run_id {:?}; this run is {run_id:?})",
+                        lineage_of(&state)
+                    ),
+                )?),
+                Err(_) => {}
+            }
+        }
+        Ok(Opened {
+            manager: CheckpointManager {
+                root: root.to_path_buf(),
+                keep: keep.max(1),
+                run_id,
+                ours,
+            },
+            resume: chosen,
+            rejected,
+        })
     }
-    if let Ok(entries) = std::fs::read_dir(root) {
+
+    /// This run's lineage id (written into every checkpoint's state as `run_id`).
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// The checkpoint directory of the root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Publishes `ckpt`, then moves aside this lineage's checkpoints newer than it (left by
+    /// a rollback) and deletes this lineage's oldest beyond `keep`.
+    pub fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+        let path = save(&self.root, ckpt)?;
+        let step = ckpt.step;
+        let mut superseded = Vec::new();
+        for &s in self.ours.iter().filter(|&&s| s > step) {
+            let dir = self.root.join(dir_name(s));
+            superseded.push(move_aside(
+                &self.root,
+                &dir,
+                &format!("superseded: the run rolled back and saved step {step} after it"),
+            )?);
+        }
+        self.ours.retain(|&s| s < step);
+        self.ours.push(step);
+        self.ours.sort_unstable_by(|a, b| b.cmp(a));
+        let mut pruned = Vec::new();
+        for &s in self.ours.iter().skip(self.keep) {
+            let dir = self.root.join(dir_name(s));
+            remove_tree(&dir)?;
+            pruned.push(dir);
+        }
+        self.ours.truncate(self.keep);
+        self.remove_own_leftovers()?;
+        Ok(SaveReport {
+            path,
+            pruned,
+            superseded,
+        })
+    }
+
+    /// Deletes this process's temporary directories of earlier failed saves (another
+    /// process's are not touched: the run-directory lock means there is none, but a
+    /// directory shared by mistake must not lose a save in flight).
+    fn remove_own_leftovers(&self) -> Result<(), CheckpointError> {
+        let pid = std::process::id().to_string();
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Ok(());
+        };
         for e in entries.filter_map(Result::ok) {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with(".tmp-") || name.starts_with(".old-") {
-                let path = e.path();
-                std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
-                deleted.push(path);
+            let own = (name.starts_with(".tmp-") || name.starts_with(".old-"))
+                && name.rsplit('-').next() == Some(pid.as_str());
+            if own {
+                remove_tree(&e.path())?;
             }
         }
+        Ok(())
     }
-    Ok(deleted)
+}
+
+/// Moves `dir` into `root/rejected/` (a free name) with a note of `reason`.
+fn move_aside(root: &Path, dir: &Path, reason: &str) -> Result<Rejection, CheckpointError> {
+    let aside = root.join(layout::REJECTED);
+    std::fs::create_dir_all(&aside).map_err(io_err(&aside))?;
+    let base = dir
+        .file_name()
+        .map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
+    let mut target = aside.join(&base);
+    let mut n = 1;
+    while std::fs::symlink_metadata(&target).is_ok() {
+        target = aside.join(format!("{base}.{n}"));
+        n += 1;
+    }
+    std::fs::rename(dir, &target).map_err(io_err(dir))?;
+    if std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_dir()) {
+        // Best effort: the move is what matters; the note only explains it.
+        let _ = std::fs::write(
+            target.join(REJECTED_NOTE),
+            format!(
+                "moved here by kiln at unix time {:.0} from {}\nreason: {reason}\n",
+                kiln_run::unix_time(),
+                dir.display()
+            ),
+        );
+    }
+    fsync_dir(root)?;
+    Ok(Rejection {
+        path: dir.to_path_buf(),
+        reason: reason.to_string(),
+        moved_to: target,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn ckpt(step: u64) -> Checkpoint {
+    fn ckpt(step: u64, run_id: &str) -> Checkpoint {
         Checkpoint {
             step,
             model: vec![HostTensor {
@@ -340,25 +662,27 @@ mod tests {
                 shape: vec![2],
                 values: vec![0.5, 0.25],
             }],
-            state: serde_json::json!({"step": step}),
+            state: serde_json::json!({"step": step, "run_id": run_id}),
         }
+    }
+
+    fn flip_last_byte(f: &Path) {
+        let mut bytes = std::fs::read(f).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(f, bytes).unwrap();
     }
 
     #[test]
     fn save_load_round_trip_and_corruption_falls_back() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        save(root, &ckpt(10)).unwrap();
-        save(root, &ckpt(20)).unwrap();
+        save(root, &ckpt(10, "a")).unwrap();
+        save(root, &ckpt(20, "a")).unwrap();
         let (_, c) = load_latest_valid(root, |_, _| panic!("no rejection expected")).unwrap();
         assert_eq!(c.step, 20);
-        assert_eq!(c.model, ckpt(20).model);
-        // flip one byte of the newest model file
-        let f = root.join("step-20/model.safetensors");
-        let mut bytes = std::fs::read(&f).unwrap();
-        let last = bytes.len() - 1;
-        bytes[last] ^= 1;
-        std::fs::write(&f, bytes).unwrap();
+        assert_eq!(c.model, ckpt(20, "a").model);
+        flip_last_byte(&root.join("step-20/model.safetensors"));
         let mut rejected = Vec::new();
         let (_, c) =
             load_latest_valid(root, |p, r| rejected.push((p.to_path_buf(), r.to_string())))
@@ -369,24 +693,78 @@ mod tests {
     }
 
     #[test]
-    fn torn_checkpoint_without_manifest_is_rejected_and_prune_keeps_k() {
+    fn manifest_may_name_only_the_formats_files_and_never_special_ones() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        for s in [1, 2, 3] {
-            save(root, &ckpt(s)).unwrap();
+        let ck = save(root, &ckpt(1, "a")).unwrap();
+        let manifest_path = ck.join(MANIFEST_FILE);
+        let good = std::fs::read_to_string(&manifest_path).unwrap();
+        for evil in ["../../../../etc/hostname", "/dev/zero", "sub/x", ".."] {
+            let m = good.replace("\"state.json\"", &format!("{evil:?}"));
+            std::fs::write(&manifest_path, m).unwrap();
+            let err = load(&ck).unwrap_err().to_string();
+            assert!(
+                err.contains("not a file of a kiln checkpoint"),
+                "{evil}: {err}"
+            );
         }
-        std::fs::remove_file(root.join("step-3/manifest.json")).unwrap();
-        assert!(load(&root.join("step-3")).is_err());
-        std::fs::create_dir_all(root.join(".tmp-step-9-1")).unwrap();
-        let deleted = prune(root, 2).unwrap();
-        assert_eq!(list_steps(root), vec![3, 2]);
-        assert_eq!(deleted.len(), 2);
+        std::fs::write(&manifest_path, &good).unwrap();
+        // A listed file replaced by a link to a device or by a FIFO is refused, not read.
+        let state = ck.join(STATE_FILE);
+        std::fs::remove_file(&state).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &state).unwrap();
+        let err = load(&ck).unwrap_err().to_string();
+        assert!(err.contains("symbolic link"), "{err}");
+        std::fs::remove_file(&state).unwrap();
+        nix::unistd::mkfifo(&state, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let err = load(&ck).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
     }
 
     #[test]
-    fn serialisation_is_deterministic() {
-        let a = to_safetensors(&ckpt(5).model).unwrap();
-        let b = to_safetensors(&ckpt(5).model).unwrap();
-        assert_eq!(a, b);
+    fn retention_keeps_k_of_its_lineage_and_moves_foreign_and_corrupt_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // Another run's checkpoints at higher steps, one of them corrupt.
+        for s in [40, 50, 60] {
+            save(root, &ckpt(s, "other")).unwrap();
+        }
+        flip_last_byte(&root.join("step-60/model.safetensors"));
+        let opened = CheckpointManager::open(root, 2, false, "mine").unwrap();
+        assert!(opened.resume.is_none());
+        assert_eq!(opened.rejected.len(), 3, "{:?}", opened.rejected);
+        let mut m = opened.manager;
+        for s in [10, 20, 30] {
+            let report = m.save(&ckpt(s, "mine")).unwrap();
+            assert!(
+                report.pruned.iter().all(|p| !p.ends_with(dir_name(s))),
+                "pruned what it just saved: {report:?}"
+            );
+        }
+        assert_eq!(list_steps(root), vec![30, 20]);
+        let aside: Vec<_> = std::fs::read_dir(root.join("rejected"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(aside.len(), 3, "{aside:?}");
+    }
+
+    #[test]
+    fn resume_adopts_the_lineage_and_a_rollback_supersedes_newer_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        for s in [10, 20, 30] {
+            save(root, &ckpt(s, "r1")).unwrap();
+        }
+        flip_last_byte(&root.join("step-30/optimizer.safetensors"));
+        let opened = CheckpointManager::open(root, 3, true, "new").unwrap();
+        assert_eq!(opened.resume.as_ref().unwrap().1.step, 20);
+        assert_eq!(opened.manager.run_id(), "r1");
+        assert_eq!(opened.rejected.len(), 1);
+        let mut m = opened.manager;
+        // Saving step 15 (after an in-memory rollback) moves step 20 aside, keeps 10.
+        let report = m.save(&ckpt(15, "r1")).unwrap();
+        assert_eq!(report.superseded.len(), 1);
+        assert_eq!(list_steps(root), vec![15, 10]);
     }
 }

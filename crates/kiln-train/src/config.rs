@@ -52,8 +52,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// In-training evaluation.
     pub eval: EvalConfig,
-    /// In-run guards (NaN, loss spikes, frozen parameters).
+    /// In-run guards (NaN, loss spikes, frozen parameters, replica consistency).
     pub guards: GuardsConfig,
+    /// Data parallelism over several ranks (gradient all-reduce).
+    pub parallelism: ParallelismConfig,
     /// Fault injection for testing the guards. Never set these in a real run.
     pub debug: DebugConfig,
 }
@@ -187,6 +189,12 @@ pub struct TrainingConfig {
     pub steps: u64,
     /// Sequences per micro-batch (per data-parallel rank).
     pub batch_size: usize,
+    /// Sequences per optimizer step, all data-parallel ranks together; 0 = batch_size x
+    /// grad_accum_steps x ranks. When set, grad_accum_steps is derived from it (it must be a
+    /// multiple of batch_size x ranks), so a run resumed on another number of ranks keeps
+    /// its global batch. A run resumed on another number of ranks with 0 here keeps the
+    /// global batch of its checkpoint the same way.
+    pub global_batch_size: u64,
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Micro-batches accumulated into one optimizer step.
@@ -213,6 +221,7 @@ impl Default for TrainingConfig {
         Self {
             steps: 500,
             batch_size: 16,
+            global_batch_size: 0,
             seq_len: 64,
             grad_accum_steps: 1,
             seed: 1234,
@@ -319,6 +328,15 @@ pub struct GuardsConfig {
     pub snapshot_interval: u64,
     /// Check every this many steps that every parameter tensor changed; 0 disables it.
     pub frozen_check_interval: u64,
+    /// Stop the run (exit 65) after this many rollbacks in a row that did not get training
+    /// past the step where the previous rollback happened: a config or data problem that
+    /// rolling back cannot fix. 0 = no limit.
+    pub max_rollbacks: u32,
+    /// With several data-parallel ranks, compare a checksum of every rank's parameters every
+    /// this many steps (and before every checkpoint); a rank that differs (silent data
+    /// corruption, a desynced rank) is named and the run stops (exit 76) before its weights
+    /// are saved. 0 = only before checkpoints.
+    pub replica_check_interval: u64,
 }
 
 impl Default for GuardsConfig {
@@ -332,6 +350,8 @@ impl Default for GuardsConfig {
             spike_skip_batches: 20,
             snapshot_interval: 50,
             frozen_check_interval: 50,
+            max_rollbacks: 3,
+            replica_check_interval: 100,
         }
     }
 }
@@ -348,6 +368,27 @@ pub struct DebugConfig {
     pub spike_scale: f64,
     /// Parameters whose name contains this string never get updated ("" = none).
     pub freeze_params: String,
+    /// Perturb the parameters of data-parallel rank `corrupt_replica_rank` after this step,
+    /// as silent data corruption would (0 = never).
+    pub corrupt_replica_at_step: u64,
+    /// The rank whose parameters `corrupt_replica_at_step` perturbs.
+    pub corrupt_replica_rank: usize,
+}
+
+/// Data parallelism: every rank holds the whole model and trains on its slice of the global
+/// batch; gradients are averaged over the ranks (MPI all-reduce) before clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelismConfig {
+    /// Gradients are all-reduced in buckets of this many MiB (PyTorch DDP uses 25); the
+    /// bucket size is part of what makes the reduction repeatable, so keep it fixed in a run.
+    pub bucket_mb: usize,
+}
+
+impl Default for ParallelismConfig {
+    fn default() -> Self {
+        Self { bucket_mb: 25 }
+    }
 }
 
 impl Config {

@@ -90,3 +90,71 @@ impl TokenSource for BlendedSource {
         serde_json::to_value(self.loader.schedule()).ok()
     }
 }
+
+/// The training data of a run: the token source, and the synthetic corpus when it is the
+/// source (for the built-in held-out eval).
+pub struct TrainData {
+    /// Where samples come from.
+    pub source: Box<dyn TokenSource>,
+    /// The synthetic corpus, when it is the data.
+    pub synthetic: Option<Synthetic>,
+}
+
+impl TrainData {
+    /// Opens the data of `config`: the synthetic corpus, or `data.corpus_list` sized for
+    /// `total_samples` samples. `resume` is the blend's weight history from a checkpoint and
+    /// the first sample of the resumed step.
+    pub fn open(
+        config: &crate::Config,
+        total_samples: u64,
+        resume: Option<(serde_json::Value, u64)>,
+    ) -> Result<Self, String> {
+        let t = &config.training;
+        if config.data.corpus_list.is_empty() {
+            let s = Synthetic::new(t.seed);
+            return Ok(Self {
+                source: Box::new(SyntheticSource(s.clone())),
+                synthetic: Some(s),
+            });
+        }
+        let list = std::path::Path::new(&config.data.corpus_list);
+        let cache_dir = if config.data.cache_dir.is_empty() {
+            list.parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join(".kiln-cache")
+        } else {
+            std::path::PathBuf::from(&config.data.cache_dir)
+        };
+        let source = BlendedSource::open(
+            list,
+            t.seq_len,
+            t.seed,
+            total_samples,
+            cache_dir,
+            config.data.full_verify,
+            resume,
+        )
+        .map_err(|e| format!("data.corpus_list {}: {e}", list.display()))?;
+        Ok(Self {
+            source: Box::new(source),
+            synthetic: None,
+        })
+    }
+
+    /// The vocabulary of the model: `model.vocab_size`, or the data's when that is 0. An
+    /// error when the data uses more ids than the model would have.
+    pub fn vocab(&self, config: &crate::Config) -> Result<usize, String> {
+        let data = self.source.vocab();
+        let vocab = if config.model.vocab_size == 0 {
+            data
+        } else {
+            config.model.vocab_size
+        };
+        if vocab < data {
+            return Err(format!(
+                "model.vocab_size = {vocab} but the data uses {data} token ids"
+            ));
+        }
+        Ok(vocab)
+    }
+}

@@ -1,22 +1,30 @@
 //! kiln's trainer: a Llama-style decoder trained with AdamW on burn, with exact
-//! checkpoint/resume, metrics, and in-run guards.
+//! checkpoint/resume, data parallelism over MPI, metrics, and in-run guards.
 //!
 //! Layout (torchtitan-like): [`config`] (the TOML sections), [`model`] (parameters and the
 //! forward pass), [`optim`] (AdamW, clipping, LR schedules), [`data`] (token sources),
-//! [`synthetic`] (the built-in corpus), [`checkpoint`] (atomic, verified checkpoints),
-//! [`guards`] (spike and sanity checks) and [`trainer`] (the step loop).
+//! [`synthetic`] (the built-in corpus), [`session`] (a model and its parameters),
+//! [`state`] (the exact-resume state), [`step`] (the arithmetic of a step and the batch
+//! layout over ranks), [`checkpoint`] (atomic, verified checkpoints and retention),
+//! [`run_dir`] (the locked run directory), [`guards`] (spike and sanity checks),
+//! [`metrics`] (what a run reports) and [`trainer`] (the step loop).
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod guards;
+pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod run_dir;
+pub mod session;
+pub mod state;
+pub mod step;
 pub mod synthetic;
 pub mod trainer;
 
 pub use config::Config;
-pub use trainer::{
-    EvalMetrics, Observer, Outcome, Session, StepMetrics, TrainError, TrainOptions, TrainReport,
-    train,
-};
+pub use metrics::{EvalMetrics, Observer, Silent, StepMetrics};
+pub use session::Session;
+pub use state::TrainState;
+pub use trainer::{Outcome, TrainError, TrainOptions, TrainReport, Trainer, train};

@@ -1,24 +1,34 @@
-//! The step loop: forward, backward, global clipping, AdamW, guards, metrics, checkpoints,
-//! signals and exact resume.
+//! The step loop: [`Trainer`] owns the model, optimizer, data, the exact-resume
+//! [`TrainState`], the guards' in-memory state, the run directory (on the writer rank) and
+//! the collective that joins data-parallel ranks. One method each: [`Trainer::train_step`]
+//! (forward, backward, all-reduce, guards, update), [`Trainer::after_step`] (metrics, eval,
+//! snapshots and checks), [`Trainer::checkpoint`] and [`Trainer::agreed_stop`].
 //!
 //! Everything that decides what the next step computes is state saved in each checkpoint:
-//! weights, AdamW moments and step count, the step, the data cursor (batches consumed,
-//! including skipped ones), and the guards' loss window. Data and init are pure functions of
-//! the seed and counters, so a run killed anywhere and restarted from its newest checkpoint
-//! ends bit-identical to one never interrupted.
+//! weights, AdamW moments and step count, and the [`TrainState`] (step, data cursor, the
+//! guards' loss window, the blend's history). Data and init are pure functions of the seed
+//! and counters, so a run killed anywhere and restarted from its newest checkpoint ends
+//! bit-identical to one never interrupted.
+//!
+//! Data parallelism: every rank holds the whole model and computes gradients on its slice of
+//! the global batch; gradients and the loss are averaged over ranks before clipping, so every
+//! decision (skip, rollback, stop, checkpoint) is taken from identical values on every rank
+//! at the same step. Rank 0 is the one writer of the run directory.
 
-use crate::checkpoint::{self, Checkpoint, HostTensor};
+use crate::checkpoint::{self, Checkpoint, CheckpointManager};
 use crate::config::Config;
-use crate::data::{BlendedSource, SyntheticSource, TokenSource};
-use crate::guards::{self, LossVerdict, SpikeDetector};
-use crate::model::Llama;
+use crate::data::TrainData;
+use crate::guards::{self, LossVerdict};
+use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
 use crate::optim::{self, AdamW};
-use crate::synthetic::Synthetic;
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use kiln_run::EventLog;
-use serde::{Deserialize, Serialize};
+use crate::run_dir::{RunDir, RunDirError};
+use crate::session::{Session, sha256_hex};
+use crate::state::{TrainState, new_run_id};
+use crate::step::{self, BatchLayout};
+use burn::tensor::{Device, Tensor};
+use kiln_dist::{BucketedAllReduce, Collective};
+use kiln_run::{EventLog, event, exit};
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,6 +44,9 @@ pub enum TrainError {
     /// Checkpoint write/read failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// The run directory is locked or unwritable.
+    #[error(transparent)]
+    RunDir(#[from] RunDirError),
     /// Run-directory I/O.
     #[error("{path}: {source}")]
     Io {
@@ -51,6 +64,12 @@ pub enum TrainError {
     /// The device named in the config is unknown or not compiled in.
     #[error("device {0:?}: {1}")]
     Device(String, String),
+    /// The collectives between ranks could not be set up.
+    #[error(transparent)]
+    Dist(#[from] kiln_dist::DistError),
+    /// The rank environment or the ranks' configs disagree.
+    #[error("data-parallel setup: {0}")]
+    Parallel(String),
     /// The newest checkpoint cannot be resumed with this config.
     #[error("cannot resume from {path}: {reason}")]
     ResumeMismatch {
@@ -62,47 +81,60 @@ pub enum TrainError {
     /// A guard stopped the run.
     #[error("guard: {0}")]
     Guard(String),
+    /// Data-parallel replicas disagree on their parameters.
+    #[error(
+        "replica mismatch after step {step}: the parameters of rank(s) {ranks:?} differ from the other ranks' (silent data corruption or a desynced rank); stopped before saving them"
+    )]
+    ReplicaMismatch {
+        /// The step checked.
+        step: u64,
+        /// The ranks that differ from the majority.
+        ranks: Vec<usize>,
+    },
 }
 
-/// Everything a step decided, for metrics and progress display.
-#[derive(Debug, Clone, Serialize)]
-pub struct StepMetrics {
-    /// Optimizer steps completed.
-    pub step: u64,
-    /// Total steps of the run.
-    pub total_steps: u64,
-    /// Mean loss of the step.
-    pub loss: f32,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f32,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Training tokens per second of this step.
-    pub tokens_per_s: f64,
-    /// Wall time of the step.
-    pub step_time_s: f64,
-    /// Model FLOPs utilisation against `peak_flops`.
-    pub mfu: f64,
-    /// Resident memory, MiB.
-    pub rss_mib: f64,
-    /// Tokens trained on so far.
-    pub tokens_seen: u64,
+impl TrainError {
+    /// The process exit code for this error ([`kiln_run::exit`]): deterministic input
+    /// errors are told apart from ones worth a retry.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Config(_)
+            | Self::Device(..)
+            | Self::ResumeMismatch { .. }
+            | Self::Data(_)
+            | Self::Parallel(_) => exit::CONFIG,
+            Self::Dist(kiln_dist::DistError::Init(_)) => exit::FAILURE,
+            Self::Dist(_) => exit::CONFIG,
+            Self::Guard(_) => exit::GUARD_STOP,
+            Self::RunDir(RunDirError::Locked { .. }) => exit::RUN_DIR_LOCKED,
+            Self::ReplicaMismatch { .. } => exit::REPLICA_MISMATCH,
+            Self::RunDir(_) | Self::Io { .. } | Self::Events(_) | Self::Checkpoint(_) => {
+                exit::FAILURE
+            }
+        }
+    }
+
+    /// Whether every rank reaches this error at the same point (decided from all-reduced
+    /// values), so that no rank is left waiting in a collective.
+    fn is_collective(&self) -> bool {
+        matches!(
+            self,
+            Self::Guard(_) | Self::ReplicaMismatch { .. } | Self::Parallel(_)
+        )
+    }
 }
 
-/// Evaluation on held-out data.
-#[derive(Debug, Clone, Serialize)]
-pub struct EvalMetrics {
-    /// Step evaluated after.
-    pub step: u64,
-    /// Held-out loss (nats per token).
-    pub eval_loss: f64,
-    /// Fraction of complete held-out answers predicted exactly (synthetic corpus).
-    pub eval_accuracy: Option<f64>,
-    /// Unigram baseline loss of the corpus, for comparison.
-    pub unigram_loss: Option<f64>,
-    /// Results of [`Observer::extra_eval`] (multiple-choice accuracy, ...).
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A path for an event: lossy text, since JSON strings are UTF-8 and a run directory need
+/// not be.
+fn path_text(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
 }
 
 /// How a training run ended.
@@ -132,394 +164,6 @@ pub struct TrainReport {
     pub seconds: f64,
 }
 
-/// Things the caller can observe while training runs.
-pub trait Observer {
-    /// Called after every completed step.
-    fn on_step(&mut self, _m: &StepMetrics) {}
-    /// Called after every evaluation.
-    fn on_eval(&mut self, _e: &EvalMetrics) {}
-    /// Called for notable events (resume, checkpoint, guard), with a one-line message.
-    fn on_note(&mut self, _msg: &str) {}
-    /// Extra evaluations run at every eval point (e.g. multiple-choice tasks scored by
-    /// `kiln-gates`, which depends on this crate and so cannot be called from here); the
-    /// returned fields are added to the eval line of `metrics.jsonl`.
-    fn extra_eval(&mut self, _session: &Session) -> serde_json::Map<String, serde_json::Value> {
-        serde_json::Map::new()
-    }
-}
-
-/// An observer that ignores everything.
-pub struct Silent;
-impl Observer for Silent {}
-
-/// The state file of a checkpoint (`state.json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainState {
-    /// Optimizer steps completed.
-    pub step: u64,
-    /// Tokens trained on.
-    pub tokens_seen: u64,
-    /// Batches consumed from the data (steps plus skipped batches): the data cursor.
-    pub data_cursor: u64,
-    /// Seed of init and data order (the RNG state: every draw is a function of it and a counter).
-    pub seed: u64,
-    /// AdamW updates applied.
-    pub optimizer_step: u64,
-    /// LR schedule kind and the LR of the last step.
-    pub schedule: String,
-    /// Learning rate of the last step.
-    pub lr: f64,
-    /// Hash of everything that fixes the parameter shapes; a mismatch refuses resume.
-    pub model_hash: String,
-    /// Hash of the whole effective config.
-    pub config_hash: String,
-    /// Loss window of the spike guard.
-    pub spike_window: SpikeDetector,
-    /// Steps skipped for non-finite loss/gradients.
-    pub nonfinite_skipped: u64,
-    /// Spike rollbacks performed.
-    pub rollbacks: u64,
-    /// kiln version that wrote it.
-    pub kiln_version: String,
-}
-
-fn sha256_hex(text: &str) -> String {
-    hex::encode(Sha256::digest(text.as_bytes()))
-}
-
-/// Parses a device name (`flex`, `cuda:0`, `rocm:1`, `vulkan`, `wgpu`, `metal`).
-pub fn parse_device(name: &str) -> Result<Device, TrainError> {
-    let (kind, index) = match name.split_once(':') {
-        Some((k, i)) => {
-            let idx: usize = i.parse().map_err(|_| {
-                TrainError::Device(name.into(), "index after ':' must be a number".into())
-            })?;
-            (k, idx)
-        }
-        None => (name, 0),
-    };
-    let _ = index;
-    let not_built = |feature: &str| {
-        TrainError::Device(
-            name.into(),
-            format!(
-                "this kiln was built without the `{feature}` feature; rebuild with `cargo build --release --features {feature}`"
-            ),
-        )
-    };
-    match kind {
-        "flex" | "cpu" => Ok(Device::flex()),
-        #[cfg(feature = "cuda")]
-        "cuda" => Ok(Device::cuda(index)),
-        #[cfg(feature = "rocm")]
-        "rocm" => Ok(Device::rocm(index)),
-        #[cfg(feature = "vulkan")]
-        "vulkan" => Ok(Device::vulkan(Default::default())),
-        #[cfg(feature = "wgpu")]
-        "wgpu" => Ok(Device::wgpu(Default::default())),
-        #[cfg(feature = "metal")]
-        "metal" => Ok(Device::metal(Default::default())),
-        "cuda" | "rocm" | "vulkan" | "wgpu" | "metal" => Err(not_built(kind)),
-        _ => Err(TrainError::Device(
-            name.into(),
-            "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu or metal".into(),
-        )),
-    }
-}
-
-/// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
-/// in a process takes effect.
-pub fn set_threads(threads: usize) {
-    if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
-}
-
-fn rss_mib() -> f64 {
-    // /proc/self/statm: size resident ... in pages.
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(0.0, |pages| pages * 4096.0 / (1024.0 * 1024.0))
-}
-
-/// Peak resident memory of this process (VmHWM), MiB.
-pub fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
-}
-
-/// The model, its parameters and optimizer, built from a config: what `kiln train`, the
-/// gates and eval all start from.
-pub struct Session {
-    /// The effective config.
-    pub config: Config,
-    /// Device the tensors live on.
-    pub device: Device,
-    /// Model structure.
-    pub model: Llama,
-    /// Parameters (flat, in `model.specs()` order), without autodiff.
-    pub params: Vec<Tensor<1>>,
-    /// AdamW state.
-    pub optimizer: AdamW,
-    /// Token source.
-    pub data: Box<dyn TokenSource>,
-    /// The synthetic corpus, when it is the data (for the built-in eval).
-    pub synthetic: Option<Synthetic>,
-}
-
-impl Session {
-    /// Builds the model, fresh parameters and zero optimizer state from `config`.
-    pub fn new(config: &Config) -> Result<Self, TrainError> {
-        config.validate()?;
-        set_threads(config.training.threads);
-        let device = parse_device(&config.training.device)?;
-        let (data, synthetic): (Box<dyn TokenSource>, Option<Synthetic>) =
-            if config.data.corpus_list.is_empty() {
-                let s = Synthetic::new(config.training.seed);
-                (Box::new(SyntheticSource(s.clone())), Some(s))
-            } else {
-                (Box::new(Self::open_blended(config, None)?), None)
-            };
-        let vocab = if config.model.vocab_size == 0 {
-            data.vocab()
-        } else {
-            config.model.vocab_size
-        };
-        if vocab < data.vocab() {
-            return Err(TrainError::Data(format!(
-                "model.vocab_size = {vocab} but the data uses {} token ids",
-                data.vocab()
-            )));
-        }
-        let model = Llama::new(&config.model, vocab);
-        let params = model.init(config.training.seed, &device);
-        let optimizer = AdamW::new(&config.optimizer, model.specs(), &device);
-        Ok(Self {
-            config: config.clone(),
-            device,
-            model,
-            params,
-            optimizer,
-            data,
-            synthetic,
-        })
-    }
-
-    /// Opens `data.corpus_list` for this run (with the weight history of a checkpoint when
-    /// resuming).
-    fn open_blended(
-        config: &Config,
-        resume: Option<(serde_json::Value, u64)>,
-    ) -> Result<BlendedSource, TrainError> {
-        let t = &config.training;
-        // Room for the batches that spike rollbacks skip beyond the planned steps.
-        let batches = t.steps + (t.steps / 4).max(100);
-        let total_samples = batches * (t.grad_accum_steps * t.batch_size) as u64;
-        let list = Path::new(&config.data.corpus_list);
-        let cache_dir = if config.data.cache_dir.is_empty() {
-            list.parent().unwrap_or(Path::new(".")).join(".kiln-cache")
-        } else {
-            PathBuf::from(&config.data.cache_dir)
-        };
-        BlendedSource::open(
-            list,
-            t.seq_len,
-            t.seed,
-            total_samples,
-            cache_dir,
-            config.data.full_verify,
-            resume,
-        )
-        .map_err(|e| TrainError::Data(format!("data.corpus_list {}: {e}", list.display())))
-    }
-
-    /// Hash of what fixes parameter shapes (model section and vocab).
-    pub fn model_hash(&self) -> String {
-        let mut m = self.config.model.clone();
-        m.vocab_size = self.model.vocab();
-        // init values do not change shapes: a resumed run may use another init std
-        m.init_std = 0.0;
-        m.scale_residual_init = false;
-        sha256_hex(&toml::to_string(&m).unwrap_or_default())
-    }
-
-    /// Parameters as named host tensors (logical shapes).
-    pub fn host_params(&self) -> Vec<HostTensor> {
-        self.model
-            .specs()
-            .iter()
-            .zip(&self.params)
-            .map(|(s, t)| HostTensor {
-                name: s.name.clone(),
-                shape: s.shape.clone(),
-                values: to_vec(t),
-            })
-            .collect()
-    }
-
-    fn host_optimizer(&self) -> Vec<HostTensor> {
-        let mut out = Vec::with_capacity(2 * self.params.len());
-        for (i, s) in self.model.specs().iter().enumerate() {
-            out.push(HostTensor {
-                name: format!("{}.exp_avg", s.name),
-                shape: s.shape.clone(),
-                values: to_vec(&self.optimizer.exp_avg[i]),
-            });
-            out.push(HostTensor {
-                name: format!("{}.exp_avg_sq", s.name),
-                shape: s.shape.clone(),
-                values: to_vec(&self.optimizer.exp_avg_sq[i]),
-            });
-        }
-        out
-    }
-
-    /// Loads weights (by name) from host tensors; every parameter must be present with its shape.
-    pub fn load_params(&mut self, tensors: &[HostTensor], origin: &Path) -> Result<(), TrainError> {
-        self.params = self.lookup(tensors, "", origin)?;
-        Ok(())
-    }
-
-    fn lookup(
-        &self,
-        tensors: &[HostTensor],
-        suffix: &str,
-        origin: &Path,
-    ) -> Result<Vec<Tensor<1>>, TrainError> {
-        let by_name: std::collections::HashMap<&str, &HostTensor> =
-            tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        self.model
-            .specs()
-            .iter()
-            .map(|s| {
-                let name = format!("{}{suffix}", s.name);
-                let t = by_name
-                    .get(name.as_str())
-                    .ok_or_else(|| TrainError::ResumeMismatch {
-                        path: origin.to_path_buf(),
-                        reason: format!("tensor {name} is missing"),
-                    })?;
-                if t.shape != s.shape {
-                    return Err(TrainError::ResumeMismatch {
-                        path: origin.to_path_buf(),
-                        reason: format!(
-                            "tensor {name} has shape {:?}, the model needs {:?}",
-                            t.shape, s.shape
-                        ),
-                    });
-                }
-                Ok(Tensor::from_data(
-                    TensorData::new(t.values.clone(), [s.numel()]),
-                    &self.device,
-                ))
-            })
-            .collect()
-    }
-
-    /// Token ids `[rows, len]` as an Int tensor on `device`.
-    pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
-        let flat: Vec<i64> = rows
-            .iter()
-            .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
-            .collect();
-        Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
-    }
-
-    /// Loss of one batch of `seq_len + 1`-token rows without gradients (for eval).
-    pub fn eval_loss(&self, rows: &[Vec<u32>]) -> f32 {
-        let len = rows.first().map_or(0, Vec::len).saturating_sub(1);
-        let inputs = Self::int_tensor(rows, len, &self.device);
-        let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = Self::int_tensor(&shifted, len, &self.device);
-        self.model
-            .loss(&self.params, inputs, targets)
-            .into_scalar::<f32>()
-    }
-
-    /// Held-out loss and answer accuracy on the synthetic corpus (`samples` sequences).
-    pub fn evaluate_synthetic(
-        &self,
-        step: u64,
-        samples: usize,
-        unigram: Option<f64>,
-    ) -> Option<EvalMetrics> {
-        let syn = self.synthetic.as_ref()?;
-        let len = self.config.training.seq_len + 1;
-        let batch = self.config.training.batch_size.max(1);
-        let (mut loss_sum, mut n_batches, mut correct, mut total) =
-            (0.0f64, 0usize, 0usize, 0usize);
-        let mut idx = 0u64;
-        while (idx as usize) < samples {
-            let rows: Vec<_> = (0..batch.min(samples - idx as usize))
-                .map(|r| syn.eval_sample(idx + r as u64, len))
-                .collect();
-            idx += rows.len() as u64;
-            let tokens: Vec<Vec<u32>> = rows.iter().map(|s| s.tokens.clone()).collect();
-            let inputs = Self::int_tensor(&tokens, len - 1, &self.device);
-            let logits = self.model.forward(&self.params, inputs); // [b, t, v]
-            let [b, t, v] = logits.dims();
-            let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
-            let targets = Self::int_tensor(&shifted, t, &self.device);
-            let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
-            loss_sum += f64::from(
-                logp.gather(1, targets.reshape([b * t, 1]))
-                    .mean()
-                    .neg()
-                    .into_scalar::<f32>(),
-            );
-            n_batches += 1;
-            // `iter` converts from whatever int dtype the backend uses (flex: i32).
-            let pred: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
-            for (r, sample) in rows.iter().enumerate() {
-                for &(start, end) in &sample.answers {
-                    // token at position p is predicted from position p-1
-                    if start == 0 {
-                        continue;
-                    }
-                    total += 1;
-                    let ok = (start..end).all(|p| {
-                        pred.get(r * t + p - 1).copied() == Some(i64::from(sample.tokens[p]))
-                    });
-                    correct += usize::from(ok);
-                }
-            }
-        }
-        Some(EvalMetrics {
-            step,
-            eval_loss: loss_sum / n_batches.max(1) as f64,
-            eval_accuracy: (total > 0).then(|| correct as f64 / total as f64),
-            unigram_loss: unigram,
-            extra: serde_json::Map::new(),
-        })
-    }
-}
-
-/// Host copy of a flat tensor.
-pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default()
-}
-
-/// What a rollback restores.
-#[derive(Clone)]
-struct Snapshot {
-    step: u64,
-    tokens_seen: u64,
-    params: Vec<Tensor<1>>,
-    optimizer: AdamW,
-    spike: SpikeDetector,
-}
-
 /// Options of one training run.
 pub struct TrainOptions {
     /// The effective config.
@@ -535,247 +179,585 @@ pub const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGINT,
 ];
 
-/// Trains according to `opts`, resuming from the newest valid checkpoint in the run
-/// directory. Returns when all steps are done or a stop signal was handled.
-pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainReport, TrainError> {
-    let started = Instant::now();
-    let cfg = &opts.config;
-    let run_dir = &opts.run_dir;
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TrainError::Io { path, source }
-    };
-    std::fs::create_dir_all(run_dir).map_err(io(run_dir))?;
-    let config_path = run_dir.join("config.toml");
-    std::fs::write(&config_path, cfg.to_toml()).map_err(io(&config_path))?;
-    let mut events = EventLog::open(run_dir, "train")?;
-    let metrics_path = run_dir.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .map_err(io(&metrics_path))?;
+/// The writer rank's files: the locked run directory, the event log, the metrics log and
+/// the checkpoints.
+struct Writer {
+    run: RunDir,
+    events: EventLog,
+    metrics: std::fs::File,
+    checkpoints: CheckpointManager,
+}
 
-    // Signals: remember the first stop signal; the loop checks it after every step.
-    let stop = Arc::new(AtomicUsize::new(0));
-    for sig in STOP_SIGNALS {
-        signal_hook::flag::register_usize(sig, Arc::clone(&stop), sig as usize)
-            .map_err(io(run_dir))?;
-    }
+/// What a rollback restores. The data cursor is not restored: the batches after it are
+/// skipped.
+#[derive(Clone)]
+struct Snapshot {
+    state: TrainState,
+    params: Vec<Tensor<1>>,
+    optimizer: AdamW,
+}
 
-    let mut s = Session::new(cfg)?;
-    let model_hash = s.model_hash();
-    let config_hash = sha256_hex(&cfg.to_toml());
-    let total = cfg.training.steps;
-    let ckpt_root = run_dir.join("checkpoints");
+/// The guards' in-memory state (not checkpointed: a resumed run starts these afresh).
+#[derive(Default)]
+struct GuardRail {
+    snapshot: Option<Snapshot>,
+    nonfinite_in_row: u32,
+    /// Rollbacks since training last got past `high_water`.
+    rollbacks_in_row: u32,
+    /// The furthest step reached; getting past it again ends a streak of rollbacks.
+    high_water: u64,
+    last_frozen_check: Option<Vec<Tensor<1>>>,
+}
 
-    let mut step = 0u64;
-    let mut data_cursor = 0u64;
-    let mut tokens_seen = 0u64;
-    let mut spike = SpikeDetector::default();
-    let mut nonfinite_skipped = 0u64;
-    let mut rollbacks = 0u64;
-    let mut resumed_from: Option<PathBuf> = None;
+/// What the guards decided about one step's loss and gradients.
+enum Verdict {
+    /// Apply the update.
+    Update,
+    /// The step was skipped or rolled back: nothing to apply.
+    Discard,
+}
 
-    if cfg.checkpoint.resume {
-        let mut rejected = Vec::new();
-        let found = checkpoint::load_latest_valid(&ckpt_root, |p, reason| {
-            rejected.push((p.to_path_buf(), reason.to_string()))
-        });
-        for (p, reason) in &rejected {
-            events.emit("checkpoint_rejected", json!({"path": p, "reason": reason}))?;
-            observer.on_note(&format!("rejected checkpoint {}: {reason}", p.display()));
-        }
-        if let Some((dir, ck)) = found {
-            let st: TrainState = serde_json::from_value(ck.state.clone()).map_err(|e| {
-                TrainError::ResumeMismatch {
-                    path: dir.join("state.json"),
-                    reason: format!("unreadable state: {e}"),
-                }
-            })?;
-            if st.model_hash != model_hash {
-                return Err(TrainError::ResumeMismatch {
-                    path: dir,
-                    reason: "the model shape (model section or vocab) differs from the config that wrote it; \
-                             use a new --run-dir, or restore the original [model] settings"
-                        .into(),
-                });
-            }
-            if let Some(schedule) = ck.state.get("data_schedule").filter(|v| !v.is_null()) {
-                let per_batch = (cfg.training.grad_accum_steps * cfg.training.batch_size) as u64;
-                let resume = Some((schedule.clone(), st.data_cursor * per_batch));
-                s.data = Box::new(Session::open_blended(cfg, resume)?);
-            }
-            s.load_params(&ck.model, &dir)?;
-            s.optimizer.exp_avg = s.lookup(&ck.optimizer, ".exp_avg", &dir)?;
-            s.optimizer.exp_avg_sq = s.lookup(&ck.optimizer, ".exp_avg_sq", &dir)?;
-            s.optimizer.step = st.optimizer_step;
-            step = st.step;
-            data_cursor = st.data_cursor;
-            tokens_seen = st.tokens_seen;
-            spike = st.spike_window.clone();
-            nonfinite_skipped = st.nonfinite_skipped;
-            rollbacks = st.rollbacks;
-            if st.config_hash != config_hash {
-                events.emit("config_changed", json!({"path": dir, "note": "hyper-parameters differ from the checkpoint's run"}))?;
-            }
-            events.emit("checkpoint_loaded", json!({"path": dir, "step": step}))?;
-            events.emit(
-                "resume",
-                json!({"step": step, "data_cursor": data_cursor, "path": dir}),
-            )?;
-            observer.on_note(&format!("resumed from {} (step {step})", dir.display()));
-            resumed_from = Some(dir);
-        }
-    }
-    events.emit(
-        "start",
-        json!({
-            "step": step, "total_steps": total, "params": s.model.num_params(), "device": cfg.training.device,
-            "data": s.data.describe(), "resumed_from": resumed_from, "config_hash": config_hash, "pid": std::process::id(),
-        }),
-    )?;
+/// Quantities fixed for the whole run.
+struct RunFacts {
+    total: u64,
+    fresh: bool,
+    frozen: Vec<bool>,
+    unigram: Option<f64>,
+    flops_per_token: f64,
+    peak_flops: f64,
+    model_hash: String,
+    config_hash: String,
+    grads: BucketedAllReduce,
+    progress_dir: Option<PathBuf>,
+    started: Instant,
+}
 
-    let frozen: Vec<bool> = s
-        .model
-        .specs()
-        .iter()
-        .map(|p| !cfg.debug.freeze_params.is_empty() && p.name.contains(&cfg.debug.freeze_params))
-        .collect();
-    let unigram = s
-        .synthetic
-        .as_ref()
-        .map(|syn| syn.unigram_entropy(64, cfg.training.seq_len + 1));
-    let flops_per_token = s.model.flops_per_token(cfg.training.seq_len);
-    let peak_flops = if cfg.training.peak_flops > 0.0 {
-        cfg.training.peak_flops
-    } else {
-        // A rough CPU peak: 32 f32 FLOP/cycle (two AVX2 FMA units) at 2.5 GHz per thread.
-        let threads = if cfg.training.threads > 0 {
-            cfg.training.threads
+impl RunFacts {
+    fn new(cfg: &Config, session: &Session, data: &TrainData) -> Self {
+        let frozen = session
+            .model
+            .specs()
+            .iter()
+            .map(|p| {
+                !cfg.debug.freeze_params.is_empty() && p.name.contains(&cfg.debug.freeze_params)
+            })
+            .collect();
+        let peak_flops = if cfg.training.peak_flops > 0.0 {
+            cfg.training.peak_flops
         } else {
-            rayon::current_num_threads()
+            // A rough CPU peak: 32 f32 FLOP/cycle (two AVX2 FMA units) at 2.5 GHz per thread.
+            let threads = if cfg.training.threads > 0 {
+                cfg.training.threads
+            } else {
+                rayon::current_num_threads()
+            };
+            threads as f64 * 80e9
         };
-        threads as f64 * 80e9
-    };
-    let progress_dir = std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from);
-    // The rank names this process's beacon; a malformed rank environment is an error.
-    let rank_env = kiln_topology::RankEnv::from_process_env()
-        .map_err(|e| TrainError::Data(format!("rank environment: {e}")))?;
-    if rank_env.world_size > 1 {
-        return Err(TrainError::Data(format!(
-            "WORLD_SIZE={} but data-parallel training (gradient all-reduce) is not built yet; run one rank",
-            rank_env.world_size
-        )));
+        Self {
+            total: cfg.training.steps,
+            fresh: false,
+            frozen,
+            unigram: data
+                .synthetic
+                .as_ref()
+                .map(|syn| syn.unigram_entropy(64, cfg.training.seq_len + 1)),
+            flops_per_token: session.model.flops_per_token(cfg.training.seq_len),
+            peak_flops,
+            model_hash: session.model_hash(),
+            config_hash: sha256_hex(&cfg.to_toml()),
+            grads: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
+            progress_dir: std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from),
+            started: Instant::now(),
+        }
     }
-    let rank = rank_env.rank;
-    let beacon = |step: u64, phase: &str| {
-        if let Some(dir) = &progress_dir {
-            let _ = kiln_run::write_beacon(dir, rank, step, phase, kiln_run::unix_time());
+}
+
+/// One training run. See the module documentation.
+pub struct Trainer<'o> {
+    cfg: Config,
+    run_dir: PathBuf,
+    session: Session,
+    optimizer: AdamW,
+    data: TrainData,
+    /// The exact-resume state.
+    pub state: TrainState,
+    layout: BatchLayout,
+    guards: GuardRail,
+    writer: Option<Writer>,
+    comm: Box<dyn Collective>,
+    stop: Arc<AtomicUsize>,
+    observer: &'o mut dyn Observer,
+    facts: RunFacts,
+    ad_device: Device,
+    last_loss: Option<f32>,
+    last_eval: Option<EvalMetrics>,
+    /// The step of the newest checkpoint on disk (this process's save or its resume point).
+    saved_at: Option<u64>,
+}
+
+/// Trains according to `opts`, resuming from the newest valid checkpoint in the run
+/// directory. Returns when all steps are done or a stop signal was handled. Every way out
+/// writes an `exit` event; with several ranks, an error on one rank that the others cannot
+/// know about ends all of them (MPI_Abort) so that none waits forever in a collective.
+pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainReport, TrainError> {
+    let rank_env = kiln_topology::RankEnv::from_process_env()
+        .map_err(|e| TrainError::Parallel(format!("rank environment: {e}")))?;
+    let comm = kiln_dist::init(&rank_env)?;
+    let mut trainer = match Trainer::new(opts, comm, observer) {
+        Ok(t) => t,
+        Err((e, comm)) => {
+            if let Some(comm) = comm.filter(|c| c.size() > 1 && !e.is_collective()) {
+                tracing::error!("rank {}: {e}", comm.rank());
+                comm.abort(e.exit_code());
+            }
+            return Err(e);
         }
     };
-
-    let ad_device = s.device.clone().autodiff();
-    let (batch, seq, accum) = (
-        cfg.training.batch_size,
-        cfg.training.seq_len,
-        cfg.training.grad_accum_steps,
-    );
-    let fresh = resumed_from.is_none() && step == 0;
-    let snapshot_every = cfg.guards.snapshot_interval;
-    // The data cursor is not restored by a rollback: the batches after it are skipped.
-    let take_snapshot = |s: &Session, step, tokens_seen, spike: &SpikeDetector| Snapshot {
-        step,
-        tokens_seen,
-        params: s.params.clone(),
-        optimizer: s.optimizer.clone(),
-        spike: spike.clone(),
-    };
-    let mut snapshot = (snapshot_every > 0 && step.is_multiple_of(snapshot_every))
-        .then(|| take_snapshot(&s, step, tokens_seen, &spike));
-    let mut nonfinite_in_row = 0u32;
-    let mut last_loss = None;
-    let mut last_eval = None;
-    let mut last_frozen_check: Option<Vec<Tensor<1>>> = None;
-    let mut saved_at = resumed_from.as_ref().map(|_| step);
-
-    let save = |s: &Session,
-                events: &mut EventLog,
-                step,
-                data_cursor,
-                tokens_seen,
-                spike: &SpikeDetector,
-                lr,
-                nonfinite_skipped,
-                rollbacks|
-     -> Result<PathBuf, TrainError> {
-        let t0 = Instant::now();
-        let state = TrainState {
-            step,
-            tokens_seen,
-            data_cursor,
-            seed: cfg.training.seed,
-            optimizer_step: s.optimizer.step,
-            schedule: format!("{:?}", cfg.lr_scheduler.kind).to_lowercase(),
-            lr,
-            model_hash: model_hash.clone(),
-            config_hash: config_hash.clone(),
-            spike_window: spike.clone(),
-            nonfinite_skipped,
-            rollbacks,
-            kiln_version: env!("CARGO_PKG_VERSION").to_string(),
-        };
-        let ck = Checkpoint {
-            step,
-            model: s.host_params(),
-            optimizer: s.host_optimizer(),
-            state: {
-                let mut v = serde_json::to_value(&state).unwrap_or_default();
-                if let (Some(obj), Some(schedule)) = (v.as_object_mut(), s.data.resume_state()) {
-                    obj.insert("data_schedule".into(), schedule);
+    match trainer.run() {
+        Ok(report) => Ok(report),
+        Err(e) => {
+            trainer.emit_exit("error", e.exit_code(), Some(&e.to_string()));
+            if trainer.comm.size() > 1 {
+                if e.is_collective() {
+                    trainer.comm.barrier();
+                } else {
+                    tracing::error!("rank {}: {e}", trainer.comm.rank());
+                    trainer.comm.abort(e.exit_code());
                 }
-                v
-            },
-        };
-        let dir = checkpoint::save(&ckpt_root, &ck)?;
-        let pruned = checkpoint::prune(&ckpt_root, cfg.checkpoint.keep_latest_k)?;
-        events.emit("checkpoint_saved", json!({"step": step, "path": dir, "seconds": t0.elapsed().as_secs_f64(), "pruned": pruned}))?;
-        Ok(dir)
-    };
+            }
+            Err(e)
+        }
+    }
+}
 
-    let mut lr = optim::lr_at(&cfg.lr_scheduler, cfg.optimizer.lr, step, total);
-    while step < total {
+/// What the writer rank found when it opened the run directory.
+struct Opened {
+    writer: Writer,
+    resume: Option<(PathBuf, Checkpoint)>,
+    rejected: Vec<checkpoint::Rejection>,
+}
+
+impl<'o> Trainer<'o> {
+    /// Sets up a run: the run directory (writer rank), data, model and optimizer, and the
+    /// newest valid checkpoint when resuming. On error, hands the collective back so the
+    /// caller can end the other ranks.
+    #[allow(clippy::type_complexity)]
+    pub fn new(
+        opts: &TrainOptions,
+        comm: Box<dyn Collective>,
+        observer: &'o mut dyn Observer,
+    ) -> Result<Self, (TrainError, Option<Box<dyn Collective>>)> {
+        let cfg = opts.config.clone();
+        let opened = match Self::prepare(opts, comm.as_ref()) {
+            Ok(o) => o,
+            Err(e) => return Err((e, Some(comm))),
+        };
+        let (writer, resume, rejected) = match opened {
+            Some(o) => (Some(o.writer), o.resume, o.rejected),
+            None => (None, None, Vec::new()),
+        };
+        let build = || -> Result<_, TrainError> {
+            let layout = BatchLayout::new(&cfg.training, comm.rank(), comm.size())
+                .map_err(TrainError::Parallel)?;
+            let data = TrainData::open(&cfg, layout.samples_for(cfg.training.steps), None)
+                .map_err(TrainError::Data)?;
+            let vocab = data.vocab(&cfg).map_err(TrainError::Data)?;
+            let session = Session::new(&cfg, vocab)?;
+            Ok((layout, data, session))
+        };
+        let (layout, data, session) = match build() {
+            Ok(v) => v,
+            Err(e) => {
+                if let Some(mut w) = writer {
+                    let _ = w.events.emit(
+                        event::EXIT,
+                        json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()}),
+                    );
+                }
+                return Err((e, Some(comm)));
+            }
+        };
+        let optimizer = AdamW::new(&cfg.optimizer, session.model.specs(), &session.device);
+        let facts = RunFacts::new(&cfg, &session, &data);
+        let state = TrainState::fresh(
+            cfg.training.seed,
+            String::new(),
+            layout.global_batch(),
+            layout.world as u64,
+        );
+        let ad_device = session.device.clone().autodiff();
+        let stop = Arc::new(AtomicUsize::new(0));
+        let mut t = Self {
+            cfg,
+            run_dir: opts.run_dir.clone(),
+            session,
+            optimizer,
+            data,
+            state,
+            layout,
+            guards: GuardRail::default(),
+            writer,
+            comm,
+            stop,
+            observer,
+            facts,
+            ad_device,
+            last_loss: None,
+            last_eval: None,
+            saved_at: None,
+        };
+        let setup = (|| {
+            for sig in STOP_SIGNALS {
+                signal_hook::flag::register_usize(sig, Arc::clone(&t.stop), sig as usize)
+                    .map_err(io(&t.run_dir))?;
+            }
+            t.check_ranks_agree()?;
+            t.resume(resume, rejected)
+        })();
+        match setup {
+            Ok(()) => Ok(t),
+            Err(e) => {
+                t.emit_exit("error", e.exit_code(), Some(&e.to_string()));
+                Err((e, Some(t.comm)))
+            }
+        }
+    }
+
+    /// Validates the config and, on the writer rank, locks the run directory, writes the
+    /// config, opens the logs and scans the checkpoints.
+    fn prepare(opts: &TrainOptions, comm: &dyn Collective) -> Result<Option<Opened>, TrainError> {
+        let cfg = &opts.config;
+        cfg.validate()?;
+        if comm.rank() != 0 {
+            return Ok(None);
+        }
+        let run = RunDir::lock(&opts.run_dir)?;
+        run.write_file(kiln_run::layout::CONFIG, cfg.to_toml().as_bytes())?;
+        let mut events = EventLog::open(run.path(), "train")?;
+        let (metrics, cut) = run.open_log(kiln_run::layout::METRICS)?;
+        if cut > 0 {
+            events.emit(
+                event::LOG_REPAIRED,
+                json!({"path": path_text(&run.path().join(kiln_run::layout::METRICS)), "bytes_removed": cut}),
+            )?;
+        }
+        let opened = CheckpointManager::open(
+            &run.path().join(kiln_run::layout::CHECKPOINTS),
+            cfg.checkpoint.keep_latest_k,
+            cfg.checkpoint.resume,
+            &new_run_id(),
+        )?;
+        Ok(Some(Opened {
+            writer: Writer {
+                run,
+                events,
+                metrics,
+                checkpoints: opened.manager,
+            },
+            resume: opened.resume,
+            rejected: opened.rejected,
+        }))
+    }
+
+    /// Every rank must run the same config: compared by hash at start.
+    fn check_ranks_agree(&self) -> Result<(), TrainError> {
+        if self.comm.size() == 1 {
+            return Ok(());
+        }
+        let mine = u64::from_str_radix(&self.facts.config_hash[..16], 16).unwrap_or(0);
+        let all = self.comm.all_gather_u64(mine);
+        let odd: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
+        if odd.is_empty() {
+            Ok(())
+        } else {
+            Err(TrainError::Parallel(format!(
+                "ranks {odd:?} run a different config than rank 0 (every rank must get the same config file and --set flags)"
+            )))
+        }
+    }
+
+    fn emit(&mut self, name: &str, fields: serde_json::Value) -> Result<(), TrainError> {
+        if let Some(w) = &mut self.writer {
+            w.events.emit(name, fields)?;
+        }
+        Ok(())
+    }
+
+    fn note(&mut self, msg: &str) {
+        if self.writer.is_some() {
+            self.observer.on_note(msg);
+        }
+    }
+
+    /// Writes the `exit` event (writer rank), ignoring a failure to write it: it is the last
+    /// thing a failing run does.
+    fn emit_exit(&mut self, reason: &str, code: i32, error: Option<&str>) {
+        let step = self.state.step;
+        let _ = self.emit(
+            event::EXIT,
+            json!({"reason": reason, "code": code, "step": step, "error": error, "ranks": self.comm.size()}),
+        );
+    }
+
+    fn beacon(&self, phase: &str) {
+        if let Some(dir) = &self.facts.progress_dir {
+            let _ = kiln_run::write_beacon(
+                dir,
+                self.comm.rank(),
+                self.state.step,
+                phase,
+                kiln_run::unix_time(),
+            );
+        }
+    }
+
+    /// Resumes from the checkpoint rank 0 chose (the other ranks load the same step), or
+    /// starts afresh in a new lineage.
+    fn resume(
+        &mut self,
+        chosen: Option<(PathBuf, Checkpoint)>,
+        rejected: Vec<checkpoint::Rejection>,
+    ) -> Result<(), TrainError> {
+        for r in &rejected {
+            self.emit(
+                event::CHECKPOINT_REJECTED,
+                json!({"path": path_text(&r.path), "reason": r.reason, "moved_to": path_text(&r.moved_to)}),
+            )?;
+            self.note(&format!(
+                "rejected checkpoint {}: {} (moved to {})",
+                r.path.display(),
+                r.reason,
+                r.moved_to.display()
+            ));
+        }
+        let mut step = chosen.as_ref().map_or(u64::MAX, |(_, c)| c.step);
+        let mut loaded = chosen;
+        if self.comm.size() > 1 {
+            let mut bytes = step.to_le_bytes();
+            self.comm.broadcast_bytes(0, &mut bytes);
+            step = u64::from_le_bytes(bytes);
+            if loaded.is_none() && step != u64::MAX {
+                let dir = self
+                    .run_dir
+                    .join(kiln_run::layout::CHECKPOINTS)
+                    .join(checkpoint::dir_name(step));
+                loaded = Some((dir.clone(), checkpoint::load(&dir)?));
+            }
+        }
+        self.state.run_id = self
+            .writer
+            .as_ref()
+            .map(|w| w.checkpoints.run_id().to_string())
+            .unwrap_or_default();
+        match loaded {
+            Some((dir, ck)) => self.restore(&dir, &ck),
+            None => {
+                self.facts.fresh = true;
+                self.emit_start(None)
+            }
+        }
+    }
+
+    /// Restores weights, optimizer and state from `ck`, adapting the batch layout when the
+    /// run resumes on another number of ranks.
+    fn restore(&mut self, dir: &Path, ck: &Checkpoint) -> Result<(), TrainError> {
+        let mismatch = |reason: String| TrainError::ResumeMismatch {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let mut st: TrainState = serde_json::from_value(ck.state.clone())
+            .map_err(|e| mismatch(format!("unreadable state: {e}")))?;
+        if st.model_hash != self.facts.model_hash {
+            return Err(mismatch(
+                "the model shape (model section or vocab) differs from the config that wrote it; \
+                 use a new --run-dir, or restore the original [model] settings"
+                    .into(),
+            ));
+        }
+        // Checkpoints of kiln before data parallelism: one rank, global batch from config.
+        if st.global_batch == 0 {
+            st.global_batch =
+                (self.cfg.training.batch_size * self.cfg.training.grad_accum_steps) as u64;
+            st.world_size = 1;
+        }
+        st.sample_cursor = Some(st.next_sample());
+        let from_world = st.world_size;
+        if self.cfg.training.global_batch_size == 0 && st.global_batch != self.layout.global_batch()
+        {
+            // Keep the checkpoint's global batch: the accumulation adapts to the ranks.
+            self.layout = self
+                .layout
+                .with_global_batch(st.global_batch)
+                .map_err(mismatch)?;
+        }
+        if from_world != self.layout.world as u64 || st.global_batch != self.layout.global_batch() {
+            self.emit(
+                event::RESIZED,
+                json!({"from_ranks": from_world, "to_ranks": self.layout.world, "global_batch": self.layout.global_batch(),
+                       "previous_global_batch": st.global_batch, "grad_accum_steps": self.layout.accum, "step": st.step}),
+            )?;
+            self.note(&format!(
+                "resized: checkpoint of {from_world} rank(s), now {} rank(s) x batch {} x accumulation {} = global batch {}",
+                self.layout.world,
+                self.layout.micro,
+                self.layout.accum,
+                self.layout.global_batch()
+            ));
+        }
+        if let Some(schedule) = st.data_schedule.clone().filter(|v| !v.is_null()) {
+            self.data = TrainData::open(
+                &self.cfg,
+                self.layout.samples_for(self.cfg.training.steps),
+                Some((schedule, st.next_sample())),
+            )
+            .map_err(TrainError::Data)?;
+        }
+        st.global_batch = self.layout.global_batch();
+        st.world_size = self.layout.world as u64;
+        self.session.load_params(&ck.model, dir)?;
+        self.optimizer.exp_avg = self.session.lookup(&ck.optimizer, ".exp_avg", dir)?;
+        self.optimizer.exp_avg_sq = self.session.lookup(&ck.optimizer, ".exp_avg_sq", dir)?;
+        self.optimizer.step = st.optimizer_step;
+        if st.run_id.is_empty() {
+            st.run_id = self.state.run_id.clone();
+        }
+        if st.config_hash != self.facts.config_hash {
+            self.emit(
+                event::CONFIG_CHANGED,
+                json!({"path": path_text(dir), "note": "hyper-parameters differ from the checkpoint's run"}),
+            )?;
+        }
+        self.state = st;
+        self.saved_at = Some(self.state.step);
+        self.guards.high_water = self.state.step;
+        let step = self.state.step;
+        self.emit(
+            event::CHECKPOINT_LOADED,
+            json!({"path": path_text(dir), "step": step}),
+        )?;
+        self.emit(
+            event::RESUME,
+            json!({"step": step, "data_cursor": self.state.data_cursor, "sample_cursor": self.state.next_sample(), "path": path_text(dir)}),
+        )?;
+        self.note(&format!("resumed from {} (step {step})", dir.display()));
+        self.emit_start(Some(dir))
+    }
+
+    fn emit_start(&mut self, resumed_from: Option<&Path>) -> Result<(), TrainError> {
+        let fields = json!({
+            "step": self.state.step, "total_steps": self.facts.total, "params": self.session.model.num_params(),
+            "device": self.cfg.training.device, "data": self.data.source.describe(),
+            "resumed_from": resumed_from.map(path_text), "config_hash": self.facts.config_hash,
+            "pid": std::process::id(), "host": kiln_run::host_name(), "ranks": self.layout.world,
+            "global_batch": self.layout.global_batch(), "grad_accum_steps": self.layout.accum,
+            "engine": self.comm.describe(), "run_id": self.state.run_id,
+        });
+        self.emit(event::START, fields)?;
+        if self.guards.snapshot.is_none() && self.snapshot_due() {
+            self.take_snapshot();
+        }
+        Ok(())
+    }
+
+    /// Trains until all steps are done or the ranks agree to stop.
+    pub fn run(&mut self) -> Result<TrainReport, TrainError> {
+        while self.state.step < self.facts.total {
+            let applied = match self.train_step()? {
+                Some(m) => {
+                    self.after_step(&m)?;
+                    true
+                }
+                None => false,
+            };
+            let signal = self.agreed_stop();
+            let unsaved = self.saved_at != Some(self.state.step);
+            if (applied && self.checkpoint_due()) || (signal.is_some() && unsaved) {
+                self.checkpoint()?;
+            }
+            if let Some(signal) = signal {
+                return self.preempted(signal);
+            }
+        }
+        self.finish()
+    }
+
+    /// One optimizer step: forward and backward over this rank's micro-batches, the
+    /// gradient all-reduce, the guards, and the update. `None` when the guards discarded it.
+    pub fn train_step(&mut self) -> Result<Option<StepMetrics>, TrainError> {
         let t0 = Instant::now();
-        beacon(step, "train");
-        lr = optim::lr_at(&cfg.lr_scheduler, cfg.optimizer.lr, step, total);
-        // ---- forward/backward over the micro-batches of this step
+        self.beacon("train");
+        let lr = optim::lr_at(
+            &self.cfg.lr_scheduler,
+            self.cfg.optimizer.lr,
+            self.state.step,
+            self.facts.total,
+        );
+        let first_sample = self.state.next_sample();
+        let (loss, grads) = self.compute_gradients()?;
+        let grad_norm = optim::global_norm(&grads);
+        if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
+            return Ok(None);
+        }
+        let grads = optim::clip_by_global_norm(grads, grad_norm, self.cfg.optimizer.max_grad_norm);
+        self.optimizer
+            .update(&mut self.session.params, grads, lr, &self.facts.frozen);
+        self.state.step += 1;
+        self.state.advance_data(1);
+        let tokens = self.layout.global_batch() * self.layout.seq as u64;
+        self.state.tokens_seen += tokens;
+        self.state.lr = lr;
+        self.last_loss = Some(loss);
+        self.maybe_corrupt_replica();
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = tokens as f64 / dt.max(1e-9);
+        Ok(Some(StepMetrics {
+            step: self.state.step,
+            total_steps: self.facts.total,
+            loss,
+            grad_norm,
+            lr,
+            tokens_per_s: tps,
+            step_time_s: dt,
+            mfu: tps * self.facts.flops_per_token
+                / (self.facts.peak_flops * self.layout.world as f64),
+            rss_mib: metrics::rss_mib(),
+            tokens_seen: self.state.tokens_seen,
+            first_sample,
+            global_batch: self.layout.global_batch(),
+        }))
+    }
+
+    /// This rank's loss and gradients over its micro-batches, averaged over all ranks.
+    fn compute_gradients(&mut self) -> Result<(f32, Vec<Tensor<1>>), TrainError> {
+        let base = self.state.next_sample();
+        let cfg = &self.cfg;
         let mut grads: Option<Vec<Tensor<1>>> = None;
         let mut loss_sum = 0.0f32;
-        for micro in 0..accum {
-            let base = (data_cursor * accum as u64 + micro as u64) * batch as u64;
-            let rows: Vec<Vec<u32>> = (0..batch as u64)
-                .map(|r| s.data.sample(base + r, seq + 1))
+        for micro in 0..self.layout.accum {
+            let rows: Vec<Vec<u32>> = self
+                .layout
+                .rows(base, micro)
+                .map(|i| self.data.source.sample(i, self.layout.seq + 1))
                 .collect::<Result<_, _>>()
                 .map_err(TrainError::Data)?;
-            let rows = if cfg.debug.spike_at_step > 0 && data_cursor + 1 == cfg.debug.spike_at_step
-            {
-                corrupt_batch(&rows, s.model.vocab(), cfg.training.seed)
+            let batch_no = self.state.data_cursor + 1;
+            let rows = if cfg.debug.spike_at_step > 0 && batch_no == cfg.debug.spike_at_step {
+                step::corrupt_batch(&rows, self.session.model.vocab(), cfg.training.seed)
             } else {
                 rows
             };
-            let poison = cfg.debug.nan_at_step > 0 && data_cursor + 1 == cfg.debug.nan_at_step;
-            let shards = cfg.training.compute_shards.max(1);
-            let (loss_value, micro_grads) = loss_and_grads(
-                &s.model,
-                &s.params,
+            let poison = cfg.debug.nan_at_step > 0 && batch_no == cfg.debug.nan_at_step;
+            let (loss, micro_grads) = step::loss_and_grads(
+                &self.session.model,
+                &self.session.params,
                 &rows,
-                seq,
-                &ad_device,
-                1.0 / accum as f64,
-                shards,
+                self.layout.seq,
+                &self.ad_device,
+                1.0 / self.layout.accum as f64,
+                cfg.training.compute_shards.max(1),
                 poison,
             );
-            loss_sum += loss_value;
+            loss_sum += loss;
             grads = Some(match grads {
                 None => micro_grads,
                 Some(acc) => acc
@@ -786,323 +768,401 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
             });
         }
         let grads = grads.unwrap_or_default();
-        let loss = loss_sum;
-        let grad_norm = optim::global_norm(&grads);
+        if self.comm.size() == 1 {
+            return Ok((loss_sum, grads));
+        }
+        // One flat host buffer: every gradient, then the loss, averaged over the ranks.
+        let mut flat = step::flatten(&grads);
+        flat.push(loss_sum);
+        self.facts.grads.mean(self.comm.as_ref(), &mut flat);
+        let loss = flat.pop().unwrap_or(f32::NAN);
+        Ok((loss, step::unflatten(&flat, &grads, &self.session.device)))
+    }
 
-        // ---- guards
+    /// The guards on one step's (global) loss and gradient norm: skip non-finite steps, roll
+    /// back after too many of them or on a loss spike, check the first loss. Every rank sees
+    /// the same values, so every rank decides the same.
+    fn check_guards(&mut self, loss: f32, grad_norm: f32) -> Result<Verdict, TrainError> {
+        let g = self.cfg.guards.clone();
         if !loss.is_finite() || !grad_norm.is_finite() {
-            nonfinite_skipped += 1;
-            nonfinite_in_row += 1;
-            data_cursor += 1;
-            events.emit("nonfinite_skip", json!({"step": step, "loss": loss.to_string(), "grad_norm": grad_norm.to_string(), "in_row": nonfinite_in_row}))?;
-            observer.on_note(&format!(
+            self.state.nonfinite_skipped += 1;
+            self.guards.nonfinite_in_row += 1;
+            self.state.advance_data(1);
+            let (step, in_row) = (self.state.step, self.guards.nonfinite_in_row);
+            self.emit(event::NONFINITE_SKIP, json!({"step": step, "loss": loss.to_string(), "grad_norm": grad_norm.to_string(), "in_row": in_row}))?;
+            self.note(&format!(
                 "step {}: non-finite loss/gradients, step skipped",
                 step + 1
             ));
-            if nonfinite_in_row >= cfg.guards.max_nonfinite_in_row {
-                let Some(snap) = snapshot.clone() else {
-                    return Err(TrainError::Guard(format!(
-                        "{nonfinite_in_row} non-finite steps in a row and no snapshot to roll back to"
-                    )));
-                };
-                events.emit("rollback", json!({"from_step": step, "to_step": snap.step, "reason": "nonfinite", "data_cursor": data_cursor}))?;
-                (step, tokens_seen) = (snap.step, snap.tokens_seen);
-                s.params = snap.params;
-                s.optimizer = snap.optimizer;
-                spike = snap.spike;
-                rollbacks += 1;
-                nonfinite_in_row = 0;
+            if in_row >= g.max_nonfinite_in_row {
+                self.rollback("nonfinite", 0)?;
             }
-            continue;
+            return Ok(Verdict::Discard);
         }
-        nonfinite_in_row = 0;
-        if fresh && step == 0 {
-            if let Some(msg) =
-                guards::check_initial_loss(loss, s.model.vocab(), cfg.guards.initial_loss_tolerance)
-            {
-                events.emit(
-                    "initial_loss_error",
-                    json!({"loss": loss, "vocab": s.model.vocab(), "message": msg}),
+        self.guards.nonfinite_in_row = 0;
+        if self.facts.fresh && self.state.step == 0 {
+            let vocab = self.session.model.vocab();
+            if let Some(msg) = guards::check_initial_loss(loss, vocab, g.initial_loss_tolerance) {
+                self.emit(
+                    event::INITIAL_LOSS_ERROR,
+                    json!({"loss": loss, "vocab": vocab, "message": msg}),
                 )?;
                 return Err(TrainError::Guard(msg));
             }
-            events.emit(
-                "initial_loss_ok",
-                json!({"loss": loss, "expected": (s.model.vocab() as f64).ln()}),
+            self.emit(
+                event::INITIAL_LOSS_OK,
+                json!({"loss": loss, "expected": (vocab as f64).ln()}),
             )?;
         }
-        if let LossVerdict::Spike { loss, mean, std } = spike.observe(loss, &cfg.guards) {
-            let skip = cfg.guards.spike_skip_batches;
-            events.emit(
-                "loss_spike",
-                json!({"step": step + 1, "loss": loss, "window_mean": mean, "window_std": std}),
+        if let LossVerdict::Spike { loss, mean, std } = self.state.spike_window.observe(loss, &g) {
+            let step = self.state.step + 1;
+            self.emit(
+                event::LOSS_SPIKE,
+                json!({"step": step, "loss": loss, "window_mean": mean, "window_std": std}),
             )?;
-            match snapshot.clone() {
-                Some(snap) => {
-                    let new_cursor = data_cursor + 1 + skip;
-                    events.emit(
-                        "rollback",
-                        json!({"from_step": step, "to_step": snap.step, "reason": "loss_spike", "skip_batches": skip, "data_cursor": new_cursor}),
-                    )?;
-                    observer.on_note(&format!(
-                        "step {}: loss spike {loss:.3} (window mean {mean:.3}); rolled back to step {} and skipped {skip} batches",
-                        step + 1,
-                        snap.step
-                    ));
-                    (step, tokens_seen) = (snap.step, snap.tokens_seen);
-                    s.params = snap.params;
-                    s.optimizer = snap.optimizer;
-                    spike = snap.spike;
-                    data_cursor = new_cursor;
-                    rollbacks += 1;
-                    continue;
-                }
-                None => {
-                    // Without a snapshot, at least do not learn from the spiking batch.
-                    data_cursor += 1;
-                    events.emit(
-                        "spike_skip",
-                        json!({"step": step + 1, "note": "no snapshot; batch skipped"}),
-                    )?;
-                    continue;
-                }
+            self.note(&format!(
+                "step {step}: loss spike {loss:.3} (window mean {mean:.3})"
+            ));
+            self.state.advance_data(1);
+            if self.guards.snapshot.is_some() {
+                self.rollback("loss_spike", g.spike_skip_batches)?;
+            } else {
+                // Without a snapshot, at least do not learn from the spiking batch.
+                self.emit(
+                    event::SPIKE_SKIP,
+                    json!({"step": step, "note": "no snapshot; batch skipped"}),
+                )?;
             }
+            return Ok(Verdict::Discard);
         }
+        Ok(Verdict::Update)
+    }
 
-        // ---- update
-        let grads = optim::clip_by_global_norm(grads, grad_norm, cfg.optimizer.max_grad_norm);
-        s.optimizer.update(&mut s.params, grads, lr, &frozen);
-        step += 1;
-        data_cursor += 1;
-        tokens_seen += (batch * seq * accum) as u64;
-        last_loss = Some(loss);
-
-        let dt = t0.elapsed().as_secs_f64();
-        let tps = (batch * seq * accum) as f64 / dt.max(1e-9);
-        let m = StepMetrics {
-            step,
-            total_steps: total,
-            loss,
-            grad_norm,
-            lr,
-            tokens_per_s: tps,
-            step_time_s: dt,
-            mfu: tps * flops_per_token / peak_flops,
-            rss_mib: rss_mib(),
-            tokens_seen,
+    /// Restores the last snapshot and skips `skip` more batches. Past
+    /// `guards.max_rollbacks` rollbacks that made no progress the run stops, naming the
+    /// likely cause; the checkpoints on disk (the last good state) are kept.
+    fn rollback(&mut self, reason: &str, skip: u64) -> Result<(), TrainError> {
+        let Some(snap) = self.guards.snapshot.clone() else {
+            return Err(TrainError::Guard(format!(
+                "{} non-finite steps in a row at step {} and no snapshot to roll back to (guards.snapshot_interval = 0); {}",
+                self.guards.nonfinite_in_row,
+                self.state.step + 1,
+                self.likely_cause(reason)
+            )));
         };
-        if step.is_multiple_of(cfg.metrics.log_interval.max(1)) || step == total {
-            let mut line = serde_json::to_vec(&m).unwrap_or_default();
-            line.push(b'\n');
-            metrics.write_all(&line).map_err(io(&metrics_path))?;
-        }
-        observer.on_step(&m);
-
-        if snapshot_every > 0 && step.is_multiple_of(snapshot_every) {
-            snapshot = Some(take_snapshot(&s, step, tokens_seen, &spike));
-        }
-        let frozen_every = cfg.guards.frozen_check_interval;
-        if frozen_every > 0 && step.is_multiple_of(frozen_every) {
-            if let Some(prev) = &last_frozen_check {
-                let unchanged = unchanged_params(&s.params, prev);
-                if !unchanged.is_empty() {
-                    let names: Vec<&str> = unchanged
-                        .iter()
-                        .map(|&i| s.model.specs()[i].name.as_str())
-                        .collect();
-                    events.emit(
-                        "frozen_params",
-                        json!({"step": step, "since_step": step - frozen_every, "params": names}),
-                    )?;
-                    observer.on_note(&format!("step {step}: {} parameter tensors did not change in {frozen_every} steps: {}", names.len(), names.join(", ")));
-                }
-            }
-            last_frozen_check = Some(s.params.clone());
-        }
-        let eval_every = cfg.eval.interval;
-        if (eval_every > 0 && step.is_multiple_of(eval_every)) || step == total {
-            beacon(step, "eval");
-            if let Some(mut e) = s.evaluate_synthetic(step, cfg.eval.samples, unigram) {
-                e.extra = observer.extra_eval(&s);
-                let mut line = serde_json::to_vec(&e).unwrap_or_default();
-                line.push(b'\n');
-                metrics.write_all(&line).map_err(io(&metrics_path))?;
-                observer.on_eval(&e);
-                last_eval = Some(e);
-            }
-        }
-        let signal = stop.load(Ordering::SeqCst);
-        let interval_due =
-            cfg.checkpoint.interval > 0 && step.is_multiple_of(cfg.checkpoint.interval);
-        if interval_due || step == total || signal != 0 {
-            beacon(step, "checkpoint");
-            let dir = save(
-                &s,
-                &mut events,
-                step,
-                data_cursor,
-                tokens_seen,
-                &spike,
-                lr,
-                nonfinite_skipped,
-                rollbacks,
+        let limit = self.cfg.guards.max_rollbacks;
+        if limit > 0 && self.guards.rollbacks_in_row >= limit {
+            let msg = format!(
+                "{} rollbacks in a row did not get training past step {} ({reason}); {}; the last good state is the newest checkpoint{}",
+                self.guards.rollbacks_in_row,
+                self.guards.high_water,
+                self.likely_cause(reason),
+                self.saved_at
+                    .map_or(String::new(), |s| format!(" (step {s})"))
+            );
+            self.emit(
+                event::ROLLBACK_LIMIT,
+                json!({"step": self.state.step, "rollbacks_in_row": self.guards.rollbacks_in_row, "reason": reason}),
             )?;
-            saved_at = Some(step);
-            observer.on_note(&format!("saved {}", dir.display()));
+            return Err(TrainError::Guard(msg));
         }
-        if signal != 0 {
-            events.emit("signal", json!({"signal": signal, "step": step}))?;
-            events.emit(
-                "exit",
-                json!({"reason": "preempted", "code": kiln_run::EXIT_PREEMPTED, "step": step}),
-            )?;
-            return Ok(TrainReport {
-                outcome: Outcome::Preempted {
-                    signal: signal as i32,
-                },
-                step,
-                last_loss,
-                last_eval,
-                seconds: started.elapsed().as_secs_f64(),
-            });
-        }
-    }
-    if saved_at != Some(step) {
-        save(
-            &s,
-            &mut events,
-            step,
-            data_cursor,
-            tokens_seen,
-            &spike,
-            lr,
-            nonfinite_skipped,
-            rollbacks,
+        self.state.advance_data(skip);
+        let from = self.state.step;
+        let (data_cursor, sample_cursor) = (self.state.data_cursor, self.state.next_sample());
+        self.emit(
+            event::ROLLBACK,
+            json!({"from_step": from, "to_step": snap.state.step, "reason": reason, "skip_batches": skip, "data_cursor": data_cursor}),
         )?;
+        self.note(&format!(
+            "step {}: rolled back to step {} ({reason}) and skipped {skip} batches",
+            from + 1,
+            snap.state.step
+        ));
+        let rollbacks = self.state.rollbacks + 1;
+        let nonfinite = self.state.nonfinite_skipped;
+        self.state = TrainState {
+            data_cursor,
+            sample_cursor: Some(sample_cursor),
+            rollbacks,
+            nonfinite_skipped: nonfinite,
+            data_schedule: self.state.data_schedule.take(),
+            ..snap.state
+        };
+        self.session.params = snap.params;
+        self.optimizer = snap.optimizer;
+        self.guards.nonfinite_in_row = 0;
+        self.guards.rollbacks_in_row += 1;
+        Ok(())
     }
-    // The final weights also at the top of the run directory, for eval and export.
-    let final_path = run_dir.join("model.safetensors");
-    let bytes = checkpoint::to_safetensors(&s.host_params()).map_err(|e| TrainError::Io {
-        path: final_path.clone(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    let tmp = run_dir.join(".model.safetensors.tmp");
-    std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::rename(&tmp, &final_path))
-        .map_err(io(&final_path))?;
-    beacon(step, "done");
-    events.emit(
-        "exit",
-        json!({"reason": "completed", "code": 0, "step": step}),
-    )?;
-    Ok(TrainReport {
-        outcome: Outcome::Completed,
-        step,
-        last_loss,
-        last_eval,
-        seconds: started.elapsed().as_secs_f64(),
-    })
-}
 
-/// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on as
-/// many threads and summed in a fixed order (deterministic whatever the scheduling).
-///
-/// Why shards: burn's flex backend runs element-wise kernels on one thread, and they are
-/// about 40% of a step; two shards on two threads keep both cores busy through them. The
-/// math is gradient accumulation over the shards, exact up to f32 summation order.
-/// `poison` (debug.nan_at_step) makes the loss NaN, as a real overflow would.
-#[allow(clippy::too_many_arguments)]
-fn loss_and_grads(
-    model: &Llama,
-    params: &[Tensor<1>],
-    rows: &[Vec<u32>],
-    seq: usize,
-    device: &Device,
-    scale: f64,
-    shards: usize,
-    poison: bool,
-) -> (f32, Vec<Tensor<1>>) {
-    let one = |chunk: &[Vec<u32>], scale: f64, poison: bool| {
-        let inputs = Session::int_tensor(chunk, seq, device);
-        let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = Session::int_tensor(&shifted, seq, device);
-        let leaves: Vec<Tensor<1>> = params
-            .iter()
-            .map(|p| p.clone().autodiff().require_grad())
-            .collect();
-        let mut loss = model.loss(&leaves, inputs, targets);
-        if scale != 1.0 {
-            loss = loss.mul_scalar(scale);
+    /// What most likely makes every step fail, for the guard's stop message.
+    fn likely_cause(&self, reason: &str) -> String {
+        let early = self.guards.high_water <= self.cfg.guards.snapshot_interval.max(1);
+        match (reason, early && self.facts.fresh) {
+            ("nonfinite", true) => "every step of a fresh model is non-finite: a config value is likely wrong (check optimizer.lr, eps, weight_decay, model.norm_eps, rope_theta, init_std) or the data holds token ids beyond the vocabulary".into(),
+            ("nonfinite", _) => "training diverged: lower optimizer.lr or raise warmup, check the data around this step for garbage".into(),
+            _ => "the loss keeps spiking past the skipped batches: lower optimizer.lr, or inspect the data around this step".into(),
         }
-        let mut value = loss.clone().into_scalar::<f32>();
-        if poison {
-            loss = loss.mul_scalar(f64::NAN);
-            value = f32::NAN;
+    }
+
+    /// After an applied step: metrics, snapshot, frozen and replica checks, eval.
+    fn after_step(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
+        let step = self.state.step;
+        if step > self.guards.high_water {
+            self.guards.high_water = step;
+            self.guards.rollbacks_in_row = 0;
         }
-        let g = loss.backward();
-        let grads: Vec<Tensor<1>> = leaves
-            .iter()
-            .zip(params)
-            .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
-            .collect();
-        (value, grads)
-    };
-    let shards = shards.min(rows.len()).max(1);
-    if shards == 1 {
-        return one(rows, scale, poison);
+        if self.writer.is_some() {
+            if step.is_multiple_of(self.cfg.metrics.log_interval.max(1)) || step == self.facts.total
+            {
+                self.write_metrics(m)?;
+            }
+            self.observer.on_step(m);
+        }
+        if self.snapshot_due() {
+            self.take_snapshot();
+        }
+        self.check_frozen()?;
+        let every = self.cfg.guards.replica_check_interval;
+        if every > 0 && step.is_multiple_of(every) {
+            self.check_replicas()?;
+        }
+        let eval_every = self.cfg.eval.interval;
+        if (eval_every > 0 && step.is_multiple_of(eval_every)) || step == self.facts.total {
+            self.evaluate()?;
+        }
+        Ok(())
     }
-    let per = rows.len().div_ceil(shards);
-    let n = rows.len() as f64;
-    let results: Vec<(f32, Vec<Tensor<1>>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = rows
-            .chunks(per)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let shard_scale = scale * chunk.len() as f64 / n;
-                scope.spawn(move || one(chunk, shard_scale, poison && i == 0))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    let mut iter = results.into_iter();
-    let (mut loss, mut grads) = iter.next().unwrap_or_default();
-    for (l, g) in iter {
-        loss += l;
-        grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
-    }
-    (loss, grads)
-}
 
-/// Indices of parameters identical to `prev` (one host read-back for all of them).
-fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
-    let diffs: Vec<Tensor<1>> = params
-        .iter()
-        .zip(prev)
-        .map(|(a, b)| (a.clone() - b.clone()).abs().max())
-        .collect();
-    if diffs.is_empty() {
-        return Vec::new();
+    fn write_metrics<T: serde::Serialize>(&mut self, record: &T) -> Result<(), TrainError> {
+        if let Some(w) = &mut self.writer {
+            let mut line = serde_json::to_vec(record).unwrap_or_default();
+            line.push(b'\n');
+            let path = w.run.path().join(kiln_run::layout::METRICS);
+            w.metrics.write_all(&line).map_err(io(&path))?;
+        }
+        Ok(())
     }
-    let d = Tensor::cat(diffs, 0)
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default();
-    d.iter()
-        .enumerate()
-        .filter(|(_, v)| **v == 0.0)
-        .map(|(i, _)| i)
-        .collect()
-}
 
-/// The injected spike (`debug.spike_at_step`): the batch replaced by uniformly random tokens
-/// (a garbage shard), drawn deterministically from the seed.
-fn corrupt_batch(rows: &[Vec<u32>], vocab: usize, seed: u64) -> Vec<Vec<u32>> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_BAD0);
-    rows.iter()
-        .map(|r| r.iter().map(|_| rng.gen_range(0..vocab as u32)).collect())
-        .collect()
+    fn snapshot_due(&self) -> bool {
+        let every = self.cfg.guards.snapshot_interval;
+        every > 0 && self.state.step.is_multiple_of(every)
+    }
+
+    fn take_snapshot(&mut self) {
+        self.guards.snapshot = Some(Snapshot {
+            state: self.state.clone(),
+            params: self.session.params.clone(),
+            optimizer: self.optimizer.clone(),
+        });
+    }
+
+    /// Names parameter tensors that did not change over the check interval (an event, not a
+    /// stop: the writer rank checks, since every rank holds the same parameters).
+    fn check_frozen(&mut self) -> Result<(), TrainError> {
+        let every = self.cfg.guards.frozen_check_interval;
+        let step = self.state.step;
+        if every == 0 || !step.is_multiple_of(every) || self.writer.is_none() {
+            return Ok(());
+        }
+        if let Some(prev) = &self.guards.last_frozen_check {
+            let unchanged = step::unchanged_params(&self.session.params, prev);
+            if !unchanged.is_empty() {
+                let names: Vec<String> = unchanged
+                    .iter()
+                    .map(|&i| self.session.model.specs()[i].name.clone())
+                    .collect();
+                self.emit(
+                    event::FROZEN_PARAMS,
+                    json!({"step": step, "since_step": step.saturating_sub(every), "params": names}),
+                )?;
+                self.note(&format!(
+                    "step {step}: {} parameter tensors did not change in {every} steps: {}",
+                    names.len(),
+                    names.join(", ")
+                ));
+            }
+        }
+        self.guards.last_frozen_check = Some(self.session.params.clone());
+        Ok(())
+    }
+
+    /// Compares a checksum of every rank's parameters; the ranks that differ from the
+    /// majority are named and the run stops before their weights can be saved.
+    fn check_replicas(&mut self) -> Result<(), TrainError> {
+        if self.comm.size() == 1 {
+            return Ok(());
+        }
+        let sums = self
+            .comm
+            .all_gather_u64(step::params_checksum(&self.session.params));
+        let culprits = step::minority_ranks(&sums);
+        if culprits.is_empty() {
+            return Ok(());
+        }
+        let step = self.state.step;
+        let hex: Vec<String> = sums.iter().map(|s| format!("{s:016x}")).collect();
+        self.emit(
+            event::REPLICA_MISMATCH,
+            json!({"step": step, "ranks": culprits, "checksums": hex}),
+        )?;
+        Err(TrainError::ReplicaMismatch {
+            step,
+            ranks: culprits,
+        })
+    }
+
+    /// `debug.corrupt_replica_*`: perturbs one rank's parameters as silent data corruption
+    /// would.
+    fn maybe_corrupt_replica(&mut self) {
+        let d = &self.cfg.debug;
+        if d.corrupt_replica_at_step > 0
+            && self.state.step == d.corrupt_replica_at_step
+            && self.comm.rank() == d.corrupt_replica_rank
+            && let Some(p) = self.session.params.first_mut()
+        {
+            *p = p.clone().add_scalar(1e-3);
+        }
+    }
+
+    /// Held-out eval on the writer rank (the others go on to the next step's all-reduce and
+    /// wait there).
+    fn evaluate(&mut self) -> Result<(), TrainError> {
+        if self.writer.is_none() {
+            return Ok(());
+        }
+        self.beacon("eval");
+        let Some(syn) = &self.data.synthetic else {
+            return Ok(());
+        };
+        let mut e = self.session.evaluate_synthetic(
+            syn,
+            self.state.step,
+            self.cfg.eval.samples,
+            self.facts.unigram,
+        );
+        e.extra = self.observer.extra_eval(&self.session);
+        self.write_metrics(&e)?;
+        self.observer.on_eval(&e);
+        self.last_eval = Some(e);
+        Ok(())
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        let every = self.cfg.checkpoint.interval;
+        (every > 0 && self.state.step.is_multiple_of(every)) || self.state.step == self.facts.total
+    }
+
+    /// The stop signal any rank got, agreed by all ranks at the same step.
+    pub fn agreed_stop(&mut self) -> Option<i32> {
+        let mine = self.stop.load(Ordering::SeqCst) as u64;
+        let mut flag = [mine];
+        self.comm.all_reduce_max_u64(&mut flag);
+        if flag[0] == 0 {
+            return None;
+        }
+        let who: Vec<usize> = if self.comm.size() > 1 {
+            let all = self.comm.all_gather_u64(mine);
+            (0..all.len()).filter(|&r| all[r] != 0).collect()
+        } else {
+            vec![0]
+        };
+        let step = self.state.step;
+        let _ = self.emit(
+            event::SIGNAL,
+            json!({"signal": flag[0], "step": step, "ranks": who}),
+        );
+        Some(flag[0] as i32)
+    }
+
+    /// Saves a checkpoint of the current state (writer rank), after checking that the ranks
+    /// agree on the parameters. Every rank calls it at the same step.
+    pub fn checkpoint(&mut self) -> Result<(), TrainError> {
+        self.check_replicas()?;
+        self.beacon("checkpoint");
+        if let Some(schedule) = self.data.source.resume_state() {
+            self.state.data_schedule = Some(schedule);
+        }
+        self.state.optimizer_step = self.optimizer.step;
+        self.state.schedule = format!("{:?}", self.cfg.lr_scheduler.kind).to_lowercase();
+        self.state.model_hash = self.facts.model_hash.clone();
+        self.state.config_hash = self.facts.config_hash.clone();
+        self.state.kiln_version = env!("CARGO_PKG_VERSION").to_string();
+        if self.writer.is_some() {
+            let t0 = Instant::now();
+            let ck = Checkpoint {
+                step: self.state.step,
+                model: self.session.host_params(),
+                optimizer: [
+                    self.session.named_host(&self.optimizer.exp_avg, ".exp_avg"),
+                    self.session
+                        .named_host(&self.optimizer.exp_avg_sq, ".exp_avg_sq"),
+                ]
+                .concat(),
+                state: serde_json::to_value(&self.state).unwrap_or_default(),
+            };
+            let Some(w) = &mut self.writer else {
+                return Ok(());
+            };
+            let report = w.checkpoints.save(&ck)?;
+            let pruned: Vec<String> = report.pruned.iter().map(|p| path_text(p)).collect();
+            let superseded: Vec<String> = report
+                .superseded
+                .iter()
+                .map(|r| path_text(&r.moved_to))
+                .collect();
+            w.events.emit(
+                event::CHECKPOINT_SAVED,
+                json!({"step": ck.step, "path": path_text(&report.path), "seconds": t0.elapsed().as_secs_f64(),
+                       "pruned": pruned, "superseded": superseded}),
+            )?;
+            let msg = format!("saved {}", report.path.display());
+            self.note(&msg);
+        }
+        self.saved_at = Some(self.state.step);
+        Ok(())
+    }
+
+    /// Stopped by an agreed signal: the checkpoint is saved; every rank waits for the
+    /// writer, then all leave with the same outcome.
+    fn preempted(&mut self, signal: i32) -> Result<TrainReport, TrainError> {
+        self.comm.barrier();
+        self.emit_exit("preempted", exit::PREEMPTED, None);
+        Ok(self.report(Outcome::Preempted { signal }))
+    }
+
+    /// All steps done: the final checkpoint and `model.safetensors`.
+    fn finish(&mut self) -> Result<TrainReport, TrainError> {
+        if self.saved_at != Some(self.state.step) {
+            self.checkpoint()?;
+        }
+        if let Some(w) = &self.writer {
+            let bytes = checkpoint::to_safetensors(&self.session.host_params()).map_err(|e| {
+                TrainError::Io {
+                    path: w.run.path().join(kiln_run::layout::FINAL_MODEL),
+                    source: std::io::Error::other(e.to_string()),
+                }
+            })?;
+            w.run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
+        }
+        self.beacon("done");
+        self.comm.barrier();
+        self.emit_exit("completed", exit::SUCCESS, None);
+        Ok(self.report(Outcome::Completed))
+    }
+
+    fn report(&self, outcome: Outcome) -> TrainReport {
+        TrainReport {
+            outcome,
+            step: self.state.step,
+            last_loss: self.last_loss,
+            last_eval: self.last_eval.clone(),
+            seconds: self.facts.started.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// The model and its parameters (for callers that inspect a finished run).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
 }

@@ -2,7 +2,7 @@
 //! resume (the data cursor and the blend's weight history are in the checkpoint).
 
 use kiln_data::{DType, IndexedDatasetBuilder};
-use kiln_train::{Config, Outcome, TrainOptions, train, trainer::Silent};
+use kiln_train::{Config, Outcome, Silent, TrainOptions, train};
 use std::path::Path;
 
 fn write_dataset(prefix: &Path, seed: u32, docs: usize) {

@@ -39,6 +39,8 @@ enum Command {
     Status(cmd::gates::StatusArgs),
     /// Plot a run's curves (loss, eval, LR, grad-norm, tokens/s) as SVG and PNG.
     Plot(cmd::gates::PlotArgs),
+    /// Put a file, directory or tarball on every node's local disk over MPI broadcast.
+    Yeet(cmd::yeet::YeetArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => cmd::gates::eval(args),
         Command::Status(args) => cmd::gates::status(args),
         Command::Plot(args) => cmd::gates::plot(args),
+        Command::Yeet(args) => cmd::yeet::run(args),
     };
     match result {
         Ok(code) => code,

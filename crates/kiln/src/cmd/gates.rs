@@ -195,8 +195,8 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     // Refuse before spending minutes on a run that cannot be compared.
     if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config) {
         let text = config.to_toml();
-        if b.config != text {
-            let diffs = smoke::config_differences(&b.config, &text);
+        let diffs = smoke::config_differences(&b.config, &text);
+        if !diffs.is_empty() {
             let fake = smoke::SmokeRun {
                 config: text,
                 ..b.clone()
@@ -309,7 +309,11 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let loaded = kiln_gates::mc::load_model(&a.path, a.config.as_deref())?;
     let s = &loaded.session;
     let samples = a.samples.unwrap_or(s.config.eval.samples);
-    let held_out = s.evaluate_synthetic(loaded.step.unwrap_or(0), samples, None);
+    // The held-out synthetic eval applies to runs trained on the built-in corpus.
+    let held_out = s.config.data.corpus_list.is_empty().then(|| {
+        let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
+        s.evaluate_synthetic(&syn, loaded.step.unwrap_or(0), samples, None)
+    });
     let score = kiln_gates::mc::score_multiple_choice(s, &tasks);
     let task_name = a
         .tasks

@@ -4,3 +4,4 @@ pub mod data;
 pub mod gates;
 pub mod launch;
 pub mod train;
+pub mod yeet;

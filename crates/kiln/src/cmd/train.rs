@@ -1,6 +1,5 @@
 //! `kiln train`: load the config, run the trainer, show progress.
 
-use anyhow::Context;
 use kiln_train::{Config, EvalMetrics, Observer, Outcome, StepMetrics, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,11 +9,23 @@ use std::time::Instant;
 /// Arguments of `kiln train`.
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = "\
-Exit codes:
+Exit codes (kiln launch reads them: 65, 73 and 78 are never retried):
   0   all steps done (final weights in RUN_DIR/model.safetensors)
-  1   error (bad config, corrupt data, a guard stopped the run); the message says which
-  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived, the current step finished, a checkpoint
-      was saved; run the same command again to resume exactly where it stopped
+  1   error that may be transient (I/O on the run directory); the message says which
+  65  a guard stopped the run: non-finite steps or loss spikes that rollbacks did not cure
+      (guards.max_rollbacks), or a first-step loss far from ln(vocab); checkpoints are kept
+  73  the run directory is locked by another trainer (named: pid and host)
+  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived (on any rank), the current step
+      finished, a checkpoint was saved; run the same command again to resume exactly
+  76  data-parallel replicas disagree on their parameters; the rank is named in
+      events.jsonl (replica_mismatch) and nothing of the bad weights was saved
+  78  invalid config, data, checkpoint or rank environment: fix the input, do not retry
+
+Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
+mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
+global batch (training.global_batch_size, or batch_size x grad_accum_steps x ranks);
+gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
+on any number of ranks that divides its global batch.
 
 Run directory:
   config.toml      the effective config
@@ -22,6 +33,9 @@ Run directory:
                    rss_mib) and per evaluation (eval_loss, eval_accuracy)
   events.jsonl     start, resume, checkpoint saved/loaded/rejected, guards, signal, exit
   checkpoints/step-<N>/  model.safetensors, optimizer.safetensors, state.json, manifest.json
+  checkpoints/rejected/  checkpoints that failed verification or belong to another run,
+                   moved aside with a REJECTED.txt note (kiln never deletes them)
+  train.lock       held (flock) by the one trainer writing this directory
   model.safetensors      the final weights
 
 Examples:
@@ -164,8 +178,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         config,
         run_dir: args.run_dir.clone(),
     };
-    let report = kiln_train::train(&opts, &mut progress)
-        .with_context(|| format!("training in run directory {}", args.run_dir.display()))?;
+    let report = match kiln_train::train(&opts, &mut progress) {
+        Ok(report) => report,
+        Err(e) => {
+            if let Some(bar) = &progress.bar {
+                bar.finish_and_clear();
+            }
+            eprintln!(
+                "kiln: error: training in run directory {}: {e}",
+                args.run_dir.display()
+            );
+            return Ok(exit_code(e.exit_code()));
+        }
+    };
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
@@ -197,7 +222,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 "kiln: preempted by signal {signal} after step {}; checkpoint saved; run the same command to resume",
                 report.step
             );
-            Ok(ExitCode::from(kiln_run::EXIT_PREEMPTED as u8))
+            Ok(exit_code(kiln_run::exit::PREEMPTED))
         }
     }
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

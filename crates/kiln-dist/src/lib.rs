@@ -1,0 +1,166 @@
+//! Collectives between the ranks of a job, behind one small trait ([`Collective`]), on the
+//! engine every HPC site already has: MPI (cargo feature `mpi`). One rank needs no engine
+//! ([`Solo`]). A GPU engine (NCCL through `cudarc`, its unique id broadcast over MPI) would be
+//! one more implementation of the same trait.
+//!
+//! Determinism: a sum all-reduce is repeatable bit for bit for a fixed MPI library, rank
+//! count, message size and reduction algorithm (measured: OpenMPI 4.1 picks its algorithm
+//! from the message and communicator size, so repeated runs agree; forcing other algorithms
+//! gives other bit patterns). kiln cuts gradients into buckets of a fixed size
+//! ([`BucketedAllReduce`]), so a run and its resume make the same calls. Across rank counts
+//! results differ by reduction order only.
+
+mod solo;
+pub use solo::Solo;
+
+#[cfg(feature = "mpi")]
+mod mpi_engine;
+#[cfg(feature = "mpi")]
+pub use mpi_engine::Mpi;
+
+pub mod yeet;
+
+use kiln_topology::RankEnv;
+
+/// Errors setting up collectives.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// More than one rank, but this kiln has no MPI.
+    #[error(
+        "WORLD_SIZE={0} but this kiln was built without MPI; rebuild with `cargo build --release --features mpi` (needs an MPI dev package and libclang-dev)"
+    )]
+    NoEngine(usize),
+    /// MPI could not be initialised (twice in one process, or the library failed).
+    #[error("MPI could not be initialised: {0}")]
+    Init(String),
+    /// The launcher's rank variables disagree with MPI's own view of the job.
+    #[error(
+        "the rank environment says rank {env_rank} of {env_size} but MPI says rank {mpi_rank} of {mpi_size}; start the ranks with an MPI launcher (`kiln launch --mpi`, mpirun, mpiexec or srun), not as independent processes"
+    )]
+    Mismatch {
+        /// RANK from the environment.
+        env_rank: usize,
+        /// WORLD_SIZE from the environment.
+        env_size: usize,
+        /// MPI's rank.
+        mpi_rank: usize,
+        /// MPI's size.
+        mpi_size: usize,
+    },
+}
+
+/// Collective operations among the ranks of a job. Every rank must make the same calls in the
+/// same order with the same sizes (the MPI rule); results are identical on every rank.
+pub trait Collective: Send {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Name of the engine (`solo`, `mpi: Open MPI v4.1.4 ...`), for the event log.
+    fn describe(&self) -> String;
+    /// Element-wise sum of `buf` over all ranks, written back into `buf`.
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]);
+    /// Element-wise sum of `buf` over all ranks (f64), written back into `buf`.
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]);
+    /// Element-wise maximum of `buf` over all ranks, written back into `buf`.
+    fn all_reduce_max_u64(&self, buf: &mut [u64]);
+    /// Every rank's `value`, in rank order.
+    fn all_gather_u64(&self, value: u64) -> Vec<u64>;
+    /// Copies `buf` of rank `root` into `buf` of every rank (all ranks pass the same length).
+    fn broadcast_bytes(&self, root: usize, buf: &mut [u8]);
+    /// Waits until every rank got here.
+    fn barrier(&self);
+    /// Ends every rank of the job with `code` (MPI_Abort): for an error on one rank that the
+    /// others cannot know about, so that none of them waits forever in a collective.
+    fn abort(&self, code: i32) -> !;
+    /// This rank's index among the ranks of its node, and how many ranks its node has (for
+    /// yeet's one writer per node).
+    fn node_local_rank(&self) -> (usize, usize) {
+        (0, 1)
+    }
+}
+
+/// The collective for this process: [`Solo`] for one rank, MPI for several (started by an MPI
+/// launcher). Checks that MPI's view of the job matches the launcher's rank variables.
+pub fn init(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
+    if env.world_size <= 1 {
+        return Ok(Box::new(Solo));
+    }
+    #[cfg(feature = "mpi")]
+    {
+        let mpi = Mpi::init()?;
+        if mpi.rank() != env.rank || mpi.size() != env.world_size {
+            return Err(DistError::Mismatch {
+                env_rank: env.rank,
+                env_size: env.world_size,
+                mpi_rank: mpi.rank(),
+                mpi_size: mpi.size(),
+            });
+        }
+        Ok(Box::new(mpi))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        Err(DistError::NoEngine(env.world_size))
+    }
+}
+
+/// All-reduce of one long buffer in buckets of a fixed number of elements: bounded message
+/// sizes (as PyTorch DDP's 25 MB buckets), and the same calls on every run, which keeps the
+/// reduction repeatable.
+#[derive(Debug, Clone, Copy)]
+pub struct BucketedAllReduce {
+    bucket_elems: usize,
+}
+
+impl BucketedAllReduce {
+    /// Buckets of `bucket_bytes` bytes of f32 (at least one element).
+    pub fn new(bucket_bytes: usize) -> Self {
+        Self {
+            bucket_elems: (bucket_bytes / 4).max(1),
+        }
+    }
+
+    /// Replaces `buf` with the mean over ranks (sum, then times 1/size: the same scaling on
+    /// every rank and every run).
+    pub fn mean(&self, comm: &dyn Collective, buf: &mut [f32]) {
+        if comm.size() == 1 {
+            return;
+        }
+        for chunk in buf.chunks_mut(self.bucket_elems) {
+            comm.all_reduce_sum_f32(chunk);
+        }
+        let inv = 1.0 / comm.size() as f32;
+        for v in buf.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn solo_is_the_identity_and_one_rank_needs_no_engine() {
+        let env = kiln_topology::rank_env_from(|_| None).unwrap();
+        let c = init(&env).unwrap();
+        assert_eq!((c.rank(), c.size()), (0, 1));
+        let mut g = vec![1.0f32, -2.0, 3.5];
+        BucketedAllReduce::new(8).mean(c.as_ref(), &mut g);
+        assert_eq!(g, [1.0, -2.0, 3.5]);
+        assert_eq!(c.all_gather_u64(7), vec![7]);
+        let mut m = [3u64, 9];
+        c.all_reduce_max_u64(&mut m);
+        assert_eq!(m, [3, 9]);
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    #[test]
+    fn several_ranks_without_mpi_is_a_clear_error() {
+        let mut env = kiln_topology::rank_env_from(|_| None).unwrap();
+        env.world_size = 2;
+        let err = init(&env).err().unwrap().to_string();
+        assert!(err.contains("--features mpi"), "{err}");
+    }
+}

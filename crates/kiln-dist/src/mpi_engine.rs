@@ -1,0 +1,108 @@
+//! The MPI engine (rsmpi on the system's MPI library).
+//!
+//! rsmpi has no in-place all-reduce (`MPI_IN_PLACE` is `(void*)1` in OpenMPI and `(void*)-1`
+//! in MPICH, and bindgen cannot see either), so each call reduces into a scratch buffer and
+//! copies back; with bucketed calls the scratch stays one bucket long.
+//!
+//! Empty buffers are never handed to MPI: an empty `Vec<u8>`'s pointer is the dangling
+//! `0x1`, which OpenMPI takes for `MPI_IN_PLACE` and rejects (MPI_ERR_ARG). Every rank
+//! knows the length, so every rank skips the same call.
+
+use crate::{Collective, DistError};
+use mpi::collective::SystemOperation;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use std::cell::RefCell;
+
+/// MPI_COMM_WORLD of this process. Dropping it finalises MPI.
+pub struct Mpi {
+    // Field order matters: the communicators must be freed before the universe finalises.
+    world: SimpleCommunicator,
+    node: SimpleCommunicator,
+    scratch_f32: RefCell<Vec<f32>>,
+    _universe: mpi::environment::Universe,
+}
+
+// SAFETY: kiln calls MPI from one thread at a time (the trainer's main thread; MPI is
+// initialised with MPI_THREAD_FUNNELED semantics); `Send` lets the owner move it between
+// threads, which MPI allows for the thread that made the calls as long as calls do not overlap.
+unsafe impl Send for Mpi {}
+
+impl Mpi {
+    /// Initialises MPI (once per process).
+    pub fn init() -> Result<Self, DistError> {
+        let (universe, _level) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+            .ok_or_else(|| DistError::Init("MPI was already initialised in this process".into()))?;
+        let world = universe.world();
+        let node = world.split_shared(world.rank());
+        Ok(Self {
+            world,
+            node,
+            scratch_f32: RefCell::new(Vec::new()),
+            _universe: universe,
+        })
+    }
+}
+
+impl Collective for Mpi {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+    fn describe(&self) -> String {
+        let lib = mpi::environment::library_version().unwrap_or_default();
+        let first = lib.lines().next().unwrap_or("").trim().to_string();
+        format!("mpi ({first})")
+    }
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
+        if buf.is_empty() {
+            return;
+        }
+        let mut scratch = self.scratch_f32.borrow_mut();
+        scratch.clear();
+        scratch.resize(buf.len(), 0.0);
+        self.world
+            .all_reduce_into(&*buf, &mut scratch[..], SystemOperation::sum());
+        buf.copy_from_slice(&scratch);
+    }
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) {
+        if buf.is_empty() {
+            return;
+        }
+        let mut out = vec![0.0f64; buf.len()];
+        self.world
+            .all_reduce_into(&*buf, &mut out[..], SystemOperation::sum());
+        buf.copy_from_slice(&out);
+    }
+    fn all_reduce_max_u64(&self, buf: &mut [u64]) {
+        if buf.is_empty() {
+            return;
+        }
+        let mut out = vec![0u64; buf.len()];
+        self.world
+            .all_reduce_into(&*buf, &mut out[..], SystemOperation::max());
+        buf.copy_from_slice(&out);
+    }
+    fn all_gather_u64(&self, value: u64) -> Vec<u64> {
+        let mut out = vec![0u64; self.size()];
+        self.world.all_gather_into(&value, &mut out[..]);
+        out
+    }
+    fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) {
+        if buf.is_empty() {
+            return;
+        }
+        self.world.process_at_rank(root as i32).broadcast_into(buf);
+    }
+    fn barrier(&self) {
+        self.world.barrier();
+    }
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+    fn node_local_rank(&self) -> (usize, usize) {
+        (self.node.rank() as usize, self.node.size() as usize)
+    }
+}

@@ -1,0 +1,276 @@
+//! [`Session`]: a model and its parameters on a device, built from a config. What training,
+//! the gates, eval and export all start from; it needs no training data (the vocabulary is
+//! given, or read from the weights).
+
+use crate::checkpoint::HostTensor;
+use crate::config::Config;
+use crate::metrics::EvalMetrics;
+use crate::model::Llama;
+use crate::synthetic::Synthetic;
+use crate::trainer::TrainError;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// The model, its parameters and the device they live on.
+pub struct Session {
+    /// The effective config.
+    pub config: Config,
+    /// Device the tensors live on.
+    pub device: Device,
+    /// Model structure.
+    pub model: Llama,
+    /// Parameters (flat, in `model.specs()` order), without autodiff.
+    pub params: Vec<Tensor<1>>,
+}
+
+pub(crate) fn sha256_hex(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+/// Parses a device name (`flex`, `cuda:0`, `rocm:1`, `vulkan`, `wgpu`, `metal`).
+pub fn parse_device(name: &str) -> Result<Device, TrainError> {
+    let (kind, index) = match name.split_once(':') {
+        Some((k, i)) => {
+            let idx: usize = i.parse().map_err(|_| {
+                TrainError::Device(name.into(), "index after ':' must be a number".into())
+            })?;
+            (k, idx)
+        }
+        None => (name, 0),
+    };
+    let _ = index;
+    let not_built = |feature: &str| {
+        TrainError::Device(
+            name.into(),
+            format!(
+                "this kiln was built without the `{feature}` feature; rebuild with `cargo build --release --features {feature}`"
+            ),
+        )
+    };
+    match kind {
+        "flex" | "cpu" => Ok(Device::flex()),
+        #[cfg(feature = "cuda")]
+        "cuda" => Ok(Device::cuda(index)),
+        #[cfg(feature = "rocm")]
+        "rocm" => Ok(Device::rocm(index)),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => Ok(Device::vulkan(Default::default())),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Ok(Device::wgpu(Default::default())),
+        #[cfg(feature = "metal")]
+        "metal" => Ok(Device::metal(Default::default())),
+        "cuda" | "rocm" | "vulkan" | "wgpu" | "metal" => Err(not_built(kind)),
+        _ => Err(TrainError::Device(
+            name.into(),
+            "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu or metal".into(),
+        )),
+    }
+}
+
+/// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
+/// in a process takes effect.
+pub fn set_threads(threads: usize) {
+    if threads > 0 {
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
+    }
+}
+
+/// Host copy of a flat tensor.
+pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
+    t.clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap_or_default()
+}
+
+impl Session {
+    /// Builds the model for `vocab` tokens with fresh parameters drawn from the seed.
+    pub fn new(config: &Config, vocab: usize) -> Result<Self, TrainError> {
+        config.validate()?;
+        set_threads(config.training.threads);
+        let device = parse_device(&config.training.device)?;
+        let model = Llama::new(&config.model, vocab);
+        let params = model.init(config.training.seed, &device);
+        Ok(Self {
+            config: config.clone(),
+            device,
+            model,
+            params,
+        })
+    }
+
+    /// Builds the model for trained weights: the vocabulary is read from the embedding's
+    /// shape, so no training data is needed (eval, export).
+    pub fn from_weights(
+        config: &Config,
+        tensors: &[HostTensor],
+        origin: &Path,
+    ) -> Result<Self, TrainError> {
+        let probe = Llama::new(&config.model, 1);
+        let embed_name = &probe.specs()[0].name;
+        let vocab = tensors
+            .iter()
+            .find(|t| &t.name == embed_name)
+            .and_then(|t| t.shape.first().copied())
+            .ok_or_else(|| TrainError::ResumeMismatch {
+                path: origin.to_path_buf(),
+                reason: format!("tensor {embed_name} is missing"),
+            })?;
+        let mut s = Self::new(config, vocab)?;
+        s.load_params(tensors, origin)?;
+        Ok(s)
+    }
+
+    /// Hash of what fixes parameter shapes (model section and vocab).
+    pub fn model_hash(&self) -> String {
+        let mut m = self.config.model.clone();
+        m.vocab_size = self.model.vocab();
+        // init values do not change shapes: a resumed run may use another init std
+        m.init_std = 0.0;
+        m.scale_residual_init = false;
+        sha256_hex(&toml::to_string(&m).unwrap_or_default())
+    }
+
+    /// Parameters as named host tensors (logical shapes).
+    pub fn host_params(&self) -> Vec<HostTensor> {
+        self.named_host(&self.params, "")
+    }
+
+    /// `tensors` (one per parameter, in parameter order) as named host tensors, each name
+    /// followed by `suffix` (`.exp_avg`, ...).
+    pub fn named_host(&self, tensors: &[Tensor<1>], suffix: &str) -> Vec<HostTensor> {
+        self.model
+            .specs()
+            .iter()
+            .zip(tensors)
+            .map(|(s, t)| HostTensor {
+                name: format!("{}{suffix}", s.name),
+                shape: s.shape.clone(),
+                values: to_vec(t),
+            })
+            .collect()
+    }
+
+    /// Loads weights (by name) from host tensors; every parameter must be present with its shape.
+    pub fn load_params(&mut self, tensors: &[HostTensor], origin: &Path) -> Result<(), TrainError> {
+        self.params = self.lookup(tensors, "", origin)?;
+        Ok(())
+    }
+
+    /// The tensors named `<param><suffix>` for every parameter, checked against its shape.
+    pub fn lookup(
+        &self,
+        tensors: &[HostTensor],
+        suffix: &str,
+        origin: &Path,
+    ) -> Result<Vec<Tensor<1>>, TrainError> {
+        let by_name: std::collections::HashMap<&str, &HostTensor> =
+            tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        self.model
+            .specs()
+            .iter()
+            .map(|s| {
+                let name = format!("{}{suffix}", s.name);
+                let t = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| TrainError::ResumeMismatch {
+                        path: origin.to_path_buf(),
+                        reason: format!("tensor {name} is missing"),
+                    })?;
+                if t.shape != s.shape {
+                    return Err(TrainError::ResumeMismatch {
+                        path: origin.to_path_buf(),
+                        reason: format!(
+                            "tensor {name} has shape {:?}, the model needs {:?}",
+                            t.shape, s.shape
+                        ),
+                    });
+                }
+                Ok(Tensor::from_data(
+                    TensorData::new(t.values.clone(), [s.numel()]),
+                    &self.device,
+                ))
+            })
+            .collect()
+    }
+
+    /// Token ids `[rows, len]` as an Int tensor on `device`.
+    pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
+        let flat: Vec<i64> = rows
+            .iter()
+            .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
+            .collect();
+        Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
+    }
+
+    /// Loss of one batch of `seq_len + 1`-token rows without gradients (for eval).
+    pub fn eval_loss(&self, rows: &[Vec<u32>]) -> f32 {
+        let len = rows.first().map_or(0, Vec::len).saturating_sub(1);
+        let inputs = Self::int_tensor(rows, len, &self.device);
+        let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
+        let targets = Self::int_tensor(&shifted, len, &self.device);
+        self.model
+            .loss(&self.params, inputs, targets)
+            .into_scalar::<f32>()
+    }
+
+    /// Held-out loss and answer accuracy on the synthetic corpus (`samples` sequences).
+    pub fn evaluate_synthetic(
+        &self,
+        syn: &Synthetic,
+        step: u64,
+        samples: usize,
+        unigram: Option<f64>,
+    ) -> EvalMetrics {
+        let len = self.config.training.seq_len + 1;
+        let batch = self.config.training.batch_size.max(1);
+        let (mut loss_sum, mut n_batches, mut correct, mut total) =
+            (0.0f64, 0usize, 0usize, 0usize);
+        let mut idx = 0u64;
+        while (idx as usize) < samples {
+            let rows: Vec<_> = (0..batch.min(samples - idx as usize))
+                .map(|r| syn.eval_sample(idx + r as u64, len))
+                .collect();
+            idx += rows.len() as u64;
+            let tokens: Vec<Vec<u32>> = rows.iter().map(|s| s.tokens.clone()).collect();
+            let inputs = Self::int_tensor(&tokens, len - 1, &self.device);
+            let logits = self.model.forward(&self.params, inputs); // [b, t, v]
+            let [b, t, v] = logits.dims();
+            let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
+            let targets = Self::int_tensor(&shifted, t, &self.device);
+            let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
+            loss_sum += f64::from(
+                logp.gather(1, targets.reshape([b * t, 1]))
+                    .mean()
+                    .neg()
+                    .into_scalar::<f32>(),
+            );
+            n_batches += 1;
+            // `iter` converts from whatever int dtype the backend uses (flex: i32).
+            let pred: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
+            for (r, sample) in rows.iter().enumerate() {
+                for &(start, end) in &sample.answers {
+                    // token at position p is predicted from position p-1
+                    if start == 0 {
+                        continue;
+                    }
+                    total += 1;
+                    let ok = (start..end).all(|p| {
+                        pred.get(r * t + p - 1).copied() == Some(i64::from(sample.tokens[p]))
+                    });
+                    correct += usize::from(ok);
+                }
+            }
+        }
+        EvalMetrics {
+            step,
+            eval_loss: loss_sum / n_batches.max(1) as f64,
+            eval_accuracy: (total > 0).then(|| correct as f64 / total as f64),
+            unigram_loss: unigram,
+            extra: serde_json::Map::new(),
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! Data-parallel training over a real MPI (Debian's OpenMPI, installed by `.ci/run`), with
+//! the real binary started by `kiln launch --mpi` and real signals: one model trained by N
+//! ranks, exact repeatability and resume, agreed preemption, resize, and replica checks.
+//!
+//! Needs a kiln built with `--features mpi` (the README's test command builds it so); without
+//! the feature only the last test runs, which checks the error such a kiln gives.
+
+#![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+/// Short runs of the tiny model; every rank one thread.
+const DP: &[&str] = &[
+    "training.batch_size=2",
+    "training.threads=1",
+    "training.compute_shards=1",
+    "training.steps=24",
+    "checkpoint.interval=4",
+    "eval.interval=0",
+    "eval.samples=8",
+    "lr_scheduler.warmup_steps=4",
+    "guards.replica_check_interval=4",
+];
+
+/// `kiln launch --mpi --np N -- kiln train` on run directory `rd`, with `sets` on top.
+fn launch(np: usize, rd: &Path, sets: &[&str]) -> Command {
+    let mut cmd = Command::new(common::KILN);
+    cmd.args([
+        "launch",
+        "--mpi",
+        "--np",
+        &np.to_string(),
+        "--timeout",
+        "120",
+    ])
+    .arg("--run-dir")
+    .arg(rd)
+    .args([
+        "--",
+        common::KILN,
+        "train",
+        "--no-progress-bar",
+        "--run-dir",
+    ])
+    .arg(rd);
+    for s in common::TINY_MODEL.iter().chain(DP).chain(sets) {
+        cmd.arg("--set").arg(s);
+    }
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "KILN_PROGRESS_DIR",
+    ] {
+        cmd.env_remove(v);
+    }
+    cmd
+}
+
+fn run(np: usize, rd: &Path, sets: &[&str]) -> Output {
+    launch(np, rd, sets).output().expect("spawn kiln launch")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn events(rd: &Path, source: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(rd.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["source"] == source)
+        .collect()
+}
+
+fn step_lines(rd: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(rd.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m.get("step_time_s").is_some())
+        .collect()
+}
+
+fn weights(rd: &Path) -> Vec<u8> {
+    std::fs::read(rd.join("model.safetensors")).expect("final weights")
+}
+
+fn assert_ok(out: &Output) {
+    assert_eq!(out.status.code(), Some(0), "{}", text(out));
+}
+
+/// The PID of the `kiln train` process of rank `rank` of the job writing `rd` (found by
+/// its command line and the RANK that `kiln launch --as-rank` set).
+fn rank_pid(rd: &Path, rank: usize) -> Option<i32> {
+    let want_dir = rd.to_string_lossy().into_owned();
+    let want_rank = format!("RANK={rank}");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let is_trainer = args.iter().any(|a| a == "train")
+            && args.iter().any(|a| a == &want_dir)
+            && !args.iter().any(|a| a == "launch");
+        if !is_trainer {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Waits until the run's metrics reach `step`, then returns.
+fn wait_for_step(rd: &Path, step: u64, child: &mut Child) {
+    let t0 = Instant::now();
+    loop {
+        if step_lines(rd)
+            .last()
+            .and_then(|m| m["step"].as_u64())
+            .is_some_and(|s| s >= step)
+        {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the job ended ({status}) before step {step}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "never reached step {step}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn reference(tmp: &Path, np: usize) -> PathBuf {
+    let rd = tmp.join(format!("reference-{np}"));
+    assert_ok(&run(np, &rd, &[]));
+    rd
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn two_ranks_train_one_model_with_global_metrics_and_one_writer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = reference(tmp.path(), 2);
+    let start = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "start")
+        .unwrap();
+    assert_eq!(start["ranks"], 2);
+    assert_eq!(start["global_batch"], 4, "2 ranks x batch 2");
+    assert!(start["engine"].as_str().unwrap().contains("mpi"), "{start}");
+    // Step-1 loss is the global mean, ~ln(vocab), never divided by the number of ranks.
+    let steps = step_lines(&rd);
+    let first = steps[0]["loss"].as_f64().unwrap();
+    let ln_vocab = (16f64).ln();
+    assert!(
+        (first - ln_vocab).abs() < 0.3,
+        "step-1 loss {first} vs ln 16 = {ln_vocab}"
+    );
+    assert_eq!(steps.len(), 24, "one writer: one metrics line per step");
+    // tokens are global: 2 ranks x 2 sequences x 32 tokens per step.
+    assert_eq!(steps[0]["tokens_seen"], 128);
+    let last = steps.last().unwrap()["loss"].as_f64().unwrap();
+    assert!(last < first - 0.2, "it learned: {first} -> {last}");
+
+    // The same command again from scratch: bit-identical weights.
+    let again = tmp.path().join("again");
+    assert_ok(&run(2, &again, &[]));
+    assert_eq!(
+        weights(&rd),
+        weights(&again),
+        "two identical 2-rank runs differ"
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 2);
+    let rd = tmp.path().join("killed");
+    let mut job = launch(2, &rd, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_step(&rd, 10, &mut job);
+    let pid = rank_pid(&rd, 1).expect("rank 1's pid");
+    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let status = job.wait().unwrap();
+    assert_ne!(status.code(), Some(0), "a killed rank fails the attempt");
+    assert!(
+        !rd.join("model.safetensors").exists(),
+        "the job did not finish"
+    );
+    let out = run(2, &rd, &[]);
+    assert_ok(&out);
+    let resumed = events(&rd, "train")
+        .into_iter()
+        .filter(|e| e["event"] == "resume")
+        .count();
+    assert_eq!(resumed, 1, "{}", text(&out));
+    assert_eq!(weights(&reference), weights(&rd), "resume is not exact");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn sigterm_to_one_rank_makes_all_ranks_checkpoint_at_one_step_and_exit_75() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = tmp.path().join("term");
+    let mut job = launch(3, &rd, &["training.steps=100000", "checkpoint.interval=0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_step(&rd, 5, &mut job);
+    let pid = rank_pid(&rd, 2).expect("rank 2's pid");
+    // SAFETY: kill(2) on a pid of a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = job.wait().unwrap();
+    assert_eq!(status.code(), Some(75), "preempted, resumable");
+    let ev = events(&rd, "train");
+    let signal = ev
+        .iter()
+        .find(|e| e["event"] == "signal")
+        .expect("signal event");
+    assert_eq!(
+        signal["ranks"],
+        serde_json::json!([2]),
+        "names the rank: {signal}"
+    );
+    let step = signal["step"].as_u64().unwrap();
+    let saved = ev
+        .iter()
+        .find(|e| e["event"] == "checkpoint_saved")
+        .expect("a checkpoint");
+    assert_eq!(
+        saved["step"].as_u64(),
+        Some(step),
+        "saved at the agreed step"
+    );
+    let exit = ev.iter().rev().find(|e| e["event"] == "exit").unwrap();
+    assert_eq!(exit["code"], 75);
+    assert!(
+        rd.join(format!("checkpoints/step-{step}/manifest.json"))
+            .exists()
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_checkpoint_of_three_ranks_resumes_on_two_with_the_same_samples() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Global batch 12 = 3 ranks x batch 2 x accumulation 2.
+    let sets = ["training.global_batch_size=12", "training.steps=12"];
+    let full = tmp.path().join("three");
+    assert_ok(&run(3, &full, &sets));
+    // The same run, its last checkpoint lost: it resumes from step 8...
+    let rd = tmp.path().join("resized");
+    assert_ok(&run(3, &rd, &sets));
+    std::fs::remove_dir_all(rd.join("checkpoints/step-12")).unwrap();
+    std::fs::remove_file(rd.join("model.safetensors")).unwrap();
+    let mut kept: Vec<String> = std::fs::read_to_string(rd.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    kept.truncate(8);
+    std::fs::write(rd.join("metrics.jsonl"), kept.join("\n") + "\n").unwrap();
+    // ... on 2 ranks (a node lost, no spare): accumulation 3 keeps the global batch.
+    let out = run(2, &rd, &sets);
+    assert_ok(&out);
+    let resized = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "resized")
+        .unwrap_or_else(|| panic!("no resized event: {}", text(&out)));
+    assert_eq!(resized["from_ranks"], 3);
+    assert_eq!(resized["to_ranks"], 2);
+    assert_eq!(resized["global_batch"], 12);
+    assert_eq!(resized["grad_accum_steps"], 3);
+    // Every step trains on the same global samples as the uninterrupted run; the losses
+    // then differ only by the order of the reduction.
+    let (a, b) = (step_lines(&full), step_lines(&rd));
+    assert_eq!(a.len(), 12);
+    assert_eq!(b.len(), 12);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["first_sample"], y["first_sample"], "{x} vs {y}");
+        assert_eq!(x["global_batch"], y["global_batch"]);
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (lx - ly).abs() < 2e-3 * lx.abs(),
+            "step {}: {lx} vs {ly}",
+            x["step"]
+        );
+    }
+    // A global batch that cannot be split is refused clearly.
+    let out = run(
+        2,
+        &tmp.path().join("bad"),
+        &["training.global_batch_size=6", "training.steps=2"],
+    );
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("cannot be split"), "{}", text(&out));
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_corrupted_replica_is_named_and_stops_the_run_before_it_is_saved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = tmp.path().join("sdc");
+    let out = run(
+        3,
+        &rd,
+        &[
+            "debug.corrupt_replica_rank=1",
+            "debug.corrupt_replica_at_step=6",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out));
+    let ev = events(&rd, "train");
+    let mismatch = ev
+        .iter()
+        .find(|e| e["event"] == "replica_mismatch")
+        .expect("replica_mismatch event");
+    assert_eq!(mismatch["ranks"], serde_json::json!([1]), "{mismatch}");
+    assert_eq!(
+        mismatch["step"], 8,
+        "caught at the first check after the corruption"
+    );
+    let saved: Vec<u64> = ev
+        .iter()
+        .filter(|e| e["event"] == "checkpoint_saved")
+        .filter_map(|e| e["step"].as_u64())
+        .collect();
+    assert_eq!(saved, vec![4], "nothing after the corruption was saved");
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn several_ranks_on_a_kiln_without_mpi_is_a_clear_config_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = common::train_cmd(&tmp.path().join("r"), &["training.steps=2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("--features mpi"), "{}", text(&out));
+}
