@@ -6,12 +6,12 @@
 //! three files", so that mutations of `state.json` and the safetensors files get past the
 //! checksums and reach their parsers; a non-empty one is written as it is.
 //!
-//! Known and being fixed in checkpoint.rs (issue 9): manifest entries that are not plain file
-//! names (`../x`, `/dev/zero`) are opened outside the directory. Inputs naming such entries
-//! are skipped here ([`names_outside`]) so that the fuzzer explores the rest; the reproducers
-//! are in `fuzz/regressions/checkpoint-known/`.
+//! Manifest entries naming anything but the checkpoint's own files (`../x`, `/dev/zero`)
+//! must be refused without being opened (`regressions/checkpoint/manifest-*`).
 
-use kiln_train::checkpoint::{self, Manifest, ManifestEntry};
+use kiln_train::checkpoint::{
+    self, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE, STATE_FILE,
+};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 
@@ -19,12 +19,7 @@ use std::collections::BTreeMap;
 pub const SEP: &[u8] = b"--KILN-FUZZ-PART--";
 
 /// The checkpoint's files, in the order of the input's parts.
-pub const FILES: [&str; 4] = [
-    "manifest.json",
-    "state.json",
-    "model.safetensors",
-    "optimizer.safetensors",
-];
+pub const FILES: [&str; 4] = [MANIFEST_FILE, STATE_FILE, MODEL_FILE, OPTIMIZER_FILE];
 
 fn split(data: &[u8]) -> Vec<&[u8]> {
     let mut parts = Vec::new();
@@ -43,25 +38,8 @@ fn split(data: &[u8]) -> Vec<&[u8]> {
     parts
 }
 
-/// Whether a manifest names a file by anything but a plain name in the directory (the known
-/// traversal bug; see the module doc).
-pub fn names_outside(manifest: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(manifest) else {
-        return false;
-    };
-    let Some(files) = v.get("files").and_then(|f| f.as_object()) else {
-        return false;
-    };
-    files
-        .keys()
-        .any(|k| k.is_empty() || k == "." || k == ".." || k.contains('/') || k.contains('\0'))
-}
-
 pub fn run(data: &[u8]) {
     let parts = split(data);
-    if names_outside(parts[0]) {
-        return;
-    }
     let dir = tempfile::tempdir().expect("temporary directory");
     let ck = dir.path().join("step-7");
     std::fs::create_dir(&ck).expect("checkpoint directory");
@@ -85,6 +63,9 @@ pub fn run(data: &[u8]) {
         parts[0].to_vec()
     };
     std::fs::write(ck.join(FILES[0]), &manifest).expect("write the manifest");
+    if let Err(e) = checkpoint::load_state(&ck) {
+        assert!(e.to_string().contains("step-7"), "{e}");
+    }
     match checkpoint::load(&ck) {
         Ok(c) => {
             assert_eq!(c.state.get("step").and_then(|s| s.as_u64()), Some(c.step));

@@ -85,6 +85,14 @@ impl CorpusList {
                     key = stripped.to_string();
                 }
             }
+            // `.idx`, `dir/`, `dir/.` or `..` name no dataset: `PREFIX.idx` would be a hidden
+            // file of a directory, not a shard.
+            if matches!(key.rsplit('/').next(), Some("" | "." | "..")) {
+                return Err(bad(format!(
+                    "prefix {:?} names no dataset; expected the path of PREFIX.bin/PREFIX.idx without the suffix",
+                    fields[1]
+                )));
+            }
             if let Some(prev) = entries.iter().find(|e| e.key == key) {
                 return Err(bad(format!(
                     "prefix {key} is already listed on line {}; list each dataset once and give it the combined weight",
@@ -214,5 +222,19 @@ mod tests {
             let err = parse(text).unwrap_err().to_string();
             assert!(err.starts_with(want), "{text:?}: {err}");
         }
+    }
+
+    /// Fuzz finding (corpus_list): a prefix that is only a suffix (`.idx`, `.bin`) became an
+    /// empty key resolving to the list's directory (so `DIR/.idx` would be opened).
+    #[test]
+    fn fuzz_prefix_that_is_only_a_suffix_is_refused() {
+        for prefix in [".idx", ".bin", "x/.bin", "data/", "data/.", "data/..", "..", "."] {
+            let err = parse(&format!("1 {prefix}\n")).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("list.txt:1: prefix {prefix:?} names no dataset")),
+                "{prefix}: {err}"
+            );
+        }
+        assert!(parse("1 data/.hidden\n1 ../up/x.bin\n").is_ok());
     }
 }

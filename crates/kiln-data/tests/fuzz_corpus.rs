@@ -111,3 +111,24 @@ fn data_manifest_seeds_and_regressions() {
     corpus::check_seeds("data_manifest", &seeds);
     assert!(corpus::run_all("data_manifest", data_manifest::run) >= seeds.len());
 }
+
+/// Fuzz finding (idx_bin): `IndexedDataset::sequence` reserved the length the `.idx` claims
+/// (up to 2^31 tokens, 8 GiB) before checking that the `.bin` holds it. This binary's
+/// allocator aborts on any allocation over 256 MiB, so the old code fails here.
+#[test]
+fn fuzz_sequence_length_beyond_the_bin_allocates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("d");
+    let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
+    b.add_document(&[1, 2, 3]).unwrap();
+    b.add_document(&[4]).unwrap();
+    b.finish().unwrap();
+    // Sequence 0 now claims i32::MAX tokens; the last sequence (what open checks) is intact.
+    let mut idx = std::fs::read(idx_path(&prefix)).unwrap();
+    idx[34..38].copy_from_slice(&i32::MAX.to_le_bytes());
+    std::fs::write(idx_path(&prefix), idx).unwrap();
+    let ds = kiln_data::IndexedDataset::open(&prefix).unwrap();
+    let err = ds.sequence(0).unwrap_err().to_string();
+    assert!(err.contains("d.bin") && err.contains("outside the file"), "{err}");
+    assert_eq!(ds.sequence(1).unwrap(), [4]);
+}

@@ -20,10 +20,8 @@ mod safetensors_target;
 mod state_json;
 
 use kiln_data::blend::BlendSchedule;
-use kiln_train::Config;
 use kiln_train::checkpoint::{self, Checkpoint, HostTensor};
-use kiln_train::guards::SpikeDetector;
-use kiln_train::trainer::TrainState;
+use kiln_train::{Config, TrainState};
 
 fn tensors(prefix: &str, n: usize) -> Vec<HostTensor> {
     (0..n)
@@ -37,26 +35,20 @@ fn tensors(prefix: &str, n: usize) -> Vec<HostTensor> {
 
 /// A `state.json` value as the trainer writes it, with a two-segment data schedule.
 fn state(step: u64) -> serde_json::Value {
-    let st = TrainState {
-        step,
-        tokens_seen: step * 512,
-        data_cursor: step + 1,
-        seed: 1234,
-        optimizer_step: step,
-        schedule: "cosine".into(),
-        lr: 3e-4,
-        model_hash: "ab".repeat(32),
-        config_hash: "cd".repeat(32),
-        spike_window: SpikeDetector::default(),
-        nonfinite_skipped: 1,
-        rollbacks: 0,
-        kiln_version: "0.1.0".into(),
-    };
+    let mut st = TrainState::fresh(1234, "0123456789abcdef".into(), 32, 2);
+    st.step = step;
+    st.tokens_seen = step * 32 * 64;
+    st.advance_data(step + 1);
+    st.optimizer_step = step;
+    st.schedule = "cosine".into();
+    st.lr = 3e-4;
+    st.model_hash = "ab".repeat(32);
+    st.config_hash = "cd".repeat(32);
+    st.kiln_version = "0.1.0".into();
     let schedule = BlendSchedule::single(vec![("web/cc_text".into(), 0.7), ("code".into(), 0.3)])
         .continued(vec![("web/cc_text".into(), 0.2), ("code".into(), 0.8)], 4096 + 17);
-    let mut v = serde_json::to_value(&st).unwrap();
-    v["data_schedule"] = serde_json::to_value(&schedule).unwrap();
-    v
+    st.data_schedule = Some(serde_json::to_value(&schedule).unwrap());
+    serde_json::to_value(&st).unwrap()
 }
 
 #[test]
