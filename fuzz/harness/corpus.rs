@@ -38,7 +38,10 @@ pub fn run_all(target: &str, run: fn(&[u8])) -> usize {
             failed.push(file.display().to_string());
         }
     }
-    assert!(failed.is_empty(), "{target}: inputs that panicked: {failed:#?}");
+    assert!(
+        failed.is_empty(),
+        "{target}: inputs that panicked: {failed:#?}"
+    );
     seeds.len() + regressions.len()
 }
 

@@ -14,7 +14,10 @@ pub fn run(data: &[u8]) {
         Ok(m) => m,
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("fuzz.manifest.json"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("fuzz.manifest.json"),
+                "error does not name the file: {msg}"
+            );
             return;
         }
     };

@@ -23,17 +23,25 @@ pub fn run(data: &[u8]) {
                 assert!(h.slots >= 1, "{h:?}");
                 assert!(!h.name.is_empty());
                 assert!(
-                    h.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b)),
+                    h.name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b)),
                     "{h:?}"
                 );
-                assert!(hosts[..i].iter().all(|o| o.name != h.name), "duplicate {h:?}");
+                assert!(
+                    hosts[..i].iter().all(|o| o.name != h.name),
+                    "duplicate {h:?}"
+                );
             }
             assert_eq!(via_pbs.expect("PBS_NODEFILE agrees").value, hosts);
             assert_eq!(via_flag.expect("--hostfile agrees").value, hosts);
         }
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("fuzz-nodefile"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("fuzz-nodefile"),
+                "error does not name the file: {msg}"
+            );
             assert!(via_pbs.is_err() && via_flag.is_err());
         }
     }

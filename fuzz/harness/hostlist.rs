@@ -21,7 +21,8 @@ pub fn run(data: &[u8]) {
     for n in &names {
         assert!(!n.is_empty(), "empty name from {expr:?}");
         assert!(
-            n.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b)),
+            n.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b)),
             "{n:?} from {expr:?}"
         );
     }
@@ -29,7 +30,9 @@ pub fn run(data: &[u8]) {
         job_id: "1".into(),
         nodelist: Some(expr.to_string()),
     };
-    let hosts = allocation_hosts(&slurm, None).expect("an expanded list allocates").value;
+    let hosts = allocation_hosts(&slurm, None)
+        .expect("an expanded list allocates")
+        .value;
     assert_eq!(hosts.iter().map(|h| h.slots).sum::<usize>(), names.len());
     let mut distinct: Vec<&String> = names.iter().collect();
     distinct.sort();

@@ -14,13 +14,20 @@ pub fn run(data: &[u8]) {
         Ok(idx) => idx,
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("fuzz.idx"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("fuzz.idx"),
+                "error does not name the file: {msg}"
+            );
             return;
         }
     };
     // The counts were checked against the file size before anything was read.
     let need = 34 + 12 * idx.sequences() as u128 + 8 * (idx.documents() as u128 + 1);
-    assert!(need <= data.len() as u128, "index claims {need} bytes, file has {}", data.len());
+    assert!(
+        need <= data.len() as u128,
+        "index claims {need} bytes, file has {}",
+        data.len()
+    );
     let mut sum = 0u64;
     let mut all_valid = true;
     for i in 0..idx.sequences() {

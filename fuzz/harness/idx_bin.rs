@@ -38,9 +38,15 @@ pub fn run(data: &[u8]) {
     for seq in 0..ds.len() {
         match ds.sequence(seq) {
             Ok(tokens) => {
-                let len = ds.index().length(seq).expect("a read sequence has a length");
+                let len = ds
+                    .index()
+                    .length(seq)
+                    .expect("a read sequence has a length");
                 assert_eq!(tokens.len(), len as usize);
-                assert!(tokens.len() * size <= bin_bytes.len(), "read more than the .bin holds");
+                assert!(
+                    tokens.len() * size <= bin_bytes.len(),
+                    "read more than the .bin holds"
+                );
             }
             Err(e) => assert!(e.to_string().contains("fuzz"), "{e}"),
         }

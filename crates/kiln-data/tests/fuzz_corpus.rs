@@ -22,12 +22,32 @@ use kiln_data::{Manifest, manifest};
 /// Datasets written by kiln's own writer: (name, dtype, documents of sequences).
 fn datasets() -> Vec<(&'static str, DType, Vec<Vec<Vec<u32>>>)> {
     vec![
-        ("u16-three-docs", DType::U16, vec![vec![vec![1, 2, 3]], vec![vec![4]], vec![vec![5, 6]]]),
-        ("i32-with-empty", DType::I32, vec![vec![vec![70000, 1]], vec![vec![]], vec![vec![9]]]),
-        ("u8-multi-seq-doc", DType::U8, vec![vec![vec![1, 2], vec![3]], vec![vec![4, 5, 6, 7]]]),
+        (
+            "u16-three-docs",
+            DType::U16,
+            vec![vec![vec![1, 2, 3]], vec![vec![4]], vec![vec![5, 6]]],
+        ),
+        (
+            "i32-with-empty",
+            DType::I32,
+            vec![vec![vec![70000, 1]], vec![vec![]], vec![vec![9]]],
+        ),
+        (
+            "u8-multi-seq-doc",
+            DType::U8,
+            vec![vec![vec![1, 2], vec![3]], vec![vec![4, 5, 6, 7]]],
+        ),
         ("i64-one", DType::I64, vec![vec![vec![42; 5]]]),
-        ("i16-i8", DType::I16, vec![vec![vec![300, 2]], vec![vec![1]]]),
-        ("i8-one", DType::I8, vec![vec![vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]]),
+        (
+            "i16-i8",
+            DType::I16,
+            vec![vec![vec![300, 2]], vec![vec![1]]],
+        ),
+        (
+            "i8-one",
+            DType::I8,
+            vec![vec![vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]],
+        ),
         ("empty", DType::U16, vec![]),
     ]
 }
@@ -95,7 +115,10 @@ fn data_manifest_seeds_and_regressions() {
         prefixes.push(prefix);
     }
     let mpath = manifest::default_path(&dir.path().join("list.txt"));
-    Manifest::create(&prefixes, &mpath).unwrap().write(&mpath).unwrap();
+    Manifest::create(&prefixes, &mpath)
+        .unwrap()
+        .write(&mpath)
+        .unwrap();
     // The dataset the harness verifies against: `a`, one document [1, 2, 3] in uint16.
     let dir2 = tempfile::tempdir().unwrap();
     let a = dir2.path().join("a");
@@ -103,7 +126,10 @@ fn data_manifest_seeds_and_regressions() {
     b.add_document(&[1, 2, 3]).unwrap();
     b.finish().unwrap();
     let m2 = dir2.path().join("fuzz.manifest.json");
-    Manifest::create(std::slice::from_ref(&a), &m2).unwrap().write(&m2).unwrap();
+    Manifest::create(std::slice::from_ref(&a), &m2)
+        .unwrap()
+        .write(&m2)
+        .unwrap();
     let seeds = [
         ("three-shards", std::fs::read(&mpath).unwrap()),
         ("pins-the-harness-dataset", std::fs::read(&m2).unwrap()),
@@ -129,6 +155,9 @@ fn fuzz_sequence_length_beyond_the_bin_allocates_nothing() {
     std::fs::write(idx_path(&prefix), idx).unwrap();
     let ds = kiln_data::IndexedDataset::open(&prefix).unwrap();
     let err = ds.sequence(0).unwrap_err().to_string();
-    assert!(err.contains("d.bin") && err.contains("outside the file"), "{err}");
+    assert!(
+        err.contains("d.bin") && err.contains("outside the file"),
+        "{err}"
+    );
     assert_eq!(ds.sequence(1).unwrap(), [4]);
 }

@@ -225,9 +225,13 @@ mod tests {
     /// a release build, a panic in a debug one).
     #[test]
     fn fuzz_slot_count_overflow_is_a_line_error() {
-        let e = parse("a slots=18446744073709551615\nb\na\n").unwrap_err().to_string();
+        let e = parse("a slots=18446744073709551615\nb\na\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 3") && e.contains("overflow"), "{e}");
-        let e = parse("a:18446744073709551615\na:1\n").unwrap_err().to_string();
+        let e = parse("a:18446744073709551615\na:1\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 2") && e.contains("overflow"), "{e}");
     }
 
@@ -235,7 +239,9 @@ mod tests {
     /// allocation merged its hosts in quadratic time (minutes for 10^5 distinct hosts).
     #[test]
     fn fuzz_large_nodefile_merges_in_linear_time() {
-        let text: String = (0..200_000).map(|i| format!("x{}\n", i % 100_000)).collect();
+        let text: String = (0..200_000)
+            .map(|i| format!("x{}\n", i % 100_000))
+            .collect();
         let hosts = parse(&text).unwrap();
         assert_eq!(hosts.len(), 100_000);
         assert!(hosts.iter().all(|h| h.slots == 2));

@@ -192,7 +192,10 @@ mod tests {
     fn fuzz_slurm_allocation_of_max_hosts_merges_in_linear_time() {
         let s = Scheduler::Slurm {
             job_id: "1".into(),
-            nodelist: Some(format!("n[0-{}]", crate::MAX_HOSTS / 2 - 1) + &format!(",n[0-{}]", crate::MAX_HOSTS / 2 - 1)),
+            nodelist: Some(
+                format!("n[0-{}]", crate::MAX_HOSTS / 2 - 1)
+                    + &format!(",n[0-{}]", crate::MAX_HOSTS / 2 - 1),
+            ),
         };
         let hosts = allocation_hosts(&s, None).unwrap().value;
         assert_eq!(hosts.len(), crate::MAX_HOSTS / 2);
