@@ -18,6 +18,15 @@ pub fn run(data: &[u8]) {
             return;
         }
     };
+    for r in &base.records {
+        for bits in [&r.loss_bits, &r.grad_norm_bits] {
+            let hex = bits.strip_prefix("0x").expect("accepted bits start with 0x");
+            assert!(
+                hex.len() == 8 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
+                "accepted {bits:?} as f32 bits"
+            );
+        }
+    }
     assert_eq!(smoke::compare(&base, &base, true, 0.25), Verdict::Identical, "{base:?}");
     let mut other = base.clone();
     other.config = "[training]\nsteps = 3\n".into();
