@@ -137,7 +137,7 @@ impl DatasetIndex {
                 if tokens == 0 && samples > 0 {
                     return Err(DataError::format(
                         ds.prefix(),
-                        "dataset has no tokens but the blend draws samples from it; give it weight 0 or remove it",
+                        "dataset has no tokens but the blend draws samples from it; give it weight 0 and list it after the datasets with positive weights (ties go to the first listed), or remove it",
                     ));
                 }
                 let have = state.map_or(0, |(_, e)| e);

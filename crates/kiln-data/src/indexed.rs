@@ -548,7 +548,9 @@ impl IndexedDataset {
         } else {
             0
         };
-        let mut out = Vec::with_capacity(len);
+        // No reservation by the stored length: a corrupt `.idx` may claim 2^31 tokens that the
+        // `.bin` does not hold. `read_into` reserves only after checking the `.bin` has them.
+        let mut out = Vec::new();
         self.read_into(seq, 0, len, &mut out)?;
         Ok(out)
     }

@@ -353,6 +353,21 @@ fn missing_and_empty_datasets_name_the_list_line() {
     BlendedLoader::open(&list, &cfg(dir.path(), 4, 10)).unwrap();
 }
 
+/// Regression (found while fuzzing the blend bounds): a weight-0 dataset listed first wins
+/// Megatron's tie at sample 1, but its index was built for 0 samples, so step 0 failed with
+/// "needs epoch 0 but the index covers 0".
+#[test]
+fn weight_zero_dataset_listed_first_serves_its_tie_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("old"), &[10; 5], DType::U16);
+    write_docs(&dir.path().join("new"), &[10; 5], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(0.0, "old"), (1.0, "new")]);
+    let loader = BlendedLoader::open(&list, &cfg(dir.path(), 4, 16)).unwrap();
+    let rows = loader.batch(0, 0, 1, 16).unwrap();
+    assert_eq!(loader.source(1).unwrap(), (0, 0), "megatron's tie rule");
+    assert!(rows.iter().all(|r| r.len() == 5));
+}
+
 #[test]
 fn manifest_is_enforced_by_the_loader() {
     let dir = tempfile::tempdir().unwrap();
