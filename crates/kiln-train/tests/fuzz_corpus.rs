@@ -25,10 +25,12 @@ use kiln_train::{Config, TrainState};
 
 fn tensors(prefix: &str, n: usize) -> Vec<HostTensor> {
     (0..n)
-        .map(|i| HostTensor {
-            name: format!("{prefix}layers.{i}.w"),
-            shape: vec![2, i + 1],
-            values: (0..2 * (i + 1)).map(|v| v as f32 * 0.5 - 1.0).collect(),
+        .map(|i| {
+            HostTensor::f32(
+                format!("{prefix}layers.{i}.w"),
+                vec![2, i + 1],
+                (0..2 * (i + 1)).map(|v| v as f32 * 0.5 - 1.0).collect(),
+            )
         })
         .collect()
 }
@@ -82,8 +84,8 @@ fn safetensors_seeds_and_regressions() {
         (
             "scalar-and-zero-dim",
             checkpoint::to_safetensors(&[
-                HostTensor { name: "s".into(), shape: vec![], values: vec![2.5] },
-                HostTensor { name: "z".into(), shape: vec![0, 3], values: vec![] },
+                HostTensor::f32("s".into(), vec![], vec![2.5]),
+                HostTensor::f32("z".into(), vec![0, 3], vec![]),
             ])
             .unwrap(),
         ),

@@ -245,6 +245,7 @@ fn every_way_out_writes_an_exit_event_and_runs_that_cannot_progress_stop() {
         &[
             "training.steps=200",
             "optimizer.lr=1e30",
+            "optimizer.weight_decay=0",
             "optimizer.max_grad_norm=0",
             "lr_scheduler.warmup_steps=0",
             "guards.snapshot_interval=5",
