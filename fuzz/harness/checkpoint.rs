@@ -71,12 +71,21 @@ pub fn run(data: &[u8]) {
             assert_eq!(c.state.get("step").and_then(|s| s.as_u64()), Some(c.step));
             for t in c.model.iter().chain(&c.optimizer) {
                 let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-                assert_eq!(n, Some(t.values.len()), "tensor {} shape {:?}", t.name, t.shape);
+                assert_eq!(
+                    n,
+                    Some(t.values.len()),
+                    "tensor {} shape {:?}",
+                    t.name,
+                    t.shape
+                );
             }
         }
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("step-7"), "error does not name the checkpoint: {msg}");
+            assert!(
+                msg.contains("step-7"),
+                "error does not name the checkpoint: {msg}"
+            );
         }
     }
     // The newest-valid scan over a root holding it must give a verdict too.

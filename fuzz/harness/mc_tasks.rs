@@ -22,7 +22,10 @@ pub fn run(data: &[u8]) {
         }
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("fuzz-tasks.jsonl"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("fuzz-tasks.jsonl"),
+                "error does not name the file: {msg}"
+            );
         }
     }
 }

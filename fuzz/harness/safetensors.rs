@@ -12,7 +12,13 @@ pub fn run(data: &[u8]) {
         Ok(tensors) => {
             for t in &tensors {
                 let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-                assert_eq!(n, Some(t.values.len()), "tensor {} shape {:?}", t.name, t.shape);
+                assert_eq!(
+                    n,
+                    Some(t.values.len()),
+                    "tensor {} shape {:?}",
+                    t.name,
+                    t.shape
+                );
             }
             // What parses writes back and parses to the same tensors (bit for bit).
             let bytes = to_safetensors(&tensors).expect("serialise parsed tensors");
@@ -26,7 +32,10 @@ pub fn run(data: &[u8]) {
         }
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("model.safetensors"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("model.safetensors"),
+                "error does not name the file: {msg}"
+            );
         }
     }
 }

@@ -14,20 +14,29 @@ pub fn run(data: &[u8]) {
         Ok(b) => b,
         Err(e) => {
             let msg = e.to_string();
-            assert!(msg.contains("fuzz-baseline.json"), "error does not name the file: {msg}");
+            assert!(
+                msg.contains("fuzz-baseline.json"),
+                "error does not name the file: {msg}"
+            );
             return;
         }
     };
     for r in &base.records {
         for bits in [&r.loss_bits, &r.grad_norm_bits] {
-            let hex = bits.strip_prefix("0x").expect("accepted bits start with 0x");
+            let hex = bits
+                .strip_prefix("0x")
+                .expect("accepted bits start with 0x");
             assert!(
                 hex.len() == 8 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
                 "accepted {bits:?} as f32 bits"
             );
         }
     }
-    assert_eq!(smoke::compare(&base, &base, true, 0.25), Verdict::Identical, "{base:?}");
+    assert_eq!(
+        smoke::compare(&base, &base, true, 0.25),
+        Verdict::Identical,
+        "{base:?}"
+    );
     let mut other = base.clone();
     other.config = "[training]\nsteps = 3\n".into();
     other.peak_rss_mib = 100.0;

@@ -34,7 +34,9 @@ pub fn run(data: &[u8]) {
     if let Some(st) = &state {
         restore_arithmetic(st);
     }
-    let at_sample = state.as_ref().map_or(0, |s| s.sample_cursor.unwrap_or(s.data_cursor));
+    let at_sample = state
+        .as_ref()
+        .map_or(0, |s| s.sample_cursor.unwrap_or(s.data_cursor));
     let far = state.as_ref().map_or(u64::MAX, |s| s.tokens_seen);
     let Some(schedule) = value.get("data_schedule").filter(|v| !v.is_null()) else {
         return;
@@ -63,7 +65,10 @@ pub fn run(data: &[u8]) {
         for samples in [far, at_sample, u64::MAX] {
             if let Ok(bounds) = sample_bounds(&sched, &table, samples) {
                 assert_eq!(bounds.len(), table.len());
-                assert!(bounds.iter().all(|&b| b <= samples), "bounds {bounds:?} > {samples}");
+                assert!(
+                    bounds.iter().all(|&b| b <= samples),
+                    "bounds {bounds:?} > {samples}"
+                );
             }
         }
         let samples = at_sample.min(3000) + 17;
@@ -73,7 +78,11 @@ pub fn run(data: &[u8]) {
         };
         let totals = blend.totals();
         assert_eq!(totals.len(), table.len());
-        assert_eq!(totals.iter().sum::<u64>(), samples, "every sample has one dataset");
+        assert_eq!(
+            totals.iter().sum::<u64>(),
+            samples,
+            "every sample has one dataset"
+        );
         let bounds = sample_bounds(&sched, &table, samples).expect("resolved once already");
         for (d, (&t, &b)) in totals.iter().zip(&bounds).enumerate() {
             assert!(t <= b, "dataset {d} serves {t} samples, over its bound {b}");
@@ -81,7 +90,11 @@ pub fn run(data: &[u8]) {
         for i in [0, samples / 2, samples - 1] {
             let (d, j) = blend.get(i).expect("sample in range");
             assert!(d < table.len());
-            assert!(j < totals[d], "sample {i}: dataset {d} sample {j} of {}", totals[d]);
+            assert!(
+                j < totals[d],
+                "sample {i}: dataset {d} sample {j} of {}",
+                totals[d]
+            );
         }
         assert!(blend.get(samples).is_err());
     }

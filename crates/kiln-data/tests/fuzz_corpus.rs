@@ -19,8 +19,11 @@ mod idx_bin;
 use kiln_data::indexed::{DType, IndexedDatasetBuilder, bin_path, idx_path};
 use kiln_data::{Manifest, manifest};
 
-/// Datasets written by kiln's own writer: (name, dtype, documents of sequences).
-fn datasets() -> Vec<(&'static str, DType, Vec<Vec<Vec<u32>>>)> {
+/// Documents, each a list of sequences of token ids.
+type Documents = Vec<Vec<Vec<u32>>>;
+
+/// Datasets written by kiln's own writer: (name, dtype, documents).
+fn datasets() -> Vec<(&'static str, DType, Documents)> {
     vec![
         (
             "u16-three-docs",

@@ -48,7 +48,10 @@ fn state(step: u64) -> serde_json::Value {
     st.config_hash = "cd".repeat(32);
     st.kiln_version = "0.1.0".into();
     let schedule = BlendSchedule::single(vec![("web/cc_text".into(), 0.7), ("code".into(), 0.3)])
-        .continued(vec![("web/cc_text".into(), 0.2), ("code".into(), 0.8)], 4096 + 17);
+        .continued(
+            vec![("web/cc_text".into(), 0.2), ("code".into(), 0.8)],
+            4096 + 17,
+        );
     st.data_schedule = Some(serde_json::to_value(&schedule).unwrap());
     serde_json::to_value(&st).unwrap()
 }
@@ -79,7 +82,10 @@ fn checkpoint_seeds_and_regressions() {
 #[test]
 fn safetensors_seeds_and_regressions() {
     let seeds = [
-        ("model", checkpoint::to_safetensors(&tensors("", 3)).unwrap()),
+        (
+            "model",
+            checkpoint::to_safetensors(&tensors("", 3)).unwrap(),
+        ),
         ("empty", checkpoint::to_safetensors(&[]).unwrap()),
         (
             "scalar-and-zero-dim",
@@ -97,8 +103,14 @@ fn safetensors_seeds_and_regressions() {
 #[test]
 fn state_json_seeds_and_regressions() {
     let seeds = [
-        ("state-two-segments", serde_json::to_vec_pretty(&state(7)).unwrap()),
-        ("state-at-zero", serde_json::to_vec_pretty(&state(0)).unwrap()),
+        (
+            "state-two-segments",
+            serde_json::to_vec_pretty(&state(7)).unwrap(),
+        ),
+        (
+            "state-at-zero",
+            serde_json::to_vec_pretty(&state(0)).unwrap(),
+        ),
     ];
     corpus::check_seeds("state_json", &seeds);
     assert!(corpus::run_all("state_json", state_json::run) >= seeds.len());
