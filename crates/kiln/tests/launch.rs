@@ -6,34 +6,11 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
-
-/// Variables that would change what kiln detects; cleared so tests see "no scheduler".
-const DETECTED: &[&str] = &[
-    "PBS_JOBID",
-    "PBS_NODEFILE",
-    "SLURM_JOB_ID",
-    "SLURM_JOBID",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "KILN_PROGRESS_DIR",
-    "CUDA_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ZE_AFFINITY_MASK",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-];
+mod common;
+use common::KILN;
 
 fn kiln(args: &[&str]) -> Command {
-    let mut c = Command::new(KILN);
-    c.args(args);
-    for v in DETECTED {
-        c.env_remove(v);
-    }
-    c
+    common::kiln_cmd(args)
 }
 
 fn run(args: &[&str]) -> (Output, Duration) {

@@ -6,23 +6,11 @@
 use std::path::Path;
 use std::process::Command;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::KILN;
 
 fn kiln(args: &[&str]) -> Command {
-    let mut c = Command::new(KILN);
-    c.args(args);
-    for v in [
-        "PBS_JOBID",
-        "PBS_NODEFILE",
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "SLURM_JOB_NODELIST",
-        "KILN_PROGRESS_DIR",
-        "CUDA_VISIBLE_DEVICES",
-    ] {
-        c.env_remove(v);
-    }
-    c
+    common::kiln_cmd(args)
 }
 
 fn text(b: &[u8]) -> String {

@@ -9,6 +9,37 @@ use std::process::Command;
 
 pub const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
+/// Variables that would change what kiln detects (scheduler, devices, rank, progress
+/// directory, output buffering); cleared so a test sees a plain machine with no scheduler.
+pub const DETECTED: &[&str] = &[
+    "PBS_JOBID",
+    "PBS_NODEFILE",
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "KILN_PROGRESS_DIR",
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ZE_AFFINITY_MASK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PYTHONUNBUFFERED",
+];
+
+/// `kiln ARGS` with the [`DETECTED`] variables cleared.
+pub fn kiln_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(KILN);
+    c.args(args);
+    for v in DETECTED {
+        c.env_remove(v);
+    }
+    c
+}
+
 /// The tiny model of every end-to-end training test, so that a run takes a second or two.
 pub const TINY_MODEL: &[&str] = &[
     "model.d_model=32",
