@@ -12,7 +12,7 @@ mod common;
 
 use common::KILN;
 use common::slurm::{Cluster, wait_until};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -117,7 +117,9 @@ fn rank_command(dir: &Path, run: &Path, steps: u64) -> Vec<String> {
     } else {
         vec![
             "sh".into(),
-            rank_script(dir, run, steps).display().to_string(),
+            common::slurm::standin_rank_script(dir, &train_args(run, steps))
+                .display()
+                .to_string(),
         ]
     }
 }
@@ -147,36 +149,6 @@ fn rank_pid(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
         }
     }
     None
-}
-
-/// The rank program: rank 0 trains, the others follow (see the module docs). Each rank
-/// records its PID so a test can stop it.
-fn rank_script(dir: &Path, run: &Path, steps: u64) -> PathBuf {
-    let quoted: Vec<String> = train_args(run, steps)
-        .iter()
-        .map(|a| format!("'{a}'"))
-        .collect();
-    let script = format!(
-        r#"#!/bin/sh
-echo $$ > "{pids}/rank-$RANK"
-if [ "$RANK" = 0 ]; then
-  exec env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 {train}
-fi
-while :; do
-  set -- $(cat "$KILN_PROGRESS_DIR/rank-0" 2>/dev/null)
-  step=${{1:-0}}; phase=${{2:-start}}
-  printf '%s %s %s %s\n' "$step" "$phase" "$(date +%s.%N)" "$SLURMD_NODENAME" > "$KILN_PROGRESS_DIR/.f$RANK"
-  mv -f "$KILN_PROGRESS_DIR/.f$RANK" "$KILN_PROGRESS_DIR/rank-$RANK"
-  [ "$phase" = done ] && exit 0
-  sleep 0.2
-done
-"#,
-        pids = dir.display(),
-        train = quoted.join(" ")
-    );
-    let path = dir.join("rank.sh");
-    std::fs::write(&path, script).unwrap();
-    path
 }
 
 fn events(run: &Path) -> Vec<kiln_run::Event> {

@@ -115,34 +115,6 @@ fn step_time(dir: &Path) -> f64 {
     t.elapsed().as_secs_f64() / 400.0
 }
 
-fn rank_script(dir: &Path, run: &Path, steps: u64) -> PathBuf {
-    let quoted: Vec<String> = train_args(run, steps)
-        .iter()
-        .map(|a| format!("'{a}'"))
-        .collect();
-    let script = format!(
-        r#"#!/bin/sh
-echo $$ > "{pids}/rank-$RANK"
-if [ "$RANK" = 0 ]; then
-  exec env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 {train}
-fi
-while :; do
-  set -- $(cat "$KILN_PROGRESS_DIR/rank-0" 2>/dev/null)
-  step=${{1:-0}}; phase=${{2:-start}}
-  printf '%s %s %s %s\n' "$step" "$phase" "$(date +%s.%N)" "$SLURMD_NODENAME" > "$KILN_PROGRESS_DIR/.f$RANK"
-  mv -f "$KILN_PROGRESS_DIR/.f$RANK" "$KILN_PROGRESS_DIR/rank-$RANK"
-  [ "$phase" = done ] && exit 0
-  sleep 0.2
-done
-"#,
-        pids = dir.display(),
-        train = quoted.join(" ")
-    );
-    let path = dir.join("rank.sh");
-    std::fs::write(&path, script).unwrap();
-    path
-}
-
 fn events(run: &Path) -> Vec<kiln_run::Event> {
     kiln_run::read_events(run).unwrap_or_default()
 }
@@ -263,7 +235,9 @@ fn soak() {
     } else {
         vec![
             "sh".into(),
-            rank_script(&keep, &run, steps).display().to_string(),
+            common::slurm::standin_rank_script(&keep, &train_args(&run, steps))
+                .display()
+                .to_string(),
         ]
     };
     let mut c = cluster.cmd(KILN);

@@ -336,3 +336,31 @@ pub fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The stand-in rank program of the Slurm tests: rank 0 runs `train` alone (WORLD_SIZE=1),
+/// the other ranks follow its progress beacon, so a fault on any node looks like a real
+/// job's. Each rank records its PID in `dir` so a test can stop it.
+pub fn standin_rank_script(dir: &Path, train: &[String]) -> PathBuf {
+    let quoted: Vec<String> = train.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        r#"#!/bin/sh
+echo $$ > "{pids}/rank-$RANK"
+if [ "$RANK" = 0 ]; then
+  exec env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 {train}
+fi
+while :; do
+  set -- $(cat "$KILN_PROGRESS_DIR/rank-0" 2>/dev/null)
+  step=${{1:-0}}; phase=${{2:-start}}
+  printf '%s %s %s %s\n' "$step" "$phase" "$(date +%s.%N)" "$SLURMD_NODENAME" > "$KILN_PROGRESS_DIR/.f$RANK"
+  mv -f "$KILN_PROGRESS_DIR/.f$RANK" "$KILN_PROGRESS_DIR/rank-$RANK"
+  [ "$phase" = done ] && exit 0
+  sleep 0.2
+done
+"#,
+        pids = dir.display(),
+        train = quoted.join(" ")
+    );
+    let path = dir.join("rank.sh");
+    std::fs::write(&path, script).unwrap();
+    path
+}
