@@ -82,7 +82,7 @@ print(f"{'':24} {'kiln':>12} {'pytorch':>12} {'ratio':>7}")
 print(f"{'1 rank x 1 thread tok/s':24} {k1:12.1f} {t1:12.1f} {k1/t1:7.3f}")
 print(f"{f'{n} ranks x 1 thread tok/s':24} {kn:12.1f} {tn:12.1f} {kn/tn:7.3f}")
 print(f"{'scaling efficiency':24} {kn/(n*k1):12.3f} {tn/(n*t1):12.3f}")
-print(f"kiln all-reduce per step: {kar:.1f} ms (gradients of {params} params, {4*params/1e6:.1f} MB, incl. host copies);"
+print(f"kiln all-reduce per step: {kar:.1f} ms (gradients of {params} params, {4*params/1e6:.1f} MB, incl. host copies and the wait for the slower rank);"
       f" raw MPI all-reduce of the same bytes: {raw:.1f} ms")
 json.dump(dict(ranks=n, kiln_1=k1, torch_1=t1, kiln_n=kn, torch_n=tn, ratio_n=kn/tn,
                kiln_efficiency=kn/(n*k1), torch_efficiency=tn/(n*t1), kiln_allreduce_ms=kar,

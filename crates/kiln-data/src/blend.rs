@@ -105,9 +105,12 @@ impl BlendSchedule {
                 ids.push(id);
             }
             let ws: Vec<f64> = seg.weights.iter().map(|(_, w)| *w).collect();
-            if ws.iter().any(|w| !w.is_finite() || *w < 0.0) || ws.iter().all(|w| *w == 0.0) {
+            if ws.iter().any(|w| !w.is_finite() || *w < 0.0)
+                || ws.iter().all(|w| *w == 0.0)
+                || !weights_sum_finite(&ws)
+            {
                 return Err(DataError::Invalid(format!(
-                    "blend schedule: segment at sample {} needs finite weights >= 0, not all 0",
+                    "blend schedule: segment at sample {} needs finite weights >= 0, not all 0, with a finite sum",
                     seg.start_sample
                 )));
             }
@@ -122,6 +125,13 @@ impl BlendSchedule {
         }
         Ok(out)
     }
+}
+
+/// Whether relative weights normalise: their sum must be finite (two weights of 1e308 sum to
+/// infinity, and every weight would normalise to 0).
+pub fn weights_sum_finite(weights: &[f64]) -> bool {
+    let w = normalize(weights);
+    w.iter().all(|x| x.is_finite()) && w.iter().any(|x| *x > 0.0)
 }
 
 /// One blend segment checked against the dataset table: from global sample `start` on, the
@@ -159,16 +169,28 @@ pub struct Blend {
 /// global samples, known before the blend is built, so that the per-dataset indices (which only
 /// need to know how many epochs to cover) can be built while the sequential blend runs.
 /// Megatron's greedy keeps every dataset within one sample of `weight * i` in each segment.
+///
+/// A dataset of weight 0 is not exempt: the greedy breaks ties to the lowest index, and when
+/// every positive dataset's error is exactly 0 (weights `[0, 1]` at sample 1, say) a weight-0
+/// dataset listed before them wins with its error of 0. It can win at most once per segment:
+/// after that the positive errors sum to 1 (to the greedy's rounding), so one of them stays
+/// above the weight-0 datasets' errors of at most 0; listed after every positive dataset it
+/// never wins (a tie at 0 goes to the earlier one). Megatron serves that sample too (its
+/// per-dataset index always covers a first epoch); the bound counts it.
 pub fn sample_bounds(schedule: &BlendSchedule, table: &[String], samples: u64) -> Result<Vec<u64>> {
     let segs = schedule.resolve(table)?;
     let mut bounds = vec![0u64; table.len()];
     for (k, seg) in segs.iter().enumerate() {
         let end = segs.get(k + 1).map_or(samples, |n| n.start.min(samples));
         let len = end.saturating_sub(seg.start);
-        for (&id, &w) in seg.ids.iter().zip(&seg.weights) {
-            if w > 0.0 && len > 0 {
-                bounds[id] += ((w * len as f64).ceil() as u64 + 2).min(len);
-            }
+        for (j, (&id, &w)) in seg.ids.iter().zip(&seg.weights).enumerate() {
+            let bound = if w > 0.0 {
+                ((w * len as f64).ceil() as u64).saturating_add(2).min(len)
+            } else {
+                // The tie win needs a local sample index >= 1 and a positive dataset after it.
+                u64::from(len >= 2 && seg.weights[j + 1..].iter().any(|&v| v > 0.0))
+            };
+            bounds[id] = bounds[id].saturating_add(bound);
         }
     }
     Ok(bounds)
@@ -204,7 +226,17 @@ impl Blend {
         let key = Key::new(b"BLEND   ", &description);
         let path = cache_dir.join(key.file_name("blend"));
         let d = table.len();
+        let n_ck = samples.div_ceil(CHECKPOINT) as f64;
+        let file_bytes = 8.0 * d as f64 + 8.0 * n_ck * d as f64 + 2.0 * samples as f64;
         let file = cache::get_or_build(&path, &key, || {
+            // The ids are collected, then copied into the file's bytes: twice the file.
+            cache::ensure_room(
+                &format!("the blend of {samples} samples over {d} datasets"),
+                2.0 * file_bytes,
+                file_bytes,
+                cache_dir,
+                cache::FIX_SAMPLES,
+            )?;
             let _span = tracing::info_span!("blend", samples, datasets = d).entered();
             let t0 = std::time::Instant::now();
             let n_ck = samples.div_ceil(CHECKPOINT) as usize;
@@ -453,6 +485,56 @@ mod tests {
         assert_eq!(
             sched2.continued(sched2.segments[1].weights.clone(), 7000),
             sched2
+        );
+    }
+
+    /// Finding (the state_json harness's bound invariant, confirmed by hand): with weights `[0, 1]` Megatron's greedy (ties to the lowest
+    /// index) serves sample 1 from the weight-0 dataset, but its bound was 0, so the loader
+    /// built that dataset's index for 0 samples and failed on step 0 ("needs epoch 0 but the
+    /// index covers 0").
+    #[test]
+    fn fuzz_weight_zero_dataset_listed_first_is_within_its_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let table: Vec<String> = vec!["old".into(), "other".into(), "new".into()];
+        for weights in [
+            vec![0.0, 0.0, 1.0],
+            vec![0.0, 0.5, 0.5],
+            vec![0.0, 0.3, 0.7],
+        ] {
+            let w: Vec<(String, f64)> = table.iter().cloned().zip(weights.clone()).collect();
+            let sched =
+                BlendSchedule::single(w.clone()).continued(w.iter().rev().cloned().collect(), 5000);
+            for n in [2, 3, 4097, 20_000] {
+                let blend = Blend::build(&sched, &table, n, dir.path()).unwrap();
+                let bounds = sample_bounds(&sched, &table, n).unwrap();
+                for (d, (t, b)) in blend.totals().iter().zip(&bounds).enumerate() {
+                    assert!(
+                        t <= b,
+                        "{weights:?} n={n}: dataset {d} serves {t} > bound {b}"
+                    );
+                }
+            }
+        }
+        let (ids, _) = megatron_blend(&[0.0, 1.0], 3);
+        assert_eq!(ids, [1, 0, 1], "megatron's order, kept");
+        // Listed after the positive datasets, a weight-0 dataset is never drawn nor counted.
+        let last = BlendSchedule::single(vec![("new".into(), 1.0), ("old".into(), 0.0)]);
+        let t2: Vec<String> = vec!["old".into(), "new".into()];
+        assert_eq!(sample_bounds(&last, &t2, 100).unwrap(), [0, 100]);
+    }
+
+    /// Finding (state_json harness, by review): weights whose sum overflows (1e308 + 1e308) normalised to
+    /// all zeros; and bounds near `u64::MAX` samples wrapped around.
+    #[test]
+    fn fuzz_weights_with_infinite_sum_and_huge_sample_counts() {
+        let table: Vec<String> = vec!["a".into(), "b".into()];
+        let huge = BlendSchedule::single(vec![("a".into(), 1e308), ("b".into(), 1e308)]);
+        let err = sample_bounds(&huge, &table, 10).unwrap_err().to_string();
+        assert!(err.contains("finite sum"), "{err}");
+        let one = BlendSchedule::single(vec![("a".into(), 1.0), ("b".into(), 0.0)]);
+        assert_eq!(
+            sample_bounds(&one, &table, u64::MAX).unwrap(),
+            [u64::MAX, 0]
         );
     }
 }

@@ -16,6 +16,26 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+/// Environment variable naming the index cache directory when no explicit one is given.
+pub const CACHE_DIR_ENV: &str = "KILN_DATA_CACHE";
+
+/// The index cache directory for a corpus list: `explicit` if given (`--cache-dir`,
+/// `data.cache_dir`), else `$KILN_DATA_CACHE` if set and not empty, else `.kiln-cache` next
+/// to the list. `kiln data` and `kiln train` both ask here, so a cache one builds the other
+/// finds.
+pub fn cache_dir(explicit: Option<&Path>, list: &Path) -> PathBuf {
+    if let Some(dir) = explicit.filter(|d| !d.as_os_str().is_empty()) {
+        return dir.to_path_buf();
+    }
+    if let Some(dir) = std::env::var_os(CACHE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    list.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join(".kiln-cache")
+}
+
 const MAGIC: &[u8; 8] = b"KILNIDX1";
 /// Header bytes: magic, kind tag (8), key (32), payload length (8).
 pub const HEADER: usize = 8 + 8 + 32 + 8;
@@ -67,9 +87,43 @@ impl CacheFile {
     }
 }
 
+/// What the data layer asks to change when an index is too large for the machine.
+pub const FIX_SAMPLES: &str =
+    "lower the number of samples (`kiln data blend --samples`, or training.steps x batch size)";
+
+/// Refuses to build `what` when it needs more than the memory this process may use
+/// ([`kiln_run::host::available_memory`]) or, for the file written into `dir`, more than the
+/// free space there: an error with both numbers and `fix`, instead of an allocation abort or
+/// a full disk after minutes of work. Sizes are in bytes, as f64 so that absurd requests
+/// cannot overflow.
+pub fn ensure_room(what: &str, memory: f64, disk: f64, dir: &Path, fix: &str) -> Result<()> {
+    let h = kiln_run::host::human_bytes;
+    if let Some(limit) = kiln_run::host::available_memory()
+        && memory > limit.bytes as f64
+    {
+        return Err(DataError::Invalid(format!(
+            "{what} needs about {} of memory to build, but {} is available ({}); {fix}",
+            h(memory),
+            h(limit.bytes as f64),
+            limit.source
+        )));
+    }
+    if let Some(free) = kiln_run::host::disk_available(dir)
+        && disk > free as f64
+    {
+        return Err(DataError::Invalid(format!(
+            "{what} needs {} on disk in {}, but {} is free there; {fix}",
+            h(disk),
+            dir.display(),
+            h(free as f64)
+        )));
+    }
+    Ok(())
+}
+
 /// Open a cache file if it exists and is complete and matches `key`.
 pub fn open(path: &Path, key: &Key) -> Result<Option<CacheFile>> {
-    let file = match File::open(path) {
+    let file = match kiln_run::files::open_regular(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(DataError::io(path, e)),

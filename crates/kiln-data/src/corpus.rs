@@ -41,7 +41,12 @@ pub struct CorpusList {
 impl CorpusList {
     /// Read and parse a list file.
     pub fn read(path: &Path) -> Result<CorpusList> {
-        let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+        let text = kiln_run::files::read_to_string_limited(
+            path,
+            crate::error::limits::CORPUS_LIST,
+            "a corpus list",
+        )
+        .map_err(|e| DataError::io(path, e))?;
         let base = path.parent().unwrap_or(Path::new("."));
         CorpusList::parse(&text, path, base)
     }
@@ -85,6 +90,14 @@ impl CorpusList {
                     key = stripped.to_string();
                 }
             }
+            // `.idx`, `dir/`, `dir/.` or `..` name no dataset: `PREFIX.idx` would be a hidden
+            // file of a directory, not a shard.
+            if matches!(key.rsplit('/').next(), Some("" | "." | "..")) {
+                return Err(bad(format!(
+                    "prefix {:?} names no dataset; expected the path of PREFIX.bin/PREFIX.idx without the suffix",
+                    fields[1]
+                )));
+            }
             if let Some(prev) = entries.iter().find(|e| e.key == key) {
                 return Err(bad(format!(
                     "prefix {key} is already listed on line {}; list each dataset once and give it the combined weight",
@@ -116,6 +129,14 @@ impl CorpusList {
             return Err(DataError::List {
                 path: path.to_path_buf(),
                 reason: "no datasets listed (expected lines of `weight prefix [corpus]`)".into(),
+            });
+        }
+        if !crate::blend::weights_sum_finite(&entries.iter().map(|e| e.weight).collect::<Vec<_>>())
+            && entries.iter().any(|e| e.weight > 0.0)
+        {
+            return Err(DataError::List {
+                path: path.to_path_buf(),
+                reason: "the weights sum to more than a float holds; they are relative, so scale them down".into(),
             });
         }
         if entries.iter().all(|e| e.weight == 0.0) {
@@ -214,5 +235,36 @@ mod tests {
             let err = parse(text).unwrap_err().to_string();
             assert!(err.starts_with(want), "{text:?}: {err}");
         }
+    }
+
+    /// Fuzz finding (corpus_list): a prefix that is only a suffix (`.idx`, `.bin`) became an
+    /// empty key resolving to the list's directory (so `DIR/.idx` would be opened).
+    #[test]
+    fn fuzz_prefix_that_is_only_a_suffix_is_refused() {
+        for prefix in [
+            ".idx", ".bin", "x/.bin", "data/", "data/.", "data/..", "..", ".",
+        ] {
+            let err = parse(&format!("1 {prefix}\n")).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("list.txt:1: prefix {prefix:?} names no dataset")),
+                "{prefix}: {err}"
+            );
+        }
+        assert!(parse("1 data/.hidden\n1 ../up/x.bin\n").is_ok());
+    }
+
+    /// Finding (the corpus_list harness's normalisation invariant, by review): weights whose
+    /// sum overflows (`1e308` twice) normalised to all zeros, a
+    /// blend without a distribution.
+    #[test]
+    fn fuzz_weights_whose_sum_overflows_are_refused() {
+        let err = parse("1e308 a\n1e308 b\n").unwrap_err().to_string();
+        assert!(
+            err.starts_with("list.txt: the weights sum to more"),
+            "{err}"
+        );
+        let l = parse("1e308 a\n1e307 b\n").unwrap();
+        let w = l.normalized_weights();
+        assert!(w.iter().all(|x| x.is_finite()) && (w.iter().sum::<f64>() - 1.0).abs() < 1e-12);
     }
 }

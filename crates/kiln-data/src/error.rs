@@ -62,5 +62,21 @@ impl DataError {
     }
 }
 
+/// Limits on files read whole whose names come from other files (see [`kiln_run::files`]):
+/// far above any real one, far below what would exhaust memory.
+pub mod limits {
+    use kiln_run::files::MIB;
+    /// A corpus list.
+    pub const CORPUS_LIST: u64 = 64 * MIB;
+    /// A shard manifest.
+    pub const MANIFEST: u64 = 256 * MIB;
+    /// A dataset's `PREFIX.kiln.json` sidecar.
+    pub const SIDECAR: u64 = MIB;
+    /// A `tokenizer.json` (the largest public ones are tens of MiB).
+    pub const TOKENIZER: u64 = 1024 * MIB;
+    /// A blend schedule (`--schedule`).
+    pub const SCHEDULE: u64 = 64 * MIB;
+}
+
 /// Shorthand used throughout the crate.
 pub type Result<T, E = DataError> = std::result::Result<T, E>;

@@ -19,7 +19,7 @@ const PAGES: u64 = 64;
 /// Size and sampled SHA-256 of a file, as hex.
 pub fn sampled(path: &Path) -> Result<(u64, String)> {
     let io = |e| DataError::io(path, e);
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = kiln_run::files::open_regular(path).map_err(io)?;
     let size = f.metadata().map_err(io)?.len();
     let mut h = Sha256::new();
     h.update(b"kiln-sampled-v1");
@@ -48,7 +48,7 @@ pub fn sampled(path: &Path) -> Result<(u64, String)> {
 /// Full SHA-256 of a file, as hex; `progress` is called with the bytes read so far.
 pub fn full(path: &Path, mut progress: impl FnMut(u64)) -> Result<String> {
     let io = |e| DataError::io(path, e);
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = kiln_run::files::open_regular(path).map_err(io)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 4 << 20];
     let mut done = 0u64;

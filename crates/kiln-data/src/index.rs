@@ -137,11 +137,22 @@ impl DatasetIndex {
                 if tokens == 0 && samples > 0 {
                     return Err(DataError::format(
                         ds.prefix(),
-                        "dataset has no tokens but the blend draws samples from it; give it weight 0 or remove it",
+                        "dataset has no tokens but the blend draws samples from it; give it weight 0 and list it after the datasets with positive weights (ties go to the first listed), or remove it",
                     ));
                 }
                 let have = state.map_or(0, |(_, e)| e);
                 let want = epochs_needed(tokens, seq_len, samples).max(have);
+                let bytes = 8.0 * (HEAD_WORDS as f64 + want as f64 * (groups + 1) as f64);
+                cache::ensure_room(
+                    &format!(
+                        "the sample index of {} ({want} epochs of {tokens} tokens for {samples} samples of {seq_len} tokens)",
+                        ds.prefix().display()
+                    ),
+                    bytes,
+                    bytes,
+                    cache_dir,
+                    cache::FIX_SAMPLES,
+                )?;
                 let mut payload: Vec<u8> =
                     Vec::with_capacity(8 * (HEAD_WORDS + (want * (groups + 1)) as usize));
                 for w in [tokens, seqs, groups, want] {

@@ -163,7 +163,7 @@ pub struct IndexFile {
 impl IndexFile {
     /// Open and validate the header and the size of an `.idx` file.
     pub fn open(path: &Path) -> Result<IndexFile> {
-        let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+        let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
         // SAFETY: the map is read-only; a file truncated underneath us by another process is
         // the one case memmap cannot protect against, as for every mmap-based reader
         // (Megatron's included). Shards are immutable by convention and pinned by the manifest.
@@ -371,7 +371,8 @@ impl IndexedDataset {
     pub fn open(prefix: &Path) -> Result<IndexedDataset> {
         let index = IndexFile::open(&idx_path(prefix))?;
         let bin_path = bin_path(prefix);
-        let file = File::open(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        let file =
+            kiln_run::files::open_regular(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
         let len = file
             .metadata()
             .map_err(|e| DataError::io(&bin_path, e))?
@@ -480,48 +481,64 @@ impl IndexedDataset {
             })?;
         let bytes = &bin[start..start + count * size];
         out.reserve(count);
-        let bad = |v: i64| {
+        decode(self.index.dtype, bytes, out).map_err(|(_, v)| {
             DataError::format(
                 &self.bin_path,
                 format!("sequence {seq} holds token {v}, not a valid token id"),
             )
-        };
+        })
+    }
+
+    /// The largest token id any id of this dtype can be (`u16`: 65535), without reading
+    /// the tokens.
+    pub fn dtype_max_token(&self) -> u64 {
         match self.index.dtype {
-            DType::U16 => out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
-            ),
-            DType::U8 => out.extend(bytes.iter().map(|&b| b as u32)),
-            DType::I32 => {
-                for c in bytes.chunks_exact(4) {
-                    let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
-                }
-            }
-            DType::I8 => {
-                for &b in bytes {
-                    let v = b as i8;
-                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
-                }
-            }
-            DType::I16 => {
-                for c in bytes.chunks_exact(2) {
-                    let v = i16::from_le_bytes([c[0], c[1]]);
-                    out.push(u32::try_from(v).map_err(|_| bad(v as i64))?);
-                }
-            }
-            DType::I64 => {
-                for c in bytes.chunks_exact(8) {
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(c);
-                    let v = i64::from_le_bytes(a);
-                    out.push(u32::try_from(v).map_err(|_| bad(v))?);
-                }
-            }
-            DType::F32 | DType::F64 => unreachable!("rejected in IndexFile::open"),
+            DType::U8 => u8::MAX as u64,
+            DType::I8 => i8::MAX as u64,
+            DType::I16 => i16::MAX as u64,
+            DType::U16 => u16::MAX as u64,
+            DType::I32 => i32::MAX as u64,
+            DType::I64 | DType::F32 | DType::F64 => u32::MAX as u64,
         }
-        Ok(())
+    }
+
+    /// The largest token id in the `.bin`, read in parallel (`None`: no tokens). A negative
+    /// or out-of-range id is an error naming its byte offset. O(tokens); cache the result.
+    pub fn scan_max_token(&self) -> Result<Option<u32>> {
+        use rayon::prelude::*;
+        let Some(bin) = self.bin.as_deref() else {
+            return Ok(None);
+        };
+        let size = self.index.dtype.size();
+        let chunk = (16 << 20) / size * size;
+        let maxima: Vec<Result<Option<u32>>> = bin
+            .par_chunks(chunk)
+            .enumerate()
+            .map(|(k, bytes)| {
+                let mut max: Option<u32> = None;
+                let mut out = Vec::with_capacity(bytes.len() / size);
+                decode(self.index.dtype, bytes, &mut out).map_err(|(i, v)| {
+                    DataError::format(
+                        &self.bin_path,
+                        format!(
+                            "byte {} holds token {v}, not a valid token id",
+                            k * chunk + i * size
+                        ),
+                    )
+                })?;
+                for t in out {
+                    max = Some(max.map_or(t, |m: u32| m.max(t)));
+                }
+                Ok(max)
+            })
+            .collect();
+        let mut max = None;
+        for m in maxima {
+            if let Some(t) = m? {
+                max = Some(max.map_or(t, |x: u32| x.max(t)));
+            }
+        }
+        Ok(max)
     }
 
     /// All tokens of sequence `seq`.
@@ -531,10 +548,60 @@ impl IndexedDataset {
         } else {
             0
         };
-        let mut out = Vec::with_capacity(len);
+        // No reservation by the stored length: a corrupt `.idx` may claim 2^31 tokens that the
+        // `.bin` does not hold. `read_into` reserves only after checking the `.bin` has them.
+        let mut out = Vec::new();
         self.read_into(seq, 0, len, &mut out)?;
         Ok(out)
     }
+}
+
+/// Appends the token ids stored as `dtype` in `bytes` to `out`; an id that is negative or
+/// does not fit `u32` is returned as `(its index in bytes / size, its value)`.
+fn decode(dtype: DType, bytes: &[u8], out: &mut Vec<u32>) -> std::result::Result<(), (usize, i64)> {
+    let start = out.len();
+    let bad = |out: &Vec<u32>, v: i64| (out.len() - start, v);
+    match dtype {
+        DType::U16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
+        ),
+        DType::U8 => out.extend(bytes.iter().map(|&b| b as u32)),
+        DType::I32 => {
+            for c in bytes.chunks_exact(4) {
+                let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                let t = u32::try_from(v).map_err(|_| bad(out, v as i64))?;
+                out.push(t);
+            }
+        }
+        DType::I8 => {
+            for &b in bytes {
+                let v = b as i8;
+                let t = u32::try_from(v).map_err(|_| bad(out, v as i64))?;
+                out.push(t);
+            }
+        }
+        DType::I16 => {
+            for c in bytes.chunks_exact(2) {
+                let v = i16::from_le_bytes([c[0], c[1]]);
+                let t = u32::try_from(v).map_err(|_| bad(out, v as i64))?;
+                out.push(t);
+            }
+        }
+        DType::I64 => {
+            for c in bytes.chunks_exact(8) {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                let v = i64::from_le_bytes(a);
+                let t = u32::try_from(v).map_err(|_| bad(out, v))?;
+                out.push(t);
+            }
+        }
+        // Rejected in IndexFile::open; nothing to decode.
+        DType::F32 | DType::F64 => return Err((0, 0)),
+    }
+    Ok(())
 }
 
 /// Writes a Megatron indexed dataset. Files are written under temporary names and renamed on

@@ -32,6 +32,11 @@ use crate::manifest::{self, Manifest, Verify};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
+/// Longest sequence the loader packs (16M tokens: beyond any model's context).
+pub const MAX_SEQ_LEN: usize = 1 << 24;
+/// Most samples one blend may index (2^56: keeps every derived count inside 64 bits).
+pub const MAX_SAMPLES: u64 = 1 << 56;
+
 /// Where a resumed run picks up its weight history.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resume {
@@ -94,6 +99,8 @@ pub struct LoadedDataset {
     pub weight: f64,
     /// Samples the whole blend draws from it.
     pub samples: u64,
+    /// Its line in the corpus list.
+    pub line: usize,
     index: DatasetIndex,
 }
 
@@ -122,8 +129,17 @@ impl BlendedLoader {
     /// from every rank at once: ranks that find the cache cold wait for the first builder and
     /// share its files.
     pub fn open(list: &Path, cfg: &LoaderConfig) -> Result<BlendedLoader> {
-        if cfg.seq_len == 0 {
-            return Err(DataError::Invalid("seq_len must be at least 1".into()));
+        if cfg.seq_len == 0 || cfg.seq_len > MAX_SEQ_LEN {
+            return Err(DataError::Invalid(format!(
+                "seq_len {} is out of range: it must be in [1, {MAX_SEQ_LEN}]",
+                cfg.seq_len
+            )));
+        }
+        if cfg.total_samples == 0 || cfg.total_samples > MAX_SAMPLES {
+            return Err(DataError::Invalid(format!(
+                "{} samples is out of range: the sample count must be in [1, {MAX_SAMPLES}]",
+                cfg.total_samples
+            )));
         }
         let corpus = CorpusList::read(list)?;
         let prefixes: Vec<PathBuf> = corpus.entries.iter().map(|e| e.prefix.clone()).collect();
@@ -205,6 +221,7 @@ impl BlendedLoader {
                     corpus: e.corpus.clone(),
                     weight: e.weight,
                     samples,
+                    line: e.line,
                     index,
                 })
             })
@@ -274,6 +291,37 @@ impl BlendedLoader {
         self.vocab
     }
 
+    /// Checks that every dataset's token ids are below `vocab` (a model's vocabulary size),
+    /// so that no sample can index past the embedding. A dataset whose `kiln tokenize`
+    /// sidecar records a vocabulary within `vocab`, or whose dtype cannot hold a larger id,
+    /// needs no reading; any other (a Megatron-LM corpus, say) is scanned once for its
+    /// largest id, and the result cached under the cache directory by the `.bin`'s
+    /// fingerprint. An error names the dataset, its list line and the largest id.
+    pub fn check_vocab(&self, vocab: usize, cache_dir: &Path) -> Result<()> {
+        for d in &self.datasets {
+            let ds = d.index.dataset();
+            let declared = crate::tokenize::read_sidecar(ds.prefix()).map(|s| s.vocab_size);
+            if declared.is_some_and(|v| v <= vocab) || ds.dtype_max_token() < vocab as u64 {
+                continue;
+            }
+            if let Some(max) = max_token_cached(ds, cache_dir)?
+                && max as usize >= vocab
+            {
+                return Err(DataError::ListLine {
+                    path: self.list.clone(),
+                    line: d.line,
+                    reason: format!(
+                        "dataset {} holds token id {max}, but the vocabulary has {vocab} ids (0..{}); the vocabulary must be at least {}",
+                        d.key,
+                        vocab.saturating_sub(1),
+                        max as u64 + 1
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The weight history to store with a checkpoint (serde-serialisable).
     pub fn schedule(&self) -> &BlendSchedule {
         &self.schedule
@@ -303,4 +351,33 @@ impl BlendedLoader {
     pub fn blend_path(&self) -> &Path {
         self.blend.path()
     }
+}
+
+/// The largest token id of a dataset (see [`IndexedDataset::scan_max_token`]), from the
+/// cache when this `.bin` was scanned before.
+fn max_token_cached(ds: &IndexedDataset, cache_dir: &Path) -> Result<Option<u32>> {
+    let bin = crate::indexed::bin_path(ds.prefix());
+    let (_, fp) = crate::fingerprint::sampled(&bin)?;
+    let key = crate::cache::Key::new(b"MAXTOKEN", &format!("v1 bin={fp}"));
+    let stem = ds
+        .prefix()
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "dataset".into());
+    let path = cache_dir.join(key.file_name(&stem));
+    let file = crate::cache::get_or_build(&path, &key, || {
+        let _span = tracing::info_span!("max token id", dataset = %ds.prefix().display()).entered();
+        // Stored as max + 1, so that 0 means "no tokens".
+        let v = ds.scan_max_token()?.map_or(0, |m| m as u64 + 1);
+        Ok(vec![v.to_le_bytes().to_vec()])
+    })?;
+    let p = file.payload();
+    if p.len() != 8 {
+        return Err(DataError::format(
+            &file.path,
+            "max-token cache has the wrong size; delete it to rebuild",
+        ));
+    }
+    let v = crate::cache::word(p, 0);
+    Ok(v.checked_sub(1).and_then(|m| u32::try_from(m).ok()))
 }

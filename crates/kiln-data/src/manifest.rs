@@ -121,7 +121,12 @@ impl Manifest {
 
     /// Read a manifest file.
     pub fn read(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+        let text = kiln_run::files::read_to_string_limited(
+            path,
+            crate::error::limits::MANIFEST,
+            "a shard manifest",
+        )
+        .map_err(|e| DataError::io(path, e))?;
         let m: Manifest = serde_json::from_str(&text)
             .map_err(|e| DataError::format(path, format!("not a kiln manifest: {e}")))?;
         if m.version != 1 {

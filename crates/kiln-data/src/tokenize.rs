@@ -10,10 +10,13 @@ use crate::error::{DataError, Result};
 use crate::indexed::{DType, IndexedDatasetBuilder};
 use rayon::prelude::*;
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tokenizers::Tokenizer;
+
+/// Longest input line read (a JSONL document is one line).
+pub const MAX_LINE_BYTES: u64 = 256 << 20;
 
 /// End-of-document tokens looked for, in order, when none is named.
 pub const EOS_CANDIDATES: &[&str] = &["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"];
@@ -130,10 +133,22 @@ impl DocReader<'_> {
             let mut line = String::new();
             loop {
                 line.clear();
-                let n = f
-                    .reader
+                // Bounded, so that an input without newlines (/dev/zero, a binary file) is
+                // an error instead of a read that fills memory.
+                let n = (&mut f.reader)
+                    .take(MAX_LINE_BYTES + 1)
                     .read_line(&mut line)
                     .map_err(|e| DataError::io(&f.path, e))?;
+                if n as u64 > MAX_LINE_BYTES {
+                    return Err(DataError::ListLine {
+                        path: f.path.clone(),
+                        line: f.line + 1,
+                        reason: format!(
+                            "line longer than {} MiB; is this a text or JSONL file?",
+                            MAX_LINE_BYTES >> 20
+                        ),
+                    });
+                }
                 self.bytes += n as u64;
                 if n == 0 {
                     f.done = true;
@@ -193,7 +208,9 @@ impl DocReader<'_> {
 
 /// Load a `tokenizer.json`.
 pub fn load(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
+    let bytes = kiln_run::files::read_limited(path, crate::error::limits::TOKENIZER, "a tokenizer")
+        .map_err(|e| DataError::io(path, e))?;
+    Tokenizer::from_bytes(&bytes).map_err(|e| DataError::Tokenizer {
         path: path.to_path_buf(),
         reason: format!("cannot load tokenizer: {e}"),
     })
@@ -208,9 +225,48 @@ pub struct TrainOptions {
     pub special_tokens: Vec<String>,
 }
 
+/// Refuses outputs that are (through any path or link) one of the inputs: writing them would
+/// destroy the input, and the tokenizer or tokenized data with it.
+fn refuse_overwriting_inputs(outputs: &[PathBuf], inputs: &[&Path]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    for out in outputs {
+        let Some(out_id) = id(out) else { continue };
+        if let Some(input) = inputs.iter().find(|i| id(i) == Some(out_id)) {
+            return Err(DataError::Invalid(format!(
+                "output {} is the input {}: writing it would destroy the input; choose another output",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Largest vocabulary a tokenizer may have: ids must fit Megatron's int32 dtype.
+pub const MAX_VOCAB: usize = i32::MAX as usize;
+
+/// Checks a byte-level BPE vocabulary size: it holds the 256 byte tokens and the special
+/// tokens, so it must be at least `256 + specials` (the trainer silently exceeds a smaller
+/// one). The error says what is allowed.
+pub fn check_vocab_size(vocab_size: usize, specials: usize) -> std::result::Result<(), String> {
+    let min = 256 + specials;
+    if (min..=MAX_VOCAB).contains(&vocab_size) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{vocab_size}: must be in [{min}, {MAX_VOCAB}] (a byte-level vocabulary holds the 256 byte tokens and the {specials} special token(s), then the merges)"
+        ))
+    }
+}
+
 /// Train a byte-level BPE tokenizer (GPT-2 style: byte-level pre-tokenizer and decoder, no
 /// normaliser) on the documents and save it as `tokenizer.json` at `output`.
 pub fn train_bpe(src: &DocSource, opts: &TrainOptions, output: &Path) -> Result<Tokenizer> {
+    check_vocab_size(opts.vocab_size, opts.special_tokens.len())
+        .map_err(|e| DataError::Invalid(format!("vocabulary size {e}")))?;
+    let inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
+    refuse_overwriting_inputs(&[output.to_path_buf()], &inputs)?;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{
@@ -297,8 +353,26 @@ pub fn sidecar_path(prefix: &Path) -> PathBuf {
 
 /// The sidecar of a dataset, if it has a readable one.
 pub fn read_sidecar(prefix: &Path) -> Option<Sidecar> {
-    let text = std::fs::read_to_string(sidecar_path(prefix)).ok()?;
-    serde_json::from_str(&text).ok()
+    let path = sidecar_path(prefix);
+    let text = match kiln_run::files::read_to_string_limited(
+        &path,
+        crate::error::limits::SIDECAR,
+        "a dataset sidecar",
+    ) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable dataset sidecar");
+            return None;
+        }
+    };
+    match serde_json::from_str(&text) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "ignoring malformed dataset sidecar");
+            None
+        }
+    }
 }
 
 /// Options for [`tokenize`].
@@ -348,6 +422,16 @@ pub fn tokenize(
     output_prefix: &Path,
     opts: &TokenizeOptions,
 ) -> Result<TokenizeStats> {
+    let mut inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
+    inputs.push(tokenizer_path);
+    refuse_overwriting_inputs(
+        &[
+            crate::indexed::bin_path(output_prefix),
+            crate::indexed::idx_path(output_prefix),
+            sidecar_path(output_prefix),
+        ],
+        &inputs,
+    )?;
     let tok = load(tokenizer_path)?;
     let vocab = tok.get_vocab_size(true);
     let eos = match &opts.eos {
@@ -436,4 +520,34 @@ pub fn tokenize(
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_vocabularies_hold_the_bytes_and_specials() {
+        assert!(check_vocab_size(257, 1).is_ok());
+        assert!(
+            check_vocab_size(256, 1)
+                .unwrap_err()
+                .starts_with("256: must be in [257,")
+        );
+        assert!(check_vocab_size(0, 1).is_err());
+        assert!(check_vocab_size(MAX_VOCAB + 1, 1).is_err());
+    }
+
+    #[test]
+    fn outputs_that_are_inputs_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.txt");
+        std::fs::write(&input, "x").unwrap();
+        let link = dir.path().join("out.bin");
+        std::os::unix::fs::symlink(&input, &link).unwrap();
+        let err = refuse_overwriting_inputs(&[link], &[&input]).unwrap_err();
+        assert!(err.to_string().contains("is the input"), "{err}");
+        let other = dir.path().join("other.bin");
+        assert!(refuse_overwriting_inputs(&[other], &[&input]).is_ok());
+    }
 }

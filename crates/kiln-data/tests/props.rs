@@ -353,6 +353,21 @@ fn missing_and_empty_datasets_name_the_list_line() {
     BlendedLoader::open(&list, &cfg(dir.path(), 4, 10)).unwrap();
 }
 
+/// Regression (found while fuzzing the blend bounds): a weight-0 dataset listed first wins
+/// Megatron's tie at sample 1, but its index was built for 0 samples, so step 0 failed with
+/// "needs epoch 0 but the index covers 0".
+#[test]
+fn weight_zero_dataset_listed_first_serves_its_tie_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("old"), &[10; 5], DType::U16);
+    write_docs(&dir.path().join("new"), &[10; 5], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(0.0, "old"), (1.0, "new")]);
+    let loader = BlendedLoader::open(&list, &cfg(dir.path(), 4, 16)).unwrap();
+    let rows = loader.batch(0, 0, 1, 16).unwrap();
+    assert_eq!(loader.source(1).unwrap(), (0, 0), "megatron's tie rule");
+    assert!(rows.iter().all(|r| r.len() == 5));
+}
+
 #[test]
 fn manifest_is_enforced_by_the_loader() {
     let dir = tempfile::tempdir().unwrap();
@@ -405,4 +420,80 @@ fn cached_blend_of_many_segments_matches_reference() {
         assert_eq!(blend.get(i as u64).unwrap(), *e, "sample {i}");
     }
     assert_eq!(blend.totals(), counts.to_vec());
+}
+
+#[test]
+fn max_token_ids_are_scanned_once_and_checked_against_a_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    // tok(d, k) = d * 1000 + k: 5 documents of 10 tokens, largest id 4009.
+    write_docs(&dir.path().join("a"), &[10; 5], DType::I32);
+    let ds = IndexedDataset::open(&dir.path().join("a")).unwrap();
+    assert_eq!(ds.scan_max_token().unwrap(), Some(4009));
+    assert_eq!(ds.dtype_max_token(), i32::MAX as u64);
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "a")]);
+    let cache = dir.path().join("cache");
+    let l = BlendedLoader::open(&list, &cfg(dir.path(), 4, 10)).unwrap();
+    l.check_vocab(4010, &cache).unwrap();
+    let err = l.check_vocab(4009, &cache).unwrap_err().to_string();
+    assert!(
+        err.contains("list.txt:1")
+            && err.contains("token id 4009")
+            && err.contains("at least 4010"),
+        "{err}"
+    );
+    // The scan is cached by the .bin's fingerprint.
+    let cached: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".maxtoken"))
+        .collect();
+    assert_eq!(cached.len(), 1);
+    // A u16 dataset never needs a scan for a vocabulary of 65536 or more.
+    write_docs(&dir.path().join("b"), &[3; 2], DType::U16);
+    let list = write_list(dir.path(), "list2.txt", &[(1.0, "b")]);
+    let l = BlendedLoader::open(&list, &cfg(dir.path(), 2, 4)).unwrap();
+    l.check_vocab(65536, &dir.path().join("cache2")).unwrap();
+    assert!(!dir.path().join("cache2").exists());
+    // A negative id in an int32 shard is an error naming its byte.
+    let mut bin = std::fs::read(bin_path(&dir.path().join("a"))).unwrap();
+    bin[8..12].copy_from_slice(&(-5i32).to_le_bytes());
+    std::fs::write(bin_path(&dir.path().join("a")), bin).unwrap();
+    let ds = IndexedDataset::open(&dir.path().join("a")).unwrap();
+    let err = ds.scan_max_token().unwrap_err().to_string();
+    assert!(err.contains("byte 8 holds token -5"), "{err}");
+}
+
+#[test]
+fn one_rule_picks_the_cache_dir_and_absurd_requests_are_refused() {
+    use kiln_data::cache::cache_dir;
+    assert_eq!(
+        cache_dir(Some(Path::new("/x/c")), Path::new("/d/list.txt")),
+        PathBuf::from("/x/c")
+    );
+    // (Without $KILN_DATA_CACHE, which the end-to-end test sets on the child.)
+    if std::env::var_os("KILN_DATA_CACHE").is_none() {
+        assert_eq!(
+            cache_dir(Some(Path::new("")), Path::new("/d/list.txt")),
+            PathBuf::from("/d/.kiln-cache")
+        );
+        assert_eq!(
+            cache_dir(None, Path::new("list.txt")),
+            PathBuf::from("./.kiln-cache")
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[10; 5], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "a")]);
+    for (seq, samples, want) in [
+        (0, 10, "seq_len 0 is out of range"),
+        (1 << 30, 10, "is out of range"),
+        (4, 0, "0 samples is out of range"),
+        (4, u64::MAX, "samples is out of range"),
+        (4, 1 << 50, "needs about"),
+    ] {
+        let err = BlendedLoader::open(&list, &cfg(dir.path(), seq, samples))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{seq} {samples}: {err}");
+    }
 }

@@ -4,17 +4,24 @@
 //! Rank 0 reads the source (a directory is streamed as a tar archive as it is read) and
 //! broadcasts it over MPI in chunks; MPI's broadcast is a tree, so each chunk reaches N
 //! nodes in log2(N) rounds while the next chunk is already being read. One rank per node
-//! (its node-local rank 0) writes what it receives to a temporary file, checks its SHA-256
-//! against the one rank 0 computed, unpacks it into a temporary directory beside the
-//! destination, and renames that into place: a node has the whole tree or nothing. An
-//! archive member that would land outside the destination (an absolute path, `..`, a link
-//! pointing out, a device file) is refused and nothing is published.
+//! (its node-local rank 0) writes what it receives as it arrives (a file to a temporary file,
+//! an archive unpacked by a thread into a temporary directory, so the bytes are written
+//! once), checks the stream's SHA-256 against the one rank 0 computed, and renames the
+//! result into place: a node has the whole tree or nothing. An archive member that would
+//! land outside the destination (an absolute path, `..`, a link pointing out, a device file)
+//! is refused and nothing is published.
+//!
+//! A writer that fails (disk full, destination exists) keeps taking part in every broadcast
+//! until the stream ends and reports its failure in the final all-gather: a rank that left
+//! early would leave all the others waiting in a broadcast.
 
 use crate::Collective;
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
 use std::path::{Component, Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// Bytes per broadcast.
@@ -152,9 +159,17 @@ pub fn yeet(
     };
     let target = dest.join(&name);
 
-    // Stream: rank 0 reads and broadcasts; writers spool to a temporary file.
-    let mut spool = if writer {
-        Some(Spool::create(&dest, &target, opts.force)?)
+    // Stream: rank 0 reads and broadcasts; writers write what arrives. A writer's failure
+    // is kept, not returned, so that it stays in the broadcasts (see the module comment).
+    let mut failure_here: Option<YeetError> = None;
+    let mut sink = if writer {
+        match Sink::create(&dest, &target, kind, opts.force) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                failure_here = Some(e);
+                None
+            }
+        }
     } else {
         None
     };
@@ -177,7 +192,7 @@ pub fn yeet(
             Err(e) => (None, Some(e)),
         };
         let Some(chunk) = broadcast_chunk(comm, chunk) else {
-            if let Some(s) = spool {
+            if let Some(s) = sink {
                 s.discard();
             }
             return Err(failure.unwrap_or_else(|| {
@@ -189,8 +204,13 @@ pub fn yeet(
         }
         hasher.update(&chunk);
         sent += chunk.len() as u64;
-        if let Some(s) = &mut spool {
-            s.write(&chunk)?;
+        if let Some(s) = &mut sink
+            && let Err(e) = s.write(chunk)
+        {
+            failure_here = Some(e);
+            if let Some(s) = sink.take() {
+                s.discard();
+            }
         }
         progress(sent);
     }
@@ -199,16 +219,17 @@ pub fn yeet(
         String::from_utf8_lossy(&broadcast_blob(comm, mine.clone().into_bytes())).into_owned();
 
     // Verify and publish; then everyone learns how the writers fared.
-    let result = match spool {
-        Some(s) if mine != want => {
+    let result = match (failure_here, sink) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) if mine != want => {
             s.discard();
             Err(YeetError::Checksum {
                 got: mine,
                 want: want.clone(),
             })
         }
-        Some(s) => s.publish(kind),
-        None => Ok(()),
+        (None, Some(s)) => s.publish(),
+        (None, None) => Ok(()),
     };
     if let Err(e) = &result {
         eprintln!("kiln yeet: rank {}: {e}", comm.rank());
@@ -346,16 +367,29 @@ impl SourceReader {
     }
 }
 
-/// A writer's temporary copy of the stream, beside the destination.
-struct Spool {
-    file: File,
-    path: PathBuf,
+/// A writer's copy of the stream as it arrives, beside the destination: a temporary file,
+/// or a temporary directory that a thread unpacks the archive into.
+struct Sink {
+    /// Where the result is staged (a file or a directory), renamed to `target` on publish.
+    staged: PathBuf,
     target: PathBuf,
     force: bool,
+    /// Taken by `finish`.
+    into: Option<Into>,
 }
 
-impl Spool {
-    fn create(dest: &Path, target: &Path, force: bool) -> Result<Self, YeetError> {
+enum Into {
+    File(File),
+    /// The unpacking thread and the channel that feeds it (`None` once it has stopped,
+    /// early on an error or at the end of the archive; its result says which).
+    Unpack {
+        chunks: Option<SyncSender<Vec<u8>>>,
+        thread: JoinHandle<Result<(), YeetError>>,
+    },
+}
+
+impl Sink {
+    fn create(dest: &Path, target: &Path, kind: Kind, force: bool) -> Result<Self, YeetError> {
         std::fs::create_dir_all(dest).map_err(io(dest))?;
         if std::fs::symlink_metadata(target).is_ok() && !force {
             return Err(YeetError::Source(format!(
@@ -363,46 +397,91 @@ impl Spool {
                 target.display()
             )));
         }
-        let path = dest.join(format!(".yeet-{}.part", std::process::id()));
-        let file = File::create(&path).map_err(io(&path))?;
+        let pid = std::process::id();
+        let into_file = |staged: &Path| File::create(staged).map(Into::File);
+        let (staged, into) = match kind {
+            Kind::File => {
+                let staged = dest.join(format!(".yeet-{pid}.part"));
+                let f = into_file(&staged).map_err(io(&staged))?;
+                (staged, f)
+            }
+            Kind::Tar | Kind::TarGz => {
+                let staged = dest.join(format!(".yeet-{pid}.dir"));
+                // A few chunks in flight: the broadcast goes on while the disk catches up.
+                let (tx, rx) = sync_channel::<Vec<u8>>(4);
+                let dir = staged.clone();
+                let thread = std::thread::spawn(move || {
+                    let chunks = ChunkReader {
+                        rx,
+                        chunk: Vec::new(),
+                        at: 0,
+                    };
+                    if kind == Kind::TarGz {
+                        unpack_safely(flate2::read::GzDecoder::new(chunks), &dir)
+                    } else {
+                        unpack_safely(chunks, &dir)
+                    }
+                });
+                let into = Into::Unpack {
+                    chunks: Some(tx),
+                    thread,
+                };
+                (staged, into)
+            }
+        };
         Ok(Self {
-            file,
-            path,
+            staged,
             target: target.to_path_buf(),
             force,
+            into: Some(into),
         })
     }
 
-    fn write(&mut self, chunk: &[u8]) -> Result<(), YeetError> {
-        self.file.write_all(chunk).map_err(io(&self.path))
-    }
-
-    fn discard(self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-
-    /// Unpacks (or moves) the verified copy into place atomically.
-    fn publish(self, kind: Kind) -> Result<(), YeetError> {
-        self.file.sync_all().map_err(io(&self.path))?;
-        let parent = self.target.parent().unwrap_or(Path::new("."));
-        let staged = match kind {
-            Kind::File => self.path.clone(),
-            Kind::Tar | Kind::TarGz => {
-                let dir = parent.join(format!(".yeet-{}.dir", std::process::id()));
-                let f = File::open(&self.path).map_err(io(&self.path))?;
-                let unpacked = if kind == Kind::TarGz {
-                    unpack_safely(flate2::read::GzDecoder::new(BufReader::new(f)), &dir)
-                } else {
-                    unpack_safely(BufReader::new(f), &dir)
-                };
-                let _ = std::fs::remove_file(&self.path);
-                if let Err(e) = unpacked {
-                    let _ = std::fs::remove_dir_all(&dir);
-                    return Err(e);
+    fn write(&mut self, chunk: Vec<u8>) -> Result<(), YeetError> {
+        match &mut self.into {
+            None => Ok(()),
+            Some(Into::File(f)) => f.write_all(&chunk).map_err(io(&self.staged)),
+            Some(Into::Unpack { chunks, .. }) => {
+                // A send fails once the thread has stopped reading: at the end of the
+                // archive (the zero padding after it needs no reader) or on an error,
+                // which `finish` reports.
+                if let Some(tx) = chunks
+                    && tx.send(chunk).is_err()
+                {
+                    *chunks = None;
                 }
-                dir
+                Ok(())
             }
-        };
+        }
+    }
+
+    /// Waits for the unpacking thread (if any): its result.
+    fn finish(&mut self) -> Result<(), YeetError> {
+        match self.into.take() {
+            None => Ok(()),
+            Some(Into::File(f)) => f.sync_all().map_err(io(&self.staged)),
+            Some(Into::Unpack { chunks, thread }) => {
+                drop(chunks);
+                thread.join().unwrap_or_else(|_| {
+                    Err(YeetError::Source("the unpacking thread panicked".into()))
+                })
+            }
+        }
+    }
+
+    fn discard(mut self) {
+        let _ = self.finish();
+        let _ = std::fs::remove_file(&self.staged);
+        let _ = std::fs::remove_dir_all(&self.staged);
+    }
+
+    /// Moves the verified copy into place atomically.
+    fn publish(mut self) -> Result<(), YeetError> {
+        if let Err(e) = self.finish() {
+            self.discard();
+            return Err(e);
+        }
+        let parent = self.target.parent().unwrap_or(Path::new("."));
         if std::fs::symlink_metadata(&self.target).is_ok() && self.force {
             let old = parent.join(format!(".yeet-{}.old", std::process::id()));
             std::fs::rename(&self.target, &old).map_err(io(&self.target))?;
@@ -413,7 +492,33 @@ impl Spool {
             };
             removed.map_err(io(&old))?;
         }
-        std::fs::rename(&staged, &self.target).map_err(io(&self.target))
+        std::fs::rename(&self.staged, &self.target).map_err(io(&self.target))
+    }
+}
+
+/// The chunks a writer receives, as a `Read` for the tar reader.
+struct ChunkReader {
+    rx: Receiver<Vec<u8>>,
+    chunk: Vec<u8>,
+    at: usize,
+}
+
+impl Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.at == self.chunk.len() {
+            match self.rx.recv() {
+                Ok(next) => {
+                    self.chunk = next;
+                    self.at = 0;
+                }
+                // The sender is gone: the stream has ended.
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.at);
+        buf[..n].copy_from_slice(&self.chunk[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
     }
 }
 

@@ -1,10 +1,11 @@
 //! Correctness gates: the bit-exact smoke gate ([`smoke`]), the LR finder ([`lrfind`]),
-//! multiple-choice and held-out eval ([`mc`]), and run reports ([`report`]: status and
-//! plots of a run directory).
+//! multiple-choice and held-out eval ([`mc`]), the Hugging Face export ([`export`]), and run
+//! reports ([`report`]: status and plots of a run directory).
 //!
 //! Everything here is a library so the CLI (`kiln smoke`, `lr-find`, `eval`, `status`,
 //! `plot`) stays thin and the trainer can call the same eval ([`mc::score_multiple_choice`]).
 
+pub mod export;
 pub mod lrfind;
 pub mod mc;
 pub mod plot;

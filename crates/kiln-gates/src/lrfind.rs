@@ -4,14 +4,15 @@
 //! finite), and suggest the LR where the smoothed loss falls fastest (steepest descent
 //! against log LR) and, as a more conservative bound, the blow-up LR divided by 10.
 //!
-//! The steps are the trainer's (same model, data, AdamW and gradient clipping from the
+//! The steps are the trainer's (same model, precision, data, optimizer (`optimizer.kind`:
+//! AdamW, Muon or SophiaG, with SophiaG's Hessian estimates) and gradient clipping from the
 //! config); only the LR differs: no schedule, no warmup.
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
 use kiln_train::data::TrainData;
-use kiln_train::optim::AdamW;
-use kiln_train::optim::{clip_coefficient, global_norm};
+use kiln_train::optim::{Optimizer, clip_by_global_norm, global_norm};
+use kiln_train::step::{Labels, loss_and_grads};
 use kiln_train::{Config, Session};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -95,6 +96,12 @@ pub fn run(
             opts.min_lr, opts.max_lr
         )));
     }
+    if !(opts.blowup_factor.is_finite() && opts.blowup_factor > 1.0) {
+        return Err(GatesError::Invalid(format!(
+            "--blowup {}: must be a finite number > 1 (the smoothed loss over its best that ends the sweep; 4 is typical)",
+            opts.blowup_factor
+        )));
+    }
     if opts.steps < 5 {
         return Err(GatesError::Invalid(format!(
             "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",
@@ -115,8 +122,14 @@ pub fn run(
         .vocab(config)
         .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
     let mut s = Session::new(config, vocab)?;
-    let mut optimizer = AdamW::new(&config.optimizer, s.model.specs(), &s.device);
+    let mut optimizer = Optimizer::new(
+        &config.optimizer,
+        s.model.specs(),
+        &s.device,
+        rows_per_step * seq as u64,
+    );
     let ad = s.device.clone().autodiff();
+    let shards = config.training.compute_shards.max(1);
     let frozen = vec![false; s.params.len()];
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);
@@ -127,22 +140,18 @@ pub fn run(
             .map(|r| data.source.sample(i * rows_per_step + r, seq + 1))
             .collect::<Result<_, _>>()
             .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
-        let inputs = Session::int_tensor(&rows, seq, &ad);
-        let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = Session::int_tensor(&shifted, seq, &ad);
-        let leaves: Vec<_> = s
-            .params
-            .iter()
-            .map(|p| p.clone().autodiff().require_grad())
-            .collect();
-        let loss = s.model.loss(&leaves, inputs, targets);
-        let value = f64::from(loss.clone().into_scalar::<f32>());
-        let g = loss.backward();
-        let grads: Vec<_> = leaves
-            .iter()
-            .zip(&s.params)
-            .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
-            .collect();
+        let data_labels = Labels::Data { poison: false };
+        let (loss, grads) = loss_and_grads(
+            &s.model,
+            &s.params,
+            &rows,
+            seq,
+            &ad,
+            1.0,
+            shards,
+            data_labels,
+        );
+        let value = f64::from(loss);
         let norm = global_norm(&grads);
         avg = opts.beta * avg + (1.0 - opts.beta) * value;
         let smoothed = avg / (1.0 - opts.beta.powi(i as i32 + 1));
@@ -164,8 +173,17 @@ pub fn run(
             blowup = Some(lr);
             break;
         }
-        let clip = clip_coefficient(norm, config.optimizer.max_grad_norm);
-        optimizer.update_clipped(&mut s.params, grads, clip, lr, &frozen);
+        let grads = clip_by_global_norm(grads, norm, config.optimizer.max_grad_norm);
+        optimizer.update(&mut s.params, grads, lr, &frozen);
+        if optimizer.hessian_due() {
+            // SophiaG's Gauss-Newton-Bartlett estimate, as the trainer takes it.
+            let sampled = Labels::Sampled {
+                seed: config.training.seed ^ i,
+            };
+            let (_, g) = loss_and_grads(&s.model, &s.params, &rows, seq, &ad, 1.0, shards, sampled);
+            let n = global_norm(&g);
+            optimizer.update_hessian(clip_by_global_norm(g, n, config.optimizer.max_grad_norm));
+        }
     }
     Ok(analyse(points, blowup))
 }

@@ -108,9 +108,14 @@ impl McTask {
     }
 }
 
+/// Largest task file read (the shipped one is 25 KiB; lm-evaluation-harness's largest
+/// multiple-choice sets are tens of MiB).
+pub const MAX_TASK_FILE_BYTES: u64 = 512 * kiln_run::files::MIB;
+
 /// Reads a task file; errors name the file and the line.
 pub fn load_tasks(path: &Path) -> Result<Vec<McTask>, GatesError> {
-    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let text = kiln_run::files::read_to_string_limited(path, MAX_TASK_FILE_BYTES, "a task file")
+        .map_err(io_err(path))?;
     let mut tasks = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let trimmed = line.trim();
@@ -347,6 +352,22 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
     if !path.is_dir() {
         return Err(GatesError::Invalid(format!(
             "{}: not a directory; give a run directory (with config.toml and model.safetensors or checkpoints/) or a checkpoint directory (checkpoints/step-N)",
+            path.display()
+        )));
+    }
+    // A checkpoint directory (`step-N`, with its state.json) whose manifest is missing was
+    // torn while being written or damaged since: it cannot be verified, and it is not a run
+    // directory either (whose config.toml would then be blamed).
+    let named_like_one = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(kiln_run::layout::parse_checkpoint_dir)
+        .is_some();
+    let is_checkpoint = path.join("state.json").exists()
+        || (named_like_one && !path.join(kiln_run::layout::CONFIG).exists());
+    if is_checkpoint && !path.join("manifest.json").exists() {
+        return Err(GatesError::Invalid(format!(
+            "{}: a checkpoint directory without manifest.json: it is incomplete (torn while being written) or damaged, so its files cannot be verified; evaluate the run directory instead (its newest valid checkpoint is used)",
             path.display()
         )));
     }

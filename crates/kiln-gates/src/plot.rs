@@ -277,6 +277,216 @@ pub fn write_plots(
     Ok((svg, png))
 }
 
+/// Colors of the ledger buckets, in [`kiln_run::ledger::Buckets::rows`] order.
+const BUCKET_COLORS: [(&str, RGBColor); 8] = [
+    ("productive", RGBColor(44, 160, 44)),
+    ("startup", RGBColor(31, 119, 180)),
+    ("checkpoint stall", RGBColor(148, 103, 189)),
+    ("lost work", RGBColor(214, 39, 40)),
+    ("hang detection", RGBColor(255, 127, 14)),
+    ("backoff", RGBColor(188, 189, 34)),
+    ("queue", RGBColor(127, 127, 127)),
+    ("other", RGBColor(200, 200, 200)),
+];
+
+fn bucket_color(kind: &str) -> RGBColor {
+    BUCKET_COLORS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or(RGBColor(200, 200, 200), |(_, c)| *c)
+}
+
+fn draw_timeline<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    l: &kiln_run::ledger::Ledger,
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let root = if text {
+        root.titled(
+            &format!("{title}: ETTR {:.1} %", l.ettr() * 100.0),
+            ("sans-serif", 20),
+        )
+        .map_err(e)?
+    } else {
+        root
+    };
+    let (top, bottom) = root.split_vertically(root.dim_in_pixel().1 * 2 / 3);
+    let total = l.total.max(1e-3);
+    let max_step = l
+        .attempts
+        .iter()
+        .filter_map(|a| a.steps.1)
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let mut b = ChartBuilder::on(&top);
+    b.margin(10);
+    if text {
+        b.caption(
+            "steps reached per attempt; failures (red) and node swaps",
+            ("sans-serif", 15),
+        )
+        .x_label_area_size(30)
+        .y_label_area_size(56);
+    }
+    let mut chart = b
+        .build_cartesian_2d(0.0..total, 0.0..max_step * 1.1)
+        .map_err(e)?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("wall time (s)")
+            .y_desc("step")
+            .label_style(("sans-serif", 11));
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(e)?;
+    for (i, a) in l.attempts.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        if let (Some((from, to)), (start, Some(last))) = (a.work, a.steps) {
+            let s0 = start.unwrap_or(last) as f64;
+            chart
+                .draw_series(LineSeries::new(
+                    vec![(a.from, s0), (from, s0), (to, last as f64)],
+                    color.stroke_width(2),
+                ))
+                .map_err(e)?;
+        }
+        if a.classification != "success" {
+            chart
+                .draw_series(LineSeries::new(
+                    vec![(a.to, 0.0), (a.to, max_step * 1.05)],
+                    RED.mix(0.7).stroke_width(1),
+                ))
+                .map_err(e)?;
+            if text {
+                let label = if a.culprits.is_empty() {
+                    a.classification.clone()
+                } else {
+                    format!("{} ({})", a.classification, a.culprits.join(","))
+                };
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        label,
+                        (a.to, max_step * (1.05 - 0.07 * (i % 3) as f64)),
+                        ("sans-serif", 11).into_font().color(&RED),
+                    )))
+                    .map_err(e)?;
+            }
+        }
+    }
+    for s in &l.swaps {
+        chart
+            .draw_series(std::iter::once(Circle::new((s.at, 0.0), 5, BLUE.filled())))
+            .map_err(e)?;
+        if text {
+            let label = format!(
+                "{} -> {}{}",
+                s.host,
+                s.replacement.as_deref().unwrap_or("dropped"),
+                if s.blind { " (blind)" } else { "" }
+            );
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    label,
+                    (s.at, max_step * 0.06),
+                    ("sans-serif", 11).into_font().color(&BLUE),
+                )))
+                .map_err(e)?;
+        }
+    }
+    let mut b = ChartBuilder::on(&bottom);
+    b.margin(10);
+    if text {
+        b.caption("where the wall time went", ("sans-serif", 15))
+            .x_label_area_size(30)
+            .y_label_area_size(56);
+    }
+    let mut band = b.build_cartesian_2d(0.0..total, 0.0..3.0).map_err(e)?;
+    let mut mesh = band.configure_mesh();
+    mesh.disable_y_mesh().y_labels(0);
+    if text {
+        mesh.x_desc("wall time (s)").label_style(("sans-serif", 11));
+    } else {
+        mesh.x_labels(0);
+    }
+    mesh.draw().map_err(e)?;
+    band.draw_series(
+        std::iter::once(Rectangle::new(
+            [(0.0, 1.8), (total, 2.8)],
+            bucket_color("other").filled(),
+        ))
+        .chain(
+            l.spans.iter().map(|s| {
+                Rectangle::new([(s.from, 1.8), (s.to, 2.8)], bucket_color(s.kind).filled())
+            }),
+        ),
+    )
+    .map_err(e)?;
+    if text {
+        // The legend: two rows of four, each a swatch and "name share".
+        for (i, (name, secs)) in l.buckets.rows().into_iter().enumerate() {
+            let x = total * (i % 4) as f64 / 4.0;
+            let y = if i < 4 { 1.0 } else { 0.2 };
+            band.draw_series(std::iter::once(Rectangle::new(
+                [(x, y), (x + total * 0.015, y + 0.5)],
+                bucket_color(name).filled(),
+            )))
+            .map_err(e)?;
+            band.draw_series(std::iter::once(Text::new(
+                format!("{name} {:.1}% ({secs:.1} s)", 100.0 * secs / total),
+                (x + total * 0.02, y + 0.55),
+                ("sans-serif", 12),
+            )))
+            .map_err(e)?;
+        }
+    }
+    root.present().map_err(e)
+}
+
+/// Draws a run's timeline (steps per attempt over wall time, failures, swaps, and the goodput
+/// ledger as a band) to `stem.svg` and `stem.png`.
+pub fn write_timeline(
+    stem: &Path,
+    title: &str,
+    ledger: &kiln_run::ledger::Ledger,
+) -> Result<(PathBuf, PathBuf), GatesError> {
+    let size = (1200, 720);
+    let svg = stem.with_extension("svg");
+    let png = stem.with_extension("png");
+    if let Some(parent) = stem.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(crate::io_err(parent))?;
+    }
+    let text = font_available();
+    draw_timeline(
+        SVGBackend::new(&svg, size).into_drawing_area(),
+        title,
+        ledger,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: svg.clone(),
+        message,
+    })?;
+    draw_timeline(
+        BitMapBackend::new(&png, size).into_drawing_area(),
+        title,
+        ledger,
+        text,
+    )
+    .map_err(|message| GatesError::Plot {
+        path: png.clone(),
+        message,
+    })?;
+    Ok((svg, png))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,5 +530,22 @@ mod tests {
         assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
         let bytes = std::fs::read(png).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
+    }
+
+    #[test]
+    fn writes_a_timeline() {
+        let dir = tempfile::tempdir().unwrap();
+        let events: Vec<kiln_run::Event> = [
+            r#"{"time":0.0,"source":"launch","event":"attempt_end","start_time":0.0,"end_time":10.0,"first_advance_time":1.0,"last_advance_time":9.0,"classification":"hung-stalled","start_step":0,"last_progress":90,"culprit_hosts":["n2"]}"#,
+            r#"{"time":10.0,"source":"launch","event":"node_swap","host":"n2","replacement":"n4","cause":"hang"}"#,
+            r#"{"time":20.0,"source":"launch","event":"attempt_end","start_time":10.5,"end_time":20.0,"first_advance_time":11.0,"last_advance_time":20.0,"classification":"success","start_step":50,"last_progress":150}"#,
+        ]
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+        let l = kiln_run::ledger::ledger(&events);
+        let (svg, png) = write_timeline(&dir.path().join("t"), "run", &l).unwrap();
+        assert!(std::fs::read_to_string(svg).unwrap().contains("<svg"));
+        assert_eq!(&std::fs::read(png).unwrap()[1..4], b"PNG");
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
+use kiln_run::{event, layout};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -50,7 +51,7 @@ fn num(obj: &Map<String, Value>, key: &str) -> f64 {
 /// Reads `RUN_DIR/metrics.jsonl`. A torn last line is skipped; any other malformed line is an
 /// error naming it. Lines that are neither step nor eval lines are ignored.
 pub fn read_metrics(run_dir: &Path) -> Result<Metrics, GatesError> {
-    let path = run_dir.join("metrics.jsonl");
+    let path = run_dir.join(layout::METRICS);
     let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
     let lines: Vec<&str> = text.lines().collect();
     let mut m = Metrics::default();
@@ -111,7 +112,7 @@ fn check_run_dir(run_dir: &Path) -> Result<(), GatesError> {
             run_dir.display()
         )));
     }
-    if !run_dir.join("metrics.jsonl").exists() && !run_dir.join("events.jsonl").exists() {
+    if !run_dir.join(layout::METRICS).exists() && !run_dir.join(layout::EVENTS).exists() {
         return Err(GatesError::Invalid(format!(
             "{}: not a run directory (no metrics.jsonl or events.jsonl); give the --run-dir of `kiln train`",
             run_dir.display()
@@ -131,7 +132,7 @@ fn fmt_value(v: &Value) -> String {
 /// The text of `kiln status RUN_DIR`.
 pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     check_run_dir(run_dir)?;
-    let metrics = if run_dir.join("metrics.jsonl").exists() {
+    let metrics = if run_dir.join(layout::METRICS).exists() {
         read_metrics(run_dir)?
     } else {
         Metrics::default()
@@ -141,7 +142,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     let total = events
         .iter()
         .rev()
-        .find(|e| e.event == "start")
+        .find(|e| e.event == event::START)
         .and_then(|e| e.fields.get("total_steps").and_then(Value::as_u64));
     let last = metrics.steps.last();
     match last {
@@ -180,7 +181,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
         }
         None => out.push_str("last eval: none\n"),
     }
-    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join("checkpoints"));
+    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join(layout::CHECKPOINTS));
     ckpts.reverse();
     let final_weights = run_dir.join("model.safetensors").exists();
     out.push_str(&format!(
@@ -204,11 +205,11 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     for e in &events {
         *counts.entry(e.event.as_str()).or_default() += 1;
     }
-    let starts = counts.get("start").copied().unwrap_or(0);
-    let resumes = counts.get("resume").copied().unwrap_or(0);
+    let starts = counts.get(event::START).copied().unwrap_or(0);
+    let resumes = counts.get(event::RESUME).copied().unwrap_or(0);
     out.push_str(&format!(
         "attempts: {starts} start(s), {resumes} resume(s), {} checkpoint(s) saved\n",
-        counts.get("checkpoint_saved").copied().unwrap_or(0)
+        counts.get(event::CHECKPOINT_SAVED).copied().unwrap_or(0)
     ));
     let guards: Vec<String> = GUARD_EVENTS
         .iter()
@@ -238,7 +239,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
             .collect();
         out.push_str(&format!("  {}: {}\n", e.event, fields.join(" ")));
     }
-    match events.iter().rev().find(|e| e.event == "exit") {
+    match events.iter().rev().find(|e| e.event == event::EXIT) {
         Some(e) => out.push_str(&format!(
             "last exit: {} (code {}) at step {}\n",
             e.fields.get("reason").map_or("?".into(), fmt_value),
@@ -247,18 +248,151 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
         )),
         None => out.push_str("last exit: none recorded (running, or killed without a trace)\n"),
     }
+    out.push_str(&goodput(&events));
     Ok(out)
 }
 
+/// The goodput ledger, attempts, swaps and quarantined hosts, as text.
+fn goodput(events: &[kiln_run::Event]) -> String {
+    let l = kiln_run::ledger::ledger(events);
+    if l.total <= 0.0 {
+        return String::new();
+    }
+    let mut out = format!(
+        "goodput: ETTR {:.1} % of {:.1} s wall ({} job(s), {} attempt(s), {} step(s) redone)\n",
+        l.ettr() * 100.0,
+        l.total,
+        l.jobs,
+        l.attempts.len(),
+        l.lost_steps
+    );
+    for (name, secs) in l.buckets.rows() {
+        out.push_str(&format!(
+            "  {name:<17} {secs:>10.1} s {:>6.1} %\n",
+            100.0 * secs / l.total
+        ));
+    }
+    if l.attempts.len() > 1 || l.attempts.iter().any(|a| a.classification != "success") {
+        out.push_str("attempts:\n");
+        for (i, a) in l.attempts.iter().enumerate() {
+            let steps = match a.steps {
+                (Some(s), Some(e)) => format!(", steps {s}-{e}"),
+                (None, Some(e)) => format!(", to step {e}"),
+                _ => String::new(),
+            };
+            let culprit = if a.culprits.is_empty() {
+                String::new()
+            } else {
+                format!(", culprit {}", a.culprits.join(","))
+            };
+            out.push_str(&format!(
+                "  {:>3}  {:>8.1}-{:<8.1} s  {}{steps}{culprit}{}\n",
+                i + 1,
+                a.from,
+                a.to,
+                a.classification,
+                if a.hosts.is_empty() {
+                    String::new()
+                } else {
+                    format!("  on {}", a.hosts.join(","))
+                }
+            ));
+        }
+    }
+    if !l.swaps.is_empty() {
+        let list: Vec<String> = l
+            .swaps
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} -> {} ({}{})",
+                    s.host,
+                    s.replacement.as_deref().unwrap_or("dropped"),
+                    s.cause,
+                    if s.blind { ", blind" } else { "" }
+                )
+            })
+            .collect();
+        let blind = l.swaps.iter().filter(|s| s.blind).count();
+        out.push_str(&format!(
+            "node swaps: {} ({} named, {blind} blind): {}\n",
+            l.swaps.len(),
+            l.swaps.len() - blind,
+            list.join(", ")
+        ));
+    }
+    let mut quarantined: Vec<String> = events
+        .iter()
+        .filter(|e| e.event == kiln_run::event::QUARANTINE)
+        .filter_map(|e| {
+            Some(format!(
+                "{} ({})",
+                e.fields.get("host")?.as_str()?,
+                e.fields.get("cause").and_then(Value::as_str).unwrap_or("?")
+            ))
+        })
+        .collect();
+    quarantined.dedup();
+    if !quarantined.is_empty() {
+        out.push_str(&format!("quarantined: {}\n", quarantined.join(", ")));
+    }
+    if let Some(e) = events
+        .iter()
+        .rev()
+        .find(|e| e.event == kiln_run::event::STOPPED)
+    {
+        out.push_str(&format!(
+            "recovery stopped: {}\n",
+            e.fields.get("reason").map_or("?".into(), fmt_value)
+        ));
+    }
+    if let Some(e) = events
+        .iter()
+        .rev()
+        .find(|e| e.event == kiln_run::event::CHAIN)
+    {
+        out.push_str(&format!(
+            "chain: job {} of {}: {}\n",
+            e.fields.get("chain_index").map_or("?".into(), fmt_value),
+            e.fields.get("chain_limit").map_or("?".into(), fmt_value),
+            e.fields.get("reason").map_or("?".into(), fmt_value)
+        ));
+    }
+    out
+}
+
 /// Draws a run's curves (loss and eval loss, eval accuracies, LR, gradient norm, tokens/s)
-/// to `out_stem.svg` and `out_stem.png` (default stem: `RUN_DIR/plots/curves`).
-pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<(PathBuf, PathBuf), GatesError> {
+/// to `out_stem.svg` and `out_stem.png` (default stem: `RUN_DIR/plots/curves`), and, when the
+/// run was launched by `kiln launch`, its timeline (attempts, failures, swaps, the goodput
+/// ledger) to `<stem dir>/timeline.svg` and `.png`. Returns every file written.
+pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<Vec<PathBuf>, GatesError> {
     check_run_dir(run_dir)?;
-    let m = read_metrics(run_dir)?;
+    let stem = out_stem.map_or_else(
+        || run_dir.join(kiln_run::layout::PLOTS).join("curves"),
+        Path::to_path_buf,
+    );
+    let mut written = Vec::new();
+    let events = kiln_run::read_events(run_dir)?;
+    let l = kiln_run::ledger::ledger(&events);
+    if !l.attempts.is_empty() && l.total > 0.0 {
+        let t = stem.with_file_name("timeline");
+        let (svg, png) =
+            crate::plot::write_timeline(&t, &format!("kiln run {}", run_dir.display()), &l)?;
+        written.extend([svg, png]);
+    }
+    let has_metrics = run_dir.join(kiln_run::layout::METRICS).exists();
+    let m = if has_metrics {
+        read_metrics(run_dir)?
+    } else {
+        Metrics::default()
+    };
     if m.steps.is_empty() && m.evals.is_empty() {
+        if !written.is_empty() {
+            return Ok(written);
+        }
         return Err(GatesError::Invalid(format!(
             "{}: metrics.jsonl has no step or eval lines yet",
-            run_dir.join("metrics.jsonl").display()
+            run_dir.join(kiln_run::layout::METRICS).display()
         )));
     }
     let step_series = |name: &str, f: fn(&StepLine) -> f64| Series {
@@ -314,13 +448,14 @@ pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<(PathBuf, Pat
             false,
         ),
     ];
-    let stem = out_stem.map_or_else(|| run_dir.join("plots").join("curves"), Path::to_path_buf);
-    write_plots(
+    let (svg, png) = write_plots(
         &stem,
         &format!("kiln run {}", run_dir.display()),
         &panels,
         3,
-    )
+    )?;
+    written.extend([svg, png]);
+    Ok(written)
 }
 
 #[cfg(test)]

@@ -157,7 +157,12 @@ pub fn save(run: &SmokeRun, path: &Path) -> Result<(), GatesError> {
 
 /// Reads and checks a baseline file.
 pub fn load(path: &Path) -> Result<SmokeRun, GatesError> {
-    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let text = kiln_run::files::read_to_string_limited(
+        path,
+        64 * kiln_run::files::MIB,
+        "a smoke baseline",
+    )
+    .map_err(io_err(path))?;
     let run: SmokeRun = serde_json::from_str(&text).map_err(|e| GatesError::Parse {
         path: path.to_path_buf(),
         line: e.line(),
@@ -296,6 +301,18 @@ pub enum Verdict {
         /// The allowed relative growth.
         tolerance: f64,
     },
+}
+
+/// Checks a memory tolerance: a finite number (negative disables the memory check). NaN
+/// would silently disable it (every comparison with NaN is false).
+pub fn check_mem_tolerance(mem_tolerance: f64) -> Result<(), GatesError> {
+    if mem_tolerance.is_finite() {
+        Ok(())
+    } else {
+        Err(GatesError::Invalid(format!(
+            "--mem-tolerance {mem_tolerance}: must be a finite number (0.25 allows 25 % growth; a negative value disables the memory check)"
+        )))
+    }
 }
 
 /// Compares `run` with `baseline`. `check_config`: refuse differing configs.

@@ -1,36 +1,88 @@
-//! Builds launcher argv (mpiexec, srun, mpirun, local) and supervises attempts: output
-//! capture, watchdogs, process-group kill, retries.
+//! Launch and recovery: builds launcher argv (mpiexec, srun, mpirun, local), supervises
+//! attempts (output capture, watchdogs, process-group kill), and recovers them at process
+//! scope (retry), node scope (name the culprit host, swap a spare, quarantine) and job scope
+//! (batch scripts that stop before the walltime and chain).
 //!
 //! Layers, each usable alone: [`prepare`] (flags + environment -> processes to start),
-//! [`run_attempt`] (start, watch and end one attempt), [`run_with_retries`] (the retry loop
-//! writing `events.jsonl`).
+//! [`run_attempt`] (start, watch and end one attempt), [`run_with_retries`] (the recovery
+//! loop writing `events.jsonl`), [`launch`] (all of `kiln launch`), [`submit()`] (`kiln submit`).
 
 mod classify;
+mod culprit;
+mod health;
+mod launch;
+mod limits;
 mod plan;
+mod pool;
 mod probe;
 mod progress;
+mod pty;
 mod retry;
 mod setup;
 mod shim;
 mod signals;
+mod submit;
 mod supervise;
 
 pub use classify::{
     Classification, NOT_EXECUTABLE_EXIT, NOT_FOUND_EXIT, WALLTIME_EXIT, WATCHDOG_EXIT,
-    classify_exit, exit_code_of,
+    classify_code, classify_exit, exit_code_of,
+};
+pub use culprit::{
+    Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
+    same_host, scan_log,
+};
+pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
+pub use launch::{
+    KILN_FLAGS, LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus,
+    split_command,
+};
+pub use limits::seconds as limits_seconds;
+pub use limits::{
+    LOCAL_RANKS_MIN, LOCAL_RANKS_PER_CPU, MAX_LOCAL_RANKS, MAX_PER_NODE, MAX_RANKS, MAX_SECONDS,
 };
 pub use plan::{
     Launcher, PlanError, PlanRequest, ProcSpec, SizeRequest, Sizes, build_plan, resolve_sizes,
 };
-pub use probe::{find_in_path, probe_tool};
+pub use pool::{
+    HostPool, QuarantineEntry, QuarantineError, Replacement, append_quarantine, quarantined_hosts,
+    read_quarantine,
+};
+pub use probe::{Lookup, find_in_path, lookup_program, probe_tool};
 pub use progress::{DEFAULT_PROGRESS_REGEX, LineSplitter, ProgressRegex, strip_ansi};
 pub use retry::{
-    AUTO_RETRY_NO_PROGRESS, Backoff, LaunchResult, RetryConfig, RetryLimit, outcome_json,
-    run_with_retries,
+    AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
+    RetryLimit, decide, outcome_json, run_with_retries,
 };
-pub use setup::{LaunchOptions, Setup, SetupError, prepare};
-pub use shim::{ShimError, exec_as_rank, free_port, running_as_root};
+pub use setup::{AttemptPlan, LaunchOptions, Setup, SetupError, default_spares, prepare};
+pub use shim::{RankExit, ShimError, exit_like, free_port, run_as_rank, running_as_root};
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
+pub use submit::{
+    BatchScheduler, CHAIN_INDEX_ENV, ChainJob, SubmitError, SubmitRequest, Submitted, batch_script,
+    continue_chain, parse_time, shell_quote, submit, submit_script,
+};
 pub use supervise::{
     AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, become_subreaper, run_attempt,
 };
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so
+/// a reader never sees half a file and a symlink at `path` is replaced, not followed.
+pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}

@@ -64,11 +64,12 @@ pub fn resolve_sizes(
         (None, ppn, nnodes) => {
             let nnodes = nnodes.unwrap_or(hosts);
             let ppn = ppn.unwrap_or(default_ppn);
-            Sizes {
-                np: nnodes * ppn,
-                ppn,
-                nnodes,
-            }
+            let Some(np) = nnodes.checked_mul(ppn) else {
+                return err(format!(
+                    "{nnodes} nodes x {ppn} ranks per node is too many ranks"
+                ));
+            };
+            Sizes { np, ppn, nnodes }
         }
         (Some(np), None, None) => {
             let nnodes = np.div_ceil(default_ppn).min(hosts).max(1);
@@ -101,13 +102,13 @@ pub fn resolve_sizes(
             }
         }
         (Some(np), Some(ppn), Some(nnodes)) => {
-            if np > nnodes * ppn {
+            if nnodes.checked_mul(ppn).is_none_or(|total| np > total) {
                 return err(format!(
                     "--np {np} is more than --nnodes {nnodes} x --ppn {ppn} = {}",
-                    nnodes * ppn
+                    nnodes.saturating_mul(ppn)
                 ));
             }
-            if np <= (nnodes - 1) * ppn {
+            if np <= (nnodes - 1).saturating_mul(ppn) {
                 return err(format!(
                     "--np {np} with --ppn {ppn} fills only {} of --nnodes {nnodes}; these three flags conflict",
                     np.div_ceil(ppn)

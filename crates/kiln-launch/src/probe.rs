@@ -44,21 +44,58 @@ pub fn probe_tool(program: &str, args: &[&str]) -> Option<String> {
         .map(|_| String::from_utf8_lossy(&out).into_owned())
 }
 
+/// What a program name resolves to, as a shell would find it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// An executable file.
+    Found(PathBuf),
+    /// A file or directory exists but cannot be executed (shells exit 126 for it).
+    NotExecutable(PathBuf),
+    /// Nothing by that name (shells exit 127).
+    NotFound,
+}
+
+/// Resolves `program` as a shell does: itself if it contains a `/`, else the first
+/// executable match in `PATH`; a non-executable match is reported when nothing executable
+/// is found.
+pub fn lookup_program(program: &str) -> Lookup {
+    use std::os::unix::fs::PermissionsExt;
+    let state = |p: &Path| match p.metadata() {
+        Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => Some(true),
+        Ok(_) => Some(false),
+        Err(_) => None,
+    };
+    if program.is_empty() {
+        return Lookup::NotFound;
+    }
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        return match state(&p) {
+            Some(true) => Lookup::Found(p),
+            Some(false) => Lookup::NotExecutable(p),
+            None => Lookup::NotFound,
+        };
+    }
+    let Some(path) = std::env::var_os("PATH") else {
+        return Lookup::NotFound;
+    };
+    let mut not_executable = None;
+    for dir in std::env::split_paths(&path) {
+        let p = dir.join(program);
+        match state(&p) {
+            Some(true) => return Lookup::Found(p),
+            Some(false) if not_executable.is_none() && p.is_file() => not_executable = Some(p),
+            _ => {}
+        }
+    }
+    not_executable.map_or(Lookup::NotFound, Lookup::NotExecutable)
+}
+
 /// Where `program` would be executed from: itself if it contains a `/`, else the first
 /// executable match in `PATH`.
 pub fn find_in_path(program: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &Path| {
-        p.metadata()
-            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-            .unwrap_or(false)
-    };
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return executable(&p).then_some(p);
+    match lookup_program(program) {
+        Lookup::Found(p) => Some(p),
+        _ => None,
     }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(program))
-        .find(|p| executable(p))
 }

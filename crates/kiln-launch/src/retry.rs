@@ -1,12 +1,21 @@
-//! The retry loop: run attempts until success, a non-retryable ending, or the retry budget is
-//! spent, with exponential backoff between them; every attempt is recorded in events.jsonl.
+//! The recovery loop, process and node scope: run attempts until success, a non-retryable
+//! ending, a deterministic failure, or the budget is spent. After a failed attempt, name the
+//! culprit host (see [`crate::culprit`]), swap it for a spare and quarantine it, or retry on
+//! the same hosts, with exponential backoff between attempts. Every attempt and decision is
+//! recorded in events.jsonl.
 
 use crate::classify::Classification;
+use crate::culprit::{Clues, Diagnosis, diagnose, error_signature};
+use crate::health::HostHealth;
+use crate::plan::PlanError;
+use crate::pool::{HostPool, QuarantineEntry, Replacement, append_quarantine};
+use crate::setup::AttemptPlan;
 use crate::signals::StopRequest;
 use crate::supervise::{AttemptConfig, AttemptOutcome, SuperviseError, run_attempt};
-use kiln_run::EventLog;
+use kiln_run::{EventLog, event, exit, layout};
+use kiln_topology::Host;
 use serde_json::{Value, json};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Exponential backoff: `base`, doubling per retry, at most `cap`.
@@ -29,15 +38,15 @@ impl Default for Backoff {
 }
 
 impl Backoff {
-    /// Parses `BASE[,CAP]` in seconds (fractions allowed); CAP defaults to 12 x BASE.
+    /// Parses `BASE[,CAP]` in seconds (fractions allowed, each at most a year); CAP defaults
+    /// to 12 x BASE.
     pub fn parse(s: &str) -> Result<Self, String> {
         let secs = |t: &str| -> Result<Duration, String> {
             let v: f64 = t
                 .trim()
                 .parse()
                 .map_err(|_| format!("--backoff {s:?}: {t:?} is not a number of seconds"))?;
-            Duration::try_from_secs_f64(v)
-                .map_err(|_| format!("--backoff {s:?}: {t:?} must be a non-negative number"))
+            crate::limits::seconds("--backoff", v, true)
         };
         let (base, cap) = match s.split_once(',') {
             Some((b, c)) => (secs(b)?, secs(c)?),
@@ -72,9 +81,21 @@ pub enum RetryLimit {
 /// Consecutive attempts without new progress after which `--auto-retry` gives up.
 pub const AUTO_RETRY_NO_PROGRESS: u32 = 3;
 
+/// Node scope: where hosts come from and go to.
+pub struct NodeScope<'a> {
+    /// Active and spare hosts.
+    pub pool: HostPool,
+    /// The scheduler's view of lost hosts.
+    pub health: &'a dyn HostHealth,
+    /// Quarantine files to append to (the run directory's, and an optional shared one).
+    pub quarantine_files: Vec<PathBuf>,
+    /// The batch job, for the quarantine entries.
+    pub job_id: Option<String>,
+}
+
 /// Everything the loop needs beyond one attempt's config.
 pub struct RetryConfig<'a> {
-    /// The attempt template; `log_path` is replaced by `RUN_DIR/attempt-<i>.log`.
+    /// The attempt template; `procs`, `log_path` and `expected_ranks` are set per attempt.
     pub attempt: AttemptConfig,
     /// The run directory.
     pub run_dir: PathBuf,
@@ -82,14 +103,19 @@ pub struct RetryConfig<'a> {
     pub limit: RetryLimit,
     /// Backoff.
     pub backoff: Backoff,
-    /// Hosts used, for the events.
-    pub hosts: Vec<String>,
+    /// Active and spare hosts, and where to record quarantined ones.
+    pub scope: NodeScope<'a>,
+    /// Whether failed hosts are swapped (node scope, `--auto-retry`/`--spares`); without it
+    /// every attempt runs on the same hosts.
+    pub swap_hosts: bool,
+    /// Builds an attempt's processes for a set of hosts.
+    pub planner: &'a dyn Fn(&[Host]) -> Result<AttemptPlan, PlanError>,
     /// Where events go.
     pub events: &'a mut EventLog,
     /// Signals kiln received.
     pub stop: &'a dyn Fn() -> Option<StopRequest>,
     /// Called with each finished attempt (for a one-line summary on stderr).
-    pub on_attempt_end: &'a dyn Fn(u32, &AttemptOutcome),
+    pub on_attempt_end: &'a dyn Fn(u32, &AttemptOutcome, &Diagnosis),
 }
 
 /// The result of the whole launch.
@@ -99,6 +125,10 @@ pub struct LaunchResult {
     pub last: AttemptOutcome,
     /// How many attempts ran.
     pub attempts: u32,
+    /// Why the loop stopped early, if it did (deterministic failure, hosts exhausted, ...).
+    pub stop_reason: Option<String>,
+    /// Hosts swapped out (culprit, replacement, blind).
+    pub swaps: Vec<(String, String, bool)>,
 }
 
 /// The attempt fields of `events.jsonl`.
@@ -121,132 +151,522 @@ pub fn outcome_json(
         "classification": o.classification.name(),
         "signal": o.signal,
         "last_progress": o.last_progress,
+        "start_step": o.start_step,
+        "first_advance_time": o.first_advance_time,
+        "last_advance_time": o.last_advance_time,
         "progress": o.progress,
         "culprit_ranks": o.culprits,
+        "rank_exits": o.rank_exits.iter().map(|r| json!({"rank": r.rank, "code": r.code, "signal": r.signal, "host": r.host, "time": r.time})).collect::<Vec<_>>(),
         "detect_s": o.detect_s,
         "kill_s": o.kill_s,
         "message": o.message,
     })
 }
 
-/// Runs attempts with retries. Event-log write failures are reported (tracing) but never
-/// stop the job: losing a log line is better than losing the run.
+/// What to do after an attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// The outcome is final (success, or not retryable, or the budget is spent).
+    Finish,
+    /// Stop early: `reason`, exiting with `code`.
+    Stop {
+        /// For the operator.
+        reason: String,
+        /// kiln's exit code.
+        code: i32,
+    },
+    /// Run again, after replacing `replace` (culprits) on the way; `blind` when no evidence
+    /// named them.
+    Retry {
+        /// Hosts to replace.
+        replace: Vec<String>,
+        /// Whether the replacement is a guess.
+        blind: bool,
+    },
+}
+
+/// What the loop remembers between attempts.
+#[derive(Debug, Default, Clone)]
+pub struct History {
+    /// Attempts run so far.
+    pub attempts: u32,
+    /// The best progress of any attempt.
+    pub best_progress: Option<u64>,
+    /// Attempts in a row that got no further than `best_progress`.
+    pub no_progress_streak: u32,
+    /// Whether the previous attempt completed no step.
+    pub previous_zero_step: bool,
+    /// The previous failed attempt's error signature.
+    pub previous_signature: Option<String>,
+    /// The previous attempt's last step.
+    pub previous_last_step: Option<u64>,
+}
+
+/// The policy, as a pure function of the attempt, its diagnosis and the history (which it
+/// updates). See `kiln launch --help` for the rules in words.
+pub fn decide(
+    o: &AttemptOutcome,
+    d: &Diagnosis,
+    signature: Option<String>,
+    limit: RetryLimit,
+    swap_hosts: bool,
+    h: &mut History,
+) -> Decision {
+    h.attempts += 1;
+    let advanced_best = match (o.last_progress, h.best_progress) {
+        (Some(now), Some(best)) => now > best,
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    if advanced_best {
+        h.best_progress = o.last_progress;
+        h.no_progress_streak = 0;
+    } else {
+        h.no_progress_streak += 1;
+    }
+    let zero_step = !o.advanced();
+    let previous_zero = std::mem::replace(&mut h.previous_zero_step, zero_step);
+    let previous_signature = std::mem::replace(&mut h.previous_signature, signature.clone());
+    let previous_last_step = std::mem::replace(&mut h.previous_last_step, o.last_progress);
+    if !o.classification.retryable() {
+        return Finish;
+    }
+    let node_failure = d.cause == "node-failure";
+    if swap_hosts && !node_failure {
+        if zero_step && previous_zero {
+            return Stop {
+                reason: "two attempts in a row completed no step: the failure is deterministic; not using spares".into(),
+                code: o.exit_code,
+            };
+        }
+        // The same error again, before any step or at the very step it happened before.
+        let same_place = !o.advanced() || o.last_progress == previous_last_step;
+        if signature.is_some() && signature == previous_signature && same_place {
+            return Stop {
+                reason: format!(
+                    "the same error twice in a row ({}): deterministic; not using spares",
+                    signature.unwrap_or_default()
+                ),
+                code: o.exit_code,
+            };
+        }
+    }
+    let retries_done = h.attempts - 1;
+    let give_up = match limit {
+        RetryLimit::Count(n) => retries_done >= n,
+        RetryLimit::Auto => h.no_progress_streak >= AUTO_RETRY_NO_PROGRESS,
+    };
+    if give_up {
+        return Finish;
+    }
+    if !swap_hosts {
+        return Retry {
+            replace: Vec::new(),
+            blind: false,
+        };
+    }
+    // A failure before any step is most often the program or its input: only a node that
+    // died or a replica that disagreed justifies a spare then.
+    let strong = matches!(d.cause.as_str(), "node-failure" | "replica-mismatch");
+    if !d.hosts.is_empty() && (strong || !zero_step) {
+        return Retry {
+            replace: d.hosts.clone(),
+            blind: false,
+        };
+    }
+    // No evidence: a failure after progress may be a bad host nobody named (swap one, as
+    // a guess, counted as such); a preemption or a failure before any step is retried where
+    // it ran.
+    let guess = o.advanced()
+        && matches!(
+            o.classification,
+            Classification::Failed
+                | Classification::Signaled
+                | Classification::HungSilent
+                | Classification::HungStalled
+        );
+    Retry {
+        replace: Vec::new(),
+        blind: guess,
+    }
+}
+use Decision::{Finish, Retry, Stop};
+
+/// The last `n` bytes of a file (the end of a log holds the failure).
+fn tail(path: &Path, n: u64) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
+    let mut buf = Vec::new();
+    let _ = f.take(n).read_to_end(&mut buf);
+    buf
+}
+
+/// Ranks and hosts named by the trainer's `replica_mismatch` events written during the
+/// attempt.
+fn mismatches(run_dir: &Path, since: f64) -> (Vec<usize>, Vec<String>) {
+    let Ok(events) = kiln_run::read_events(run_dir) else {
+        return (Vec::new(), Vec::new());
+    };
+    let (mut ranks, mut hosts) = (Vec::new(), Vec::new());
+    for e in events
+        .iter()
+        .filter(|e| e.event == event::REPLICA_MISMATCH && e.time + 1.0 >= since)
+    {
+        let list = |k: &str| {
+            e.fields
+                .get(k)
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+        };
+        hosts.extend(
+            list("hosts")
+                .iter()
+                .filter_map(|v| Some(v.as_str()?.to_string())),
+        );
+        ranks.extend(
+            list("ranks")
+                .iter()
+                .filter_map(|v| Some(v.as_u64()? as usize)),
+        );
+    }
+    (ranks, hosts)
+}
+
+/// Appends to the event log; a failed write is reported (tracing) but never stops the job:
+/// losing a log line is better than losing the run.
+struct Log<'a>(&'a mut EventLog);
+
+impl Log<'_> {
+    fn emit(&mut self, name: &str, fields: Value) {
+        if let Err(e) = self.0.emit(name, fields) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Names the culprit of a finished attempt (nothing to name after a success).
+fn diagnose_attempt(
+    outcome: &AttemptOutcome,
+    plan: &AttemptPlan,
+    log_tail: &[u8],
+    run_dir: &Path,
+    scope: &NodeScope<'_>,
+    swap_hosts: bool,
+) -> Diagnosis {
+    if outcome.classification == Classification::Success {
+        return Diagnosis {
+            cause: "none".into(),
+            hosts: Vec::new(),
+            evidence: Vec::new(),
+        };
+    }
+    let lost = if swap_hosts {
+        scope.health.lost(&plan.hosts)
+    } else {
+        Vec::new()
+    };
+    let (mismatch_ranks, mismatch_hosts) = mismatches(run_dir, outcome.start_time);
+    diagnose(
+        outcome,
+        &Clues {
+            log: log_tail,
+            hosts: &plan.hosts,
+            ppn: plan.sizes.ppn,
+            lost,
+            mismatch_ranks,
+            mismatch_hosts,
+        },
+    )
+}
+
+/// Replaces each culprit by a spare (or drops it), recording swaps and quarantines. Returns
+/// the reason to stop when a host can be neither replaced nor dropped.
+#[allow(clippy::too_many_arguments)]
+fn replace_hosts(
+    log: &mut Log<'_>,
+    scope: &mut NodeScope<'_>,
+    swaps: &mut Vec<(String, String, bool)>,
+    attempt: u32,
+    replace: &[String],
+    blind: bool,
+    cause: &str,
+    diagnosis: &Diagnosis,
+    run_dir: &Path,
+) -> Option<String> {
+    for host in replace {
+        let found: Vec<String> = diagnosis
+            .evidence
+            .iter()
+            .filter(|e| &e.host == host)
+            .map(|e| format!("{}: {}", e.source, e.detail))
+            .collect();
+        let evidence = if found.is_empty() {
+            "no evidence named a host; rank 0's host swapped as a guess".to_string()
+        } else {
+            found.join("; ")
+        };
+        if blind && scope.pool.spares.is_empty() {
+            return None; // a guess never shrinks the job
+        }
+        match scope.pool.replace(host) {
+            Replacement::Swapped(with) => {
+                log.emit(
+                    event::NODE_SWAP,
+                    json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
+                );
+                eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
+                swaps.push((host.clone(), with, blind));
+            }
+            Replacement::Dropped => {
+                log.emit(
+                    event::SHRINK,
+                    json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}),
+                );
+                eprintln!(
+                    "kiln: no spare left; continuing without {host} on {} host(s)",
+                    scope.pool.active.len()
+                );
+            }
+            Replacement::Exhausted => {
+                quarantine(log, scope, host, cause, &evidence, run_dir);
+                return Some(format!(
+                    "no spare left to replace {host} ({cause}) and the job may not shrink below {} host(s)",
+                    scope.pool.min_active
+                ));
+            }
+        }
+        // A guess is not evidence: the host is set aside for this launch, not quarantined.
+        if !blind {
+            quarantine(log, scope, host, cause, &evidence, run_dir);
+        }
+    }
+    None
+}
+
+/// Runs attempts with recovery (see the module docs).
 pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseError> {
     let RetryConfig {
         attempt: template,
         run_dir,
         limit,
         backoff,
-        hosts,
+        mut scope,
+        swap_hosts,
+        planner,
         events,
         stop,
         on_attempt_end,
     } = cfg;
-    let argv: Vec<Vec<String>> = template.procs.iter().map(|p| p.argv.clone()).collect();
-    let mut emit = |event: &str, fields: Value| {
-        if let Err(e) = events.emit(event, fields) {
-            tracing::warn!("{e}");
-        }
-    };
+    let mut log = Log(events);
+    let mut history = History::default();
+    let mut swaps: Vec<(String, String, bool)> = Vec::new();
     let mut attempt: u32 = 0;
-    let mut best_progress: Option<u64> = None;
-    let mut no_progress_streak = 0u32;
+    let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
+        Ok(LaunchResult {
+            last,
+            attempts,
+            stop_reason,
+            swaps,
+        })
+    };
     loop {
         attempt += 1;
-        let log_name = format!("attempt-{attempt}.log");
+        let log_name = layout::attempt_log(attempt);
+        let plan = match planner(&scope.pool.active) {
+            Ok(p) => p,
+            Err(e) => {
+                let o = AttemptOutcome::not_started(exit::USAGE, e.to_string());
+                return end(o, attempt - 1, Some(e.to_string()), swaps);
+            }
+        };
+        if let Some((path, text)) = &plan.hostfile_to_write
+            && let Err(e) = std::fs::write(path, text)
+        {
+            tracing::warn!("writing {}: {e}", path.display());
+        }
         let mut cfg = template.clone();
         cfg.log_path = run_dir.join(&log_name);
-        emit(
-            "attempt_start",
-            json!({"attempt": attempt, "argv": argv, "hosts": hosts, "log": log_name}),
+        cfg.procs = plan.procs.clone();
+        cfg.expected_ranks = Some(plan.sizes.np);
+        let argv: Vec<Vec<String>> = cfg.procs.iter().map(|p| p.argv.clone()).collect();
+        log.emit(
+            event::ATTEMPT_START,
+            json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
-        emit(
-            "attempt_end",
-            outcome_json(attempt, &argv, &hosts, &log_name, &outcome),
-        );
-        on_attempt_end(attempt, &outcome);
+        let log_tail = tail(&cfg.log_path, 256 * 1024);
+        let diagnosis = diagnose_attempt(&outcome, &plan, &log_tail, &run_dir, &scope, swap_hosts);
+        let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
+        if let Some(obj) = fields.as_object_mut() {
+            obj.insert("cause".into(), json!(diagnosis.cause));
+            obj.insert("culprit_hosts".into(), json!(diagnosis.hosts));
+            obj.insert("evidence".into(), json!(diagnosis.evidence));
+        }
+        log.emit(event::ATTEMPT_END, fields);
+        on_attempt_end(attempt, &outcome, &diagnosis);
 
-        let advanced = match (outcome.last_progress, best_progress) {
-            (Some(now), Some(best)) => now > best,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        if advanced {
-            best_progress = outcome.last_progress;
-            no_progress_streak = 0;
-        } else {
-            no_progress_streak += 1;
-        }
-        let retries_done = attempt - 1;
-        let give_up = match limit {
-            RetryLimit::Count(n) => retries_done >= n,
-            RetryLimit::Auto => no_progress_streak >= AUTO_RETRY_NO_PROGRESS,
-        };
-        if !outcome.classification.retryable() || give_up {
-            return Ok(LaunchResult {
-                last: outcome,
-                attempts: attempt,
-            });
-        }
-        let delay = backoff.delay(attempt);
-        // No attempt can start after the walltime: stop now, resumable, instead of starting
-        // one that would be killed at once.
-        if template
-            .deadline
-            .is_some_and(|d| Instant::now() + delay >= d)
-        {
-            let mut last = outcome;
-            last.classification = Classification::Walltime;
-            last.exit_code = crate::classify::WALLTIME_EXIT;
-            last.message =
-                Some("walltime reached before the next attempt could start; not retrying".into());
-            emit("stopped", json!({"attempt": attempt, "reason": "walltime"}));
-            return Ok(LaunchResult {
-                last,
-                attempts: attempt,
-            });
-        }
-        emit(
-            "backoff",
-            json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
+        let signature = (outcome.classification != Classification::Success)
+            .then(|| error_signature(&log_tail))
+            .flatten();
+        let decision = decide(
+            &outcome,
+            &diagnosis,
+            signature,
+            limit,
+            swap_hosts,
+            &mut history,
         );
-        tracing::info!("retrying in {:.1} s", delay.as_secs_f64());
-        eprintln!(
-            "kiln: attempt {attempt} ended {} (exit {}); retrying in {:.1} s",
-            outcome.classification.name(),
-            outcome.exit_code,
-            delay.as_secs_f64()
-        );
-        // Sleep in small steps: a stop signal during backoff must end kiln promptly.
-        let seen = stop().map_or(0, |s| s.count);
-        let until = Instant::now() + delay;
-        while Instant::now() < until {
-            if let Some(req) = stop()
-                && req.count > seen
-            {
+        let (replace, blind) = match decision {
+            Finish => return end(outcome, attempt, None, swaps),
+            Stop { reason, code } => {
+                log.emit(
+                    event::STOPPED,
+                    json!({"attempt": attempt, "reason": reason, "exit_code": code}),
+                );
                 let mut last = outcome;
-                last.classification = if req.signal == libc::SIGUSR1 {
-                    Classification::Walltime
-                } else {
-                    Classification::Interrupted
-                };
-                last.exit_code = 128 + req.signal;
-                last.message = Some(format!(
-                    "kiln received signal {} during backoff; not retrying",
-                    req.signal
-                ));
-                emit("stopped", json!({"attempt": attempt, "signal": req.signal}));
-                return Ok(LaunchResult {
-                    last,
-                    attempts: attempt,
-                });
+                last.exit_code = code;
+                return end(last, attempt, Some(reason), swaps);
             }
-            std::thread::sleep(
-                Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
+            Retry { replace, blind } => (replace, blind),
+        };
+        // A guess swaps rank 0's host: it does the most besides training (I/O, logging).
+        let replace = if blind {
+            scope.pool.active_names().into_iter().take(1).collect()
+        } else {
+            replace
+        };
+        let cause = if blind {
+            outcome.classification.name()
+        } else {
+            diagnosis.cause.as_str()
+        };
+        let stopped = replace_hosts(
+            &mut log, &mut scope, &mut swaps, attempt, &replace, blind, cause, &diagnosis, &run_dir,
+        );
+        if let Some(reason) = stopped {
+            log.emit(
+                event::STOPPED,
+                json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
             );
+            let mut last = outcome;
+            last.exit_code = exit::NODES_EXHAUSTED;
+            return end(last, attempt, Some(reason), swaps);
+        }
+        let waited = wait_backoff(
+            &mut log,
+            attempt,
+            &outcome,
+            &backoff,
+            template.deadline,
+            stop,
+        );
+        if let Some(last) = waited {
+            return end(last, attempt, None, swaps);
         }
     }
+}
+
+fn quarantine(
+    log: &mut Log<'_>,
+    scope: &NodeScope<'_>,
+    host: &str,
+    cause: &str,
+    evidence: &str,
+    run_dir: &Path,
+) {
+    let entry = QuarantineEntry {
+        time: kiln_run::unix_time(),
+        host: host.to_string(),
+        cause: cause.to_string(),
+        evidence: evidence.to_string(),
+        job_id: scope.job_id.clone(),
+        run_dir: Some(run_dir.to_path_buf()),
+    };
+    for f in &scope.quarantine_files {
+        if let Err(e) = append_quarantine(f, &entry) {
+            tracing::warn!("{e}");
+            eprintln!("kiln: {e}");
+        }
+    }
+    log.emit(
+        event::QUARANTINE,
+        json!({"host": host, "cause": cause, "evidence": evidence, "files": scope.quarantine_files}),
+    );
+}
+
+/// Waits the backoff before the next attempt. Returns the outcome to end with when the
+/// walltime leaves no room for another attempt or a stop signal arrives meanwhile.
+fn wait_backoff(
+    log: &mut Log<'_>,
+    attempt: u32,
+    outcome: &AttemptOutcome,
+    backoff: &Backoff,
+    deadline: Option<Instant>,
+    stop: &dyn Fn() -> Option<StopRequest>,
+) -> Option<AttemptOutcome> {
+    let delay = backoff.delay(attempt);
+    // No attempt can start after the walltime: stop now, resumable, instead of starting
+    // one that would be killed at once.
+    if deadline.is_some_and(|d| Instant::now() + delay >= d) {
+        let mut last = outcome.clone();
+        last.classification = Classification::Walltime;
+        last.exit_code = crate::classify::WALLTIME_EXIT;
+        last.message =
+            Some("walltime reached before the next attempt could start; not retrying".into());
+        log.emit(
+            event::STOPPED,
+            json!({"attempt": attempt, "reason": "walltime"}),
+        );
+        return Some(last);
+    }
+    log.emit(
+        event::BACKOFF,
+        json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
+    );
+    eprintln!(
+        "kiln: attempt {attempt} ended {} (exit {}); retrying in {:.1} s",
+        outcome.classification.name(),
+        outcome.exit_code,
+        delay.as_secs_f64()
+    );
+    // Sleep in small steps: a stop signal during backoff must end kiln promptly.
+    let seen = stop().map_or(0, |s| s.count);
+    let until = Instant::now() + delay;
+    while Instant::now() < until {
+        if let Some(req) = stop()
+            && req.count > seen
+        {
+            let mut last = outcome.clone();
+            last.classification = if req.signal == libc::SIGUSR1 {
+                Classification::Walltime
+            } else {
+                Classification::Interrupted
+            };
+            last.exit_code = if req.signal == libc::SIGUSR1 {
+                crate::classify::WALLTIME_EXIT
+            } else {
+                128 + req.signal
+            };
+            last.message = Some(format!(
+                "kiln received signal {} during backoff; not retrying",
+                req.signal
+            ));
+            log.emit(
+                event::STOPPED,
+                json!({"attempt": attempt, "signal": req.signal}),
+            );
+            return Some(last);
+        }
+        std::thread::sleep(
+            Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
+        );
+    }
+    None
 }
 
 #[cfg(test)]
@@ -264,6 +684,190 @@ mod tests {
         assert!(Backoff::parse("x").is_err());
         assert!(Backoff::parse("5,1").is_err());
         assert!(Backoff::parse("-1").is_err());
+        assert!(Backoff::parse("1e300").is_err());
         assert_eq!(b.delay(u32::MAX), Duration::from_millis(1500));
+    }
+
+    fn outcome(class: Classification, code: i32, advanced: bool) -> AttemptOutcome {
+        let mut o = AttemptOutcome::not_started(code, String::new());
+        o.classification = class;
+        if advanced {
+            o.first_advance_time = Some(1.0);
+            o.last_progress = Some(5);
+        }
+        o
+    }
+
+    fn diag(cause: &str, hosts: &[&str]) -> Diagnosis {
+        Diagnosis {
+            cause: cause.into(),
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            evidence: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn policy() {
+        let auto = RetryLimit::Auto;
+        // A named culprit is replaced.
+        let mut h = History::default();
+        let d = decide(
+            &outcome(Classification::Failed, 1, true),
+            &diag("node-failure", &["n2"]),
+            None,
+            auto,
+            true,
+            &mut h,
+        );
+        assert_eq!(
+            d,
+            Retry {
+                replace: vec!["n2".into()],
+                blind: false
+            }
+        );
+        // Deterministic exit codes finish at once.
+        let mut h = History::default();
+        let d = decide(
+            &outcome(Classification::Deterministic, 78, false),
+            &diag("unknown", &[]),
+            None,
+            auto,
+            true,
+            &mut h,
+        );
+        assert_eq!(d, Finish);
+        // Two zero-step attempts stop without spares; the first is retried in place.
+        let mut h = History::default();
+        let o = outcome(Classification::Failed, 1, false);
+        assert_eq!(
+            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        assert!(matches!(
+            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            Stop { code: 1, .. }
+        ));
+        // A crash before any step names no host worth a spare: retried in place.
+        let mut h = History::default();
+        assert_eq!(
+            decide(&o, &diag("crash", &["n1"]), None, auto, true, &mut h),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        // ... unless a node died: that is never the program's fault.
+        let mut h = History {
+            previous_zero_step: true,
+            ..History::default()
+        };
+        assert!(matches!(
+            decide(&o, &diag("node-failure", &["n3"]), None, auto, true, &mut h),
+            Retry { .. }
+        ));
+        // The same error twice after a swap is the program's.
+        let mut h = History::default();
+        let sig = Some("ValueError: x".to_string());
+        let o = outcome(Classification::Failed, 1, false);
+        let _ = decide(
+            &outcome(Classification::Failed, 1, true),
+            &diag("crash", &["n1"]),
+            sig.clone(),
+            auto,
+            true,
+            &mut h,
+        );
+        assert!(matches!(
+            decide(&o, &diag("crash", &["n4"]), sig.clone(), auto, true, &mut h),
+            Stop { .. }
+        ));
+        // The same error at the same step after a swap is the program's, even with progress.
+        let mut h = History::default();
+        let at = |step| {
+            let mut o = outcome(Classification::ReplicaMismatch, 76, true);
+            o.last_progress = Some(step);
+            o
+        };
+        let _ = decide(
+            &at(40),
+            &diag("replica-mismatch", &["n2"]),
+            sig.clone(),
+            auto,
+            true,
+            &mut h,
+        );
+        assert!(matches!(
+            decide(
+                &at(40),
+                &diag("replica-mismatch", &["n4"]),
+                sig.clone(),
+                auto,
+                true,
+                &mut h
+            ),
+            Stop { .. }
+        ));
+        // No evidence after progress: a blind swap; a preemption: retried in place.
+        let mut h = History::default();
+        assert_eq!(
+            decide(
+                &outcome(Classification::HungStalled, 124, true),
+                &diag("unknown", &[]),
+                None,
+                auto,
+                true,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: true
+            }
+        );
+        assert_eq!(
+            decide(
+                &outcome(Classification::Preempted, 75, true),
+                &diag("unknown", &[]),
+                None,
+                auto,
+                true,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        // Process scope only: never a swap; the count is respected.
+        let mut h = History::default();
+        let o = outcome(Classification::Failed, 1, true);
+        assert_eq!(
+            decide(
+                &o,
+                &diag("crash", &["n2"]),
+                None,
+                RetryLimit::Count(1),
+                false,
+                &mut h
+            ),
+            Retry {
+                replace: vec![],
+                blind: false
+            }
+        );
+        assert_eq!(
+            decide(
+                &o,
+                &diag("crash", &["n2"]),
+                None,
+                RetryLimit::Count(1),
+                false,
+                &mut h
+            ),
+            Finish
+        );
     }
 }

@@ -1,12 +1,15 @@
 //! From flags and environment to the processes of a launch: detect the scheduler, hosts and
-//! accelerators (flags override each), resolve sizes, choose the launcher, build argv.
+//! accelerators (flags override each), split the hosts into active and spare, resolve sizes,
+//! choose the launcher, build argv. [`Setup::plan_for`] rebuilds the plan for another set of
+//! hosts (after a node swap), so every attempt runs on its own active set.
 
+use crate::limits;
 use crate::plan::{
     Launcher, PlanError, PlanRequest, ProcSpec, SizeRequest, Sizes, build_plan, resolve_sizes,
 };
 use kiln_topology::{
-    AcceleratorKind, Accelerators, Detected, Host, HostsError, Probe, Scheduler, allocation_hosts,
-    detect_accelerators, detect_scheduler,
+    AcceleratorKind, Accelerators, Detected, Host, HostsError, Probe, Scheduler,
+    VisibleDevicesError, allocation_hosts, detect_accelerators, detect_scheduler,
 };
 use std::path::PathBuf;
 
@@ -21,6 +24,8 @@ pub struct LaunchOptions {
     pub sizes: SizeRequest,
     /// `--mpi`: use `mpirun` when there is no scheduler.
     pub mpi: bool,
+    /// `--oversubscribe`: allow more local ranks than [`limits::LOCAL_RANKS_PER_CPU`] per CPU.
+    pub oversubscribe: bool,
     /// `--accelerator nvidia|amd|intel|cpu`.
     pub accelerator: Option<String>,
     /// `--gpus-per-node N`.
@@ -41,6 +46,14 @@ pub struct LaunchOptions {
     pub progress_dir: PathBuf,
     /// The run directory (a generated hostfile goes there).
     pub run_dir: PathBuf,
+    /// Node scope is on (`--auto-retry`): keep spare hosts to swap in.
+    pub node_scope: bool,
+    /// `--spares N`; `None`: about 2 % of the hosts (at least 1) under node scope, else 0.
+    pub spares: Option<usize>,
+    /// Hosts not to use (quarantined by earlier attempts or jobs).
+    pub exclude: Vec<String>,
+    /// `PYTHONUNBUFFERED` as kiln sees it: when unset, ranks get `PYTHONUNBUFFERED=1`.
+    pub python_unbuffered_set: bool,
 }
 
 /// Everything decided before the first attempt, with the reasons, for `--dry-run` and
@@ -53,16 +66,43 @@ pub struct Setup {
     pub hosts: Detected<Vec<Host>>,
     /// Accelerators per node and why.
     pub accelerators: Detected<Accelerators>,
-    /// Resolved sizes.
+    /// Resolved sizes (of the active hosts).
     pub sizes: Sizes,
     /// The launcher.
     pub launcher: Launcher,
-    /// Hosts actually used (the first `sizes.nnodes`).
+    /// Hosts the first attempt runs on.
+    pub active: Vec<Host>,
+    /// Hosts kept to replace failed ones (node scope).
+    pub spares: Vec<Host>,
+    /// Hosts of the allocation left out because they are quarantined.
+    pub excluded: Vec<String>,
+    /// Names of the hosts actually used (`active`).
     pub used_hosts: Vec<String>,
     /// A hostfile kiln must write before launching: (path, contents).
     pub hostfile_to_write: Option<(PathBuf, String)>,
-    /// The processes to start each attempt.
+    /// The processes to start (for `active`).
     pub procs: Vec<ProcSpec>,
+    template: PlanRequest,
+    source_file: Option<PathBuf>,
+    user_hostfile: bool,
+    master_addr: Option<String>,
+    master_port: u16,
+    progress_dir: PathBuf,
+    run_dir: PathBuf,
+    python_unbuffered_set: bool,
+}
+
+/// The processes of one attempt on a given set of hosts.
+#[derive(Debug, Clone)]
+pub struct AttemptPlan {
+    /// Sizes on these hosts.
+    pub sizes: Sizes,
+    /// The processes to start.
+    pub procs: Vec<ProcSpec>,
+    /// A hostfile to write first: (path, contents).
+    pub hostfile_to_write: Option<(PathBuf, String)>,
+    /// The host names, in rank order (block distribution: `ppn` ranks per host).
+    pub hosts: Vec<String>,
 }
 
 /// Why a launch cannot be set up; the message says which flag or file to fix.
@@ -71,26 +111,32 @@ pub enum SetupError {
     /// Hosts could not be listed.
     #[error(transparent)]
     Hosts(#[from] HostsError),
+    /// A visible-device variable is malformed.
+    #[error(transparent)]
+    Devices(#[from] VisibleDevicesError),
     /// Sizes or launcher choice conflict.
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// A flag value is not one of the accepted ones.
+    /// A flag value is not one of the accepted ones, or out of bounds.
     #[error("{0}")]
     Flag(String),
 }
 
-/// Decides everything about a launch. `vars` reads the environment, `probe` runs a GPU tool,
-/// `local_cpus` and `as_root` describe this machine.
-pub fn prepare(
+/// Spares kept by default under node scope: about 2 % of the hosts, at least one when there
+/// are two or more (as the seeds' launchers do).
+pub fn default_spares(usable_hosts: usize) -> usize {
+    if usable_hosts < 2 {
+        return 0;
+    }
+    ((usable_hosts as f64 * 0.02).round() as usize).max(1)
+}
+
+fn scheduler_choice(
     opts: &LaunchOptions,
     vars: &dyn Fn(&str) -> Option<String>,
-    probe: Probe<'_>,
-    local_cpus: usize,
-    as_root: bool,
-) -> Result<Setup, SetupError> {
-    let detected = detect_scheduler(vars);
-    let scheduler = match opts.scheduler.as_deref() {
-        None | Some("auto") => detected,
+) -> Result<Detected<Scheduler>, SetupError> {
+    Ok(match opts.scheduler.as_deref() {
+        None | Some("auto") => detect_scheduler(vars),
         Some("none") => Detected {
             value: Scheduler::None,
             reason: "--scheduler none".into(),
@@ -114,9 +160,39 @@ pub fn prepare(
                 "--scheduler {other:?}: expected auto, pbs, slurm or none"
             )));
         }
-    };
+    })
+}
+
+/// Decides everything about a launch. `vars` reads the environment, `probe` runs a GPU tool,
+/// `local_cpus` and `as_root` describe this machine.
+pub fn prepare(
+    opts: &LaunchOptions,
+    vars: &dyn Fn(&str) -> Option<String>,
+    probe: Probe<'_>,
+    local_cpus: usize,
+    as_root: bool,
+) -> Result<Setup, SetupError> {
+    for (flag, v) in [
+        ("--ppn", opts.sizes.ppn),
+        ("--gpus-per-node", opts.gpus_per_node),
+    ] {
+        if let Some(v) = v {
+            limits::per_node(flag, v).map_err(SetupError::Flag)?;
+        }
+    }
+    if let Some(np) = opts.sizes.np {
+        limits::ranks(np, None, true).map_err(SetupError::Flag)?;
+    }
+    if opts.master_port == 0 {
+        return Err(SetupError::Flag(
+            "--master-port 0 is not a port ranks can meet on; omit the flag to let kiln pick a free port".into(),
+        ));
+    }
+    let scheduler = scheduler_choice(opts, vars)?;
     let hosts = allocation_hosts(&scheduler.value, opts.hostfile.as_deref())?;
     let accelerators = accelerators(opts, vars, probe)?;
+    limits::per_node("accelerators per node", accelerators.value.count)
+        .map_err(SetupError::Flag)?;
     let launcher = match (&scheduler.value, opts.mpi) {
         (Scheduler::Pbs { .. }, _) => Launcher::Mpiexec,
         (Scheduler::Slurm { .. }, _) => Launcher::Srun,
@@ -129,64 +205,75 @@ pub fn prepare(
             "--hostfile without a scheduler needs --mpi (kiln starts ranks on other hosts through mpirun)".into(),
         ));
     }
+    let excluded: Vec<String> = hosts
+        .value
+        .iter()
+        .filter(|h| opts.exclude.iter().any(|x| crate::same_host(x, &h.name)))
+        .map(|h| h.name.clone())
+        .collect();
+    let usable: Vec<Host> = hosts
+        .value
+        .iter()
+        .filter(|h| !excluded.contains(&h.name))
+        .cloned()
+        .collect();
+    if usable.is_empty() {
+        return Err(SetupError::Flag(format!(
+            "every host of the allocation is quarantined ({}); see the quarantine file",
+            excluded.join(", ")
+        )));
+    }
+    let min_spares = match (opts.spares, opts.node_scope) {
+        (Some(s), _) => {
+            if s >= usable.len() {
+                return Err(SetupError::Flag(format!(
+                    "--spares {s} leaves no active host: {} usable host(s) ({})",
+                    usable.len(),
+                    hosts.reason
+                )));
+            }
+            s
+        }
+        (None, true) if opts.sizes.nnodes.is_none() => default_spares(usable.len()),
+        (None, _) => 0,
+    };
     let default_ppn = accelerators.value.count.max(1);
-    let sizes = resolve_sizes(opts.sizes, hosts.value.len(), &hosts.reason, default_ppn)?;
-    let used: Vec<Host> = hosts.value.iter().take(sizes.nnodes).cloned().collect();
-    let used_hosts: Vec<String> = used.iter().map(|h| h.name.clone()).collect();
-    let all_hosts = sizes.nnodes == hosts.value.len();
+    let candidates = usable.len() - min_spares;
+    let reason = if min_spares > 0 || !excluded.is_empty() {
+        format!(
+            "{} ({} usable, {} kept as spares)",
+            hosts.reason,
+            usable.len(),
+            min_spares
+        )
+    } else {
+        hosts.reason.clone()
+    };
+    let sizes = resolve_sizes(opts.sizes, candidates, &reason, default_ppn)?;
+    let local = matches!(launcher, Launcher::Local)
+        || (launcher == Launcher::Mpirun && opts.hostfile.is_none());
+    limits::ranks(sizes.np, local.then_some(local_cpus), opts.oversubscribe)
+        .map_err(SetupError::Flag)?;
+    let active: Vec<Host> = usable.iter().take(sizes.nnodes).cloned().collect();
+    let spares: Vec<Host> = if opts.node_scope || opts.spares.is_some() {
+        usable.iter().skip(sizes.nnodes).cloned().collect()
+    } else {
+        Vec::new()
+    };
     let source_file = opts.hostfile.clone().or(match &scheduler.value {
         Scheduler::Pbs { nodefile, .. } => nodefile.clone(),
         _ => None,
     });
-    let mut hostfile_to_write = None;
-    let hostfile = match launcher {
-        Launcher::Mpiexec | Launcher::Mpirun
-            if launcher == Launcher::Mpiexec || opts.hostfile.is_some() =>
-        {
-            match (&source_file, all_hosts) {
-                (Some(f), true) => Some(f.clone()),
-                _ => {
-                    let path = opts.run_dir.join("hostfile");
-                    let text: String = match launcher {
-                        Launcher::Mpirun => used
-                            .iter()
-                            .map(|h| format!("{} slots={}\n", h.name, sizes.ppn))
-                            .collect(),
-                        _ => used.iter().map(|h| format!("{}\n", h.name)).collect(),
-                    };
-                    hostfile_to_write = Some((path.clone(), text));
-                    Some(path)
-                }
-            }
-        }
-        _ => None,
-    };
-    let master_addr = opts.master_addr.clone().unwrap_or_else(|| match launcher {
-        Launcher::Local => "127.0.0.1".into(),
-        Launcher::Mpirun if opts.hostfile.is_none() => "127.0.0.1".into(),
-        _ => used_hosts
-            .first()
-            .cloned()
-            .unwrap_or_else(|| "127.0.0.1".into()),
-    });
-    let exports = vec![
-        ("MASTER_ADDR".to_string(), master_addr),
-        ("MASTER_PORT".to_string(), opts.master_port.to_string()),
-        (
-            kiln_run::PROGRESS_DIR_ENV.to_string(),
-            opts.progress_dir.display().to_string(),
-        ),
-    ];
     let cpu_bind = opts
         .cpu_bind
         .clone()
         .or_else(|| (launcher == Launcher::Mpiexec).then(|| "depth".to_string()));
-    let req = PlanRequest {
+    let template = PlanRequest {
         launcher,
         sizes,
-        hosts: used,
-        hostfile,
-        explicit_hosts: opts.hostfile.is_some() || !all_hosts,
+        hosts: Vec::new(),
+        hostfile: None,
+        explicit_hosts: false,
         cpu_bind,
         // Cores per rank: share this node's cores evenly, as ezpz does for PBS.
         depth: Some((local_cpus / sizes.ppn.max(1)).max(1)),
@@ -198,21 +285,115 @@ pub fn prepare(
             opts.rank_shim.clone()
         },
         command: opts.command.clone(),
-        exports,
+        exports: Vec::new(),
         as_root,
         local_cpus,
     };
-    let procs = build_plan(&req)?;
-    Ok(Setup {
+    let mut setup = Setup {
         scheduler,
         hosts,
         accelerators,
         sizes,
         launcher,
-        used_hosts,
-        hostfile_to_write,
-        procs,
-    })
+        active: active.clone(),
+        spares,
+        excluded,
+        used_hosts: Vec::new(),
+        hostfile_to_write: None,
+        procs: Vec::new(),
+        template,
+        source_file,
+        user_hostfile: opts.hostfile.is_some(),
+        master_addr: opts.master_addr.clone(),
+        master_port: opts.master_port,
+        progress_dir: opts.progress_dir.clone(),
+        run_dir: opts.run_dir.clone(),
+        python_unbuffered_set: opts.python_unbuffered_set,
+    };
+    let first = setup.plan_for(&active)?;
+    setup.used_hosts = first.hosts;
+    setup.hostfile_to_write = first.hostfile_to_write;
+    setup.procs = first.procs;
+    Ok(setup)
+}
+
+impl Setup {
+    /// The plan of an attempt on `hosts` (a subset of the allocation, in rank order): the
+    /// same ranks per node as the first attempt, as many nodes as `hosts` holds.
+    pub fn plan_for(&self, hosts: &[Host]) -> Result<AttemptPlan, PlanError> {
+        if hosts.is_empty() {
+            return Err(PlanError("no host left to run on".into()));
+        }
+        let launcher = self.launcher;
+        let ppn = self.sizes.ppn;
+        let nnodes = hosts.len();
+        let np = if nnodes == self.sizes.nnodes {
+            self.sizes.np
+        } else {
+            (nnodes * ppn).min(self.sizes.np)
+        };
+        let sizes = Sizes { np, ppn, nnodes };
+        let all_hosts = hosts.len() == self.hosts.value.len()
+            && hosts
+                .iter()
+                .zip(&self.hosts.value)
+                .all(|(a, b)| a.name == b.name);
+        let mut hostfile_to_write = None;
+        let hostfile = match launcher {
+            Launcher::Mpiexec | Launcher::Mpirun
+                if launcher == Launcher::Mpiexec || self.user_hostfile =>
+            {
+                match (&self.source_file, all_hosts) {
+                    (Some(f), true) => Some(f.clone()),
+                    _ => {
+                        let path = self.run_dir.join(kiln_run::layout::HOSTFILE);
+                        let text: String = match launcher {
+                            Launcher::Mpirun => hosts
+                                .iter()
+                                .map(|h| format!("{} slots={ppn}\n", h.name))
+                                .collect(),
+                            _ => hosts.iter().map(|h| format!("{}\n", h.name)).collect(),
+                        };
+                        hostfile_to_write = Some((path.clone(), text));
+                        Some(path)
+                    }
+                }
+            }
+            _ => None,
+        };
+        let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
+        let master_addr = self.master_addr.clone().unwrap_or_else(|| match launcher {
+            Launcher::Local => "127.0.0.1".into(),
+            Launcher::Mpirun if !self.user_hostfile => "127.0.0.1".into(),
+            _ => names.first().cloned().unwrap_or_else(|| "127.0.0.1".into()),
+        });
+        let mut exports = vec![
+            ("MASTER_ADDR".to_string(), master_addr),
+            ("MASTER_PORT".to_string(), self.master_port.to_string()),
+            (
+                kiln_run::PROGRESS_DIR_ENV.to_string(),
+                self.progress_dir.display().to_string(),
+            ),
+        ];
+        // Python block-buffers stdout into a pipe: a rank whose output kiln watches must
+        // flush every line, or the silence watchdog sees nothing (ezpz does the same).
+        if !self.python_unbuffered_set {
+            exports.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
+        }
+        let mut req = self.template.clone();
+        req.sizes = sizes;
+        req.hosts = hosts.to_vec();
+        req.hostfile = hostfile;
+        req.explicit_hosts = self.user_hostfile || !all_hosts;
+        req.exports = exports;
+        let procs = build_plan(&req)?;
+        Ok(AttemptPlan {
+            sizes,
+            procs,
+            hostfile_to_write,
+            hosts: names,
+        })
+    }
 }
 
 fn accelerators(
@@ -249,7 +430,7 @@ fn accelerators(
                 reason: "--accelerator cpu".into(),
             });
         }
-        _ => detect_accelerators(vars, probe),
+        _ => detect_accelerators(vars, probe)?,
     };
     let mut d = detected;
     if let Some(k) = kind {

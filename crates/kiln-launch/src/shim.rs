@@ -1,10 +1,60 @@
-//! What runs on each rank under a launcher: map the launcher's rank variables onto RANK,
-//! LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and keep MASTER_ADDR/PORT), then become the
-//! program (exec, so no extra process sits between the launcher and the rank).
+//! What runs on each rank under a launcher (`kiln launch --as-rank -- PROGRAM`): map the
+//! launcher's rank variables onto RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (keeping
+//! MASTER_ADDR/PORT), run the program, and when it ends:
+//! - record how it ended in `$KILN_PROGRESS_DIR/exit-<rank>` (with the host), so kiln
+//!   classifies the job by its ranks' exits and names the host of the rank that failed;
+//! - end whatever the program left behind (background processes, daemons that escaped with
+//!   `setsid`): a leftover holding the rank's stdout keeps `mpirun`/`srun` waiting, and the
+//!   job would look hung although every rank is done;
+//! - exit with the program's code, or die of the program's signal.
+//!
+//! Signals the launcher sends the rank (SIGTERM before a kill, Slurm's `--signal`) are
+//! forwarded to the program's process group.
 
+use kiln_run::{PROGRESS_DIR_ENV, unix_time, write_exit_record};
 use kiln_topology::{RankEnv, RankEnvError};
-use std::os::unix::process::CommandExt;
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, killpg, sigaction};
+use nix::unistd::Pid;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long leftovers get between SIGTERM and SIGKILL once the program has exited.
+const LEFTOVER_GRACE: Duration = Duration::from_secs(2);
+
+/// Signals forwarded from the shim to the program.
+const FORWARDED: [Signal; 7] = [
+    Signal::SIGTERM,
+    Signal::SIGINT,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+    Signal::SIGALRM,
+];
+
+/// The program's process group, for the signal handler.
+static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward(sig: libc::c_int) {
+    let pg = CHILD_GROUP.load(Ordering::SeqCst);
+    if pg > 0 {
+        // SAFETY: kill(2) is async-signal-safe; a negative pid names a process group.
+        unsafe { libc::kill(-pg, sig) };
+        // A stopped program (SIGSTOP, a debugger) would keep a termination request pending
+        // forever: continue it so it can act on it, as Slurm's own cancel does.
+        if matches!(
+            sig,
+            libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGUSR1
+        ) {
+            // SAFETY: as above.
+            unsafe { libc::kill(-pg, libc::SIGCONT) };
+        }
+    }
+}
 
 /// Why the rank program could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -15,7 +65,7 @@ pub enum ShimError {
     /// No command given.
     #[error("no command given after `--`")]
     NoCommand,
-    /// exec failed.
+    /// The program could not be started.
     #[error("{program}: {source}")]
     Exec {
         /// The program.
@@ -36,19 +86,183 @@ impl ShimError {
     }
 }
 
-/// Replaces this process with `command`, with the rank variables set. Returns only on error.
-pub fn exec_as_rank(command: &[String]) -> ShimError {
-    let env = match RankEnv::from_process_env() {
-        Ok(e) => e,
-        Err(e) => return e.into(),
-    };
+/// How the rank's program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankExit {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+/// Runs `command` as this rank (see the module docs) and returns how it ended; the caller
+/// exits with [`RankExit::Code`] or dies of [`RankExit::Signal`] (see [`exit_like`]).
+pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
+    let env = RankEnv::from_process_env()?;
     let Some((program, args)) = command.split_first() else {
-        return ShimError::NoCommand;
+        return Err(ShimError::NoCommand);
     };
-    let source = Command::new(program).args(args).envs(env.to_vars()).exec();
-    ShimError::Exec {
-        program: program.clone(),
-        source,
+    let progress_dir = std::env::var_os(PROGRESS_DIR_ENV)
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from);
+    let record = |code: Option<i32>, signal: Option<i32>| {
+        if let Some(dir) = &progress_dir
+            && let Err(e) = write_exit_record(dir, env.rank, code, signal, unix_time())
+        {
+            eprintln!("kiln launch --as-rank: {e}");
+        }
+    };
+    // Orphans of the program (daemons that left its group) are re-parented to the shim.
+    crate::supervise::become_subreaper();
+    let mut cmd = Command::new(program);
+    cmd.args(args).envs(env.to_vars()).process_group(0);
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            Ok(())
+        });
+    }
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(source) => {
+            let e = ShimError::Exec {
+                program: program.clone(),
+                source,
+            };
+            record(Some(e.exit_code()), None);
+            return Err(e);
+        }
+    };
+    let pgid = child.id() as i32;
+    CHILD_GROUP.store(pgid, Ordering::SeqCst);
+    install_forwarding();
+    let sampling = Arc::new(AtomicBool::new(true));
+    if let Some(dir) = progress_dir.clone() {
+        let (rank, on) = (env.rank, Arc::clone(&sampling));
+        std::thread::spawn(move || report_liveness(&dir, rank, pgid, &on));
+    }
+    let status = loop {
+        match child.wait() {
+            Ok(s) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break std::process::ExitStatus::from_raw(1 << 8),
+        }
+    };
+    sampling.store(false, Ordering::SeqCst);
+    let exit = match (status.code(), status.signal()) {
+        (Some(c), _) => RankExit::Code(c),
+        (None, Some(s)) => RankExit::Signal(s),
+        (None, None) => RankExit::Code(1),
+    };
+    match exit {
+        RankExit::Code(c) => record(Some(c), None),
+        RankExit::Signal(s) => record(None, Some(s)),
+    }
+    end_leftovers(Pid::from_raw(pgid));
+    Ok(exit)
+}
+
+/// How often a rank's process state and CPU time are written for the supervisor.
+const LIVENESS_EVERY: Duration = Duration::from_millis(500);
+
+/// The state and CPU ticks of the processes of group `pgid`: `T` if any is stopped, else `R`
+/// if any runs, else the state of the group leader; CPU summed over the group (so a wrapper
+/// script's worker counts).
+pub(crate) fn group_liveness(pgid: i32) -> Option<(char, u64)> {
+    let mut cpu = 0u64;
+    let (mut stopped, mut running, mut leader) = (false, false, None);
+    for e in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command name, which may contain spaces and ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() < 13 || f[2].parse::<i32>().ok() != Some(pgid) {
+            continue;
+        }
+        let state = f[0].chars().next().unwrap_or('?');
+        stopped |= matches!(state, 'T' | 't');
+        running |= state == 'R';
+        if pid == pgid {
+            leader = Some(state);
+        }
+        cpu += f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0);
+    }
+    let state = if stopped {
+        'T'
+    } else if running {
+        'R'
+    } else {
+        leader?
+    };
+    Some((state, cpu))
+}
+
+/// Writes `live-<rank>` every [`LIVENESS_EVERY`] while `on` holds.
+fn report_liveness(dir: &std::path::Path, rank: usize, pgid: i32, on: &AtomicBool) {
+    while on.load(Ordering::SeqCst) {
+        if let Some((state, cpu)) = group_liveness(pgid) {
+            let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+        }
+        std::thread::sleep(LIVENESS_EVERY);
+    }
+}
+
+fn install_forwarding() {
+    let action = SigAction::new(
+        SigHandler::Handler(forward),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in FORWARDED {
+        // SAFETY: the handler only reads an atomic and calls kill(2), both async-signal-safe.
+        let _ = unsafe { sigaction(sig, &action) };
+    }
+}
+
+/// SIGTERM the program's group and every adopted orphan, wait up to [`LEFTOVER_GRACE`],
+/// then SIGKILL what is left.
+fn end_leftovers(group: Pid) {
+    let groups = [group];
+    let adopted = crate::supervise::adopted_children;
+    if !crate::supervise::any_alive(&groups) && adopted().is_empty() {
+        return;
+    }
+    crate::supervise::kill_groups(&groups, Signal::SIGTERM);
+    for pid in adopted() {
+        let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGTERM);
+    }
+    let until = Instant::now() + LEFTOVER_GRACE;
+    while (crate::supervise::any_alive(&groups) || !adopted().is_empty()) && Instant::now() < until
+    {
+        crate::supervise::reap_any_adopted_zombies();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = killpg(group, Signal::SIGKILL);
+    crate::supervise::reap_adopted();
+}
+
+/// Ends this process the way the program ended: the same exit code, or the same signal
+/// (so the launcher sees a rank killed by SIGKILL as killed, not as exit 137).
+pub fn exit_like(exit: RankExit) -> ! {
+    match exit {
+        RankExit::Code(c) => std::process::exit(c),
+        RankExit::Signal(s) => {
+            if let Ok(sig) = Signal::try_from(s) {
+                // SAFETY: restoring the default action of a signal has no preconditions.
+                let _ = unsafe { nix::sys::signal::signal(sig, SigHandler::SigDfl) };
+                let _ = nix::sys::signal::raise(sig);
+            }
+            std::process::exit(128 + s)
+        }
     }
 }
 

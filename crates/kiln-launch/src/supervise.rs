@@ -1,14 +1,15 @@
-//! One attempt: start the processes (each in its own process group), capture and tee their
-//! output, watch for silence and stalled progress, and kill whole process trees.
+//! One attempt: start the processes (each in its own process group, stdout on a pty),
+//! capture and tee their output, watch for silence and stalled progress, and kill whole
+//! process trees.
 
 use crate::classify::{
     Classification, NOT_EXECUTABLE_EXIT, NOT_FOUND_EXIT, WALLTIME_EXIT, WATCHDOG_EXIT,
-    classify_exit, exit_code_of,
+    classify_code, classify_exit, exit_code_of,
 };
 use crate::plan::ProcSpec;
 use crate::progress::{LineSplitter, ProgressRegex};
 use crate::signals::StopRequest;
-use kiln_run::{Beacon, read_beacons, unix_time};
+use kiln_run::{Beacon, ExitRecord, read_beacons, read_exit_records, unix_time};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
@@ -41,7 +42,7 @@ pub struct AttemptConfig {
     pub progress_regex: Option<ProgressRegex>,
     /// Beacon directory (`$KILN_PROGRESS_DIR`).
     pub progress_dir: Option<PathBuf>,
-    /// Remove stale `rank-*` beacons from `progress_dir` before starting.
+    /// Remove stale beacons and exit records from `progress_dir` before starting.
     pub clear_progress_dir: bool,
     /// Time between SIGTERM and SIGKILL.
     pub grace: Duration,
@@ -52,6 +53,13 @@ pub struct AttemptConfig {
     /// Kill and reap processes that escaped the process group and were re-parented to kiln
     /// (needs [`become_subreaper`]; only for a process that owns all its children, i.e. the CLI).
     pub reap_orphans: bool,
+    /// Give each process a pseudo-terminal as stdout, so that it flushes every line (falls
+    /// back to a pipe where no pty can be opened).
+    pub stdout_pty: bool,
+    /// Ranks the attempt runs; when every one of them has left an exit record
+    /// (`kiln launch --as-rank` writes them) the attempt is classified by those exits even if
+    /// the launcher still runs.
+    pub expected_ranks: Option<usize>,
 }
 
 /// Progress of one rank (or of the merged output, rank `None`).
@@ -63,6 +71,8 @@ pub struct RankProgress {
     pub step: u64,
     /// Phase from the beacon (`None` for output-derived progress).
     pub phase: Option<String>,
+    /// Host from the beacon, when it said.
+    pub host: Option<String>,
     /// Seconds since it last advanced, when the attempt ended or the watchdog fired.
     pub idle_s: f64,
     /// Where it came from: `beacon` or `output`.
@@ -84,16 +94,58 @@ pub struct AttemptOutcome {
     pub end_time: f64,
     /// Largest step seen by any means.
     pub last_progress: Option<u64>,
+    /// The step the ranks started from (the lowest first beacon), when beacons say.
+    pub start_step: Option<u64>,
+    /// Unix time progress first advanced in this attempt (a step completed).
+    pub first_advance_time: Option<f64>,
+    /// Unix time progress last advanced.
+    pub last_advance_time: Option<f64>,
     /// Per-rank (or merged) progress.
     pub progress: Vec<RankProgress>,
     /// Ranks that stopped advancing first (watchdog only).
     pub culprits: Vec<usize>,
+    /// How each rank's program ended, from the exit records of `kiln launch --as-rank`.
+    pub rank_exits: Vec<ExitRecord>,
     /// Seconds from the last activity/advance to the watchdog firing.
     pub detect_s: Option<f64>,
     /// Seconds from the watchdog firing (or stop) until every process was gone.
     pub kill_s: Option<f64>,
     /// A human sentence about the ending (watchdog message, spawn error, ...).
     pub message: Option<String>,
+}
+
+impl AttemptOutcome {
+    /// Whether any step completed during this attempt.
+    pub fn advanced(&self) -> bool {
+        self.first_advance_time.is_some()
+    }
+
+    /// The outcome of an attempt that could not start: exit `code` (classified by it),
+    /// `message` says why.
+    pub fn not_started(code: i32, message: String) -> Self {
+        Self::spawn_failure(classify_code(code, false), code, message)
+    }
+
+    fn spawn_failure(classification: Classification, code: i32, message: String) -> Self {
+        let now = unix_time();
+        AttemptOutcome {
+            classification,
+            exit_code: code,
+            signal: None,
+            start_time: now,
+            end_time: now,
+            last_progress: None,
+            start_step: None,
+            first_advance_time: None,
+            last_advance_time: None,
+            progress: Vec::new(),
+            culprits: Vec::new(),
+            rank_exits: Vec::new(),
+            detect_s: None,
+            kill_s: None,
+            message: Some(message),
+        }
+    }
 }
 
 /// Errors that prevent supervising at all (not failures of the program).
@@ -128,11 +180,23 @@ struct Shared {
     last_output: Option<Instant>,
     /// Output-derived progress per source (rank for local spawns, `None` for a launcher).
     output_progress: BTreeMap<Option<usize>, (u64, Instant)>,
+    /// When progress first and last advanced (output or beacons).
+    first_advance: Option<Instant>,
+    last_advance: Option<Instant>,
+}
+
+impl Shared {
+    fn advanced(&mut self, now: Instant) {
+        self.first_advance.get_or_insert(now);
+        self.last_advance = Some(now);
+    }
 }
 
 struct Tracked {
     step: u64,
+    first_step: u64,
     phase: String,
+    host: Option<String>,
     last_advance: Instant,
 }
 
@@ -143,6 +207,17 @@ struct Verdict {
     detect_s: Option<f64>,
     culprits: Vec<usize>,
     message: Option<String>,
+    /// An exit code that overrides the usual one for the classification.
+    exit_code: Option<i32>,
+}
+
+/// The processes of a running attempt.
+struct Running {
+    groups: Vec<Pid>,
+    ranks: Vec<Option<usize>>,
+    exit_rx: mpsc::Receiver<(usize, ExitStatus)>,
+    done_rx: mpsc::Receiver<()>,
+    readers: usize,
 }
 
 /// Runs one attempt to the end. `stop` reports signals kiln received (see
@@ -159,60 +234,66 @@ pub fn run_attempt(
     })?;
     let log = Arc::new(Mutex::new(log));
     if let (Some(dir), true) = (&cfg.progress_dir, cfg.clear_progress_dir) {
-        clear_beacons(dir);
+        kiln_run::clear_rank_files(dir);
     }
     // Stop requests that arrived before this attempt (during backoff) are the caller's to
     // handle; only new ones count here.
-    let mut handled_stops = stop().map_or(0, |s| s.count);
+    let handled_stops = stop().map_or(0, |s| s.count);
     let shared = Arc::new(Mutex::new(Shared {
         last_output: Some(start),
         ..Shared::default()
     }));
+    let running = match start_all(cfg, &log, &shared) {
+        Ok(r) => r,
+        Err(outcome) => return Ok(*outcome),
+    };
+    let mut w = Watch {
+        statuses: vec![None; running.ranks.len()],
+        first_failure: None,
+        verdict: None,
+        stop_signal: None,
+        beacons: BTreeMap::new(),
+        live: BTreeMap::new(),
+        handled_stops,
+    };
+    w.run(cfg, &running, &shared, stop, start, start_time);
+
+    // The direct children are gone; their descendants may not be. Nothing may outlive the
+    // attempt: SIGTERM what is left, give it the grace period, then SIGKILL.
+    finish_groups(&running.groups, cfg.grace, cfg.reap_orphans);
+    if cfg.reap_orphans {
+        reap_adopted();
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for _ in 0..running.readers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if running.done_rx.recv_timeout(left).is_err() {
+            tracing::warn!(
+                "output readers did not finish: a process outside the group still holds the pipe"
+            );
+            break;
+        }
+    }
+    if let Ok(mut f) = log.lock() {
+        let _ = f.flush();
+    }
+    Ok(w.outcome(cfg, &running, &shared, start, start_time))
+}
+
+/// Starts every process; on a spawn failure, kills what already started and returns the
+/// outcome to report.
+fn start_all(
+    cfg: &AttemptConfig,
+    log: &Arc<Mutex<File>>,
+    shared: &Arc<Mutex<Shared>>,
+) -> Result<Running, Box<AttemptOutcome>> {
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut readers = 0usize;
     let mut children: Vec<(Child, Option<usize>)> = Vec::new();
     let mut groups: Vec<Pid> = Vec::new();
-
     for spec in &cfg.procs {
-        match spawn(spec) {
-            Ok(mut child) => {
-                let pid = Pid::from_raw(child.id() as i32);
-                groups.push(pid);
-                for (pipe, to_stderr) in [
-                    (
-                        child
-                            .stdout
-                            .take()
-                            .map(|p| Box::new(p) as Box<dyn Read + Send>),
-                        false,
-                    ),
-                    (
-                        child
-                            .stderr
-                            .take()
-                            .map(|p| Box::new(p) as Box<dyn Read + Send>),
-                        true,
-                    ),
-                ] {
-                    if let Some(pipe) = pipe {
-                        let ctx = ReaderCtx {
-                            echo: cfg.echo,
-                            to_stderr,
-                            log: Arc::clone(&log),
-                            shared: Arc::clone(&shared),
-                            regex: cfg.progress_regex.clone(),
-                            source: spec.rank,
-                        };
-                        let tx = done_tx.clone();
-                        std::thread::spawn(move || {
-                            read_stream(pipe, ctx);
-                            let _ = tx.send(());
-                        });
-                        readers += 1;
-                    }
-                }
-                children.push((child, spec.rank));
-            }
+        let (mut child, stdout) = match spawn(spec, cfg.stdout_pty) {
+            Ok(c) => c,
             Err(e) => {
                 // Nothing half-started may survive a failed spawn of a later rank.
                 kill_groups(&groups, Signal::SIGKILL);
@@ -233,26 +314,37 @@ pub fn run_attempt(
                     ),
                     _ => (Classification::Failed, NOT_EXECUTABLE_EXIT, "cannot start"),
                 };
-                let message = format!("{program}: {what}: {e}");
-                return Ok(AttemptOutcome {
+                return Err(Box::new(AttemptOutcome::spawn_failure(
                     classification,
-                    exit_code: code,
-                    signal: None,
-                    start_time,
-                    end_time: unix_time(),
-                    last_progress: None,
-                    progress: Vec::new(),
-                    culprits: Vec::new(),
-                    detect_s: None,
-                    kill_s: None,
-                    message: Some(message),
-                });
+                    code,
+                    format!("{program}: {what}: {e}"),
+                )));
             }
+        };
+        groups.push(Pid::from_raw(child.id() as i32));
+        let stderr = child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>);
+        for (pipe, to_stderr) in [(stdout, false), (stderr, true)] {
+            let Some(pipe) = pipe else { continue };
+            let ctx = ReaderCtx {
+                echo: cfg.echo,
+                to_stderr,
+                log: Arc::clone(log),
+                shared: Arc::clone(shared),
+                regex: cfg.progress_regex.clone(),
+                source: spec.rank,
+            };
+            let tx = done_tx.clone();
+            std::thread::spawn(move || {
+                read_stream(pipe, ctx);
+                let _ = tx.send(());
+            });
+            readers += 1;
         }
+        children.push((child, spec.rank));
     }
-    drop(done_tx);
-
-    let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let ranks: Vec<Option<usize>> = children.iter().map(|(_, r)| *r).collect();
     // One waiter thread per child: an exit wakes the loop at once instead of at the next
     // tick, which is most of the overhead of launching a short program.
@@ -266,200 +358,360 @@ pub fn run_attempt(
             let _ = tx.send((i, status));
         });
     }
-    drop(exit_tx);
-    let mut exited: Vec<(usize, ExitStatus)> = Vec::new();
-    let mut first_failure: Option<usize> = None;
-    let mut verdict: Option<Verdict> = None;
-    let mut stop_signal: Option<i32> = None;
-    let mut kill_at: Option<Instant> = None;
-    let mut beacons: BTreeMap<usize, Tracked> = BTreeMap::new();
-    let mut last_beacon_read: Option<Instant> = None;
-    let mut last_beacon_change = start;
+    Ok(Running {
+        groups,
+        ranks,
+        exit_rx,
+        done_rx,
+        readers,
+    })
+}
 
-    loop {
-        let now = Instant::now();
-        exited.extend(exit_rx.try_iter());
-        for (i, status) in exited.drain(..) {
-            statuses[i] = Some(status);
-            if !status.success() && first_failure.is_none() {
-                first_failure = Some(i);
-                // One dead rank leaves the rest blocked in a collective: stop them all.
-                if statuses.iter().any(Option::is_none) && kill_at.is_none() {
-                    kill_groups(&groups, Signal::SIGTERM);
-                    kill_at = Some(now + cfg.grace);
+/// The supervision state of one attempt.
+struct Watch {
+    statuses: Vec<Option<ExitStatus>>,
+    first_failure: Option<usize>,
+    verdict: Option<Verdict>,
+    stop_signal: Option<i32>,
+    beacons: BTreeMap<usize, Tracked>,
+    live: BTreeMap<usize, Live>,
+    handled_stops: u32,
+}
+
+/// A rank's process as its shim last reported it.
+#[derive(Debug, Clone)]
+struct Live {
+    state: char,
+    cpu_ticks: u64,
+    cpu_changed: Instant,
+}
+
+/// Merges fresh liveness records.
+fn update_liveness(
+    live: &mut BTreeMap<usize, Live>,
+    fresh: Vec<kiln_run::Liveness>,
+    start_time: f64,
+    now: Instant,
+) {
+    for l in fresh.into_iter().filter(|l| l.time + 1.0 >= start_time) {
+        let entry = live.entry(l.rank).or_insert(Live {
+            state: l.state,
+            cpu_ticks: l.cpu_ticks,
+            cpu_changed: now,
+        });
+        if l.cpu_ticks != entry.cpu_ticks {
+            entry.cpu_ticks = l.cpu_ticks;
+            entry.cpu_changed = now;
+        }
+        entry.state = l.state;
+    }
+}
+
+impl Watch {
+    /// Watches until every process exited, acting on failures, stops, the walltime and
+    /// the watchdogs.
+    fn run(
+        &mut self,
+        cfg: &AttemptConfig,
+        running: &Running,
+        shared: &Arc<Mutex<Shared>>,
+        stop: &dyn Fn() -> Option<StopRequest>,
+        start: Instant,
+        start_time: f64,
+    ) {
+        let groups = &running.groups;
+        let mut exited: Vec<(usize, ExitStatus)> = Vec::new();
+        let mut kill_at: Option<Instant> = None;
+        let mut last_beacon_read: Option<Instant> = None;
+        let mut last_beacon_change = start;
+        loop {
+            let now = Instant::now();
+            exited.extend(running.exit_rx.try_iter());
+            for (i, status) in exited.drain(..) {
+                self.statuses[i] = Some(status);
+                if !status.success() && self.first_failure.is_none() {
+                    self.first_failure = Some(i);
+                    // One dead rank leaves the rest blocked in a collective: stop them all.
+                    if self.statuses.iter().any(Option::is_none) && kill_at.is_none() {
+                        kill_groups(groups, Signal::SIGTERM);
+                        kill_at = Some(now + cfg.grace);
+                    }
                 }
             }
-        }
-        if statuses.iter().all(Option::is_some) {
-            break;
-        }
-
-        if let Some(req) = stop()
-            && req.count > handled_stops
-        {
-            handled_stops = req.count;
-            if stop_signal.is_none() {
-                stop_signal = Some(req.signal);
-                let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
-                tracing::info!("forwarding {sig} to the ranks");
-                kill_groups(&groups, sig);
-                kill_at = Some(now + cfg.grace);
-                let classification = if req.signal == libc::SIGUSR1 {
-                    Classification::Walltime
+            if self.statuses.iter().all(Option::is_some) {
+                return;
+            }
+            if let Some(req) = stop()
+                && req.count > self.handled_stops
+            {
+                self.handled_stops = req.count;
+                if self.stop_signal.is_none() {
+                    self.stop_signal = Some(req.signal);
+                    let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
+                    tracing::info!("forwarding {sig} to the ranks");
+                    kill_groups(groups, sig);
+                    kill_at = Some(now + cfg.grace);
+                    let classification = if req.signal == libc::SIGUSR1 {
+                        Classification::Walltime
+                    } else {
+                        Classification::Interrupted
+                    };
+                    self.verdict.get_or_insert(Verdict {
+                        classification,
+                        at: now,
+                        detect_s: None,
+                        culprits: Vec::new(),
+                        message: Some(format!(
+                            "kiln received {sig}: forwarded it to the ranks; not retrying"
+                        )),
+                        exit_code: None,
+                    });
                 } else {
-                    Classification::Interrupted
-                };
-                verdict.get_or_insert(Verdict {
-                    classification,
+                    // A second Ctrl-C means "now".
+                    kill_groups(groups, Signal::SIGKILL);
+                }
+            }
+            if self.verdict.is_none()
+                && let Some(deadline) = cfg.deadline
+                && now >= deadline
+            {
+                kill_groups(groups, Signal::SIGTERM);
+                kill_at = Some(now + cfg.grace);
+                self.verdict = Some(Verdict {
+                    classification: Classification::Walltime,
                     at: now,
                     detect_s: None,
                     culprits: Vec::new(),
-                    message: Some(format!(
-                        "kiln received {sig}: forwarded it to the ranks; not retrying"
-                    )),
+                    message: Some(
+                        "walltime reached: sent SIGTERM so the ranks can checkpoint".into(),
+                    ),
+                    exit_code: None,
                 });
-            } else {
-                // A second Ctrl-C means "now".
-                kill_groups(&groups, Signal::SIGKILL);
             }
-        }
-
-        if verdict.is_none()
-            && let Some(deadline) = cfg.deadline
-            && now >= deadline
-        {
-            kill_groups(&groups, Signal::SIGTERM);
-            kill_at = Some(now + cfg.grace);
-            verdict = Some(Verdict {
-                classification: Classification::Walltime,
-                at: now,
-                detect_s: None,
-                culprits: Vec::new(),
-                message: Some("walltime reached: sent SIGTERM so the ranks can checkpoint".into()),
-            });
-        }
-
-        if let Some(dir) = &cfg.progress_dir
-            && last_beacon_read.is_none_or(|t| now.duration_since(t) >= BEACON_EVERY)
-        {
-            last_beacon_read = Some(now);
-            if update_beacons(&mut beacons, read_beacons(dir), start_time, now) {
-                last_beacon_change = now;
-            }
-        }
-
-        if verdict.is_none() && first_failure.is_none() {
-            verdict = watchdog(cfg, &shared, &beacons, last_beacon_change, now);
-            if let Some(v) = &verdict {
-                // Say it now, not after the grace period: the operator watching wants to know.
-                if cfg.echo
-                    && let Some(m) = &v.message
-                {
-                    eprintln!(
-                        "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
-                        cfg.grace.as_secs_f64()
-                    );
-                }
-                kill_groups(&groups, Signal::SIGTERM);
-                kill_at = Some(now + cfg.grace);
-            }
-        }
-
-        if let Some(at) = kill_at
-            && now >= at
-        {
-            kill_groups(&groups, Signal::SIGKILL);
-            kill_at = None;
-        }
-        if let Ok(e) = exit_rx.recv_timeout(TICK) {
-            exited.push(e);
-        }
-    }
-
-    // The direct children are gone; their descendants may not be. Nothing may outlive the
-    // attempt: SIGTERM what is left, give it the grace period, then SIGKILL.
-    finish_groups(&groups, cfg.grace, cfg.reap_orphans);
-    if cfg.reap_orphans {
-        reap_adopted();
-    }
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for _ in 0..readers {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if done_rx.recv_timeout(left).is_err() {
-            tracing::warn!(
-                "output readers did not finish: a process outside the group still holds the pipe"
-            );
-            break;
-        }
-    }
-    if let Ok(mut f) = log.lock() {
-        let _ = f.flush();
-    }
-    let end = Instant::now();
-
-    // The deciding status: the first failure, else the launcher/rank 0.
-    let decide = first_failure.unwrap_or(0);
-    let status = statuses.get(decide).copied().flatten();
-    let code = status.and_then(|s| s.code());
-    let signal = status.and_then(|s| s.signal());
-    let progress = progress_report(&shared, &beacons, verdict.as_ref().map_or(end, |v| v.at));
-    let last_progress = progress.iter().map(|p| p.step).max();
-    let (classification, exit_code, detect_s, culprits, message, at) = match verdict {
-        Some(v) => {
-            let exit_code = match v.classification {
-                Classification::HungSilent | Classification::HungStalled => WATCHDOG_EXIT,
-                Classification::Walltime => WALLTIME_EXIT,
-                // After forwarding a stop, a rank that checkpointed and exited with a code
-                // tells the truth about where it stands (75: resumable); pass it through.
-                _ => match (code, stop_signal) {
-                    (Some(c), _) => c,
-                    (None, Some(s)) => 128 + s,
-                    (None, None) => exit_code_of(code, signal),
-                },
-            };
-            (
-                v.classification,
-                exit_code,
-                v.detect_s,
-                v.culprits,
-                v.message,
-                Some(v.at),
-            )
-        }
-        None => (
-            classify_exit(code, signal),
-            exit_code_of(code, signal),
-            None,
-            Vec::new(),
-            None,
-            None,
-        ),
-    };
-    let message = message.or_else(
-        || match (classification, first_failure, ranks.get(decide)) {
-            (Classification::Failed | Classification::Signaled, Some(_), Some(Some(rank)))
-                if ranks.len() > 1 =>
+            if let Some(dir) = &cfg.progress_dir
+                && last_beacon_read.is_none_or(|t| now.duration_since(t) >= BEACON_EVERY)
             {
-                Some(format!(
+                last_beacon_read = Some(now);
+                let (changed, advanced) =
+                    update_beacons(&mut self.beacons, read_beacons(dir), start_time, now);
+                if changed {
+                    last_beacon_change = now;
+                }
+                if advanced && let Ok(mut s) = shared.lock() {
+                    s.advanced(now);
+                }
+                // Ranks kiln spawned itself have no shim to report them: sample them here.
+                let mut fresh = kiln_run::read_liveness(dir);
+                for (pg, rank) in running.groups.iter().zip(&running.ranks) {
+                    if let (Some(rank), Some((state, cpu_ticks))) =
+                        (rank, crate::shim::group_liveness(pg.as_raw()))
+                    {
+                        fresh.push(kiln_run::Liveness {
+                            rank: *rank,
+                            state,
+                            cpu_ticks,
+                            time: kiln_run::unix_time(),
+                            host: kiln_run::this_host().to_string(),
+                        });
+                    }
+                }
+                update_liveness(&mut self.live, fresh, start_time, now);
+            }
+            if self.verdict.is_none() && self.first_failure.is_none() {
+                self.verdict = watchdog(
+                    cfg,
+                    shared,
+                    &self.beacons,
+                    &self.live,
+                    last_beacon_change,
+                    now,
+                )
+                .map(|v| ranks_already_exited(cfg).unwrap_or(v));
+                if let Some(v) = &self.verdict {
+                    // Say it now, not after the grace period: the operator watching wants to know.
+                    if cfg.echo
+                        && let Some(m) = &v.message
+                    {
+                        eprintln!(
+                            "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
+                            cfg.grace.as_secs_f64()
+                        );
+                    }
+                    kill_groups(groups, Signal::SIGTERM);
+                    kill_at = Some(now + cfg.grace);
+                }
+            }
+            if let Some(at) = kill_at
+                && now >= at
+            {
+                kill_groups(groups, Signal::SIGKILL);
+                kill_at = None;
+            }
+            if let Ok(e) = running.exit_rx.recv_timeout(TICK) {
+                exited.push(e);
+            }
+        }
+    }
+
+    /// The outcome, once every process is gone.
+    fn outcome(
+        self,
+        cfg: &AttemptConfig,
+        running: &Running,
+        shared: &Arc<Mutex<Shared>>,
+        start: Instant,
+        start_time: f64,
+    ) -> AttemptOutcome {
+        let end = Instant::now();
+        let rank_exits = cfg
+            .progress_dir
+            .as_deref()
+            .map(read_exit_records)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| r.time + 1.0 >= start_time)
+            .collect::<Vec<_>>();
+        // The deciding status: the first failure, else the launcher/rank 0.
+        let decide = self.first_failure.unwrap_or(0);
+        let status = self.statuses.get(decide).copied().flatten();
+        let code = status.and_then(|s| s.code());
+        let signal = status.and_then(|s| s.signal());
+        let at_time = self.verdict.as_ref().map_or(end, |v| v.at);
+        let progress = progress_report(shared, &self.beacons, at_time);
+        let last_progress = progress.iter().map(|p| p.step).max();
+        let start_step = self.beacons.values().map(|t| t.first_step).min();
+        let stop_signal = self.stop_signal;
+        let (classification, exit_code, detect_s, culprits, message, at) = match self.verdict {
+            Some(v) => {
+                let exit_code = v.exit_code.unwrap_or(match v.classification {
+                    Classification::HungSilent | Classification::HungStalled => WATCHDOG_EXIT,
+                    Classification::Walltime => WALLTIME_EXIT,
+                    // After forwarding a stop, a rank that checkpointed and exited with a code
+                    // tells the truth about where it stands (75: resumable); pass it through.
+                    _ => match (code, stop_signal) {
+                        (Some(c), _) => c,
+                        (None, Some(s)) => 128 + s,
+                        (None, None) => exit_code_of(code, signal),
+                    },
+                });
+                (
+                    v.classification,
+                    exit_code,
+                    v.detect_s,
+                    v.culprits,
+                    v.message,
+                    Some(v.at),
+                )
+            }
+            None => {
+                let (class, code, msg) = by_rank_exits(code, signal, &rank_exits);
+                (class, code, None, Vec::new(), msg, None)
+            }
+        };
+        let message = message.or_else(|| {
+            match (
+                classification,
+                self.first_failure,
+                running.ranks.get(decide),
+            ) {
+                (
+                    Classification::Failed
+                    | Classification::Signaled
+                    | Classification::Deterministic,
+                    Some(_),
+                    Some(Some(rank)),
+                ) if running.ranks.len() > 1 => Some(format!(
                     "rank {rank} failed first ({}); the other ranks were stopped",
                     describe(code, signal)
-                ))
+                )),
+                _ => None,
             }
-            _ => None,
-        },
-    );
-    Ok(AttemptOutcome {
+        });
+        let (first_advance, last_advance) = shared
+            .lock()
+            .map(|s| (s.first_advance, s.last_advance))
+            .unwrap_or((None, None));
+        let unix = |i: Instant| start_time + i.saturating_duration_since(start).as_secs_f64();
+        AttemptOutcome {
+            classification,
+            exit_code,
+            signal,
+            start_time,
+            end_time: unix(end),
+            last_progress,
+            start_step,
+            first_advance_time: first_advance.map(unix),
+            last_advance_time: last_advance.map(unix),
+            progress,
+            culprits,
+            rank_exits,
+            detect_s,
+            kill_s: at.map(|a| end.duration_since(a).as_secs_f64()),
+            message,
+        }
+    }
+}
+
+/// Classifies an attempt that ended on its own: by the launcher's (or the deciding rank's)
+/// exit, unless the ranks' exit records tell more: the earliest rank to fail decides (a
+/// launcher reports its own code, e.g. srun 137 after killing the other ranks).
+fn by_rank_exits(
+    code: Option<i32>,
+    signal: Option<i32>,
+    records: &[ExitRecord],
+) -> (Classification, i32, Option<String>) {
+    let launcher = (classify_exit(code, signal), exit_code_of(code, signal));
+    if launcher.0 == Classification::Success {
+        return (launcher.0, launcher.1, None);
+    }
+    let first = records
+        .iter()
+        .filter(|r| r.shell_code() != 0)
+        .min_by(|a, b| a.time.total_cmp(&b.time));
+    match first {
+        Some(r) => {
+            let c = r.shell_code();
+            (
+                classify_code(c, r.signal.is_some()),
+                c,
+                Some(format!(
+                    "rank {} on {} failed first ({})",
+                    r.rank,
+                    r.host,
+                    describe(r.code, r.signal)
+                )),
+            )
+        }
+        None => (launcher.0, launcher.1, None),
+    }
+}
+
+/// When a watchdog fires but every rank has already exited (it left an exit record), the
+/// ranks' exits decide, not the silence: a launcher can hang on a leftover process that
+/// holds its output after the ranks are done.
+fn ranks_already_exited(cfg: &AttemptConfig) -> Option<Verdict> {
+    let n = cfg.expected_ranks?;
+    let records = read_exit_records(cfg.progress_dir.as_deref()?);
+    if n == 0 || (0..n).any(|r| !records.iter().any(|x| x.rank == r)) {
+        return None;
+    }
+    let (classification, code, msg) = by_rank_exits(Some(1), None, &records);
+    let (classification, code) = if records.iter().all(|r| r.shell_code() == 0) {
+        (Classification::Success, 0)
+    } else {
+        (classification, code)
+    };
+    Some(Verdict {
         classification,
-        exit_code,
-        signal,
-        start_time,
-        end_time: start_time + end.duration_since(start).as_secs_f64(),
-        last_progress,
-        progress,
-        culprits,
-        detect_s,
-        kill_s: at.map(|a| end.duration_since(a).as_secs_f64()),
-        message,
+        at: Instant::now(),
+        detect_s: None,
+        culprits: Vec::new(),
+        message: Some(msg.unwrap_or_else(|| {
+            format!(
+                "all {n} ranks exited 0, but the launcher kept running (a leftover process holds its output); stopped it"
+            )
+        })),
+        exit_code: Some(code),
     })
 }
 
@@ -471,20 +723,32 @@ fn describe(code: Option<i32>, signal: Option<i32>) -> String {
     }
 }
 
-fn spawn(spec: &ProcSpec) -> std::io::Result<Child> {
+/// A process's stdout as kiln reads it.
+type Stream = Option<Box<dyn Read + Send>>;
+
+fn spawn(spec: &ProcSpec, pty: bool) -> std::io::Result<(Child, Stream)> {
     let Some((program, args)) = spec.argv.split_first() else {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "empty argv",
         ));
     };
+    let pty = if pty {
+        crate::pty::open_raw_pty()
+    } else {
+        None
+    };
     let mut cmd = Command::new(program);
+    let (stdout, master) = match pty {
+        Some(p) => (Stdio::from(p.slave), Some(p.master)),
+        None => (Stdio::piped(), None),
+    };
     cmd.args(args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         // Ranks must not read kiln's terminal: several would race for it, and a background
         // process group reading a tty is stopped by SIGTTIN.
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
+        .stdout(stdout)
         .stderr(Stdio::piped())
         // Its own process group: the whole tree is signalled as one, and the terminal's
         // Ctrl-C reaches kiln only, which forwards it deliberately.
@@ -500,7 +764,18 @@ fn spawn(spec: &ProcSpec) -> std::io::Result<Child> {
             });
         }
     }
-    cmd.spawn()
+    let mut child = cmd.spawn()?;
+    // `cmd` holds the pty's slave end: drop it, so the terminal closes when the child's
+    // side does.
+    drop(cmd);
+    let stdout: Stream = match master {
+        Some(m) => Some(Box::new(m)),
+        None => child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    };
+    Ok((child, stdout))
 }
 
 struct ReaderCtx {
@@ -546,8 +821,12 @@ fn read_stream(mut pipe: Box<dyn Read + Send>, ctx: ReaderCtx) {
         }
         if let Ok(mut s) = ctx.shared.lock() {
             s.last_output = Some(now);
+            let mut moved = false;
             for step in steps {
-                advance(&mut s.output_progress, ctx.source, step, now);
+                moved |= advance(&mut s.output_progress, ctx.source, step, now);
+            }
+            if moved {
+                s.advanced(now);
             }
         }
     }
@@ -555,51 +834,51 @@ fn read_stream(mut pipe: Box<dyn Read + Send>, ctx: ReaderCtx) {
         let mut steps = Vec::new();
         splitter.finish(|line| steps.extend(re.find(line)));
         if let Ok(mut s) = ctx.shared.lock() {
+            let now = Instant::now();
+            let mut moved = false;
             for step in steps {
-                advance(&mut s.output_progress, ctx.source, step, Instant::now());
+                moved |= advance(&mut s.output_progress, ctx.source, step, now);
+            }
+            if moved {
+                s.advanced(now);
             }
         }
     }
 }
 
+/// Records a step seen in the output; returns whether it is new progress (a printed step
+/// means a step completed, so the first one counts as an advance too).
 fn advance(
     map: &mut BTreeMap<Option<usize>, (u64, Instant)>,
     source: Option<usize>,
     step: u64,
     now: Instant,
-) {
+) -> bool {
     match map.get_mut(&source) {
         Some((s, t)) if step > *s => {
             *s = step;
             *t = now;
+            true
         }
-        Some(_) => {}
+        Some(_) => false,
         None => {
             map.insert(source, (step, now));
+            true
         }
     }
 }
 
-fn clear_beacons(dir: &std::path::Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.filter_map(Result::ok) {
-        if e.file_name().to_string_lossy().starts_with("rank-") {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
-/// Merges fresh beacons; returns whether any rank advanced (or appeared). Beacons older than
-/// the attempt are another attempt's and are ignored.
+/// Merges fresh beacons; returns whether anything changed (a rank advanced, appeared or
+/// changed phase) and whether a rank advanced. A beacon's first step is where the rank
+/// started, not progress. Beacons older than the attempt are another attempt's and are
+/// ignored.
 fn update_beacons(
     tracked: &mut BTreeMap<usize, Tracked>,
     fresh: Vec<Beacon>,
     start_time: f64,
     now: Instant,
-) -> bool {
-    let mut changed = false;
+) -> (bool, bool) {
+    let (mut changed, mut advanced) = (false, false);
     for b in fresh.into_iter().filter(|b| b.time + 1.0 >= start_time) {
         match tracked.get_mut(&b.rank) {
             Some(t) => {
@@ -607,10 +886,14 @@ fn update_beacons(
                     t.step = b.step;
                     t.last_advance = now;
                     changed = true;
+                    advanced = true;
                 }
                 if b.phase != t.phase {
                     t.phase = b.phase;
                     changed = true;
+                }
+                if b.host.is_some() {
+                    t.host = b.host;
                 }
             }
             None => {
@@ -618,7 +901,9 @@ fn update_beacons(
                     b.rank,
                     Tracked {
                         step: b.step,
+                        first_step: b.step,
                         phase: b.phase,
+                        host: b.host,
                         last_advance: now,
                     },
                 );
@@ -626,7 +911,14 @@ fn update_beacons(
             }
         }
     }
-    changed
+    (changed, advanced)
+}
+
+/// Beacon phases that mean "waiting for the other ranks" (in a collective).
+pub const WAITING_PHASES: &[&str] = &["allreduce", "all_reduce", "collective", "barrier", "wait"];
+
+fn waiting(phase: &str) -> bool {
+    WAITING_PHASES.contains(&phase)
 }
 
 /// A rank whose beacon says it finished is not stalled.
@@ -638,6 +930,7 @@ fn watchdog(
     cfg: &AttemptConfig,
     shared: &Arc<Mutex<Shared>>,
     beacons: &BTreeMap<usize, Tracked>,
+    live: &BTreeMap<usize, Live>,
     last_beacon_change: Instant,
     now: Instant,
 ) -> Option<Verdict> {
@@ -662,9 +955,10 @@ fn watchdog(
         }
         let worst = idle.iter().map(|i| i.2).fold(0.0, f64::max);
         if !idle.is_empty() && worst >= limit.as_secs_f64() {
-            let (culprits, who) = culprits(beacons, &output_progress, now);
+            let (culprits, who) = culprits(beacons, live, &output_progress, now);
             let step = idle.iter().map(|i| i.1).max().unwrap_or(0);
             return Some(Verdict {
+                exit_code: None,
                 classification: Classification::HungStalled,
                 at: now,
                 detect_s: Some(worst),
@@ -681,7 +975,7 @@ fn watchdog(
         let last = last_output.unwrap_or(now).max(last_beacon_change);
         let quiet = now.duration_since(last).as_secs_f64();
         if quiet >= limit.as_secs_f64() {
-            let (culprits, who) = culprits(beacons, &output_progress, now);
+            let (culprits, who) = culprits(beacons, live, &output_progress, now);
             let step = output_progress
                 .values()
                 .map(|p| p.0)
@@ -689,6 +983,7 @@ fn watchdog(
                 .max();
             let step = step.map_or("no progress seen".to_string(), |s| format!("last step {s}"));
             return Some(Verdict {
+                exit_code: None,
                 classification: Classification::HungSilent,
                 at: now,
                 detect_s: Some(quiet),
@@ -707,6 +1002,7 @@ fn watchdog(
 /// last advance is within half a second of the earliest. Beacons win over output.
 fn culprits(
     beacons: &BTreeMap<usize, Tracked>,
+    live: &BTreeMap<usize, Live>,
     output: &BTreeMap<Option<usize>, (u64, Instant)>,
     now: Instant,
 ) -> (Vec<usize>, String) {
@@ -729,8 +1025,27 @@ fn culprits(
                 .into(),
         );
     }
-    let min_step = ranks.iter().map(|r| r.1).min().unwrap_or(0);
-    let lowest: Vec<_> = ranks.iter().filter(|r| r.1 == min_step).collect();
+    // In a collective every healthy rank waits for the stuck one at the same step: a rank
+    // whose beacon says it waits on the others is not the culprit when some rank does not.
+    let working: Vec<usize> = beacons
+        .iter()
+        .filter(|(_, t)| !waiting(&t.phase) && !finished(&t.phase))
+        .map(|(r, _)| *r)
+        .collect();
+    let suspects: Vec<&(usize, u64, Instant, &str)> = if !working.is_empty()
+        && working.len() < ranks.len()
+        && ranks.iter().all(|r| r.3 == "beacon")
+    {
+        ranks.iter().filter(|r| working.contains(&r.0)).collect()
+    } else {
+        ranks.iter().collect()
+    };
+    let min_step = suspects.iter().map(|r| r.1).min().unwrap_or(0);
+    let lowest: Vec<_> = suspects
+        .iter()
+        .filter(|r| r.1 == min_step)
+        .copied()
+        .collect();
     let earliest = lowest.iter().map(|r| r.2).min().unwrap_or(now);
     let first: Vec<usize> = lowest
         .iter()
@@ -746,14 +1061,49 @@ fn culprits(
             )
         })
         .collect();
+    let (first, how) = narrow_by_liveness(first, live, now);
     let list: Vec<String> = first.iter().map(usize::to_string).collect();
     let who = format!(
-        "ranks that stopped advancing first: {} (from {}s: {})",
+        "ranks that stopped advancing first: {} (from {}s{how}: {})",
         list.join(", "),
         ranks[0].3,
         detail.join(", ")
     );
     (first, who)
+}
+
+/// Among ranks that stopped at the same step at the same time (a collective: the healthy
+/// ones wait for the stuck one), the stuck one is the process that does nothing: stopped, or
+/// using no CPU while the others spin in MPI. Returns the narrowed list (unchanged when the
+/// processes do not tell them apart) and how it was narrowed.
+fn narrow_by_liveness(
+    tied: Vec<usize>,
+    live: &BTreeMap<usize, Live>,
+    now: Instant,
+) -> (Vec<usize>, &'static str) {
+    if tied.len() < 2 || !tied.iter().all(|r| live.contains_key(r)) {
+        return (tied, "");
+    }
+    let strict = |v: &Vec<usize>| !v.is_empty() && v.len() < tied.len();
+    let stopped: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| matches!(live[r].state, 'T' | 't'))
+        .collect();
+    if strict(&stopped) {
+        return (stopped, " and process states: stopped");
+    }
+    let idle_for = |r: &usize| now.saturating_duration_since(live[r].cpu_changed);
+    let busy = tied.iter().any(|r| idle_for(r) < Duration::from_secs(1));
+    let idle: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| idle_for(r) >= Duration::from_secs(2))
+        .collect();
+    if busy && strict(&idle) {
+        return (idle, " and CPU use: no CPU while the others spin");
+    }
+    (tied, "")
 }
 
 fn progress_report(
@@ -767,6 +1117,7 @@ fn progress_report(
             rank: Some(*r),
             step: t.step,
             phase: Some(t.phase.clone()),
+            host: t.host.clone(),
             idle_s: at.saturating_duration_since(t.last_advance).as_secs_f64(),
             source: "beacon",
         })
@@ -776,6 +1127,7 @@ fn progress_report(
             rank: *r,
             step: *step,
             phase: None,
+            host: None,
             idle_s: at.saturating_duration_since(*t).as_secs_f64(),
             source: "output",
         }));
@@ -783,14 +1135,14 @@ fn progress_report(
     out
 }
 
-fn kill_groups(groups: &[Pid], sig: Signal) {
+pub(crate) fn kill_groups(groups: &[Pid], sig: Signal) {
     for &pg in groups {
         // ESRCH (group already empty) is the normal case at the end; nothing to report.
         let _ = killpg(pg, sig);
     }
 }
 
-fn any_alive(groups: &[Pid]) -> bool {
+pub(crate) fn any_alive(groups: &[Pid]) -> bool {
     groups.iter().any(|&pg| killpg(pg, None).is_ok())
 }
 
@@ -818,7 +1170,7 @@ fn finish_groups(groups: &[Pid], grace: Duration, reap: bool) {
 }
 
 /// Children of this process that are not ones we spawned: descendants re-parented to us.
-fn adopted_children() -> Vec<i32> {
+pub(crate) fn adopted_children() -> Vec<i32> {
     let me = std::process::id() as i32;
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -841,7 +1193,7 @@ fn adopted_children() -> Vec<i32> {
 
 /// Reaps adopted zombies (a killed grandchild whose parent was already gone is re-parented to
 /// us as subreaper; until reaped it still counts as a member of its group).
-fn reap_any_adopted_zombies() {
+pub(crate) fn reap_any_adopted_zombies() {
     use nix::sys::wait::{WaitPidFlag, waitpid};
     for pid in adopted_children() {
         let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
@@ -849,7 +1201,7 @@ fn reap_any_adopted_zombies() {
 }
 
 /// Kills and reaps every adopted descendant, repeating while killing one orphans another.
-fn reap_adopted() {
+pub(crate) fn reap_adopted() {
     use nix::sys::wait::waitpid;
     for _ in 0..16 {
         let pids = adopted_children();

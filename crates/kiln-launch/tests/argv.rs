@@ -214,6 +214,8 @@ fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
         "MASTER_PORT",
         "-x",
         "KILN_PROGRESS_DIR",
+        "-x",
+        "PYTHONUNBUFFERED",
         "--mca",
         "btl",
         "self,tcp",
@@ -298,6 +300,103 @@ fn actionable_errors() {
         .to_string();
     assert!(
         e.contains("SLURM_JOB_NODELIST") && e.contains("never closed"),
+        "{e}"
+    );
+}
+
+#[test]
+fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let vars = env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n[1-4]")]);
+    let mut o = opts(dir.path());
+    o.node_scope = true;
+    o.exclude = vec!["n2".into()];
+    let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
+    // n2 is quarantined; of n1, n3, n4 one (2 %, at least 1) is a spare.
+    assert_eq!(s.used_hosts, ["n1", "n3"]);
+    assert_eq!(
+        s.spares.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+        ["n4"]
+    );
+    assert_eq!(s.excluded, ["n2"]);
+    assert!(
+        s.procs[0].argv.contains(&"--nodelist=n1,n3".to_string()),
+        "{:?}",
+        s.procs[0].argv
+    );
+    let swapped = [s.active[0].clone(), s.spares[0].clone()];
+    let p = s.plan_for(&swapped).unwrap();
+    assert!(p.procs[0].argv.contains(&"--nodelist=n1,n4".to_string()));
+    assert!(p.procs[0].argv.contains(&"--ntasks=2".to_string()));
+    // Fewer hosts: fewer ranks, same ranks per node.
+    let p = s.plan_for(&swapped[..1]).unwrap();
+    assert!(p.procs[0].argv.contains(&"--ntasks=1".to_string()));
+    // --spares explicit; --nnodes leaves the rest as spares.
+    o.exclude.clear();
+    o.spares = Some(2);
+    let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
+    assert_eq!((s.used_hosts.len(), s.spares.len()), (2, 2));
+    o.spares = None;
+    o.sizes.nnodes = Some(3);
+    let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
+    assert_eq!((s.used_hosts.len(), s.spares.len()), (3, 1));
+    o.sizes.nnodes = None;
+    o.spares = Some(4);
+    let e = prepare(&o, &vars, &no_gpu_tools, 2, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--spares 4 leaves no active host"), "{e}");
+}
+
+#[test]
+fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    type Edit = Box<dyn Fn(&mut LaunchOptions)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (Box::new(|o| o.sizes.np = Some(1usize << 32)), "at most"),
+        (
+            Box::new(|o| o.gpus_per_node = Some(1usize << 32)),
+            "--gpus-per-node",
+        ),
+        (Box::new(|o| o.sizes.ppn = Some(5000)), "--ppn 5000"),
+        (Box::new(|o| o.sizes.np = Some(100_000)), "--oversubscribe"),
+        (Box::new(|o| o.master_port = 0), "--master-port 0"),
+    ];
+    for (edit, needle) in cases {
+        let mut o = opts(dir.path());
+        edit(&mut o);
+        let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{needle}: {e}");
+    }
+    let mut o = opts(dir.path());
+    o.sizes.np = Some(100);
+    o.oversubscribe = true;
+    assert_eq!(
+        prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
+            .unwrap()
+            .procs
+            .len(),
+        100
+    );
+    // Under a scheduler the local CPU count does not cap the ranks.
+    let vars = env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n[1-1000]")]);
+    let mut o = opts(dir.path());
+    o.sizes.ppn = Some(8);
+    assert_eq!(
+        prepare(&o, &vars, &no_gpu_tools, 2, false)
+            .unwrap()
+            .sizes
+            .np,
+        8000
+    );
+    let vars = env(&[("CUDA_VISIBLE_DEVICES", "GPU-zzz,,%%")]);
+    let e = prepare(&opts(dir.path()), &vars, &no_gpu_tools, 2, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("CUDA_VISIBLE_DEVICES") && e.contains("GPU-zzz"),
         "{e}"
     );
 }

@@ -31,6 +31,8 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         deadline: None,
         echo: false,
         reap_orphans: false,
+        stdout_pty: true,
+        expected_ranks: None,
     }
 }
 
@@ -102,4 +104,63 @@ fn a_missing_program_is_not_found() {
         (Classification::NotFound, 127)
     );
     assert!(!o.classification.retryable());
+}
+
+#[test]
+fn in_a_collective_the_rank_that_is_not_waiting_is_the_culprit() {
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    // Both ranks reach step 5 and stop at the same moment; rank 0 says it waits in the
+    // all-reduce, rank 1 (stuck in its own compute) does not.
+    let beacon = |rank: usize, phase: &str| {
+        format!(
+            "for i in 1 2 3 4 5; do printf '%s {phase} %s h{rank}\\n' $i $(date +%s.%N) > {p}/.t{rank}; mv {p}/.t{rank} {p}/rank-{rank}; sleep 0.05; done; echo alive; sleep 30",
+            p = progress.display()
+        )
+    };
+    let mut cfg = config(
+        dir.path(),
+        vec![
+            sh(&beacon(0, "allreduce"), Some(0)),
+            sh(&beacon(1, "train"), Some(1)),
+        ],
+    );
+    cfg.progress_dir = Some(progress.clone());
+    cfg.stall_timeout = Some(Duration::from_secs(1));
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::HungStalled);
+    assert_eq!(o.culprits, [1]);
+    let hosts: Vec<_> = o.progress.iter().filter_map(|p| p.host.clone()).collect();
+    assert_eq!(hosts, ["h0", "h1"]);
+    assert!(o.advanced());
+}
+
+#[test]
+fn in_a_tie_the_stopped_rank_is_the_culprit() {
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    // Both ranks write beacons up to step 3 at the same moments and then stop advancing, as
+    // data-parallel ranks do when one of them hangs: rank 1 is stopped (SIGSTOP), rank 0 keeps
+    // spinning (as MPI does while it waits in a collective).
+    let script = |rank: usize, tail: &str| {
+        format!(
+            "for i in 1 2 3; do printf '%s train %s\n' $i $(date +%s.%N) > {p}/.t{rank}; mv {p}/.t{rank} {p}/rank-{rank}; sleep 0.05; done; echo ready; {tail}",
+            p = progress.display()
+        )
+    };
+    let mut cfg = config(
+        dir.path(),
+        vec![
+            sh(&script(0, "while :; do :; done"), Some(0)),
+            sh(&script(1, "kill -STOP $$"), Some(1)),
+        ],
+    );
+    cfg.progress_dir = Some(progress.clone());
+    cfg.stall_timeout = Some(Duration::from_secs(2));
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::HungStalled);
+    assert_eq!(o.culprits, [1], "{:?}", o.message);
+    assert!(o.message.unwrap().contains("stopped"));
 }

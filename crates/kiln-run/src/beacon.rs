@@ -1,8 +1,15 @@
 //! Per-rank progress beacons: `$KILN_PROGRESS_DIR/rank-<R>` holds one line
-//! `<step> <phase> <unix_time>`. Any program may write them; kiln's trainer does every step.
-//! A supervisor compares them across ranks to name the rank that stopped advancing.
+//! `<step> <phase> <unix_time> <host>`. Any program may write them (the host is optional, for
+//! writers that do not know it); kiln's trainer does every step. A supervisor compares them
+//! across ranks to name the rank that stopped advancing, and the host it ran on.
+//!
+//! Next to them, `exit-<R>` records how rank R's program ended (`kiln launch --as-rank`
+//! writes it under a launcher), so a job is classified by its ranks' exits even when the
+//! launcher itself does not say.
 
+use crate::layout;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Environment variable naming the directory beacons are written to.
 pub const PROGRESS_DIR_ENV: &str = "KILN_PROGRESS_DIR";
@@ -18,6 +25,38 @@ pub struct Beacon {
     pub phase: String,
     /// When it was written, Unix seconds.
     pub time: f64,
+    /// The host the rank runs on, when the writer said.
+    pub host: Option<String>,
+}
+
+/// Variable that overrides the host name recorded in beacons and exit records.
+pub const HOST_ENV: &str = "KILN_HOST";
+
+/// The name of the host this process runs on, as the scheduler knows it: `$KILN_HOST`, else
+/// Slurm's `SLURMD_NODENAME` (several Slurm nodes may share one OS hostname), else the OS
+/// host name. Whitespace is replaced so the name stays one field of a beacon line.
+pub fn this_host() -> &'static str {
+    static HOST: OnceLock<String> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let from_env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let name = from_env(HOST_ENV)
+            .or_else(|| from_env("SLURMD_NODENAME"))
+            .or_else(os_hostname)
+            .unwrap_or_else(|| "unknown-host".into());
+        name.split_whitespace().collect::<Vec<_>>().join("_")
+    })
+}
+
+fn os_hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into the buffer we own.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).trim().to_string();
+    (!name.is_empty()).then_some(name)
 }
 
 /// Errors reading or writing beacons.
@@ -33,8 +72,9 @@ pub enum BeaconError {
     },
 }
 
-/// Atomically replaces `dir/rank-<rank>` with `<step> <phase> <time>` (write to a temporary
-/// name, then rename: a reader never sees a half-written line).
+/// Atomically replaces `dir/rank-<rank>` with `<step> <phase> <time> <host>` (write to a
+/// temporary name, then rename: a reader never sees a half-written line). The host is
+/// [`this_host`].
 pub fn write_beacon(
     dir: &Path,
     rank: usize,
@@ -42,44 +82,233 @@ pub fn write_beacon(
     phase: &str,
     time: f64,
 ) -> Result<(), BeaconError> {
-    let path = dir.join(format!("rank-{rank}"));
+    let path = dir.join(layout::beacon(rank));
     let tmp = dir.join(format!(".rank-{rank}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
     };
-    std::fs::write(&tmp, format!("{step} {phase} {time:.3}\n")).map_err(io)?;
+    let phase = if phase.is_empty() { "-" } else { phase };
+    let phase = phase.split_whitespace().collect::<Vec<_>>().join("_");
+    std::fs::write(&tmp, format!("{step} {phase} {time:.3} {}\n", this_host())).map_err(io)?;
     std::fs::rename(&tmp, &path).map_err(io)
 }
 
-/// Parses one beacon line; `None` if it is not `<step> <phase> <time>`.
+/// Parses one beacon line; `None` if it is not `<step> <phase> <time> [<host>]`.
 fn parse_beacon(rank: usize, text: &str) -> Option<Beacon> {
     let mut it = text.split_whitespace();
     let step = it.next()?.parse().ok()?;
     let phase = it.next()?.to_string();
     let time = it.next()?.parse().ok()?;
+    let host = it.next().map(str::to_string);
     Some(Beacon {
         rank,
         step,
         phase,
         time,
+        host,
     })
+}
+
+/// How one rank's program ended, as `kiln launch --as-rank` saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitRecord {
+    /// The rank (from the file name).
+    pub rank: usize,
+    /// Its exit code, if it exited.
+    pub code: Option<i32>,
+    /// The signal that killed it, if one did.
+    pub signal: Option<i32>,
+    /// When it ended, Unix seconds.
+    pub time: f64,
+    /// The host it ran on.
+    pub host: String,
+}
+
+impl ExitRecord {
+    /// The exit code as a shell reports it (128+N for a signal).
+    pub fn shell_code(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            (None, None) => 1,
+        }
+    }
+}
+
+/// Atomically writes `dir/exit-<rank>`: `<code|-> <signal|-> <time> <host>`.
+pub fn write_exit_record(
+    dir: &Path,
+    rank: usize,
+    code: Option<i32>,
+    signal: Option<i32>,
+    time: f64,
+) -> Result<(), BeaconError> {
+    let path = dir.join(layout::exit_record(rank));
+    let tmp = dir.join(format!(".exit-{rank}.tmp"));
+    let io = |source| BeaconError::Io {
+        path: path.clone(),
+        source,
+    };
+    let field = |v: Option<i32>| v.map_or("-".to_string(), |v| v.to_string());
+    let line = format!(
+        "{} {} {time:.3} {}\n",
+        field(code),
+        field(signal),
+        this_host()
+    );
+    std::fs::write(&tmp, line).map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)
+}
+
+fn parse_exit_record(rank: usize, text: &str) -> Option<ExitRecord> {
+    let mut it = text.split_whitespace();
+    let opt = |s: &str| -> Option<Option<i32>> {
+        if s == "-" {
+            Some(None)
+        } else {
+            s.parse().ok().map(Some)
+        }
+    };
+    let code = opt(it.next()?)?;
+    let signal = opt(it.next()?)?;
+    let time = it.next()?.parse().ok()?;
+    let host = it.next()?.to_string();
+    Some(ExitRecord {
+        rank,
+        code,
+        signal,
+        time,
+        host,
+    })
+}
+
+/// Reads every `exit-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
+pub fn read_exit_records(dir: &Path) -> Vec<ExitRecord> {
+    let mut records: Vec<ExitRecord> = read_rank_files(dir, layout::EXIT_RECORD_PREFIX)
+        .into_iter()
+        .filter_map(|(rank, text)| parse_exit_record(rank, &text))
+        .collect();
+    records.sort_by_key(|r| r.rank);
+    records
+}
+
+/// What the operating system says about a rank's process: written every half second by
+/// `kiln launch --as-rank`, so a hang can be pinned on the rank that does nothing (stopped,
+/// or blocked without using the CPU) while the others wait for it in a collective (where MPI
+/// spins).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Liveness {
+    /// The rank (from the file name).
+    pub rank: usize,
+    /// The process state letter of `/proc/<pid>/stat` (`R`, `S`, `D`, `T` stopped, ...).
+    pub state: char,
+    /// CPU time used so far, in clock ticks (user + system, all threads).
+    pub cpu_ticks: u64,
+    /// When it was sampled, Unix seconds.
+    pub time: f64,
+    /// The host.
+    pub host: String,
+}
+
+/// Atomically writes `dir/live-<rank>`: `<state> <cpu_ticks> <time> <host>`.
+pub fn write_liveness(
+    dir: &Path,
+    rank: usize,
+    state: char,
+    cpu_ticks: u64,
+    time: f64,
+) -> Result<(), BeaconError> {
+    let path = dir.join(layout::liveness(rank));
+    let tmp = dir.join(format!(".{}.tmp", layout::liveness(rank)));
+    let io = |source| BeaconError::Io {
+        path: path.clone(),
+        source,
+    };
+    let state = if state.is_ascii_alphabetic() {
+        state
+    } else {
+        '?'
+    };
+    std::fs::write(
+        &tmp,
+        format!("{state} {cpu_ticks} {time:.3} {}\n", this_host()),
+    )
+    .map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)
+}
+
+/// Reads every `live-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
+pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
+    let mut v: Vec<Liveness> = read_rank_files(dir, layout::LIVENESS_PREFIX)
+        .into_iter()
+        .filter_map(|(rank, text)| {
+            let mut it = text.split_whitespace();
+            let state = it.next()?.chars().next()?;
+            let cpu_ticks = it.next()?.parse().ok()?;
+            let time = it.next()?.parse().ok()?;
+            let host = it.next()?.to_string();
+            Some(Liveness {
+                rank,
+                state,
+                cpu_ticks,
+                time,
+                host,
+            })
+        })
+        .collect();
+    v.sort_by_key(|l| l.rank);
+    v
+}
+
+/// `(rank, contents)` of every readable `<prefix><rank>` file in `dir`. Reads are bounded:
+/// a beacon is one short line, and the directory may be shared with foreign programs.
+fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> {
+    use std::io::Read;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let rank = name.strip_prefix(prefix)?.parse().ok()?;
+            if !e.file_type().ok()?.is_file() {
+                return None;
+            }
+            let mut text = String::new();
+            std::fs::File::open(e.path())
+                .ok()?
+                .take(4096)
+                .read_to_string(&mut text)
+                .ok()?;
+            Some((rank, text))
+        })
+        .collect()
+}
+
+/// Removes every beacon and exit record (and their temporary files) from `dir`.
+pub fn clear_rank_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let ours = ["rank-", "exit-", "live-", ".rank-", ".exit-", ".live-"]
+            .iter()
+            .any(|p| name.starts_with(p));
+        if ours {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Reads every `rank-<R>` beacon in `dir`, sorted by rank. Files that do not parse are
 /// ignored (a foreign program may write garbage; it must not crash the supervisor).
 pub fn read_beacons(dir: &Path) -> Vec<Beacon> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut beacons: Vec<Beacon> = entries
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let rank = name.strip_prefix("rank-")?.parse().ok()?;
-            let text = std::fs::read_to_string(e.path()).ok()?;
-            parse_beacon(rank, &text)
-        })
+    let mut beacons: Vec<Beacon> = read_rank_files(dir, layout::BEACON_PREFIX)
+        .into_iter()
+        .filter_map(|(rank, text)| parse_beacon(rank, &text))
         .collect();
     beacons.sort_by_key(|b| b.rank);
     beacons
@@ -102,5 +331,36 @@ mod tests {
             (0, 13, "checkpoint")
         );
         assert_eq!((b[1].rank, b[1].step, b[1].time), (1, 12, 100.5));
+        assert_eq!(b[0].host.as_deref(), Some(this_host()));
+        // A writer that does not know its host (the format before hosts) still parses.
+        std::fs::write(dir.path().join("rank-3"), "4 train 99.0\n").unwrap();
+        let b = read_beacons(dir.path());
+        assert_eq!((b[2].rank, b[2].host.clone()), (3, None));
+    }
+
+    #[test]
+    fn exit_records_round_trip_and_are_cleared() {
+        let dir = tempfile::tempdir().unwrap();
+        write_exit_record(dir.path(), 2, Some(78), None, 5.0).unwrap();
+        write_exit_record(dir.path(), 0, None, Some(9), 6.0).unwrap();
+        write_beacon(dir.path(), 0, 1, "train", 1.0).unwrap();
+        std::fs::write(dir.path().join("exit-9"), "garbage").unwrap();
+        let r = read_exit_records(dir.path());
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].rank, r[0].shell_code()), (0, 137));
+        assert_eq!(
+            (r[1].rank, r[1].code, r[1].host.as_str()),
+            (2, Some(78), this_host())
+        );
+        write_liveness(dir.path(), 1, 'T', 42, 7.0).unwrap();
+        let l = read_liveness(dir.path());
+        assert_eq!((l[0].rank, l[0].state, l[0].cpu_ticks), (1, 'T', 42));
+        std::fs::write(dir.path().join("unrelated"), "x").unwrap();
+        clear_rank_files(dir.path());
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["unrelated"]);
     }
 }

@@ -26,7 +26,9 @@ pub const SPIKE_SKIP: &str = "spike_skip";
 pub const FROZEN_PARAMS: &str = "frozen_params";
 /// Rollbacks stopped making progress; the run stops (exit 65).
 pub const ROLLBACK_LIMIT: &str = "rollback_limit";
-/// Data-parallel replicas disagree on their parameters (fields: step, ranks, checksums).
+/// Data-parallel replicas disagree on their parameters (fields: step, ranks, checksums, and
+/// optionally hosts); the trainer then exits with [`crate::exit::REPLICA_MISMATCH`] and node
+/// scope swaps the hosts of the named ranks.
 pub const REPLICA_MISMATCH: &str = "replica_mismatch";
 /// The run resumed on another number of ranks or another global batch (fields: from_ranks,
 /// to_ranks, global_batch, grad_accum_steps, step).
@@ -49,7 +51,32 @@ pub const LAUNCH_START: &str = "launch_start";
 pub const ATTEMPT_START: &str = "attempt_start";
 /// One attempt ended, with its classification.
 pub const ATTEMPT_END: &str = "attempt_end";
-/// Waiting before the next attempt.
+/// Waiting before the next attempt (fields: attempt, seconds, after).
 pub const BACKOFF: &str = "backoff";
+/// The retry loop stopped before its budget was spent (fields: attempt, reason, ...).
+pub const STOPPED: &str = "stopped";
 /// `kiln launch` ended.
 pub const LAUNCH_END: &str = "launch_end";
+
+// Node scope.
+/// The allocation was split into active and spare hosts (fields: active, spares,
+/// quarantined, min_nodes).
+pub const HOST_POOL: &str = "host_pool";
+/// A host was replaced after a failed attempt (fields: attempt, host, replacement, cause,
+/// evidence, blind).
+pub const NODE_SWAP: &str = "node_swap";
+/// A host was taken out of service for this run (fields: host, cause, evidence, attempt;
+/// also appended to the quarantine file).
+pub const QUARANTINE: &str = "quarantine";
+/// No spare was left: the job continues on fewer hosts (fields: attempt, from, to, dropped).
+pub const SHRINK: &str = "shrink";
+
+// Job scope.
+/// `kiln submit` (or a job of its chain) submitted a batch job (fields: job_id, scheduler,
+/// chain_index, chain_limit, script).
+pub const JOB_SUBMITTED: &str = "job_submitted";
+/// A batch job of the run started (fields: job_id, scheduler, chain_index, submit_time,
+/// start_time, queue_s).
+pub const JOB_START: &str = "job_start";
+/// The chain ended or continues (fields: job_id, chain_index, decision, reason).
+pub const CHAIN: &str = "chain";

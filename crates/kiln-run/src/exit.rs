@@ -12,6 +12,10 @@ pub const USAGE: i32 = 2;
 /// far off): the same input would fail the same way, so a retry is pointless
 /// (`EX_DATAERR`).
 pub const GUARD_STOP: i32 = 65;
+/// Node scope ran out of healthy hosts: every spare was used and the job may not shrink.
+/// Not the program's fault: a new allocation (the next job of a chain) resumes it
+/// (`EX_UNAVAILABLE`).
+pub const NODES_EXHAUSTED: i32 = 69;
 /// Another process holds the run directory (`EX_CANTCREAT`).
 pub const RUN_DIR_LOCKED: i32 = 73;
 /// Stopped by a signal (SIGTERM/SIGUSR1/SIGINT, walltime) after saving a checkpoint;
@@ -40,6 +44,12 @@ pub fn is_deterministic(code: i32) -> bool {
     )
 }
 
+/// Whether a job that ended with this code should be continued by a new batch job of its
+/// chain: it stopped resumably (checkpointed on a signal or walltime) or ran out of hosts.
+pub fn is_resumable(code: i32) -> bool {
+    matches!(code, PREEMPTED | NODES_EXHAUSTED)
+}
+
 /// A short name of what an exit code means, for logs and `kiln status`.
 pub fn describe(code: i32) -> &'static str {
     match code {
@@ -47,6 +57,7 @@ pub fn describe(code: i32) -> &'static str {
         FAILURE => "error",
         USAGE => "usage error",
         GUARD_STOP => "guard stopped training",
+        NODES_EXHAUSTED => "no healthy host left (spares exhausted)",
         RUN_DIR_LOCKED => "run directory locked by another process",
         PREEMPTED => "preempted (checkpointed, resumable)",
         REPLICA_MISMATCH => "replica mismatch",
@@ -56,5 +67,36 @@ pub fn describe(code: i32) -> &'static str {
         NOT_FOUND => "not found",
         c if c > 128 => "killed by a signal",
         _ => "failed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_meaning_of_each_code() {
+        for c in [
+            CONFIG,
+            GUARD_STOP,
+            RUN_DIR_LOCKED,
+            USAGE,
+            NOT_FOUND,
+            NOT_EXECUTABLE,
+        ] {
+            assert!(is_deterministic(c), "{c}");
+        }
+        for c in [
+            SUCCESS,
+            FAILURE,
+            PREEMPTED,
+            REPLICA_MISMATCH,
+            NODES_EXHAUSTED,
+            WATCHDOG,
+            137,
+        ] {
+            assert!(!is_deterministic(c), "{c}");
+        }
+        assert!(is_resumable(PREEMPTED) && is_resumable(NODES_EXHAUSTED) && !is_resumable(FAILURE));
     }
 }

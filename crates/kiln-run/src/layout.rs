@@ -21,6 +21,47 @@ pub const LOCK: &str = "train.lock";
 pub const PROGRESS: &str = "progress";
 /// The hosts of the current attempt (`kiln launch`).
 pub const HOSTFILE: &str = "hostfile";
+/// Hosts taken out of service by node scope, JSON lines `{"time", "host", "cause",
+/// "evidence", "job_id"}`; `kiln launch` skips the hosts listed and `kiln submit` excludes
+/// them from later jobs. The same format serves a shared file (`--quarantine-file`).
+pub const QUARANTINE: &str = "quarantine.jsonl";
+/// Plots (`kiln plot`, `kiln lr-find`).
+pub const PLOTS: &str = "plots";
+
+/// A rank's progress beacon in the progress directory (see [`crate::write_beacon`]).
+pub fn beacon(rank: usize) -> String {
+    format!("{BEACON_PREFIX}{rank}")
+}
+
+/// File-name prefix of beacons (`rank-<R>`).
+pub const BEACON_PREFIX: &str = "rank-";
+/// File-name prefix of exit records (`exit-<R>`).
+pub const EXIT_RECORD_PREFIX: &str = "exit-";
+/// File-name prefix of liveness records (`live-<R>`).
+pub const LIVENESS_PREFIX: &str = "live-";
+
+/// A rank's liveness record in the progress directory (see [`crate::write_liveness`]).
+pub fn liveness(rank: usize) -> String {
+    format!("{LIVENESS_PREFIX}{rank}")
+}
+
+/// A rank's exit record in the progress directory (see [`crate::write_exit_record`]).
+pub fn exit_record(rank: usize) -> String {
+    format!("{EXIT_RECORD_PREFIX}{rank}")
+}
+
+/// The batch script `kiln submit` writes for `scheduler` (`slurm` or `pbs`), kept in the
+/// run directory so every job of a chain runs (and an operator can read) the same script.
+pub fn batch_script(scheduler: &str) -> String {
+    match scheduler {
+        "pbs" => "job.pbs".into(),
+        _ => "job.sbatch".into(),
+    }
+}
+
+/// Where the scheduler writes a batch job's own output (`%j`: Slurm's job id pattern;
+/// PBS gets the same name with the id filled in by the script).
+pub const JOB_OUTPUT_PATTERN: &str = "job-%j.out";
 
 /// Output of launch attempt `i` (raw bytes).
 pub fn attempt_log(i: u32) -> String {

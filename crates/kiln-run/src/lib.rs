@@ -10,19 +10,30 @@
 //! | `checkpoints/step-<N>/`  | `kiln train`      | safetensors + `state.json` + `manifest`  |
 //! | `attempt-<i>.log`        | `kiln launch`     | raw bytes of one attempt's output        |
 //!
-//! File names live in [`layout`], event names in [`event`], exit codes in [`exit`].
+//! File names live in [`layout`], event names in [`event`], exit codes in [`exit`]. Two
+//! helpers every component needs sit here too: [`files`] (bounded reads of regular files
+//! only, for names taken from files a user received) and [`host`] (memory and cores this
+//! process may use, for checks before allocating).
 //!
-//! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line `<step> <phase> <unix_time>`,
-//! replaced atomically, so a supervisor can tell which rank stopped advancing.
+//! Progress beacons live in `$KILN_PROGRESS_DIR/rank-<R>`: one line
+//! `<step> <phase> <unix_time> <host>`, replaced atomically, so a supervisor can tell which
+//! rank stopped advancing and on which host.
 
 mod beacon;
 pub mod event;
 mod events;
 pub mod exit;
+pub mod files;
+pub mod host;
 pub mod jsonl;
 pub mod layout;
+pub mod ledger;
 
-pub use beacon::{Beacon, BeaconError, PROGRESS_DIR_ENV, read_beacons, write_beacon};
+pub use beacon::{
+    Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, PROGRESS_DIR_ENV, clear_rank_files,
+    read_beacons, read_exit_records, read_liveness, this_host, write_beacon, write_exit_record,
+    write_liveness,
+};
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 
 /// This machine's host name (as `hostname` prints it), for lock files, beacons and events;

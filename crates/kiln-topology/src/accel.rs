@@ -51,36 +51,164 @@ type ToolProbe = (
 /// Runs a tool (`program`, `args`) and returns its stdout if it exited successfully.
 pub type Probe<'a> = &'a dyn Fn(&str, &[&str]) -> Option<String>;
 
+/// A visible-device variable that is set but cannot be read: the job would otherwise start
+/// with a wrong rank count per node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var}={value:?}: {message}")]
+pub struct VisibleDevicesError {
+    /// The variable.
+    pub var: &'static str,
+    /// Its value.
+    pub value: String,
+    /// What is wrong, naming the entry.
+    pub message: String,
+}
+
+/// The visible-device variables, in the order they are consulted, and the kind each means.
+pub const VISIBLE_DEVICE_VARS: [(&str, AcceleratorKind); 4] = [
+    ("CUDA_VISIBLE_DEVICES", AcceleratorKind::Nvidia),
+    ("ROCR_VISIBLE_DEVICES", AcceleratorKind::Amd),
+    ("HIP_VISIBLE_DEVICES", AcceleratorKind::Amd),
+    ("ZE_AFFINITY_MASK", AcceleratorKind::Intel),
+];
+
+/// The most devices one variable may list: no node has more, and a longer list is a
+/// generated mistake, not a machine.
+pub const MAX_VISIBLE_DEVICES: usize = 1024;
+
+/// Whether `id` is a device UUID as the runtimes print them: `GPU-`/`MIG-` (or
+/// `MIG-GPU-`) followed by hex digits in dash-separated groups (`GPU-8c1a...-...`), or a MIG
+/// `MIG-GPU-<uuid>/<gi>/<ci>` triple.
+fn is_device_uuid(id: &str) -> bool {
+    let rest = id
+        .strip_prefix("MIG-GPU-")
+        .or_else(|| id.strip_prefix("GPU-"))
+        .or_else(|| id.strip_prefix("MIG-"));
+    let Some(rest) = rest else { return false };
+    let (uuid, mig) = match rest.split_once('/') {
+        Some((u, m)) => (u, Some(m)),
+        None => (rest, None),
+    };
+    let hex_groups = !uuid.is_empty()
+        && uuid
+            .split('-')
+            .all(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_hexdigit()));
+    let mig_ok = mig.is_none_or(|m| {
+        m.split('/')
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    });
+    hex_groups && mig_ok
+}
+
+/// One entry of a visible-device list.
+enum Entry {
+    /// A device this entry makes visible.
+    Device,
+    /// A negative index: CUDA and ROCm stop the list there (`-1` alone hides every GPU).
+    End,
+}
+
+fn parse_entry(var: &str, entry: &str) -> Result<Entry, String> {
+    if entry.is_empty() {
+        return Err("is empty".into());
+    }
+    if let Some(digits) = entry.strip_prefix('-')
+        && !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Ok(Entry::End);
+    }
+    let index = |s: &str| !s.is_empty() && s.len() <= 9 && s.bytes().all(|b| b.is_ascii_digit());
+    let ok = match var {
+        // Level Zero: `<device>` or `<device>.<sub-device>` (tiles).
+        "ZE_AFFINITY_MASK" => match entry.split_once('.') {
+            Some((d, t)) => index(d) && index(t),
+            None => index(entry),
+        },
+        _ => index(entry) || is_device_uuid(entry),
+    };
+    if ok {
+        Ok(Entry::Device)
+    } else {
+        Err(format!(
+            "is neither a device index nor a device UUID (GPU-<hex>, MIG-<hex>){}",
+            if var == "ZE_AFFINITY_MASK" {
+                " nor <device>.<tile>"
+            } else {
+                ""
+            }
+        ))
+    }
+}
+
+/// Parses a visible-device list (`0,1,2`, `GPU-<uuid>,...`, `0.0,0.1`) into the devices it
+/// makes visible, by the runtimes' rules: an empty value or a leading negative index (`-1`)
+/// hides every device; a negative index later ends the list (`0,2,-1,1` is `0,2`);
+/// `NoDevFiles` (Slurm without GPUs) hides every device. Anything else malformed (an empty
+/// entry, garbage, a repeated device) is an error naming the entry: guessing a count would
+/// start the wrong number of ranks.
+pub fn parse_visible_devices(
+    var: &'static str,
+    value: &str,
+) -> Result<Vec<String>, VisibleDevicesError> {
+    let err = |message: String| VisibleDevicesError {
+        var,
+        value: value.to_string(),
+        message,
+    };
+    let trimmed = value.trim();
+    if trimmed.is_empty() || trimmed == "NoDevFiles" {
+        return Ok(Vec::new());
+    }
+    let mut devices: Vec<String> = Vec::new();
+    for (i, raw) in trimmed.split(',').enumerate() {
+        let entry = raw.trim();
+        match parse_entry(var, entry) {
+            Ok(Entry::End) => break,
+            Ok(Entry::Device) => {
+                if devices.iter().any(|d| d == entry) {
+                    return Err(err(format!("entry {} ({entry:?}) repeats a device", i + 1)));
+                }
+                if devices.len() == MAX_VISIBLE_DEVICES {
+                    return Err(err(format!(
+                        "lists more than {MAX_VISIBLE_DEVICES} devices"
+                    )));
+                }
+                devices.push(entry.to_string());
+            }
+            Err(what) => return Err(err(format!("entry {} ({entry:?}) {what}", i + 1))),
+        }
+    }
+    Ok(devices)
+}
+
 /// Detects this node's accelerators from visible-device variables, then from
-/// `nvidia-smi -L`, `rocm-smi --showid`, `xpu-smi discovery`; else CPU.
+/// `nvidia-smi -L`, `rocm-smi --showid`, `xpu-smi discovery`; else CPU. A visible-device
+/// variable that is set wins over the tools, even when it hides every device (then the node
+/// counts as CPU-only: that is what the job was told to use). A malformed one is an error.
 pub fn detect_accelerators(
     vars: &dyn Fn(&str) -> Option<String>,
     probe: Probe<'_>,
-) -> Detected<Accelerators> {
-    let visible: [(&str, AcceleratorKind); 4] = [
-        ("CUDA_VISIBLE_DEVICES", AcceleratorKind::Nvidia),
-        ("ROCR_VISIBLE_DEVICES", AcceleratorKind::Amd),
-        ("HIP_VISIBLE_DEVICES", AcceleratorKind::Amd),
-        ("ZE_AFFINITY_MASK", AcceleratorKind::Intel),
-    ];
-    for (var, kind) in visible {
+) -> Result<Detected<Accelerators>, VisibleDevicesError> {
+    for (var, kind) in VISIBLE_DEVICE_VARS {
         let Some(value) = vars(var) else { continue };
-        let ids: Vec<&str> = value
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .collect();
-        // CUDA treats "-1" (or any invalid id) as "hide everything": not a GPU job.
-        if ids.is_empty() || ids[0].starts_with('-') {
-            continue;
+        let devices = parse_visible_devices(var, &value)?;
+        if devices.is_empty() {
+            return Ok(Detected {
+                value: Accelerators {
+                    kind: AcceleratorKind::Cpu,
+                    count: 0,
+                },
+                reason: format!("{var}={value:?} hides every device"),
+            });
         }
-        return Detected {
+        return Ok(Detected {
             value: Accelerators {
                 kind,
-                count: ids.len(),
+                count: devices.len(),
             },
             reason: format!("{var}={value}"),
-        };
+        });
     }
     let tools: [ToolProbe; 3] = [
         (
@@ -106,17 +234,17 @@ pub fn detect_accelerators(
         if let Some(out) = probe(tool, args) {
             let n = count(&out);
             if n > 0 {
-                return Detected {
+                return Ok(Detected {
                     value: Accelerators { kind, count: n },
                     reason: format!("`{tool} {}` lists {n}", args.join(" ")),
-                };
+                });
             }
         }
     }
-    Detected {
+    Ok(Detected {
         value: Accelerators { kind: AcceleratorKind::Cpu, count: 0 },
         reason: "no visible-device variable, and nvidia-smi, rocm-smi, xpu-smi are absent or list no GPU".into(),
-    }
+    })
 }
 
 /// `nvidia-smi -L`: one `GPU <i>: <name> (UUID: ...)` line per GPU (MIG lines are indented).
@@ -149,15 +277,19 @@ pub fn count_xpu_smi(out: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn no_tools(_: &str, _: &[&str]) -> Option<String> {
         None
     }
 
+    fn with(var: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| (k == var).then(|| value.to_string())
+    }
+
     #[test]
     fn visible_device_variables_win() {
-        let vars = |k: &str| (k == "CUDA_VISIBLE_DEVICES").then(|| "0,1,2,3".to_string());
-        let d = detect_accelerators(&vars, &no_tools);
+        let d = detect_accelerators(&with("CUDA_VISIBLE_DEVICES", "0,1,2,3"), &no_tools).unwrap();
         assert_eq!(
             d.value,
             Accelerators {
@@ -165,16 +297,105 @@ mod tests {
                 count: 4
             }
         );
-        let vars = |k: &str| (k == "ZE_AFFINITY_MASK").then(|| "0.0,0.1".to_string());
+        let d = detect_accelerators(&with("ZE_AFFINITY_MASK", "0.0,0.1"), &no_tools).unwrap();
+        assert_eq!(d.value.kind, AcceleratorKind::Intel);
+        // -1 or an empty value hides every GPU: a CPU job, even where nvidia-smi sees GPUs.
+        let gpus = |_: &str, _: &[&str]| Some("GPU 0: A100\nGPU 1: A100\n".to_string());
+        for hidden in ["-1", "", "NoDevFiles"] {
+            let vars = move |k: &str| (k == "CUDA_VISIBLE_DEVICES").then(|| hidden.to_string());
+            let d = detect_accelerators(&vars, &gpus).unwrap();
+            assert_eq!(d.value.count, 0, "{hidden:?}");
+            assert_eq!(d.value.kind, AcceleratorKind::Cpu, "{hidden:?}");
+        }
+    }
+
+    #[test]
+    fn malformed_lists_are_errors_naming_the_entry() {
+        for (value, needle) in [
+            ("GPU-zzz,,%%", "entry 1 (\"GPU-zzz\")"),
+            ("0,,1", "entry 2 (\"\") is empty"),
+            ("0,1,", "entry 3"),
+            ("0,%%", "entry 2 (\"%%\")"),
+            ("0,0", "repeats"),
+            ("GPU-", "entry 1"),
+        ] {
+            let e = parse_visible_devices("CUDA_VISIBLE_DEVICES", value)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("CUDA_VISIBLE_DEVICES=") && e.contains(needle),
+                "{value:?}: {e}"
+            );
+        }
+        let e = detect_accelerators(&with("CUDA_VISIBLE_DEVICES", "GPU-zzz,,%%"), &no_tools)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GPU-zzz"), "{e}");
+        assert!(parse_visible_devices("ZE_AFFINITY_MASK", "0.x").is_err());
+    }
+
+    #[test]
+    fn runtime_rules_for_negative_indices_and_uuids() {
+        let p = |v| parse_visible_devices("CUDA_VISIBLE_DEVICES", v).unwrap();
+        assert_eq!(p("0,2,-1,1"), ["0", "2"]);
+        assert_eq!(p(" 3 , 1 "), ["3", "1"]);
         assert_eq!(
-            detect_accelerators(&vars, &no_tools).value.kind,
-            AcceleratorKind::Intel
+            p(
+                "GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b,MIG-GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b/1/0"
+            ),
+            [
+                "GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b",
+                "MIG-GPU-8c1a2b3c-1d2e-3f40-5a6b-7c8d9e0f1a2b/1/0"
+            ]
         );
-        let vars = |k: &str| (k == "CUDA_VISIBLE_DEVICES").then(|| "-1".to_string());
         assert_eq!(
-            detect_accelerators(&vars, &no_tools).value.kind,
-            AcceleratorKind::Cpu
+            parse_visible_devices("ZE_AFFINITY_MASK", "0.0,0.1,1")
+                .unwrap()
+                .len(),
+            3
         );
+    }
+
+    fn device() -> impl Strategy<Value = String> {
+        prop_oneof![
+            (0u32..64).prop_map(|i| i.to_string()),
+            "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}".prop_map(|u| format!("GPU-{u}")),
+        ]
+    }
+
+    proptest! {
+        /// Any string: a count or an error, never a panic; a count never exceeds the entries.
+        #[test]
+        fn any_value_is_parsed_or_refused(value in ".{0,40}") {
+            if let Ok(d) = parse_visible_devices("CUDA_VISIBLE_DEVICES", &value) {
+                prop_assert!(d.len() <= value.split(',').count());
+            }
+        }
+
+        /// A list of distinct valid devices counts exactly its entries, in order.
+        #[test]
+        fn valid_lists_count_every_device(devs in prop::collection::btree_set(device(), 1..10)) {
+            let devs: Vec<String> = devs.into_iter().collect();
+            let value = devs.join(",");
+            prop_assert_eq!(parse_visible_devices("CUDA_VISIBLE_DEVICES", &value).unwrap(), devs);
+        }
+
+        /// An empty entry or a garbage entry anywhere before a terminator is an error
+        /// naming its position.
+        #[test]
+        fn a_bad_entry_anywhere_is_named(
+            devs in prop::collection::btree_set(device(), 1..8),
+            at in 0usize..8,
+            bad in prop_oneof![Just(String::new()), "[%#!@ zq]{1,4}", Just("GPU-zzz".to_string())],
+        ) {
+            let mut entries: Vec<String> = devs.into_iter().collect();
+            let at = at.min(entries.len());
+            entries.insert(at, bad);
+            let value = entries.join(",");
+            let e = parse_visible_devices("CUDA_VISIBLE_DEVICES", &value).unwrap_err();
+            let needle = format!("entry {}", at + 1);
+            prop_assert!(e.message.contains(&needle), "{}", e);
+        }
     }
 
     #[test]
@@ -185,7 +406,7 @@ mod tests {
             _ => None,
         }
         };
-        let d = detect_accelerators(&|_| None, &probe);
+        let d = detect_accelerators(&|_| None, &probe).unwrap();
         assert_eq!(
             d.value,
             Accelerators {
@@ -202,7 +423,10 @@ mod tests {
         let xpu = "+---+---+\n| Device ID | Device Information |\n+---+\n| 0 | Device Name: Intel Max 1550 |\n|   | Vendor Name: Intel |\n| 1 | Device Name: Intel Max 1550 |\n";
         assert_eq!(count_xpu_smi(xpu), 2);
         assert_eq!(
-            detect_accelerators(&|_| None, &no_tools).value.kind,
+            detect_accelerators(&|_| None, &no_tools)
+                .unwrap()
+                .value
+                .kind,
             AcceleratorKind::Cpu
         );
     }

@@ -1,6 +1,7 @@
 //! Hostfiles: PBS's `$PBS_NODEFILE` (one line per rank slot, hosts repeated), OpenMPI's
 //! `host slots=N`, MPICH's `host:N`. Comments (`#`) and blank lines are skipped.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// One host and how many rank slots the hostfile gives it.
@@ -10,6 +11,40 @@ pub struct Host {
     pub name: String,
     /// Slots: the sum of `slots=N`/`:N` counts, or how many times the host was listed.
     pub slots: usize,
+}
+
+/// Hosts in the order of their first appearance, repeats adding slots. Indexed by name: a
+/// nodefile of a large allocation has a line per rank (10^5 and more), which a scan of the
+/// hosts per line would merge in quadratic time.
+#[derive(Debug, Default)]
+pub(crate) struct HostTally {
+    hosts: Vec<Host>,
+    index: HashMap<String, usize>,
+}
+
+impl HostTally {
+    /// Adds `slots` to `name`; `Err` with the host's slots so far if the sum overflows.
+    pub(crate) fn add(&mut self, name: &str, slots: usize) -> Result<(), usize> {
+        match self.index.get(name) {
+            Some(&i) => {
+                let h = &mut self.hosts[i];
+                h.slots = h.slots.checked_add(slots).ok_or(h.slots)?;
+            }
+            None => {
+                self.index.insert(name.to_string(), self.hosts.len());
+                self.hosts.push(Host {
+                    name: name.to_string(),
+                    slots,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The hosts, in order of first appearance.
+    pub(crate) fn into_hosts(self) -> Vec<Host> {
+        self.hosts
+    }
 }
 
 /// Why a hostfile could not be used. Every variant names the file; line errors name the line.
@@ -55,7 +90,7 @@ pub fn read_hostfile(path: &Path) -> Result<Vec<Host>, HostfileError> {
 /// Parses hostfile text; `path` is only used in error messages. Hosts keep the order of their
 /// first appearance; repeated lines add slots (that is how PBS expresses ranks per node).
 pub fn parse_hostfile(path: &Path, text: &str) -> Result<Vec<Host>, HostfileError> {
-    let mut hosts: Vec<Host> = Vec::new();
+    let mut hosts = HostTally::default();
     for (i, raw) in text.lines().enumerate() {
         let line_no = i + 1;
         let line = raw.split('#').next().unwrap_or("").trim();
@@ -108,14 +143,13 @@ pub fn parse_hostfile(path: &Path, text: &str) -> Result<Vec<Host>, HostfileErro
             }
         }
         let slots = slots.unwrap_or(1);
-        match hosts.iter_mut().find(|h| h.name == name) {
-            Some(h) => h.slots += slots,
-            None => hosts.push(Host {
-                name: name.to_string(),
-                slots,
-            }),
-        }
+        hosts.add(name, slots).map_err(|before| {
+            bad(format!(
+                "{name:?} has {before} slots already; {slots} more overflow the slot count"
+            ))
+        })?;
     }
+    let hosts = hosts.into_hosts();
     if hosts.is_empty() {
         return Err(HostfileError::Empty {
             path: path.to_path_buf(),
@@ -185,6 +219,33 @@ mod tests {
         }
         let e = parse("# nothing\n\n").unwrap_err().to_string();
         assert!(e.contains("hosts.txt") && e.contains("no hosts"), "{e}");
+    }
+
+    /// Fuzz finding (hostfile): slot counts that add up past `usize::MAX` wrapped (to 0 in
+    /// a release build, a panic in a debug one).
+    #[test]
+    fn fuzz_slot_count_overflow_is_a_line_error() {
+        let e = parse("a slots=18446744073709551615\nb\na\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 3") && e.contains("overflow"), "{e}");
+        let e = parse("a:18446744073709551615\na:1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2") && e.contains("overflow"), "{e}");
+    }
+
+    /// Fuzz finding (hostlist, same merge): a nodefile with a line per rank of a large
+    /// allocation merged its hosts in quadratic time (minutes for 10^5 distinct hosts).
+    #[test]
+    fn fuzz_large_nodefile_merges_in_linear_time() {
+        let text: String = (0..200_000)
+            .map(|i| format!("x{}\n", i % 100_000))
+            .collect();
+        let hosts = parse(&text).unwrap();
+        assert_eq!(hosts.len(), 100_000);
+        assert!(hosts.iter().all(|h| h.slots == 2));
+        assert_eq!(hosts[99_999].name, "x99999");
     }
 
     proptest! {

@@ -12,10 +12,11 @@ mod rank_env;
 mod scheduler;
 
 pub use accel::{
-    AcceleratorKind, Accelerators, Probe, count_nvidia_smi, count_rocm_smi, count_xpu_smi,
-    detect_accelerators,
+    AcceleratorKind, Accelerators, MAX_VISIBLE_DEVICES, Probe, VISIBLE_DEVICE_VARS,
+    VisibleDevicesError, count_nvidia_smi, count_rocm_smi, count_xpu_smi, detect_accelerators,
+    parse_visible_devices,
 };
 pub use hostfile::{Host, HostfileError, parse_hostfile, read_hostfile};
 pub use hostlist::{HostlistError, MAX_HOSTS, expand_hostlist};
-pub use rank_env::{RankEnv, RankEnvError, rank_env_from};
+pub use rank_env::{RankEnv, RankEnvError, rank_env_from, rank_env_from_os, rank_variables};
 pub use scheduler::{Detected, HostsError, Scheduler, allocation_hosts, detect_scheduler};

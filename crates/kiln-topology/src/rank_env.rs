@@ -38,6 +38,18 @@ pub enum RankEnvError {
         /// Its value.
         value: String,
     },
+    /// A variable is set but is not valid UTF-8 (so it cannot hold a number); ignoring it
+    /// would silently make this process rank 0.
+    #[error("{var} is set but is not valid UTF-8 ({value:?}); unset it or give a whole number")]
+    NotUnicode {
+        /// The variable.
+        var: &'static str,
+        /// Its value, with invalid bytes replaced.
+        value: String,
+    },
+    /// `MASTER_PORT` is 0, which names no port a rank could connect to.
+    #[error("MASTER_PORT=0 is not a port ranks can meet on; give a port from 1 to 65535")]
+    PortZero,
     /// A rank is not below its size.
     #[error("{rank_var}={rank} is not below {size_var}={size}")]
     OutOfRange {
@@ -135,10 +147,16 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
         };
     let master_addr = get("MASTER_ADDR");
     let master_port = match get("MASTER_PORT") {
-        Some(p) => Some(p.parse::<u16>().map_err(|_| RankEnvError::NotANumber {
-            var: "MASTER_PORT",
-            value: p,
-        })?),
+        Some(p) => match p.parse::<u16>() {
+            Ok(0) => return Err(RankEnvError::PortZero),
+            Ok(port) => Some(port),
+            Err(_) => {
+                return Err(RankEnvError::NotANumber {
+                    var: "MASTER_PORT",
+                    value: p,
+                });
+            }
+        },
         None => None,
     };
     for scheme in SCHEMES {
@@ -190,10 +208,47 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
     })
 }
 
+/// Every variable [`rank_env_from`] may read, each once.
+pub fn rank_variables() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = vec!["MASTER_ADDR", "MASTER_PORT"];
+    for s in SCHEMES {
+        for &n in s
+            .rank
+            .iter()
+            .chain(s.size)
+            .chain(s.local_rank)
+            .chain(s.local_size)
+        {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+    }
+    names
+}
+
+/// Like [`rank_env_from`], over a lookup that returns raw values: any rank variable that is
+/// set but not valid UTF-8 is an error naming it (whether or not its scheme would be used).
+pub fn rank_env_from_os(
+    vars: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<RankEnv, RankEnvError> {
+    for var in rank_variables() {
+        if let Some(v) = vars(var)
+            && v.to_str().is_none()
+        {
+            return Err(RankEnvError::NotUnicode {
+                var,
+                value: v.to_string_lossy().into_owned(),
+            });
+        }
+    }
+    rank_env_from(|k| vars(k).and_then(|v| v.into_string().ok()))
+}
+
 impl RankEnv {
-    /// [`rank_env_from`] over this process's environment.
+    /// [`rank_env_from_os`] over this process's environment.
     pub fn from_process_env() -> Result<RankEnv, RankEnvError> {
-        rank_env_from(|k| std::env::var(k).ok())
+        rank_env_from_os(|k| std::env::var_os(k))
     }
 
     /// The torchrun-style variables that describe this rank, for exporting to a child:
@@ -324,5 +379,29 @@ mod tests {
         assert!(e.contains("PMI_RANK=4") && e.contains("PMI_SIZE=4"), "{e}");
         let e = from(&[("MASTER_PORT", "99999")]).unwrap_err().to_string();
         assert!(e.contains("MASTER_PORT"), "{e}");
+        let e = from(&[("MASTER_PORT", "0")]).unwrap_err().to_string();
+        assert!(e.contains("MASTER_PORT=0"), "{e}");
+    }
+
+    #[test]
+    fn non_utf8_rank_variables_are_errors_naming_them() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        for var in [
+            "RANK",
+            "PMI_RANK",
+            "SLURM_LOCALID",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_SIZE",
+        ] {
+            let lookup = |k: &str| (k == var).then(|| OsString::from_vec(b"\xff1".to_vec()));
+            let e = rank_env_from_os(lookup).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{var} is set but is not valid UTF-8")),
+                "{e}"
+            );
+        }
+        let ok = |k: &str| (k == "RANK").then(|| OsString::from("0"));
+        assert_eq!(rank_env_from_os(ok).unwrap().source, "torchrun");
     }
 }

@@ -1,6 +1,6 @@
 //! Which batch scheduler (if any) this process runs under, and the hosts it allocated.
 
-use crate::hostfile::{Host, HostfileError, read_hostfile};
+use crate::hostfile::{Host, HostTally, HostfileError, read_hostfile};
 use crate::hostlist::{HostlistError, expand_hostlist};
 use std::path::PathBuf;
 
@@ -120,15 +120,12 @@ pub fn allocation_hosts(
             "PBS_JOBID is set but PBS_NODEFILE is not: pass --hostfile, or --scheduler none".into(),
         )),
         Scheduler::Slurm { nodelist: Some(list), .. } => {
-            let names = expand_hostlist(list)?;
-            let mut hosts: Vec<Host> = Vec::new();
-            for name in names {
-                match hosts.iter_mut().find(|h| h.name == name) {
-                    Some(h) => h.slots += 1,
-                    None => hosts.push(Host { name, slots: 1 }),
-                }
+            let mut hosts = HostTally::default();
+            for name in expand_hostlist(list)? {
+                // At most MAX_HOSTS names: one slot each cannot overflow.
+                let _ = hosts.add(&name, 1);
             }
-            Ok(Detected { value: hosts, reason: format!("SLURM_JOB_NODELIST {list}") })
+            Ok(Detected { value: hosts.into_hosts(), reason: format!("SLURM_JOB_NODELIST {list}") })
         }
         Scheduler::Slurm { nodelist: None, .. } => Err(HostsError::Missing(
             "SLURM_JOB_ID is set but SLURM_JOB_NODELIST is not: pass --hostfile, or --scheduler none".into(),
@@ -187,6 +184,22 @@ mod tests {
         let hosts = allocation_hosts(&s, None).unwrap().value;
         let names: Vec<_> = hosts.iter().map(|h| h.name.as_str()).collect();
         assert_eq!(names, ["nid001", "nid002", "x9"]);
+    }
+
+    /// Fuzz finding (hostlist): `-[0-99999]` timed out: the allocation merged repeated names
+    /// with a scan per name, quadratic in the hosts (hours at MAX_HOSTS).
+    #[test]
+    fn fuzz_slurm_allocation_of_max_hosts_merges_in_linear_time() {
+        let s = Scheduler::Slurm {
+            job_id: "1".into(),
+            nodelist: Some(
+                format!("n[0-{}]", crate::MAX_HOSTS / 2 - 1)
+                    + &format!(",n[0-{}]", crate::MAX_HOSTS / 2 - 1),
+            ),
+        };
+        let hosts = allocation_hosts(&s, None).unwrap().value;
+        assert_eq!(hosts.len(), crate::MAX_HOSTS / 2);
+        assert!(hosts.iter().all(|h| h.slots == 2));
     }
 
     #[test]

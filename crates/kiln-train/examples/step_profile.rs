@@ -56,7 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = Config::load(None, &overrides)?;
     if outside {
         // As `kiln train` calls the model: from a thread outside the rayon pool.
-        kiln_train::session::set_threads(threads);
+        kiln_train::session::set_threads(threads)?;
         run(&cfg, steps, warmup)?;
         return Ok(());
     }
@@ -94,7 +94,7 @@ fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::err
             &ad,
             1.0,
             cfg.training.compute_shards.max(1),
-            false,
+            step::Labels::Data { poison: false },
         );
         let w1 = Instant::now();
         let norm = global_norm(&grads);

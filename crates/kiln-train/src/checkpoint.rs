@@ -74,27 +74,71 @@ fn invalid(path: &Path, reason: impl Into<String>) -> CheckpointError {
     }
 }
 
-/// A named f32 tensor on the host.
+/// The element type a tensor is stored with (`training.master_dtype` for weights; optimizer
+/// state is always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoredDtype {
+    /// 32-bit float.
+    #[default]
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+/// A named tensor on the host. Values are held as f32 whatever the stored dtype (every bf16
+/// value is exactly an f32), so the rest of kiln handles one element type; the dtype says
+/// how the tensor is written and was read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     /// Parameter (or state) name.
     pub name: String,
     /// Shape.
     pub shape: Vec<usize>,
+    /// How it is stored in safetensors.
+    pub dtype: StoredDtype,
     /// Values, row-major.
     pub values: Vec<f32>,
 }
 
+impl HostTensor {
+    /// An f32 tensor.
+    pub fn f32(name: String, shape: Vec<usize>, values: Vec<f32>) -> Self {
+        Self {
+            name,
+            shape,
+            dtype: StoredDtype::F32,
+            values,
+        }
+    }
+}
+
+/// bf16 bits of `v`, rounded to nearest even (exact for values that are bf16 already).
+fn bf16_bits(v: f32) -> u16 {
+    burn::tensor::bf16::from_f32(v).to_bits()
+}
+
 /// Serialises tensors to safetensors bytes. Deterministic: same tensors, same bytes (the
-/// metadata map has a single fixed key, tensors are ordered by the format's rules).
+/// metadata map has a single fixed key, tensors are ordered by the format's rules). f32
+/// tensors are serialised from their memory without a copy; bf16 ones are narrowed first.
 pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::SafeTensorError> {
+    let narrowed: Vec<Option<Vec<u16>>> = tensors
+        .iter()
+        .map(|t| match t.dtype {
+            StoredDtype::F32 => None,
+            StoredDtype::Bf16 => Some(t.values.iter().map(|&v| bf16_bits(v)).collect()),
+        })
+        .collect();
     let views = tensors
         .iter()
-        .map(|t| {
-            // f32 values in memory are the little-endian bytes safetensors stores on every
-            // platform kiln builds for (x86-64, aarch64); no copy.
-            let bytes: &[u8] = bytemuck::cast_slice(&t.values);
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.shape.clone(), bytes)
+        .zip(&narrowed)
+        .map(|(t, narrow)| {
+            // Values in memory are the little-endian bytes safetensors stores on every
+            // platform kiln builds for (x86-64, aarch64).
+            let (dtype, bytes): (_, &[u8]) = match narrow {
+                None => (safetensors::Dtype::F32, bytemuck::cast_slice(&t.values)),
+                Some(bits) => (safetensors::Dtype::BF16, bytemuck::cast_slice(bits)),
+            };
+            safetensors::tensor::TensorView::new(dtype, t.shape.clone(), bytes)
                 .map(|v| (t.name.clone(), v))
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -102,26 +146,41 @@ pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::Sa
     safetensors::serialize(views, &Some(meta))
 }
 
-/// Parses safetensors bytes into f32 tensors (any other dtype is an error).
+/// Parses safetensors bytes into host tensors: F32 and BF16 are read (BF16 widened to f32
+/// exactly, the dtype kept); any other dtype is an error naming the tensor.
 pub fn from_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<HostTensor>, CheckpointError> {
     let st =
         safetensors::SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
-        if view.dtype() != safetensors::Dtype::F32 {
-            return Err(invalid(
-                path,
-                format!("tensor {name} has dtype {:?}, expected F32", view.dtype()),
-            ));
-        }
-        let values = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let (dtype, values) = match view.dtype() {
+            safetensors::Dtype::F32 => (
+                StoredDtype::F32,
+                view.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            safetensors::Dtype::BF16 => (
+                StoredDtype::Bf16,
+                view.data()
+                    .chunks_exact(2)
+                    .map(|c| {
+                        burn::tensor::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()
+                    })
+                    .collect(),
+            ),
+            other => {
+                return Err(invalid(
+                    path,
+                    format!("tensor {name} has dtype {other:?}; kiln reads F32 and BF16"),
+                ));
+            }
+        };
         out.push(HostTensor {
             name,
             shape: view.shape().to_vec(),
+            dtype,
             values,
         });
     }
@@ -652,16 +711,12 @@ mod tests {
     fn ckpt(step: u64, run_id: &str) -> Checkpoint {
         Checkpoint {
             step,
-            model: vec![HostTensor {
-                name: "w".into(),
-                shape: vec![2],
-                values: vec![1.0, step as f32],
-            }],
-            optimizer: vec![HostTensor {
-                name: "w.exp_avg".into(),
-                shape: vec![2],
-                values: vec![0.5, 0.25],
-            }],
+            model: vec![HostTensor::f32("w".into(), vec![2], vec![1.0, step as f32])],
+            optimizer: vec![HostTensor::f32(
+                "w.exp_avg".into(),
+                vec![2],
+                vec![0.5, 0.25],
+            )],
             state: serde_json::json!({"step": step, "run_id": run_id}),
         }
     }
@@ -690,6 +745,34 @@ mod tests {
         assert_eq!(c.step, 10);
         assert_eq!(rejected.len(), 1);
         assert!(rejected[0].1.contains("SHA-256"), "{}", rejected[0].1);
+    }
+
+    #[test]
+    fn bf16_tensors_keep_their_dtype_and_other_dtypes_are_named() {
+        let w = HostTensor {
+            name: "w".into(),
+            shape: vec![3],
+            dtype: StoredDtype::Bf16,
+            values: vec![1.0, -0.00390625, 3.140625],
+        };
+        let m = HostTensor::f32("m".into(), vec![1], vec![0.1]);
+        let bytes = to_safetensors(&[w.clone(), m.clone()]).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("w").unwrap().dtype(), safetensors::Dtype::BF16);
+        assert_eq!(st.tensor("w").unwrap().data().len(), 6);
+        let back = from_safetensors(&bytes, Path::new("x")).unwrap();
+        assert_eq!(back, vec![m, w]);
+        // An f16 tensor is refused by name, not misread.
+        let f16 = safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![1], &[0, 60])
+            .unwrap();
+        let bytes = safetensors::serialize([("h", f16)], &None).unwrap();
+        let err = from_safetensors(&bytes, Path::new("x.safetensors"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tensor h has dtype F16") && err.contains("x.safetensors"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -26,9 +26,20 @@ pub enum ConfigError {
     /// A `--set` override is not `section.key=value`.
     #[error("--set {0:?}: expected section.key=value (for example training.steps=100)")]
     BadOverride(String),
-    /// A value is out of range or inconsistent with another.
+    /// Values out of their domain (range, sign, finiteness), or keys that contradict each
+    /// other; every offending key is listed with its value and what is allowed.
+    #[error("config: {}", join_domains(.0))]
+    OutOfDomain(Vec<OutOfDomain>),
+    /// The run cannot fit in this machine's memory (see [`crate::budget`]).
     #[error("config: {0}")]
-    Inconsistent(String),
+    TooBig(String),
+}
+
+fn join_domains(v: &[OutOfDomain]) -> String {
+    v.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The whole config. Sections mirror torchtitan's: model, optimizer, lr_scheduler, training,
@@ -64,7 +75,9 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// Vocabulary size; 0 = take it from the data (the synthetic corpus has 16 symbols).
+    /// Vocabulary size; 0 = take it from the data (the synthetic corpus has 16 symbols; a
+    /// tokenized corpus records it in its `PREFIX.kiln.json`). A corpus without that record
+    /// (e.g. written by Megatron-LM) needs it set, at least its largest token id + 1.
     pub vocab_size: usize,
     /// Hidden width.
     pub d_model: usize,
@@ -109,15 +122,44 @@ impl Default for ModelConfig {
     }
 }
 
-/// AdamW with decoupled weight decay (PyTorch semantics and defaults).
+/// Which optimizer updates the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// AdamW with decoupled weight decay (PyTorch's arithmetic).
+    #[default]
+    Adamw,
+    /// Muon (momentum orthogonalised by Newton-Schulz) for the 2-D hidden matrices, AdamW
+    /// for embeddings, norms and the output head.
+    Muon,
+    /// SophiaG: clipped, Hessian-preconditioned momentum with the Gauss-Newton-Bartlett
+    /// estimate of the diagonal Hessian every `sophia.hessian_interval` steps.
+    Sophiag,
+}
+
+impl OptimizerKind {
+    /// The name used in configs and checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Adamw => "adamw",
+            Self::Muon => "muon",
+            Self::Sophiag => "sophiag",
+        }
+    }
+}
+
+/// The optimizer: AdamW (default), Muon or SophiaG, with PyTorch's semantics and defaults.
+/// `lr`, the schedule, weight decay and clipping apply to all three.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// Peak learning rate.
+    /// `adamw`, `muon` or `sophiag`.
+    pub kind: OptimizerKind,
+    /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
-    /// Adam beta1.
+    /// Adam beta1; SophiaG's momentum beta1.
     pub beta1: f64,
-    /// Adam beta2.
+    /// Adam beta2; SophiaG's beta2 of the Hessian EMA.
     pub beta2: f64,
     /// Adam epsilon (PyTorch's 1e-8, not burn's 1e-5).
     pub eps: f64,
@@ -127,11 +169,16 @@ pub struct OptimizerConfig {
     pub decay_norms_and_embeddings: bool,
     /// Clip the global gradient norm to this value; 0 disables clipping.
     pub max_grad_norm: f64,
+    /// Muon's settings (`kind = "muon"`).
+    pub muon: MuonConfig,
+    /// SophiaG's settings (`kind = "sophiag"`).
+    pub sophia: SophiaConfig,
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
         Self {
+            kind: OptimizerKind::Adamw,
             lr: 3e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -139,6 +186,66 @@ impl Default for OptimizerConfig {
             weight_decay: 0.1,
             decay_norms_and_embeddings: false,
             max_grad_norm: 1.0,
+            muon: MuonConfig::default(),
+            sophia: SophiaConfig::default(),
+        }
+    }
+}
+
+/// How Muon scales its learning rate per matrix (PyTorch's `adjust_lr_fn`), for a matrix of
+/// `out x in` (Hugging Face layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonLrAdjust {
+    /// Keller Jordan's: lr * sqrt(max(1, out/in)); Muon then wants its own, larger LR.
+    Original,
+    /// Moonshot's: lr * 0.2 * sqrt(max(out, in)), which matches the update RMS of AdamW, so
+    /// one LR (and one LR sweep) serves both the Muon and the AdamW parameters.
+    MatchRmsAdamw,
+}
+
+/// Muon (Jordan et al. 2024; PyTorch's `torch.optim.Muon`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MuonConfig {
+    /// Momentum coefficient.
+    pub momentum: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315).
+    pub ns_steps: usize,
+    /// Per-matrix LR scaling: `match_rms_adamw` or `original`.
+    pub adjust_lr: MuonLrAdjust,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            adjust_lr: MuonLrAdjust::MatchRmsAdamw,
+        }
+    }
+}
+
+/// SophiaG (Liu et al. 2023). beta1, beta2 and weight decay are `optimizer.beta1/beta2/
+/// weight_decay`; the defaults are the seeds' settings (0.9/0.95, rho 0.01, wd 0.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SophiaConfig {
+    /// Clipping threshold: the update is lr * sign(m) * min(|m| / (rho * tokens * h), 1),
+    /// tokens = tokens per optimizer step.
+    pub rho: f64,
+    /// Estimate the diagonal Hessian (Gauss-Newton-Bartlett) every this many steps (k).
+    pub hessian_interval: u64,
+}
+
+impl Default for SophiaConfig {
+    fn default() -> Self {
+        Self {
+            rho: 0.01,
+            hessian_interval: 10,
         }
     }
 }
@@ -204,7 +311,8 @@ pub struct TrainingConfig {
     /// Device: `flex` (CPU), or with the matching cargo feature `cuda:N`, `rocm:N`, `vulkan`,
     /// `wgpu`, `metal`.
     pub device: String,
-    /// CPU threads for the flex backend; 0 = all cores.
+    /// CPU threads for the flex backend; 0 = all cores. At most 4 x the cores this process
+    /// may use ([`kiln_run::host::THREADS_PER_CORE`]): more only adds contention.
     pub threads: usize,
     /// Split each micro-batch into this many shards computed on parallel threads (gradient
     /// accumulation inside the step). Helps on CPU, where burn's element-wise kernels are
@@ -218,6 +326,25 @@ pub struct TrainingConfig {
     /// cross-entropy) on the flex backend; false computes the same functions from burn's
     /// ops (slower, more memory; for A/B checks and profiling). Equal up to f32 rounding.
     pub fused_kernels: bool,
+    /// Compute precision of the matmuls (forward and backward): `f32` or `bf16`. With
+    /// `bf16`, weights and activations enter every matmul as bf16 while norms, softmax, the
+    /// loss and the residual stream stay f32 (as PyTorch's autocast).
+    pub dtype: Precision,
+    /// Precision of the stored (master) weights: `f32` (default; optimizer state is always
+    /// f32) or `bf16`, which saves memory but loses every update smaller than half a bf16
+    /// step: norm weights near 1.0 then never move (the seeds' frozen-RMSNorm bug).
+    pub master_dtype: Precision,
+}
+
+/// A floating-point precision of `training.dtype` / `training.master_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// bfloat16: f32's exponent range, 8 bits of mantissa.
+    Bf16,
 }
 
 impl Default for TrainingConfig {
@@ -234,6 +361,8 @@ impl Default for TrainingConfig {
             compute_shards: 2,
             peak_flops: 0.0,
             fused_kernels: true,
+            dtype: Precision::F32,
+            master_dtype: Precision::F32,
         }
     }
 }
@@ -248,6 +377,11 @@ pub struct CheckpointConfig {
     pub keep_latest_k: usize,
     /// Resume from the newest valid checkpoint in the run directory, if there is one.
     pub resume: bool,
+    /// Write checkpoints on a background thread: the step waits only for a host copy of
+    /// the state; at most one save is in flight and every exit waits for it. `false` =
+    /// the step waits for the files, fsync and rename.
+    #[serde(rename = "async")]
+    pub asynchronous: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -256,6 +390,7 @@ impl Default for CheckpointConfig {
             interval: 100,
             keep_latest_k: 3,
             resume: true,
+            asynchronous: true,
         }
     }
 }
@@ -267,12 +402,17 @@ pub struct DataConfig {
     /// Corpus list file (lines `weight prefix [corpus]`) of Megatron indexed datasets; empty =
     /// the built-in synthetic copy corpus.
     pub corpus_list: String,
-    /// Directory for cached blend indices; empty = `.kiln-cache` beside the corpus list
-    /// (shared by all ranks and runs that read it).
+    /// Directory for cached blend indices; empty = `$KILN_DATA_CACHE` if set, else
+    /// `.kiln-cache` beside the corpus list (shared by all ranks and runs that read it, and
+    /// by `kiln data blend`).
     pub cache_dir: String,
     /// Verify every shard's full SHA-256 against the manifest at start (slow; the default
     /// checks sizes and a sampled hash).
     pub full_verify: bool,
+    /// The `tokenizer.json` the corpus was tokenized with (a relative path is resolved from
+    /// the working directory, else beside the config); `kiln export` ships it with the
+    /// model. Empty = none recorded (the synthetic corpus has its own).
+    pub tokenizer: String,
 }
 
 /// Metrics logging.
@@ -295,7 +435,7 @@ impl Default for MetricsConfig {
 pub struct EvalConfig {
     /// Evaluate every this many steps (and at the end); 0 = only at the end.
     pub interval: u64,
-    /// Held-out sequences per evaluation.
+    /// Held-out sequences per evaluation; 0 = no held-out evaluation (no `eval_loss` line).
     pub samples: usize,
     /// Multiple-choice tasks file (JSON lines) scored during training; empty = the built-in
     /// task of the synthetic corpus (when it is used).
@@ -410,10 +550,11 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
         let (mut table, origin) = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                    path: p.display().to_string(),
-                    source,
-                })?;
+                let text = kiln_run::files::read_to_string_limited(p, MAX_CONFIG_BYTES, "a config")
+                    .map_err(|source| ConfigError::Read {
+                        path: p.display().to_string(),
+                        source,
+                    })?;
                 let table: toml::Table =
                     toml::from_str(&text).map_err(|e| ConfigError::Invalid {
                         origin: p.display().to_string(),
@@ -447,61 +588,296 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_default()
     }
 
-    /// Checks ranges and consistency.
+    /// Checks every numeric key's domain (finite, sign, range) and the rules that tie keys
+    /// together; an error lists every key that is out of its domain with its value and the
+    /// allowed range.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut d = Domains::default();
         let m = &self.model;
-        let bad = |msg: String| Err(ConfigError::Inconsistent(msg));
-        if m.d_model == 0
-            || m.n_layers == 0
-            || m.n_heads == 0
-            || m.n_kv_heads == 0
-            || m.ffn_hidden == 0
-        {
-            return bad(
-                "model.d_model, n_layers, n_heads, n_kv_heads and ffn_hidden must be > 0".into(),
-            );
-        }
-        if !m.d_model.is_multiple_of(m.n_heads) {
-            return bad(format!(
-                "model.d_model ({}) must be divisible by model.n_heads ({})",
-                m.d_model, m.n_heads
-            ));
-        }
-        if !(m.d_model / m.n_heads).is_multiple_of(2) {
-            return bad(format!(
-                "head dim d_model/n_heads = {} must be even for RoPE",
-                m.d_model / m.n_heads
-            ));
-        }
-        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
-            return bad(format!(
-                "model.n_kv_heads ({}) must divide model.n_heads ({})",
-                m.n_kv_heads, m.n_heads
-            ));
-        }
-        let t = &self.training;
-        if t.steps == 0 || t.batch_size == 0 || t.seq_len == 0 || t.grad_accum_steps == 0 {
-            return bad(
-                "training.steps, batch_size, seq_len and grad_accum_steps must be > 0".into(),
-            );
-        }
+        d.check(
+            "model.vocab_size",
+            m.vocab_size,
+            m.vocab_size == 0 || (2..=MAX_VOCAB).contains(&m.vocab_size),
+            format!("0 (take it from the data) or an integer in [2, {MAX_VOCAB}]"),
+        );
+        d.at_least("model.d_model", m.d_model, 1);
+        d.at_least("model.n_layers", m.n_layers, 1);
+        d.at_least("model.n_heads", m.n_heads, 1);
+        d.at_least("model.n_kv_heads", m.n_kv_heads, 1);
+        d.at_least("model.ffn_hidden", m.ffn_hidden, 1);
+        d.real("model.rope_theta", m.rope_theta, Open(1.0), Inf);
+        d.real("model.norm_eps", m.norm_eps, Open(0.0), Closed(1.0));
+        d.real("model.init_std", m.init_std, Open(0.0), Closed(100.0));
+
         let o = &self.optimizer;
-        if !(o.lr > 0.0 && o.lr.is_finite()) {
-            return bad(format!(
-                "optimizer.lr must be a positive number, got {}",
-                o.lr
-            ));
+        d.real("optimizer.lr", o.lr, Open(0.0), Inf);
+        d.real("optimizer.beta1", o.beta1, Closed(0.0), Open(1.0));
+        d.real("optimizer.beta2", o.beta2, Closed(0.0), Open(1.0));
+        d.real("optimizer.eps", o.eps, Open(0.0), Closed(1.0));
+        d.real("optimizer.weight_decay", o.weight_decay, Closed(0.0), Inf);
+        d.real("optimizer.max_grad_norm", o.max_grad_norm, Closed(0.0), Inf);
+        d.real(
+            "optimizer.muon.momentum",
+            o.muon.momentum,
+            Closed(0.0),
+            Open(1.0),
+        );
+        d.check(
+            "optimizer.muon.ns_steps",
+            o.muon.ns_steps,
+            (1..100).contains(&o.muon.ns_steps),
+            "an integer in [1, 99] (5 is the usual)".into(),
+        );
+        d.real("optimizer.sophia.rho", o.sophia.rho, Open(0.0), Inf);
+        d.at_least(
+            "optimizer.sophia.hessian_interval",
+            o.sophia.hessian_interval,
+            1,
+        );
+
+        let l = &self.lr_scheduler;
+        d.real(
+            "lr_scheduler.min_lr_ratio",
+            l.min_lr_ratio,
+            Closed(0.0),
+            Closed(1.0),
+        );
+        d.real(
+            "lr_scheduler.decay_ratio",
+            l.decay_ratio,
+            Closed(0.0),
+            Closed(1.0),
+        );
+
+        let t = &self.training;
+        d.check(
+            "training.steps",
+            t.steps,
+            (1..=MAX_STEPS).contains(&t.steps),
+            format!("an integer in [1, {MAX_STEPS}]"),
+        );
+        d.at_least("training.batch_size", t.batch_size, 1);
+        d.at_least("training.seq_len", t.seq_len, 1);
+        d.at_least("training.grad_accum_steps", t.grad_accum_steps, 1);
+        let max_threads = kiln_run::host::max_threads();
+        d.check(
+            "training.threads",
+            t.threads,
+            t.threads <= max_threads,
+            format!(
+                "0 (all cores) or an integer in [1, {max_threads}] ({} x the {} cores this process may use)",
+                kiln_run::host::THREADS_PER_CORE,
+                kiln_run::host::cores()
+            ),
+        );
+        d.check(
+            "training.compute_shards",
+            t.compute_shards,
+            (1..=MAX_COMPUTE_SHARDS).contains(&t.compute_shards),
+            format!("an integer in [1, {MAX_COMPUTE_SHARDS}]"),
+        );
+        d.real("training.peak_flops", t.peak_flops, Closed(0.0), Inf);
+
+        d.check(
+            "training.global_batch_size",
+            t.global_batch_size,
+            t.global_batch_size <= MAX_SAMPLES,
+            format!(
+                "0 (batch_size x grad_accum_steps x ranks) or an integer in [1, {MAX_SAMPLES}]"
+            ),
+        );
+        d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
+        d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
+
+        let g = &self.guards;
+        d.real(
+            "guards.initial_loss_tolerance",
+            g.initial_loss_tolerance,
+            Open(0.0),
+            Inf,
+        );
+        d.at_least("guards.max_nonfinite_in_row", g.max_nonfinite_in_row, 1);
+        d.real("guards.spike_sigma", g.spike_sigma, Closed(0.0), Inf);
+        d.real(
+            "guards.spike_min_ratio",
+            g.spike_min_ratio,
+            Closed(0.0),
+            Inf,
+        );
+        d.check(
+            "guards.spike_window",
+            g.spike_window,
+            g.spike_window <= MAX_SPIKE_WINDOW,
+            format!("an integer in [0, {MAX_SPIKE_WINDOW}] (0 or 1 disables the spike guard)"),
+        );
+        d.real(
+            "debug.spike_scale",
+            self.debug.spike_scale,
+            Closed(f64::MIN),
+            Closed(f64::MAX),
+        );
+        d.check(
+            "parallelism.bucket_mb",
+            self.parallelism.bucket_mb,
+            (1..=MAX_BUCKET_MB).contains(&self.parallelism.bucket_mb),
+            format!("an integer in [1, {MAX_BUCKET_MB}] (MiB; PyTorch DDP uses 25)"),
+        );
+
+        // Rules between keys, checked once each key is in its own domain.
+        if d.0.is_empty() {
+            if !m.d_model.is_multiple_of(m.n_heads) {
+                d.rule(format!(
+                    "model.d_model ({}) must be divisible by model.n_heads ({})",
+                    m.d_model, m.n_heads
+                ));
+            } else if !(m.d_model / m.n_heads).is_multiple_of(2) {
+                d.rule(format!(
+                    "head dim model.d_model / model.n_heads = {} must be even for RoPE",
+                    m.d_model / m.n_heads
+                ));
+            }
+            if !m.n_heads.is_multiple_of(m.n_kv_heads) {
+                d.rule(format!(
+                    "model.n_kv_heads ({}) must divide model.n_heads ({})",
+                    m.n_kv_heads, m.n_heads
+                ));
+            }
+            if o.lr * o.weight_decay >= 1.0 {
+                d.rule(format!(
+                    "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
+                    o.lr * o.weight_decay
+                ));
+            }
+            let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
+                .max(u128::from(t.global_batch_size));
+            let samples = u128::from(t.steps) * per_step;
+            if samples > u128::from(MAX_SAMPLES) {
+                d.rule(format!(
+                    "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
+                ));
+            }
         }
-        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
-            return bad("optimizer.beta1 and beta2 must be in [0, 1)".into());
+        d.into_result()
+    }
+}
+
+/// Largest config file read (a real one is a few KiB).
+pub const MAX_CONFIG_BYTES: u64 = 16 * kiln_run::files::MIB;
+
+/// Largest vocabulary: token ids must fit Megatron's int32 dtype.
+pub const MAX_VOCAB: usize = i32::MAX as usize;
+/// Most optimizer steps a run may ask for (far beyond any real run; keeps every
+/// step-derived count well inside 64 bits).
+pub const MAX_STEPS: u64 = 1_000_000_000_000;
+/// Most sequences a run may draw (`steps x batch_size x grad_accum_steps`).
+pub const MAX_SAMPLES: u64 = 1 << 56;
+/// Largest gradient all-reduce bucket, MiB.
+pub const MAX_BUCKET_MB: usize = 1 << 16;
+/// Most compute shards per micro-batch (each is a thread).
+pub const MAX_COMPUTE_SHARDS: usize = 256;
+/// Longest spike-guard window.
+pub const MAX_SPIKE_WINDOW: usize = 1_000_000;
+
+/// One end of an allowed range of a real-valued key.
+#[derive(Clone, Copy)]
+enum Bound {
+    /// The end itself is allowed.
+    Closed(f64),
+    /// Only values strictly inside.
+    Open(f64),
+    /// No bound (but the value must be finite).
+    Inf,
+}
+use Bound::{Closed, Inf, Open};
+
+/// One key whose value is outside its domain.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutOfDomain {
+    /// `section.key`, or empty for a rule between keys.
+    pub key: String,
+    /// The value as given.
+    pub value: String,
+    /// What is allowed (or, for a rule, what is wrong).
+    pub allowed: String,
+}
+
+impl std::fmt::Display for OutOfDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}", self.allowed)
+        } else {
+            write!(f, "{} = {}: must be {}", self.key, self.value, self.allowed)
         }
-        if self.checkpoint.keep_latest_k == 0 {
-            return bad("checkpoint.keep_latest_k must be at least 1".into());
+    }
+}
+
+/// Collects the keys out of their domains, so one error names them all.
+#[derive(Default)]
+struct Domains(Vec<OutOfDomain>);
+
+impl Domains {
+    fn check(&mut self, key: &str, value: impl std::fmt::Display, ok: bool, allowed: String) {
+        if !ok {
+            self.0.push(OutOfDomain {
+                key: key.into(),
+                value: value.to_string(),
+                allowed,
+            });
         }
-        if !(0.0..=1.0).contains(&self.lr_scheduler.decay_ratio) {
-            return bad("lr_scheduler.decay_ratio must be in [0, 1]".into());
+    }
+
+    fn at_least<T: PartialOrd + std::fmt::Display + Copy>(&mut self, key: &str, v: T, min: T) {
+        self.check(key, v, v >= min, format!("an integer >= {min}"));
+    }
+
+    /// A finite real in the range `lo .. hi`.
+    fn real(&mut self, key: &str, v: f64, lo: Bound, hi: Bound) {
+        let above = match lo {
+            Closed(x) => v >= x,
+            Open(x) => v > x,
+            Inf => true,
+        };
+        let below = match hi {
+            Closed(x) => v <= x,
+            Open(x) => v < x,
+            Inf => true,
+        };
+        let allowed = match (lo, hi) {
+            (Closed(f64::MIN), Closed(f64::MAX)) => "a finite number".to_string(),
+            (Closed(a), Inf) => format!("a finite number >= {a}"),
+            (Open(a), Inf) => format!("a finite number > {a}"),
+            (lo, hi) => {
+                let l = match lo {
+                    Closed(a) => format!("[{a}"),
+                    Open(a) => format!("({a}"),
+                    Inf => "(-inf".into(),
+                };
+                let h = match hi {
+                    Closed(b) => format!("{b}]"),
+                    Open(b) => format!("{b})"),
+                    Inf => "inf)".into(),
+                };
+                format!("a finite number in {l}, {h}")
+            }
+        };
+        self.check(key, v, v.is_finite() && above && below, allowed);
+    }
+
+    /// A rule between keys that does not hold.
+    fn rule(&mut self, what: String) {
+        self.0.push(OutOfDomain {
+            key: String::new(),
+            value: String::new(),
+            allowed: what,
+        });
+    }
+
+    fn into_result(self) -> Result<(), ConfigError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::OutOfDomain(self.0))
         }
-        Ok(())
     }
 }
 
@@ -573,5 +949,142 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("n_kv_heads"), "{err}");
+    }
+
+    fn domain_error(set: &str) -> String {
+        match Config::load(None, &[set.to_string()]) {
+            Err(ConfigError::OutOfDomain(v)) => v
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+            other => panic!("{set}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_numeric_key_is_checked_against_its_domain() {
+        for (set, want) in [
+            (
+                "model.vocab_size=1",
+                "model.vocab_size = 1: must be 0 (take it from the data)",
+            ),
+            (
+                "model.d_model=0",
+                "model.d_model = 0: must be an integer >= 1",
+            ),
+            (
+                "model.rope_theta=nan",
+                "model.rope_theta = NaN: must be a finite number > 1",
+            ),
+            ("model.rope_theta=1", "model.rope_theta = 1"),
+            (
+                "model.norm_eps=0",
+                "model.norm_eps = 0: must be a finite number in (0, 1]",
+            ),
+            (
+                "model.init_std=-0.1",
+                "model.init_std = -0.1: must be a finite number in (0, 100]",
+            ),
+            (
+                "optimizer.lr=-1",
+                "optimizer.lr = -1: must be a finite number > 0",
+            ),
+            (
+                "optimizer.beta1=nan",
+                "optimizer.beta1 = NaN: must be a finite number in [0, 1)",
+            ),
+            ("optimizer.eps=0", "optimizer.eps = 0"),
+            (
+                "optimizer.weight_decay=-0.1",
+                "optimizer.weight_decay = -0.1: must be a finite number >= 0",
+            ),
+            (
+                "optimizer.max_grad_norm=inf",
+                "optimizer.max_grad_norm = inf",
+            ),
+            (
+                "lr_scheduler.min_lr_ratio=1.5",
+                "lr_scheduler.min_lr_ratio = 1.5",
+            ),
+            (
+                "lr_scheduler.decay_ratio=nan",
+                "lr_scheduler.decay_ratio = NaN",
+            ),
+            (
+                "training.steps=0",
+                "training.steps = 0: must be an integer in [1, 1000000000000]",
+            ),
+            ("training.batch_size=0", "training.batch_size = 0"),
+            ("training.seq_len=0", "training.seq_len = 0"),
+            (
+                "training.grad_accum_steps=0",
+                "training.grad_accum_steps = 0",
+            ),
+            (
+                "training.threads=100000",
+                "training.threads = 100000: must be 0 (all cores)",
+            ),
+            (
+                "training.compute_shards=0",
+                "training.compute_shards = 0: must be an integer in [1, 256]",
+            ),
+            ("training.peak_flops=-1", "training.peak_flops = -1"),
+            ("checkpoint.keep_latest_k=0", "checkpoint.keep_latest_k = 0"),
+            ("metrics.log_interval=0", "metrics.log_interval = 0"),
+            (
+                "guards.initial_loss_tolerance=0",
+                "guards.initial_loss_tolerance = 0",
+            ),
+            (
+                "guards.max_nonfinite_in_row=0",
+                "guards.max_nonfinite_in_row = 0",
+            ),
+            ("guards.spike_sigma=-1", "guards.spike_sigma = -1"),
+            ("guards.spike_min_ratio=nan", "guards.spike_min_ratio = NaN"),
+            (
+                "guards.spike_window=10000000",
+                "guards.spike_window = 10000000",
+            ),
+            (
+                "debug.spike_scale=nan",
+                "debug.spike_scale = NaN: must be a finite number",
+            ),
+            (
+                "optimizer.weight_decay=400",
+                "optimizer.lr x optimizer.weight_decay = 1.2",
+            ),
+            (
+                "training.batch_size=1000000000000000",
+                "sequences is more than the",
+            ),
+        ] {
+            let err = domain_error(set);
+            assert!(err.contains(want), "{set}: {err}");
+        }
+        // Every offender is listed, in one error.
+        let err = Config::load(
+            None,
+            &["optimizer.eps=nan".into(), "model.norm_eps=-1".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("config: model.norm_eps = -1") && err.contains("; optimizer.eps = NaN"),
+            "{err}"
+        );
+        // Edges that are allowed.
+        for ok in [
+            "model.vocab_size=2",
+            "optimizer.beta1=0",
+            "optimizer.weight_decay=0",
+            "lr_scheduler.min_lr_ratio=0",
+            "lr_scheduler.min_lr_ratio=1",
+            "training.threads=0",
+            "eval.samples=0",
+            "guards.spike_sigma=0",
+        ] {
+            assert!(Config::load(None, &[ok.into()]).is_ok(), "{ok}");
+        }
     }
 }

@@ -3,11 +3,25 @@
 //! global sample index, so the data cursor in a checkpoint is a single number.
 
 use crate::synthetic::{self, Synthetic};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A source of training sequences addressed by global sample index.
 pub trait TokenSource: Send {
-    /// Vocabulary size the data needs (the model's vocab must be at least this).
+    /// Vocabulary size the data declares (the model's vocab must be at least this); 0 when
+    /// the data does not say (a corpus without a `kiln tokenize` record).
     fn vocab(&self) -> usize;
+    /// Checks that every token id the data can serve is below `vocab`, the model's
+    /// vocabulary, and from then on refuses samples with larger ids (instead of letting the
+    /// embedding lookup index out of range).
+    fn fit_vocab(&self, vocab: usize) -> Result<(), String> {
+        if vocab < self.vocab() {
+            return Err(format!(
+                "the data uses {} token ids, more than the vocabulary of {vocab}",
+                self.vocab()
+            ));
+        }
+        Ok(())
+    }
     /// `len` token ids of training sample `index`.
     fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String>;
     /// Short description for the event log.
@@ -37,6 +51,9 @@ impl TokenSource for SyntheticSource {
 pub struct BlendedSource {
     loader: kiln_data::BlendedLoader,
     seq_len: usize,
+    cache_dir: std::path::PathBuf,
+    /// The model's vocabulary once [`TokenSource::fit_vocab`] checked it (0: not yet).
+    vocab_limit: AtomicUsize,
 }
 
 impl BlendedSource {
@@ -53,7 +70,7 @@ impl BlendedSource {
         full_verify: bool,
         resume: Option<(serde_json::Value, u64)>,
     ) -> Result<Self, String> {
-        let mut cfg = kiln_data::LoaderConfig::new(seq_len, seed, total_samples, cache_dir);
+        let mut cfg = kiln_data::LoaderConfig::new(seq_len, seed, total_samples, cache_dir.clone());
         if full_verify {
             cfg.verify = kiln_data::Verify::Full;
         }
@@ -66,13 +83,25 @@ impl BlendedSource {
             });
         }
         let loader = kiln_data::BlendedLoader::open(list, &cfg).map_err(|e| e.to_string())?;
-        Ok(Self { loader, seq_len })
+        Ok(Self {
+            loader,
+            seq_len,
+            cache_dir,
+            vocab_limit: AtomicUsize::new(0),
+        })
     }
 }
 
 impl TokenSource for BlendedSource {
     fn vocab(&self) -> usize {
         self.loader.vocab_hint().unwrap_or(0)
+    }
+    fn fit_vocab(&self, vocab: usize) -> Result<(), String> {
+        self.loader
+            .check_vocab(vocab, &self.cache_dir)
+            .map_err(|e| e.to_string())?;
+        self.vocab_limit.store(vocab, Ordering::Relaxed);
+        Ok(())
     }
     fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String> {
         if len != self.seq_len + 1 {
@@ -81,7 +110,19 @@ impl TokenSource for BlendedSource {
                 self.seq_len + 1
             ));
         }
-        self.loader.sample(index).map_err(|e| e.to_string())
+        let tokens = self.loader.sample(index).map_err(|e| e.to_string())?;
+        // A dataset whose record understates its vocabulary is caught here, at the sample.
+        let limit = self.vocab_limit.load(Ordering::Relaxed);
+        if limit > 0
+            && let Some(bad) = tokens.iter().find(|&&t| t as usize >= limit)
+        {
+            let (d, _) = self.loader.source(index).map_err(|e| e.to_string())?;
+            return Err(format!(
+                "sample {index} from dataset {} holds token id {bad}, outside the model's vocabulary of {limit} (model.vocab_size)",
+                self.loader.datasets()[d].key
+            ));
+        }
+        Ok(tokens)
     }
     fn describe(&self) -> String {
         format!("blended corpus list {}", self.loader.list().display())
@@ -118,13 +159,8 @@ impl TrainData {
             });
         }
         let list = std::path::Path::new(&config.data.corpus_list);
-        let cache_dir = if config.data.cache_dir.is_empty() {
-            list.parent()
-                .unwrap_or(std::path::Path::new("."))
-                .join(".kiln-cache")
-        } else {
-            std::path::PathBuf::from(&config.data.cache_dir)
-        };
+        let cache_dir =
+            kiln_data::cache::cache_dir(Some(std::path::Path::new(&config.data.cache_dir)), list);
         let source = BlendedSource::open(
             list,
             t.seq_len,
@@ -135,26 +171,49 @@ impl TrainData {
             resume,
         )
         .map_err(|e| format!("data.corpus_list {}: {e}", list.display()))?;
+        // Every open (a resume reopens with the checkpoint's weight history) checks the
+        // data's token ids against the model's vocabulary and arms the per-sample check.
+        model_vocab(config, &source)?;
         Ok(Self {
             source: Box::new(source),
             synthetic: None,
         })
     }
 
-    /// The vocabulary of the model: `model.vocab_size`, or the data's when that is 0. An
-    /// error when the data uses more ids than the model would have.
+    /// The vocabulary of the model: `model.vocab_size`, or the data's when that is 0; an
+    /// error when the data says nothing and the config neither, or when the data holds ids
+    /// the model would not have (see [`model_vocab`]).
     pub fn vocab(&self, config: &crate::Config) -> Result<usize, String> {
-        let data = self.source.vocab();
-        let vocab = if config.model.vocab_size == 0 {
-            data
-        } else {
-            config.model.vocab_size
-        };
-        if vocab < data {
+        model_vocab(config, self.source.as_ref())
+    }
+}
+
+/// The model's vocabulary for `data`: `model.vocab_size`, or the data's declared one when
+/// that is 0; checked against every token id the data can serve (see
+/// [`TokenSource::fit_vocab`]).
+pub fn model_vocab(config: &crate::Config, data: &dyn TokenSource) -> Result<usize, String> {
+    let declared = data.vocab();
+    let vocab = match (config.model.vocab_size, declared) {
+        (0, 0) => {
             return Err(format!(
-                "model.vocab_size = {vocab} but the data uses {data} token ids"
+                "{}: no dataset records its vocabulary (the PREFIX.kiln.json that `kiln data tokenize` writes; Megatron-LM does not); set model.vocab_size to the tokenizer's vocabulary size",
+                data.describe()
             ));
         }
-        Ok(vocab)
+        (0, d) => d,
+        (v, _) => v,
+    };
+    if vocab < declared {
+        return Err(format!(
+            "model.vocab_size = {vocab} but the data uses {declared} token ids"
+        ));
     }
+    data.fit_vocab(vocab).map_err(|e| {
+        if config.model.vocab_size > 0 {
+            format!("model.vocab_size = {vocab} is too small: {e}")
+        } else {
+            e
+        }
+    })?;
+    Ok(vocab)
 }

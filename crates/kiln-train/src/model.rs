@@ -9,11 +9,18 @@
 //!
 //! Matrices are stored `[in, out]` (x @ W), the layout burn's `linear` takes; the Hugging Face
 //! export transposes them.
+//!
+//! Mixed precision (`training.dtype = "bf16"`): weights and activations enter every matmul in
+//! the compute dtype and leave it as f32; norms, softmax, the loss and the residual stream
+//! stay f32, as under PyTorch's autocast. Parameters may be stored in bf16
+//! (`training.master_dtype`): they are widened where f32 is needed. With f32 everywhere every
+//! cast is a no-op, so the f32 numerics are untouched.
 
-use crate::config::ModelConfig;
-use crate::kernels::{self, linear};
+use crate::config::{ModelConfig, Precision};
+use crate::kernels;
+use burn::tensor::activation::log_softmax;
 use burn::tensor::module::embedding;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -73,6 +80,16 @@ pub struct Llama {
     blocks: Vec<BlockParams>,
     final_norm: usize,
     head: Option<usize>,
+    /// dtype of the matmuls (`training.dtype`).
+    compute: DType,
+}
+
+/// The burn dtype of a config precision.
+pub fn dtype_of(p: Precision) -> DType {
+    match p {
+        Precision::F32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+    }
 }
 
 impl Llama {
@@ -205,7 +222,31 @@ impl Llama {
             blocks,
             final_norm,
             head,
+            compute: DType::F32,
         }
+    }
+
+    /// This model with its matmuls in `compute` precision (mixed precision).
+    pub fn with_compute(mut self, compute: Precision) -> Self {
+        self.compute = dtype_of(compute);
+        self
+    }
+
+    /// `x @ w` in the compute dtype, returned in f32.
+    fn mm<const D: usize>(&self, x: Tensor<D>, w: Tensor<2>) -> Tensor<D> {
+        kernels::linear(x.cast(self.compute), w.cast(self.compute), None).cast(FloatDType::F32)
+    }
+
+    /// A batched matmul in the compute dtype, returned in f32.
+    fn bmm(&self, a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
+        a.cast(self.compute)
+            .matmul(b.cast(self.compute))
+            .cast(FloatDType::F32)
+    }
+
+    /// Parameter `i` (a norm weight) in f32.
+    fn weight_f32(&self, p: &[Tensor<1>], i: usize) -> Tensor<1> {
+        p[i].clone().cast(FloatDType::F32)
     }
 
     /// The parameters' names, shapes and roles, in a fixed order.
@@ -264,7 +305,7 @@ impl Llama {
         let h = self.hidden(p, tokens);
         let d = self.cfg.d_model;
         let x = h.reshape([b * t, d]);
-        linear(x, self.head_matrix(p), None).reshape([b, t, self.vocab])
+        self.mm(x, self.head_matrix(p)).reshape([b, t, self.vocab])
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
@@ -280,7 +321,15 @@ impl Llama {
         let [b, t] = inputs.dims();
         let n = b * t;
         let h = self.hidden(p, inputs).reshape([n, self.cfg.d_model]);
-        kernels::linear_cross_entropy(h, self.head_matrix(p), targets.reshape([n]))
+        if self.compute == DType::F32 {
+            // The fused output head + cross-entropy (the logits are never materialised
+            // whole); it falls back to the composed ops off flex.
+            let w = self.head_matrix(p).cast(FloatDType::F32);
+            return kernels::linear_cross_entropy(h, w, targets.reshape([n]));
+        }
+        let logits = self.mm(h, self.head_matrix(p));
+        let logp = log_softmax(logits, 1);
+        logp.gather(1, targets.reshape([n, 1])).mean().neg()
     }
 
     fn mat(&self, p: &[Tensor<1>], i: usize) -> Tensor<2> {
@@ -304,17 +353,17 @@ impl Llama {
         let eps = cfg.norm_eps;
         let hd = cfg.d_model / cfg.n_heads;
         let rope = RopeTables::new(t, hd, cfg.rope_theta, &device);
-        let mut x = embedding(self.mat(p, self.embed), tokens);
+        let mut x = embedding(self.mat(p, self.embed), tokens).cast(FloatDType::F32);
         for blk in &self.blocks {
-            let h = rms_norm(x.clone(), p[blk.attn_norm].clone(), eps);
+            let h = rms_norm(x.clone(), self.weight_f32(p, blk.attn_norm), eps);
             let attn = self.attention(p, blk, h, &rope, b, t);
             x = x + attn;
-            let h = rms_norm(x.clone(), p[blk.mlp_norm].clone(), eps);
-            let gate = linear(h.clone(), self.mat(p, blk.w_gate), None);
-            let up = linear(h, self.mat(p, blk.w_up), None);
-            x = x + linear(kernels::swiglu(gate, up), self.mat(p, blk.w_down), None);
+            let h = rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps);
+            let gate = self.mm(h.clone(), self.mat(p, blk.w_gate));
+            let up = self.mm(h, self.mat(p, blk.w_up));
+            x = x + self.mm(kernels::swiglu(gate, up), self.mat(p, blk.w_down));
         }
-        rms_norm(x, p[self.final_norm].clone(), eps)
+        rms_norm(x, self.weight_f32(p, self.final_norm), eps)
     }
 
     /// Causal grouped-query attention. K/V are never repeated: the `groups` query heads that
@@ -335,15 +384,19 @@ impl Llama {
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let hd = cfg.d_model / nh;
         let groups = nh / nkv;
-        let q = linear(h.clone(), self.mat(p, blk.wq), None).reshape([b, t, nh, hd]);
-        let k = linear(h.clone(), self.mat(p, blk.wk), None).reshape([b, t, nkv, hd]);
+        let q = self
+            .mm(h.clone(), self.mat(p, blk.wq))
+            .reshape([b, t, nh, hd]);
+        let k = self
+            .mm(h.clone(), self.mat(p, blk.wk))
+            .reshape([b, t, nkv, hd]);
         // V stays in the projection's [b, t, kv * hd] layout: the attention kernel reads it
         // (and writes its result as [b, t, heads * hd]) through strided views, no copies.
-        let v = linear(h, self.mat(p, blk.wv), None);
+        let v = self.mm(h, self.mat(p, blk.wv));
         let (q, k) = match (blk.q_norm, blk.k_norm) {
             (Some(qn), Some(kn)) => (
-                rms_norm(q, p[qn].clone(), cfg.norm_eps),
-                rms_norm(k, p[kn].clone(), cfg.norm_eps),
+                rms_norm(q, self.weight_f32(p, qn), cfg.norm_eps),
+                rms_norm(k, self.weight_f32(p, kn), cfg.norm_eps),
             ),
             _ => (q, k),
         };
@@ -354,8 +407,19 @@ impl Llama {
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = kernels::causal_attention(q, k, v, scale);
-        linear(y, self.mat(p, blk.wo), None)
+        let y = if self.compute == DType::F32 {
+            kernels::causal_attention(q, k, v, scale)
+        } else {
+            // Mixed precision: the two attention matmuls in the compute dtype, the softmax
+            // in f32.
+            let v = v.reshape([b, t, nkv, hd]).swap_dims(1, 2);
+            let probs = kernels::causal_softmax(self.bmm(q, k.transpose()), scale);
+            self.bmm(probs, v)
+                .reshape([b, nh, t, hd])
+                .swap_dims(1, 2)
+                .reshape([b, t, nh * hd])
+        };
+        self.mm(y, self.mat(p, blk.wo))
     }
 }
 

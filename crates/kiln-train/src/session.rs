@@ -5,10 +5,11 @@
 use crate::checkpoint::HostTensor;
 use crate::config::Config;
 use crate::metrics::EvalMetrics;
-use crate::model::Llama;
+use crate::model::{Llama, dtype_of};
+use crate::saver::DeviceTensor;
 use crate::synthetic::Synthetic;
 use crate::trainer::TrainError;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 
@@ -20,7 +21,8 @@ pub struct Session {
     pub device: Device,
     /// Model structure.
     pub model: Llama,
-    /// Parameters (flat, in `model.specs()` order), without autodiff.
+    /// Parameters (flat, in `model.specs()` order), without autodiff, in the master dtype
+    /// (`training.master_dtype`).
     pub params: Vec<Tensor<1>>,
 }
 
@@ -71,32 +73,38 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 }
 
 /// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
-/// in a process takes effect.
-pub fn set_threads(threads: usize) {
-    if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
+/// in a process takes effect; see [`crate::budget::start_threads`].
+pub fn set_threads(threads: usize) -> Result<(), TrainError> {
+    Ok(crate::budget::start_threads(threads)?)
 }
 
-/// Host copy of a flat tensor.
+/// Host copy of a flat tensor, widened to f32 whatever its dtype.
 pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default()
+    let data = t.clone().into_data();
+    let data = if data.dtype() == DType::F32 {
+        data
+    } else {
+        data.convert::<f32>()
+    };
+    data.try_into_vec::<f32>().unwrap_or_default()
 }
 
 impl Session {
     /// Builds the model for `vocab` tokens with fresh parameters drawn from the seed.
     pub fn new(config: &Config, vocab: usize) -> Result<Self, TrainError> {
         config.validate()?;
-        set_threads(config.training.threads);
+        // The memory of the model, its optimizer and a step, before any of it is allocated.
+        crate::budget::check(config, vocab)?;
+        set_threads(config.training.threads)?;
         crate::kernels::set_enabled(config.training.fused_kernels);
         let device = parse_device(&config.training.device)?;
-        let model = Llama::new(&config.model, vocab);
-        let params = model.init(config.training.seed, &device);
+        let model = Llama::new(&config.model, vocab).with_compute(config.training.dtype);
+        let master = dtype_of(config.training.master_dtype);
+        let params = model
+            .init(config.training.seed, &device)
+            .into_iter()
+            .map(|p| p.cast(master))
+            .collect();
         Ok(Self {
             config: config.clone(),
             device,
@@ -139,27 +147,36 @@ impl Session {
 
     /// Parameters as named host tensors (logical shapes).
     pub fn host_params(&self) -> Vec<HostTensor> {
-        self.named_host(&self.params, "")
+        self.named_params()
+            .iter()
+            .map(DeviceTensor::to_host)
+            .collect()
     }
 
-    /// `tensors` (one per parameter, in parameter order) as named host tensors, each name
-    /// followed by `suffix` (`.exp_avg`, ...).
-    pub fn named_host(&self, tensors: &[Tensor<1>], suffix: &str) -> Vec<HostTensor> {
+    /// Parameters as named tensors on the device (references, no copy).
+    pub fn named_params(&self) -> Vec<DeviceTensor> {
         self.model
             .specs()
             .iter()
-            .zip(tensors)
-            .map(|(s, t)| HostTensor {
-                name: format!("{}{suffix}", s.name),
+            .zip(&self.params)
+            .map(|(s, t)| DeviceTensor {
+                name: s.name.clone(),
                 shape: s.shape.clone(),
-                values: to_vec(t),
+                tensor: t.clone(),
             })
             .collect()
     }
 
-    /// Loads weights (by name) from host tensors; every parameter must be present with its shape.
+    /// Loads weights (by name) from host tensors; every parameter must be present with its
+    /// shape. They are stored in the master dtype (f32 weights into a bf16-master run are
+    /// rounded; bf16 weights into an f32 run are widened exactly).
     pub fn load_params(&mut self, tensors: &[HostTensor], origin: &Path) -> Result<(), TrainError> {
-        self.params = self.lookup(tensors, "", origin)?;
+        let master = dtype_of(self.config.training.master_dtype);
+        self.params = self
+            .lookup(tensors, "", origin)?
+            .into_iter()
+            .map(|p| p.cast(master))
+            .collect();
         Ok(())
     }
 

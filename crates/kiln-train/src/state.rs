@@ -23,6 +23,10 @@ pub struct TrainState {
     pub seed: u64,
     /// Optimizer updates applied.
     pub optimizer_step: u64,
+    /// The optimizer whose state the checkpoint holds (`optimizer.kind`; checkpoints from
+    /// before there was a choice hold AdamW's).
+    #[serde(default = "adamw")]
+    pub optimizer: String,
     /// LR schedule kind.
     pub schedule: String,
     /// Learning rate of the last step.
@@ -64,6 +68,7 @@ impl TrainState {
             sample_cursor: Some(0),
             seed,
             optimizer_step: 0,
+            optimizer: adamw(),
             schedule: String::new(),
             lr: 0.0,
             model_hash: String::new(),
@@ -90,6 +95,10 @@ impl TrainState {
         self.sample_cursor = Some(self.next_sample() + batches * self.global_batch);
         self.data_cursor += batches;
     }
+}
+
+fn adamw() -> String {
+    crate::config::OptimizerKind::Adamw.name().to_string()
 }
 
 /// A new lineage id: time, host and process, unique enough to tell runs in one directory

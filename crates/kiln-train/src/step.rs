@@ -6,7 +6,7 @@
 use crate::config::TrainingConfig;
 use crate::model::Llama;
 use crate::session::Session;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 
@@ -88,7 +88,7 @@ impl BatchLayout {
 /// Why shards: burn's flex backend runs element-wise kernels on one thread, and they are
 /// about 40% of a step; two shards on two threads keep both cores busy through them. The
 /// math is gradient accumulation over the shards, exact up to f32 summation order.
-/// `poison` (debug.nan_at_step) makes the loss NaN, as a real overflow would.
+/// Gradients are f32 whatever the parameters' dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn loss_and_grads(
     model: &Llama,
@@ -98,17 +98,25 @@ pub fn loss_and_grads(
     device: &Device,
     scale: f64,
     shards: usize,
-    poison: bool,
+    labels: Labels,
 ) -> (f32, Vec<Tensor<1>>) {
-    let one = |chunk: &[Vec<u32>], scale: f64, poison: bool| {
+    let one = |chunk: &[Vec<u32>], scale: f64, shard: usize| {
         let inputs = Session::int_tensor(chunk, seq, device);
-        let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = Session::int_tensor(&shifted, seq, device);
         let leaves: Vec<Tensor<1>> = params
             .iter()
             .map(|p| p.clone().autodiff().require_grad())
             .collect();
-        let mut loss = model.loss(&leaves, inputs, targets);
+        let (mut loss, poison) = match labels {
+            Labels::Data { poison } => {
+                let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
+                let targets = Session::int_tensor(&shifted, seq, device);
+                (model.loss(&leaves, inputs, targets), poison && shard == 0)
+            }
+            Labels::Sampled { seed } => {
+                let seed = seed ^ (shard as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                (sampled_label_loss(model, &leaves, inputs, seed), false)
+            }
+        };
         if scale != 1.0 {
             loss = loss.mul_scalar(scale);
         }
@@ -121,13 +129,17 @@ pub fn loss_and_grads(
         let grads: Vec<Tensor<1>> = leaves
             .iter()
             .zip(params)
-            .map(|(leaf, p)| leaf.grad(&g).unwrap_or_else(|| p.zeros_like()))
+            .map(|(leaf, p)| {
+                leaf.grad(&g)
+                    .unwrap_or_else(|| p.zeros_like())
+                    .cast(FloatDType::F32)
+            })
             .collect();
         (value, grads)
     };
     let shards = shards.min(rows.len()).max(1);
     if shards == 1 {
-        return one(rows, scale, poison);
+        return one(rows, scale, 0);
     }
     let per = rows.len().div_ceil(shards);
     let n = rows.len() as f64;
@@ -137,7 +149,7 @@ pub fn loss_and_grads(
             .enumerate()
             .map(|(i, chunk)| {
                 let shard_scale = scale * chunk.len() as f64 / n;
-                scope.spawn(move || one(chunk, shard_scale, poison && i == 0))
+                scope.spawn(move || one(chunk, shard_scale, i))
             })
             .collect();
         handles
@@ -154,15 +166,62 @@ pub fn loss_and_grads(
     (loss, grads)
 }
 
+/// What [`loss_and_grads`] computes the loss against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Labels {
+    /// The data's next tokens; `poison` (debug.nan_at_step) makes the loss NaN, as a real
+    /// overflow would.
+    Data {
+        /// Inject a NaN.
+        poison: bool,
+    },
+    /// Labels drawn from the model's own predictions with this seed: the gradient is
+    /// SophiaG's Gauss-Newton-Bartlett sample.
+    Sampled {
+        /// Seed of the draws (a function of the run's seed, step and rank, for exact resume).
+        seed: u64,
+    },
+}
+
+/// Mean cross-entropy of the model's logits against labels sampled from its own softmax
+/// (drawn on the host from a seeded ChaCha8 stream, so reproducible on every backend).
+fn sampled_label_loss(
+    model: &Llama,
+    params: &[Tensor<1>],
+    inputs: Tensor<2, Int>,
+    seed: u64,
+) -> Tensor<1> {
+    use rand::{Rng, SeedableRng};
+    let device = inputs.device();
+    let [b, t] = inputs.dims();
+    let v = model.vocab();
+    let logp =
+        burn::tensor::activation::log_softmax(model.forward(params, inputs).reshape([b * t, v]), 1);
+    let host = crate::session::to_vec(&logp.clone().detach().reshape([b * t * v]));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let labels: Vec<i64> = host
+        .chunks_exact(v.max(1))
+        .map(|row| {
+            let u: f64 = rng.r#gen();
+            let mut acc = 0.0f64;
+            let pick = row.iter().position(|&lp| {
+                acc += f64::from(lp).exp();
+                acc > u
+            });
+            // Rounding can leave the total just under u: take the last token then.
+            pick.unwrap_or(row.len() - 1) as i64
+        })
+        .collect();
+    let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
+    logp.gather(1, labels).mean().neg()
+}
+
 /// All tensors' values, concatenated on the host (what the all-reduce works on).
 pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
     if tensors.is_empty() {
         return Vec::new();
     }
-    Tensor::cat(tensors.to_vec(), 0)
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default()
+    crate::session::to_vec(&Tensor::cat(tensors.to_vec(), 0))
 }
 
 /// Cuts `flat` back into tensors shaped like `like`, on `device`.
@@ -206,15 +265,18 @@ pub fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> 
     let diffs: Vec<Tensor<1>> = params
         .iter()
         .zip(prev)
-        .map(|(a, b)| (a.clone() - b.clone()).abs().max())
+        .map(|(a, b)| {
+            let (a, b) = (
+                a.clone().cast(FloatDType::F32),
+                b.clone().cast(FloatDType::F32),
+            );
+            (a - b).abs().max()
+        })
         .collect();
     if diffs.is_empty() {
         return Vec::new();
     }
-    let d = Tensor::cat(diffs, 0)
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap_or_default();
+    let d = crate::session::to_vec(&Tensor::cat(diffs, 0));
     d.iter()
         .enumerate()
         .filter(|(_, v)| **v == 0.0)

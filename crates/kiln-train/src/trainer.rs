@@ -5,7 +5,7 @@
 //! snapshots and checks), [`Trainer::checkpoint`] and [`Trainer::agreed_stop`].
 //!
 //! Everything that decides what the next step computes is state saved in each checkpoint:
-//! weights, AdamW moments and step count, and the [`TrainState`] (step, data cursor, the
+//! weights, the optimizer's state (keyed by parameter name) and step count, and the [`TrainState`] (step, data cursor, the
 //! guards' loss window, the blend's history). Data and init are pure functions of the seed
 //! and counters, so a run killed anywhere and restarted from its newest checkpoint ends
 //! bit-identical to one never interrupted.
@@ -13,18 +13,21 @@
 //! Data parallelism: every rank holds the whole model and computes gradients on its slice of
 //! the global batch; gradients and the loss are averaged over ranks before clipping, so every
 //! decision (skip, rollback, stop, checkpoint) is taken from identical values on every rank
-//! at the same step. Rank 0 is the one writer of the run directory.
+//! at the same step. Rank 0 is the one writer of the run directory; it writes checkpoints
+//! on a background thread ([`crate::saver`]), so the other ranks never wait for its disk
+//! except when the run ends.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointManager};
 use crate::config::Config;
 use crate::data::TrainData;
 use crate::guards::{self, LossVerdict};
 use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
-use crate::optim::{self, AdamW};
+use crate::optim::{self, Optimizer};
 use crate::run_dir::{RunDir, RunDirError};
+use crate::saver::{Saved, Saver, Staged};
 use crate::session::{Session, sha256_hex};
 use crate::state::{TrainState, new_run_id};
-use crate::step::{self, BatchLayout};
+use crate::step::{self, BatchLayout, Labels};
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{BucketedAllReduce, Collective};
 use kiln_run::{EventLog, event, exit};
@@ -186,12 +189,14 @@ pub const STOP_SIGNALS: [i32; 3] = [
 ];
 
 /// The writer rank's files: the locked run directory, the event log, the metrics log and
-/// the checkpoints.
+/// the checkpoints (written by the saver).
 struct Writer {
     run: RunDir,
     events: EventLog,
     metrics: std::fs::File,
-    checkpoints: CheckpointManager,
+    saver: Saver,
+    /// The run's lineage (the checkpoint manager's, which lives in the saver).
+    run_id: String,
 }
 
 /// What a rollback restores. The data cursor is not restored: the batches after it are
@@ -200,7 +205,7 @@ struct Writer {
 struct Snapshot {
     state: TrainState,
     params: Vec<Tensor<1>>,
-    optimizer: AdamW,
+    optimizer: Optimizer,
 }
 
 /// The guards' in-memory state (not checkpointed: a resumed run starts these afresh).
@@ -283,7 +288,7 @@ pub struct Trainer<'o> {
     cfg: Config,
     run_dir: PathBuf,
     session: Session,
-    optimizer: AdamW,
+    optimizer: Optimizer,
     data: TrainData,
     /// The exact-resume state.
     pub state: TrainState,
@@ -365,6 +370,8 @@ impl<'o> Trainer<'o> {
         let build = || -> Result<_, TrainError> {
             let layout = BatchLayout::new(&cfg.training, comm.rank(), comm.size())
                 .map_err(TrainError::Parallel)?;
+            // Sizes that cannot fit are refused before the data is indexed for them.
+            crate::budget::check(&cfg, crate::budget::known_vocab(&cfg))?;
             let data = TrainData::open(&cfg, layout.samples_for(cfg.training.steps), None)
                 .map_err(TrainError::Data)?;
             let vocab = data.vocab(&cfg).map_err(TrainError::Data)?;
@@ -383,7 +390,12 @@ impl<'o> Trainer<'o> {
                 return Err((e, Some(comm)));
             }
         };
-        let optimizer = AdamW::new(&cfg.optimizer, session.model.specs(), &session.device);
+        let optimizer = Optimizer::new(
+            &cfg.optimizer,
+            session.model.specs(),
+            &session.device,
+            layout.global_batch() * layout.seq as u64,
+        );
         let facts = RunFacts::new(&cfg, &session, &data);
         let state = TrainState::fresh(
             cfg.training.seed,
@@ -453,12 +465,14 @@ impl<'o> Trainer<'o> {
             cfg.checkpoint.resume,
             &new_run_id(),
         )?;
+        let run_id = opened.manager.run_id().to_string();
         Ok(Some(Opened {
             writer: Writer {
                 run,
                 events,
                 metrics,
-                checkpoints: opened.manager,
+                saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),
+                run_id,
             },
             resume: opened.resume,
             rejected: opened.rejected,
@@ -496,8 +510,12 @@ impl<'o> Trainer<'o> {
     }
 
     /// Writes the `exit` event (writer rank), ignoring a failure to write it: it is the last
-    /// thing a failing run does.
+    /// thing a failing run does. A checkpoint still being written is waited for first, so no
+    /// way out leaves one half done.
     fn emit_exit(&mut self, reason: &str, code: i32, error: Option<&str>) {
+        if let Err(e) = self.wait_saves() {
+            tracing::error!("{e}");
+        }
         let step = self.state.step;
         let _ = self.emit(
             event::EXIT,
@@ -553,7 +571,7 @@ impl<'o> Trainer<'o> {
         self.state.run_id = self
             .writer
             .as_ref()
-            .map(|w| w.checkpoints.run_id().to_string())
+            .map(|w| w.run_id.clone())
             .unwrap_or_default();
         match loaded {
             Some((dir, ck)) => self.restore(&dir, &ck),
@@ -620,10 +638,28 @@ impl<'o> Trainer<'o> {
         }
         st.global_batch = self.layout.global_batch();
         st.world_size = self.layout.world as u64;
+        let kind = self.cfg.optimizer.kind.name();
+        if st.optimizer != kind {
+            return Err(mismatch(format!(
+                "its optimizer state is {}'s and this config says optimizer.kind = {kind:?}; resume with optimizer.kind = {:?}, or start afresh (a new --run-dir, or checkpoint.resume = false)",
+                st.optimizer, st.optimizer
+            )));
+        }
         self.session.load_params(&ck.model, dir)?;
-        self.optimizer.exp_avg = self.session.lookup(&ck.optimizer, ".exp_avg", dir)?;
-        self.optimizer.exp_avg_sq = self.session.lookup(&ck.optimizer, ".exp_avg_sq", dir)?;
-        self.optimizer.step = st.optimizer_step;
+        self.optimizer = Optimizer::new(
+            &self.cfg.optimizer,
+            self.session.model.specs(),
+            &self.session.device,
+            self.layout.global_batch() * self.layout.seq as u64,
+        );
+        self.optimizer
+            .load_host_state(
+                self.session.model.specs(),
+                &ck.optimizer,
+                &self.session.device,
+            )
+            .map_err(mismatch)?;
+        self.optimizer.set_step(st.optimizer_step);
         if st.run_id.is_empty() {
             st.run_id = self.state.run_id.clone();
         }
@@ -675,6 +711,7 @@ impl<'o> Trainer<'o> {
                 }
                 None => false,
             };
+            self.poll_saves()?;
             let signal = self.agreed_stop();
             let unsaved = self.saved_at != Some(self.state.step);
             if (applied && self.checkpoint_due()) || (signal.is_some() && unsaved) {
@@ -699,7 +736,7 @@ impl<'o> Trainer<'o> {
             self.facts.total,
         );
         let first_sample = self.state.next_sample();
-        let (loss, grads, allreduce_s) = self.compute_gradients()?;
+        let (loss, grads, allreduce_s) = self.compute_gradients(first_sample, None)?;
         let grad_norm = optim::global_norm(&grads);
         if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
             return Ok(None);
@@ -713,6 +750,9 @@ impl<'o> Trainer<'o> {
             lr,
             &self.facts.frozen,
         );
+        if self.optimizer.hessian_due() {
+            self.update_hessian(first_sample)?;
+        }
         self.state.step += 1;
         self.state.advance_data(1);
         let tokens = self.layout.global_batch() * self.layout.seq as u64;
@@ -740,10 +780,31 @@ impl<'o> Trainer<'o> {
         }))
     }
 
-    /// This rank's loss and gradients over its micro-batches, averaged over all ranks, and
-    /// the seconds the averaging took.
-    fn compute_gradients(&mut self) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
-        let base = self.state.next_sample();
+    /// SophiaG's Gauss-Newton-Bartlett estimate after the update: gradients against labels
+    /// sampled from the updated model on the step's own batch (the authors draw a fresh
+    /// batch; any inputs give an unbiased estimate, and these need no extra data), averaged
+    /// over ranks and clipped like the step's gradients, as the authors do. The draws are
+    /// seeded by (seed, step, rank), so a resumed run draws the same labels.
+    fn update_hessian(&mut self, base: u64) -> Result<(), TrainError> {
+        let seed = self.cfg.training.seed
+            ^ self.optimizer.step().wrapping_mul(0xD1B5_4A32_D192_ED03)
+            ^ (self.comm.rank() as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
+        let (_, grads, _) = self.compute_gradients(base, Some(seed))?;
+        let norm = optim::global_norm(&grads);
+        let grads = optim::clip_by_global_norm(grads, norm, self.cfg.optimizer.max_grad_norm);
+        self.optimizer.update_hessian(grads);
+        Ok(())
+    }
+
+    /// This rank's loss and gradients over its micro-batches of the step starting at global
+    /// sample `base`, averaged over all ranks, and the seconds the averaging took; against
+    /// the data's labels, or with `sampled = Some(seed)` against labels drawn from the model
+    /// (SophiaG's estimator).
+    fn compute_gradients(
+        &mut self,
+        base: u64,
+        sampled: Option<u64>,
+    ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
         let cfg = &self.cfg;
         let mut grads: Option<Vec<Tensor<1>>> = None;
         let mut loss_sum = 0.0f32;
@@ -760,7 +821,14 @@ impl<'o> Trainer<'o> {
             } else {
                 rows
             };
-            let poison = cfg.debug.nan_at_step > 0 && batch_no == cfg.debug.nan_at_step;
+            let labels = match sampled {
+                Some(seed) => Labels::Sampled {
+                    seed: seed ^ (micro as u64).wrapping_mul(0xA24B_AED4_963E_E407),
+                },
+                None => Labels::Data {
+                    poison: cfg.debug.nan_at_step > 0 && batch_no == cfg.debug.nan_at_step,
+                },
+            };
             let (loss, micro_grads) = step::loss_and_grads(
                 &self.session.model,
                 &self.session.params,
@@ -769,7 +837,7 @@ impl<'o> Trainer<'o> {
                 &self.ad_device,
                 1.0 / self.layout.accum as f64,
                 cfg.training.compute_shards.max(1),
-                poison,
+                labels,
             );
             loss_sum += loss;
             grads = Some(match grads {
@@ -1048,7 +1116,13 @@ impl<'o> Trainer<'o> {
             return Ok(());
         }
         self.beacon("eval");
-        let Some(syn) = &self.data.synthetic else {
+        // eval.samples = 0: no held-out eval (rather than a loss of 0 over no sequences).
+        let Some(syn) = self
+            .data
+            .synthetic
+            .as_ref()
+            .filter(|_| self.cfg.eval.samples > 0)
+        else {
             return Ok(());
         };
         let mut e = self.session.evaluate_synthetic(
@@ -1099,49 +1173,83 @@ impl<'o> Trainer<'o> {
         if let Some(schedule) = self.data.source.resume_state() {
             self.state.data_schedule = Some(schedule);
         }
-        self.state.optimizer_step = self.optimizer.step;
+        self.state.optimizer_step = self.optimizer.step();
+        self.state.optimizer = self.optimizer.kind().name().to_string();
         self.state.schedule = format!("{:?}", self.cfg.lr_scheduler.kind).to_lowercase();
         self.state.model_hash = self.facts.model_hash.clone();
         self.state.config_hash = self.facts.config_hash.clone();
         self.state.kiln_version = env!("CARGO_PKG_VERSION").to_string();
         if self.writer.is_some() {
+            // The step stages references to the state (no copy) and, with a save still in
+            // flight, waits for that save; the saver copies and writes (see crate::saver).
             let t0 = Instant::now();
-            let ck = Checkpoint {
+            let staged = Staged {
                 step: self.state.step,
-                model: self.session.host_params(),
-                optimizer: [
-                    self.session.named_host(&self.optimizer.exp_avg, ".exp_avg"),
-                    self.session
-                        .named_host(&self.optimizer.exp_avg_sq, ".exp_avg_sq"),
-                ]
-                .concat(),
+                model: self.session.named_params(),
+                optimizer: self.optimizer.named_state(self.session.model.specs()),
                 state: serde_json::to_value(&self.state).unwrap_or_default(),
             };
-            let Some(w) = &mut self.writer else {
-                return Ok(());
+            let stage_s = t0.elapsed().as_secs_f64();
+            let finished = match &mut self.writer {
+                Some(w) => w.saver.submit(staged, stage_s),
+                None => Vec::new(),
             };
-            let report = w.checkpoints.save(&ck)?;
-            let pruned: Vec<String> = report.pruned.iter().map(|p| path_text(p)).collect();
-            let superseded: Vec<String> = report
-                .superseded
-                .iter()
-                .map(|r| path_text(&r.moved_to))
-                .collect();
-            w.events.emit(
-                event::CHECKPOINT_SAVED,
-                json!({"step": ck.step, "path": path_text(&report.path), "seconds": t0.elapsed().as_secs_f64(),
-                       "pruned": pruned, "superseded": superseded}),
-            )?;
-            let msg = format!("saved {}", report.path.display());
-            self.note(&msg);
+            for outcome in finished {
+                self.report_saved(outcome?)?;
+            }
         }
         self.saved_at = Some(self.state.step);
         Ok(())
     }
 
-    /// Stopped by an agreed signal: the checkpoint is saved; every rank waits for the
-    /// writer, then all leave with the same outcome.
+    /// The `checkpoint_saved` event of a finished save: its step's stall (what the training
+    /// step waited for) and the write time.
+    fn report_saved(&mut self, saved: Saved) -> Result<(), TrainError> {
+        let pruned: Vec<String> = saved.report.pruned.iter().map(|p| path_text(p)).collect();
+        let superseded: Vec<String> = saved
+            .report
+            .superseded
+            .iter()
+            .map(|r| path_text(&r.moved_to))
+            .collect();
+        self.emit(
+            event::CHECKPOINT_SAVED,
+            json!({"step": saved.step, "path": path_text(&saved.report.path),
+                   "stall_s": saved.stall_s, "write_s": saved.write_s, "seconds": saved.write_s,
+                   "async": saved.asynchronous, "pruned": pruned, "superseded": superseded}),
+        )?;
+        let msg = format!(
+            "saved {} (step stalled {:.3} s, write {:.3} s)",
+            saved.report.path.display(),
+            saved.stall_s,
+            saved.write_s
+        );
+        self.note(&msg);
+        Ok(())
+    }
+
+    /// Reports the save in flight if it has finished (never waits).
+    fn poll_saves(&mut self) -> Result<(), TrainError> {
+        let done = self.writer.as_mut().and_then(|w| w.saver.poll());
+        match done {
+            Some(outcome) => self.report_saved(outcome?),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the save in flight, if any, and reports it.
+    fn wait_saves(&mut self) -> Result<(), TrainError> {
+        let done = self.writer.as_mut().and_then(|w| w.saver.wait());
+        match done {
+            Some(outcome) => self.report_saved(outcome?),
+            None => Ok(()),
+        }
+    }
+
+    /// Stopped by an agreed signal: the checkpoint is saved (the writer rank waits for it);
+    /// every rank waits for the writer, then all leave with the same outcome.
     fn preempted(&mut self, signal: i32) -> Result<TrainReport, TrainError> {
+        self.wait_saves()?;
         self.comm.barrier();
         self.emit_exit("preempted", exit::PREEMPTED, None);
         Ok(self.report(Outcome::Preempted { signal }))
@@ -1152,6 +1260,7 @@ impl<'o> Trainer<'o> {
         if self.saved_at != Some(self.state.step) {
             self.checkpoint()?;
         }
+        self.wait_saves()?;
         if let Some(w) = &self.writer {
             let bytes = checkpoint::to_safetensors(&self.session.host_params()).map_err(|e| {
                 TrainError::Io {

@@ -202,3 +202,43 @@ fn lr_find_suggests_a_sensible_lr_and_writes_its_files() {
         b"PNG"
     );
 }
+
+#[test]
+fn smoke_passes_against_the_committed_bf16_baseline() {
+    let (code, out) = kiln(
+        &["smoke", "--baseline", "gates/smoke-bf16.json"],
+        &["training.dtype=bf16"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("smoke: PASS: 20 steps bit-identical"), "{out}");
+}
+
+#[test]
+fn lr_find_sweeps_muon_and_sophiag() {
+    for kind in ["muon", "sophiag"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out_dir = dir.path().join("lr");
+        let mut sets = tiny();
+        let k = format!("optimizer.kind={kind}");
+        sets.push(&k);
+        // 30 steps: SophiaG takes three Hessian estimates on the way.
+        sets.push("optimizer.sophia.hessian_interval=10");
+        let (code, out) = kiln(
+            &[
+                "lr-find",
+                "--steps",
+                "30",
+                "--out",
+                out_dir.to_str().unwrap(),
+            ],
+            &sets,
+        );
+        assert_eq!(code, 0, "{kind}: {out}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out_dir.join("lr-find.json")).unwrap())
+                .unwrap();
+        let lr = v["suggested_lr"].as_f64().unwrap();
+        assert!(lr > 0.0 && lr < 1.0, "{kind}: suggested {lr}: {out}");
+        assert!(v["steps_run"].as_u64().unwrap() >= 10, "{kind}: {v}");
+    }
+}

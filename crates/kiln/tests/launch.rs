@@ -6,34 +6,11 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
-
-/// Variables that would change what kiln detects; cleared so tests see "no scheduler".
-const DETECTED: &[&str] = &[
-    "PBS_JOBID",
-    "PBS_NODEFILE",
-    "SLURM_JOB_ID",
-    "SLURM_JOBID",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "KILN_PROGRESS_DIR",
-    "CUDA_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ZE_AFFINITY_MASK",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-];
+mod common;
+use common::KILN;
 
 fn kiln(args: &[&str]) -> Command {
-    let mut c = Command::new(KILN);
-    c.args(args);
-    for v in DETECTED {
-        c.env_remove(v);
-    }
-    c
+    common::kiln_cmd(args)
 }
 
 fn run(args: &[&str]) -> (Output, Duration) {
@@ -626,4 +603,46 @@ fn auto_retry_gives_up_when_attempts_stop_making_progress() {
     assert_eq!(out.status.code(), Some(1), "stderr: {}", text(&out.stderr));
     // Attempt 1 makes new progress (step 1); attempts 2-4 get no further: three in a row.
     assert_eq!(attempt_ends(&rd).len(), 4);
+}
+
+#[test]
+fn status_shows_the_goodput_ledger_and_plot_draws_the_timeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let count = dir.path().join("count");
+    let script = format!(
+        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; sleep 0.2; echo step=1; sleep 0.3; echo step=2; [ $n -ge 2 ]",
+        c = s(&count)
+    );
+    let (out, _) = run(&[
+        "launch",
+        "--retries",
+        "1",
+        "--backoff",
+        "0.3",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status = kiln(&["status", &s(&rd)]).output().unwrap();
+    assert_eq!(status.status.code(), Some(0), "{}", text(&status.stderr));
+    let report = text(&status.stdout);
+    for needle in [
+        "goodput: ETTR",
+        "productive",
+        "startup",
+        "lost work",
+        "backoff",
+        "2 attempt(s)",
+        "failed",
+    ] {
+        assert!(report.contains(needle), "{needle:?} missing in\n{report}");
+    }
+    let plot = kiln(&["plot", &s(&rd)]).output().unwrap();
+    assert_eq!(plot.status.code(), Some(0), "{}", text(&plot.stderr));
+    assert!(rd.join("plots/timeline.svg").exists() && rd.join("plots/timeline.png").exists());
 }

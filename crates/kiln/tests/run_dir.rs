@@ -245,6 +245,7 @@ fn every_way_out_writes_an_exit_event_and_runs_that_cannot_progress_stop() {
         &[
             "training.steps=200",
             "optimizer.lr=1e30",
+            "optimizer.weight_decay=0",
             "optimizer.max_grad_norm=0",
             "lr_scheduler.warmup_steps=0",
             "guards.snapshot_interval=5",
@@ -264,4 +265,24 @@ fn every_way_out_writes_an_exit_event_and_runs_that_cannot_progress_stop() {
     assert!(out.status.success(), "{}", text(&out));
     let out = train(&odd, &["training.steps=20"]);
     assert!(out.status.success(), "{}", text(&out));
+}
+
+#[test]
+fn a_closed_stdout_does_not_stop_training() {
+    use std::io::{BufRead, BufReader};
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = tmp.path().join("run");
+    let mut child = cmd(&rd, &["training.steps=40"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one line, then go away, as `kiln train | head -1` does.
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(rd.join("model.safetensors").exists());
 }

@@ -2,9 +2,8 @@
 //! exact resume after SIGKILL, fallback from a corrupt checkpoint, SIGTERM preemption, and
 //! clear errors for bad configs.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -38,30 +37,10 @@ fn run_to_end(run_dir: &Path, extra: &[&str]) -> std::process::Output {
     out
 }
 
-/// Spawns a training run and returns once it printed `step=<at least n>`.
+/// Spawns a training run and returns once it printed `step=<at least n>` and the note of
+/// the checkpoint at or before it (written in the background).
 fn spawn_until_step(run_dir: &Path, n: u64) -> Child {
-    let mut child = train_cmd(run_dir, &[])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let step = line
-                .strip_prefix("step=")
-                .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok());
-            if let Some(s) = step
-                && s >= n
-            {
-                let _ = tx.send(s);
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(120))
-        .expect("training never reached the step");
-    child
+    common::spawn_until(train_cmd(run_dir, &[]), n, Some(n / 5 * 5))
 }
 
 fn signal(child: &Child, sig: i32) {

@@ -106,3 +106,48 @@ fn a_tree_reaches_three_destinations_and_a_traversal_archive_is_refused() {
     }
     assert!(!tmp.path().join("escaped.txt").exists());
 }
+
+#[test]
+fn a_node_that_cannot_write_is_named_and_the_others_still_get_their_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("env");
+    std::fs::create_dir_all(src.join("lib")).unwrap();
+    let big: Vec<u8> = (0..12_000_000u32).map(|i| (i * 13 % 241) as u8).collect();
+    std::fs::write(src.join("lib/blob.so"), &big).unwrap();
+    // Rank 1's destination already holds a copy (and no --force): its writer fails before
+    // the first chunk, but it must stay in the broadcasts, or ranks 0 and 2 would wait
+    // in one forever.
+    std::fs::create_dir_all(tmp.path().join("node-1/env")).unwrap();
+    std::fs::write(tmp.path().join("node-1/env/old"), "keep me").unwrap();
+    let dest = format!("{}/node-{{rank}}", tmp.path().display());
+    let t0 = std::time::Instant::now();
+    let out = yeet(&src, &dest);
+    assert!(t0.elapsed().as_secs() < 50, "took {:?}", t0.elapsed());
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+    assert_ne!(out.status.code(), Some(124), "a rank hung: {}", text(&out));
+    assert!(
+        text(&out).contains("exists; pass --force"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("1 of 3 nodes failed"), "{}", text(&out));
+    let want = files(&src);
+    for r in [0, 2] {
+        let got = files(&tmp.path().join(format!("node-{r}/env")));
+        assert_eq!(got, want, "rank {r}'s copy differs");
+    }
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("node-1/env/old")).unwrap(),
+        "keep me"
+    );
+    // Nothing staged is left behind.
+    for r in 0..3 {
+        for e in std::fs::read_dir(tmp.path().join(format!("node-{r}"))).unwrap() {
+            let name = e.unwrap().file_name();
+            assert!(
+                !name.to_string_lossy().starts_with(".yeet-"),
+                "{name:?} left"
+            );
+        }
+    }
+}

@@ -6,7 +6,7 @@ use kiln_data::indexed::{IndexedDataset, idx_path};
 use kiln_data::manifest::{self, Manifest, Verify};
 use kiln_data::tokenize::{self, DocSource, TextSplit};
 use kiln_data::{BlendedLoader, LoaderConfig, Resume};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Token data verbs.
@@ -196,18 +196,22 @@ pub struct VerifyArgs {
 pub fn run(command: DataCommand) -> anyhow::Result<ExitCode> {
     match command {
         DataCommand::TrainTokenizer(a) => train_tokenizer(a),
-        DataCommand::Tokenize(a) => with_threads(a.workers, || tokenize_cmd(a)),
+        DataCommand::Tokenize(a) => with_threads("--workers", a.workers, || tokenize_cmd(a)),
         DataCommand::Inspect(a) => inspect(a),
-        DataCommand::Blend(a) => with_threads(a.loader.threads, || blend(a)),
+        DataCommand::Blend(a) => with_threads("--threads", a.loader.threads, || blend(a)),
         DataCommand::Manifest(a) => manifest_cmd(a),
         DataCommand::Verify(a) => verify(a),
     }
 }
 
 fn with_threads(
+    flag: &str,
     threads: Option<usize>,
     f: impl FnOnce() -> anyhow::Result<ExitCode> + Send,
 ) -> anyhow::Result<ExitCode> {
+    if let Some(n) = threads {
+        kiln_run::host::check_threads(flag, n).map_err(anyhow::Error::msg)?;
+    }
     kiln_data::with_threads(threads, f)?
 }
 
@@ -215,6 +219,8 @@ fn train_tokenizer(a: TrainTokenizerArgs) -> anyhow::Result<ExitCode> {
     if a.special_tokens.is_empty() {
         bail!("give at least one --special-token (the first is the end-of-document token)");
     }
+    tokenize::check_vocab_size(a.vocab_size, a.special_tokens.len())
+        .map_err(|e| anyhow::anyhow!("--vocab-size {e}"))?;
     let t0 = std::time::Instant::now();
     let tok = tokenize::train_bpe(
         &a.input.source(),
@@ -284,7 +290,10 @@ fn parse_range(s: &str, what: &str) -> anyhow::Result<(u64, u64)> {
         }
         None => {
             let a = parse(s)?;
-            Ok((a, a + 1))
+            let b = a
+                .checked_add(1)
+                .with_context(|| format!("{what} {s:?}: index out of range"))?;
+            Ok((a, b))
         }
     }
 }
@@ -294,11 +303,12 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let idx = ds.index();
     if let Some(r) = &a.dump_doc {
         let (start, end) = parse_range(r, "--dump-doc")?;
-        if end > idx.documents() as u64 {
+        let docs = idx.documents() as u64;
+        if end > docs {
             bail!(
-                "{}: --dump-doc {r}: the dataset has {} documents",
+                "{}: --dump-doc {r}: the dataset has {docs} documents (0..{})",
                 a.prefix.display(),
-                idx.documents()
+                docs.saturating_sub(1)
             );
         }
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
@@ -340,7 +350,7 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
     };
     let sidecar = tokenize::read_sidecar(&a.prefix);
     let report = serde_json::json!({
-        "prefix": a.prefix,
+        "prefix": a.prefix.display().to_string(),
         "dtype": ds.dtype().name(),
         "documents": idx.documents(),
         "sequences": idx.sequences(),
@@ -384,16 +394,6 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn default_cache_dir(list: &Path) -> PathBuf {
-    if let Some(dir) = std::env::var_os("KILN_DATA_CACHE") {
-        return PathBuf::from(dir);
-    }
-    list.parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .join(".kiln-cache")
-}
-
 fn open_loader(a: &LoaderArgs) -> anyhow::Result<BlendedLoader> {
     let samples = match (a.samples, a.steps, a.global_batch) {
         (Some(n), _, _) => n,
@@ -402,20 +402,30 @@ fn open_loader(a: &LoaderArgs) -> anyhow::Result<BlendedLoader> {
             .context("--steps x --global-batch overflows")?,
         _ => bail!("give --samples N, or --steps S with --global-batch G"),
     };
+    if samples == 0 {
+        bail!("the sample count (--samples, or --steps x --global-batch) must be at least 1");
+    }
+    if let Some(at) = a.resume_at_sample
+        && at > samples
+    {
+        bail!("--resume-at-sample {at} is past the end of the blend ({samples} samples)");
+    }
     let mut cfg = LoaderConfig::new(
         a.seq_len,
         a.seed,
         samples,
-        a.cache_dir
-            .clone()
-            .unwrap_or_else(|| default_cache_dir(&a.list)),
+        kiln_data::cache::cache_dir(a.cache_dir.as_deref(), &a.list),
     );
     cfg.verify = a.verify;
     cfg.manifest = a.manifest.clone();
     cfg.require_manifest = a.require_manifest;
     if let (Some(path), Some(at)) = (&a.schedule, a.resume_at_sample) {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read schedule {}", path.display()))?;
+        let text = kiln_run::files::read_to_string_limited(
+            path,
+            kiln_data::error::limits::SCHEDULE,
+            "a blend schedule",
+        )
+        .with_context(|| format!("cannot read schedule {}", path.display()))?;
         let schedule: BlendSchedule = serde_json::from_str(&text)
             .with_context(|| format!("{}: not a blend schedule", path.display()))?;
         cfg.resume = Some(Resume {
@@ -477,12 +487,12 @@ fn blend(a: BlendArgs) -> anyhow::Result<ExitCode> {
         })
         .collect();
     let report = serde_json::json!({
-        "list": a.loader.list,
+        "list": a.loader.list.display().to_string(),
         "samples": loader.total_samples(),
         "seq_len": a.loader.seq_len,
         "seed": a.loader.seed,
         "seconds": elapsed,
-        "blend_cache": loader.blend_path(),
+        "blend_cache": loader.blend_path().display().to_string(),
         "vocab_hint": loader.vocab_hint(),
         "datasets": datasets,
     });

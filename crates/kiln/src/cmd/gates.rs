@@ -144,6 +144,12 @@ and tokens done, the last loss, the last eval, the checkpoints present, starts a
 and the guard events (non-finite skips, loss spikes, rollbacks, frozen parameters, rejected
 checkpoints) with counts and the latest few in full.
 
+Then the goodput ledger over every batch job and launch attempt of the run: each second of
+wall time as productive training, startup (launch to first step), checkpoint stall, lost work
+(steps redone after a failure), hang detection, backoff, queue wait (submission to start) or
+other, and ETTR = productive / total; the attempts with their classification and culprit
+hosts, the node swaps (named and blind), the quarantined hosts, and the chain's last decision.
+
 Example:
   kiln status runs/default")]
 pub struct StatusArgs {
@@ -155,12 +161,15 @@ pub struct StatusArgs {
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = "\
 Draws, from RUN_DIR/metrics.jsonl, the training and held-out loss, the eval accuracies, the
-learning rate, the gradient norm and tokens/s against the step, as one SVG and one PNG.
+learning rate, the gradient norm and tokens/s against the step, as one SVG and one PNG; and,
+for a run started by `kiln launch`/`kiln submit`, its timeline from RUN_DIR/events.jsonl
+(timeline.svg/.png beside the curves): the step each attempt reached over wall time, failures
+and node swaps marked, and the goodput ledger as a colored band.
 Text in the PNG needs a TrueType font: $KILN_FONT, or DejaVu Sans (Debian/Ubuntu package
 fonts-dejavu-core); without one the PNG has no text.
 
 Example:
-  kiln plot runs/default            # runs/default/plots/curves.svg and .png")]
+  kiln plot runs/default            # runs/default/plots/curves.svg and .png (+ timeline)")]
 pub struct PlotArgs {
     /// The run directory (`kiln train --run-dir`).
     pub run_dir: PathBuf,
@@ -171,6 +180,7 @@ pub struct PlotArgs {
 
 /// `kiln smoke`.
 pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
+    smoke::check_mem_tolerance(a.mem_tolerance)?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
     let baseline = if a.bless && !a.baseline.exists() {
         None
@@ -299,6 +309,9 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln eval`.
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
+    if a.samples == Some(0) {
+        anyhow::bail!("--samples 0: must be at least 1 (held-out sequences to score)");
+    }
     let tasks = match &a.tasks {
         Some(path) => kiln_gates::mc::load_tasks(path)?,
         None => kiln_gates::mc::synthetic_copy_tasks(
@@ -310,7 +323,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let s = &loaded.session;
     let samples = a.samples.unwrap_or(s.config.eval.samples);
     // The held-out synthetic eval applies to runs trained on the built-in corpus.
-    let held_out = s.config.data.corpus_list.is_empty().then(|| {
+    let held_out = (s.config.data.corpus_list.is_empty() && samples > 0).then(|| {
         let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
         s.evaluate_synthetic(&syn, loaded.step.unwrap_or(0), samples, None)
     });
@@ -323,8 +336,8 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
         });
     if a.json {
         let v = serde_json::json!({
-            "weights": loaded.weights,
-            "config": loaded.config_path,
+            "weights": loaded.weights.display().to_string(),
+            "config": loaded.config_path.display().to_string(),
             "step": loaded.step,
             "tasks_file": task_name,
             "mc": score,
@@ -347,6 +360,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
                 e.eval_accuracy
                     .map_or("-".to_string(), |x| format!("{x:.3}"))
             ),
+            None if samples == 0 => println!("held-out loss: - (eval.samples = 0)"),
             None => println!("held-out loss: - (only for the synthetic corpus)"),
         }
         println!(
@@ -365,7 +379,8 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln plot`.
 pub fn plot(a: PlotArgs) -> anyhow::Result<ExitCode> {
-    let (svg, png) = kiln_gates::report::plot_run(&a.run_dir, a.out.as_deref())?;
-    println!("wrote {}\nwrote {}", svg.display(), png.display());
+    for path in kiln_gates::report::plot_run(&a.run_dir, a.out.as_deref())? {
+        println!("wrote {}", path.display());
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -19,7 +19,8 @@ Exit codes (kiln launch reads them: 65, 73 and 78 are never retried):
       finished, a checkpoint was saved; run the same command again to resume exactly
   76  data-parallel replicas disagree on their parameters; the rank is named in
       events.jsonl (replica_mismatch) and nothing of the bad weights was saved
-  78  invalid config, data, checkpoint or rank environment: fix the input, do not retry
+  78  invalid config, data, checkpoint or rank environment (also: resuming a checkpoint of
+      another optimizer.kind): fix the input, do not retry
 
 Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
 mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
@@ -27,12 +28,25 @@ global batch (training.global_batch_size, or batch_size x grad_accum_steps x ran
 gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
 on any number of ranks that divides its global batch.
 
+Optimizers (optimizer.kind): adamw (default), muon (Newton-Schulz orthogonalised momentum
+for the hidden matrices, AdamW for embeddings, norms and the head), sophiag (clipped,
+Hessian-preconditioned momentum; optimizer.sophia.rho, hessian_interval). Precision:
+training.dtype = f32 | bf16 (matmuls), training.master_dtype = f32 | bf16 (stored weights;
+bf16 loses small updates: the norms freeze). Checkpoints are written on a background thread
+(checkpoint.async = true): a step waits only for a host copy of the state, and every exit
+waits for the save in flight.
+
 Run directory:
   config.toml      the effective config
   metrics.jsonl    one line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
                    rss_mib) and per evaluation (eval_loss, eval_accuracy)
-  events.jsonl     start, resume, checkpoint saved/loaded/rejected, guards, signal, exit
-  checkpoints/step-<N>/  model.safetensors, optimizer.safetensors, state.json, manifest.json
+  events.jsonl     start, resume, checkpoint saved (with the step's stall_s and the write_s)
+                   /loaded/rejected, guards, signal, exit
+  checkpoints/step-<N>/  model.safetensors (weights, in the master dtype),
+                   optimizer.safetensors (the optimizer's state, f32, keyed <param>.<slot>:
+                   exp_avg/exp_avg_sq for AdamW, momentum_buffer for Muon's matrices,
+                   exp_avg/hessian for SophiaG), state.json (incl. the optimizer kind),
+                   manifest.json
   checkpoints/rejected/  checkpoints that failed verification or belong to another run,
                    moved aside with a REJECTED.txt note (kiln never deletes them)
   train.lock       held (flock) by the one trainer writing this directory
@@ -96,7 +110,7 @@ impl Progress {
     fn println(&self, msg: &str) {
         match &self.bar {
             Some(bar) => bar.println(msg),
-            None => println!("{msg}"),
+            None => say(format_args!("{msg}")),
         }
     }
 }
@@ -112,10 +126,10 @@ impl Observer for Progress {
                     m.loss, m.tokens_per_s, m.lr
                 ));
             }
-            None => println!(
+            None => say(format_args!(
                 "step={} total={} loss={:.4} grad_norm={:.3} lr={:.3e} tok/s={:.0} mfu={:.3} eta={:.0}s",
                 m.step, m.total_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s, m.mfu, eta
-            ),
+            )),
         }
     }
 
@@ -156,9 +170,26 @@ impl Observer for Progress {
     }
 }
 
+/// Prints a progress line. A closed stdout (the reader went away: a pipe to `head`, a
+/// launcher that died) must not stop training, so write errors are ignored here rather
+/// than panicking as `println!` does.
+fn say(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
+}
+
 /// `kiln train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
-    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
+    // whether it is found here or once training starts.
+    let invalid = |e: &dyn std::fmt::Display| {
+        eprintln!("kiln: error: {e}");
+        Ok(exit_code(kiln_run::exit::CONFIG))
+    };
+    let config = match Config::load(args.config.as_deref(), &args.overrides) {
+        Ok(c) => c,
+        Err(e) => return invalid(&e),
+    };
     if args.print_config {
         print!("{}", config.to_toml());
         return Ok(ExitCode::SUCCESS);
@@ -167,7 +198,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut progress = Progress::new(live, config.training.steps);
     // The multiple-choice eval: `eval.tasks`, or the built-in task of the synthetic corpus.
     if !config.eval.tasks.is_empty() {
-        progress.tasks = kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))?;
+        progress.tasks = match kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))
+        {
+            Ok(t) => t,
+            Err(e) => return invalid(&format!("eval.tasks: {e}")),
+        };
     } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
         progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
             kiln_gates::mc::SHIPPED_TASKS,
@@ -209,12 +244,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                         .map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
                 )
             });
-            println!(
+            say(format_args!(
                 "done: steps={} loss={loss}{eval} time={:.1}s weights={}",
                 report.step,
                 report.seconds,
                 args.run_dir.join("model.safetensors").display()
-            );
+            ));
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Preempted { signal } => {

@@ -12,7 +12,9 @@ Run it on every node of the allocation with an MPI launcher, one rank per node:
   srun --ntasks-per-node=1 kiln yeet /lus/proj/venv --dest /local/scratch
 Rank 0 alone reads SRC from the shared file system and broadcasts it in 4 MiB chunks over
 MPI (a tree: log2(nodes) rounds per chunk, chunks pipelined). On each node one rank writes
-it to a temporary file, checks its SHA-256 against rank 0's, and publishes it atomically:
+it as it arrives (a temporary file, or an archive unpacked into a temporary directory),
+checks the stream's SHA-256 against rank 0's, and only then publishes it atomically. A node
+that cannot write stays in the broadcasts and is named at the end; the others get their copy:
 
   SRC is a directory            -> DEST/<dirname>/   (sent as a tar stream)
   SRC is NAME.tar[.gz] or .tgz  -> DEST/NAME/        (unpacked)

@@ -2,10 +2,43 @@
 // Each test binary uses a different subset.
 #![allow(dead_code)]
 
+pub mod slurm;
+
 use std::path::Path;
 use std::process::Command;
 
 pub const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// Variables that would change what kiln detects (scheduler, devices, rank, progress
+/// directory, output buffering); cleared so a test sees a plain machine with no scheduler.
+pub const DETECTED: &[&str] = &[
+    "PBS_JOBID",
+    "PBS_NODEFILE",
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "KILN_PROGRESS_DIR",
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ZE_AFFINITY_MASK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PYTHONUNBUFFERED",
+];
+
+/// `kiln ARGS` with the [`DETECTED`] variables cleared.
+pub fn kiln_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(KILN);
+    c.args(args);
+    for v in DETECTED {
+        c.env_remove(v);
+    }
+    c
+}
 
 /// The tiny model of every end-to-end training test, so that a run takes a second or two.
 pub const TINY_MODEL: &[&str] = &[
@@ -28,4 +61,49 @@ pub fn train_cmd(run_dir: &Path, sets: &[&str]) -> Command {
         cmd.arg("--set").arg(s);
     }
     cmd
+}
+
+/// Spawns `cmd` (a `kiln train` with `--no-progress-bar`) and returns once it printed
+/// `step=<at least step>` and, when `saved` is given, the note of a published checkpoint of
+/// at least that step. Checkpoints are written in the background, so a step line alone does
+/// not mean the checkpoint before it is on disk; killing only after the note makes "kill
+/// between two checkpoints" deterministic.
+pub fn spawn_until(mut cmd: Command, step: u64, saved: Option<u64>) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut at, mut published) = (0u64, saved.is_none());
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(s) = line
+                .strip_prefix("step=")
+                .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+            {
+                at = at.max(s);
+            }
+            // "note: saved RUN_DIR/checkpoints/step-N (step stalled ...)"
+            if let Some(k) = line.strip_prefix("note: saved ").and_then(|r| {
+                r.split(" (")
+                    .next()?
+                    .rsplit("step-")
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            }) {
+                published |= saved.is_some_and(|want| k >= want);
+            }
+            // Keep reading to the end: a closed pipe would fail kiln's next print.
+            if at >= step && published {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(300))
+        .expect("training never reached the step (and checkpoint)");
+    child
 }

@@ -1,98 +1,58 @@
-//! AdamW with PyTorch's semantics, global gradient-norm clipping and the LR schedules.
-//!
-//! Written here rather than taken from burn because burn's optimizer (a) keys its state by a
-//! per-process parameter id, which does not survive reloading weights (the restored state
-//! silently fails to apply and resume diverges), (b) clips gradients per tensor rather than by
-//! the global norm, and (c) defaults eps to 1e-5 where PyTorch uses 1e-8. State here is keyed
-//! by parameter name and saved in safetensors beside the weights.
+//! AdamW with PyTorch's arithmetic (decoupled decay first, then the bias-corrected Adam
+//! step), over all parameters or, inside Muon, over the parameters Muon leaves to it.
 
-use crate::config::{LrSchedulerConfig, OptimizerConfig, ScheduleKind};
+use super::{StateSlot, StateSlotMut};
+use crate::config::OptimizerConfig;
 use crate::kernels::{self, adamw::AdamWScalars};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
-use rayon::prelude::*;
 
-/// Learning rate at optimizer step `step` (0-based) of `total`.
-pub fn lr_at(sched: &LrSchedulerConfig, peak: f64, step: u64, total: u64) -> f64 {
-    let min = peak * sched.min_lr_ratio;
-    let warm = sched.warmup_steps.min(total);
-    if step < warm {
-        return peak * (step + 1) as f64 / warm as f64;
-    }
-    match sched.kind {
-        ScheduleKind::Constant => peak,
-        ScheduleKind::Cosine => {
-            let span = total.saturating_sub(warm).max(1) as f64;
-            let progress = ((step - warm) as f64 / span).min(1.0);
-            min + (peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
-        }
-        ScheduleKind::Wsd => {
-            let decay_steps = ((total as f64) * sched.decay_ratio).round() as u64;
-            let decay_start = total.saturating_sub(decay_steps).max(warm);
-            if step < decay_start {
-                peak
-            } else {
-                let span = total.saturating_sub(decay_start).max(1) as f64;
-                let progress = ((step - decay_start + 1) as f64 / span).min(1.0);
-                peak + (min - peak) * progress
-            }
-        }
-    }
-}
+/// State suffix of the first moment (`<param>.exp_avg`, PyTorch's name).
+pub const EXP_AVG: &str = "exp_avg";
+/// State suffix of the second moment (`<param>.exp_avg_sq`).
+pub const EXP_AVG_SQ: &str = "exp_avg_sq";
 
-/// Global L2 norm of all gradients (one host read-back).
-pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
-    if grads.is_empty() {
-        return 0.0;
-    }
-    // One tensor per rayon task: flex runs each element-wise op on one thread, and the
-    // per-tensor results are the same whichever thread computes them (concatenated and
-    // summed in parameter order below), so the norm keeps its bits.
-    let sq: Vec<Tensor<1>> = grads
-        .par_iter()
-        .map(|g| g.clone().powi_scalar(2).sum())
-        .collect();
-    Tensor::cat(sq, 0).sum().sqrt().into_scalar::<f32>()
-}
-
-/// Scales gradients so their global norm is at most `max_norm` (as
-/// `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), clamped to 1).
-pub fn clip_by_global_norm(grads: Vec<Tensor<1>>, norm: f32, max_norm: f64) -> Vec<Tensor<1>> {
-    match clip_coefficient(norm, max_norm) {
-        Some(coef) => grads.into_iter().map(|g| g.mul_scalar(coef)).collect(),
-        None => grads,
-    }
-}
-
-/// AdamW state: first and second moments per parameter, and the step count.
+/// AdamW state: first and second moments of the parameters it owns, and the step count.
 #[derive(Debug, Clone)]
 pub struct AdamW {
     cfg: OptimizerConfig,
     decay: Vec<bool>,
-    /// First moments (exp_avg), in parameter order.
-    pub exp_avg: Vec<Tensor<1>>,
+    /// First moments (exp_avg), in parameter order; `None` for parameters it does not own.
+    pub exp_avg: Vec<Option<Tensor<1>>>,
     /// Second moments (exp_avg_sq), in parameter order.
-    pub exp_avg_sq: Vec<Tensor<1>>,
+    pub exp_avg_sq: Vec<Option<Tensor<1>>>,
     /// Number of updates applied (PyTorch's `step`), for bias correction.
     pub step: u64,
 }
 
+/// Whether `spec` is decayed under `cfg` (norm weights and embeddings only on request).
+pub(crate) fn decays(cfg: &OptimizerConfig, spec: &ParamSpec) -> bool {
+    cfg.decay_norms_and_embeddings || !spec.is_norm_or_embedding
+}
+
 impl AdamW {
-    /// Zero state for these parameters.
+    /// Zero state for all these parameters.
     pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
+        Self::owning(cfg, specs, device, &vec![true; specs.len()])
+    }
+
+    /// Zero state for the parameters whose `owned` flag is set; the others are never touched.
+    pub fn owning(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        owned: &[bool],
+    ) -> Self {
         let zeros = || {
             specs
                 .iter()
-                .map(|s| Tensor::zeros([s.numel()], device))
+                .zip(owned)
+                .map(|(s, &own)| own.then(|| Tensor::zeros([s.numel()], device)))
                 .collect::<Vec<_>>()
         };
-        let decay = specs
-            .iter()
-            .map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding)
-            .collect();
         Self {
             cfg: cfg.clone(),
-            decay,
+            decay: specs.iter().map(|s| decays(cfg, s)).collect(),
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
             step: 0,
@@ -102,14 +62,11 @@ impl AdamW {
     /// Replaces the hyper-parameters (a resumed run may change lr or decay).
     pub fn set_config(&mut self, cfg: &OptimizerConfig, specs: &[ParamSpec]) {
         self.cfg = cfg.clone();
-        self.decay = specs
-            .iter()
-            .map(|s| cfg.decay_norms_and_embeddings || !s.is_norm_or_embedding)
-            .collect();
+        self.decay = specs.iter().map(|s| decays(cfg, s)).collect();
     }
 
-    /// One update of every parameter whose `frozen` flag is false, with PyTorch's AdamW
-    /// arithmetic (decay first, then the bias-corrected Adam step).
+    /// One update of every owned parameter whose `frozen` flag is false, with PyTorch's
+    /// AdamW arithmetic (decay first, then the bias-corrected Adam step).
     pub fn update(
         &mut self,
         params: &mut [Tensor<1>],
@@ -121,8 +78,9 @@ impl AdamW {
     }
 
     /// As [`AdamW::update`], with the gradients first scaled by `grad_scale` (the clipping
-    /// coefficient from [`clip_coefficient`]), in the same pass: bit-identical to
-    /// [`clip_by_global_norm`] followed by [`AdamW::update`].
+    /// coefficient), in the same pass: bit-identical to clipping then [`AdamW::update`].
+    /// On flex f32 tensors it is one fused multithreaded pass per parameter, in place
+    /// (`kernels::adamw`); elsewhere the composed burn ops.
     pub fn update_clipped(
         &mut self,
         params: &mut [Tensor<1>],
@@ -145,6 +103,11 @@ impl AdamW {
             if frozen.get(i).copied().unwrap_or(false) {
                 continue;
             }
+            // Take the moments out (not clones), so the fused pass finds them unshared and
+            // writes them in place; a parameter without moments is not ours.
+            let (Some(m), Some(v)) = (self.exp_avg[i].take(), self.exp_avg_sq[i].take()) else {
+                continue;
+            };
             let decay = (self.decay[i] && wd != 0.0).then_some(1.0 - lr * wd);
             // Scalars rounded to f32 as flex rounds a scalar operand (see kernels::adamw).
             let s = AdamWScalars {
@@ -156,13 +119,8 @@ impl AdamW {
                 eps: eps as f32,
                 step_size: step_size as f32,
             };
-            let p = params[i].clone();
-            let (m, v) = (self.exp_avg[i].clone(), self.exp_avg_sq[i].clone());
-            // Drop our handles so the fused pass finds the buffers unshared and writes in place.
-            let placeholder = || Tensor::<1>::empty([0], &g.device());
-            params[i] = placeholder();
-            self.exp_avg[i] = placeholder();
-            self.exp_avg_sq[i] = placeholder();
+            // Likewise the parameter (a placeholder holds its slot meanwhile).
+            let p = std::mem::replace(&mut params[i], Tensor::empty([0], &g.device()));
             let (p, m, v) = match kernels::adamw::update(p, g, m, v, &s) {
                 Ok(done) => done,
                 Err(back) => {
@@ -175,21 +133,23 @@ impl AdamW {
                 }
             };
             params[i] = p;
-            self.exp_avg[i] = m;
-            self.exp_avg_sq[i] = v;
+            self.exp_avg[i] = Some(m);
+            self.exp_avg_sq[i] = Some(v);
         }
     }
-}
 
-/// The clipping coefficient for gradients of global norm `norm` (as
-/// `torch.nn.utils.clip_grad_norm_`: max_norm / (norm + 1e-6)), or None when no clipping
-/// applies (disabled, or the norm is within bounds).
-pub fn clip_coefficient(norm: f32, max_norm: f64) -> Option<f64> {
-    if max_norm <= 0.0 {
-        return None;
+    /// The moments, as named slots of state.
+    pub(crate) fn slots(&self) -> Vec<StateSlot<'_>> {
+        vec![(EXP_AVG, &self.exp_avg), (EXP_AVG_SQ, &self.exp_avg_sq)]
     }
-    let coef = (max_norm / (f64::from(norm) + 1e-6)).min(1.0);
-    (coef < 1.0).then_some(coef)
+
+    /// The moments, to be restored.
+    pub(crate) fn slots_mut(&mut self) -> Vec<StateSlotMut<'_>> {
+        vec![
+            (EXP_AVG, &mut self.exp_avg),
+            (EXP_AVG_SQ, &mut self.exp_avg_sq),
+        ]
+    }
 }
 
 /// One AdamW update from burn tensor ops: the path for tensors the fused kernel does not
@@ -219,35 +179,6 @@ fn update_composed(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sched(kind: ScheduleKind) -> LrSchedulerConfig {
-        LrSchedulerConfig {
-            kind,
-            warmup_steps: 10,
-            min_lr_ratio: 0.1,
-            decay_ratio: 0.2,
-        }
-    }
-
-    #[test]
-    fn cosine_warms_up_peaks_and_ends_at_min() {
-        let s = sched(ScheduleKind::Cosine);
-        assert!((lr_at(&s, 1.0, 0, 100) - 0.1).abs() < 1e-12);
-        assert!((lr_at(&s, 1.0, 9, 100) - 1.0).abs() < 1e-12);
-        assert!((lr_at(&s, 1.0, 10, 100) - 1.0).abs() < 1e-12);
-        assert!((lr_at(&s, 1.0, 100, 100) - 0.1).abs() < 1e-9);
-        let mid = lr_at(&s, 1.0, 55, 100);
-        assert!((mid - 0.55).abs() < 1e-9, "{mid}");
-    }
-
-    #[test]
-    fn wsd_is_flat_then_decays_linearly() {
-        let s = sched(ScheduleKind::Wsd);
-        assert_eq!(lr_at(&s, 1.0, 50, 100), 1.0);
-        assert_eq!(lr_at(&s, 1.0, 79, 100), 1.0);
-        assert!(lr_at(&s, 1.0, 80, 100) < 1.0);
-        assert!((lr_at(&s, 1.0, 99, 100) - 0.1).abs() < 1e-9);
-    }
 
     #[test]
     fn adamw_matches_hand_computed_pytorch_step() {
@@ -345,15 +276,5 @@ mod tests {
                 (p, m, v) = (p2, m2, v2);
             }
         }
-    }
-
-    #[test]
-    fn clipping_scales_to_max_norm() {
-        let device = Device::flex();
-        let g = vec![Tensor::<1>::from_floats([3.0, 4.0], &device)];
-        let n = global_norm(&g);
-        assert!((n - 5.0).abs() < 1e-6);
-        let c = clip_by_global_norm(g, n, 1.0);
-        assert!((global_norm(&c) - 1.0).abs() < 1e-5);
     }
 }

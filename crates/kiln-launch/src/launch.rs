@@ -1,0 +1,768 @@
+//! `kiln launch` as a library: from the command line's values to a finished launch (run
+//! directory, events, the recovery loop, the chain). The CLI only parses flags into a
+//! [`LaunchRequest`] and prints what comes back.
+
+use crate::culprit::Diagnosis;
+use crate::health::{HostHealth, NoHealth, PbsHealth, SlurmHealth};
+use crate::plan::Launcher;
+use crate::pool::{HostPool, quarantined_hosts};
+use crate::probe::{Lookup, lookup_program, probe_tool};
+use crate::progress::ProgressRegex;
+use crate::retry::{Backoff, NodeScope, RetryConfig, RetryLimit, run_with_retries};
+use crate::setup::{LaunchOptions, Setup, prepare};
+use crate::submit::{BatchScheduler, CHAIN_INDEX_ENV, ChainJob, continue_chain};
+use crate::supervise::{AttemptConfig, AttemptOutcome};
+use crate::{classify::Classification, limits};
+use kiln_run::{EventLog, PROGRESS_DIR_ENV, event, exit, layout};
+use kiln_topology::Scheduler;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// kiln's own long flags, to catch them after a launcher flag (where they would silently be
+/// handed to the launcher).
+pub const KILN_FLAGS: &[&str] = &[
+    "--np",
+    "--ppn",
+    "--nnodes",
+    "--hostfile",
+    "--scheduler",
+    "--mpi",
+    "--oversubscribe",
+    "--accelerator",
+    "--gpus-per-node",
+    "--cpu-bind",
+    "--master-addr",
+    "--master-port",
+    "--no-rank-env",
+    "--timeout",
+    "--stall-timeout",
+    "--progress-regex",
+    "--grace",
+    "--walltime",
+    "--retries",
+    "--auto-retry",
+    "--spares",
+    "--min-nodes",
+    "--quarantine-file",
+    "--backoff",
+    "--chain",
+    "--chain-script",
+    "--run-dir",
+    "--dry-run",
+    "--as-rank",
+];
+
+/// The values of `kiln launch`'s flags.
+#[derive(Debug, Clone, Default)]
+pub struct LaunchRequest {
+    /// `--np`, `--ppn`, `--nnodes`.
+    pub np: Option<usize>,
+    /// See `np`.
+    pub ppn: Option<usize>,
+    /// See `np`.
+    pub nnodes: Option<usize>,
+    /// `--hostfile`.
+    pub hostfile: Option<PathBuf>,
+    /// `--scheduler`.
+    pub scheduler: String,
+    /// `--mpi`.
+    pub mpi: bool,
+    /// `--oversubscribe`.
+    pub oversubscribe: bool,
+    /// `--accelerator`.
+    pub accelerator: String,
+    /// `--gpus-per-node`.
+    pub gpus_per_node: Option<usize>,
+    /// `--cpu-bind`.
+    pub cpu_bind: Option<String>,
+    /// `--master-addr`.
+    pub master_addr: Option<String>,
+    /// `--master-port`.
+    pub master_port: Option<u16>,
+    /// `--no-rank-env`.
+    pub no_rank_env: bool,
+    /// `--timeout`.
+    pub timeout: Option<f64>,
+    /// `--stall-timeout`.
+    pub stall_timeout: Option<f64>,
+    /// `--progress-regex`.
+    pub progress_regex: String,
+    /// `--grace`.
+    pub grace: f64,
+    /// `--walltime`.
+    pub walltime: Option<String>,
+    /// `--retries`.
+    pub retries: Option<u32>,
+    /// `--auto-retry`.
+    pub auto_retry: bool,
+    /// `--spares`.
+    pub spares: Option<usize>,
+    /// `--min-nodes`.
+    pub min_nodes: Option<usize>,
+    /// `--quarantine-file`.
+    pub quarantine_file: Option<PathBuf>,
+    /// `--backoff`.
+    pub backoff: String,
+    /// `--chain`.
+    pub chain: Option<u32>,
+    /// `--chain-script`.
+    pub chain_script: Option<PathBuf>,
+    /// `--run-dir`.
+    pub run_dir: Option<PathBuf>,
+    /// `--dry-run`.
+    pub dry_run: bool,
+    /// Everything after kiln's flags: `[LAUNCHER FLAGS] -- PROGRAM [ARGS...]`.
+    pub command: Vec<String>,
+}
+
+/// Why a launch did not run; each says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Bad flags, sizes, hostfile; nothing started (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    /// The program or launcher is missing (127) or not executable (126).
+    #[error("{message}")]
+    Program {
+        /// What is wrong.
+        message: String,
+        /// 126 or 127.
+        code: i32,
+    },
+    /// The run directory or the event log could not be written (exit 1).
+    #[error("{0}")]
+    Io(String),
+}
+
+impl LaunchError {
+    /// The exit code kiln ends with.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LaunchError::Usage(_) => exit::USAGE,
+            LaunchError::Program { code, .. } => *code,
+            LaunchError::Io(_) => exit::FAILURE,
+        }
+    }
+}
+
+/// How a launch ended.
+#[derive(Debug)]
+pub enum LaunchEnd {
+    /// `--dry-run`: what would run, to print.
+    DryRun(String),
+    /// The launch ran.
+    Done {
+        /// kiln's exit code.
+        exit_code: i32,
+        /// How many attempts ran.
+        attempts: u32,
+        /// The last attempt's classification.
+        classification: Classification,
+        /// Why recovery stopped early, if it did.
+        stop_reason: Option<String>,
+        /// The run directory.
+        run_dir: PathBuf,
+    },
+}
+
+/// Splits `[LAUNCHER FLAGS] -- PROGRAM ...`. clap consumed the `--` if nothing came before it;
+/// launcher flags always start with `-`, a program never does.
+pub fn split_command(args: &[String]) -> Result<(Vec<String>, Vec<String>), String> {
+    match args.first() {
+        None => Err(
+            "no program given: write it after `--`, e.g. `kiln launch -- python train.py`".into(),
+        ),
+        Some(first) if first.starts_with('-') => {
+            let Some(sep) = args.iter().position(|a| a == "--") else {
+                return Err(format!(
+                    "{first:?} is not a kiln flag, and no `--` follows to mark where the program starts; \
+                     write launcher flags, then `--`, then the program"
+                ));
+            };
+            let launcher = args[..sep].to_vec();
+            if let Some(flag) = launcher.iter().find(|a| {
+                let name = a.split('=').next().unwrap_or(a);
+                KILN_FLAGS.contains(&name)
+            }) {
+                return Err(format!(
+                    "{flag} is a kiln flag but comes after the launcher flag {first:?}; put kiln's flags first"
+                ));
+            }
+            let command = args[sep + 1..].to_vec();
+            if command.is_empty() {
+                return Err("no program given after `--`".into());
+            }
+            Ok((launcher, command))
+        }
+        Some(_) => Ok((Vec::new(), args.to_vec())),
+    }
+}
+
+/// `runs/launch-YYYYmmdd-HHMMSS` (UTC), computed without a date crate; `-2`, `-3`, ... when
+/// taken.
+pub fn default_run_dir() -> PathBuf {
+    let secs = kiln_run::unix_time() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let base = format!(
+        "runs/launch-{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    );
+    let mut dir = PathBuf::from(&base);
+    let mut n = 2;
+    while dir.exists() {
+        dir = PathBuf::from(format!("{base}-{n}"));
+        n += 1;
+    }
+    dir
+}
+
+/// Checked durations and patterns of a request.
+struct Timing {
+    silence: Option<Duration>,
+    stall: Option<Duration>,
+    grace: Duration,
+    regex: ProgressRegex,
+    backoff: Backoff,
+    walltime: Option<Duration>,
+}
+
+fn timing(req: &LaunchRequest) -> Result<Timing, String> {
+    let opt = |flag: &str, v: Option<f64>| v.map(|s| limits::seconds(flag, s, false)).transpose();
+    Ok(Timing {
+        silence: opt("--timeout", req.timeout)?,
+        stall: opt("--stall-timeout", req.stall_timeout)?,
+        grace: limits::seconds("--grace", req.grace, true)?,
+        regex: ProgressRegex::new(&req.progress_regex)?,
+        backoff: Backoff::parse(&req.backoff)?,
+        walltime: req
+            .walltime
+            .as_deref()
+            .map(|w| limits::clock_time("--walltime", w))
+            .transpose()?,
+    })
+}
+
+fn env_var(k: &str) -> Option<String> {
+    std::env::var(k).ok()
+}
+
+/// CPUs of this machine.
+pub fn local_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The quarantine files a launch reads and appends to.
+fn quarantine_files(run_dir: &std::path::Path, shared: &Option<PathBuf>) -> Vec<PathBuf> {
+    let mut v = vec![run_dir.join(layout::QUARANTINE)];
+    v.extend(shared.clone());
+    v
+}
+
+/// Everything before the first attempt: checks, detection, the plan.
+fn set_up(
+    req: &LaunchRequest,
+    run_dir: &std::path::Path,
+    progress_dir: &std::path::Path,
+) -> Result<(Setup, Vec<String>), LaunchError> {
+    let (launcher_args, command) = split_command(&req.command).map_err(LaunchError::Usage)?;
+    let files = quarantine_files(run_dir, &req.quarantine_file);
+    let exclude = quarantined_hosts(&files).map_err(|e| LaunchError::Usage(e.to_string()))?;
+    let master_port = match req.master_port {
+        Some(p) => p,
+        None => crate::free_port().unwrap_or(29500),
+    };
+    let shim = match std::env::current_exe() {
+        Ok(exe) if !req.no_rank_env => vec![
+            exe.display().to_string(),
+            "launch".into(),
+            "--as-rank".into(),
+            "--".into(),
+        ],
+        _ => Vec::new(),
+    };
+    let opts = LaunchOptions {
+        scheduler: Some(req.scheduler.clone()),
+        hostfile: req.hostfile.clone(),
+        sizes: crate::SizeRequest {
+            np: req.np,
+            ppn: req.ppn,
+            nnodes: req.nnodes,
+        },
+        mpi: req.mpi,
+        oversubscribe: req.oversubscribe,
+        accelerator: Some(req.accelerator.clone()),
+        gpus_per_node: req.gpus_per_node,
+        cpu_bind: req.cpu_bind.clone(),
+        launcher_args,
+        rank_shim: shim,
+        command: command.clone(),
+        master_addr: req.master_addr.clone(),
+        master_port,
+        progress_dir: progress_dir.to_path_buf(),
+        run_dir: run_dir.to_path_buf(),
+        node_scope: req.auto_retry || req.spares.is_some(),
+        spares: req.spares,
+        exclude,
+        python_unbuffered_set: std::env::var_os("PYTHONUNBUFFERED").is_some(),
+    };
+    let setup = prepare(
+        &opts,
+        &env_var,
+        &probe_tool,
+        local_cpus(),
+        crate::running_as_root(),
+    )
+    .map_err(|e| LaunchError::Usage(e.to_string()))?;
+    if let Some(m) = req.min_nodes
+        && (m == 0 || m > setup.active.len())
+    {
+        return Err(LaunchError::Usage(format!(
+            "--min-nodes {m}: must be from 1 to the {} active host(s)",
+            setup.active.len()
+        )));
+    }
+    Ok((setup, command))
+}
+
+/// What `--dry-run` prints.
+fn describe(setup: &Setup, run_dir: &std::path::Path) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
+    };
+    line(format!(
+        "scheduler:    {} ({})",
+        setup.scheduler.value.name(),
+        setup.scheduler.reason
+    ));
+    line(format!(
+        "hosts:        {} ({})",
+        setup.used_hosts.join(","),
+        setup.hosts.reason
+    ));
+    if !setup.spares.is_empty() || !setup.excluded.is_empty() {
+        let spares: Vec<&str> = setup.spares.iter().map(|h| h.name.as_str()).collect();
+        line(format!(
+            "spares:       {}; quarantined: {}",
+            if spares.is_empty() {
+                "none".into()
+            } else {
+                spares.join(",")
+            },
+            if setup.excluded.is_empty() {
+                "none".into()
+            } else {
+                setup.excluded.join(",")
+            }
+        ));
+    }
+    let acc = setup.accelerators.value;
+    line(format!(
+        "accelerators: {} x {} per node ({})",
+        acc.count,
+        acc.kind.name(),
+        setup.accelerators.reason
+    ));
+    line(format!(
+        "launcher:     {} (np {}, ppn {}, nnodes {})",
+        setup.launcher.name(),
+        setup.sizes.np,
+        setup.sizes.ppn,
+        setup.sizes.nnodes
+    ));
+    line(format!("run dir:      {}", run_dir.display()));
+    if let Some((path, text)) = &setup.hostfile_to_write {
+        line(format!(
+            "hostfile:     {} would contain {:?}",
+            path.display(),
+            text
+        ));
+    }
+    for p in &setup.procs {
+        let rank = p.rank.map_or(String::new(), |r| format!(" (rank {r})"));
+        line(format!(
+            "argv{rank}: {}",
+            serde_json::to_string(&p.argv).unwrap_or_default()
+        ));
+        let env: Vec<String> = p.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        line(format!(
+            "env{rank}:  {}",
+            serde_json::to_string(&env).unwrap_or_default()
+        ));
+    }
+    out
+}
+
+/// Errors a person can act on, before anything starts: a missing program or launcher.
+fn check_programs(setup: &Setup, command: &[String]) -> Result<(), LaunchError> {
+    let first = setup
+        .procs
+        .first()
+        .and_then(|p| p.argv.first())
+        .cloned()
+        .unwrap_or_default();
+    let mut checks = vec![(first, true)];
+    if setup.launcher != Launcher::Local
+        && let Some(program) = command.first()
+    {
+        checks.push((program.clone(), false));
+    }
+    for (program, is_first) in checks {
+        let hint = match (is_first, setup.launcher) {
+            (false, _) | (true, Launcher::Local) => String::new(),
+            (true, Launcher::Mpirun) => {
+                " (install OpenMPI, e.g. `apt-get install openmpi-bin`, or drop --mpi)".into()
+            }
+            (true, l) => format!(
+                " (the {} launcher is not in PATH: load the site's MPI/Slurm module)",
+                l.name()
+            ),
+        };
+        match lookup_program(&program) {
+            Lookup::Found(_) => {}
+            Lookup::NotExecutable(p) => {
+                return Err(LaunchError::Program {
+                    message: format!(
+                        "{program}: permission denied: {} is not an executable file (chmod +x it, or run it through its interpreter)",
+                        p.display()
+                    ),
+                    code: exit::NOT_EXECUTABLE,
+                });
+            }
+            Lookup::NotFound => {
+                return Err(LaunchError::Program {
+                    message: format!("{program}: command not found{hint}"),
+                    code: exit::NOT_FOUND,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn health_of(scheduler: &Scheduler) -> Box<dyn HostHealth> {
+    match scheduler {
+        Scheduler::Slurm { job_id, .. } => Box::new(SlurmHealth {
+            job_id: job_id.clone(),
+        }),
+        Scheduler::Pbs { .. } => Box::new(PbsHealth),
+        Scheduler::None => Box::new(NoHealth),
+    }
+}
+
+fn job_id_of(scheduler: &Scheduler) -> Option<String> {
+    match scheduler {
+        Scheduler::Slurm { job_id, .. } | Scheduler::Pbs { job_id, .. } => Some(job_id.clone()),
+        Scheduler::None => None,
+    }
+}
+
+/// Runs `kiln launch` (not `--as-rank`). `on_attempt_end` is told about every attempt (the
+/// CLI prints one line).
+pub fn launch(
+    req: &LaunchRequest,
+    on_attempt_end: &dyn Fn(u32, &AttemptOutcome, &Diagnosis),
+) -> Result<LaunchEnd, LaunchError> {
+    let t = timing(req).map_err(LaunchError::Usage)?;
+    if let Some(k) = req.chain
+        && (k == 0 || req.chain_script.is_none())
+    {
+        return Err(LaunchError::Usage(
+            "--chain needs a count of at least 1 and --chain-script (kiln submit writes both)"
+                .into(),
+        ));
+    }
+    let started = Instant::now();
+    let run_dir = req.run_dir.clone().unwrap_or_else(default_run_dir);
+    // Absolute, because ranks on other hosts may not start in this directory and must still
+    // find KILN_PROGRESS_DIR and the hostfile.
+    let run_dir = std::path::absolute(&run_dir).unwrap_or(run_dir);
+    // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not cleared.
+    let (progress_dir, own_progress_dir) = match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty())
+    {
+        Some(d) => (PathBuf::from(d), false),
+        None => (run_dir.join(layout::PROGRESS), true),
+    };
+    let (setup, command) = set_up(req, &run_dir, &progress_dir)?;
+    if req.dry_run {
+        return Ok(LaunchEnd::DryRun(describe(&setup, &run_dir)));
+    }
+    check_programs(&setup, &command)?;
+    let io = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+        LaunchError::Io(format!("{what} {}: {e}", path.display()))
+    };
+    std::fs::create_dir_all(&run_dir).map_err(|e| io("creating run dir", &run_dir, &e))?;
+    if own_progress_dir {
+        std::fs::create_dir_all(&progress_dir)
+            .map_err(|e| io("creating progress dir", &progress_dir, &e))?;
+    }
+    let mut events =
+        EventLog::open(&run_dir, "launch").map_err(|e| LaunchError::Io(e.to_string()))?;
+    let job_id = job_id_of(&setup.scheduler.value);
+    let chain = chain_job(req, &setup, job_id.as_deref());
+    emit_start(
+        &mut events,
+        &setup,
+        &command,
+        &progress_dir,
+        chain.as_ref(),
+        req,
+    )?;
+
+    crate::install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
+    // Grandchildren that escape the process group (setsid, daemonize) are re-parented to
+    // kiln, which then kills them when the attempt ends.
+    let reap = crate::become_subreaper();
+    let attempt = AttemptConfig {
+        procs: Vec::new(),
+        log_path: run_dir.join(layout::attempt_log(1)),
+        silence_timeout: t.silence,
+        stall_timeout: t.stall,
+        progress_regex: Some(t.regex),
+        progress_dir: Some(progress_dir),
+        clear_progress_dir: own_progress_dir,
+        grace: t.grace,
+        deadline: t.walltime.map(|w| started + w),
+        echo: true,
+        reap_orphans: reap,
+        stdout_pty: true,
+        expected_ranks: None,
+    };
+    let health = health_of(&setup.scheduler.value);
+    let swap_hosts = req.auto_retry || req.spares.is_some();
+    let pool = HostPool {
+        active: setup.active.clone(),
+        spares: setup.spares.clone(),
+        min_active: req.min_nodes.unwrap_or(setup.active.len()),
+    };
+    let planner = |hosts: &[kiln_topology::Host]| setup.plan_for(hosts);
+    let result = run_with_retries(RetryConfig {
+        attempt,
+        run_dir: run_dir.clone(),
+        limit: if req.auto_retry {
+            RetryLimit::Auto
+        } else {
+            RetryLimit::Count(req.retries.unwrap_or(0))
+        },
+        backoff: t.backoff,
+        scope: NodeScope {
+            pool,
+            health: health.as_ref(),
+            quarantine_files: quarantine_files(&run_dir, &req.quarantine_file),
+            job_id: job_id.clone(),
+        },
+        swap_hosts,
+        planner: &planner,
+        events: &mut events,
+        stop: &crate::stop_requested,
+        on_attempt_end,
+    })
+    .map_err(|e| LaunchError::Io(e.to_string()))?;
+    let last = &result.last;
+    finish(
+        &mut events,
+        &result,
+        started,
+        job_id,
+        chain.as_ref(),
+        &run_dir,
+        req,
+    );
+    Ok(LaunchEnd::Done {
+        exit_code: last.exit_code,
+        attempts: result.attempts,
+        classification: last.classification,
+        stop_reason: result.stop_reason,
+        run_dir,
+    })
+}
+
+/// Writes `launch_end` and, for a job of a chain, submits the next job when it should.
+fn finish(
+    events: &mut EventLog,
+    result: &crate::LaunchResult,
+    started: Instant,
+    job_id: Option<String>,
+    chain: Option<&ChainJob>,
+    run_dir: &std::path::Path,
+    req: &LaunchRequest,
+) {
+    let last = &result.last;
+    let _ = events.emit(
+        event::LAUNCH_END,
+        json!({
+            "attempts": result.attempts,
+            "exit_code": last.exit_code,
+            "classification": last.classification.name(),
+            "last_progress": last.last_progress,
+            "stop_reason": result.stop_reason,
+            "swaps": result.swaps.len(),
+            "blind_swaps": result.swaps.iter().filter(|s| s.2).count(),
+            "wall_s": started.elapsed().as_secs_f64(),
+            "job_id": job_id,
+        }),
+    );
+    if let Some(job) = chain {
+        let made_progress = events_made_progress(run_dir, started);
+        let exclude =
+            quarantined_hosts(&quarantine_files(run_dir, &req.quarantine_file)).unwrap_or_default();
+        let (_, reason) = continue_chain(job, last.exit_code, made_progress, &exclude, events);
+        eprintln!("kiln: chain job {} of {}: {reason}", job.index, job.limit);
+    }
+}
+
+/// Whether any attempt of this launch (since `started`) completed a step.
+fn events_made_progress(run_dir: &std::path::Path, started: Instant) -> bool {
+    let since = kiln_run::unix_time() - started.elapsed().as_secs_f64() - 1.0;
+    kiln_run::read_events(run_dir)
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e.event == event::ATTEMPT_END && e.time >= since)
+        .any(|e| {
+            e.fields
+                .get("first_advance_time")
+                .is_some_and(|v| !v.is_null())
+        })
+}
+
+fn chain_job(req: &LaunchRequest, setup: &Setup, job_id: Option<&str>) -> Option<ChainJob> {
+    let limit = req.chain?;
+    let scheduler = match setup.scheduler.value {
+        Scheduler::Slurm { .. } => BatchScheduler::Slurm,
+        Scheduler::Pbs { .. } => BatchScheduler::Pbs,
+        Scheduler::None => return None,
+    };
+    let index = env_var(CHAIN_INDEX_ENV)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1);
+    Some(ChainJob {
+        scheduler,
+        job_id: job_id?.to_string(),
+        index,
+        limit,
+        script: req.chain_script.clone()?,
+    })
+}
+
+fn emit_start(
+    events: &mut EventLog,
+    setup: &Setup,
+    command: &[String],
+    progress_dir: &std::path::Path,
+    chain: Option<&ChainJob>,
+    req: &LaunchRequest,
+) -> Result<(), LaunchError> {
+    let acc = setup.accelerators.value;
+    let err = |e: kiln_run::EventLogError| LaunchError::Io(e.to_string());
+    if let Some(job) = chain
+        .map(|c| c.job_id.clone())
+        .or(job_id_of(&setup.scheduler.value))
+    {
+        let run_dir = events.path().parent().map(std::path::Path::to_path_buf);
+        let submitted = run_dir
+            .as_deref()
+            .map(kiln_run::read_events)
+            .and_then(Result::ok)
+            .unwrap_or_default()
+            .into_iter()
+            .rev()
+            .find(|e| {
+                e.event == event::JOB_SUBMITTED
+                    && e.fields.get("job_id").and_then(|v| v.as_str()) == Some(job.as_str())
+            })
+            .map(|e| e.time);
+        let now = kiln_run::unix_time();
+        events
+            .emit(
+                event::JOB_START,
+                json!({"job_id": job, "scheduler": setup.scheduler.value.name(), "chain_index": chain.map(|c| c.index), "chain_limit": chain.map(|c| c.limit), "submit_time": submitted, "queue_s": submitted.map(|s| (now - s).max(0.0))}),
+            )
+            .map_err(err)?;
+    }
+    events
+        .emit(
+            event::LAUNCH_START,
+            json!({
+                "scheduler": setup.scheduler.value.name(),
+                "scheduler_reason": setup.scheduler.reason,
+                "hosts": setup.used_hosts,
+                "hosts_reason": setup.hosts.reason,
+                "accelerator": acc.kind.name(),
+                "accelerators_per_node": acc.count,
+                "accelerators_reason": setup.accelerators.reason,
+                "launcher": setup.launcher.name(),
+                "np": setup.sizes.np, "ppn": setup.sizes.ppn, "nnodes": setup.sizes.nnodes,
+                "argv": setup.procs.iter().map(|p| &p.argv).collect::<Vec<_>>(),
+                "command": command,
+                "progress_dir": progress_dir,
+                "kiln_version": env!("CARGO_PKG_VERSION"),
+            }),
+        )
+        .map_err(err)?;
+    if req.auto_retry || req.spares.is_some() {
+        events
+            .emit(
+                event::HOST_POOL,
+                json!({
+                    "active": setup.used_hosts,
+                    "spares": setup.spares.iter().map(|h| &h.name).collect::<Vec<_>>(),
+                    "quarantined": setup.excluded,
+                    "min_nodes": req.min_nodes.unwrap_or(setup.active.len()),
+                }),
+            )
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn command_split() {
+        assert_eq!(
+            split_command(&v(&["a", "--", "b"])).unwrap(),
+            (vec![], v(&["a", "--", "b"]))
+        );
+        assert_eq!(
+            split_command(&v(&["--mca", "x", "--", "a", "-v"])).unwrap(),
+            (v(&["--mca", "x"]), v(&["a", "-v"]))
+        );
+        assert!(
+            split_command(&v(&["--bind-to", "core", "--np", "2", "--", "a"]))
+                .unwrap_err()
+                .contains("--np")
+        );
+        assert!(split_command(&v(&["--weird"])).is_err());
+        assert!(split_command(&[]).is_err());
+    }
+
+    #[test]
+    fn run_dir_is_dated() {
+        assert!(
+            default_run_dir()
+                .display()
+                .to_string()
+                .starts_with("runs/launch-20")
+        );
+    }
+}

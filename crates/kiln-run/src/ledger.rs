@@ -1,0 +1,548 @@
+//! The goodput ledger: every second of a run's wall time, across all batch jobs and launch
+//! attempts, attributed from `events.jsonl` alone:
+//!
+//! | bucket            | what                                                                  |
+//! | ----------------- | --------------------------------------------------------------------- |
+//! | productive        | training whose result was kept (first to last step of each attempt,   |
+//! |                   | less checkpoint stalls and lost work)                                 |
+//! | startup           | attempt start to its first completed step (a failed start: all of it) |
+//! | checkpoint stall  | time spent saving checkpoints (`checkpoint_saved.seconds`)            |
+//! | lost work         | steps redone: work after the checkpoint the next attempt resumed from |
+//! | hang detection    | last step of a hung attempt to the end of its kill                    |
+//! | backoff           | waiting between attempts                                              |
+//! | queue             | a batch job's submission to its start                                 |
+//! | other             | the rest: kiln's own start and decisions, gaps the events do not cover|
+//!
+//! ETTR (effective training time ratio) is productive / total.
+
+use crate::event;
+use crate::events::Event;
+use serde_json::Value;
+
+/// Seconds per bucket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Buckets {
+    /// Training kept.
+    pub productive: f64,
+    /// Launch to first step.
+    pub startup: f64,
+    /// Saving checkpoints.
+    pub checkpoint: f64,
+    /// Work redone after a failure.
+    pub lost: f64,
+    /// From a hang to the end of its kill.
+    pub hang: f64,
+    /// Between attempts.
+    pub backoff: f64,
+    /// Waiting in the scheduler's queue.
+    pub queue: f64,
+    /// Everything else.
+    pub other: f64,
+}
+
+impl Buckets {
+    /// `(name, seconds)` in display order.
+    pub fn rows(&self) -> [(&'static str, f64); 8] {
+        [
+            ("productive", self.productive),
+            ("startup", self.startup),
+            ("checkpoint stall", self.checkpoint),
+            ("lost work", self.lost),
+            ("hang detection", self.hang),
+            ("backoff", self.backoff),
+            ("queue", self.queue),
+            ("other", self.other),
+        ]
+    }
+}
+
+/// One span of the timeline, seconds since the run's first event.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Span {
+    /// Start.
+    pub from: f64,
+    /// End.
+    pub to: f64,
+    /// Bucket name (as in [`Buckets::rows`]).
+    pub kind: &'static str,
+}
+
+/// One attempt, for the timeline.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct AttemptSummary {
+    /// Start and end, seconds since the run's first event.
+    pub from: f64,
+    /// See `from`.
+    pub to: f64,
+    /// First and last completed step time (relative), when it made progress.
+    pub work: Option<(f64, f64)>,
+    /// Step it started from and the last step seen.
+    pub steps: (Option<u64>, Option<u64>),
+    /// Classification.
+    pub classification: String,
+    /// Culprit hosts named.
+    pub culprits: Vec<String>,
+    /// Hosts it ran on.
+    pub hosts: Vec<String>,
+}
+
+/// A node swap or quarantine, for the timeline.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Swap {
+    /// When (relative).
+    pub at: f64,
+    /// The host swapped out.
+    pub host: String,
+    /// Its replacement (`None`: dropped).
+    pub replacement: Option<String>,
+    /// Why.
+    pub cause: String,
+    /// Whether it was a guess.
+    pub blind: bool,
+}
+
+/// The ledger of a run.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Ledger {
+    /// Unix time of the first event counted.
+    pub start: f64,
+    /// Total wall seconds.
+    pub total: f64,
+    /// Seconds per bucket (they add up to `total`).
+    pub buckets: Buckets,
+    /// Batch jobs seen (`job_start`).
+    pub jobs: usize,
+    /// Attempts, in time order.
+    pub attempts: Vec<AttemptSummary>,
+    /// Node swaps and drops.
+    pub swaps: Vec<Swap>,
+    /// Steps redone after failures.
+    pub lost_steps: u64,
+    /// Timeline spans, by bucket.
+    pub spans: Vec<Span>,
+}
+
+impl Ledger {
+    /// productive / total (0 when nothing happened).
+    pub fn ettr(&self) -> f64 {
+        if self.total > 0.0 {
+            self.buckets.productive / self.total
+        } else {
+            0.0
+        }
+    }
+}
+
+fn f(e: &Event, k: &str) -> Option<f64> {
+    e.fields.get(k).and_then(Value::as_f64)
+}
+
+fn u(e: &Event, k: &str) -> Option<u64> {
+    e.fields.get(k).and_then(Value::as_u64)
+}
+
+fn strings(e: &Event, k: &str) -> Vec<String> {
+    e.fields
+        .get(k)
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| Some(v.as_str()?.to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// An attempt as the ledger sees it (absolute times).
+struct Att {
+    start: f64,
+    end: f64,
+    first: Option<f64>,
+    last: Option<f64>,
+    start_step: Option<u64>,
+    last_step: Option<u64>,
+    class: String,
+    culprits: Vec<String>,
+    hosts: Vec<String>,
+}
+
+/// Attempts from `attempt_end` events; a run trained without `kiln launch` counts each
+/// trainer session (`start` to `exit`) as one attempt.
+fn attempts(events: &[Event]) -> Vec<Att> {
+    let mut v: Vec<Att> = events
+        .iter()
+        .filter(|e| e.event == event::ATTEMPT_END)
+        .filter_map(|e| {
+            Some(Att {
+                start: f(e, "start_time")?,
+                end: f(e, "end_time")?,
+                first: f(e, "first_advance_time"),
+                last: f(e, "last_advance_time"),
+                start_step: u(e, "start_step"),
+                last_step: u(e, "last_progress"),
+                class: e.fields.get("classification")?.as_str()?.to_string(),
+                culprits: strings(e, "culprit_hosts"),
+                hosts: strings(e, "hosts"),
+            })
+        })
+        .collect();
+    if v.is_empty() {
+        let mut open: Option<&Event> = None;
+        for e in events.iter().filter(|e| e.source == "train") {
+            match (e.event.as_str(), open) {
+                (event::START, _) => open = Some(e),
+                (event::EXIT, Some(s)) => {
+                    let code = e.fields.get("code").and_then(Value::as_i64).unwrap_or(1);
+                    v.push(Att {
+                        start: s.time,
+                        end: e.time,
+                        first: Some(s.time),
+                        last: Some(e.time),
+                        start_step: u(s, "step"),
+                        last_step: u(e, "step"),
+                        class: if code == 0 {
+                            "success".into()
+                        } else {
+                            format!("exit {code}")
+                        },
+                        culprits: Vec::new(),
+                        hosts: Vec::new(),
+                    });
+                    open = None;
+                }
+                _ => {}
+            }
+        }
+    }
+    v.sort_by(|a, b| a.start.total_cmp(&b.start));
+    // The trainer says exactly where it started; a beacon read may come a few steps late.
+    for a in &mut v {
+        if let Some(s) = events
+            .iter()
+            .find(|e| {
+                e.event == event::START
+                    && e.source == "train"
+                    && e.time >= a.start
+                    && e.time <= a.end
+            })
+            .and_then(|e| u(e, "step"))
+        {
+            a.start_step = Some(s);
+        }
+    }
+    v
+}
+
+/// Computes the ledger of a run from its events (any order; sorted by time here).
+pub fn ledger(events: &[Event]) -> Ledger {
+    let mut events: Vec<Event> = events.to_vec();
+    events.sort_by(|a, b| a.time.total_cmp(&b.time));
+    let atts = attempts(&events);
+    let Some(t0) = events
+        .iter()
+        .map(|e| e.time)
+        .chain(atts.iter().map(|a| a.start))
+        .chain(events.iter().filter_map(|e| f(e, "submit_time")))
+        .reduce(f64::min)
+    else {
+        return Ledger::default();
+    };
+    let t1 = events
+        .iter()
+        .map(|e| e.time)
+        .chain(atts.iter().map(|a| a.end))
+        .fold(t0, f64::max);
+    let mut b = Buckets::default();
+    let mut spans: Vec<Span> = Vec::new();
+    let mut span = |from: f64, to: f64, kind: &'static str, b: &mut Buckets| {
+        let d = (to - from).max(0.0);
+        if d <= 0.0 {
+            return;
+        }
+        match kind {
+            "productive" => b.productive += d,
+            "startup" => b.startup += d,
+            "checkpoint stall" => b.checkpoint += d,
+            "lost work" => b.lost += d,
+            "hang detection" => b.hang += d,
+            "backoff" => b.backoff += d,
+            "queue" => b.queue += d,
+            _ => b.other += d,
+        }
+        spans.push(Span {
+            from: from - t0,
+            to: to - t0,
+            kind,
+        });
+    };
+    let saves: Vec<(f64, u64, f64)> = events
+        .iter()
+        .filter(|e| e.event == event::CHECKPOINT_SAVED)
+        .filter_map(|e| Some((e.time, u(e, "step")?, f(e, "seconds").unwrap_or(0.0))))
+        .collect();
+    let resumes: Vec<(f64, u64)> = events
+        .iter()
+        .filter(|e| e.event == event::RESUME)
+        .filter_map(|e| Some((e.time, u(e, "step")?)))
+        .collect();
+    let mut lost_steps = 0u64;
+    let mut summaries = Vec::new();
+    for (i, a) in atts.iter().enumerate() {
+        let stall: f64 = saves
+            .iter()
+            .filter(|s| s.0 >= a.start && s.0 <= a.end)
+            .map(|s| s.2)
+            .sum();
+        let (Some(first), Some(last)) = (a.first, a.last.or(a.first)) else {
+            // No step completed: the whole attempt was a start that went nowhere (a hang's
+            // detection included, when it was one).
+            span(
+                a.start,
+                a.end,
+                if a.class.starts_with("hung") {
+                    "hang detection"
+                } else {
+                    "startup"
+                },
+                &mut b,
+            );
+            summaries.push(summary(a, t0));
+            continue;
+        };
+        let success = a.class == "success";
+        // Where the work of this attempt stops being kept: the save of the checkpoint the
+        // next attempt resumed from (or, for the last attempt, its last save).
+        let next_start = atts.get(i + 1).map(|n| n.start);
+        let resumed = next_start.map(|ns| resumes.iter().find(|r| r.0 >= ns).map_or(0, |r| r.1));
+        let kept_until = if success {
+            a.end
+        } else {
+            let target = saves
+                .iter()
+                .filter(|s| s.0 >= a.start && s.0 <= a.end)
+                .filter(|s| resumed.is_none_or(|r| s.1 == r))
+                .map(|s| s.0)
+                .reduce(f64::max);
+            match target {
+                Some(t) => t.clamp(first, a.end),
+                None => first,
+            }
+        };
+        if let (Some(r), Some(ls)) = (resumed, a.last_step)
+            && !success
+        {
+            lost_steps += ls.saturating_sub(r);
+        }
+        span(a.start, first, "startup", &mut b);
+        let work_end = if success { a.end } else { last.max(first) };
+        let kept_end = kept_until.min(work_end);
+        // Checkpoint stalls are inside the kept work; they are taken out of productive.
+        let kept_stall = stall.min((kept_end - first).max(0.0));
+        span(first, kept_end - kept_stall, "productive", &mut b);
+        span(kept_end - kept_stall, kept_end, "checkpoint stall", &mut b);
+        span(kept_end, work_end, "lost work", &mut b);
+        if !success {
+            let tail = if a.class.starts_with("hung") {
+                "hang detection"
+            } else {
+                "lost work"
+            };
+            span(work_end, a.end, tail, &mut b);
+        }
+        summaries.push(summary(a, t0));
+    }
+    for e in events.iter().filter(|e| e.event == event::BACKOFF) {
+        span(
+            e.time,
+            e.time + f(e, "seconds").unwrap_or(0.0),
+            "backoff",
+            &mut b,
+        );
+    }
+    let mut jobs = 0;
+    for e in events.iter().filter(|e| e.event == event::JOB_START) {
+        jobs += 1;
+        if let Some(s) = f(e, "submit_time") {
+            span(s, e.time, "queue", &mut b);
+        }
+    }
+    let total = t1 - t0;
+    let counted: f64 = b.rows().iter().map(|r| r.1).sum();
+    b.other += (total - counted).max(0.0);
+    let swaps = events
+        .iter()
+        .filter(|e| e.event == event::NODE_SWAP || e.event == event::SHRINK)
+        .map(|e| Swap {
+            at: e.time - t0,
+            host: e
+                .fields
+                .get("host")
+                .or_else(|| e.fields.get("dropped"))
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string(),
+            replacement: e
+                .fields
+                .get("replacement")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            cause: e
+                .fields
+                .get("cause")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string(),
+            blind: e
+                .fields
+                .get("blind")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        })
+        .collect();
+    Ledger {
+        start: t0,
+        total,
+        buckets: b,
+        jobs,
+        attempts: summaries,
+        swaps,
+        lost_steps,
+        spans,
+    }
+}
+
+fn summary(a: &Att, t0: f64) -> AttemptSummary {
+    AttemptSummary {
+        from: a.start - t0,
+        to: a.end - t0,
+        work: a.first.map(|fst| (fst - t0, a.last.unwrap_or(fst) - t0)),
+        steps: (a.start_step, a.last_step),
+        classification: a.class.clone(),
+        culprits: a.culprits.clone(),
+        hosts: a.hosts.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Map, json};
+
+    fn ev(time: f64, source: &str, name: &str, fields: Value) -> Event {
+        let Value::Object(fields) = fields else {
+            return Event {
+                time,
+                source: source.into(),
+                event: name.into(),
+                fields: Map::new(),
+            };
+        };
+        Event {
+            time,
+            source: source.into(),
+            event: name.into(),
+            fields,
+        }
+    }
+
+    #[test]
+    fn every_second_is_attributed_once() {
+        // Job submitted at 0, starts at 10. Attempt 1: 10-40, first step at 12, checkpoint of
+        // step 100 saved at 30 (1 s), last step at 35, crash. Backoff 40-42. Attempt 2:
+        // 42-80, resumes at 100, first step at 45, success.
+        let events = vec![
+            ev(0.0, "submit", "job_submitted", json!({"job_id": "7"})),
+            ev(
+                10.0,
+                "launch",
+                "job_start",
+                json!({"job_id": "7", "submit_time": 0.0}),
+            ),
+            ev(10.0, "launch", "attempt_start", json!({"attempt": 1})),
+            ev(
+                30.0,
+                "train",
+                "checkpoint_saved",
+                json!({"step": 100, "seconds": 1.0}),
+            ),
+            ev(
+                40.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0, "last_advance_time": 35.0, "classification": "failed", "last_progress": 130, "culprit_hosts": ["n2"]}),
+            ),
+            ev(40.0, "launch", "backoff", json!({"seconds": 2.0})),
+            ev(42.5, "train", "resume", json!({"step": 100})),
+            ev(
+                80.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 42.0, "end_time": 80.0, "first_advance_time": 45.0, "last_advance_time": 79.0, "classification": "success", "last_progress": 200}),
+            ),
+            ev(
+                80.0,
+                "launch",
+                "node_swap",
+                json!({"host": "n2", "replacement": "n4", "cause": "crash"}),
+            ),
+        ];
+        let l = ledger(&events);
+        assert_eq!(l.total, 80.0);
+        let b = l.buckets;
+        assert_eq!(b.queue, 10.0);
+        assert_eq!(b.startup, 2.0 + 3.0);
+        assert_eq!(b.checkpoint, 1.0);
+        // Attempt 1 kept 12..30 (less the 1 s save), lost 30..35 and the crash tail 35..40.
+        assert_eq!(b.lost, 10.0);
+        assert_eq!(b.productive, 17.0 + 35.0);
+        assert_eq!(b.backoff, 2.0);
+        let sum: f64 = b.rows().iter().map(|r| r.1).sum();
+        assert!((sum - l.total).abs() < 1e-9, "{sum} vs {}", l.total);
+        assert_eq!(l.lost_steps, 30);
+        assert_eq!(l.jobs, 1);
+        assert_eq!(l.swaps[0].replacement.as_deref(), Some("n4"));
+        assert!((l.ettr() - 52.0 / 80.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn hangs_and_failed_starts() {
+        let events = vec![
+            ev(
+                0.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 0.0, "end_time": 5.0, "classification": "failed"}),
+            ),
+            ev(
+                20.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 5.0, "end_time": 20.0, "first_advance_time": 6.0, "last_advance_time": 10.0, "classification": "hung-stalled"}),
+            ),
+        ];
+        let b = ledger(&events).buckets;
+        assert_eq!(b.startup, 5.0 + 1.0);
+        assert_eq!(b.hang, 10.0);
+        // No checkpoint: the hung attempt's work is all lost.
+        assert_eq!(b.lost, 4.0);
+        assert_eq!(b.productive, 0.0);
+        assert_eq!(ledger(&[]).total, 0.0);
+    }
+
+    #[test]
+    fn a_run_without_launch_counts_trainer_sessions() {
+        let events = vec![
+            ev(0.0, "train", "start", json!({"step": 0})),
+            ev(
+                9.0,
+                "train",
+                "checkpoint_saved",
+                json!({"step": 10, "seconds": 0.5}),
+            ),
+            ev(10.0, "train", "exit", json!({"code": 0, "step": 10})),
+        ];
+        let l = ledger(&events);
+        assert_eq!(l.buckets.productive, 9.5);
+        assert_eq!(l.buckets.checkpoint, 0.5);
+    }
+}

@@ -1,0 +1,364 @@
+//! What a run asks of the machine, checked before anything is allocated: the memory of the
+//! model, its optimizer and one step, estimated from the config alone and compared with the
+//! memory this process may use ([`kiln_run::host::available_memory`]); and the worker
+//! threads. A config that cannot fit is refused with the estimate, the limit and the key to
+//! change, instead of an allocation abort (`memory allocation of N bytes failed`, exit 134)
+//! after minutes of work.
+//!
+//! # The estimate
+//!
+//! All tensors are f32. With `P` parameters, `s` compute shards, `N = batch_size x seq_len`
+//! tokens per micro-batch, `L` layers, width `d`, SwiGLU width `f`, key/value width `kv`,
+//! `H` heads, sequence `T`, vocabulary `V`:
+//!
+//! | part | bytes | why |
+//! | --- | --- | --- |
+//! | weights + AdamW moments | `12 P` | always live |
+//! | rollback snapshot | `12 P` | weights and moments, when `guards.snapshot_interval > 0` |
+//! | frozen-parameter check | `4 P` | the previous weights, when `guards.frozen_check_interval > 0` |
+//! | step: weights and gradients | `4 P (2 s + 1)` | per shard an autodiff copy and its gradients, plus their sum |
+//! | step: activations | `4 N (L (24 d + 5 f + 6 kv + 3 H T) + 2 H T + 3.5 V + 2 d)` | saved for backward per token and layer (norms, projections, RoPE temporaries, SwiGLU, attention scores and softmax), one layer's score gradients, and the logits with their log-softmax and gradient |
+//! | checkpoint | `32 P` | weights and moments copied to the host, serialised, the final weights |
+//! | eval | `4 N (24 d + 5 f + 3 H T + 3 V)` | forward only, one layer live at a time |
+//!
+//! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
+//! [`SAFETY`], plus [`OVERHEAD`] for the program itself.
+//!
+//! Calibrated against the peak resident memory (VmHWM) of 2-step runs with a checkpoint and
+//! an eval, on the flex backend (2 cores, AVX-512). The need is above every measured peak,
+//! at most about 2x above it (the 256 MiB overhead dominates tiny runs):
+//!
+//! | run (defaults unless named) | need | measured peak |
+//! | --- | --- | --- |
+//! | default (0.8M params, 16 x 64) | 425 MiB | 120 MiB |
+//! | seq_len 1024, batch 4 | 1.8 GiB | 1074 MiB |
+//! | d 64, 4 heads, 2 layers, seq_len 2048, batch 1 | 948 MiB | 477 MiB |
+//! | vocab 65536, d 64, 1 layer | 1.8 GiB | 1061 MiB |
+//! | d 1024, 8/8 heads, 2 layers, ffn 256, batch 8 | 1000 MiB | 620 MiB |
+//! | ffn 16384 | 3.3 GiB | 2061 MiB |
+//! | d 1024, 2 layers, ffn 4096 (34M params), batch 1 x 8 | 2.6 GiB | 1842 MiB |
+//! | the same without snapshot and frozen check | 2.0 GiB | 1447 MiB |
+//! | bench model (16M params), batch 4 / 8 / 12 x 256 | 1.8 / 2.6 / 3.3 GiB | 1227 / 1223 / 1840 MiB |
+
+use crate::config::{Config, ConfigError, ModelConfig};
+
+/// Factor on the estimate: allocator fragmentation, temporaries the table does not list.
+pub const SAFETY: f64 = 1.25;
+/// Memory of the program itself (code, thread stacks, the data loader's maps), bytes.
+pub const OVERHEAD: f64 = 256.0 * 1024.0 * 1024.0;
+
+/// The memory a run needs, by part (bytes, before [`SAFETY`] and [`OVERHEAD`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    /// Parameters of the model.
+    pub params: f64,
+    /// Weights, AdamW moments, snapshot and frozen-check copies: live all the time.
+    pub resident: f64,
+    /// Gradients and saved activations of one micro-batch: live during a step.
+    pub step: f64,
+    /// Of which activations.
+    pub activations: f64,
+    /// Host copies written at a checkpoint.
+    pub checkpoint: f64,
+    /// One eval forward pass.
+    pub eval: f64,
+}
+
+impl Estimate {
+    /// Bytes needed, safety factor and overhead included.
+    pub fn need(&self) -> f64 {
+        (self.resident + self.step.max(self.checkpoint).max(self.eval)) * SAFETY + OVERHEAD
+    }
+}
+
+/// Parameters of the Llama of `model` with `vocab` tokens (what `Llama::new` would lay out,
+/// computed without building it, so that absurd sizes cost nothing).
+pub fn param_count(model: &ModelConfig, vocab: usize) -> f64 {
+    let d = model.d_model as f64;
+    let hd = d / model.n_heads.max(1) as f64;
+    let kv = model.n_kv_heads as f64 * hd;
+    let f = model.ffn_hidden as f64;
+    let per_layer = 2.0 * d // the two norms
+        + d * d + 2.0 * d * kv + d * d // q, k, v, o
+        + if model.qk_norm { 2.0 * hd } else { 0.0 }
+        + 3.0 * d * f; // gate, up, down
+    let head = if model.tie_embeddings {
+        0.0
+    } else {
+        d * vocab as f64
+    };
+    vocab as f64 * d + model.n_layers as f64 * per_layer + d + head
+}
+
+/// The memory estimate of `config` with a vocabulary of `vocab` (see the module docs).
+pub fn estimate(config: &Config, vocab: usize) -> Estimate {
+    let m = &config.model;
+    let t = &config.training;
+    let g = &config.guards;
+    let p = param_count(m, vocab);
+    let (d, f, v) = (m.d_model as f64, m.ffn_hidden as f64, vocab as f64);
+    let (heads, layers) = (m.n_heads as f64, m.n_layers as f64);
+    let kv = m.n_kv_heads as f64 * d / heads.max(1.0);
+    let seq = t.seq_len as f64;
+    let tokens = t.batch_size as f64 * seq;
+    let snapshot = if g.snapshot_interval > 0 { 12.0 } else { 0.0 };
+    let frozen = if g.frozen_check_interval > 0 {
+        4.0
+    } else {
+        0.0
+    };
+    let shards = t.compute_shards.clamp(1, t.batch_size.max(1)) as f64;
+    let scores = heads * seq; // attention scores per token and layer
+    let per_token_layer = 24.0 * d + 5.0 * f + 6.0 * kv + 3.0 * scores;
+    // Saved for backward in every layer, plus the gradients of one layer's scores and the
+    // logits' softmax and gradient while the backward pass runs.
+    let activations = 4.0 * tokens * (layers * per_token_layer + 2.0 * scores + 3.5 * v + 2.0 * d);
+    // The held-out eval runs micro-batches of batch_size rows, forward only.
+    let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
+    Estimate {
+        params: p,
+        resident: p * (12.0 + snapshot + frozen),
+        // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
+        step: 4.0 * p * (2.0 * shards + 1.0) + activations,
+        activations,
+        checkpoint: 32.0 * p,
+        eval,
+    }
+}
+
+/// The vocabulary known before the data is opened: `model.vocab_size`, or the synthetic
+/// corpus's; 0 when a corpus list will tell (the embedding is then checked once it has).
+pub fn known_vocab(config: &Config) -> usize {
+    if config.model.vocab_size > 0 {
+        config.model.vocab_size
+    } else if config.data.corpus_list.is_empty() {
+        crate::synthetic::VOCAB
+    } else {
+        0
+    }
+}
+
+/// Refuses `config` (with a vocabulary of `vocab`) if its estimate does not fit the memory
+/// this process may use. Where nothing says how much that is, the check is skipped.
+pub fn check(config: &Config, vocab: usize) -> Result<Estimate, ConfigError> {
+    let est = estimate(config, vocab);
+    let Some(limit) = kiln_run::host::available_memory() else {
+        return Ok(est);
+    };
+    tracing::info!(
+        need = %kiln_run::host::human_bytes(est.need()),
+        available = %kiln_run::host::human_bytes(limit.bytes as f64),
+        source = %limit.source,
+        "memory estimate of the run"
+    );
+    if est.need() <= limit.bytes as f64 {
+        return Ok(est);
+    }
+    let gib = |b: f64| kiln_run::host::human_bytes(b);
+    let (key, value, default, saved) = culprit(config, vocab);
+    Err(ConfigError::TooBig(format!(
+        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
+        gib(est.need()),
+        gib(limit.bytes as f64),
+        limit.source,
+        gib(est.resident),
+        est.params,
+        est.resident / est.params.max(1.0),
+        if config.guards.snapshot_interval > 0 {
+            " and the rollback snapshot"
+        } else {
+            ""
+        },
+        gib(est.activations),
+        config.training.batch_size,
+        config.training.seq_len,
+        gib(est.checkpoint),
+        gib(est.eval),
+        gib(OVERHEAD),
+        gib(saved),
+    )))
+}
+
+/// The key whose return to its default saves the most memory: `(key, value, "the default is
+/// X", bytes saved)`.
+fn culprit(config: &Config, vocab: usize) -> (&'static str, String, String, f64) {
+    let need = estimate(config, vocab).need();
+    let defaults = Config::default();
+    type Reset = fn(&mut Config, &Config);
+    let keys: [(&str, Reset); 8] = [
+        ("model.vocab_size", |c, d| {
+            c.model.vocab_size = d.model.vocab_size
+        }),
+        ("model.d_model", |c, d| c.model.d_model = d.model.d_model),
+        ("model.n_layers", |c, d| c.model.n_layers = d.model.n_layers),
+        ("model.n_heads", |c, d| c.model.n_heads = d.model.n_heads),
+        ("model.ffn_hidden", |c, d| {
+            c.model.ffn_hidden = d.model.ffn_hidden
+        }),
+        ("training.seq_len", |c, d| {
+            c.training.seq_len = d.training.seq_len
+        }),
+        ("training.batch_size", |c, d| {
+            c.training.batch_size = d.training.batch_size
+        }),
+        ("training.compute_shards", |c, d| {
+            c.training.compute_shards = d.training.compute_shards
+        }),
+    ];
+    let mut best = ("training.batch_size", 0.0f64);
+    for (key, reset) in keys {
+        let mut c = config.clone();
+        reset(&mut c, &defaults);
+        // A vocabulary taken from the data stays the data's; reset it to the synthetic one.
+        let v = if key == "model.vocab_size" {
+            crate::synthetic::VOCAB
+        } else {
+            vocab
+        };
+        let saved = need - estimate(&c, v).need();
+        if saved > best.1 {
+            best = (key, saved);
+        }
+    }
+    let (value, default) = match best.0 {
+        "model.vocab_size" => (vocab.to_string(), "the data decides when 0".to_string()),
+        "model.d_model" => (
+            config.model.d_model.to_string(),
+            format!("the default is {}", defaults.model.d_model),
+        ),
+        "model.n_layers" => (
+            config.model.n_layers.to_string(),
+            format!("the default is {}", defaults.model.n_layers),
+        ),
+        "model.n_heads" => (
+            config.model.n_heads.to_string(),
+            format!("the default is {}", defaults.model.n_heads),
+        ),
+        "model.ffn_hidden" => (
+            config.model.ffn_hidden.to_string(),
+            format!("the default is {}", defaults.model.ffn_hidden),
+        ),
+        "training.seq_len" => (
+            config.training.seq_len.to_string(),
+            format!("the default is {}", defaults.training.seq_len),
+        ),
+        "training.compute_shards" => (
+            config.training.compute_shards.to_string(),
+            format!("the default is {}", defaults.training.compute_shards),
+        ),
+        _ => (
+            config.training.batch_size.to_string(),
+            "raise training.grad_accum_steps to keep the tokens per step".to_string(),
+        ),
+    };
+    (best.0, value, default, best.1)
+}
+
+/// Starts the flex backend's worker threads (rayon's global pool) with `threads` workers;
+/// 0 keeps rayon's default (one per core). Only the first call in a process has an effect;
+/// later ones (another session in the same process) are no-ops. Never panics: a count over
+/// [`kiln_run::host::max_threads`] is refused, and a pool that cannot start is an error
+/// (rayon's global pool is then unusable, so the process must stop rather than go on).
+pub fn start_threads(threads: usize) -> Result<(), ConfigError> {
+    if threads == 0 {
+        return Ok(());
+    }
+    kiln_run::host::check_threads("training.threads", threads).map_err(ConfigError::TooBig)?;
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+    {
+        Ok(()) => Ok(()),
+        // rayon exposes no error kind; its Debug output names it.
+        Err(e) if format!("{e:?}").contains("GlobalPoolAlreadyInitialized") => Ok(()),
+        Err(e) => Err(ConfigError::TooBig(format!(
+            "training.threads = {threads}: cannot start the worker threads: {e}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Llama;
+
+    fn config(sets: &[&str]) -> Config {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::load(None, &sets).unwrap()
+    }
+
+    #[test]
+    fn param_count_matches_the_model() {
+        for sets in [
+            &[][..],
+            &["model.tie_embeddings=true", "model.qk_norm=true"][..],
+            &[
+                "model.d_model=96",
+                "model.n_heads=6",
+                "model.n_kv_heads=3",
+                "model.ffn_hidden=200",
+            ][..],
+        ] {
+            let c = config(sets);
+            for vocab in [16, 1000] {
+                let exact = Llama::new(&c.model, vocab).num_params() as f64;
+                assert_eq!(
+                    param_count(&c.model, vocab),
+                    exact,
+                    "{sets:?} vocab {vocab}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn each_part_grows_with_its_keys() {
+        let base = estimate(&config(&[]), 16);
+        let longer = estimate(&config(&["training.seq_len=128"]), 16);
+        // Attention scores are quadratic in the sequence: more than twice the activations.
+        assert!(longer.activations > 2.0 * base.activations);
+        assert_eq!(longer.resident, base.resident);
+        let wider = estimate(&config(&["model.d_model=256"]), 16);
+        assert!(wider.params > 2.0 * base.params);
+        let no_guards = estimate(
+            &config(&[
+                "guards.snapshot_interval=0",
+                "guards.frozen_check_interval=0",
+            ]),
+            16,
+        );
+        assert_eq!(no_guards.resident, 12.0 * base.params);
+        assert!(base.need() > OVERHEAD);
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_naming_the_key() {
+        for (set, key) in [
+            ("model.d_model=1000000", "model.d_model"),
+            ("model.n_layers=1000000000", "model.n_layers"),
+            ("model.ffn_hidden=1000000000", "model.ffn_hidden"),
+            ("model.vocab_size=1000000000", "model.vocab_size"),
+            ("training.seq_len=1000000", "training.seq_len"),
+            ("training.batch_size=1000000000", "training.batch_size"),
+        ] {
+            let c = config(&[set]);
+            let err = check(&c, known_vocab(&c)).unwrap_err().to_string();
+            assert!(err.contains(&format!("Lower {key}")), "{set}: {err}");
+            assert!(err.contains("is available"), "{err}");
+        }
+        // The default run fits anywhere kiln's tests run.
+        let c = config(&[]);
+        assert!(check(&c, 16).is_ok());
+    }
+
+    #[test]
+    fn thread_counts_are_bounded_and_never_panic() {
+        let err = start_threads(100_000).unwrap_err().to_string();
+        assert!(
+            err.contains("training.threads = 100000: must be 0"),
+            "{err}"
+        );
+        // 0 leaves the pool alone (a count > 0 would set this test binary's global pool).
+        assert!(start_threads(0).is_ok());
+    }
+}

@@ -1,0 +1,377 @@
+//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG), global
+//! gradient-norm clipping and the LR schedules.
+//!
+//! Written here rather than taken from burn because burn's optimizers (a) key their state by
+//! a per-process parameter id, which does not survive reloading weights (the restored state
+//! silently fails to apply and resume diverges), (b) clip gradients per tensor rather than by
+//! the global norm, and (c) default eps to 1e-5 where PyTorch uses 1e-8; burn has neither
+//! Muon nor SophiaG. State here is keyed by parameter name (`<param>.<slot>`, PyTorch's slot
+//! names) and saved in `optimizer.safetensors` beside the weights.
+//!
+//! State is always f32. With bf16 master weights (`training.master_dtype`) the update is
+//! computed in f32 and rounded to bf16 when stored back, as a bf16-master run on a GPU does:
+//! an update smaller than half a bf16 step of the weight is lost.
+
+mod adamw;
+mod muon;
+mod sophia;
+
+pub use adamw::AdamW;
+pub use muon::{Muon, newton_schulz};
+pub use sophia::SophiaG;
+
+use crate::checkpoint::HostTensor;
+use crate::config::{LrSchedulerConfig, OptimizerConfig, OptimizerKind, ScheduleKind};
+use crate::model::ParamSpec;
+use crate::saver::DeviceTensor;
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use rayon::prelude::*;
+
+/// Learning rate at optimizer step `step` (0-based) of `total`.
+pub fn lr_at(sched: &LrSchedulerConfig, peak: f64, step: u64, total: u64) -> f64 {
+    let min = peak * sched.min_lr_ratio;
+    let warm = sched.warmup_steps.min(total);
+    if step < warm {
+        return peak * (step + 1) as f64 / warm as f64;
+    }
+    match sched.kind {
+        ScheduleKind::Constant => peak,
+        ScheduleKind::Cosine => {
+            let span = total.saturating_sub(warm).max(1) as f64;
+            let progress = ((step - warm) as f64 / span).min(1.0);
+            min + (peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+        }
+        ScheduleKind::Wsd => {
+            let decay_steps = ((total as f64) * sched.decay_ratio).round() as u64;
+            let decay_start = total.saturating_sub(decay_steps).max(warm);
+            if step < decay_start {
+                peak
+            } else {
+                let span = total.saturating_sub(decay_start).max(1) as f64;
+                let progress = ((step - decay_start + 1) as f64 / span).min(1.0);
+                peak + (min - peak) * progress
+            }
+        }
+    }
+}
+
+/// Global L2 norm of all gradients (one host read-back).
+pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
+    if grads.is_empty() {
+        return 0.0;
+    }
+    // One tensor per rayon task: flex runs each element-wise op on one thread, and the
+    // per-tensor results are the same whichever thread computes them (concatenated and
+    // summed in parameter order below), so the norm keeps its bits.
+    let sq: Vec<Tensor<1>> = grads
+        .par_iter()
+        .map(|g| g.clone().powi_scalar(2).sum())
+        .collect();
+    Tensor::cat(sq, 0).sum().sqrt().into_scalar::<f32>()
+}
+
+/// Scales gradients so their global norm is at most `max_norm` (as
+/// `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), clamped to 1).
+pub fn clip_by_global_norm(grads: Vec<Tensor<1>>, norm: f32, max_norm: f64) -> Vec<Tensor<1>> {
+    match clip_coefficient(norm, max_norm) {
+        Some(coef) => grads.into_iter().map(|g| g.mul_scalar(coef)).collect(),
+        None => grads,
+    }
+}
+
+/// The clipping coefficient for gradients of global norm `norm` (as
+/// `torch.nn.utils.clip_grad_norm_`: max_norm / (norm + 1e-6)), or None when no clipping
+/// applies (disabled, or the norm is within bounds).
+pub fn clip_coefficient(norm: f32, max_norm: f64) -> Option<f64> {
+    if max_norm <= 0.0 {
+        return None;
+    }
+    let coef = (max_norm / (f64::from(norm) + 1e-6)).min(1.0);
+    (coef < 1.0).then_some(coef)
+}
+
+/// One slot of per-parameter state (`exp_avg`, `momentum_buffer`, ...): `None` for the
+/// parameters the slot does not cover.
+pub(crate) type StateSlot<'a> = (&'static str, &'a Vec<Option<Tensor<1>>>);
+/// A slot of state, to be restored.
+pub(crate) type StateSlotMut<'a> = (&'static str, &'a mut Vec<Option<Tensor<1>>>);
+
+/// How Muon treats a parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A 2-D hidden matrix (attention and MLP projections): Muon.
+    Hidden,
+    /// Embeddings, norm weights, the output head: AdamW.
+    Adam,
+}
+
+/// The role of a parameter under Muon, decided by name, here and nowhere else: the token
+/// embedding, the output head and every norm weight go to AdamW (Muon is for hidden
+/// matrices only, per Jordan et al.), every other 2-D parameter to Muon.
+pub fn role(spec: &ParamSpec) -> Role {
+    let name = spec.name.as_str();
+    let adam = name.contains("embed_tokens")
+        || name.starts_with("lm_head")
+        || name.ends_with("norm.weight")
+        || spec.shape.len() != 2;
+    if adam { Role::Adam } else { Role::Hidden }
+}
+
+/// The optimizer of a run (`optimizer.kind`). Every kind is deterministic, so data-parallel
+/// ranks, which see identical all-reduced gradients, stay identical.
+#[derive(Debug, Clone)]
+pub enum Optimizer {
+    /// AdamW for every parameter.
+    AdamW(AdamW),
+    /// Muon for hidden matrices, AdamW for the rest.
+    Muon(Muon),
+    /// SophiaG for every parameter.
+    SophiaG(SophiaG),
+}
+
+impl Optimizer {
+    /// Zero state for these parameters. `tokens_per_step` (all ranks together) is SophiaG's
+    /// batch size in its clipping threshold.
+    pub fn new(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        tokens_per_step: u64,
+    ) -> Self {
+        match cfg.kind {
+            OptimizerKind::Adamw => Self::AdamW(AdamW::new(cfg, specs, device)),
+            OptimizerKind::Muon => Self::Muon(Muon::new(cfg, specs, device)),
+            OptimizerKind::Sophiag => {
+                Self::SophiaG(SophiaG::new(cfg, specs, device, tokens_per_step))
+            }
+        }
+    }
+
+    /// Which optimizer this is.
+    pub fn kind(&self) -> OptimizerKind {
+        match self {
+            Self::AdamW(_) => OptimizerKind::Adamw,
+            Self::Muon(_) => OptimizerKind::Muon,
+            Self::SophiaG(_) => OptimizerKind::Sophiag,
+        }
+    }
+
+    /// Updates applied so far (PyTorch's `step`).
+    pub fn step(&self) -> u64 {
+        match self {
+            Self::AdamW(o) => o.step,
+            Self::Muon(o) => o.adam.step,
+            Self::SophiaG(o) => o.step,
+        }
+    }
+
+    /// Sets the update count (on resume).
+    pub fn set_step(&mut self, step: u64) {
+        match self {
+            Self::AdamW(o) => o.step = step,
+            Self::Muon(o) => o.adam.step = step,
+            Self::SophiaG(o) => o.step = step,
+        }
+    }
+
+    /// [`Optimizer::update`] of gradients clipped by `grad_scale` (from
+    /// [`clip_coefficient`]): bit-identical to [`clip_by_global_norm`] then `update`. AdamW
+    /// on f32 parameters folds the scaling into its fused pass over each parameter.
+    pub fn update_clipped(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        grad_scale: Option<f64>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
+        let f32_params = params.iter().all(|p| p.dtype() == DType::F32);
+        match self {
+            Self::AdamW(o) if f32_params => o.update_clipped(params, grads, grad_scale, lr, frozen),
+            _ => {
+                let grads = match grad_scale {
+                    Some(c) => grads.into_iter().map(|g| g.mul_scalar(c)).collect(),
+                    None => grads,
+                };
+                self.update(params, grads, lr, frozen)
+            }
+        }
+    }
+
+    /// One update of every parameter whose `frozen` flag is false. Parameters stored in
+    /// bf16 are updated in f32 and rounded back.
+    pub fn update(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
+        let narrow = params
+            .first()
+            .map(Tensor::dtype)
+            .filter(|d| *d != DType::F32);
+        let Some(master) = narrow else {
+            return self.update_f32(params, grads, lr, frozen);
+        };
+        let mut wide: Vec<Tensor<1>> = params
+            .iter()
+            .map(|p| p.clone().cast(FloatDType::F32))
+            .collect();
+        self.update_f32(&mut wide, grads, lr, frozen);
+        for (p, w) in params.iter_mut().zip(wide) {
+            *p = w.cast(master);
+        }
+    }
+
+    fn update_f32(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
+        match self {
+            Self::AdamW(o) => o.update(params, grads, lr, frozen),
+            Self::Muon(o) => o.update(params, grads, lr, frozen),
+            Self::SophiaG(o) => o.update(params, grads, lr, frozen),
+        }
+    }
+
+    /// Whether the update just applied is one after which SophiaG wants a fresh Hessian
+    /// estimate ([`Optimizer::update_hessian`]); never for the other kinds.
+    pub fn hessian_due(&self) -> bool {
+        match self {
+            Self::SophiaG(o) => o.hessian_due(),
+            _ => false,
+        }
+    }
+
+    /// Folds a Gauss-Newton-Bartlett estimate into SophiaG's Hessian EMA: `grads` are the
+    /// gradients of the mean loss against labels sampled from the model itself.
+    pub fn update_hessian(&mut self, grads: Vec<Tensor<1>>) {
+        if let Self::SophiaG(o) = self {
+            o.update_hessian(grads);
+        }
+    }
+
+    fn slots(&self) -> Vec<StateSlot<'_>> {
+        match self {
+            Self::AdamW(o) => o.slots(),
+            Self::Muon(o) => o.slots(),
+            Self::SophiaG(o) => o.slots(),
+        }
+    }
+
+    fn slots_mut(&mut self) -> Vec<StateSlotMut<'_>> {
+        match self {
+            Self::AdamW(o) => o.slots_mut(),
+            Self::Muon(o) => o.slots_mut(),
+            Self::SophiaG(o) => o.slots_mut(),
+        }
+    }
+
+    /// The state as host tensors named `<param>.<slot>` (what `optimizer.safetensors` holds).
+    pub fn host_state(&self, specs: &[ParamSpec]) -> Vec<HostTensor> {
+        self.named_state(specs)
+            .iter()
+            .map(DeviceTensor::to_host)
+            .collect()
+    }
+
+    /// The state as named tensors on the device (references, no copy).
+    pub fn named_state(&self, specs: &[ParamSpec]) -> Vec<DeviceTensor> {
+        let mut out = Vec::new();
+        for (suffix, tensors) in self.slots() {
+            for (spec, t) in specs.iter().zip(tensors) {
+                if let Some(t) = t {
+                    out.push(DeviceTensor {
+                        name: format!("{}.{suffix}", spec.name),
+                        shape: spec.shape.clone(),
+                        tensor: t.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores the state from host tensors named `<param>.<slot>`; every slot this
+    /// optimizer keeps must be there with its parameter's shape (the error names the
+    /// first that is not).
+    pub fn load_host_state(
+        &mut self,
+        specs: &[ParamSpec],
+        tensors: &[HostTensor],
+        device: &Device,
+    ) -> Result<(), String> {
+        let by_name: std::collections::HashMap<&str, &HostTensor> =
+            tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        for (suffix, slot) in self.slots_mut() {
+            for (spec, t) in specs.iter().zip(slot.iter_mut()) {
+                if t.is_none() {
+                    continue;
+                }
+                let name = format!("{}.{suffix}", spec.name);
+                let found = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| format!("optimizer tensor {name} is missing"))?;
+                if found.shape != spec.shape {
+                    return Err(format!(
+                        "optimizer tensor {name} has shape {:?}, the model needs {:?}",
+                        found.shape, spec.shape
+                    ));
+                }
+                *t = Some(Tensor::from_data(
+                    TensorData::new(found.values.clone(), [spec.numel()]),
+                    device,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(kind: ScheduleKind) -> LrSchedulerConfig {
+        LrSchedulerConfig {
+            kind,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            decay_ratio: 0.2,
+        }
+    }
+
+    #[test]
+    fn cosine_warms_up_peaks_and_ends_at_min() {
+        let s = sched(ScheduleKind::Cosine);
+        assert!((lr_at(&s, 1.0, 0, 100) - 0.1).abs() < 1e-12);
+        assert!((lr_at(&s, 1.0, 9, 100) - 1.0).abs() < 1e-12);
+        assert!((lr_at(&s, 1.0, 10, 100) - 1.0).abs() < 1e-12);
+        assert!((lr_at(&s, 1.0, 100, 100) - 0.1).abs() < 1e-9);
+        let mid = lr_at(&s, 1.0, 55, 100);
+        assert!((mid - 0.55).abs() < 1e-9, "{mid}");
+    }
+
+    #[test]
+    fn wsd_is_flat_then_decays_linearly() {
+        let s = sched(ScheduleKind::Wsd);
+        assert_eq!(lr_at(&s, 1.0, 50, 100), 1.0);
+        assert_eq!(lr_at(&s, 1.0, 79, 100), 1.0);
+        assert!(lr_at(&s, 1.0, 80, 100) < 1.0);
+        assert!((lr_at(&s, 1.0, 99, 100) - 0.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn clipping_scales_to_max_norm() {
+        let device = Device::flex();
+        let g = vec![Tensor::<1>::from_floats([3.0, 4.0], &device)];
+        let n = global_norm(&g);
+        assert!((n - 5.0).abs() < 1e-6);
+        let c = clip_by_global_norm(g, n, 1.0);
+        assert!((global_norm(&c) - 1.0).abs() < 1e-5);
+    }
+}

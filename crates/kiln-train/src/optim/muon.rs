@@ -1,0 +1,210 @@
+//! Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers"), as PyTorch's
+//! `torch.optim.Muon`: SGD momentum (Nesterov by default) whose update of each 2-D hidden
+//! matrix is replaced by its orthogonalisation, computed with 5 iterations of the quintic
+//! Newton-Schulz map X <- aX + (bA + cA^2)X, A = XX^T, (a, b, c) = (3.4445, -4.7750, 2.0315).
+//! Embeddings, norm weights and the output head get AdamW ([`super::role`]).
+//!
+//! Layout: kiln stores matrices `[in, out]`; PyTorch's `[out, in]`. Everything here is done
+//! on the PyTorch orientation (the transpose of kiln's), so the iteration sees the same
+//! matrix, in the same orientation, as `torch.optim.Muon`, and the LR adjustment reads
+//! `out x in` as PyTorch does.
+//!
+//! Precision: PyTorch runs the iteration in bf16 (a GPU speed choice); kiln runs it in f32.
+//! The two agree to bf16 rounding (see `scripts/muon-parity.py` for the measured difference).
+
+use super::adamw::AdamW;
+use super::{Role, StateSlot, StateSlotMut, role};
+use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
+use crate::model::ParamSpec;
+use burn::tensor::{Device, Tensor};
+
+/// The quintic's coefficients (Keller Jordan's, PyTorch's defaults).
+pub const NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
+/// Floor of the Frobenius norm the input is divided by (PyTorch's `eps`).
+const NS_EPS: f64 = 1e-7;
+/// State suffix of the momentum buffer (PyTorch's name).
+pub const MOMENTUM_BUFFER: &str = "momentum_buffer";
+
+/// Orthogonalises `g` (PyTorch's `_zeropower_via_newtonschulz`, in f32): scale to Frobenius
+/// norm 1, then `steps` quintic iterations on the wide orientation (rows <= cols).
+pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
+    let (a, b, c) = NS_COEFFICIENTS;
+    let [rows, cols] = g.dims();
+    let tall = rows > cols;
+    let x = if tall { g.transpose() } else { g };
+    let norm = x
+        .clone()
+        .powi_scalar(2)
+        .sum()
+        .sqrt()
+        .clamp_min(NS_EPS)
+        .reshape([1, 1]);
+    let mut x = x / norm;
+    for _ in 0..steps {
+        let gram = x.clone().matmul(x.clone().transpose());
+        let update = gram.clone().mul_scalar(b) + gram.clone().matmul(gram).mul_scalar(c);
+        x = x.clone().mul_scalar(a) + update.matmul(x);
+    }
+    if tall { x.transpose() } else { x }
+}
+
+/// PyTorch's `lerp(start, end, w)` arithmetic: `start + w (end - start)` for |w| < 0.5,
+/// else `end - (end - start)(1 - w)`.
+fn lerp(start: Tensor<1>, end: Tensor<1>, w: f64) -> Tensor<1> {
+    if w.abs() < 0.5 {
+        start.clone() + (end - start).mul_scalar(w)
+    } else {
+        end.clone() - (end - start).mul_scalar(1.0 - w)
+    }
+}
+
+/// The LR of a matrix of `out x in` (PyTorch's `_adjust_lr`).
+fn adjusted_lr(lr: f64, adjust: MuonLrAdjust, out: usize, inp: usize) -> f64 {
+    let (o, i) = (out as f64, inp as f64);
+    match adjust {
+        MuonLrAdjust::Original => lr * (o / i).max(1.0).sqrt(),
+        MuonLrAdjust::MatchRmsAdamw => lr * 0.2 * o.max(i).sqrt(),
+    }
+}
+
+/// Muon state: a momentum buffer per hidden matrix, and AdamW for the other parameters.
+#[derive(Debug, Clone)]
+pub struct Muon {
+    cfg: MuonConfig,
+    weight_decay: f64,
+    decay: Vec<bool>,
+    /// `[in, out]` of each hidden matrix, `None` for the AdamW parameters.
+    shapes: Vec<Option<[usize; 2]>>,
+    /// Momentum buffers of the hidden matrices.
+    pub momentum: Vec<Option<Tensor<1>>>,
+    /// The AdamW of the embeddings, norms and output head (it also counts the steps).
+    pub adam: AdamW,
+}
+
+impl Muon {
+    /// Zero state for these parameters; roles from [`super::role`].
+    pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
+        let hidden: Vec<bool> = specs.iter().map(|s| role(s) == Role::Hidden).collect();
+        let adam_owned: Vec<bool> = hidden.iter().map(|h| !h).collect();
+        Self {
+            cfg: cfg.muon.clone(),
+            weight_decay: cfg.weight_decay,
+            decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
+            shapes: specs
+                .iter()
+                .zip(&hidden)
+                .map(|(s, &h)| h.then(|| [s.shape[0], s.shape[1]]))
+                .collect(),
+            momentum: specs
+                .iter()
+                .zip(&hidden)
+                .map(|(s, &h)| h.then(|| Tensor::zeros([s.numel()], device)))
+                .collect(),
+            adam: AdamW::owning(cfg, specs, device, &adam_owned),
+        }
+    }
+
+    /// One update: Muon for the hidden matrices, AdamW (one step count) for the rest.
+    pub fn update(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        lr: f64,
+        frozen: &[bool],
+    ) {
+        let mom = self.cfg.momentum;
+        for (i, g) in grads.iter().enumerate() {
+            let (Some([inp, out]), Some(buf)) = (self.shapes[i], &self.momentum[i]) else {
+                continue;
+            };
+            if frozen.get(i).copied().unwrap_or(false) {
+                continue;
+            }
+            let buf = lerp(buf.clone(), g.clone(), 1.0 - mom);
+            let update = if self.cfg.nesterov {
+                lerp(g.clone(), buf.clone(), mom)
+            } else {
+                buf.clone()
+            };
+            // PyTorch orientation: [out, in], the transpose of kiln's [in, out].
+            let torch_view = update.reshape([inp, out]).transpose();
+            let ortho = newton_schulz(torch_view, self.cfg.ns_steps)
+                .transpose()
+                .reshape([inp * out]);
+            let mut p = params[i].clone();
+            if self.decay[i] && self.weight_decay != 0.0 {
+                p = p.mul_scalar(1.0 - lr * self.weight_decay);
+            }
+            params[i] = p - ortho.mul_scalar(adjusted_lr(lr, self.cfg.adjust_lr, out, inp));
+            self.momentum[i] = Some(buf);
+        }
+        self.adam.update(params, grads, lr, frozen);
+    }
+
+    pub(crate) fn slots(&self) -> Vec<StateSlot<'_>> {
+        let mut s = vec![(MOMENTUM_BUFFER, &self.momentum)];
+        s.extend(self.adam.slots());
+        s
+    }
+
+    pub(crate) fn slots_mut(&mut self) -> Vec<StateSlotMut<'_>> {
+        let mut s = vec![(MOMENTUM_BUFFER, &mut self.momentum)];
+        s.extend(self.adam.slots_mut());
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::TensorData;
+
+    fn matrix(rows: usize, cols: usize, seed: u64) -> Tensor<2> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        Tensor::from_data(TensorData::new(v, [rows, cols]), &Device::flex())
+    }
+
+    fn singular_values_sq(x: Tensor<2>) -> Vec<f32> {
+        // Diagonal of X X^T for an orthogonalised wide X is ~ its squared singular values
+        // when X's rows are near-orthogonal; check the off-diagonal too.
+        let g = x.clone().matmul(x.transpose());
+        g.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn newton_schulz_nearly_orthogonalises_in_both_orientations() {
+        for (r, c) in [(8, 24), (24, 8), (16, 16)] {
+            let x = newton_schulz(matrix(r, c, 7), 5);
+            assert_eq!(x.dims(), [r, c]);
+            let wide = if r > c { x.transpose() } else { x };
+            let n = r.min(c);
+            let gram = singular_values_sq(wide);
+            for i in 0..n {
+                for j in 0..n {
+                    let v = gram[i * n + j];
+                    if i == j {
+                        // The quintic does not converge to 1 but to roughly [0.5, 1.5]
+                        // (squared: [0.25, 2.25]); that is what makes it fast.
+                        assert!((0.2..2.4).contains(&v), "diag {i}: {v}");
+                    } else {
+                        assert!(v.abs() < 0.5, "off-diagonal ({i},{j}): {v}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn roles_by_name() {
+        let cfg = crate::config::ModelConfig::default();
+        let model = crate::model::Llama::new(&cfg, 16);
+        for s in model.specs() {
+            let expect_adam = s.name.contains("embed")
+                || s.name.contains("norm")
+                || s.name.starts_with("lm_head");
+            assert_eq!(role(s) == Role::Adam, expect_adam, "{}", s.name);
+        }
+    }
+}

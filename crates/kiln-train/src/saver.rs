@@ -1,0 +1,357 @@
+//! [`Saver`]: writes checkpoints through the run's [`CheckpointManager`], synchronously or
+//! on a writer thread (`checkpoint.async`).
+//!
+//! Asynchronous saving: the training step hands over the state as [`Staged`] tensors and
+//! goes on; the writer thread copies them to the host, serialises, writes, fsyncs, writes the
+//! manifest, renames and applies retention. Handing over costs no copy: burn tensors are
+//! immutable values whose buffers a step only ever replaces (an operation writes in place
+//! only into a buffer nobody else holds), so the staged tensors keep the step's values while
+//! training goes on; the price is that those buffers stay allocated until the writer has
+//! copied them (on a GPU: one more copy of weights and optimizer state in device memory). At most one save is in flight: submitting the
+//! next one first waits for it. Every way out of training waits for it too
+//! ([`Saver::wait`]); dropping the saver joins the thread, so not even an early return can
+//! leave a save half done while the process exits normally. A SIGKILL during a write leaves
+//! a temporary directory, never a published checkpoint, exactly as a synchronous save would.
+
+use crate::checkpoint::{
+    Checkpoint, CheckpointError, CheckpointManager, HostTensor, SaveReport, StoredDtype,
+};
+use burn::tensor::{DType, Tensor};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// A named tensor still on the device.
+#[derive(Debug, Clone)]
+pub struct DeviceTensor {
+    /// Its name in the checkpoint.
+    pub name: String,
+    /// Its logical shape (the tensor itself is flat).
+    pub shape: Vec<usize>,
+    /// The tensor.
+    pub tensor: Tensor<1>,
+}
+
+impl DeviceTensor {
+    /// A host copy, widened to f32, remembering whether it was bf16.
+    pub fn to_host(&self) -> HostTensor {
+        HostTensor {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            dtype: if self.tensor.dtype() == DType::BF16 {
+                StoredDtype::Bf16
+            } else {
+                StoredDtype::F32
+            },
+            values: crate::session::to_vec(&self.tensor),
+        }
+    }
+}
+
+/// A checkpoint as the step hands it over: references to the tensors, not copies.
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// Optimizer step the checkpoint is taken after.
+    pub step: u64,
+    /// Weights.
+    pub model: Vec<DeviceTensor>,
+    /// Optimizer state.
+    pub optimizer: Vec<DeviceTensor>,
+    /// `state.json`.
+    pub state: serde_json::Value,
+}
+
+impl Staged {
+    /// The host copy the files are written from.
+    pub fn to_host(&self) -> Checkpoint {
+        Checkpoint {
+            step: self.step,
+            model: self.model.iter().map(DeviceTensor::to_host).collect(),
+            optimizer: self.optimizer.iter().map(DeviceTensor::to_host).collect(),
+            state: self.state.clone(),
+        }
+    }
+}
+
+/// A save that finished.
+#[derive(Debug)]
+pub struct Saved {
+    /// The step saved.
+    pub step: u64,
+    /// What the manager did.
+    pub report: SaveReport,
+    /// Seconds the training step was blocked by this save (waiting for the previous save,
+    /// staging the state, and for a synchronous save the host copy and the write).
+    pub stall_s: f64,
+    /// Seconds the save took (host copy, serialise, write, fsync, manifest, rename,
+    /// retention).
+    pub write_s: f64,
+    /// Whether it was written on the writer thread.
+    pub asynchronous: bool,
+}
+
+struct Job {
+    staged: Staged,
+    stall_s: f64,
+}
+
+type Outcome = Result<Saved, CheckpointError>;
+
+enum Mode {
+    Sync(CheckpointManager),
+    Async {
+        jobs: Option<Sender<Job>>,
+        done: Receiver<Outcome>,
+        thread: Option<JoinHandle<()>>,
+        in_flight: bool,
+    },
+}
+
+/// Writes checkpoints (see the module documentation).
+pub struct Saver {
+    mode: Mode,
+}
+
+impl Saver {
+    /// A saver over `manager`; `asynchronous` starts the writer thread.
+    pub fn new(manager: CheckpointManager, asynchronous: bool) -> Self {
+        if !asynchronous {
+            return Self {
+                mode: Mode::Sync(manager),
+            };
+        }
+        let (jobs, inbox) = channel::<Job>();
+        let (outbox, done) = channel::<Outcome>();
+        // The manager goes to the thread once it runs, so a failed spawn keeps it here.
+        let (give, take) = channel::<CheckpointManager>();
+        let spawned = std::thread::Builder::new()
+            .name("kiln-checkpoint-writer".into())
+            .spawn(move || {
+                if let Ok(manager) = take.recv() {
+                    writer(manager, inbox, outbox);
+                }
+            });
+        let handed = match spawned {
+            Ok(handle) => give.send(manager).map(|()| handle).map_err(|e| e.0),
+            Err(e) => {
+                tracing::warn!(
+                    "cannot start the checkpoint writer thread ({e}); saving synchronously"
+                );
+                Err(manager)
+            }
+        };
+        match handed {
+            Ok(handle) => Self {
+                mode: Mode::Async {
+                    jobs: Some(jobs),
+                    done,
+                    thread: Some(handle),
+                    in_flight: false,
+                },
+            },
+            Err(manager) => Self {
+                mode: Mode::Sync(manager),
+            },
+        }
+    }
+
+    /// Saves `staged`, whose staging took `stage_s` seconds. A synchronous saver copies and
+    /// writes it now; an asynchronous one first waits for the save in flight, then hands it
+    /// to the writer. Returns the saves that finished meanwhile (the previous one, or this
+    /// one when synchronous), for the caller to report.
+    pub fn submit(&mut self, staged: Staged, stage_s: f64) -> Vec<Outcome> {
+        let t0 = Instant::now();
+        let copy_s = stage_s;
+        match &mut self.mode {
+            Mode::Sync(manager) => {
+                let step = staged.step;
+                let ckpt = staged.to_host();
+                drop(staged);
+                let res = manager.save(&ckpt).map(|report| {
+                    let write_s = t0.elapsed().as_secs_f64();
+                    Saved {
+                        step,
+                        report,
+                        stall_s: copy_s + write_s,
+                        write_s,
+                        asynchronous: false,
+                    }
+                });
+                vec![res]
+            }
+            Mode::Async { .. } => {
+                let finished: Vec<Outcome> = self.wait().into_iter().collect();
+                let Mode::Async {
+                    jobs, in_flight, ..
+                } = &mut self.mode
+                else {
+                    return finished;
+                };
+                let stall_s = copy_s + t0.elapsed().as_secs_f64();
+                let sent = jobs
+                    .as_ref()
+                    .is_some_and(|tx| tx.send(Job { staged, stall_s }).is_ok());
+                *in_flight = sent;
+                let mut out = finished;
+                if !sent {
+                    out.push(Err(writer_gone()));
+                }
+                out
+            }
+        }
+    }
+
+    /// The finished save, if the one in flight is done (never blocks).
+    pub fn poll(&mut self) -> Option<Outcome> {
+        let Mode::Async {
+            done, in_flight, ..
+        } = &mut self.mode
+        else {
+            return None;
+        };
+        if !*in_flight {
+            return None;
+        }
+        match done.try_recv() {
+            Ok(res) => {
+                *in_flight = false;
+                Some(res)
+            }
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => {
+                *in_flight = false;
+                Some(Err(writer_gone()))
+            }
+        }
+    }
+
+    /// Waits for the save in flight, if any, and returns how it ended.
+    pub fn wait(&mut self) -> Option<Outcome> {
+        let Mode::Async {
+            done, in_flight, ..
+        } = &mut self.mode
+        else {
+            return None;
+        };
+        if !*in_flight {
+            return None;
+        }
+        *in_flight = false;
+        Some(done.recv().unwrap_or_else(|_| Err(writer_gone())))
+    }
+
+    /// Whether a save is being written.
+    pub fn in_flight(&self) -> bool {
+        matches!(
+            self.mode,
+            Mode::Async {
+                in_flight: true,
+                ..
+            }
+        )
+    }
+}
+
+impl Drop for Saver {
+    fn drop(&mut self) {
+        if let Mode::Async { jobs, thread, .. } = &mut self.mode {
+            // Closing the queue ends the writer after the job it holds.
+            drop(jobs.take());
+            if let Some(t) = thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn writer_gone() -> CheckpointError {
+    CheckpointError::Io {
+        path: std::path::PathBuf::from("<checkpoint writer thread>"),
+        source: std::io::Error::other("the checkpoint writer thread ended unexpectedly"),
+    }
+}
+
+/// The writer thread: one job at a time, each result sent back.
+fn writer(mut manager: CheckpointManager, inbox: Receiver<Job>, outbox: Sender<Outcome>) {
+    for job in inbox {
+        let t0 = Instant::now();
+        let step = job.staged.step;
+        let ckpt = job.staged.to_host();
+        let stall_s = job.stall_s;
+        // The device tensors are released as soon as they are copied.
+        drop(job);
+        let res = manager.save(&ckpt).map(|report| Saved {
+            step,
+            report,
+            stall_s,
+            write_s: t0.elapsed().as_secs_f64(),
+            asynchronous: true,
+        });
+        drop(ckpt);
+        if outbox.send(res).is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::list_steps;
+
+    fn ckpt(step: u64) -> Staged {
+        let d = burn::tensor::Device::flex();
+        let t = |name: &str, v: [f32; 3]| DeviceTensor {
+            name: name.into(),
+            shape: vec![3],
+            tensor: Tensor::from_floats(v, &d),
+        };
+        Staged {
+            step,
+            model: vec![t("w", [1.0, 2.0, step as f32])],
+            optimizer: vec![t("w.exp_avg", [0.0; 3])],
+            state: serde_json::json!({"step": step, "run_id": "r"}),
+        }
+    }
+
+    #[test]
+    fn async_saves_publish_in_order_one_at_a_time_and_drop_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("checkpoints");
+        let opened = CheckpointManager::open(&root, 2, true, "r").unwrap();
+        let mut saver = Saver::new(opened.manager, true);
+        let mut finished = Vec::new();
+        for step in [1, 2, 3] {
+            finished.extend(saver.submit(ckpt(step), 0.0));
+            // The previous save is done before the next is handed over.
+            assert!(saver.in_flight());
+        }
+        finished.extend(saver.wait());
+        assert!(!saver.in_flight());
+        let steps: Vec<u64> = finished.iter().map(|r| r.as_ref().unwrap().step).collect();
+        assert_eq!(steps, [1, 2, 3]);
+        for r in &finished {
+            let s = r.as_ref().unwrap();
+            assert!(s.asynchronous && s.write_s >= 0.0 && s.stall_s >= 0.0);
+        }
+        // Retention ran on the writer thread.
+        assert_eq!(list_steps(&root), [3, 2]);
+        // Dropping with a save in flight finishes it.
+        saver.submit(ckpt(4), 0.0);
+        drop(saver);
+        assert_eq!(list_steps(&root), [4, 3]);
+    }
+
+    #[test]
+    fn a_synchronous_saver_writes_before_returning() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("checkpoints");
+        let opened = CheckpointManager::open(&root, 2, true, "r").unwrap();
+        let mut saver = Saver::new(opened.manager, false);
+        let done = saver.submit(ckpt(7), 0.25);
+        assert_eq!(list_steps(&root), [7]);
+        let s = done[0].as_ref().unwrap();
+        assert!(!s.asynchronous && s.stall_s >= 0.25 && s.stall_s >= s.write_s);
+        assert!(saver.wait().is_none());
+    }
+}

@@ -1,0 +1,8 @@
+#![no_main]
+
+#[path = "../harness/alloc_cap.rs"]
+mod alloc_cap;
+#[path = "../harness/idx_bin.rs"]
+mod harness;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| harness::run(data));

@@ -1,0 +1,95 @@
+//! Fuzz harness: a checkpoint directory as `kiln_train::checkpoint::load` reads it
+//! (`manifest.json`, `state.json`, `model.safetensors`, `optimizer.safetensors`).
+//!
+//! The input is four parts separated by [`SEP`]: manifest, state, model, optimizer (missing
+//! parts are empty files). An empty manifest part means "a correct manifest for the other
+//! three files", so that mutations of `state.json` and the safetensors files get past the
+//! checksums and reach their parsers; a non-empty one is written as it is.
+//!
+//! Manifest entries naming anything but the checkpoint's own files (`../x`, `/dev/zero`)
+//! must be refused without being opened (`regressions/checkpoint/manifest-*`).
+
+use kiln_train::checkpoint::{
+    self, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE, STATE_FILE,
+};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+
+/// Separates the parts of a multi-file fuzz input.
+pub const SEP: &[u8] = b"--KILN-FUZZ-PART--";
+
+/// The checkpoint's files, in the order of the input's parts.
+pub const FILES: [&str; 4] = [MANIFEST_FILE, STATE_FILE, MODEL_FILE, OPTIMIZER_FILE];
+
+fn split(data: &[u8]) -> Vec<&[u8]> {
+    let mut parts = Vec::new();
+    let mut rest = data;
+    while parts.len() + 1 < FILES.len() {
+        match rest.windows(SEP.len()).position(|w| w == SEP) {
+            Some(at) => {
+                parts.push(&rest[..at]);
+                rest = &rest[at + SEP.len()..];
+            }
+            None => break,
+        }
+    }
+    parts.push(rest);
+    parts.resize(FILES.len(), &[]);
+    parts
+}
+
+pub fn run(data: &[u8]) {
+    let parts = split(data);
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let ck = dir.path().join("step-7");
+    std::fs::create_dir(&ck).expect("checkpoint directory");
+    for (name, bytes) in FILES.iter().zip(&parts).skip(1) {
+        std::fs::write(ck.join(name), bytes).expect("write a part");
+    }
+    let manifest = if parts[0].is_empty() {
+        let files: BTreeMap<String, ManifestEntry> = FILES[1..]
+            .iter()
+            .zip(&parts[1..])
+            .map(|(name, bytes)| {
+                let entry = ManifestEntry {
+                    sha256: hex::encode(Sha256::digest(bytes)),
+                    bytes: bytes.len() as u64,
+                };
+                (name.to_string(), entry)
+            })
+            .collect();
+        serde_json::to_vec(&Manifest { version: 1, files }).expect("manifest JSON")
+    } else {
+        parts[0].to_vec()
+    };
+    std::fs::write(ck.join(FILES[0]), &manifest).expect("write the manifest");
+    if let Err(e) = checkpoint::load_state(&ck) {
+        assert!(e.to_string().contains("step-7"), "{e}");
+    }
+    match checkpoint::load(&ck) {
+        Ok(c) => {
+            assert_eq!(c.state.get("step").and_then(|s| s.as_u64()), Some(c.step));
+            for t in c.model.iter().chain(&c.optimizer) {
+                let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                assert_eq!(
+                    n,
+                    Some(t.values.len()),
+                    "tensor {} shape {:?}",
+                    t.name,
+                    t.shape
+                );
+            }
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("step-7"),
+                "error does not name the checkpoint: {msg}"
+            );
+        }
+    }
+    // The newest-valid scan over a root holding it must give a verdict too.
+    let mut rejected = 0;
+    let found = checkpoint::load_latest_valid(dir.path(), |_, _| rejected += 1);
+    assert!(found.is_some() != (rejected == 1));
+}
