@@ -119,7 +119,9 @@ def classify(frames):
             if cat is None:  # linear
                 if bwd:
                     return ("bwd", "projections (attention + MLP)")
-                caller = next((g for g in frames[i:] if g.startswith("kiln_train::model::")), "")
+                # the model function that called it, past the `mm` helper (the dtype casts)
+                caller = next((g for g in frames[i:] if g.startswith("kiln_train::model::")
+                               and not re.search(r"::(mm|bmm)(<|$)", g)), "")
                 return ("fwd", forward_category(caller, "linear"))
             return ("bwd" if bwd else "fwd", cat)
         if "as burn_autodiff::ops::backward::Backward" in f:
@@ -132,9 +134,10 @@ def classify(frames):
             return ("bwd", "grad accumulation")
         if f.startswith("kiln_train::optim::global_norm") or f.startswith("kiln_train::optim::clip"):
             return ("step", "clip")
-        if f.startswith("kiln_train::optim::AdamW"):
+        if f.startswith("kiln_train::optim::AdamW") or f.startswith("kiln_train::optim::adamw::") \
+                or f.startswith("kiln_train::optim::Optimizer::update"):
             return ("step", "AdamW")
-        if f.startswith("kiln_train::model::"):
+        if f.startswith("kiln_train::model::") and not re.search(r"::(mm|bmm)(<|$)", f):
             op = next((burn_op(g) for g in reversed(frames[:i]) if burn_op(g)), None)
             return ("fwd", forward_category(f, op))
         if f.startswith("burn_tensor::tensor::api::autodiff::backward"):
