@@ -11,6 +11,7 @@
 mod common;
 
 use common::KILN;
+use common::slurm::DATA_PARALLEL;
 use common::slurm::{Cluster, wait_until};
 use std::path::Path;
 use std::process::Command;
@@ -30,9 +31,6 @@ fn train_sets(steps: u64) -> Vec<String> {
     ]);
     v
 }
-
-/// Whether multi-node jobs run the data-parallel trainer on every rank.
-const DATA_PARALLEL: bool = cfg!(feature = "mpi");
 
 fn train_args(run: &Path, steps: u64) -> Vec<String> {
     train_args_with(run, steps, &[])
@@ -122,33 +120,6 @@ fn rank_command(dir: &Path, run: &Path, steps: u64) -> Vec<String> {
                 .to_string(),
         ]
     }
-}
-
-/// The PID of rank `rank`'s program: the trainer whose environment has RANK=<rank> (set by
-/// `kiln launch --as-rank`), or the rank script's recorded PID.
-fn rank_pid(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
-    if !DATA_PARALLEL {
-        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}"))).ok()?;
-        return text.trim().parse().ok();
-    }
-    let want_rank = format!("RANK={rank}");
-    let want_dir = run.display().to_string();
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let trainer = args.get(1).is_some_and(|a| a == "train") && args.contains(&want_dir);
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
 }
 
 fn events(run: &Path) -> Vec<kiln_run::Event> {
@@ -311,7 +282,7 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
         last_step(&run) >= 100
     });
     // Rank 1 (on n2) hangs; the others keep going, output and heartbeats continue.
-    let pid = rank_pid(&dir, &run, 1).expect("rank 1's process");
+    let pid = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
     // SAFETY: kill(2) on a rank process this test's cluster started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let state = cluster.wait_job(&id, Duration::from_secs(240));

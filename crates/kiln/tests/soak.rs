@@ -23,6 +23,7 @@ mod common;
 
 use common::KILN;
 use common::slurm::Cluster;
+use common::slurm::DATA_PARALLEL;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,9 +50,6 @@ fn train_sets(steps: u64) -> Vec<String> {
     ]);
     v
 }
-
-/// Whether both ranks run the data-parallel trainer.
-const DATA_PARALLEL: bool = cfg!(feature = "mpi");
 
 /// `args` run uninterrupted on `ranks` ranks (a local `kiln launch --mpi` for more than one).
 fn uninterrupted(run: &Path, args: Vec<String>, ranks: usize) -> Command {
@@ -153,33 +151,6 @@ fn unquarantine(file: &Path, host: &str) {
     if std::fs::write(&tmp, kept).is_ok() {
         let _ = std::fs::rename(&tmp, file);
     }
-}
-
-/// The PID of rank `rank`'s program: the trainer whose environment has RANK=<rank> (set by
-/// `kiln launch --as-rank`), or the rank script's recorded PID.
-fn pid_of(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
-    if !DATA_PARALLEL {
-        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}"))).ok()?;
-        return text.trim().parse().ok();
-    }
-    let want_rank = format!("RANK={rank}");
-    let want_dir = run.display().to_string();
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let trainer = args.get(1).is_some_and(|a| a == "train") && args.contains(&want_dir);
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
 }
 
 fn signal(pid: i32, sig: i32) -> bool {
@@ -313,9 +284,13 @@ fn soak() {
                 }
                 None => false,
             },
-            "stop-replica" => pid_of(&keep, &run, 1).is_some_and(|p| signal(p, libc::SIGSTOP)),
-            "kill-trainer" => pid_of(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGKILL)),
-            _ => pid_of(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGSTOP)),
+            "stop-replica" => {
+                common::slurm::rank_pid(&keep, &run, 1).is_some_and(|p| signal(p, libc::SIGSTOP))
+            }
+            "kill-trainer" => {
+                common::slurm::rank_pid(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGKILL))
+            }
+            _ => common::slurm::rank_pid(&keep, &run, 0).is_some_and(|p| signal(p, libc::SIGSTOP)),
         };
         if ok && kind != "node-down" {
             let faulted = if kind == "stop-replica" {
