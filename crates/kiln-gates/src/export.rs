@@ -289,10 +289,11 @@ pub fn reference_logits(session: &Session, text: &str) -> Result<serde_json::Val
             })
         })
         .collect::<Result<_, _>>()?;
-    let tokens = Session::int_tensor(std::slice::from_ref(&ids), ids.len(), &session.device);
+    let tokens =
+        kiln_train::tensor::int_tensor(std::slice::from_ref(&ids), ids.len(), &session.device);
     let logits = session.model.forward(&session.params, tokens);
     let dims = logits.dims();
-    let flat = kiln_train::session::to_vec(&logits.reshape([dims.iter().product::<usize>()]));
+    let flat = kiln_train::tensor::to_vec(&logits.reshape([dims.iter().product::<usize>()]));
     Ok(json!({"text": text, "ids": ids, "shape": dims, "logits": flat}))
 }
 

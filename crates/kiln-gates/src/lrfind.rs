@@ -4,15 +4,15 @@
 //! finite), and suggest the LR where the smoothed loss falls fastest (steepest descent
 //! against log LR) and, as a more conservative bound, the blow-up LR divided by 10.
 //!
-//! The steps are the trainer's (same model, precision, data, optimizer (`optimizer.kind`:
-//! AdamW, Muon or SophiaG, with SophiaG's Hessian estimates) and gradient clipping from the
-//! config); only the LR differs: no schedule, no warmup.
+//! The steps are the trainer's own [`Step`] (same model, precision, data and batch layout,
+//! optimizer (`optimizer.kind`: AdamW, Muon or SophiaG, with SophiaG's Hessian estimates)
+//! and gradient clipping from the config); only the LR differs: no schedule, no warmup.
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
 use kiln_train::data::TrainData;
-use kiln_train::optim::{Optimizer, clip_by_global_norm, global_norm};
-use kiln_train::step::{Labels, loss_and_grads};
+use kiln_train::optim::Optimizer;
+use kiln_train::step::{At, BatchLayout, Step};
 use kiln_train::{Config, Session};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -84,6 +84,11 @@ pub fn ramp(min: f64, max: f64, i: u64, n: u64) -> f64 {
     min * (max / min).powf(i as f64 / (n - 1) as f64)
 }
 
+/// Sequences a step of `config` trains on (one rank): the global batch.
+fn rows_per_step(config: &Config) -> u64 {
+    BatchLayout::new(&config.training, 0, 1).map_or(1, |l| l.global_batch())
+}
+
 /// Runs the sweep; `progress` sees each point.
 pub fn run(
     config: &Config,
@@ -114,45 +119,31 @@ pub fn run(
             opts.beta
         )));
     }
-    let seq = config.training.seq_len;
-    let rows_per_step = (config.training.batch_size * config.training.grad_accum_steps) as u64;
-    let data = TrainData::open(config, opts.steps * rows_per_step, None)
-        .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
+    let data = TrainData::open(
+        config,
+        opts.steps.saturating_mul(rows_per_step(config)),
+        None,
+    )
+    .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
     let vocab = data
         .vocab(config)
         .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
     let mut s = Session::new(config, vocab)?;
-    let mut optimizer = Optimizer::new(
-        &config.optimizer,
-        s.model.specs(),
-        &s.device,
-        rows_per_step * seq as u64,
-    );
-    let ad = s.device.clone().autodiff();
-    let shards = config.training.compute_shards.max(1);
-    let frozen = vec![false; s.params.len()];
+    let step = Step::single(config, &s)?;
+    let layout = *step.layout();
+    let tokens = layout.global_batch() * layout.seq as u64;
+    let mut optimizer = Optimizer::new(&config.optimizer, s.model.specs(), &s.device, tokens);
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);
     let mut blowup = None;
     for i in 0..opts.steps {
         let lr = ramp(opts.min_lr, opts.max_lr, i, opts.steps);
-        let rows: Vec<Vec<u32>> = (0..rows_per_step)
-            .map(|r| data.source.sample(i * rows_per_step + r, seq + 1))
-            .collect::<Result<_, _>>()
-            .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
-        let data_labels = Labels::Data { poison: false };
-        let (loss, grads) = loss_and_grads(
-            &s.model,
-            &s.params,
-            &rows,
-            seq,
-            &ad,
-            1.0,
-            shards,
-            data_labels,
-        );
-        let value = f64::from(loss);
-        let norm = global_norm(&grads);
+        let at = At {
+            base: i * layout.global_batch(),
+            batch_no: i + 1,
+        };
+        let g = step.gradients(&s, data.source.as_ref(), at)?;
+        let value = f64::from(g.loss);
         avg = opts.beta * avg + (1.0 - opts.beta) * value;
         let smoothed = avg / (1.0 - opts.beta.powi(i as i32 + 1));
         let p = LrPoint {
@@ -160,30 +151,17 @@ pub fn run(
             lr,
             loss: value,
             smoothed,
-            grad_norm: f64::from(norm),
+            grad_norm: f64::from(g.norm),
         };
         progress(&p);
         points.push(p);
-        if !smoothed.is_finite() || (i > 0 && smoothed > opts.blowup_factor * best) {
-            blowup = Some(lr);
-            break;
-        }
+        let blew_up = !smoothed.is_finite() || (i > 0 && smoothed > opts.blowup_factor * best);
         best = best.min(smoothed);
-        if !norm.is_finite() {
+        if blew_up || !g.norm.is_finite() {
             blowup = Some(lr);
             break;
         }
-        let grads = clip_by_global_norm(grads, norm, config.optimizer.max_grad_norm);
-        optimizer.update(&mut s.params, grads, lr, &frozen);
-        if optimizer.hessian_due() {
-            // SophiaG's Gauss-Newton-Bartlett estimate, as the trainer takes it.
-            let sampled = Labels::Sampled {
-                seed: config.training.seed ^ i,
-            };
-            let (_, g) = loss_and_grads(&s.model, &s.params, &rows, seq, &ad, 1.0, shards, sampled);
-            let n = global_norm(&g);
-            optimizer.update_hessian(clip_by_global_norm(g, n, config.optimizer.max_grad_norm));
-        }
+        step.apply(&mut s, &mut optimizer, data.source.as_ref(), g, lr)?;
     }
     Ok(analyse(points, blowup))
 }

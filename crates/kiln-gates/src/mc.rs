@@ -262,8 +262,8 @@ pub fn choice_logliks(session: &Session, tasks: &[McTask]) -> Vec<Vec<f64>> {
         let inputs: Vec<Vec<u32>> = chunk.iter().map(|(_, _, s, _)| pad(s, 0)).collect();
         let targets: Vec<Vec<u32>> = chunk.iter().map(|(_, _, s, _)| pad(s, 1)).collect();
         let b = chunk.len();
-        let x = Session::int_tensor(&inputs, t, &session.device);
-        let y = Session::int_tensor(&targets, t, &session.device);
+        let x = kiln_train::tensor::int_tensor(&inputs, t, &session.device);
+        let y = kiln_train::tensor::int_tensor(&targets, t, &session.device);
         let logits = session.model.forward(&session.params, x);
         let v = logits.dims()[2];
         let logp = log_softmax(logits.reshape([b * t, v]), 1)
@@ -363,48 +363,49 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
         .and_then(|n| n.to_str())
         .and_then(kiln_run::layout::parse_checkpoint_dir)
         .is_some();
-    let is_checkpoint = path.join("state.json").exists()
+    let is_checkpoint = path.join(kiln_run::layout::CHECKPOINT_STATE).exists()
         || (named_like_one && !path.join(kiln_run::layout::CONFIG).exists());
-    if is_checkpoint && !path.join("manifest.json").exists() {
+    if is_checkpoint && !path.join(kiln_run::layout::CHECKPOINT_MANIFEST).exists() {
         return Err(GatesError::Invalid(format!(
             "{}: a checkpoint directory without manifest.json: it is incomplete (torn while being written) or damaged, so its files cannot be verified; evaluate the run directory instead (its newest valid checkpoint is used)",
             path.display()
         )));
     }
-    let (tensors, weights, run_dir, step) = if path.join("manifest.json").exists() {
-        let ck = kiln_train::checkpoint::load(path)?;
-        // RUN_DIR/checkpoints/step-N
-        let run_dir = path
-            .parent()
-            .and_then(Path::parent)
-            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-        (ck.model, path.to_path_buf(), run_dir, Some(ck.step))
-    } else if path.join("model.safetensors").exists() {
-        let file = path.join("model.safetensors");
-        let bytes = std::fs::read(&file).map_err(io_err(&file))?;
-        let tensors = kiln_train::checkpoint::from_safetensors(&bytes, &file)?;
-        (tensors, file, path.to_path_buf(), None)
-    } else {
-        let root = path.join("checkpoints");
-        let mut rejected = Vec::new();
-        let found = kiln_train::checkpoint::load_latest_valid(&root, |p, why| {
-            rejected.push(format!("{}: {why}", p.display()));
-        });
-        match found {
-            Some((dir, ck)) => (ck.model, dir, path.to_path_buf(), Some(ck.step)),
-            None => {
-                return Err(GatesError::Invalid(format!(
-                    "{}: no model.safetensors and no valid checkpoint under checkpoints/{}",
-                    path.display(),
-                    if rejected.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (rejected: {})", rejected.join("; "))
-                    }
-                )));
+    let (tensors, weights, run_dir, step) =
+        if path.join(kiln_run::layout::CHECKPOINT_MANIFEST).exists() {
+            let ck = kiln_train::checkpoint::load(path)?;
+            // RUN_DIR/checkpoints/step-N
+            let run_dir = path
+                .parent()
+                .and_then(Path::parent)
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+            (ck.model, path.to_path_buf(), run_dir, Some(ck.step))
+        } else if path.join(kiln_run::layout::FINAL_MODEL).exists() {
+            let file = path.join(kiln_run::layout::FINAL_MODEL);
+            let bytes = std::fs::read(&file).map_err(io_err(&file))?;
+            let tensors = kiln_train::checkpoint::from_safetensors(&bytes, &file)?;
+            (tensors, file, path.to_path_buf(), None)
+        } else {
+            let root = path.join(kiln_run::layout::CHECKPOINTS);
+            let mut rejected = Vec::new();
+            let found = kiln_train::checkpoint::load_latest_valid(&root, |p, why| {
+                rejected.push(format!("{}: {why}", p.display()));
+            });
+            match found {
+                Some((dir, ck)) => (ck.model, dir, path.to_path_buf(), Some(ck.step)),
+                None => {
+                    return Err(GatesError::Invalid(format!(
+                        "{}: no model.safetensors and no valid checkpoint under checkpoints/{}",
+                        path.display(),
+                        if rejected.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (rejected: {})", rejected.join("; "))
+                        }
+                    )));
+                }
             }
-        }
-    };
+        };
     let config_path = config.map_or_else(|| run_dir.join("config.toml"), Path::to_path_buf);
     if !config_path.exists() {
         return Err(GatesError::Invalid(format!(

@@ -183,7 +183,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     }
     let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join(layout::CHECKPOINTS));
     ckpts.reverse();
-    let final_weights = run_dir.join("model.safetensors").exists();
+    let final_weights = run_dir.join(layout::FINAL_MODEL).exists();
     out.push_str(&format!(
         "checkpoints: {}{}\n",
         if ckpts.is_empty() {

@@ -9,6 +9,15 @@ pub const METRICS: &str = "metrics.jsonl";
 pub const EVENTS: &str = "events.jsonl";
 /// Directory of `step-<N>` checkpoint directories.
 pub const CHECKPOINTS: &str = "checkpoints";
+/// The weights file of a checkpoint (`checkpoints/step-<N>/`).
+pub const CHECKPOINT_MODEL: &str = "model.safetensors";
+/// The optimizer state file of a checkpoint.
+pub const CHECKPOINT_OPTIMIZER: &str = "optimizer.safetensors";
+/// The training state file of a checkpoint (the trainer's `TrainState` as JSON).
+pub const CHECKPOINT_STATE: &str = "state.json";
+/// The manifest of a checkpoint (checksums and sizes of the other files); a checkpoint
+/// directory without one is not published.
+pub const CHECKPOINT_MANIFEST: &str = "manifest.json";
 /// Where checkpoints that were rejected (corrupt, torn, foreign) are moved aside under
 /// [`CHECKPOINTS`]; never deleted by kiln.
 pub const REJECTED: &str = "rejected";

@@ -1,7 +1,7 @@
 //! One training step of the benchmark model, repeated, for profilers (used by
-//! bench/train/profile.sh): the same forward/backward (`step::loss_and_grads`), global-norm
-//! clipping and AdamW update as `kiln train`, on a fixed random batch, with no run directory,
-//! data loader or checkpoint around it, so a sampling profiler sees only the step.
+//! bench/train/profile.sh): `kiln train`'s own [`Step`] (forward/backward and global norm,
+//! then clipping folded into the optimizer's update), on a fixed random batch, with no run
+//! directory, data loader or checkpoint around it, so a sampling profiler sees only the step.
 //!
 //! Everything runs inside a rayon pool of `--threads` threads (the thread calling the model is
 //! a pool thread), so at `--threads 1` every sample's call stack reaches back to the model
@@ -9,11 +9,27 @@
 //! CLOCK_MONOTONIC window of the timed steps (to cut a profile to them).
 //!
 //! Usage: step_profile [--threads N] [--steps N] [--warmup N] [--set key=value]...
-use burn::tensor::Tensor;
-use kiln_train::optim::{AdamW, clip_coefficient, global_norm};
-use kiln_train::{Config, Session, step};
+use kiln_train::data::TokenSource;
+use kiln_train::optim::Optimizer;
+use kiln_train::step::{At, Step};
+use kiln_train::{Config, Session};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
+
+/// The same random batch for every step (no data loading in the profile).
+struct Fixed(Vec<Vec<u32>>);
+
+impl TokenSource for Fixed {
+    fn vocab(&self) -> usize {
+        0
+    }
+    fn sample(&self, index: u64, _len: usize) -> Result<Vec<u32>, String> {
+        Ok(self.0[index as usize % self.0.len()].clone())
+    }
+    fn describe(&self) -> String {
+        "a fixed random batch".into()
+    }
+}
 
 fn cpu_s() -> f64 {
     // SAFETY: getrusage only writes the struct it is given.
@@ -69,49 +85,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 fn run(cfg: &Config, steps: usize, warmup: usize) -> Result<(), Box<dyn std::error::Error>> {
     let vocab = cfg.model.vocab_size;
-    let s = Session::new(cfg, vocab)?;
-    let (b, t) = (cfg.training.batch_size, cfg.training.seq_len);
+    let mut s = Session::new(cfg, vocab)?;
+    let step = Step::single(cfg, &s)?;
+    let (b, t) = (step.layout().global_batch(), cfg.training.seq_len);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.training.seed + 1);
-    let rows: Vec<Vec<u32>> = (0..b)
-        .map(|_| (0..=t).map(|_| rng.gen_range(0..vocab as u32)).collect())
-        .collect();
-    let ad = s.device.clone().autodiff();
-    let mut params: Vec<Tensor<1>> = s.params.clone();
-    let mut opt = AdamW::new(&cfg.optimizer, s.model.specs(), &s.device);
-    let frozen = vec![false; params.len()];
-    println!("step fwd_bwd_ms clip_ms optim_ms total_ms cpu_ms loss");
+    let batch = Fixed(
+        (0..b)
+            .map(|_| (0..=t).map(|_| rng.gen_range(0..vocab as u32)).collect())
+            .collect(),
+    );
+    let tokens = b * t as u64;
+    let mut opt = Optimizer::new(&cfg.optimizer, s.model.specs(), &s.device, tokens);
+    println!("step fwd_bwd_norm_ms optim_ms total_ms cpu_ms loss");
     let mut window = (0.0, 0.0);
     for i in 0..warmup + steps {
         if i == warmup {
             window.0 = monotonic_s();
         }
         let (w0, c0) = (Instant::now(), cpu_s());
-        let (loss, grads) = step::loss_and_grads(
-            &s.model,
-            &params,
-            &rows,
-            t,
-            &ad,
-            1.0,
-            cfg.training.compute_shards.max(1),
-            step::Labels::Data { poison: false },
-        );
+        let g = step.gradients(
+            &s,
+            &batch,
+            At {
+                base: 0,
+                batch_no: 1,
+            },
+        )?;
+        let loss = g.loss;
         let w1 = Instant::now();
-        let norm = global_norm(&grads);
-        let clip = clip_coefficient(norm, cfg.optimizer.max_grad_norm);
-        let w2 = Instant::now();
-        opt.update_clipped(&mut params, grads, clip, cfg.optimizer.lr, &frozen);
+        step.apply(&mut s, &mut opt, &batch, g, cfg.optimizer.lr)?;
         // The update is lazy only in name on flex; read one value so it is surely done.
-        let _ = params[0].clone().slice(0..1).into_scalar::<f32>();
-        let w3 = Instant::now();
+        let _ = s.params[0].clone().slice(0..1).into_scalar::<f32>();
+        let w2 = Instant::now();
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let tag = if i < warmup { "warmup" } else { "step" };
         println!(
-            "{tag} {:.1} {:.1} {:.1} {:.1} {:.1} {loss:.6}",
+            "{tag} {:.1} {:.1} {:.1} {:.1} {loss:.6}",
             ms(w0, w1),
             ms(w1, w2),
-            ms(w2, w3),
-            ms(w0, w3),
+            ms(w0, w2),
             (cpu_s() - c0) * 1e3
         );
     }

@@ -24,14 +24,12 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-/// The weights file of a checkpoint.
-pub const MODEL_FILE: &str = "model.safetensors";
-/// The optimizer state file of a checkpoint.
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// The training state file of a checkpoint (the trainer's `TrainState` as JSON).
-pub const STATE_FILE: &str = "state.json";
-/// The manifest (checksums and sizes of the other files).
-pub const MANIFEST_FILE: &str = "manifest.json";
+/// A checkpoint's files, named in [`kiln_run::layout`] (the one place run-directory names
+/// are spelled).
+pub use kiln_run::layout::{
+    CHECKPOINT_MANIFEST as MANIFEST_FILE, CHECKPOINT_MODEL as MODEL_FILE,
+    CHECKPOINT_OPTIMIZER as OPTIMIZER_FILE, CHECKPOINT_STATE as STATE_FILE,
+};
 /// The files a manifest lists: exactly these, nothing else.
 pub const FILES: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
 /// Largest manifest or state file accepted (they are a few hundred bytes to a few KB).

@@ -146,7 +146,7 @@ impl TrainData {
     /// `total_samples` samples. `resume` is the blend's weight history from a checkpoint and
     /// the first sample of the resumed step.
     pub fn open(
-        config: &crate::Config,
+        config: &crate::config::Config,
         total_samples: u64,
         resume: Option<(serde_json::Value, u64)>,
     ) -> Result<Self, String> {
@@ -183,7 +183,7 @@ impl TrainData {
     /// The vocabulary of the model: `model.vocab_size`, or the data's when that is 0; an
     /// error when the data says nothing and the config neither, or when the data holds ids
     /// the model would not have (see [`model_vocab`]).
-    pub fn vocab(&self, config: &crate::Config) -> Result<usize, String> {
+    pub fn vocab(&self, config: &crate::config::Config) -> Result<usize, String> {
         model_vocab(config, self.source.as_ref())
     }
 }
@@ -191,7 +191,10 @@ impl TrainData {
 /// The model's vocabulary for `data`: `model.vocab_size`, or the data's declared one when
 /// that is 0; checked against every token id the data can serve (see
 /// [`TokenSource::fit_vocab`]).
-pub fn model_vocab(config: &crate::Config, data: &dyn TokenSource) -> Result<usize, String> {
+pub fn model_vocab(
+    config: &crate::config::Config,
+    data: &dyn TokenSource,
+) -> Result<usize, String> {
     let declared = data.vocab();
     let vocab = match (config.model.vocab_size, declared) {
         (0, 0) => {

@@ -1,5 +1,7 @@
-//! [`Saver`]: writes checkpoints through the run's [`CheckpointManager`], synchronously or
-//! on a writer thread (`checkpoint.async`).
+//! [`Checkpointer`]: the checkpoint component of a run, on every rank: when a save is due
+//! (`checkpoint.interval`, the last step, a stop signal with unsaved work), and, on the
+//! writer rank, its [`Saver`], which writes checkpoints through the run's
+//! [`CheckpointManager`], synchronously or on a writer thread (`checkpoint.async`).
 //!
 //! Asynchronous saving: the training step hands over the state as [`Staged`] tensors and
 //! goes on; the writer thread copies them to the host, serialises, writes, fsyncs, writes the
@@ -13,40 +15,16 @@
 //! leave a save half done while the process exits normally. A SIGKILL during a write leaves
 //! a temporary directory, never a published checkpoint, exactly as a synchronous save would.
 
-use crate::checkpoint::{
-    Checkpoint, CheckpointError, CheckpointManager, HostTensor, SaveReport, StoredDtype,
-};
-use burn::tensor::{DType, Tensor};
+use crate::cadence::Every;
+use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointManager, SaveReport};
+use crate::error::TrainError;
+use crate::journal::{Journal, path_text};
+use crate::tensor::DeviceTensor;
+use kiln_run::event;
+use serde_json::json;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-/// A named tensor still on the device.
-#[derive(Debug, Clone)]
-pub struct DeviceTensor {
-    /// Its name in the checkpoint.
-    pub name: String,
-    /// Its logical shape (the tensor itself is flat).
-    pub shape: Vec<usize>,
-    /// The tensor.
-    pub tensor: Tensor<1>,
-}
-
-impl DeviceTensor {
-    /// A host copy, widened to f32, remembering whether it was bf16.
-    pub fn to_host(&self) -> HostTensor {
-        HostTensor {
-            name: self.name.clone(),
-            shape: self.shape.clone(),
-            dtype: if self.tensor.dtype() == DType::BF16 {
-                StoredDtype::Bf16
-            } else {
-                StoredDtype::F32
-            },
-            values: crate::session::to_vec(&self.tensor),
-        }
-    }
-}
 
 /// A checkpoint as the step hands it over: references to the tensors, not copies.
 #[derive(Debug, Clone)]
@@ -294,10 +272,115 @@ fn writer(mut manager: CheckpointManager, inbox: Receiver<Job>, outbox: Sender<O
     }
 }
 
+/// The checkpoint component (see the module documentation). Every rank holds one and calls
+/// it at the same steps; only the writer rank's has a [`Saver`].
+pub struct Checkpointer {
+    every: Every,
+    total: u64,
+    /// The step of the newest checkpoint on disk (this process's save or its resume point).
+    saved_at: Option<u64>,
+    saver: Option<Saver>,
+}
+
+impl Checkpointer {
+    /// Saves every `every` steps and at the last of `total`; `saver` on the writer rank.
+    pub fn new(every: u64, total: u64, saver: Option<Saver>) -> Self {
+        Self {
+            every: Every(every),
+            total,
+            saved_at: None,
+            saver,
+        }
+    }
+
+    /// Whether to save after `step`: at the interval or the last step when a step was
+    /// `applied`, and whenever the run is `stopping` with work not yet saved.
+    pub fn due(&self, step: u64, applied: bool, stopping: bool) -> bool {
+        (applied && self.every.due_or_last(step, self.total)) || (stopping && !self.saved(step))
+    }
+
+    /// Whether `step` is already on disk.
+    pub fn saved(&self, step: u64) -> bool {
+        self.saved_at == Some(step)
+    }
+
+    /// The step of the newest checkpoint on disk, if any.
+    pub fn saved_at(&self) -> Option<u64> {
+        self.saved_at
+    }
+
+    /// The run resumed from the checkpoint of `step`.
+    pub fn restored(&mut self, step: u64) {
+        self.saved_at = Some(step);
+    }
+
+    /// Saves the checkpoint of `step`: the writer rank stages `staged()` (references, no
+    /// copy) and hands it to the saver, which with a save still in flight first waits for it.
+    pub fn save(
+        &mut self,
+        step: u64,
+        staged: impl FnOnce() -> Staged,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        if let Some(saver) = &mut self.saver {
+            let t0 = Instant::now();
+            let staged = staged();
+            let finished = saver.submit(staged, t0.elapsed().as_secs_f64());
+            for outcome in finished {
+                report(outcome?, journal)?;
+            }
+        }
+        self.saved_at = Some(step);
+        Ok(())
+    }
+
+    /// Reports the save in flight if it has finished (never waits).
+    pub fn poll(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        match self.saver.as_mut().and_then(Saver::poll) {
+            Some(outcome) => report(outcome?, journal),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the save in flight, if any, and reports it.
+    pub fn wait(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        match self.saver.as_mut().and_then(Saver::wait) {
+            Some(outcome) => report(outcome?, journal),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The `checkpoint_saved` event of a finished save: its step's stall (what the training step
+/// waited for) and the write time.
+fn report(saved: Saved, journal: &mut Journal) -> Result<(), TrainError> {
+    let pruned: Vec<String> = saved.report.pruned.iter().map(|p| path_text(p)).collect();
+    let superseded: Vec<String> = saved
+        .report
+        .superseded
+        .iter()
+        .map(|r| path_text(&r.moved_to))
+        .collect();
+    journal.emit(
+        event::CHECKPOINT_SAVED,
+        json!({"step": saved.step, "path": path_text(&saved.report.path),
+               "stall_s": saved.stall_s, "write_s": saved.write_s, "seconds": saved.write_s,
+               "async": saved.asynchronous, "pruned": pruned, "superseded": superseded}),
+    )?;
+    journal.note(&format!(
+        "saved {} (step stalled {:.3} s, write {:.3} s)",
+        saved.report.path.display(),
+        saved.stall_s,
+        saved.write_s
+    ));
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::checkpoint::list_steps;
+    use burn::tensor::Tensor;
 
     fn ckpt(step: u64) -> Staged {
         let d = burn::tensor::Device::flex();

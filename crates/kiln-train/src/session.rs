@@ -4,12 +4,10 @@
 
 use crate::checkpoint::HostTensor;
 use crate::config::Config;
-use crate::metrics::EvalMetrics;
+use crate::error::TrainError;
 use crate::model::{Llama, dtype_of};
-use crate::saver::DeviceTensor;
-use crate::synthetic::Synthetic;
-use crate::trainer::TrainError;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use crate::tensor::{DeviceTensor, int_tensor};
+use burn::tensor::{Device, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 
@@ -98,17 +96,6 @@ pub fn tune_allocator() {
 /// in a process takes effect; see [`crate::budget::start_threads`].
 pub fn set_threads(threads: usize) -> Result<(), TrainError> {
     Ok(crate::budget::start_threads(threads)?)
-}
-
-/// Host copy of a flat tensor, widened to f32 whatever its dtype.
-pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    let data = t.clone().into_data();
-    let data = if data.dtype() == DType::F32 {
-        data
-    } else {
-        data.convert::<f32>()
-    };
-    data.try_into_vec::<f32>().unwrap_or_default()
 }
 
 impl Session {
@@ -240,80 +227,14 @@ impl Session {
             .collect()
     }
 
-    /// Token ids `[rows, len]` as an Int tensor on `device`.
-    pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
-        let flat: Vec<i64> = rows
-            .iter()
-            .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
-            .collect();
-        Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
-    }
-
     /// Loss of one batch of `seq_len + 1`-token rows without gradients (for eval).
     pub fn eval_loss(&self, rows: &[Vec<u32>]) -> f32 {
         let len = rows.first().map_or(0, Vec::len).saturating_sub(1);
-        let inputs = Self::int_tensor(rows, len, &self.device);
+        let inputs = int_tensor(rows, len, &self.device);
         let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = Self::int_tensor(&shifted, len, &self.device);
+        let targets = int_tensor(&shifted, len, &self.device);
         self.model
             .loss(&self.params, inputs, targets)
             .into_scalar::<f32>()
-    }
-
-    /// Held-out loss and answer accuracy on the synthetic corpus (`samples` sequences).
-    pub fn evaluate_synthetic(
-        &self,
-        syn: &Synthetic,
-        step: u64,
-        samples: usize,
-        unigram: Option<f64>,
-    ) -> EvalMetrics {
-        let len = self.config.training.seq_len + 1;
-        let batch = self.config.training.batch_size.max(1);
-        let (mut loss_sum, mut n_batches, mut correct, mut total) =
-            (0.0f64, 0usize, 0usize, 0usize);
-        let mut idx = 0u64;
-        while (idx as usize) < samples {
-            let rows: Vec<_> = (0..batch.min(samples - idx as usize))
-                .map(|r| syn.eval_sample(idx + r as u64, len))
-                .collect();
-            idx += rows.len() as u64;
-            let tokens: Vec<Vec<u32>> = rows.iter().map(|s| s.tokens.clone()).collect();
-            let inputs = Self::int_tensor(&tokens, len - 1, &self.device);
-            let logits = self.model.forward(&self.params, inputs); // [b, t, v]
-            let [b, t, v] = logits.dims();
-            let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
-            let targets = Self::int_tensor(&shifted, t, &self.device);
-            let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
-            loss_sum += f64::from(
-                logp.gather(1, targets.reshape([b * t, 1]))
-                    .mean()
-                    .neg()
-                    .into_scalar::<f32>(),
-            );
-            n_batches += 1;
-            // `iter` converts from whatever int dtype the backend uses (flex: i32).
-            let pred: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
-            for (r, sample) in rows.iter().enumerate() {
-                for &(start, end) in &sample.answers {
-                    // token at position p is predicted from position p-1
-                    if start == 0 {
-                        continue;
-                    }
-                    total += 1;
-                    let ok = (start..end).all(|p| {
-                        pred.get(r * t + p - 1).copied() == Some(i64::from(sample.tokens[p]))
-                    });
-                    correct += usize::from(ok);
-                }
-            }
-        }
-        EvalMetrics {
-            step,
-            eval_loss: loss_sum / n_batches.max(1) as f64,
-            eval_accuracy: (total > 0).then(|| correct as f64 / total as f64),
-            unigram_loss: unigram,
-            extra: serde_json::Map::new(),
-        }
     }
 }

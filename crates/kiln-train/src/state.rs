@@ -1,5 +1,5 @@
 //! [`TrainState`]: everything besides weights and optimizer moments that decides what the
-//! next step computes. It lives in the [`crate::Trainer`] while training and is written as
+//! next step computes. It lives in the trainer while training and is written as
 //! `state.json` into every checkpoint, so a run killed anywhere and resumed continues exactly.
 
 use crate::guards::SpikeDetector;
@@ -82,6 +82,39 @@ impl TrainState {
             world_size,
             data_schedule: None,
         }
+    }
+
+    /// The state a checkpoint's `state.json` resumes: refused (with the reason) when the
+    /// model shape differs (`model_hash`); checkpoints of kiln before data parallelism (no
+    /// global batch) get the config's one-rank global batch. The sample cursor is fixed to
+    /// the next step's first sample, so a later change of layout cannot move it.
+    pub fn from_checkpoint(
+        value: &serde_json::Value,
+        cfg: &crate::config::Config,
+        model_hash: &str,
+    ) -> Result<Self, String> {
+        let mut st: Self =
+            serde_json::from_value(value.clone()).map_err(|e| format!("unreadable state: {e}"))?;
+        if st.model_hash != model_hash {
+            return Err(
+                "the model shape (model section or vocab) differs from the config that wrote it; \
+                 use a new --run-dir, or restore the original [model] settings"
+                    .into(),
+            );
+        }
+        if st.global_batch == 0 {
+            st.global_batch = (cfg.training.batch_size * cfg.training.grad_accum_steps) as u64;
+            st.world_size = 1;
+        }
+        st.sample_cursor = Some(st.next_sample());
+        let kind = cfg.optimizer.kind.name();
+        if st.optimizer != kind {
+            return Err(format!(
+                "its optimizer state is {}'s and this config says optimizer.kind = {kind:?}; resume with optimizer.kind = {:?}, or start afresh (a new --run-dir, or checkpoint.resume = false)",
+                st.optimizer, st.optimizer
+            ));
+        }
+        Ok(st)
     }
 
     /// The first global sample of the next step.

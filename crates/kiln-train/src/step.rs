@@ -1,14 +1,22 @@
-//! The arithmetic of one step, free of run-directory concerns: which global samples each
-//! rank trains on ([`BatchLayout`]), the forward/backward pass ([`loss_and_grads`]),
-//! gradients to and from the flat host buffer the all-reduce works on, and the checks on
-//! parameters (frozen tensors, replica checksums).
+//! One training step, the only one: [`Step`] computes a step's loss and gradients over this
+//! rank's micro-batches ([`Step::gradients`]: forward, backward, the average over ranks,
+//! the global norm) and applies them ([`Step::apply`]: clipping folded into the optimizer's
+//! pass, then SophiaG's Hessian estimate when it is due). The trainer, lr-find and the
+//! profiling example all call it, so a change to the step is made once. [`BatchLayout`]
+//! says which global samples each rank trains on.
 
-use crate::config::TrainingConfig;
+use crate::config::{Config, TrainingConfig};
+use crate::data::TokenSource;
+use crate::error::TrainError;
+use crate::faults::Faults;
 use crate::model::Llama;
+use crate::optim::{self, Optimizer};
 use crate::session::Session;
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
-use sha2::{Digest, Sha256};
+use crate::tensor::{flatten, int_tensor, unflatten};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use kiln_dist::{BucketedAllReduce, Collective};
 use std::ops::Range;
+use std::time::Instant;
 
 /// How the global batch of a step is cut: `world` ranks, each running `accum` micro-batches
 /// of `micro` sequences of `seq` tokens.
@@ -64,6 +72,17 @@ impl BatchLayout {
         })
     }
 
+    /// The layout a run resumed from a checkpoint of global batch `global` trains with: the
+    /// checkpoint's global batch is kept (the accumulation adapts to the ranks) unless
+    /// `training.global_batch_size` fixes another.
+    pub fn resumed(self, training: &TrainingConfig, global: u64) -> Result<Self, String> {
+        if training.global_batch_size == 0 && global != self.global_batch() {
+            self.with_global_batch(global)
+        } else {
+            Ok(self)
+        }
+    }
+
     /// Sequences per optimizer step, all ranks together.
     pub fn global_batch(&self) -> u64 {
         (self.micro * self.accum * self.world) as u64
@@ -82,105 +101,290 @@ impl BatchLayout {
     }
 }
 
-/// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on as
-/// many threads and summed in a fixed order (deterministic whatever the scheduling).
-///
-/// Why shards: burn's flex backend runs element-wise kernels on one thread, and they are
-/// about 40% of a step; two shards on two threads keep both cores busy through them. The
-/// math is gradient accumulation over the shards, exact up to f32 summation order.
-/// Gradients are f32 whatever the parameters' dtype.
-#[allow(clippy::too_many_arguments)]
-pub fn loss_and_grads(
-    model: &Llama,
-    params: &[Tensor<1>],
-    rows: &[Vec<u32>],
-    seq: usize,
-    device: &Device,
-    scale: f64,
-    shards: usize,
-    labels: Labels,
-) -> (f32, Vec<Tensor<1>>) {
-    let one = |chunk: &[Vec<u32>], scale: f64, shard: usize| {
-        let inputs = Session::int_tensor(chunk, seq, device);
-        let leaves: Vec<Tensor<1>> = params
-            .iter()
-            .map(|p| p.clone().autodiff().require_grad())
-            .collect();
-        let (mut loss, poison) = match labels {
-            Labels::Data { poison } => {
-                let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
-                let targets = Session::int_tensor(&shifted, seq, device);
-                (model.loss(&leaves, inputs, targets), poison && shard == 0)
-            }
-            Labels::Sampled { seed } => {
-                let seed = seed ^ (shard as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                (sampled_label_loss(model, &leaves, inputs, seed), false)
-            }
-        };
-        if scale != 1.0 {
-            loss = loss.mul_scalar(scale);
-        }
-        let mut value = loss.clone().into_scalar::<f32>();
-        if poison {
-            loss = loss.mul_scalar(f64::NAN);
-            value = f32::NAN;
-        }
-        let g = loss.backward();
-        let grads: Vec<Tensor<1>> = leaves
-            .iter()
-            .zip(params)
-            .map(|(leaf, p)| {
-                leaf.grad(&g)
-                    .unwrap_or_else(|| p.zeros_like())
-                    .cast(FloatDType::F32)
-            })
-            .collect();
-        (value, grads)
-    };
-    let shards = shards.min(rows.len()).max(1);
-    if shards == 1 {
-        return one(rows, scale, 0);
-    }
-    let per = rows.len().div_ceil(shards);
-    let n = rows.len() as f64;
-    let results: Vec<(f32, Vec<Tensor<1>>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = rows
-            .chunks(per)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let shard_scale = scale * chunk.len() as f64 / n;
-                scope.spawn(move || one(chunk, shard_scale, i))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    let mut iter = results.into_iter();
-    let (mut loss, mut grads) = iter.next().unwrap_or_default();
-    for (l, g) in iter {
-        loss += l;
-        grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
-    }
-    (loss, grads)
+/// Where a step reads: the global sample its batch starts at and the data batch's number
+/// (1-based, what the debug faults are keyed on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct At {
+    /// First global sample of the step.
+    pub base: u64,
+    /// The data batch (`TrainState::data_cursor + 1`).
+    pub batch_no: u64,
 }
 
-/// What [`loss_and_grads`] computes the loss against.
+/// One step's loss and gradients, averaged over all ranks.
+pub struct Gradients {
+    /// The step they were computed at.
+    pub at: At,
+    /// Mean loss over the global batch.
+    pub loss: f32,
+    /// Gradients (f32 whatever the parameters' dtype).
+    pub grads: Vec<Tensor<1>>,
+    /// Their global norm, before clipping.
+    pub norm: f32,
+    /// Seconds spent averaging over the ranks (0 with one rank).
+    pub allreduce_s: f64,
+}
+
+/// What the loss is computed against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Labels {
-    /// The data's next tokens; `poison` (debug.nan_at_step) makes the loss NaN, as a real
-    /// overflow would.
-    Data {
-        /// Inject a NaN.
-        poison: bool,
-    },
+enum Labels {
+    /// The data's next tokens; `poison` makes the loss NaN (a debug fault).
+    Data { poison: bool },
     /// Labels drawn from the model's own predictions with this seed: the gradient is
     /// SophiaG's Gauss-Newton-Bartlett sample.
-    Sampled {
-        /// Seed of the draws (a function of the run's seed, step and rank, for exact resume).
-        seed: u64,
-    },
+    Sampled { seed: u64 },
+}
+
+/// The step of a run (see the module documentation).
+pub struct Step<'c> {
+    layout: BatchLayout,
+    /// Threads a micro-batch's forward/backward is split over (`training.compute_shards`).
+    shards: usize,
+    max_grad_norm: f64,
+    seed: u64,
+    frozen: Vec<bool>,
+    faults: Faults,
+    allreduce: BucketedAllReduce,
+    comm: &'c dyn Collective,
+}
+
+impl Step<'static> {
+    /// The step of `cfg` on one rank, outside a data-parallel job (lr-find, profiling).
+    pub fn single(cfg: &Config, session: &Session) -> Result<Self, TrainError> {
+        let layout = BatchLayout::new(&cfg.training, 0, 1).map_err(TrainError::Parallel)?;
+        Ok(Self::new(cfg, session, layout, &kiln_dist::Solo))
+    }
+}
+
+impl<'c> Step<'c> {
+    /// The step of `cfg` for `session`'s model on `layout`, averaging over `comm`'s ranks.
+    pub fn new(
+        cfg: &Config,
+        session: &Session,
+        layout: BatchLayout,
+        comm: &'c dyn Collective,
+    ) -> Self {
+        let faults = Faults::new(cfg);
+        Self {
+            layout,
+            shards: cfg.training.compute_shards.max(1),
+            max_grad_norm: cfg.optimizer.max_grad_norm,
+            seed: cfg.training.seed,
+            frozen: faults.frozen(session.model.specs()),
+            faults,
+            allreduce: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
+            comm,
+        }
+    }
+
+    /// How the global batch is cut over the ranks.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
+    /// Another layout (a run resumed on another number of ranks keeps its global batch).
+    pub fn set_layout(&mut self, layout: BatchLayout) {
+        self.layout = layout;
+    }
+
+    /// The debug faults this step injects.
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    /// Loss and gradients of the step at `at` against the data, averaged over all ranks.
+    pub fn gradients(
+        &self,
+        session: &Session,
+        data: &dyn TokenSource,
+        at: At,
+    ) -> Result<Gradients, TrainError> {
+        self.compute(session, data, at, None)
+    }
+
+    /// Applies `g` with learning rate `lr`: the clipping folded into the optimizer's pass
+    /// (same bits as clipping first), then, when SophiaG wants one, its Hessian estimate
+    /// from the updated model on the same batch.
+    pub fn apply(
+        &self,
+        session: &mut Session,
+        optimizer: &mut Optimizer,
+        data: &dyn TokenSource,
+        g: Gradients,
+        lr: f64,
+    ) -> Result<(), TrainError> {
+        let clip = optim::clip_coefficient(g.norm, self.max_grad_norm);
+        optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
+        if optimizer.hessian_due() {
+            // Seeded by (seed, optimizer step, rank): a resumed run draws the same labels.
+            let seed = self.seed
+                ^ optimizer.step().wrapping_mul(0xD1B5_4A32_D192_ED03)
+                ^ (self.comm.rank() as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
+            let h = self.compute(session, data, g.at, Some(seed))?;
+            let grads = optim::clip_by_global_norm(h.grads, h.norm, self.max_grad_norm);
+            optimizer.update_hessian(grads);
+        }
+        Ok(())
+    }
+
+    /// This rank's loss and gradients over its micro-batches, averaged over the ranks;
+    /// against the data's labels, or with `sampled = Some(seed)` against labels drawn from
+    /// the model (SophiaG's estimator).
+    fn compute(
+        &self,
+        session: &Session,
+        data: &dyn TokenSource,
+        at: At,
+        sampled: Option<u64>,
+    ) -> Result<Gradients, TrainError> {
+        let (mut loss, mut grads) = (0.0f32, None::<Vec<Tensor<1>>>);
+        for micro in 0..self.layout.accum {
+            let rows: Vec<Vec<u32>> = self
+                .layout
+                .rows(at.base, micro)
+                .map(|i| data.sample(i, self.layout.seq + 1))
+                .collect::<Result<_, _>>()
+                .map_err(TrainError::DataRead)?;
+            let batch = self
+                .faults
+                .micro_batch(at.batch_no, rows, session.model.vocab());
+            let labels = match sampled {
+                Some(seed) => Labels::Sampled {
+                    seed: seed ^ (micro as u64).wrapping_mul(0xA24B_AED4_963E_E407),
+                },
+                None => Labels::Data {
+                    poison: batch.poison,
+                },
+            };
+            let scale = 1.0 / self.layout.accum as f64;
+            let (l, g) = self.micro_batch(session, &batch.rows, scale, labels);
+            loss += l;
+            grads = Some(match grads {
+                None => g,
+                Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
+            });
+        }
+        let (loss, grads, allreduce_s) = self.average(session, loss, grads.unwrap_or_default());
+        let norm = optim::global_norm(&grads);
+        Ok(Gradients {
+            at,
+            loss,
+            grads,
+            norm,
+            allreduce_s,
+        })
+    }
+
+    /// The loss and gradients averaged over the ranks, in one flat host buffer (every
+    /// gradient, then the loss), and the seconds it took.
+    fn average(
+        &self,
+        session: &Session,
+        loss: f32,
+        grads: Vec<Tensor<1>>,
+    ) -> (f32, Vec<Tensor<1>>, f64) {
+        if self.comm.size() == 1 {
+            return (loss, grads, 0.0);
+        }
+        let t0 = Instant::now();
+        let mut flat = flatten(&grads);
+        flat.push(loss);
+        self.allreduce.mean(self.comm, &mut flat);
+        let loss = flat.pop().unwrap_or(f32::NAN);
+        let grads = unflatten(&flat, &grads, &session.device);
+        (loss, grads, t0.elapsed().as_secs_f64())
+    }
+
+    /// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on
+    /// as many threads and summed in a fixed order (deterministic whatever the scheduling).
+    ///
+    /// Why shards: burn's flex backend runs element-wise kernels on one thread, and they are
+    /// about 40% of a step; two shards on two threads keep both cores busy through them.
+    /// The math is gradient accumulation over the shards, exact up to f32 summation order.
+    fn micro_batch(
+        &self,
+        session: &Session,
+        rows: &[Vec<u32>],
+        scale: f64,
+        labels: Labels,
+    ) -> (f32, Vec<Tensor<1>>) {
+        let shards = self.shards.min(rows.len()).max(1);
+        if shards == 1 {
+            return shard_loss_and_grads(session, rows, self.layout.seq, scale, labels, 0);
+        }
+        let per = rows.len().div_ceil(shards);
+        let n = rows.len() as f64;
+        let results: Vec<(f32, Vec<Tensor<1>>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = rows
+                .chunks(per)
+                .enumerate()
+                .map(|(i, chunk)| {
+                    let s = scale * chunk.len() as f64 / n;
+                    let seq = self.layout.seq;
+                    scope.spawn(move || shard_loss_and_grads(session, chunk, seq, s, labels, i))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut iter = results.into_iter();
+        let (mut loss, mut grads) = iter.next().unwrap_or_default();
+        for (l, g) in iter {
+            loss += l;
+            grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
+        }
+        (loss, grads)
+    }
+}
+
+/// Loss of one shard of a micro-batch times `scale`, and its gradients (f32).
+fn shard_loss_and_grads(
+    session: &Session,
+    chunk: &[Vec<u32>],
+    seq: usize,
+    scale: f64,
+    labels: Labels,
+    shard: usize,
+) -> (f32, Vec<Tensor<1>>) {
+    let device = session.device.clone().autodiff();
+    let (model, params) = (&session.model, &session.params);
+    let inputs = int_tensor(chunk, seq, &device);
+    let leaves: Vec<Tensor<1>> = params
+        .iter()
+        .map(|p| p.clone().autodiff().require_grad())
+        .collect();
+    let (mut loss, poison) = match labels {
+        Labels::Data { poison } => {
+            let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
+            let targets = int_tensor(&shifted, seq, &device);
+            (model.loss(&leaves, inputs, targets), poison && shard == 0)
+        }
+        Labels::Sampled { seed } => {
+            let seed = seed ^ (shard as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (sampled_label_loss(model, &leaves, inputs, seed), false)
+        }
+    };
+    if scale != 1.0 {
+        loss = loss.mul_scalar(scale);
+    }
+    let mut value = loss.clone().into_scalar::<f32>();
+    if poison {
+        loss = loss.mul_scalar(f64::NAN);
+        value = f32::NAN;
+    }
+    let g = loss.backward();
+    let grads = leaves
+        .iter()
+        .zip(params)
+        .map(|(leaf, p)| {
+            leaf.grad(&g)
+                .unwrap_or_else(|| p.zeros_like())
+                .cast(FloatDType::F32)
+        })
+        .collect();
+    (value, grads)
 }
 
 /// Mean cross-entropy of the model's logits against labels sampled from its own softmax
@@ -197,7 +401,7 @@ fn sampled_label_loss(
     let v = model.vocab();
     let logp =
         burn::tensor::activation::log_softmax(model.forward(params, inputs).reshape([b * t, v]), 1);
-    let host = crate::session::to_vec(&logp.clone().detach().reshape([b * t * v]));
+    let host = crate::tensor::to_vec(&logp.clone().detach().reshape([b * t * v]));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let labels: Vec<i64> = host
         .chunks_exact(v.max(1))
@@ -214,84 +418,6 @@ fn sampled_label_loss(
         .collect();
     let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
     logp.gather(1, labels).mean().neg()
-}
-
-/// All tensors' values, concatenated on the host (what the all-reduce works on).
-pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
-    if tensors.is_empty() {
-        return Vec::new();
-    }
-    crate::session::to_vec(&Tensor::cat(tensors.to_vec(), 0))
-}
-
-/// Cuts `flat` back into tensors shaped like `like`, on `device`.
-pub fn unflatten(flat: &[f32], like: &[Tensor<1>], device: &Device) -> Vec<Tensor<1>> {
-    let mut at = 0;
-    like.iter()
-        .map(|t| {
-            let n = t.dims()[0];
-            let part = flat[at..at + n].to_vec();
-            at += n;
-            Tensor::from_data(TensorData::new(part, [n]), device)
-        })
-        .collect()
-}
-
-/// A 64-bit checksum of all parameter values (bit-exact: any flipped bit changes it).
-pub fn params_checksum(params: &[Tensor<1>]) -> u64 {
-    let flat = flatten(params);
-    let digest = Sha256::digest(bytemuck::cast_slice::<f32, u8>(&flat));
-    u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]))
-}
-
-/// Ranks whose value differs from the most common one (ties broken towards the value of
-/// the lowest rank); empty when all agree.
-pub fn minority_ranks(values: &[u64]) -> Vec<usize> {
-    let majority = values
-        .iter()
-        .max_by_key(|v| {
-            let count = values.iter().filter(|w| w == v).count();
-            let first = values.iter().position(|w| w == *v).unwrap_or(0);
-            (count, std::cmp::Reverse(first))
-        })
-        .copied();
-    (0..values.len())
-        .filter(|&r| Some(values[r]) != majority)
-        .collect()
-}
-
-/// Indices of parameters identical to `prev` (one host read-back for all of them).
-pub fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
-    let diffs: Vec<Tensor<1>> = params
-        .iter()
-        .zip(prev)
-        .map(|(a, b)| {
-            let (a, b) = (
-                a.clone().cast(FloatDType::F32),
-                b.clone().cast(FloatDType::F32),
-            );
-            (a - b).abs().max()
-        })
-        .collect();
-    if diffs.is_empty() {
-        return Vec::new();
-    }
-    let d = crate::session::to_vec(&Tensor::cat(diffs, 0));
-    d.iter()
-        .enumerate()
-        .filter(|(_, v)| **v == 0.0)
-        .map(|(i, _)| i)
-        .collect()
-}
-
-/// The injected spike (`debug.spike_at_step`): the batch replaced by uniformly random tokens
-/// (a garbage shard), drawn deterministically from the seed.
-pub fn corrupt_batch(rows: &[Vec<u32>], vocab: usize, seed: u64) -> Vec<Vec<u32>> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_BAD0);
-    rows.iter()
-        .map(|r| r.iter().map(|_| rng.gen_range(0..vocab as u32)).collect())
-        .collect()
 }
 
 #[cfg(test)]
@@ -330,28 +456,5 @@ mod tests {
             .with_global_batch(12)
             .unwrap_err();
         assert!(err.contains("multiple of 10"), "{err}");
-    }
-
-    #[test]
-    fn the_minority_is_named() {
-        assert!(minority_ranks(&[5, 5, 5]).is_empty());
-        assert_eq!(minority_ranks(&[5, 9, 5]), vec![1]);
-        assert_eq!(minority_ranks(&[9, 5, 5]), vec![0]);
-        // A tie: the value of the lowest rank is taken as the reference.
-        assert_eq!(minority_ranks(&[5, 9]), vec![1]);
-    }
-
-    #[test]
-    fn flatten_round_trips() {
-        let d = Device::flex();
-        let ts = vec![
-            Tensor::<1>::from_floats([1.0, 2.0], &d),
-            Tensor::<1>::from_floats([3.0], &d),
-        ];
-        let flat = flatten(&ts);
-        assert_eq!(flat, [1.0, 2.0, 3.0]);
-        let back = unflatten(&flat, &ts, &d);
-        assert_eq!(flatten(&back), flat);
-        assert_ne!(params_checksum(&ts), params_checksum(&back[..1]));
     }
 }

@@ -1,14 +1,15 @@
-//! The step loop: [`Trainer`] owns the model, optimizer, data, the exact-resume
-//! [`TrainState`], the guards' in-memory state, the run directory (on the writer rank) and
-//! the collective that joins data-parallel ranks. One method each: [`Trainer::train_step`]
-//! (forward, backward, all-reduce, guards, update), [`Trainer::after_step`] (metrics, eval,
-//! snapshots and checks), [`Trainer::checkpoint`] and [`Trainer::agreed_stop`].
+//! The step loop: [`Trainer`] owns a run's parts and calls them in order. The parts decide
+//! for themselves: the [`Step`] computes and applies each step; the [`GuardRail`] judges it
+//! and rolls back; the [`Checkpointer`], the [`Evaluator`] and the [`ReplicaCheck`] each
+//! know when they are due; the [`Journal`] reports (the writer rank's run directory and the
+//! caller's observer). [`train`] owns the collective that joins data-parallel ranks, since
+//! it is the one that must end them all when one fails.
 //!
 //! Everything that decides what the next step computes is state saved in each checkpoint:
-//! weights, the optimizer's state (keyed by parameter name) and step count, and the [`TrainState`] (step, data cursor, the
-//! guards' loss window, the blend's history). Data and init are pure functions of the seed
-//! and counters, so a run killed anywhere and restarted from its newest checkpoint ends
-//! bit-identical to one never interrupted.
+//! weights, the optimizer's state (keyed by parameter name) and step count, and the
+//! [`TrainState`] (step, data cursor, the guards' loss window, the blend's history). Data
+//! and init are pure functions of the seed and counters, so a run killed anywhere and
+//! restarted from its newest checkpoint ends bit-identical to one never interrupted.
 //!
 //! Data parallelism: every rank holds the whole model and computes gradients on its slice of
 //! the global batch; gradients and the loss are averaged over ranks before clipping, so every
@@ -20,131 +21,25 @@
 use crate::checkpoint::{self, Checkpoint, CheckpointManager};
 use crate::config::Config;
 use crate::data::TrainData;
-use crate::guards::{self, LossVerdict};
+use crate::error::{TrainError, io};
+use crate::eval::Evaluator;
+use crate::guard_rail::{GuardRail, Live, Verdict};
+use crate::journal::{Journal, Writer, path_text};
 use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
 use crate::optim::{self, Optimizer};
-use crate::run_dir::{RunDir, RunDirError};
-use crate::saver::{Saved, Saver, Staged};
+use crate::replicas::ReplicaCheck;
+use crate::run_dir::RunDir;
+use crate::saver::{Checkpointer, Saver, Staged};
 use crate::session::{Session, sha256_hex};
 use crate::state::{TrainState, new_run_id};
-use crate::step::{self, BatchLayout, Labels};
-use burn::tensor::{Device, Tensor};
-use kiln_dist::{BucketedAllReduce, Collective};
+use crate::step::{At, BatchLayout, Step};
+use kiln_dist::Collective;
 use kiln_run::{EventLog, event, exit};
 use serde_json::json;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-
-/// Errors that stop training.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// Bad config.
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    /// Checkpoint write/read failure.
-    #[error(transparent)]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-    /// The run directory is locked or unwritable.
-    #[error(transparent)]
-    RunDir(#[from] RunDirError),
-    /// Run-directory I/O.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// Event log failure.
-    #[error(transparent)]
-    Events(#[from] kiln_run::EventLogError),
-    /// The data could not be opened or does not fit the model (at start: deterministic).
-    #[error("data: {0}")]
-    Data(String),
-    /// Reading a sample failed during training (perhaps transient: worth a retry; the
-    /// launcher stops retrying when the same error repeats).
-    #[error("data: {0}")]
-    DataRead(String),
-    /// The device named in the config is unknown or not compiled in.
-    #[error("device {0:?}: {1}")]
-    Device(String, String),
-    /// The collectives between ranks could not be set up.
-    #[error(transparent)]
-    Dist(#[from] kiln_dist::DistError),
-    /// The rank environment or the ranks' configs disagree.
-    #[error("data-parallel setup: {0}")]
-    Parallel(String),
-    /// The newest checkpoint cannot be resumed with this config.
-    #[error("cannot resume from {path}: {reason}")]
-    ResumeMismatch {
-        /// The checkpoint.
-        path: PathBuf,
-        /// What differs.
-        reason: String,
-    },
-    /// A guard stopped the run.
-    #[error("guard: {0}")]
-    Guard(String),
-    /// Data-parallel replicas disagree on their parameters.
-    #[error(
-        "replica mismatch after step {step}: the parameters of rank(s) {ranks:?} differ from the other ranks' (silent data corruption or a desynced rank); stopped before saving them"
-    )]
-    ReplicaMismatch {
-        /// The step checked.
-        step: u64,
-        /// The ranks that differ from the majority.
-        ranks: Vec<usize>,
-    },
-}
-
-impl TrainError {
-    /// The process exit code for this error ([`kiln_run::exit`]): deterministic input
-    /// errors are told apart from ones worth a retry.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Self::Config(_)
-            | Self::Device(..)
-            | Self::ResumeMismatch { .. }
-            | Self::Data(_)
-            | Self::Parallel(_) => exit::CONFIG,
-            Self::Dist(kiln_dist::DistError::Init(_)) => exit::FAILURE,
-            Self::Dist(_) => exit::CONFIG,
-            Self::Guard(_) => exit::GUARD_STOP,
-            Self::RunDir(RunDirError::Locked { .. }) => exit::RUN_DIR_LOCKED,
-            Self::ReplicaMismatch { .. } => exit::REPLICA_MISMATCH,
-            Self::RunDir(_)
-            | Self::Io { .. }
-            | Self::Events(_)
-            | Self::Checkpoint(_)
-            | Self::DataRead(_) => exit::FAILURE,
-        }
-    }
-
-    /// Whether every rank reaches this error at the same point (decided from all-reduced
-    /// values), so that no rank is left waiting in a collective.
-    fn is_collective(&self) -> bool {
-        matches!(
-            self,
-            Self::Guard(_) | Self::ReplicaMismatch { .. } | Self::Parallel(_)
-        )
-    }
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |source| TrainError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-/// A path for an event: lossy text, since JSON strings are UTF-8 and a run directory need
-/// not be.
-fn path_text(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
 
 /// How a training run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -188,71 +83,20 @@ pub const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGINT,
 ];
 
-/// The writer rank's files: the locked run directory, the event log, the metrics log and
-/// the checkpoints (written by the saver).
-struct Writer {
-    run: RunDir,
-    events: EventLog,
-    metrics: std::fs::File,
-    saver: Saver,
-    /// The run's lineage (the checkpoint manager's, which lives in the saver).
-    run_id: String,
-}
-
-/// What a rollback restores. The data cursor is not restored: the batches after it are
-/// skipped.
-#[derive(Clone)]
-struct Snapshot {
-    state: TrainState,
-    params: Vec<Tensor<1>>,
-    optimizer: Optimizer,
-}
-
-/// The guards' in-memory state (not checkpointed: a resumed run starts these afresh).
-#[derive(Default)]
-struct GuardRail {
-    snapshot: Option<Snapshot>,
-    nonfinite_in_row: u32,
-    /// Rollbacks since training last got past `high_water`.
-    rollbacks_in_row: u32,
-    /// The furthest step reached; getting past it again ends a streak of rollbacks.
-    high_water: u64,
-    last_frozen_check: Option<Vec<Tensor<1>>>,
-}
-
-/// What the guards decided about one step's loss and gradients.
-enum Verdict {
-    /// Apply the update.
-    Update,
-    /// The step was skipped or rolled back: nothing to apply.
-    Discard,
-}
-
 /// Quantities fixed for the whole run.
 struct RunFacts {
     total: u64,
-    fresh: bool,
-    frozen: Vec<bool>,
-    unigram: Option<f64>,
     flops_per_token: f64,
     peak_flops: f64,
     model_hash: String,
     config_hash: String,
-    grads: BucketedAllReduce,
+    log_every: crate::cadence::Every,
     progress_dir: Option<PathBuf>,
     started: Instant,
 }
 
 impl RunFacts {
-    fn new(cfg: &Config, session: &Session, data: &TrainData) -> Self {
-        let frozen = session
-            .model
-            .specs()
-            .iter()
-            .map(|p| {
-                !cfg.debug.freeze_params.is_empty() && p.name.contains(&cfg.debug.freeze_params)
-            })
-            .collect();
+    fn new(cfg: &Config, session: &Session) -> Self {
         let peak_flops = if cfg.training.peak_flops > 0.0 {
             cfg.training.peak_flops
         } else {
@@ -266,17 +110,11 @@ impl RunFacts {
         };
         Self {
             total: cfg.training.steps,
-            fresh: false,
-            frozen,
-            unigram: data
-                .synthetic
-                .as_ref()
-                .map(|syn| syn.unigram_entropy(64, cfg.training.seq_len + 1)),
             flops_per_token: session.model.flops_per_token(cfg.training.seq_len),
             peak_flops,
             model_hash: session.model_hash(),
             config_hash: sha256_hex(&cfg.to_toml()),
-            grads: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
+            log_every: crate::cadence::Every(cfg.metrics.log_interval.max(1)),
             progress_dir: std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from),
             started: Instant::now(),
         }
@@ -284,7 +122,7 @@ impl RunFacts {
 }
 
 /// One training run. See the module documentation.
-pub struct Trainer<'o> {
+pub struct Trainer<'a> {
     cfg: Config,
     run_dir: PathBuf,
     session: Session,
@@ -292,18 +130,17 @@ pub struct Trainer<'o> {
     data: TrainData,
     /// The exact-resume state.
     pub state: TrainState,
-    layout: BatchLayout,
+    step: Step<'a>,
     guards: GuardRail,
-    writer: Option<Writer>,
-    comm: Box<dyn Collective>,
+    checkpoints: Checkpointer,
+    eval: Evaluator,
+    replicas: ReplicaCheck,
+    journal: Journal<'a>,
+    comm: &'a dyn Collective,
     stop: Arc<AtomicUsize>,
-    observer: &'o mut dyn Observer,
     facts: RunFacts,
-    ad_device: Device,
     last_loss: Option<f32>,
     last_eval: Option<EvalMetrics>,
-    /// The step of the newest checkpoint on disk (this process's save or its resume point).
-    saved_at: Option<u64>,
 }
 
 /// Trains according to `opts`, resuming from the newest valid checkpoint in the run
@@ -314,169 +151,120 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     let rank_env = kiln_topology::RankEnv::from_process_env()
         .map_err(|e| TrainError::Parallel(format!("rank environment: {e}")))?;
     let comm = kiln_dist::init(&rank_env)?;
-    let mut trainer = match Trainer::new(opts, comm, observer) {
-        Ok(t) => t,
-        Err((e, comm)) => {
-            if let Some(comm) = comm.filter(|c| c.size() > 1 && !e.is_collective()) {
-                tracing::error!("rank {}: {e}", comm.rank());
-                comm.abort(e.exit_code());
-            }
-            return Err(e);
+    let comm = comm.as_ref();
+    let mut trainer = Trainer::new(opts, comm, observer).inspect_err(|e| {
+        if !e.is_collective() {
+            abort_all(comm, e);
         }
-    };
-    match trainer.run() {
-        Ok(report) => Ok(report),
-        Err(e) => {
-            trainer.emit_exit("error", e.exit_code(), Some(&e.to_string()));
-            if trainer.comm.size() > 1 {
-                if e.is_collective() {
-                    trainer.comm.barrier();
-                } else {
-                    tracing::error!("rank {}: {e}", trainer.comm.rank());
-                    trainer.comm.abort(e.exit_code());
-                }
-            }
-            Err(e)
+    })?;
+    trainer.run().inspect_err(|e| {
+        trainer.emit_exit("error", e.exit_code(), Some(&e.to_string()));
+        if e.is_collective() {
+            comm.barrier();
+        } else {
+            abort_all(comm, e);
         }
+    })
+}
+
+/// Ends every rank with `e`'s exit code (MPI_Abort), so no rank waits in a collective.
+fn abort_all(comm: &dyn Collective, e: &TrainError) {
+    if comm.size() > 1 {
+        tracing::error!("rank {}: {e}", comm.rank());
+        comm.abort(e.exit_code());
     }
 }
 
 /// What the writer rank found when it opened the run directory.
 struct Opened {
     writer: Writer,
+    saver: Saver,
+    run_id: String,
     resume: Option<(PathBuf, Checkpoint)>,
     rejected: Vec<checkpoint::Rejection>,
 }
 
-impl<'o> Trainer<'o> {
+impl<'a> Trainer<'a> {
     /// Sets up a run: the run directory (writer rank), data, model and optimizer, and the
-    /// newest valid checkpoint when resuming. On error, hands the collective back so the
-    /// caller can end the other ranks.
-    #[allow(clippy::type_complexity)]
+    /// newest valid checkpoint when resuming. Past the run directory's opening, an error is
+    /// written as the `exit` event before it is returned.
     pub fn new(
         opts: &TrainOptions,
-        comm: Box<dyn Collective>,
-        observer: &'o mut dyn Observer,
-    ) -> Result<Self, (TrainError, Option<Box<dyn Collective>>)> {
+        comm: &'a dyn Collective,
+        observer: &'a mut dyn Observer,
+    ) -> Result<Self, TrainError> {
         let cfg = opts.config.clone();
-        let opened = match Self::prepare(opts, comm.as_ref()) {
-            Ok(o) => o,
-            Err(e) => return Err((e, Some(comm))),
+        cfg.validate()?;
+        let opened = (comm.rank() == 0).then(|| open_run_dir(opts)).transpose()?;
+        let (writer, saver, run_id, resume, rejected) = match opened {
+            Some(o) => (
+                Some(o.writer),
+                Some(o.saver),
+                o.run_id,
+                o.resume,
+                o.rejected,
+            ),
+            None => (None, None, String::new(), None, Vec::new()),
         };
-        let (writer, resume, rejected) = match opened {
-            Some(o) => (Some(o.writer), o.resume, o.rejected),
-            None => (None, None, Vec::new()),
-        };
-        let build = || -> Result<_, TrainError> {
-            let layout = BatchLayout::new(&cfg.training, comm.rank(), comm.size())
-                .map_err(TrainError::Parallel)?;
-            // Sizes that cannot fit are refused before the data is indexed for them.
-            crate::budget::check(&cfg, crate::budget::known_vocab(&cfg))?;
-            let data = TrainData::open(&cfg, layout.samples_for(cfg.training.steps), None)
-                .map_err(TrainError::Data)?;
-            let vocab = data.vocab(&cfg).map_err(TrainError::Data)?;
-            let session = Session::new(&cfg, vocab)?;
-            Ok((layout, data, session))
-        };
-        let (layout, data, session) = match build() {
-            Ok(v) => v,
+        let mut journal = Journal::new(writer, observer);
+        let (layout, data, session) = match build(&cfg, comm) {
+            Ok(parts) => parts,
             Err(e) => {
-                if let Some(mut w) = writer {
-                    let _ = w.events.emit(
-                        event::EXIT,
-                        json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()}),
-                    );
-                }
-                return Err((e, Some(comm)));
+                let fields = json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()});
+                let _ = journal.emit(event::EXIT, fields);
+                return Err(e);
             }
         };
+        let tokens = layout.global_batch() * layout.seq as u64;
         let optimizer = Optimizer::new(
             &cfg.optimizer,
             session.model.specs(),
             &session.device,
-            layout.global_batch() * layout.seq as u64,
+            tokens,
         );
-        let facts = RunFacts::new(&cfg, &session, &data);
+        let facts = RunFacts::new(&cfg, &session);
         let state = TrainState::fresh(
             cfg.training.seed,
-            String::new(),
+            run_id,
             layout.global_batch(),
             layout.world as u64,
         );
-        let ad_device = session.device.clone().autodiff();
-        let stop = Arc::new(AtomicUsize::new(0));
         let mut t = Self {
-            cfg,
+            step: Step::new(&cfg, &session, layout, comm),
+            guards: GuardRail::new(&cfg.guards),
+            checkpoints: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
+            eval: Evaluator::new(&cfg, cfg.training.steps, data.synthetic.as_ref()),
+            replicas: ReplicaCheck::new(cfg.guards.replica_check_interval),
             run_dir: opts.run_dir.clone(),
+            cfg,
             session,
             optimizer,
             data,
             state,
-            layout,
-            guards: GuardRail::default(),
-            writer,
+            journal,
             comm,
-            stop,
-            observer,
+            stop: Arc::new(AtomicUsize::new(0)),
             facts,
-            ad_device,
             last_loss: None,
             last_eval: None,
-            saved_at: None,
         };
-        let setup = (|| {
-            for sig in STOP_SIGNALS {
-                signal_hook::flag::register_usize(sig, Arc::clone(&t.stop), sig as usize)
-                    .map_err(io(&t.run_dir))?;
-            }
-            t.check_ranks_agree()?;
-            t.resume(resume, rejected)
-        })();
-        match setup {
-            Ok(()) => Ok(t),
-            Err(e) => {
-                t.emit_exit("error", e.exit_code(), Some(&e.to_string()));
-                Err((e, Some(t.comm)))
-            }
-        }
+        t.setup(resume, rejected)
+            .inspect_err(|e| t.emit_exit("error", e.exit_code(), Some(&e.to_string())))?;
+        Ok(t)
     }
 
-    /// Validates the config and, on the writer rank, locks the run directory, writes the
-    /// config, opens the logs and scans the checkpoints.
-    fn prepare(opts: &TrainOptions, comm: &dyn Collective) -> Result<Option<Opened>, TrainError> {
-        let cfg = &opts.config;
-        cfg.validate()?;
-        if comm.rank() != 0 {
-            return Ok(None);
+    /// The stop signals, the ranks' agreement on the config, and the resume.
+    fn setup(
+        &mut self,
+        resume: Option<(PathBuf, Checkpoint)>,
+        rejected: Vec<checkpoint::Rejection>,
+    ) -> Result<(), TrainError> {
+        for sig in STOP_SIGNALS {
+            signal_hook::flag::register_usize(sig, Arc::clone(&self.stop), sig as usize)
+                .map_err(io(&self.run_dir))?;
         }
-        let run = RunDir::lock(&opts.run_dir)?;
-        run.write_file(kiln_run::layout::CONFIG, cfg.to_toml().as_bytes())?;
-        let mut events = EventLog::open(run.path(), "train")?;
-        let (metrics, cut) = run.open_log(kiln_run::layout::METRICS)?;
-        if cut > 0 {
-            events.emit(
-                event::LOG_REPAIRED,
-                json!({"path": path_text(&run.path().join(kiln_run::layout::METRICS)), "bytes_removed": cut}),
-            )?;
-        }
-        let opened = CheckpointManager::open(
-            &run.path().join(kiln_run::layout::CHECKPOINTS),
-            cfg.checkpoint.keep_latest_k,
-            cfg.checkpoint.resume,
-            &new_run_id(),
-        )?;
-        let run_id = opened.manager.run_id().to_string();
-        Ok(Some(Opened {
-            writer: Writer {
-                run,
-                events,
-                metrics,
-                saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),
-                run_id,
-            },
-            resume: opened.resume,
-            rejected: opened.rejected,
-        }))
+        self.check_ranks_agree()?;
+        self.resume(resume, rejected)
     }
 
     /// Every rank must run the same config: compared by hash at start.
@@ -496,28 +284,15 @@ impl<'o> Trainer<'o> {
         }
     }
 
-    fn emit(&mut self, name: &str, fields: serde_json::Value) -> Result<(), TrainError> {
-        if let Some(w) = &mut self.writer {
-            w.events.emit(name, fields)?;
-        }
-        Ok(())
-    }
-
-    fn note(&mut self, msg: &str) {
-        if self.writer.is_some() {
-            self.observer.on_note(msg);
-        }
-    }
-
     /// Writes the `exit` event (writer rank), ignoring a failure to write it: it is the last
     /// thing a failing run does. A checkpoint still being written is waited for first, so no
     /// way out leaves one half done.
     fn emit_exit(&mut self, reason: &str, code: i32, error: Option<&str>) {
-        if let Err(e) = self.wait_saves() {
+        if let Err(e) = self.checkpoints.wait(&mut self.journal) {
             tracing::error!("{e}");
         }
         let step = self.state.step;
-        let _ = self.emit(
+        let _ = self.journal.emit(
             event::EXIT,
             json!({"reason": reason, "code": code, "step": step, "error": error, "ranks": self.comm.size()}),
         );
@@ -543,11 +318,11 @@ impl<'o> Trainer<'o> {
         rejected: Vec<checkpoint::Rejection>,
     ) -> Result<(), TrainError> {
         for r in &rejected {
-            self.emit(
+            self.journal.emit(
                 event::CHECKPOINT_REJECTED,
                 json!({"path": path_text(&r.path), "reason": r.reason, "moved_to": path_text(&r.moved_to)}),
             )?;
-            self.note(&format!(
+            self.journal.note(&format!(
                 "rejected checkpoint {}: {} (moved to {})",
                 r.path.display(),
                 r.reason,
@@ -568,136 +343,112 @@ impl<'o> Trainer<'o> {
                 loaded = Some((dir.clone(), checkpoint::load(&dir)?));
             }
         }
-        self.state.run_id = self
-            .writer
-            .as_ref()
-            .map(|w| w.run_id.clone())
-            .unwrap_or_default();
         match loaded {
             Some((dir, ck)) => self.restore(&dir, &ck),
-            None => {
-                self.facts.fresh = true;
-                self.emit_start(None)
-            }
+            None => self.emit_start(None),
         }
     }
 
-    /// Restores weights, optimizer and state from `ck`, adapting the batch layout when the
-    /// run resumes on another number of ranks.
+    /// Restores every part from `ck`; each part restores its own state. The batch layout
+    /// keeps the checkpoint's global batch when the run resumes on another number of ranks.
     fn restore(&mut self, dir: &Path, ck: &Checkpoint) -> Result<(), TrainError> {
         let mismatch = |reason: String| TrainError::ResumeMismatch {
             path: dir.to_path_buf(),
             reason,
         };
-        let mut st: TrainState = serde_json::from_value(ck.state.clone())
-            .map_err(|e| mismatch(format!("unreadable state: {e}")))?;
-        if st.model_hash != self.facts.model_hash {
-            return Err(mismatch(
-                "the model shape (model section or vocab) differs from the config that wrote it; \
-                 use a new --run-dir, or restore the original [model] settings"
-                    .into(),
-            ));
-        }
-        // Checkpoints of kiln before data parallelism: one rank, global batch from config.
-        if st.global_batch == 0 {
-            st.global_batch =
-                (self.cfg.training.batch_size * self.cfg.training.grad_accum_steps) as u64;
-            st.world_size = 1;
-        }
-        st.sample_cursor = Some(st.next_sample());
-        let from_world = st.world_size;
-        if self.cfg.training.global_batch_size == 0 && st.global_batch != self.layout.global_batch()
-        {
-            // Keep the checkpoint's global batch: the accumulation adapts to the ranks.
-            self.layout = self
-                .layout
-                .with_global_batch(st.global_batch)
-                .map_err(mismatch)?;
-        }
-        if from_world != self.layout.world as u64 || st.global_batch != self.layout.global_batch() {
-            self.emit(
-                event::RESIZED,
-                json!({"from_ranks": from_world, "to_ranks": self.layout.world, "global_batch": self.layout.global_batch(),
-                       "previous_global_batch": st.global_batch, "grad_accum_steps": self.layout.accum, "step": st.step}),
-            )?;
-            self.note(&format!(
-                "resized: checkpoint of {from_world} rank(s), now {} rank(s) x batch {} x accumulation {} = global batch {}",
-                self.layout.world,
-                self.layout.micro,
-                self.layout.accum,
-                self.layout.global_batch()
-            ));
-        }
-        if let Some(schedule) = st.data_schedule.clone().filter(|v| !v.is_null()) {
-            self.data = TrainData::open(
-                &self.cfg,
-                self.layout.samples_for(self.cfg.training.steps),
-                Some((schedule, st.next_sample())),
-            )
-            .map_err(TrainError::Data)?;
-        }
-        st.global_batch = self.layout.global_batch();
-        st.world_size = self.layout.world as u64;
-        let kind = self.cfg.optimizer.kind.name();
-        if st.optimizer != kind {
-            return Err(mismatch(format!(
-                "its optimizer state is {}'s and this config says optimizer.kind = {kind:?}; resume with optimizer.kind = {:?}, or start afresh (a new --run-dir, or checkpoint.resume = false)",
-                st.optimizer, st.optimizer
-            )));
-        }
-        self.session.load_params(&ck.model, dir)?;
-        self.optimizer = Optimizer::new(
-            &self.cfg.optimizer,
-            self.session.model.specs(),
-            &self.session.device,
-            self.layout.global_batch() * self.layout.seq as u64,
-        );
-        self.optimizer
-            .load_host_state(
-                self.session.model.specs(),
-                &ck.optimizer,
-                &self.session.device,
-            )
+        let mut st = TrainState::from_checkpoint(&ck.state, &self.cfg, &self.facts.model_hash)
             .map_err(mismatch)?;
-        self.optimizer.set_step(st.optimizer_step);
+        let layout = self
+            .step
+            .layout()
+            .resumed(&self.cfg.training, st.global_batch)
+            .map_err(mismatch)?;
+        self.report_resize(&st, &layout)?;
+        self.step.set_layout(layout);
+        if let Some(schedule) = st.data_schedule.clone().filter(|v| !v.is_null()) {
+            let samples = layout.samples_for(self.cfg.training.steps);
+            self.data = TrainData::open(&self.cfg, samples, Some((schedule, st.next_sample())))
+                .map_err(TrainError::Data)?;
+        }
+        st.global_batch = layout.global_batch();
+        st.world_size = layout.world as u64;
+        self.session.load_params(&ck.model, dir)?;
+        let specs = self.session.model.specs();
+        let tokens = layout.global_batch() * layout.seq as u64;
+        let saved = (ck.optimizer.as_slice(), st.optimizer_step);
+        self.optimizer = Optimizer::restore(
+            &self.cfg.optimizer,
+            specs,
+            &self.session.device,
+            tokens,
+            saved,
+        )
+        .map_err(mismatch)?;
         if st.run_id.is_empty() {
             st.run_id = self.state.run_id.clone();
         }
         if st.config_hash != self.facts.config_hash {
-            self.emit(
+            self.journal.emit(
                 event::CONFIG_CHANGED,
                 json!({"path": path_text(dir), "note": "hyper-parameters differ from the checkpoint's run"}),
             )?;
         }
         self.state = st;
-        self.saved_at = Some(self.state.step);
-        self.guards.high_water = self.state.step;
         let step = self.state.step;
-        self.emit(
+        self.checkpoints.restored(step);
+        self.guards.restored(step);
+        self.journal.emit(
             event::CHECKPOINT_LOADED,
             json!({"path": path_text(dir), "step": step}),
         )?;
-        self.emit(
+        self.journal.emit(
             event::RESUME,
             json!({"step": step, "data_cursor": self.state.data_cursor, "sample_cursor": self.state.next_sample(), "path": path_text(dir)}),
         )?;
-        self.note(&format!("resumed from {} (step {step})", dir.display()));
+        self.journal
+            .note(&format!("resumed from {} (step {step})", dir.display()));
         self.emit_start(Some(dir))
     }
 
+    /// The `resized` event when the checkpoint was written by another number of ranks or
+    /// with another global batch.
+    fn report_resize(&mut self, st: &TrainState, layout: &BatchLayout) -> Result<(), TrainError> {
+        let from_world = st.world_size;
+        if from_world == layout.world as u64 && st.global_batch == layout.global_batch() {
+            return Ok(());
+        }
+        self.journal.emit(
+            event::RESIZED,
+            json!({"from_ranks": from_world, "to_ranks": layout.world, "global_batch": layout.global_batch(),
+                   "previous_global_batch": st.global_batch, "grad_accum_steps": layout.accum, "step": st.step}),
+        )?;
+        self.journal.note(&format!(
+            "resized: checkpoint of {from_world} rank(s), now {} rank(s) x batch {} x accumulation {} = global batch {}",
+            layout.world,
+            layout.micro,
+            layout.accum,
+            layout.global_batch()
+        ));
+        Ok(())
+    }
+
     fn emit_start(&mut self, resumed_from: Option<&Path>) -> Result<(), TrainError> {
+        let layout = *self.step.layout();
         let fields = json!({
             "step": self.state.step, "total_steps": self.facts.total, "params": self.session.model.num_params(),
             "device": self.cfg.training.device, "data": self.data.source.describe(),
             "resumed_from": resumed_from.map(path_text), "config_hash": self.facts.config_hash,
-            "pid": std::process::id(), "host": kiln_run::host_name(), "ranks": self.layout.world,
-            "global_batch": self.layout.global_batch(), "grad_accum_steps": self.layout.accum,
+            "pid": std::process::id(), "host": kiln_run::host_name(), "ranks": layout.world,
+            "global_batch": layout.global_batch(), "grad_accum_steps": layout.accum,
             "engine": self.comm.describe(), "run_id": self.state.run_id,
         });
-        self.emit(event::START, fields)?;
-        if self.guards.snapshot.is_none() && self.snapshot_due() {
-            self.take_snapshot();
-        }
+        self.journal.emit(event::START, fields)?;
+        let live = Live {
+            state: &mut self.state,
+            session: &mut self.session,
+            optimizer: &mut self.optimizer,
+        };
+        self.guards.start(&live);
         Ok(())
     }
 
@@ -711,10 +462,12 @@ impl<'o> Trainer<'o> {
                 }
                 None => false,
             };
-            self.poll_saves()?;
+            self.checkpoints.poll(&mut self.journal)?;
             let signal = self.agreed_stop();
-            let unsaved = self.saved_at != Some(self.state.step);
-            if (applied && self.checkpoint_due()) || (signal.is_some() && unsaved) {
+            if self
+                .checkpoints
+                .due(self.state.step, applied, signal.is_some())
+            {
                 self.checkpoint()?;
             }
             if let Some(signal) = signal {
@@ -724,8 +477,8 @@ impl<'o> Trainer<'o> {
         self.finish()
     }
 
-    /// One optimizer step: forward and backward over this rank's micro-batches, the
-    /// gradient all-reduce, the guards, and the update. `None` when the guards discarded it.
+    /// One optimizer step through the [`Step`]: its gradients, the guards' verdict, and the
+    /// update. `None` when the guards discarded it.
     pub fn train_step(&mut self) -> Result<Option<StepMetrics>, TrainError> {
         let t0 = Instant::now();
         self.beacon("train");
@@ -735,31 +488,45 @@ impl<'o> Trainer<'o> {
             self.state.step,
             self.facts.total,
         );
-        let first_sample = self.state.next_sample();
-        let (loss, grads, allreduce_s) = self.compute_gradients(first_sample, None)?;
-        let grad_norm = optim::global_norm(&grads);
-        if let Verdict::Discard = self.check_guards(loss, grad_norm)? {
+        let at = At {
+            base: self.state.next_sample(),
+            batch_no: self.state.data_cursor + 1,
+        };
+        let g = self
+            .step
+            .gradients(&self.session, self.data.source.as_ref(), at)?;
+        let (loss, grad_norm, allreduce_s) = (g.loss, g.norm, g.allreduce_s);
+        let saved_at = self.checkpoints.saved_at();
+        let mut live = Live {
+            state: &mut self.state,
+            session: &mut self.session,
+            optimizer: &mut self.optimizer,
+        };
+        if let Verdict::Discard =
+            self.guards
+                .judge((loss, grad_norm), &mut live, &mut self.journal, saved_at)?
+        {
             return Ok(None);
         }
-        // Clipping is folded into the optimizer's pass over each parameter (same bits).
-        let clip = optim::clip_coefficient(grad_norm, self.cfg.optimizer.max_grad_norm);
-        self.optimizer.update_clipped(
-            &mut self.session.params,
-            grads,
-            clip,
+        self.step.apply(
+            &mut self.session,
+            &mut self.optimizer,
+            self.data.source.as_ref(),
+            g,
             lr,
-            &self.facts.frozen,
-        );
-        if self.optimizer.hessian_due() {
-            self.update_hessian(first_sample)?;
-        }
+        )?;
         self.state.step += 1;
         self.state.advance_data(1);
-        let tokens = self.layout.global_batch() * self.layout.seq as u64;
+        let layout = *self.step.layout();
+        let tokens = layout.global_batch() * layout.seq as u64;
         self.state.tokens_seen += tokens;
         self.state.lr = lr;
         self.last_loss = Some(loss);
-        self.maybe_corrupt_replica();
+        self.step.faults().after_update(
+            self.state.step,
+            self.comm.rank(),
+            &mut self.session.params,
+        );
         let dt = t0.elapsed().as_secs_f64();
         let tps = tokens as f64 / dt.max(1e-9);
         Ok(Some(StepMetrics {
@@ -770,377 +537,68 @@ impl<'o> Trainer<'o> {
             lr,
             tokens_per_s: tps,
             step_time_s: dt,
-            mfu: tps * self.facts.flops_per_token
-                / (self.facts.peak_flops * self.layout.world as f64),
+            mfu: tps * self.facts.flops_per_token / (self.facts.peak_flops * layout.world as f64),
             rss_mib: metrics::rss_mib(),
             tokens_seen: self.state.tokens_seen,
-            first_sample,
-            global_batch: self.layout.global_batch(),
+            first_sample: at.base,
+            global_batch: layout.global_batch(),
             allreduce_s,
         }))
     }
 
-    /// SophiaG's Gauss-Newton-Bartlett estimate after the update: gradients against labels
-    /// sampled from the updated model on the step's own batch (the authors draw a fresh
-    /// batch; any inputs give an unbiased estimate, and these need no extra data), averaged
-    /// over ranks and clipped like the step's gradients, as the authors do. The draws are
-    /// seeded by (seed, step, rank), so a resumed run draws the same labels.
-    fn update_hessian(&mut self, base: u64) -> Result<(), TrainError> {
-        let seed = self.cfg.training.seed
-            ^ self.optimizer.step().wrapping_mul(0xD1B5_4A32_D192_ED03)
-            ^ (self.comm.rank() as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
-        let (_, grads, _) = self.compute_gradients(base, Some(seed))?;
-        let norm = optim::global_norm(&grads);
-        let grads = optim::clip_by_global_norm(grads, norm, self.cfg.optimizer.max_grad_norm);
-        self.optimizer.update_hessian(grads);
-        Ok(())
-    }
-
-    /// This rank's loss and gradients over its micro-batches of the step starting at global
-    /// sample `base`, averaged over all ranks, and the seconds the averaging took; against
-    /// the data's labels, or with `sampled = Some(seed)` against labels drawn from the model
-    /// (SophiaG's estimator).
-    fn compute_gradients(
-        &mut self,
-        base: u64,
-        sampled: Option<u64>,
-    ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
-        let cfg = &self.cfg;
-        let mut grads: Option<Vec<Tensor<1>>> = None;
-        let mut loss_sum = 0.0f32;
-        for micro in 0..self.layout.accum {
-            let rows: Vec<Vec<u32>> = self
-                .layout
-                .rows(base, micro)
-                .map(|i| self.data.source.sample(i, self.layout.seq + 1))
-                .collect::<Result<_, _>>()
-                .map_err(TrainError::DataRead)?;
-            let batch_no = self.state.data_cursor + 1;
-            let rows = if cfg.debug.spike_at_step > 0 && batch_no == cfg.debug.spike_at_step {
-                step::corrupt_batch(&rows, self.session.model.vocab(), cfg.training.seed)
-            } else {
-                rows
-            };
-            let labels = match sampled {
-                Some(seed) => Labels::Sampled {
-                    seed: seed ^ (micro as u64).wrapping_mul(0xA24B_AED4_963E_E407),
-                },
-                None => Labels::Data {
-                    poison: cfg.debug.nan_at_step > 0 && batch_no == cfg.debug.nan_at_step,
-                },
-            };
-            let (loss, micro_grads) = step::loss_and_grads(
-                &self.session.model,
-                &self.session.params,
-                &rows,
-                self.layout.seq,
-                &self.ad_device,
-                1.0 / self.layout.accum as f64,
-                cfg.training.compute_shards.max(1),
-                labels,
-            );
-            loss_sum += loss;
-            grads = Some(match grads {
-                None => micro_grads,
-                Some(acc) => acc
-                    .into_iter()
-                    .zip(micro_grads)
-                    .map(|(a, b)| a + b)
-                    .collect(),
-            });
-        }
-        let grads = grads.unwrap_or_default();
-        if self.comm.size() == 1 {
-            return Ok((loss_sum, grads, 0.0));
-        }
-        // One flat host buffer: every gradient, then the loss, averaged over the ranks.
-        let t0 = Instant::now();
-        let mut flat = step::flatten(&grads);
-        flat.push(loss_sum);
-        self.facts.grads.mean(self.comm.as_ref(), &mut flat);
-        let loss = flat.pop().unwrap_or(f32::NAN);
-        let grads = step::unflatten(&flat, &grads, &self.session.device);
-        Ok((loss, grads, t0.elapsed().as_secs_f64()))
-    }
-
-    /// The guards on one step's (global) loss and gradient norm: skip non-finite steps, roll
-    /// back after too many of them or on a loss spike, check the first loss. Every rank sees
-    /// the same values, so every rank decides the same.
-    fn check_guards(&mut self, loss: f32, grad_norm: f32) -> Result<Verdict, TrainError> {
-        let g = self.cfg.guards.clone();
-        if !loss.is_finite() || !grad_norm.is_finite() {
-            self.state.nonfinite_skipped += 1;
-            self.guards.nonfinite_in_row += 1;
-            self.state.advance_data(1);
-            let (step, in_row) = (self.state.step, self.guards.nonfinite_in_row);
-            self.emit(event::NONFINITE_SKIP, json!({"step": step, "loss": loss.to_string(), "grad_norm": grad_norm.to_string(), "in_row": in_row}))?;
-            self.note(&format!(
-                "step {}: non-finite loss/gradients, step skipped",
-                step + 1
-            ));
-            if in_row >= g.max_nonfinite_in_row {
-                self.rollback("nonfinite", 0)?;
-            }
-            return Ok(Verdict::Discard);
-        }
-        self.guards.nonfinite_in_row = 0;
-        if self.facts.fresh && self.state.step == 0 {
-            let vocab = self.session.model.vocab();
-            if let Some(msg) = guards::check_initial_loss(loss, vocab, g.initial_loss_tolerance) {
-                self.emit(
-                    event::INITIAL_LOSS_ERROR,
-                    json!({"loss": loss, "vocab": vocab, "message": msg}),
-                )?;
-                return Err(TrainError::Guard(msg));
-            }
-            self.emit(
-                event::INITIAL_LOSS_OK,
-                json!({"loss": loss, "expected": (vocab as f64).ln()}),
-            )?;
-        }
-        if let LossVerdict::Spike { loss, mean, std } = self.state.spike_window.observe(loss, &g) {
-            let step = self.state.step + 1;
-            self.emit(
-                event::LOSS_SPIKE,
-                json!({"step": step, "loss": loss, "window_mean": mean, "window_std": std}),
-            )?;
-            self.note(&format!(
-                "step {step}: loss spike {loss:.3} (window mean {mean:.3})"
-            ));
-            self.state.advance_data(1);
-            if self.guards.snapshot.is_some() {
-                self.rollback("loss_spike", g.spike_skip_batches)?;
-            } else {
-                // Without a snapshot, at least do not learn from the spiking batch.
-                self.emit(
-                    event::SPIKE_SKIP,
-                    json!({"step": step, "note": "no snapshot; batch skipped"}),
-                )?;
-            }
-            return Ok(Verdict::Discard);
-        }
-        Ok(Verdict::Update)
-    }
-
-    /// Restores the last snapshot and skips `skip` more batches. Past
-    /// `guards.max_rollbacks` rollbacks that made no progress the run stops, naming the
-    /// likely cause; the checkpoints on disk (the last good state) are kept.
-    fn rollback(&mut self, reason: &str, skip: u64) -> Result<(), TrainError> {
-        let Some(snap) = self.guards.snapshot.clone() else {
-            return Err(TrainError::Guard(format!(
-                "{} non-finite steps in a row at step {} and no snapshot to roll back to (guards.snapshot_interval = 0); {}",
-                self.guards.nonfinite_in_row,
-                self.state.step + 1,
-                self.likely_cause(reason)
-            )));
-        };
-        let limit = self.cfg.guards.max_rollbacks;
-        if limit > 0 && self.guards.rollbacks_in_row >= limit {
-            let msg = format!(
-                "{} rollbacks in a row did not get training past step {} ({reason}); {}; the last good state is the newest checkpoint{}",
-                self.guards.rollbacks_in_row,
-                self.guards.high_water,
-                self.likely_cause(reason),
-                self.saved_at
-                    .map_or(String::new(), |s| format!(" (step {s})"))
-            );
-            self.emit(
-                event::ROLLBACK_LIMIT,
-                json!({"step": self.state.step, "rollbacks_in_row": self.guards.rollbacks_in_row, "reason": reason}),
-            )?;
-            return Err(TrainError::Guard(msg));
-        }
-        self.state.advance_data(skip);
-        let from = self.state.step;
-        let (data_cursor, sample_cursor) = (self.state.data_cursor, self.state.next_sample());
-        self.emit(
-            event::ROLLBACK,
-            json!({"from_step": from, "to_step": snap.state.step, "reason": reason, "skip_batches": skip, "data_cursor": data_cursor}),
-        )?;
-        self.note(&format!(
-            "step {}: rolled back to step {} ({reason}) and skipped {skip} batches",
-            from + 1,
-            snap.state.step
-        ));
-        let rollbacks = self.state.rollbacks + 1;
-        let nonfinite = self.state.nonfinite_skipped;
-        self.state = TrainState {
-            data_cursor,
-            sample_cursor: Some(sample_cursor),
-            rollbacks,
-            nonfinite_skipped: nonfinite,
-            data_schedule: self.state.data_schedule.take(),
-            ..snap.state
-        };
-        self.session.params = snap.params;
-        self.optimizer = snap.optimizer;
-        self.guards.nonfinite_in_row = 0;
-        self.guards.rollbacks_in_row += 1;
-        Ok(())
-    }
-
-    /// What most likely makes every step fail, for the guard's stop message.
-    fn likely_cause(&self, reason: &str) -> String {
-        let early = self.guards.high_water <= self.cfg.guards.snapshot_interval.max(1);
-        match (reason, early && self.facts.fresh) {
-            ("nonfinite", true) => "every step of a fresh model is non-finite: a config value is likely wrong (check optimizer.lr, eps, weight_decay, model.norm_eps, rope_theta, init_std) or the data holds token ids beyond the vocabulary".into(),
-            ("nonfinite", _) => "training diverged: lower optimizer.lr or raise warmup, check the data around this step for garbage".into(),
-            _ => "the loss keeps spiking past the skipped batches: lower optimizer.lr, or inspect the data around this step".into(),
-        }
-    }
-
-    /// After an applied step: metrics, snapshot, frozen and replica checks, eval.
+    /// After an applied step: metrics, then each component that is due (the guards'
+    /// snapshot and frozen check, the replica check, eval).
     fn after_step(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
         let step = self.state.step;
-        if step > self.guards.high_water {
-            self.guards.high_water = step;
-            self.guards.rollbacks_in_row = 0;
-        }
-        if self.writer.is_some() {
-            if step.is_multiple_of(self.cfg.metrics.log_interval.max(1)) || step == self.facts.total
-            {
-                self.write_metrics(m)?;
-            }
-            self.observer.on_step(m);
-        }
-        if self.snapshot_due() {
-            self.take_snapshot();
-        }
-        self.check_frozen()?;
-        let every = self.cfg.guards.replica_check_interval;
-        if every > 0 && step.is_multiple_of(every) {
+        let logged = self.facts.log_every.due_or_last(step, self.facts.total);
+        self.journal.step(m, logged)?;
+        let live = Live {
+            state: &mut self.state,
+            session: &mut self.session,
+            optimizer: &mut self.optimizer,
+        };
+        self.guards.after_step(&live, &mut self.journal)?;
+        if self.replicas.due(step) {
             self.check_replicas()?;
         }
-        let eval_every = self.cfg.eval.interval;
-        if (eval_every > 0 && step.is_multiple_of(eval_every)) || step == self.facts.total {
+        if self.eval.due(step) {
             self.evaluate()?;
         }
-        Ok(())
-    }
-
-    fn write_metrics<T: serde::Serialize>(&mut self, record: &T) -> Result<(), TrainError> {
-        if let Some(w) = &mut self.writer {
-            let mut line = serde_json::to_vec(record).unwrap_or_default();
-            line.push(b'\n');
-            let path = w.run.path().join(kiln_run::layout::METRICS);
-            w.metrics.write_all(&line).map_err(io(&path))?;
-        }
-        Ok(())
-    }
-
-    fn snapshot_due(&self) -> bool {
-        let every = self.cfg.guards.snapshot_interval;
-        every > 0 && self.state.step.is_multiple_of(every)
-    }
-
-    fn take_snapshot(&mut self) {
-        self.guards.snapshot = Some(Snapshot {
-            state: self.state.clone(),
-            params: self.session.params.clone(),
-            optimizer: self.optimizer.clone(),
-        });
-    }
-
-    /// Names parameter tensors that did not change over the check interval (an event, not a
-    /// stop: the writer rank checks, since every rank holds the same parameters).
-    fn check_frozen(&mut self) -> Result<(), TrainError> {
-        let every = self.cfg.guards.frozen_check_interval;
-        let step = self.state.step;
-        if every == 0 || !step.is_multiple_of(every) || self.writer.is_none() {
-            return Ok(());
-        }
-        if let Some(prev) = &self.guards.last_frozen_check {
-            let unchanged = step::unchanged_params(&self.session.params, prev);
-            if !unchanged.is_empty() {
-                let names: Vec<String> = unchanged
-                    .iter()
-                    .map(|&i| self.session.model.specs()[i].name.clone())
-                    .collect();
-                self.emit(
-                    event::FROZEN_PARAMS,
-                    json!({"step": step, "since_step": step.saturating_sub(every), "params": names}),
-                )?;
-                self.note(&format!(
-                    "step {step}: {} parameter tensors did not change in {every} steps: {}",
-                    names.len(),
-                    names.join(", ")
-                ));
-            }
-        }
-        self.guards.last_frozen_check = Some(self.session.params.clone());
         Ok(())
     }
 
     /// Compares a checksum of every rank's parameters; the ranks that differ from the
     /// majority are named and the run stops before their weights can be saved.
     fn check_replicas(&mut self) -> Result<(), TrainError> {
-        if self.comm.size() == 1 {
+        let Some(m) = ReplicaCheck::compare(self.comm, &self.session.params) else {
             return Ok(());
-        }
-        let sums = self
-            .comm
-            .all_gather_u64(step::params_checksum(&self.session.params));
-        let culprits = step::minority_ranks(&sums);
-        if culprits.is_empty() {
-            return Ok(());
-        }
+        };
         let step = self.state.step;
-        let hex: Vec<String> = sums.iter().map(|s| format!("{s:016x}")).collect();
-        self.emit(
+        self.journal.emit(
             event::REPLICA_MISMATCH,
-            json!({"step": step, "ranks": culprits, "checksums": hex}),
+            json!({"step": step, "ranks": m.ranks, "checksums": m.checksums}),
         )?;
         Err(TrainError::ReplicaMismatch {
             step,
-            ranks: culprits,
+            ranks: m.ranks,
         })
-    }
-
-    /// `debug.corrupt_replica_*`: perturbs one rank's parameters as silent data corruption
-    /// would.
-    fn maybe_corrupt_replica(&mut self) {
-        let d = &self.cfg.debug;
-        if d.corrupt_replica_at_step > 0
-            && self.state.step == d.corrupt_replica_at_step
-            && self.comm.rank() == d.corrupt_replica_rank
-            && let Some(p) = self.session.params.first_mut()
-        {
-            *p = p.clone().add_scalar(1e-3);
-        }
     }
 
     /// Held-out eval on the writer rank (the others go on to the next step's all-reduce and
     /// wait there).
     fn evaluate(&mut self) -> Result<(), TrainError> {
-        if self.writer.is_none() {
+        if !self.journal.is_writer() {
             return Ok(());
         }
-        self.beacon("eval");
-        // eval.samples = 0: no held-out eval (rather than a loss of 0 over no sequences).
-        let Some(syn) = self
-            .data
-            .synthetic
-            .as_ref()
-            .filter(|_| self.cfg.eval.samples > 0)
-        else {
+        let Some(syn) = self.data.synthetic.as_ref() else {
             return Ok(());
         };
-        let mut e = self.session.evaluate_synthetic(
-            syn,
-            self.state.step,
-            self.cfg.eval.samples,
-            self.facts.unigram,
-        );
-        e.extra = self.observer.extra_eval(&self.session);
-        self.write_metrics(&e)?;
-        self.observer.on_eval(&e);
+        self.beacon("eval");
+        let mut e = self.eval.run(&self.session, syn, self.state.step);
+        e.extra = self.journal.observer().extra_eval(&self.session);
+        self.journal.eval(&e)?;
         self.last_eval = Some(e);
         Ok(())
-    }
-
-    fn checkpoint_due(&self) -> bool {
-        let every = self.cfg.checkpoint.interval;
-        (every > 0 && self.state.step.is_multiple_of(every)) || self.state.step == self.facts.total
     }
 
     /// The stop signal any rank got, agreed by all ranks at the same step.
@@ -1158,7 +616,7 @@ impl<'o> Trainer<'o> {
             vec![0]
         };
         let step = self.state.step;
-        let _ = self.emit(
+        let _ = self.journal.emit(
             event::SIGNAL,
             json!({"signal": flag[0], "step": step, "ranks": who}),
         );
@@ -1179,77 +637,21 @@ impl<'o> Trainer<'o> {
         self.state.model_hash = self.facts.model_hash.clone();
         self.state.config_hash = self.facts.config_hash.clone();
         self.state.kiln_version = env!("CARGO_PKG_VERSION").to_string();
-        if self.writer.is_some() {
-            // The step stages references to the state (no copy) and, with a save still in
-            // flight, waits for that save; the saver copies and writes (see crate::saver).
-            let t0 = Instant::now();
-            let staged = Staged {
-                step: self.state.step,
-                model: self.session.named_params(),
-                optimizer: self.optimizer.named_state(self.session.model.specs()),
-                state: serde_json::to_value(&self.state).unwrap_or_default(),
-            };
-            let stage_s = t0.elapsed().as_secs_f64();
-            let finished = match &mut self.writer {
-                Some(w) => w.saver.submit(staged, stage_s),
-                None => Vec::new(),
-            };
-            for outcome in finished {
-                self.report_saved(outcome?)?;
-            }
-        }
-        self.saved_at = Some(self.state.step);
-        Ok(())
-    }
-
-    /// The `checkpoint_saved` event of a finished save: its step's stall (what the training
-    /// step waited for) and the write time.
-    fn report_saved(&mut self, saved: Saved) -> Result<(), TrainError> {
-        let pruned: Vec<String> = saved.report.pruned.iter().map(|p| path_text(p)).collect();
-        let superseded: Vec<String> = saved
-            .report
-            .superseded
-            .iter()
-            .map(|r| path_text(&r.moved_to))
-            .collect();
-        self.emit(
-            event::CHECKPOINT_SAVED,
-            json!({"step": saved.step, "path": path_text(&saved.report.path),
-                   "stall_s": saved.stall_s, "write_s": saved.write_s, "seconds": saved.write_s,
-                   "async": saved.asynchronous, "pruned": pruned, "superseded": superseded}),
-        )?;
-        let msg = format!(
-            "saved {} (step stalled {:.3} s, write {:.3} s)",
-            saved.report.path.display(),
-            saved.stall_s,
-            saved.write_s
-        );
-        self.note(&msg);
-        Ok(())
-    }
-
-    /// Reports the save in flight if it has finished (never waits).
-    fn poll_saves(&mut self) -> Result<(), TrainError> {
-        let done = self.writer.as_mut().and_then(|w| w.saver.poll());
-        match done {
-            Some(outcome) => self.report_saved(outcome?),
-            None => Ok(()),
-        }
-    }
-
-    /// Waits for the save in flight, if any, and reports it.
-    fn wait_saves(&mut self) -> Result<(), TrainError> {
-        let done = self.writer.as_mut().and_then(|w| w.saver.wait());
-        match done {
-            Some(outcome) => self.report_saved(outcome?),
-            None => Ok(()),
-        }
+        let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
+        // References to the state (no copy); the saver copies and writes (see crate::saver).
+        let staged = || Staged {
+            step: state.step,
+            model: session.named_params(),
+            optimizer: optimizer.named_state(session.model.specs()),
+            state: serde_json::to_value(state).unwrap_or_default(),
+        };
+        self.checkpoints.save(state.step, staged, &mut self.journal)
     }
 
     /// Stopped by an agreed signal: the checkpoint is saved (the writer rank waits for it);
     /// every rank waits for the writer, then all leave with the same outcome.
     fn preempted(&mut self, signal: i32) -> Result<TrainReport, TrainError> {
-        self.wait_saves()?;
+        self.checkpoints.wait(&mut self.journal)?;
         self.comm.barrier();
         self.emit_exit("preempted", exit::PREEMPTED, None);
         Ok(self.report(Outcome::Preempted { signal }))
@@ -1257,18 +659,18 @@ impl<'o> Trainer<'o> {
 
     /// All steps done: the final checkpoint and `model.safetensors`.
     fn finish(&mut self) -> Result<TrainReport, TrainError> {
-        if self.saved_at != Some(self.state.step) {
+        if !self.checkpoints.saved(self.state.step) {
             self.checkpoint()?;
         }
-        self.wait_saves()?;
-        if let Some(w) = &self.writer {
+        self.checkpoints.wait(&mut self.journal)?;
+        if let Some(run) = self.journal.run_dir() {
             let bytes = checkpoint::to_safetensors(&self.session.host_params()).map_err(|e| {
                 TrainError::Io {
-                    path: w.run.path().join(kiln_run::layout::FINAL_MODEL),
+                    path: run.path().join(kiln_run::layout::FINAL_MODEL),
                     source: std::io::Error::other(e.to_string()),
                 }
             })?;
-            w.run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
+            run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
         }
         self.beacon("done");
         self.comm.barrier();
@@ -1290,4 +692,53 @@ impl<'o> Trainer<'o> {
     pub fn session(&self) -> &Session {
         &self.session
     }
+}
+
+/// The batch layout, the data and the model of a run (sizes that cannot fit are refused
+/// before the data is indexed for them).
+fn build(
+    cfg: &Config,
+    comm: &dyn Collective,
+) -> Result<(BatchLayout, TrainData, Session), TrainError> {
+    let layout =
+        BatchLayout::new(&cfg.training, comm.rank(), comm.size()).map_err(TrainError::Parallel)?;
+    crate::budget::check(cfg, crate::budget::known_vocab(cfg))?;
+    let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)
+        .map_err(TrainError::Data)?;
+    let vocab = data.vocab(cfg).map_err(TrainError::Data)?;
+    let session = Session::new(cfg, vocab)?;
+    Ok((layout, data, session))
+}
+
+/// The writer rank's side of the run directory: locks it, writes the config, opens the logs
+/// and scans the checkpoints.
+fn open_run_dir(opts: &TrainOptions) -> Result<Opened, TrainError> {
+    let cfg = &opts.config;
+    let run = RunDir::lock(&opts.run_dir)?;
+    run.write_file(kiln_run::layout::CONFIG, cfg.to_toml().as_bytes())?;
+    let mut events = EventLog::open(run.path(), "train")?;
+    let (metrics, cut) = run.open_log(kiln_run::layout::METRICS)?;
+    if cut > 0 {
+        events.emit(
+            event::LOG_REPAIRED,
+            json!({"path": path_text(&run.path().join(kiln_run::layout::METRICS)), "bytes_removed": cut}),
+        )?;
+    }
+    let opened = CheckpointManager::open(
+        &run.path().join(kiln_run::layout::CHECKPOINTS),
+        cfg.checkpoint.keep_latest_k,
+        cfg.checkpoint.resume,
+        &new_run_id(),
+    )?;
+    Ok(Opened {
+        run_id: opened.manager.run_id().to_string(),
+        saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),
+        writer: Writer {
+            run,
+            events,
+            metrics,
+        },
+        resume: opened.resume,
+        rejected: opened.rejected,
+    })
 }

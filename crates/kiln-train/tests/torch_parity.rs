@@ -81,7 +81,7 @@ fn run_case(python: &str, adjust: MuonLrAdjust, dir: &Path) -> serde_json::Value
             HostTensor::f32(
                 s.name.clone(),
                 s.shape.clone(),
-                kiln_train::session::to_vec(p),
+                kiln_train::tensor::to_vec(p),
             )
         })
         .collect();

@@ -23,7 +23,7 @@ pub use sophia::SophiaG;
 use crate::checkpoint::HostTensor;
 use crate::config::{LrSchedulerConfig, OptimizerConfig, OptimizerKind, ScheduleKind};
 use crate::model::ParamSpec;
-use crate::saver::DeviceTensor;
+use crate::tensor::DeviceTensor;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use rayon::prelude::*;
 
@@ -294,6 +294,21 @@ impl Optimizer {
             }
         }
         out
+    }
+
+    /// The optimizer of `cfg` restored from a checkpoint's state tensors at optimizer step
+    /// `step` (see [`Optimizer::load_host_state`]).
+    pub fn restore(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        tokens_per_step: u64,
+        (tensors, step): (&[HostTensor], u64),
+    ) -> Result<Self, String> {
+        let mut o = Self::new(cfg, specs, device, tokens_per_step);
+        o.load_host_state(specs, tensors, device)?;
+        o.set_step(step);
+        Ok(o)
     }
 
     /// Restores the state from host tensors named `<param>.<slot>`; every slot this

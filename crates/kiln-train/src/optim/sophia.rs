@@ -10,7 +10,7 @@
 //! and every k steps (`sophia.hessian_interval`), after the update, the Gauss-Newton-Bartlett
 //! estimate: `h <- beta2 h + (1 - beta2) g_hat^2`, with `g_hat` the gradient of the mean
 //! loss against labels sampled from the model's own predictions (the trainer computes it,
-//! [`crate::step::loss_and_grads`] with sampled labels). `B * g_hat^2` estimates the diagonal
+//! [`crate::step::Step`] with sampled labels). `B * g_hat^2` estimates the diagonal
 //! of the Gauss-Newton matrix; the authors fold the `B` into the update, as here.
 
 use super::{StateSlot, StateSlotMut};
@@ -147,13 +147,13 @@ mod tests {
         // Without a Hessian estimate yet, every coordinate moves by lr * sign(m).
         let g = || vec![Tensor::<1>::from_floats([2.0, -0.5, 0.0], &device)];
         opt.update(&mut p, g(), 0.1, &[false]);
-        let got = crate::session::to_vec(&p[0]);
+        let got = crate::tensor::to_vec(&p[0]);
         assert_eq!(got, [-0.1, 0.1, 0.0]);
         // h = 0.5 * g^2 = [2, 0.125, 0]; m = [1.5, -0.375, 0] after the next update
         // ratio = min(|m| / h, 1) = [0.75, 1, 0].
         opt.update_hessian(g());
         opt.update(&mut p, g(), 0.1, &[false]);
-        let got = crate::session::to_vec(&p[0]);
+        let got = crate::tensor::to_vec(&p[0]);
         let expect = [-0.1 - 0.075, 0.1 + 0.1, 0.0];
         for (a, b) in got.iter().zip(expect) {
             assert!((a - b).abs() < 1e-6, "{got:?} vs {expect:?}");

@@ -1,0 +1,300 @@
+//! [`GuardRail`]: the in-run guards of a run as one component. It judges each step's global
+//! loss and gradient norm (skip non-finite steps, roll back after too many of them or on a
+//! loss spike, check the first loss), keeps the in-memory snapshot it rolls back to, and
+//! names parameters that stopped changing. Every rank sees the same values, so every rank
+//! decides the same. Its cadence is its own (`guards.snapshot_interval`,
+//! `guards.frozen_check_interval`); its in-memory state is not checkpointed: a resumed run
+//! starts it afresh at the resumed step ([`GuardRail::restored`]).
+
+use crate::cadence::Every;
+use crate::config::GuardsConfig;
+use crate::error::TrainError;
+use crate::guards::{self, LossVerdict};
+use crate::journal::Journal;
+use crate::optim::Optimizer;
+use crate::session::Session;
+use crate::state::TrainState;
+use crate::tensor::unchanged_params;
+use burn::tensor::Tensor;
+use kiln_run::event;
+use serde_json::json;
+
+/// The parts of a run the guards read and, on a rollback, restore.
+pub struct Live<'a> {
+    /// The exact-resume state.
+    pub state: &'a mut TrainState,
+    /// The model and its parameters.
+    pub session: &'a mut Session,
+    /// The optimizer.
+    pub optimizer: &'a mut Optimizer,
+}
+
+/// What a rollback restores. The data cursor is not restored: the batches after it are
+/// skipped.
+#[derive(Clone)]
+struct Snapshot {
+    state: TrainState,
+    params: Vec<Tensor<1>>,
+    optimizer: Optimizer,
+}
+
+/// What the guards decided about one step.
+pub enum Verdict {
+    /// Apply the update.
+    Update,
+    /// The step was skipped or rolled back: nothing to apply.
+    Discard,
+}
+
+/// The guards' component (see the module documentation).
+pub struct GuardRail {
+    cfg: GuardsConfig,
+    /// The run started from a fresh model (not a checkpoint).
+    fresh: bool,
+    snapshot: Option<Snapshot>,
+    nonfinite_in_row: u32,
+    /// Rollbacks since training last got past `high_water`.
+    rollbacks_in_row: u32,
+    /// The furthest step reached; getting past it again ends a streak of rollbacks.
+    high_water: u64,
+    last_frozen_check: Option<Vec<Tensor<1>>>,
+}
+
+impl GuardRail {
+    /// The guards of `cfg` for a fresh run.
+    pub fn new(cfg: &GuardsConfig) -> Self {
+        Self {
+            cfg: cfg.clone(),
+            fresh: true,
+            snapshot: None,
+            nonfinite_in_row: 0,
+            rollbacks_in_row: 0,
+            high_water: 0,
+            last_frozen_check: None,
+        }
+    }
+
+    /// The run resumed at `step` from a checkpoint.
+    pub fn restored(&mut self, step: u64) {
+        self.fresh = false;
+        self.high_water = step;
+    }
+
+    /// At the start of training: the first snapshot, when one is due at the start step.
+    pub fn start(&mut self, live: &Live) {
+        if self.snapshot.is_none() && Every(self.cfg.snapshot_interval).due(live.state.step) {
+            self.take_snapshot(live);
+        }
+    }
+
+    /// Judges one step's global `loss` and gradient `norm`; may roll `live` back.
+    /// `saved_at` (the newest checkpoint) is named when the guards give up.
+    pub fn judge(
+        &mut self,
+        (loss, norm): (f32, f32),
+        live: &mut Live,
+        journal: &mut Journal,
+        saved_at: Option<u64>,
+    ) -> Result<Verdict, TrainError> {
+        if !loss.is_finite() || !norm.is_finite() {
+            return self.nonfinite(loss, norm, live, journal, saved_at);
+        }
+        self.nonfinite_in_row = 0;
+        if self.fresh && live.state.step == 0 {
+            self.check_initial_loss(loss, live.session.model.vocab(), journal)?;
+        }
+        let verdict = live.state.spike_window.observe(loss, &self.cfg);
+        if let LossVerdict::Spike { loss, mean, std } = verdict {
+            let step = live.state.step + 1;
+            journal.emit(
+                event::LOSS_SPIKE,
+                json!({"step": step, "loss": loss, "window_mean": mean, "window_std": std}),
+            )?;
+            journal.note(&format!(
+                "step {step}: loss spike {loss:.3} (window mean {mean:.3})"
+            ));
+            live.state.advance_data(1);
+            if self.snapshot.is_some() {
+                self.rollback(
+                    "loss_spike",
+                    self.cfg.spike_skip_batches,
+                    live,
+                    journal,
+                    saved_at,
+                )?;
+            } else {
+                // Without a snapshot, at least do not learn from the spiking batch.
+                journal.emit(
+                    event::SPIKE_SKIP,
+                    json!({"step": step, "note": "no snapshot; batch skipped"}),
+                )?;
+            }
+            return Ok(Verdict::Discard);
+        }
+        Ok(Verdict::Update)
+    }
+
+    /// After an applied step: the high-water mark, the snapshot and the frozen check when due.
+    pub fn after_step(&mut self, live: &Live, journal: &mut Journal) -> Result<(), TrainError> {
+        let step = live.state.step;
+        if step > self.high_water {
+            self.high_water = step;
+            self.rollbacks_in_row = 0;
+        }
+        if Every(self.cfg.snapshot_interval).due(step) {
+            self.take_snapshot(live);
+        }
+        if Every(self.cfg.frozen_check_interval).due(step) && journal.is_writer() {
+            self.check_frozen(live, journal)?;
+        }
+        Ok(())
+    }
+
+    fn nonfinite(
+        &mut self,
+        loss: f32,
+        norm: f32,
+        live: &mut Live,
+        journal: &mut Journal,
+        saved_at: Option<u64>,
+    ) -> Result<Verdict, TrainError> {
+        live.state.nonfinite_skipped += 1;
+        self.nonfinite_in_row += 1;
+        live.state.advance_data(1);
+        let (step, in_row) = (live.state.step, self.nonfinite_in_row);
+        journal.emit(
+            event::NONFINITE_SKIP,
+            json!({"step": step, "loss": loss.to_string(), "grad_norm": norm.to_string(), "in_row": in_row}),
+        )?;
+        journal.note(&format!(
+            "step {}: non-finite loss/gradients, step skipped",
+            step + 1
+        ));
+        if in_row >= self.cfg.max_nonfinite_in_row {
+            self.rollback("nonfinite", 0, live, journal, saved_at)?;
+        }
+        Ok(Verdict::Discard)
+    }
+
+    fn check_initial_loss(
+        &self,
+        loss: f32,
+        vocab: usize,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        let tolerance = self.cfg.initial_loss_tolerance;
+        if let Some(msg) = guards::check_initial_loss(loss, vocab, tolerance) {
+            journal.emit(
+                event::INITIAL_LOSS_ERROR,
+                json!({"loss": loss, "vocab": vocab, "message": msg}),
+            )?;
+            return Err(TrainError::Guard(msg));
+        }
+        journal.emit(
+            event::INITIAL_LOSS_OK,
+            json!({"loss": loss, "expected": (vocab as f64).ln()}),
+        )
+    }
+
+    /// Restores the last snapshot and skips `skip` more batches. Past
+    /// `guards.max_rollbacks` rollbacks that made no progress the run stops, naming the
+    /// likely cause; the checkpoints on disk (the last good state) are kept.
+    fn rollback(
+        &mut self,
+        reason: &str,
+        skip: u64,
+        live: &mut Live,
+        journal: &mut Journal,
+        saved_at: Option<u64>,
+    ) -> Result<(), TrainError> {
+        let Some(snap) = self.snapshot.clone() else {
+            return Err(TrainError::Guard(format!(
+                "{} non-finite steps in a row at step {} and no snapshot to roll back to (guards.snapshot_interval = 0); {}",
+                self.nonfinite_in_row,
+                live.state.step + 1,
+                self.likely_cause(reason)
+            )));
+        };
+        let limit = self.cfg.max_rollbacks;
+        if limit > 0 && self.rollbacks_in_row >= limit {
+            journal.emit(
+                event::ROLLBACK_LIMIT,
+                json!({"step": live.state.step, "rollbacks_in_row": self.rollbacks_in_row, "reason": reason}),
+            )?;
+            return Err(TrainError::Guard(format!(
+                "{} rollbacks in a row did not get training past step {} ({reason}); {}; the last good state is the newest checkpoint{}",
+                self.rollbacks_in_row,
+                self.high_water,
+                self.likely_cause(reason),
+                saved_at.map_or(String::new(), |s| format!(" (step {s})"))
+            )));
+        }
+        live.state.advance_data(skip);
+        let from = live.state.step;
+        journal.emit(
+            event::ROLLBACK,
+            json!({"from_step": from, "to_step": snap.state.step, "reason": reason, "skip_batches": skip, "data_cursor": live.state.data_cursor}),
+        )?;
+        journal.note(&format!(
+            "step {}: rolled back to step {} ({reason}) and skipped {skip} batches",
+            from + 1,
+            snap.state.step
+        ));
+        *live.state = TrainState {
+            data_cursor: live.state.data_cursor,
+            sample_cursor: Some(live.state.next_sample()),
+            rollbacks: live.state.rollbacks + 1,
+            nonfinite_skipped: live.state.nonfinite_skipped,
+            data_schedule: live.state.data_schedule.take(),
+            ..snap.state
+        };
+        live.session.params = snap.params;
+        *live.optimizer = snap.optimizer;
+        self.nonfinite_in_row = 0;
+        self.rollbacks_in_row += 1;
+        Ok(())
+    }
+
+    /// What most likely makes every step fail, for the guard's stop message.
+    fn likely_cause(&self, reason: &str) -> String {
+        let early = self.high_water <= self.cfg.snapshot_interval.max(1);
+        match (reason, early && self.fresh) {
+            ("nonfinite", true) => "every step of a fresh model is non-finite: a config value is likely wrong (check optimizer.lr, eps, weight_decay, model.norm_eps, rope_theta, init_std) or the data holds token ids beyond the vocabulary".into(),
+            ("nonfinite", _) => "training diverged: lower optimizer.lr or raise warmup, check the data around this step for garbage".into(),
+            _ => "the loss keeps spiking past the skipped batches: lower optimizer.lr, or inspect the data around this step".into(),
+        }
+    }
+
+    fn take_snapshot(&mut self, live: &Live) {
+        self.snapshot = Some(Snapshot {
+            state: live.state.clone(),
+            params: live.session.params.clone(),
+            optimizer: live.optimizer.clone(),
+        });
+    }
+
+    /// Names parameter tensors that did not change over the check interval (an event, not a
+    /// stop: the writer rank checks, since every rank holds the same parameters).
+    fn check_frozen(&mut self, live: &Live, journal: &mut Journal) -> Result<(), TrainError> {
+        let (step, every) = (live.state.step, self.cfg.frozen_check_interval);
+        let params = &live.session.params;
+        if let Some(prev) = &self.last_frozen_check {
+            let unchanged = unchanged_params(params, prev);
+            if !unchanged.is_empty() {
+                let specs = live.session.model.specs();
+                let names: Vec<String> = unchanged.iter().map(|&i| specs[i].name.clone()).collect();
+                journal.emit(
+                    event::FROZEN_PARAMS,
+                    json!({"step": step, "since_step": step.saturating_sub(every), "params": names}),
+                )?;
+                journal.note(&format!(
+                    "step {step}: {} parameter tensors did not change in {every} steps: {}",
+                    names.len(),
+                    names.join(", ")
+                ));
+            }
+        }
+        self.last_frozen_check = Some(params.clone());
+        Ok(())
+    }
+}

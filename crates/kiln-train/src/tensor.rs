@@ -1,0 +1,125 @@
+//! Tensor helpers every part of the trainer shares: host copies, named device tensors, the
+//! flat host buffer the all-reduce works on, and checksums. A leaf: it imports nothing of
+//! the trainer but the checkpoint's host-tensor type.
+
+use crate::checkpoint::{HostTensor, StoredDtype};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use sha2::{Digest, Sha256};
+
+/// Host copy of a flat tensor, widened to f32 whatever its dtype.
+pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
+    let data = t.clone().into_data();
+    let data = if data.dtype() == DType::F32 {
+        data
+    } else {
+        data.convert::<f32>()
+    };
+    data.try_into_vec::<f32>().unwrap_or_default()
+}
+
+/// Token ids `[rows, len]` as an Int tensor on `device`.
+pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
+    let flat: Vec<i64> = rows
+        .iter()
+        .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
+        .collect();
+    Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
+}
+
+/// A named tensor still on the device.
+#[derive(Debug, Clone)]
+pub struct DeviceTensor {
+    /// Its name in the checkpoint.
+    pub name: String,
+    /// Its logical shape (the tensor itself is flat).
+    pub shape: Vec<usize>,
+    /// The tensor.
+    pub tensor: Tensor<1>,
+}
+
+impl DeviceTensor {
+    /// A host copy, widened to f32, remembering whether it was bf16.
+    pub fn to_host(&self) -> HostTensor {
+        HostTensor {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            dtype: if self.tensor.dtype() == DType::BF16 {
+                StoredDtype::Bf16
+            } else {
+                StoredDtype::F32
+            },
+            values: to_vec(&self.tensor),
+        }
+    }
+}
+
+/// All tensors' values, concatenated on the host (what the all-reduce works on).
+pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
+    if tensors.is_empty() {
+        return Vec::new();
+    }
+    to_vec(&Tensor::cat(tensors.to_vec(), 0))
+}
+
+/// Cuts `flat` back into tensors shaped like `like`, on `device`.
+pub fn unflatten(flat: &[f32], like: &[Tensor<1>], device: &Device) -> Vec<Tensor<1>> {
+    let mut at = 0;
+    like.iter()
+        .map(|t| {
+            let n = t.dims()[0];
+            let part = flat[at..at + n].to_vec();
+            at += n;
+            Tensor::from_data(TensorData::new(part, [n]), device)
+        })
+        .collect()
+}
+
+/// A 64-bit checksum of all parameter values (bit-exact: any flipped bit changes it).
+pub fn params_checksum(params: &[Tensor<1>]) -> u64 {
+    let flat = flatten(params);
+    let digest = Sha256::digest(bytemuck::cast_slice::<f32, u8>(&flat));
+    u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]))
+}
+
+/// Indices of parameters identical to `prev` (one host read-back for all of them).
+pub fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
+    let diffs: Vec<Tensor<1>> = params
+        .iter()
+        .zip(prev)
+        .map(|(a, b)| {
+            let (a, b) = (
+                a.clone().cast(FloatDType::F32),
+                b.clone().cast(FloatDType::F32),
+            );
+            (a - b).abs().max()
+        })
+        .collect();
+    if diffs.is_empty() {
+        return Vec::new();
+    }
+    let d = to_vec(&Tensor::cat(diffs, 0));
+    d.iter()
+        .enumerate()
+        .filter(|(_, v)| **v == 0.0)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flatten_round_trips() {
+        let d = Device::flex();
+        let ts = vec![
+            Tensor::<1>::from_floats([1.0, 2.0], &d),
+            Tensor::<1>::from_floats([3.0], &d),
+        ];
+        let flat = flatten(&ts);
+        assert_eq!(flat, [1.0, 2.0, 3.0]);
+        let back = unflatten(&flat, &ts, &d);
+        assert_eq!(flatten(&back), flat);
+        assert_ne!(params_checksum(&ts), params_checksum(&back[..1]));
+    }
+}
