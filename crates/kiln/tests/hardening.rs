@@ -718,3 +718,167 @@ fn output_has_no_colour_in_pipes_and_says_each_error_once() {
     );
     assert_eq!(r.stderr.matches("os error 2)").count(), 1, "{}", r.stderr);
 }
+
+/// A quarantine file that is a FIFO blocked `kiln launch` and `kiln submit` forever: every
+/// path kiln opens from a flag or from the run directory is checked to be a regular file
+/// before it is opened, without blocking (quarantine files, hostfiles, tokenizer inputs,
+/// event logs, weights).
+#[test]
+fn paths_that_are_fifos_are_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    mkfifo(&d.join("q"));
+    let usage = kiln_run::exit::USAGE;
+    let launch = |extra: &[&str]| {
+        let mut args = vec!["launch", "--run-dir", "run"];
+        args.extend_from_slice(extra);
+        args.extend(["--", "true"]);
+        let mut c = kiln(&args, d);
+        for v in common::DETECTED {
+            c.env_remove(v);
+        }
+        run(c, 30)
+    };
+    let r = launch(&["--quarantine-file", "q"]);
+    refused_with(
+        &r,
+        usage,
+        "launch quarantine FIFO",
+        &["quarantine file q: is a FIFO"],
+    );
+    let r = launch(&["--mpi", "--hostfile", "q"]);
+    refused_with(&r, usage, "hostfile FIFO", &["hostfile q: is a FIFO"]);
+    let submit = [
+        "submit",
+        "--scheduler",
+        "slurm",
+        "--nodes",
+        "1",
+        "--time",
+        "2:00",
+        "--dry-run",
+        "--run-dir",
+        "run",
+        "--quarantine-file",
+        "q",
+        "--",
+        "true",
+    ];
+    let r = run(kiln(&submit, d), 30);
+    refused_with(&r, usage, "submit quarantine FIFO", &["q: is a FIFO"]);
+    // The run directory's own quarantine file and event log.
+    std::fs::create_dir(d.join("run")).unwrap();
+    mkfifo(&d.join("run/quarantine.jsonl"));
+    let r = launch(&[]);
+    refused_with(
+        &r,
+        usage,
+        "run-dir quarantine FIFO",
+        &["quarantine.jsonl: is a FIFO"],
+    );
+    mkfifo(&d.join("run/events.jsonl"));
+    let r = run(kiln(&["status", "run"], d), 30);
+    refused(&r, "events FIFO", &["events.jsonl: is a FIFO"]);
+    // Weights and tokenizer inputs.
+    std::fs::create_dir(d.join("m")).unwrap();
+    mkfifo(&d.join("m/model.safetensors"));
+    let r = run(kiln(&["eval", "m"], d), 30);
+    refused(&r, "weights FIFO", &["model.safetensors: is a FIFO"]);
+    std::fs::write(d.join("a.txt"), "ant bee cat\n\ndog eel fox\n").unwrap();
+    let tok = [
+        "data",
+        "train-tokenizer",
+        "-i",
+        "a.txt",
+        "--vocab-size",
+        "300",
+        "-o",
+        "t.json",
+    ];
+    assert_eq!(run(kiln(&tok, d), 60).code, 0);
+    let r = run(
+        kiln(
+            &["data", "tokenize", "-t", "t.json", "-i", "q", "-o", "out"],
+            d,
+        ),
+        30,
+    );
+    refused(&r, "input FIFO", &["q: is a FIFO"]);
+}
+
+/// Runs `cmd` to its end and returns its exit code, stderr and peak resident memory (KiB),
+/// measured by the kernel for that child alone (wait4).
+fn peak_memory(mut cmd: Command) -> (i32, String, i64) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kiln");
+    let mut err = child.stderr.take().expect("stderr");
+    let err_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let (mut status, mut usage) = (0i32, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: waits for our own child, by its pid, into locals.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    (code, err_t.join().unwrap_or_default(), usage.ru_maxrss)
+}
+
+/// `kiln status` on a 1 GiB single-line events.jsonl used 2.1 GB: logs are read a line at a
+/// time with a bound on the line, so an overlong line costs no memory and is named.
+#[test]
+fn status_reads_logs_with_a_line_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let event = r#"{"time":1.0,"source":"launch","event":"launch_start"}"#;
+    let write = |name: &str, last: bool| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(run_dir.join(name)).unwrap();
+        let chunk = vec![b'x'; 1 << 20];
+        f.write_all(b"{\"time\":1.0,\"junk\":\"").unwrap();
+        for _ in 0..256 {
+            f.write_all(&chunk).unwrap();
+        }
+        f.write_all(b"\"}").unwrap();
+        if !last {
+            writeln!(f, "\n{event}").unwrap();
+        }
+    };
+    // A 256 MiB line followed by an event: an error naming the line, in little memory.
+    write("events.jsonl", false);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("events.jsonl line 1: is 268435478 bytes long"),
+        "{err}"
+    );
+    assert!(
+        kib < 64 << 10,
+        "kiln status peaked at {kib} KiB on a 256 MiB line"
+    );
+    // As the last line it is a torn write: skipped, and status answers.
+    write("events.jsonl", true);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 0, "{err}");
+    assert!(kib < 64 << 10, "kiln status peaked at {kib} KiB");
+    // The same bound holds for metrics.jsonl.
+    std::fs::write(run_dir.join("events.jsonl"), format!("{event}\n")).unwrap();
+    write("metrics.jsonl", false);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("metrics.jsonl line 1: is 268435478 bytes long"),
+        "{err}"
+    );
+    assert!(kib < 64 << 10, "kiln status peaked at {kib} KiB on metrics");
+}
