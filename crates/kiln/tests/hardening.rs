@@ -882,3 +882,68 @@ fn status_reads_logs_with_a_line_bound() {
     );
     assert!(kib < 64 << 10, "kiln status peaked at {kib} KiB on metrics");
 }
+
+/// `kiln data tokenize` of one 195 MB line used 18.7 GB (96 times its input): a document
+/// longer than PIECE_BYTES is encoded in pieces, so peak memory stays within the documented
+/// multiple (about 3 times the longest line plus about 100 times a piece per thread) however
+/// long the document, and the output says how many documents were split.
+#[test]
+fn tokenize_memory_is_bounded_on_one_huge_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let words = [
+        "ant", "bee", "cat", "dog", "eel", "fox", "gnu", "hen", "owl", "yak",
+    ];
+    let mut small = String::new();
+    let mut line = String::with_capacity(16 << 20);
+    let mut x = 1u64;
+    for i in 0..4_000_000usize {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let w = words[(x >> 33) as usize % words.len()];
+        if i < 10_000 {
+            small += w;
+            small += if i % 50 == 49 { "\n\n" } else { " " };
+        }
+        line += w;
+        line.push(' ');
+    }
+    line.push('\n');
+    std::fs::write(d.join("small.txt"), small).unwrap();
+    std::fs::write(d.join("big.txt"), &line).unwrap();
+    let tok = [
+        "data",
+        "train-tokenizer",
+        "-i",
+        "small.txt",
+        "--vocab-size",
+        "300",
+        "-o",
+        "t.json",
+    ];
+    assert_eq!(run(kiln(&tok, d), 60).code, 0);
+    let mut cmd = kiln(
+        &[
+            "data", "tokenize", "-t", "t.json", "-i", "big.txt", "-o", "out", "--split", "line",
+        ],
+        d,
+    );
+    cmd.env("KILN_NO_PROGRESS", "1");
+    let (code, err, kib) = peak_memory(cmd);
+    assert_eq!(code, 0, "{err}");
+    // 16 MB of input: 3 x 16 MB + 100 x 256 KiB x 2 threads is about 100 MB (the unbounded
+    // tokenizer took about 1.5 GB).
+    assert!(
+        kib < 160 << 10,
+        "tokenize peaked at {kib} KiB on a 16 MB line"
+    );
+    let out = run(kiln(&["data", "inspect", "out", "--json"], d), 30);
+    let info: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(info["documents"], 1, "{}", out.stdout);
+    assert!(
+        info["tokens"].as_u64().unwrap() > 1_000_000,
+        "{}",
+        out.stdout
+    );
+}
