@@ -49,7 +49,10 @@ pub use pool::{
     read_quarantine,
 };
 pub use probe::{Lookup, find_in_path, lookup_program, probe_tool};
-pub use progress::{DEFAULT_PROGRESS_REGEX, LineSplitter, ProgressRegex, strip_ansi};
+pub use progress::{
+    DEFAULT_PROGRESS_REGEX, LineSplitter, MAX_PLAUSIBLE_STEP, ProgressRegex, StepCounter,
+    strip_ansi,
+};
 pub use retry::{
     AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
     RetryLimit, decide, outcome_json, run_with_retries,
