@@ -947,3 +947,42 @@ fn tokenize_memory_is_bounded_on_one_huge_line() {
         out.stdout
     );
 }
+
+/// An `.idx` whose document pointer lies far past the end of the `.bin` was found only during
+/// training and ended the run with exit 1 (retryable, so `--retries` looped on bad data).
+/// Every pointer and size is checked against the `.bin` when the data is opened (cached like
+/// the vocabulary scan): exit 78 before any step, naming the file and the sequence.
+#[test]
+fn index_damage_is_a_data_error_when_the_data_is_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    megatron_dataset(&dir.path().join("mega"), 200, 999);
+    // Header: magic (9), version (8), dtype (1), sequences (8), documents (8); then the i32
+    // lengths and the i64 pointers.
+    let idx = dir.path().join("mega.idx");
+    let mut bytes = std::fs::read(&idx).unwrap();
+    let n = u64::from_le_bytes(bytes[18..26].try_into().unwrap()) as usize;
+    let at = 34 + 4 * n + 8 * 5;
+    bytes[at..at + 8].copy_from_slice(&(1i64 << 40).to_le_bytes());
+    std::fs::write(&idx, bytes).unwrap();
+    std::fs::write(dir.path().join("list.txt"), "1.0 mega\n").unwrap();
+    let sets = [
+        "data.corpus_list=list.txt",
+        "training.steps=2",
+        "eval.samples=0",
+        "model.vocab_size=1000",
+    ];
+    let mut cmd = train_cmd(&dir.path().join("run"), &sets);
+    cmd.current_dir(dir.path());
+    let r = run(cmd, 120);
+    refused_with(
+        &r,
+        INVALID,
+        "pointer past the .bin",
+        &[
+            "list.txt:1",
+            "mega.idx",
+            "sequence 5 points at byte 1099511627776",
+        ],
+    );
+    assert!(!r.stdout.contains("step=1"), "a step ran: {}", r.stdout);
+}
