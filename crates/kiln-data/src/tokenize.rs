@@ -420,12 +420,11 @@ fn piece_end(text: &str, start: usize, piece: usize) -> usize {
         limit -= 1;
     }
     let window = &text[start..limit];
-    let mut chars = window.char_indices().rev().peekable();
     let mut next_is_word = text[limit..]
         .chars()
         .next()
         .is_some_and(|c| !c.is_whitespace());
-    while let Some((i, c)) = chars.next() {
+    for (i, c) in window.char_indices().rev() {
         if c.is_whitespace() && next_is_word && i > 0 {
             return start + i;
         }

@@ -93,7 +93,7 @@ fn next_line(
     loop {
         let buf = reader.fill_buf()?;
         if buf.is_empty() {
-            return Ok(any.then(|| if len > max as u64 { Err(len) } else { Ok(()) }));
+            return Ok(any.then_some(if len > max as u64 { Err(len) } else { Ok(()) }));
         }
         any = true;
         let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
