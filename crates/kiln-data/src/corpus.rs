@@ -38,7 +38,39 @@ pub struct CorpusList {
     pub entries: Vec<CorpusEntry>,
 }
 
+/// `path` without `.` components and repeated separators (`..` is kept: it may cross a link).
+fn lexical(path: &Path) -> PathBuf {
+    path.components().collect()
+}
+
+fn duplicate(key: &str, prev: &CorpusEntry) -> String {
+    format!(
+        "prefix {key} names the same dataset as {} on line {}; list each dataset once and give it the combined weight",
+        prev.key, prev.line
+    )
+}
+
 impl CorpusList {
+    /// Refuses two entries whose index files are one file (reached by different spellings,
+    /// `..` or links): it would silently get the weight of both.
+    fn check_distinct_files(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let mut seen: std::collections::HashMap<(u64, u64), &CorpusEntry> = Default::default();
+        for e in &self.entries {
+            let Ok(meta) = std::fs::metadata(crate::indexed::idx_path(&e.prefix)) else {
+                continue; // a missing dataset is reported, by name, when it is opened
+            };
+            if let Some(prev) = seen.insert((meta.dev(), meta.ino()), e) {
+                return Err(DataError::ListLine {
+                    path: self.path.clone(),
+                    line: e.line,
+                    reason: duplicate(&e.key, prev),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Read and parse a list file.
     pub fn read(path: &Path) -> Result<CorpusList> {
         let text = kiln_run::files::read_to_string_limited(
@@ -48,7 +80,9 @@ impl CorpusList {
         )
         .map_err(|e| DataError::io(path, e))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        CorpusList::parse(&text, path, base)
+        let list = CorpusList::parse(&text, path, base)?;
+        list.check_distinct_files()?;
+        Ok(list)
     }
 
     /// Parse list text; `path` names it in errors, `base` resolves relative prefixes.
@@ -98,18 +132,18 @@ impl CorpusList {
                     fields[1]
                 )));
             }
-            if let Some(prev) = entries.iter().find(|e| e.key == key) {
-                return Err(bad(format!(
-                    "prefix {key} is already listed on line {}; list each dataset once and give it the combined weight",
-                    prev.line
-                )));
-            }
             let p = Path::new(&key);
             let prefix = if p.is_absolute() {
                 p.to_path_buf()
             } else {
                 base.join(p)
             };
+            // `a`, `./a` and `x//a`-style spellings name one dataset: compare the paths, not
+            // the strings (files reached by links are compared in `read`).
+            let same = lexical(&prefix);
+            if let Some(prev) = entries.iter().find(|e| lexical(&e.prefix) == same) {
+                return Err(bad(duplicate(&key, prev)));
+            }
             let corpus = match fields.get(2) {
                 Some(c) => c.to_string(),
                 None => p
@@ -227,7 +261,15 @@ mod tests {
             ("nan a\n", "list.txt:1: weight nan"),
             (
                 "1 a\n1 a\n",
-                "list.txt:2: prefix a is already listed on line 1",
+                "list.txt:2: prefix a names the same dataset as a on line 1",
+            ),
+            (
+                "1 a\n1 ./a.bin\n",
+                "list.txt:2: prefix ./a names the same dataset as a on line 1",
+            ),
+            (
+                "1 d/a\n1 d//./a\n",
+                "list.txt:2: prefix d//./a names the same dataset as d/a on line 1",
             ),
             ("# nothing\n", "list.txt: no datasets"),
             ("0 a\n0 b\n", "list.txt: every weight is 0"),

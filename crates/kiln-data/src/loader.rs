@@ -195,6 +195,8 @@ impl BlendedLoader {
                     .map(|(e, &bound)| {
                         let ds =
                             IndexedDataset::open(&e.prefix).map_err(|err| at_line(e.line, err))?;
+                        index_checked_cached(&ds, &cfg.cache_dir)
+                            .map_err(|err| at_line(e.line, err))?;
                         let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
                         let index = DatasetIndex::open(
                             ds,
@@ -351,6 +353,29 @@ impl BlendedLoader {
     pub fn blend_path(&self) -> &Path {
         self.blend.path()
     }
+}
+
+/// Checks every sequence's size and pointer of a dataset's index against its `.bin` (see
+/// [`crate::indexed::IndexFile::check_all`]; with the size check of [`IndexedDataset::open`],
+/// every sequence lies inside the `.bin`), once per pair of files: the result is cached under
+/// the cache directory by both files' fingerprints, as the vocabulary scan is. Damage is
+/// then an error when the data is opened, not a failed read steps later.
+fn index_checked_cached(ds: &IndexedDataset, cache_dir: &Path) -> Result<()> {
+    let (_, idx_fp) = crate::fingerprint::sampled(ds.index().path())?;
+    let (_, bin_fp) = crate::fingerprint::sampled(&crate::indexed::bin_path(ds.prefix()))?;
+    let key = crate::cache::Key::new(b"IDXCHECK", &format!("v1 idx={idx_fp} bin={bin_fp}"));
+    let stem = ds
+        .prefix()
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "dataset".into());
+    let path = cache_dir.join(key.file_name(&stem));
+    crate::cache::get_or_build(&path, &key, || {
+        let _span = tracing::info_span!("index check", dataset = %ds.prefix().display()).entered();
+        let tokens = ds.index().check_all()?;
+        Ok(vec![tokens.to_le_bytes().to_vec()])
+    })?;
+    Ok(())
 }
 
 /// The largest token id of a dataset (see [`IndexedDataset::scan_max_token`]), from the

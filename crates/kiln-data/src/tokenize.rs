@@ -18,6 +18,15 @@ use tokenizers::Tokenizer;
 /// Longest input line read (a JSONL document is one line).
 pub const MAX_LINE_BYTES: u64 = 256 << 20;
 
+/// Longest piece of a document given to the tokenizer at once. A tokenizer's working memory
+/// is about 100 times the text it encodes (offsets, pre-tokens, words), so a longer document
+/// is encoded in pieces of at most this size, cut before a whitespace character that starts
+/// a word: byte-level BPE tokenizers with the GPT-2 pre-tokenizer give the same ids as for
+/// the whole document. Peak memory of `tokenize` is then about 3 times its longest input line
+/// (at most [`MAX_LINE_BYTES`]) plus about 100 times this size per thread, whatever the
+/// document length; [`TokenizeStats::split_documents`] counts the documents encoded so.
+pub const PIECE_BYTES: usize = 256 << 10;
+
 /// End-of-document tokens looked for, in order, when none is named.
 pub const EOS_CANDIDATES: &[&str] = &["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"];
 
@@ -108,7 +117,9 @@ impl DocReader<'_> {
                     return Ok(None);
                 };
                 self.next_file += 1;
-                let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+                // A FIFO or device named as input is refused without blocking on it.
+                let file =
+                    kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
                 let ext = path
                     .extension()
                     .map(|e| e.to_string_lossy().to_lowercase())
@@ -393,6 +404,46 @@ pub struct TokenizeStats {
     pub seconds: f64,
     pub tokens_per_second: f64,
     pub dtype: DType,
+    /// Documents longer than [`PIECE_BYTES`], encoded in pieces.
+    pub split_documents: u64,
+}
+
+/// Where to end the piece of `text` that starts at `start`: at most `piece` bytes on, before
+/// a whitespace character followed by a non-whitespace one (a word's leading space stays
+/// with the word), else at a character boundary.
+fn piece_end(text: &str, start: usize, piece: usize) -> usize {
+    if text.len() - start <= piece {
+        return text.len();
+    }
+    let mut limit = start + piece.max(4);
+    while !text.is_char_boundary(limit) {
+        limit -= 1;
+    }
+    let window = &text[start..limit];
+    let mut next_is_word = text[limit..]
+        .chars()
+        .next()
+        .is_some_and(|c| !c.is_whitespace());
+    for (i, c) in window.char_indices().rev() {
+        if c.is_whitespace() && next_is_word && i > 0 {
+            return start + i;
+        }
+        next_is_word = !c.is_whitespace();
+    }
+    limit
+}
+
+/// Encodes `text` in pieces of at most `piece` bytes (see [`PIECE_BYTES`]).
+fn encode_pieces(tok: &Tokenizer, text: &str, piece: usize) -> tokenizers::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let mut start = 0;
+    while start < text.len() {
+        let end = piece_end(text, start, piece);
+        let enc = tok.encode_fast(&text[start..end], false)?;
+        ids.extend_from_slice(enc.get_ids());
+        start = end;
+    }
+    Ok(ids)
 }
 
 /// Find the end-of-document token id: the named token, or the first of [`EOS_CANDIDATES`].
@@ -449,7 +500,7 @@ pub fn tokenize(
     let total = src.total_bytes();
     let bar = crate::progress::bytes_bar(total, "tokenize");
     let mut reader = src.reader();
-    let mut docs = 0u64;
+    let (mut docs, mut split) = (0u64, 0u64);
     let batch = opts.batch_docs.max(1);
     let enc_err = |e: tokenizers::Error| DataError::Tokenizer {
         path: tokenizer_path.to_path_buf(),
@@ -473,14 +524,14 @@ pub fn tokenize(
         let encoded: Vec<Result<Vec<u32>>> = texts
             .par_iter()
             .map(|t| {
-                let enc = tok.encode_fast(t.as_str(), false).map_err(enc_err)?;
-                let mut ids = enc.get_ids().to_vec();
+                let mut ids = encode_pieces(&tok, t, PIECE_BYTES).map_err(enc_err)?;
                 if let Some(e) = eos {
                     ids.push(e);
                 }
                 Ok(ids)
             })
             .collect();
+        split += texts.iter().filter(|t| t.len() > PIECE_BYTES).count() as u64;
         for ids in encoded {
             builder.add_document(&ids?)?;
             docs += 1;
@@ -519,6 +570,7 @@ pub fn tokenize(
         seconds,
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,
+        split_documents: split,
     })
 }
 
@@ -536,6 +588,50 @@ mod tests {
         );
         assert!(check_vocab_size(0, 1).is_err());
         assert!(check_vocab_size(MAX_VOCAB + 1, 1).is_err());
+    }
+
+    #[test]
+    fn long_documents_encode_in_pieces_to_the_same_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.txt");
+        let words = [
+            "ant", "bee", "cat", "dög", "eel", "  fox", "\ngnu", "hen,", "!",
+        ];
+        let text: String = (0..3000)
+            .map(|i| words[i * 7 % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ");
+        std::fs::write(&input, &text).unwrap();
+        let src = DocSource {
+            files: vec![input],
+            json_key: "text".into(),
+            split: TextSplit::File,
+        };
+        let opts = TrainOptions {
+            vocab_size: 400,
+            min_frequency: 2,
+            special_tokens: vec!["<|endoftext|>".into()],
+        };
+        let tok = train_bpe(&src, &opts, &dir.path().join("tok.json")).unwrap();
+        let whole = tok
+            .encode_fast(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        // Every piece of 8 bytes or more holds a cut before a word (the longest is 6 bytes).
+        for piece in [8, 16, 100, 1000] {
+            assert_eq!(
+                encode_pieces(&tok, &text, piece).unwrap(),
+                whole,
+                "piece {piece}"
+            );
+        }
+        let mut start = 0;
+        while start < text.len() {
+            let end = piece_end(&text, start, 16);
+            assert!(end > start && end - start <= 16, "{start}..{end}");
+            start = end;
+        }
     }
 
     #[test]

@@ -320,7 +320,8 @@ impl SourceReader {
     fn open(src: &Path, kind: Kind) -> Result<Self, YeetError> {
         let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
         if kind != Kind::Tar || !std::fs::metadata(src).map_err(io(src))?.is_dir() {
-            let f = File::open(src).map_err(io(src))?;
+            // A FIFO or device would block or never end: only regular files are sent.
+            let f = kiln_run::files::open_regular(src).map_err(io(src))?;
             return Ok(Self {
                 inner: Box::new(BufReader::with_capacity(CHUNK, f)),
                 failed,

@@ -117,10 +117,14 @@ fn synthetic_tokenizer() -> Tokenizer {
     }
 }
 
+/// The largest `tokenizer.json` read (the biggest public ones are tens of MB).
+const MAX_TOKENIZER_BYTES: u64 = 1024 * kiln_run::files::MIB;
+
 /// Reads a `tokenizer.json`; its end-of-text token is the first of kiln-data's EOS names
 /// that it has as an added token.
 fn read_tokenizer(path: &Path) -> Result<Tokenizer, GatesError> {
-    let json = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let json = kiln_run::files::read_to_string_limited(path, MAX_TOKENIZER_BYTES, "a tokenizer")
+        .map_err(io_err(path))?;
     let parsed: serde_json::Value = serde_json::from_str(&json).map_err(|e| GatesError::Parse {
         path: path.to_path_buf(),
         line: e.line(),

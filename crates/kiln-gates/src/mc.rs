@@ -382,7 +382,14 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
             (ck.model, path.to_path_buf(), run_dir, Some(ck.step))
         } else if path.join(kiln_run::layout::FINAL_MODEL).exists() {
             let file = path.join(kiln_run::layout::FINAL_MODEL);
-            let bytes = std::fs::read(&file).map_err(io_err(&file))?;
+            let bytes = {
+                use std::io::Read;
+                let mut bytes = Vec::new();
+                kiln_run::files::open_regular(&file)
+                    .and_then(|mut f| f.read_to_end(&mut bytes))
+                    .map_err(io_err(&file))?;
+                bytes
+            };
             let tensors = kiln_train::checkpoint::from_safetensors(&bytes, &file)?;
             (tensors, file, path.to_path_buf(), None)
         } else {

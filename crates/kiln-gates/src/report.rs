@@ -48,28 +48,26 @@ fn num(obj: &Map<String, Value>, key: &str) -> f64 {
     obj.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN)
 }
 
-/// Reads `RUN_DIR/metrics.jsonl`. A torn last line is skipped; any other malformed line is an
+/// Reads `RUN_DIR/metrics.jsonl` (absent: empty), a line at most [`kiln_run::jsonl::MAX_LINE_BYTES`]
+/// long in memory. A torn last line is skipped; any other malformed line is an
 /// error naming it. Lines that are neither step nor eval lines are ignored.
 pub fn read_metrics(run_dir: &Path) -> Result<Metrics, GatesError> {
     let path = run_dir.join(layout::METRICS);
-    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
-    let lines: Vec<&str> = text.lines().collect();
+    let parse = |line: &str| match serde_json::from_str::<Value>(line) {
+        Ok(Value::Object(o)) => Ok(Some(o)),
+        Ok(_) | Err(_) => Err("not a JSON object".to_string()),
+    };
+    let lines = kiln_run::jsonl::read_jsonl(&path, kiln_run::jsonl::MAX_LINE_BYTES, parse)
+        .map_err(|e| match e {
+            kiln_run::jsonl::JsonlError::Io(e) => io_err(&path)(e),
+            kiln_run::jsonl::JsonlError::Line { line, message } => GatesError::Parse {
+                path: path.clone(),
+                line,
+                message,
+            },
+        })?;
     let mut m = Metrics::default();
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let obj = match serde_json::from_str::<Value>(line) {
-            Ok(Value::Object(o)) => o,
-            Err(_) if i + 1 == lines.len() => continue, // torn final line
-            Ok(_) | Err(_) => {
-                return Err(GatesError::Parse {
-                    path,
-                    line: i + 1,
-                    message: "not a JSON object".into(),
-                });
-            }
-        };
+    for obj in lines {
         let step = obj.get("step").and_then(Value::as_u64).unwrap_or(0);
         if obj.contains_key("step_time_s") {
             m.steps.push(StepLine {

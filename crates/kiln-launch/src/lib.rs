@@ -49,7 +49,10 @@ pub use pool::{
     read_quarantine,
 };
 pub use probe::{Lookup, find_in_path, lookup_program, probe_tool};
-pub use progress::{DEFAULT_PROGRESS_REGEX, LineSplitter, ProgressRegex, strip_ansi};
+pub use progress::{
+    DEFAULT_PROGRESS_REGEX, LineSplitter, MAX_PLAUSIBLE_STEP, ProgressRegex, StepCounter,
+    strip_ansi,
+};
 pub use retry::{
     AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
     RetryLimit, decide, outcome_json, run_with_retries,
@@ -59,7 +62,7 @@ pub use shim::{RankExit, ShimError, exit_like, free_port, run_as_rank, running_a
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
 pub use submit::{
     BatchScheduler, CHAIN_INDEX_ENV, ChainJob, SubmitError, SubmitRequest, Submitted, batch_script,
-    continue_chain, parse_time, shell_quote, submit, submit_script,
+    continue_chain, launch_argv, parse_time, shell_quote, shell_quote_bytes, submit, submit_script,
 };
 pub use supervise::{
     AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, become_subreaper, run_attempt,

@@ -117,14 +117,12 @@ pub fn read_quarantine(path: &Path) -> Result<Vec<QuarantineEntry>, QuarantineEr
         path: path.to_path_buf(),
         source,
     };
-    let file = match std::fs::File::open(path) {
+    // A FIFO, device or directory is refused without blocking on it.
+    let file = match kiln_run::files::open_regular(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io(e)),
     };
-    if !file.metadata().map_err(io)?.is_file() {
-        return Err(io(std::io::Error::other("not a regular file")));
-    }
     let lines: Vec<String> = std::io::BufReader::new(file.take(MAX_QUARANTINE_BYTES))
         .lines()
         .collect::<Result<_, _>>()
@@ -135,6 +133,16 @@ pub fn read_quarantine(path: &Path) -> Result<Vec<QuarantineEntry>, QuarantineEr
             continue;
         }
         match serde_json::from_str::<QuarantineEntry>(line) {
+            Ok(e) if !is_host_name(&e.host) => {
+                return Err(QuarantineError::Parse {
+                    path: path.to_path_buf(),
+                    line: i + 1,
+                    message: format!(
+                        "host {:?} is not a host name (letters, digits, '-', '.', '_')",
+                        e.host
+                    ),
+                });
+            }
             Ok(e) => out.push(e),
             Err(_) if i + 1 == lines.len() => {}
             Err(e) => {
@@ -149,6 +157,15 @@ pub fn read_quarantine(path: &Path) -> Result<Vec<QuarantineEntry>, QuarantineEr
     Ok(out)
 }
 
+/// Whether `name` can be a host name: what hostfiles accept, and nothing that could break a
+/// batch-script directive or a `--exclude` list.
+fn is_host_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+}
+
 /// Appends one entry as one line (one `write` with O_APPEND: concurrent jobs appending to a
 /// shared file never interleave).
 pub fn append_quarantine(path: &Path, entry: &QuarantineEntry) -> Result<(), QuarantineError> {
@@ -161,10 +178,7 @@ pub fn append_quarantine(path: &Path, entry: &QuarantineEntry) -> Result<(), Qua
     }
     let mut line = serde_json::to_vec(entry).map_err(|e| io(std::io::Error::other(e)))?;
     line.push(b'\n');
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
+    kiln_run::files::open_append_regular(path)
         .and_then(|mut f| f.write_all(&line))
         .map_err(io)
 }
@@ -225,6 +239,18 @@ mod tests {
         append_quarantine(&f, &e).unwrap();
         assert_eq!(read_quarantine(&f).unwrap().len(), 2);
         assert_eq!(quarantined_hosts(std::slice::from_ref(&f)).unwrap(), ["n2"]);
+        // A host that could break a script directive or an --exclude list is refused.
+        let hostile = QuarantineEntry {
+            host: "n1\ntouch PWNED".into(),
+            ..e.clone()
+        };
+        append_quarantine(&f, &hostile).unwrap();
+        append_quarantine(&f, &e).unwrap();
+        let err = read_quarantine(&f).unwrap_err().to_string();
+        assert!(
+            err.contains("line 3") && err.contains("not a host name"),
+            "{err}"
+        );
         std::fs::write(&f, "nonsense\n{\"time\":1}\n").unwrap();
         let err = read_quarantine(&f).unwrap_err().to_string();
         assert!(err.contains("line 1"), "{err}");

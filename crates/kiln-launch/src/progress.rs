@@ -32,6 +32,42 @@ impl ProgressRegex {
     }
 }
 
+/// The largest number taken as a step: no run takes 10^12 steps, so a larger value (or one
+/// that does not fit 64 bits) is noise, such as a hash or an uninitialised counter.
+pub const MAX_PLAUSIBLE_STEP: u64 = 1_000_000_000_000;
+
+/// One output source's step counter as its lines show it. A step counts as progress when it
+/// is plausible and moves forward from the last one counted; a step at most half of that is
+/// the counter starting again (a new run of the program printing from 1), which counts and
+/// becomes the new base. Values in between (a rank a step behind, a heartbeat repeating an
+/// older step) are not progress, so a stuck job does not look busy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepCounter {
+    last: Option<u64>,
+}
+
+impl StepCounter {
+    /// Feeds a step printed by the source; returns whether it is progress.
+    pub fn observe(&mut self, step: u64) -> bool {
+        if step > MAX_PLAUSIBLE_STEP {
+            return false;
+        }
+        let counts = match self.last {
+            None => true,
+            Some(last) => step > last || step <= last / 2 && step < last,
+        };
+        if counts {
+            self.last = Some(step);
+        }
+        counts
+    }
+
+    /// The last step counted.
+    pub fn step(&self) -> Option<u64> {
+        self.last
+    }
+}
+
 /// Removes terminal escape sequences (CSI `ESC [ ... final`, OSC `ESC ] ... BEL/ST`, and
 /// two-byte `ESC x`) so that a colored `step=\x1b[1m12` still reads as `step=12`.
 pub fn strip_ansi(text: &str) -> String {
@@ -140,6 +176,29 @@ mod tests {
         assert_eq!(lines[0], "step=4");
         assert_eq!(re.find(&lines[1]), Some(5));
         assert_eq!(lines[2], "tail done");
+    }
+
+    #[test]
+    fn steps_count_when_plausible_and_forward_and_a_restart_is_not_a_stall() {
+        let counts = |steps: &[u64]| {
+            let mut c = StepCounter::default();
+            steps.iter().map(|&s| c.observe(s)).collect::<Vec<_>>()
+        };
+        // A garbage value first: not a step; the healthy count that follows is progress.
+        assert_eq!(counts(&[u64::MAX, 1, 2, 3]), [false, true, true, true]);
+        // A counter that starts again (a new run printing from 1) goes on counting.
+        assert_eq!(
+            counts(&[7, 8, 1, 2, 8, 9]),
+            [true, true, true, true, true, true]
+        );
+        // Repeats and a rank one step behind are not progress.
+        assert_eq!(
+            counts(&[10, 10, 9, 10, 9]),
+            [true, false, false, false, false]
+        );
+        let mut c = StepCounter::default();
+        assert!(c.observe(MAX_PLAUSIBLE_STEP) && !c.observe(MAX_PLAUSIBLE_STEP + 1));
+        assert_eq!(c.step(), Some(MAX_PLAUSIBLE_STEP));
     }
 
     proptest! {

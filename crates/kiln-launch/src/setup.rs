@@ -343,8 +343,11 @@ impl Setup {
             Launcher::Mpiexec | Launcher::Mpirun
                 if launcher == Launcher::Mpiexec || self.user_hostfile =>
             {
+                // The scheduler's own nodefile is in its launcher's syntax; a user's hostfile
+                // may be in any syntax kiln reads (`host:N`, `host slots=N`, repeated
+                // lines), so the launcher gets kiln's rewrite in its own syntax.
                 match (&self.source_file, all_hosts) {
-                    (Some(f), true) => Some(f.clone()),
+                    (Some(f), true) if !self.user_hostfile => Some(f.clone()),
                     _ => {
                         let path = self.run_dir.join(kiln_run::layout::HOSTFILE);
                         let text: String = match launcher {

@@ -142,7 +142,7 @@ impl SubmitRequest {
                 self.time.as_secs()
             ));
         }
-        Ok(())
+        check_script_values(self, &[])
     }
 
     /// The walltime warning lead: `--signal-lead`, else a tenth of the walltime, 30 s to 5 min
@@ -162,15 +162,79 @@ impl SubmitRequest {
     }
 }
 
-/// Quotes `s` for a POSIX shell (single quotes; `'` as `'\''`).
+/// Quotes `s` as one word of a bash script (see [`shell_quote_bytes`]).
 pub fn shell_quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b))
+    shell_quote_bytes(s.as_bytes())
+}
+
+/// Quotes `bytes` as one word of a bash script that never spans lines: bare when every byte
+/// is safe, in single quotes when it is printable text, else in ANSI-C quotes (`$'...'`, the
+/// scripts are bash) with `\xHH` for control characters and bytes that are not UTF-8, so a
+/// newline in a value can never end its line and every byte reaches the program unchanged.
+pub fn shell_quote_bytes(bytes: &[u8]) -> String {
+    const SAFE: &[u8] = b"-_./=:,+@%";
+    if !bytes.is_empty()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || SAFE.contains(b))
     {
-        return s.to_string();
+        return String::from_utf8_lossy(bytes).into_owned();
     }
-    format!("'{}'", s.replace('\'', r"'\''"))
+    match std::str::from_utf8(bytes) {
+        Ok(s) if s.chars().all(|c| !breaks_line(c)) => {
+            format!("'{}'", s.replace('\'', r"'\''"))
+        }
+        _ => {
+            let mut out = String::from("$'");
+            for &b in bytes {
+                match b {
+                    b'\\' | b'\'' => {
+                        out.push('\\');
+                        out.push(b as char);
+                    }
+                    0x20..=0x7e => out.push(b as char),
+                    _ => out.push_str(&format!("\\x{b:02x}")),
+                }
+            }
+            out.push('\'');
+            out
+        }
+    }
+}
+
+/// Whether `c` ends or disturbs a line for some reader of the script (bash, sbatch, qsub, an
+/// editor): control characters and the Unicode line and paragraph separators.
+fn breaks_line(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+}
+
+/// Refuses a value written bare into a directive or a comment of the script if it could end
+/// its line there.
+fn one_line(what: &str, value: &str) -> Result<(), SubmitError> {
+    match value.chars().find(|&c| breaks_line(c)) {
+        None => Ok(()),
+        Some(c) => Err(SubmitError::Usage(format!(
+            "{what} {value:?} contains the control character {c:?}; a value written into a \
+             batch-script directive or comment must be one line of printable text"
+        ))),
+    }
+}
+
+/// The path as text for a directive or a comment: UTF-8 and one line.
+fn one_line_path<'a>(what: &str, path: &'a Path) -> Result<&'a str, SubmitError> {
+    let text = path.to_str().ok_or_else(|| {
+        SubmitError::Usage(format!(
+            "{what} {path:?} is not UTF-8; the batch script's directives need a UTF-8 path"
+        ))
+    })?;
+    one_line(what, text)?;
+    Ok(text)
+}
+
+/// Quotes a path for the script, byte for byte.
+fn quote_path(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    shell_quote_bytes(path.as_os_str().as_bytes())
 }
 
 fn hms(d: Duration) -> String {
@@ -178,127 +242,142 @@ fn hms(d: Duration) -> String {
     format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
-/// The batch script. `exclude`: hosts to keep out (quarantined).
-pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> String {
-    let total = req.nodes + req.spares;
-    let lead = req.lead();
-    let run = req.run_dir.display().to_string();
-    let mut s = String::from("#!/bin/bash\n");
-    let mut d = |line: String| {
-        s.push_str(&line);
-        s.push('\n');
-    };
-    match req.scheduler {
-        BatchScheduler::Slurm => {
-            d(format!("#SBATCH --job-name={}", shell_quote(&req.job_name)));
-            d(format!("#SBATCH --nodes={total}"));
-            d(format!("#SBATCH --time={}", hms(req.time)));
-            // B: the batch shell (kiln launch, by exec) gets USR1 LEAD seconds before the end.
-            d(format!("#SBATCH --signal=B:USR1@{}", lead.as_secs()));
-            // A failed node must not end the job: node scope swaps in a spare.
-            d("#SBATCH --no-kill".into());
-            d(format!(
-                "#SBATCH --output={}",
-                shell_quote(
-                    &req.run_dir
-                        .join(layout::JOB_OUTPUT_PATTERN)
-                        .display()
-                        .to_string()
-                )
-            ));
-            d("#SBATCH --open-mode=append".into());
-            if let Some(a) = &req.account {
-                d(format!("#SBATCH --account={}", shell_quote(a)));
-            }
-            if let Some(q) = &req.queue {
-                d(format!("#SBATCH --partition={}", shell_quote(q)));
-            }
-            if !exclude.is_empty() {
-                d(format!("#SBATCH --exclude={}", exclude.join(",")));
-            }
-            for a in &req.scheduler_args {
-                d(format!("#SBATCH {a}"));
-            }
-        }
-        BatchScheduler::Pbs => {
-            d(format!("#PBS -N {}", shell_quote(&req.job_name)));
-            d(format!("#PBS -l select={total}"));
-            d("#PBS -l place=scatter".into());
-            d(format!("#PBS -l walltime={}", hms(req.time)));
-            d("#PBS -j oe".into());
-            d(format!(
-                "#PBS -o {}",
-                shell_quote(&req.run_dir.join("pbs.out").display().to_string())
-            ));
-            if let Some(a) = &req.account {
-                d(format!("#PBS -A {}", shell_quote(a)));
-            }
-            if let Some(q) = &req.queue {
-                d(format!("#PBS -q {}", shell_quote(q)));
-            }
-            for a in &req.scheduler_args {
-                d(format!("#PBS {a}"));
-            }
+/// Checks every value that is written bare into a directive or a comment of the script
+/// (names, account, queue, directives, the run directory, the excluded hosts): each must be
+/// one line of printable text, so that no value can end its line and start a command.
+fn check_script_values(req: &SubmitRequest, exclude: &[String]) -> Result<(), SubmitError> {
+    one_line_path("--run-dir", &req.run_dir)?;
+    one_line("--job-name", &req.job_name)?;
+    for (what, value) in [("--account", &req.account), ("--queue", &req.queue)] {
+        if let Some(v) = value {
+            one_line(what, v)?;
         }
     }
-    d(String::new());
-    d(format!(
+    for a in &req.scheduler_args {
+        one_line("--scheduler-arg", a)?;
+    }
+    for h in exclude {
+        one_line("quarantined host", h)?;
+    }
+    Ok(())
+}
+
+/// The `#SBATCH`/`#PBS` directives.
+fn directives(req: &SubmitRequest, exclude: &[String]) -> Vec<String> {
+    let total = req.nodes + req.spares;
+    let q = shell_quote;
+    let mut d = Vec::new();
+    match req.scheduler {
+        BatchScheduler::Slurm => {
+            d.push(format!("#SBATCH --job-name={}", q(&req.job_name)));
+            d.push(format!("#SBATCH --nodes={total}"));
+            d.push(format!("#SBATCH --time={}", hms(req.time)));
+            // B: the batch shell (kiln launch, by exec) gets USR1 LEAD seconds before the end.
+            d.push(format!("#SBATCH --signal=B:USR1@{}", req.lead().as_secs()));
+            // A failed node must not end the job: node scope swaps in a spare.
+            d.push("#SBATCH --no-kill".into());
+            let output = req.run_dir.join(layout::JOB_OUTPUT_PATTERN);
+            d.push(format!("#SBATCH --output={}", quote_path(&output)));
+            d.push("#SBATCH --open-mode=append".into());
+            if let Some(a) = &req.account {
+                d.push(format!("#SBATCH --account={}", q(a)));
+            }
+            if let Some(p) = &req.queue {
+                d.push(format!("#SBATCH --partition={}", q(p)));
+            }
+            if !exclude.is_empty() {
+                d.push(format!("#SBATCH --exclude={}", exclude.join(",")));
+            }
+            d.extend(req.scheduler_args.iter().map(|a| format!("#SBATCH {a}")));
+        }
+        BatchScheduler::Pbs => {
+            d.push(format!("#PBS -N {}", q(&req.job_name)));
+            d.push(format!("#PBS -l select={total}"));
+            d.push("#PBS -l place=scatter".into());
+            d.push(format!("#PBS -l walltime={}", hms(req.time)));
+            d.push("#PBS -j oe".into());
+            d.push(format!(
+                "#PBS -o {}",
+                quote_path(&req.run_dir.join("pbs.out"))
+            ));
+            if let Some(a) = &req.account {
+                d.push(format!("#PBS -A {}", q(a)));
+            }
+            if let Some(p) = &req.queue {
+                d.push(format!("#PBS -q {}", q(p)));
+            }
+            d.extend(req.scheduler_args.iter().map(|a| format!("#PBS {a}")));
+        }
+    }
+    d
+}
+
+/// The argv every job of the chain `exec`s: `kiln launch` with node and job scope, then the
+/// program.
+pub fn launch_argv(req: &SubmitRequest) -> Vec<std::ffi::OsString> {
+    let script = req.run_dir.join(layout::batch_script(req.scheduler.name()));
+    let mut argv: Vec<std::ffi::OsString> = vec![req.kiln.clone().into()];
+    let flags = ["launch", "--auto-retry", "--spares"];
+    argv.extend(flags.map(Into::into));
+    argv.push(req.spares.to_string().into());
+    argv.extend(["--run-dir".into(), req.run_dir.clone().into()]);
+    argv.extend(["--chain".into(), req.chain.to_string().into()]);
+    argv.extend(["--chain-script".into(), script.into()]);
+    if let Some(q) = &req.quarantine_file {
+        argv.extend(["--quarantine-file".into(), q.clone().into()]);
+    }
+    // Slurm's USR1 is the warning; kiln's own walltime is the fallback a little later. PBS has
+    // no warning: kiln's walltime is the only one.
+    let own = match req.scheduler {
+        BatchScheduler::Slurm => req.time.saturating_sub(req.lead() / 3),
+        BatchScheduler::Pbs => req.time.saturating_sub(req.lead()),
+    };
+    argv.extend(["--walltime".into(), own.as_secs().to_string().into()]);
+    argv.extend(req.launch_args.iter().map(Into::into));
+    argv.push("--".into());
+    argv.extend(req.command.iter().map(Into::into));
+    argv
+}
+
+/// The batch script. `exclude`: hosts to keep out (quarantined). Refuses a request whose
+/// values could end a line of the script (see [`SubmitRequest::validate`]); every other value
+/// is quoted, byte for byte, on one line.
+pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> Result<String, SubmitError> {
+    req.validate()?;
+    check_script_values(req, exclude)?;
+    let mut lines = vec!["#!/bin/bash".to_string()];
+    lines.extend(directives(req, exclude));
+    lines.push(String::new());
+    lines.push(format!(
         "# Written by `kiln submit`; kept as {}. Every job of the chain runs this script:",
         req.run_dir
             .join(layout::batch_script(req.scheduler.name()))
             .display()
     ));
-    d(
+    lines.push(
         "# kiln launch recovers failed nodes from the spares, stops the ranks resumably before"
             .into(),
     );
-    d(format!(
+    lines.push(format!(
         "# the walltime, and submits the next job (chain of at most {}) while the run is unfinished.",
         req.chain
     ));
-    d("set -u".into());
+    lines.push("set -u".into());
     if req.scheduler == BatchScheduler::Pbs {
-        d(format!(
-            "exec >> {}/job-\"${{PBS_JOBID:-local}}\".out 2>&1",
-            shell_quote(&run)
+        let out = quote_path(&req.run_dir);
+        lines.push(format!(
+            "exec >> {out}/job-\"${{PBS_JOBID:-local}}\".out 2>&1"
         ));
     }
-    d(format!(
-        "cd {}",
-        shell_quote(&req.workdir.display().to_string())
-    ));
-    let mut argv: Vec<String> = vec![
-        req.kiln.display().to_string(),
-        "launch".into(),
-        "--auto-retry".into(),
-        "--spares".into(),
-        req.spares.to_string(),
-        "--run-dir".into(),
-        run.clone(),
-        "--chain".into(),
-        req.chain.to_string(),
-        "--chain-script".into(),
-        req.run_dir
-            .join(layout::batch_script(req.scheduler.name()))
-            .display()
-            .to_string(),
-    ];
-    if let Some(q) = &req.quarantine_file {
-        argv.extend(["--quarantine-file".into(), q.display().to_string()]);
-    }
-    // Slurm's USR1 is the warning; kiln's own walltime is the fallback a little later. PBS has
-    // no warning: kiln's walltime is the only one.
-    let own = match req.scheduler {
-        BatchScheduler::Slurm => req.time.saturating_sub(lead / 3),
-        BatchScheduler::Pbs => req.time.saturating_sub(lead),
-    };
-    argv.extend(["--walltime".into(), own.as_secs().to_string()]);
-    argv.extend(req.launch_args.iter().cloned());
-    argv.push("--".into());
-    argv.extend(req.command.iter().cloned());
-    let quoted: Vec<String> = argv.iter().map(|a| shell_quote(a)).collect();
-    d(format!("exec {}", quoted.join(" ")));
-    s
+    lines.push(format!("cd {}", quote_path(&req.workdir)));
+    let quoted: Vec<String> = launch_argv(req)
+        .iter()
+        .map(|a| quote_path(Path::new(a)))
+        .collect();
+    lines.push(format!("exec {}", quoted.join(" ")));
+    let mut s = lines.join("\n");
+    s.push('\n');
+    Ok(s)
 }
 
 /// Runs the submit command; returns the job id it printed.
@@ -390,7 +469,7 @@ pub fn submit(req: &SubmitRequest) -> Result<Submitted, SubmitError> {
     };
     std::fs::create_dir_all(&req.run_dir).map_err(io(&req.run_dir))?;
     let script = req.run_dir.join(layout::batch_script(req.scheduler.name()));
-    crate::write_file_atomic(&script, batch_script(req, &exclude).as_bytes(), 0o755)
+    crate::write_file_atomic(&script, batch_script(req, &exclude)?.as_bytes(), 0o755)
         .map_err(io(&script))?;
     let job_id = submit_script(req.scheduler, &script, 1, None, &[])?;
     if let Ok(mut log) = EventLog::open(&req.run_dir, "submit") {
@@ -523,7 +602,7 @@ mod tests {
 
     #[test]
     fn scripts_carry_the_walltime_signal_spares_and_the_chain() {
-        let s = batch_script(&req(BatchScheduler::Slurm), &["n7".into()]);
+        let s = batch_script(&req(BatchScheduler::Slurm), &["n7".into()]).unwrap();
         for line in [
             "#SBATCH --nodes=4",
             "#SBATCH --time=1:00:00",
@@ -536,7 +615,7 @@ mod tests {
         ] {
             assert!(s.contains(line), "missing {line:?} in\n{s}");
         }
-        let p = batch_script(&req(BatchScheduler::Pbs), &[]);
+        let p = batch_script(&req(BatchScheduler::Pbs), &[]).unwrap();
         for line in [
             "#PBS -l select=4",
             "#PBS -l walltime=1:00:00",

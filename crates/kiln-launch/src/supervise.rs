@@ -7,7 +7,7 @@ use crate::classify::{
     classify_code, classify_exit, exit_code_of,
 };
 use crate::plan::ProcSpec;
-use crate::progress::{LineSplitter, ProgressRegex};
+use crate::progress::{LineSplitter, ProgressRegex, StepCounter};
 use crate::signals::StopRequest;
 use kiln_run::{Beacon, ExitRecord, read_beacons, read_exit_records, unix_time};
 use nix::sys::signal::{Signal, killpg};
@@ -180,6 +180,8 @@ struct Shared {
     last_output: Option<Instant>,
     /// Output-derived progress per source (rank for local spawns, `None` for a launcher).
     output_progress: BTreeMap<Option<usize>, (u64, Instant)>,
+    /// Each output source's step counter (what counts as progress).
+    output_counters: BTreeMap<Option<usize>, StepCounter>,
     /// When progress first and last advanced (output or beacons).
     first_advance: Option<Instant>,
     last_advance: Option<Instant>,
@@ -823,7 +825,7 @@ fn read_stream(mut pipe: Box<dyn Read + Send>, ctx: ReaderCtx) {
             s.last_output = Some(now);
             let mut moved = false;
             for step in steps {
-                moved |= advance(&mut s.output_progress, ctx.source, step, now);
+                moved |= advance(&mut s, ctx.source, step, now);
             }
             if moved {
                 s.advanced(now);
@@ -837,7 +839,7 @@ fn read_stream(mut pipe: Box<dyn Read + Send>, ctx: ReaderCtx) {
             let now = Instant::now();
             let mut moved = false;
             for step in steps {
-                moved |= advance(&mut s.output_progress, ctx.source, step, now);
+                moved |= advance(&mut s, ctx.source, step, now);
             }
             if moved {
                 s.advanced(now);
@@ -846,26 +848,14 @@ fn read_stream(mut pipe: Box<dyn Read + Send>, ctx: ReaderCtx) {
     }
 }
 
-/// Records a step seen in the output; returns whether it is new progress (a printed step
-/// means a step completed, so the first one counts as an advance too).
-fn advance(
-    map: &mut BTreeMap<Option<usize>, (u64, Instant)>,
-    source: Option<usize>,
-    step: u64,
-    now: Instant,
-) -> bool {
-    match map.get_mut(&source) {
-        Some((s, t)) if step > *s => {
-            *s = step;
-            *t = now;
-            true
-        }
-        Some(_) => false,
-        None => {
-            map.insert(source, (step, now));
-            true
-        }
+/// Records a step seen in the output; returns whether it is progress (see [`StepCounter`]:
+/// a printed step means a step completed, so the first one counts too).
+fn advance(s: &mut Shared, source: Option<usize>, step: u64, now: Instant) -> bool {
+    if !s.output_counters.entry(source).or_default().observe(step) {
+        return false;
     }
+    s.output_progress.insert(source, (step, now));
+    true
 }
 
 /// Merges fresh beacons; returns whether anything changed (a rank advanced, appeared or

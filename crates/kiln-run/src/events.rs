@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -119,36 +119,19 @@ impl EventLog {
 /// (a writer killed mid-write) is skipped; any other malformed line is an error naming it.
 pub fn read_events(dir: &Path) -> Result<Vec<Event>, EventLogError> {
     let path = dir.join(crate::layout::EVENTS);
-    let file = match File::open(&path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => return Err(EventLogError::Io { path, source }),
+    let parse = |line: &str| {
+        serde_json::from_str::<Event>(line)
+            .map(Some)
+            .map_err(|e| e.to_string())
     };
-    let lines: Vec<String> = BufReader::new(file)
-        .lines()
-        .collect::<Result<_, _>>()
-        .map_err(|source| EventLogError::Io {
-            path: path.clone(),
-            source,
-        })?;
-    let mut events = Vec::with_capacity(lines.len());
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<Event>(line) {
-            Ok(e) => events.push(e),
-            Err(_) if i + 1 == lines.len() => {} // torn final line
-            Err(e) => {
-                return Err(EventLogError::Parse {
-                    path,
-                    line: i + 1,
-                    message: e.to_string(),
-                });
-            }
-        }
-    }
-    Ok(events)
+    crate::jsonl::read_jsonl(&path, crate::jsonl::MAX_LINE_BYTES, parse).map_err(|e| match e {
+        crate::jsonl::JsonlError::Io(source) => EventLogError::Io { path, source },
+        crate::jsonl::JsonlError::Line { line, message } => EventLogError::Parse {
+            path,
+            line,
+            message,
+        },
+    })
 }
 
 #[cfg(test)]

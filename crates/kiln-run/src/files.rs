@@ -68,6 +68,34 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
     Ok(file)
 }
 
+/// Opens `path` for appending (creating it if absent) if it is a regular file: a FIFO with no
+/// reader fails at once instead of blocking the open, and a device or directory is refused.
+pub fn open_append_regular(path: &Path) -> io::Result<File> {
+    if let Ok(meta) = std::fs::metadata(path)
+        && !meta.is_file()
+    {
+        return Err(not_regular(&meta));
+    }
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            // A FIFO put in place after the check, with no reader: O_NONBLOCK makes it ENXIO.
+            Some(libc::ENXIO) => io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "is a FIFO, not a regular file; kiln writes only regular files here",
+            ),
+            _ => e,
+        })?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    Ok(file)
+}
+
 /// The whole of the regular file `path`, refusing one larger than `limit` bytes (`what`
 /// names the kind of file in the message, e.g. "a corpus list").
 pub fn read_limited(path: &Path, limit: u64, what: &str) -> io::Result<Vec<u8>> {
@@ -148,6 +176,13 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&fifo, &link).unwrap();
         assert!(open_regular(&link).is_err());
+        let e = open_append_regular(&fifo).unwrap_err();
+        assert!(e.to_string().contains("is a FIFO"), "{e}");
+        let e = open_append_regular(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("is a directory"), "{e}");
+        let new = dir.path().join("new");
+        open_append_regular(&new).unwrap();
+        assert!(new.is_file());
         let missing = read_limited(&dir.path().join("nope"), 1, "x").unwrap_err();
         assert_eq!(missing.kind(), io::ErrorKind::NotFound);
     }

@@ -78,12 +78,18 @@ pub enum HostfileError {
     },
 }
 
+/// The most bytes read from a hostfile: a line per rank slot of the largest allocation.
+const MAX_HOSTFILE_BYTES: u64 = 256 * kiln_run::files::MIB;
+
 /// Reads and parses a hostfile.
 pub fn read_hostfile(path: &Path) -> Result<Vec<Host>, HostfileError> {
-    let bytes = std::fs::read(path).map_err(|source| HostfileError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    // A FIFO or device is refused without blocking; a nodefile has a line per rank slot.
+    let bytes = kiln_run::files::read_limited(path, MAX_HOSTFILE_BYTES, "a hostfile").map_err(
+        |source| HostfileError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    )?;
     parse_hostfile(path, &String::from_utf8_lossy(&bytes))
 }
 

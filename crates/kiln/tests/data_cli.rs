@@ -234,3 +234,70 @@ fn every_verb_has_complete_help() {
         );
     }
 }
+
+/// A corpus list naming one shard twice by different spellings (`a` and `./a`, or through a
+/// link) silently gave it double weight: the duplicate check compares files, not strings.
+#[test]
+fn one_shard_under_two_spellings_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("a.txt"), "ant bee cat\n\ndog eel fox\n").unwrap();
+    ok(
+        &[
+            "train-tokenizer",
+            "-i",
+            "a.txt",
+            "--vocab-size",
+            "300",
+            "-o",
+            "tok.json",
+        ],
+        d,
+    );
+    ok(
+        &[
+            "tokenize", "-t", "tok.json", "-i", "a.txt", "-o", "shards/a",
+        ],
+        d,
+    );
+    std::fs::create_dir(d.join("links")).unwrap();
+    for ext in ["bin", "idx"] {
+        std::os::unix::fs::symlink(
+            d.join(format!("shards/a.{ext}")),
+            d.join(format!("links/alias.{ext}")),
+        )
+        .unwrap();
+    }
+    for (second, line) in [
+        ("./shards/a", 2),
+        ("shards//a.idx", 2),
+        ("links/../shards/a", 2),
+        ("links/alias", 2),
+    ] {
+        let list = format!("0.5 shards/a\n0.5 {second}\n");
+        std::fs::write(d.join("list.txt"), &list).unwrap();
+        let out = kiln(
+            &["blend", "list.txt", "--seq-len", "4", "--samples", "10"],
+            d,
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains(&format!("list.txt:{line}:"))
+                && err.contains("same dataset as shards/a"),
+            "{list:?} was accepted: {err}"
+        );
+    }
+    // Distinct shards still blend.
+    ok(
+        &[
+            "tokenize", "-t", "tok.json", "-i", "a.txt", "-o", "shards/b",
+        ],
+        d,
+    );
+    std::fs::write(d.join("list.txt"), "0.5 shards/a\n0.5 ./shards/b\n").unwrap();
+    ok(
+        &["blend", "list.txt", "--seq-len", "4", "--samples", "10"],
+        d,
+    );
+}

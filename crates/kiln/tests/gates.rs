@@ -242,3 +242,61 @@ fn lr_find_sweeps_muon_and_sophiag() {
         assert!(v["steps_run"].as_u64().unwrap() >= 10, "{kind}: {v}");
     }
 }
+
+/// `kiln lr-find --steps 1000000000` was accepted and ran silently for days: step counts with
+/// no sense are refused at once (exit 2, naming the flag), for every gate that takes one.
+#[test]
+fn gate_step_counts_with_no_sense_are_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("lr");
+    for args in [
+        &[
+            "lr-find",
+            "--steps",
+            "1000000000",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ][..],
+        &[
+            "lr-find",
+            "--steps",
+            "4",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ][..],
+        &[
+            "smoke",
+            "--steps",
+            "1000000000",
+            "--bless",
+            "--baseline",
+            "/nonexistent/b.json",
+        ][..],
+    ] {
+        let mut child = Command::new(KILN)
+            .current_dir(repo_root())
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A generous guard so that the old behaviour fails instead of hanging the suite.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if std::time::Instant::now() > until {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{args:?} was accepted and still running after 2 minutes");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("--steps"), "{args:?}: {err}");
+        assert!(!out_dir.exists(), "{args:?} wrote outputs");
+    }
+}

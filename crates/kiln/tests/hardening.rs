@@ -458,8 +458,8 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         30,
     );
     refused(&r, "FIFO tokenizer", &["tok.json: is a FIFO"]);
-    // An input without newlines is an error after a bounded read, not a read that fills
-    // memory.
+    // An input that never ends is refused before it is read (a regular file without
+    // newlines is an error after a bounded read).
     let r = run(
         kiln(
             &[
@@ -479,7 +479,7 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
     refused(
         &r,
         "input /dev/zero",
-        &["/dev/zero:1: line longer than 256 MiB"],
+        &["/dev/zero: is a character device, not a regular file"],
     );
 }
 
@@ -717,4 +717,285 @@ fn output_has_no_colour_in_pipes_and_says_each_error_once() {
         &["missing.toml", "(os error 2)"],
     );
     assert_eq!(r.stderr.matches("os error 2)").count(), 1, "{}", r.stderr);
+}
+
+/// A quarantine file that is a FIFO blocked `kiln launch` and `kiln submit` forever: every
+/// path kiln opens from a flag or from the run directory is checked to be a regular file
+/// before it is opened, without blocking (quarantine files, hostfiles, tokenizer inputs,
+/// event logs, weights).
+#[test]
+fn paths_that_are_fifos_are_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    mkfifo(&d.join("q"));
+    let usage = kiln_run::exit::USAGE;
+    let launch = |extra: &[&str]| {
+        let mut args = vec!["launch", "--run-dir", "run"];
+        args.extend_from_slice(extra);
+        args.extend(["--", "true"]);
+        let mut c = kiln(&args, d);
+        for v in common::DETECTED {
+            c.env_remove(v);
+        }
+        run(c, 30)
+    };
+    let r = launch(&["--quarantine-file", "q"]);
+    refused_with(
+        &r,
+        usage,
+        "launch quarantine FIFO",
+        &["quarantine file q: is a FIFO"],
+    );
+    let r = launch(&["--mpi", "--hostfile", "q"]);
+    refused_with(&r, usage, "hostfile FIFO", &["hostfile q: is a FIFO"]);
+    let submit = [
+        "submit",
+        "--scheduler",
+        "slurm",
+        "--nodes",
+        "1",
+        "--time",
+        "2:00",
+        "--dry-run",
+        "--run-dir",
+        "run",
+        "--quarantine-file",
+        "q",
+        "--",
+        "true",
+    ];
+    let r = run(kiln(&submit, d), 30);
+    refused_with(&r, usage, "submit quarantine FIFO", &["q: is a FIFO"]);
+    // The run directory's own quarantine file and event log.
+    std::fs::create_dir(d.join("run")).unwrap();
+    mkfifo(&d.join("run/quarantine.jsonl"));
+    let r = launch(&[]);
+    refused_with(
+        &r,
+        usage,
+        "run-dir quarantine FIFO",
+        &["quarantine.jsonl: is a FIFO"],
+    );
+    mkfifo(&d.join("run/events.jsonl"));
+    let r = run(kiln(&["status", "run"], d), 30);
+    refused(&r, "events FIFO", &["events.jsonl: is a FIFO"]);
+    // Weights and tokenizer inputs.
+    std::fs::create_dir(d.join("m")).unwrap();
+    mkfifo(&d.join("m/model.safetensors"));
+    let r = run(kiln(&["eval", "m"], d), 30);
+    refused(&r, "weights FIFO", &["model.safetensors: is a FIFO"]);
+    std::fs::write(d.join("a.txt"), "ant bee cat\n\ndog eel fox\n").unwrap();
+    let tok = [
+        "data",
+        "train-tokenizer",
+        "-i",
+        "a.txt",
+        "--vocab-size",
+        "300",
+        "-o",
+        "t.json",
+    ];
+    assert_eq!(run(kiln(&tok, d), 60).code, 0);
+    let r = run(
+        kiln(
+            &["data", "tokenize", "-t", "t.json", "-i", "q", "-o", "out"],
+            d,
+        ),
+        30,
+    );
+    refused(&r, "input FIFO", &["q: is a FIFO"]);
+}
+
+/// Runs `cmd` to its end and returns its exit code, stderr and peak resident memory (KiB):
+/// the largest `VmHWM` of its /proc status, read every few milliseconds while it runs. (The
+/// kernel's rusage of a child is no use here: it counts the memory of the test process that
+/// forked it.) Polling can only miss memory used in the last moments, never add any.
+fn peak_memory(mut cmd: Command) -> (i32, String, u64) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kiln");
+    let mut err = child.stderr.take().expect("stderr");
+    let err_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak = 0u64;
+    let status = loop {
+        let hwm = std::fs::read_to_string(&status_file)
+            .ok()
+            .and_then(|t| {
+                let line = t.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
+                line.split_whitespace().nth(1)?.parse::<u64>().ok()
+            })
+            .unwrap_or(0);
+        peak = peak.max(hwm);
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    (
+        status.code().unwrap_or(-1),
+        err_t.join().unwrap_or_default(),
+        peak,
+    )
+}
+
+/// `kiln status` on a 1 GiB single-line events.jsonl used 2.1 GB: logs are read a line at a
+/// time with a bound on the line, so an overlong line costs no memory and is named.
+#[test]
+fn status_reads_logs_with_a_line_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let event = r#"{"time":1.0,"source":"launch","event":"launch_start"}"#;
+    let write = |name: &str, last: bool| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(run_dir.join(name)).unwrap();
+        let chunk = vec![b'x'; 1 << 20];
+        f.write_all(b"{\"time\":1.0,\"junk\":\"").unwrap();
+        for _ in 0..256 {
+            f.write_all(&chunk).unwrap();
+        }
+        f.write_all(b"\"}").unwrap();
+        if !last {
+            writeln!(f, "\n{event}").unwrap();
+        }
+    };
+    // A 256 MiB line followed by an event: an error naming the line, in little memory.
+    write("events.jsonl", false);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("events.jsonl line 1: is 268435478 bytes long"),
+        "{err}"
+    );
+    assert!(
+        kib < 64 << 10,
+        "kiln status peaked at {kib} KiB on a 256 MiB line"
+    );
+    // As the last line it is a torn write: skipped, and status answers.
+    write("events.jsonl", true);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 0, "{err}");
+    assert!(kib < 64 << 10, "kiln status peaked at {kib} KiB");
+    // The same bound holds for metrics.jsonl.
+    std::fs::write(run_dir.join("events.jsonl"), format!("{event}\n")).unwrap();
+    write("metrics.jsonl", false);
+    let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("metrics.jsonl line 1: is 268435478 bytes long"),
+        "{err}"
+    );
+    assert!(kib < 64 << 10, "kiln status peaked at {kib} KiB on metrics");
+}
+
+/// `kiln data tokenize` of one 195 MB line used 18.7 GB (96 times its input): a document
+/// longer than PIECE_BYTES is encoded in pieces, so peak memory stays within the documented
+/// multiple (about 3 times the longest line plus about 100 times a piece per thread) however
+/// long the document, and the output says how many documents were split.
+#[test]
+fn tokenize_memory_is_bounded_on_one_huge_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let words = [
+        "ant", "bee", "cat", "dog", "eel", "fox", "gnu", "hen", "owl", "yak",
+    ];
+    let mut small = String::new();
+    let mut line = String::with_capacity(16 << 20);
+    let mut x = 1u64;
+    for i in 0..4_000_000usize {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let w = words[(x >> 33) as usize % words.len()];
+        if i < 10_000 {
+            small += w;
+            small += if i % 50 == 49 { "\n\n" } else { " " };
+        }
+        line += w;
+        line.push(' ');
+    }
+    line.push('\n');
+    std::fs::write(d.join("small.txt"), small).unwrap();
+    std::fs::write(d.join("big.txt"), &line).unwrap();
+    let tok = [
+        "data",
+        "train-tokenizer",
+        "-i",
+        "small.txt",
+        "--vocab-size",
+        "300",
+        "-o",
+        "t.json",
+    ];
+    assert_eq!(run(kiln(&tok, d), 60).code, 0);
+    let mut cmd = kiln(
+        &[
+            "data", "tokenize", "-t", "t.json", "-i", "big.txt", "-o", "out", "--split", "line",
+        ],
+        d,
+    );
+    cmd.env("KILN_NO_PROGRESS", "1");
+    let (code, err, kib) = peak_memory(cmd);
+    assert_eq!(code, 0, "{err}");
+    // 16 MB of input: 3 x 16 MB + 100 x 256 KiB x 2 threads is about 100 MB (the unbounded
+    // tokenizer took about 1.5 GB).
+    assert!(
+        kib < 160 << 10,
+        "tokenize peaked at {kib} KiB on a 16 MB line"
+    );
+    let out = run(kiln(&["data", "inspect", "out", "--json"], d), 30);
+    let info: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(info["documents"], 1, "{}", out.stdout);
+    assert!(
+        info["tokens"].as_u64().unwrap() > 1_000_000,
+        "{}",
+        out.stdout
+    );
+}
+
+/// An `.idx` whose document pointer lies far past the end of the `.bin` was found only during
+/// training and ended the run with exit 1 (retryable, so `--retries` looped on bad data).
+/// Every pointer and size is checked against the `.bin` when the data is opened (cached like
+/// the vocabulary scan): exit 78 before any step, naming the file and the sequence.
+#[test]
+fn index_damage_is_a_data_error_when_the_data_is_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    megatron_dataset(&dir.path().join("mega"), 200, 999);
+    // Header: magic (9), version (8), dtype (1), sequences (8), documents (8); then the i32
+    // lengths and the i64 pointers.
+    let idx = dir.path().join("mega.idx");
+    let mut bytes = std::fs::read(&idx).unwrap();
+    let n = u64::from_le_bytes(bytes[18..26].try_into().unwrap()) as usize;
+    let at = 34 + 4 * n + 8 * 5;
+    bytes[at..at + 8].copy_from_slice(&(1i64 << 40).to_le_bytes());
+    std::fs::write(&idx, bytes).unwrap();
+    std::fs::write(dir.path().join("list.txt"), "1.0 mega\n").unwrap();
+    let sets = [
+        "data.corpus_list=list.txt",
+        "training.steps=2",
+        "eval.samples=0",
+        "model.vocab_size=1000",
+    ];
+    let mut cmd = train_cmd(&dir.path().join("run"), &sets);
+    cmd.current_dir(dir.path());
+    let r = run(cmd, 120);
+    refused_with(
+        &r,
+        INVALID,
+        "pointer past the .bin",
+        &[
+            "list.txt:1",
+            "mega.idx",
+            "sequence 5 points at byte 1099511627776",
+        ],
+    );
+    assert!(!r.stdout.contains("step=1"), "a step ran: {}", r.stdout);
 }

@@ -646,3 +646,57 @@ fn status_shows_the_goodput_ledger_and_plot_draws_the_timeline() {
     assert_eq!(plot.status.code(), Some(0), "{}", text(&plot.stderr));
     assert!(rd.join("plots/timeline.svg").exists() && rd.join("plots/timeline.png").exists());
 }
+
+/// `step=18446744073709551615` was taken as progress, so a healthy job that then counted 1, 2,
+/// 3 was killed as stalled; a counter that starts again from 1 looked the same. Progress
+/// counts when it is plausible and moves forward, and a restarted counter goes on counting;
+/// a job stuck at one step is still caught.
+#[test]
+fn implausible_and_restarting_step_counters_are_not_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each job prints a step every 0.3 s for about 6 s: twice the stall timeout.
+    let series = "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.3; echo step=$i; done";
+    for (name, script) in [
+        (
+            "garbage",
+            format!("echo step=18446744073709551615; {series}"),
+        ),
+        ("huge", format!("echo step=99999999999; {series}")),
+        ("restart", format!("{series}; {series}")),
+    ] {
+        let rd = dir.path().join(name);
+        let (out, _) = run(&[
+            "launch",
+            "--stall-timeout",
+            "3",
+            "--run-dir",
+            &s(&rd),
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let end = &attempt_ends(&rd)[0];
+        assert_eq!(end["classification"], "success", "{name}");
+        assert_eq!(end["last_progress"], 10, "{name}");
+    }
+    // A job that goes back and forth between two steps is stuck, not progressing.
+    let rd = dir.path().join("stuck");
+    let stuck = "echo step=10; while true; do echo step=9; echo step=10; sleep 0.1; done";
+    let (out, _) = run(&[
+        "launch",
+        "--stall-timeout",
+        "1",
+        "--grace",
+        "1",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        stuck,
+    ]);
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+    assert_eq!(attempt_ends(&rd)[0]["classification"], "hung-stalled");
+}

@@ -50,3 +50,63 @@ fn mpirun_starts_two_ranks_that_see_rank_and_world_size() {
     let start = events.iter().find(|e| e.event == "launch_start").unwrap();
     assert_eq!(start.fields["launcher"], "mpirun");
 }
+
+/// A hostfile in kiln's documented `host:N` form was parsed by kiln but handed raw to
+/// OpenMPI, which cannot read it (exit 255, classed retryable). The launcher gets a file in
+/// its own syntax (`host slots=N`), whatever syntax the user wrote.
+#[test]
+fn a_hostfile_in_any_kiln_syntax_reaches_mpirun_in_its_own() {
+    for hostfile in [
+        "localhost:2\n",
+        "localhost\nlocalhost\n",
+        "localhost slots=2\n",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("hosts"), hostfile).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+        cmd.current_dir(dir.path())
+            .args([
+                "launch",
+                "--mpi",
+                "--hostfile",
+                "hosts",
+                "--np",
+                "2",
+                "--timeout",
+                "60",
+            ])
+            .args([
+                "--run-dir",
+                "run",
+                "--",
+                "sh",
+                "-c",
+                "echo RANK=$RANK/$WORLD_SIZE",
+            ]);
+        for v in [
+            "PBS_JOBID",
+            "SLURM_JOB_ID",
+            "SLURM_JOBID",
+            "RANK",
+            "WORLD_SIZE",
+        ] {
+            cmd.env_remove(v);
+        }
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{hostfile:?}: {stdout}\n{stderr}"
+        );
+        for r in 0..2 {
+            assert!(
+                stdout.contains(&format!("RANK={r}/2")),
+                "{hostfile:?}: {stdout}"
+            );
+        }
+        let written = std::fs::read_to_string(dir.path().join("run/hostfile")).unwrap();
+        assert_eq!(written, "localhost slots=2\n", "{hostfile:?}");
+    }
+}

@@ -310,3 +310,79 @@ fn pbs_nodefile_with_a_quarantined_host_and_spares() {
         "{stdout}"
     );
 }
+
+/// The example: a run directory with a newline broke out of the script's comment line
+/// and `bash job.pbs` ran `touch PWNED`. Values written bare into directives and comments are
+/// refused; values on the command line are quoted onto one line and reach the program intact.
+#[test]
+fn hostile_values_cannot_inject_commands_into_the_batch_script() {
+    let dir = tempfile::tempdir().unwrap();
+    let injection = "x\ntouch PWNED\n#";
+    let run = format!("runs/{injection}");
+    for scheduler in ["pbs", "slurm"] {
+        for (flag, value) in [
+            ("--run-dir", run.as_str()),
+            ("--account", injection),
+            ("--job-name", injection),
+            ("--queue", injection),
+            ("--scheduler-arg", injection),
+        ] {
+            let mut args = vec!["submit", "--scheduler", scheduler, "--nodes", "1"];
+            args.extend(["--time", "2:00", "--dry-run", flag, value]);
+            if flag != "--run-dir" {
+                args.extend(["--run-dir", "runs/ok"]);
+            }
+            args.extend(["--", "/bin/echo", "hi"]);
+            let out = kiln(&args).current_dir(dir.path()).output().unwrap();
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+            assert!(
+                err.contains(flag) && err.contains("control character"),
+                "{flag}: {err}"
+            );
+            assert!(out.stdout.is_empty(), "{flag}: a script was printed");
+        }
+    }
+    // On the command line a newline and `$(...)` are data: the script runs the real kiln
+    // launch, which hands the program exactly the argument given, and nothing else runs.
+    let arg = "hi\n$(touch PWNED)`touch PWNED`'";
+    let out = kiln(&[
+        "submit",
+        "--scheduler",
+        "pbs",
+        "--nodes",
+        "1",
+        "--spares",
+        "0",
+        "--time",
+        "2:00",
+        "--dry-run",
+        "--run-dir",
+        "runs/ok",
+        "--",
+        "/bin/sh",
+        "-c",
+        "printf %s \"$1\" > got",
+        "sh",
+        arg,
+    ])
+    .current_dir(dir.path())
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    assert!(script.lines().all(|l| !l.starts_with("touch")), "{script}");
+    std::fs::write(dir.path().join("s"), &script).unwrap();
+    let mut bash = Command::new("bash");
+    bash.arg("s").current_dir(dir.path());
+    for v in common::DETECTED {
+        bash.env_remove(v);
+    }
+    let status = bash.status().unwrap();
+    assert!(status.success(), "{script}");
+    assert!(!dir.path().join("PWNED").exists(), "the script ran touch");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("got")).unwrap(),
+        arg
+    );
+}

@@ -270,6 +270,13 @@ fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
             stats.tokens_per_second,
             stats.input_bytes as f64 / stats.seconds.max(1e-9) / 1e6
         );
+        if stats.split_documents > 0 {
+            println!(
+                "  {} document(s) longer than {} KiB were encoded in pieces cut before words, to bound memory",
+                stats.split_documents,
+                tokenize::PIECE_BYTES >> 10
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -29,8 +29,9 @@ Examples:
 pub struct SmokeArgs {
     /// TOML config file; without one, the built-in defaults (as `kiln train`).
     pub config: Option<PathBuf>,
-    /// Steps to run [default: the baseline's step count, or 10 with --bless and no baseline].
-    #[arg(long)]
+    /// Steps to run, 1 to 100000 [default: the baseline's step count, or 10 with --bless and
+    /// no baseline].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_GATE_STEPS))]
     pub steps: Option<u64>,
     /// Baseline file (JSON) to compare with or, with --bless, to write.
     #[arg(long, value_name = "FILE", default_value = "gates/smoke-default.json")]
@@ -53,6 +54,10 @@ pub struct SmokeArgs {
     #[arg(long, short)]
     pub verbose: bool,
 }
+/// The most steps of a gate run (smoke, lr-find): a sweep is 50 to 200 steps and a smoke test
+/// a handful; more is a typo, and would run for days with the CLI waiting.
+const MAX_GATE_STEPS: u64 = 100_000;
+
 /// Arguments of `kiln lr-find`.
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = "\
@@ -81,8 +86,8 @@ pub struct LrFindArgs {
     /// Last learning rate of the ramp.
     #[arg(long, default_value_t = 1.0)]
     pub max: f64,
-    /// Steps of the ramp (the sweep stops early at a blow-up).
-    #[arg(long, default_value_t = 100)]
+    /// Steps of the ramp, 5 to 100000 (the sweep stops early at a blow-up).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(5..=MAX_GATE_STEPS))]
     pub steps: u64,
     /// EMA coefficient of the loss smoothing.
     #[arg(long, default_value_t = 0.9)]

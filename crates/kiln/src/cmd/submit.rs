@@ -141,8 +141,13 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             Ok(x) => x,
             Err(e) => return usage(e),
         };
-        print!("{}", batch_script(&req, &exclude));
-        return Ok(ExitCode::SUCCESS);
+        return match batch_script(&req, &exclude) {
+            Ok(script) => {
+                print!("{script}");
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(e) => usage(e),
+        };
     }
     match kiln_launch::submit(&req) {
         Ok(s) => {
