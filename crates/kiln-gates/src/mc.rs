@@ -413,7 +413,8 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
                 }
             }
         };
-    let config_path = config.map_or_else(|| run_dir.join("config.toml"), Path::to_path_buf);
+    let config_path =
+        config.map_or_else(|| run_dir.join(kiln_run::layout::CONFIG), Path::to_path_buf);
     if !config_path.exists() {
         return Err(GatesError::Invalid(format!(
             "{}: missing; the run's config is needed to rebuild the model (or pass --config FILE)",

@@ -9,7 +9,7 @@
 //! CLOCK_MONOTONIC window of the timed steps (to cut a profile to them).
 //!
 //! Usage: step_profile [--threads N] [--steps N] [--warmup N] [--set key=value]...
-use kiln_train::data::TokenSource;
+use kiln_train::data::{SampleError, TokenSource};
 use kiln_train::optim::Optimizer;
 use kiln_train::step::{At, Step};
 use kiln_train::{Config, Session};
@@ -23,7 +23,7 @@ impl TokenSource for Fixed {
     fn vocab(&self) -> usize {
         0
     }
-    fn sample(&self, index: u64, _len: usize) -> Result<Vec<u32>, String> {
+    fn sample(&self, index: u64, _len: usize) -> Result<Vec<u32>, SampleError> {
         Ok(self.0[index as usize % self.0.len()].clone())
     }
     fn describe(&self) -> String {

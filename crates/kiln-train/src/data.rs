@@ -5,6 +5,27 @@
 use crate::synthetic::{self, Synthetic};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// Why a sample could not be served.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SampleError {
+    /// The data itself is wrong (a damaged file, a token id outside the vocabulary): the
+    /// same sample fails the same way on every retry.
+    #[error("{0}")]
+    Corrupt(String),
+    /// Reading failed (I/O): perhaps transient, worth a retry.
+    #[error("{0}")]
+    Read(String),
+}
+
+impl From<kiln_data::DataError> for SampleError {
+    fn from(e: kiln_data::DataError) -> Self {
+        match e {
+            kiln_data::DataError::Io { .. } => Self::Read(e.to_string()),
+            _ => Self::Corrupt(e.to_string()),
+        }
+    }
+}
+
 /// A source of training sequences addressed by global sample index.
 pub trait TokenSource: Send {
     /// Vocabulary size the data declares (the model's vocab must be at least this); 0 when
@@ -23,7 +44,7 @@ pub trait TokenSource: Send {
         Ok(())
     }
     /// `len` token ids of training sample `index`.
-    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String>;
+    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, SampleError>;
     /// Short description for the event log.
     fn describe(&self) -> String;
     /// State to save in checkpoints and hand back on resume (the blend's weight history).
@@ -39,7 +60,7 @@ impl TokenSource for SyntheticSource {
     fn vocab(&self) -> usize {
         synthetic::VOCAB
     }
-    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String> {
+    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, SampleError> {
         Ok(self.0.train_sample(index, len))
     }
     fn describe(&self) -> String {
@@ -103,24 +124,24 @@ impl TokenSource for BlendedSource {
         self.vocab_limit.store(vocab, Ordering::Relaxed);
         Ok(())
     }
-    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, String> {
+    fn sample(&self, index: u64, len: usize) -> Result<Vec<u32>, SampleError> {
         if len != self.seq_len + 1 {
-            return Err(format!(
+            return Err(SampleError::Corrupt(format!(
                 "asked for {len} tokens, the loader packs {}",
                 self.seq_len + 1
-            ));
+            )));
         }
-        let tokens = self.loader.sample(index).map_err(|e| e.to_string())?;
+        let tokens = self.loader.sample(index)?;
         // A dataset whose record understates its vocabulary is caught here, at the sample.
         let limit = self.vocab_limit.load(Ordering::Relaxed);
         if limit > 0
             && let Some(bad) = tokens.iter().find(|&&t| t as usize >= limit)
         {
-            let (d, _) = self.loader.source(index).map_err(|e| e.to_string())?;
-            return Err(format!(
+            let (d, _) = self.loader.source(index)?;
+            return Err(SampleError::Corrupt(format!(
                 "sample {index} from dataset {} holds token id {bad}, outside the model's vocabulary of {limit} (model.vocab_size)",
                 self.loader.datasets()[d].key
-            ));
+            )));
         }
         Ok(tokens)
     }

@@ -30,10 +30,11 @@ pub enum TrainError {
     /// Event log failure.
     #[error(transparent)]
     Events(#[from] kiln_run::EventLogError),
-    /// The data could not be opened or does not fit the model (at start: deterministic).
+    /// The data could not be opened, does not fit the model, or a sample turned out to be
+    /// damaged during training: deterministic, so never worth a retry.
     #[error("data: {0}")]
     Data(String),
-    /// Reading a sample failed during training (perhaps transient: worth a retry; the
+    /// Reading a sample failed during training (an I/O error: perhaps transient, worth a retry; the
     /// launcher stops retrying when the same error repeats).
     #[error("data: {0}")]
     DataRead(String),

@@ -6,7 +6,7 @@
 //! says which global samples each rank trains on.
 
 use crate::config::{Config, TrainingConfig};
-use crate::data::TokenSource;
+use crate::data::{SampleError, TokenSource};
 use crate::error::TrainError;
 use crate::faults::Faults;
 use crate::model::Llama;
@@ -244,7 +244,10 @@ impl<'c> Step<'c> {
                 .rows(at.base, micro)
                 .map(|i| data.sample(i, self.layout.seq + 1))
                 .collect::<Result<_, _>>()
-                .map_err(TrainError::DataRead)?;
+                .map_err(|e| match e {
+                    SampleError::Corrupt(m) => TrainError::Data(m),
+                    SampleError::Read(m) => TrainError::DataRead(m),
+                })?;
             let batch = self
                 .faults
                 .micro_batch(at.batch_no, rows, session.model.vocab());

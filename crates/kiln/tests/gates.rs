@@ -186,6 +186,8 @@ fn lr_find_suggests_a_sensible_lr_and_writes_its_files() {
             .unwrap();
     let lr = v["suggested_lr"].as_f64().unwrap();
     assert!((1e-4..=1e-1).contains(&lr), "suggested {lr}: {out}");
+    // Not a terminal: progress comes as a line at every tenth of the sweep.
+    assert!(out.contains("lr-find: 10/100 step=10 lr="), "{out}");
     let csv = std::fs::read_to_string(out_dir.join("lr-find.csv")).unwrap();
     assert!(
         csv.starts_with("step,lr,loss,smoothed_loss,grad_norm\n"),

@@ -294,9 +294,11 @@ fn a_megatron_corpus_without_a_vocab_record_needs_a_vocab_that_fits() {
         r#"{"vocab_size": 100, "eos_id": null, "tokenizer_sha256": "", "documents": 201, "tokens": 10003, "dtype": "u16"}"#,
     )
     .unwrap();
+    // Damage found during training is a data error (78), not a retryable failure.
     let r = train("lying", &[]);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "lying sidecar",
         &["outside the model's vocabulary of 100"],
     );

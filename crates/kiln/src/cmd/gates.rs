@@ -262,6 +262,51 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// Progress of a long gate: a live bar on a terminal, else (a pipe, a batch log) a line at
+/// every tenth of the work, so a long run is never silent.
+struct GateProgress {
+    bar: Option<indicatif::ProgressBar>,
+    label: &'static str,
+    total: u64,
+}
+
+impl GateProgress {
+    fn new(label: &'static str, total: u64) -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix} {bar:30} {pos}/{len} {msg} eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(label);
+            bar
+        });
+        Self { bar, label, total }
+    }
+
+    fn update(&mut self, done: u64, line: &str) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(done);
+                bar.set_message(line.to_string());
+            }
+            None if done.is_multiple_of((self.total / 10).max(1)) => {
+                eprintln!("{}: {done}/{} {line}", self.label, self.total);
+            }
+            None => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
 /// `kiln lr-find`.
 pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
     let config = Config::load(a.config.as_deref(), &a.overrides)?;
@@ -273,15 +318,21 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
         blowup_factor: a.blowup,
     };
     let verbose = a.verbose;
+    let mut shown = GateProgress::new("lr-find", a.steps);
     let mut progress = |p: &kiln_gates::lrfind::LrPoint| {
+        let line = format!(
+            "step={} lr={:.3e} loss={:.4} smoothed={:.4} grad_norm={:.3}",
+            p.step, p.lr, p.loss, p.smoothed, p.grad_norm
+        );
         if verbose {
-            println!(
-                "step={} lr={:.3e} loss={:.4} smoothed={:.4} grad_norm={:.3}",
-                p.step, p.lr, p.loss, p.smoothed, p.grad_norm
-            );
+            println!("{line}");
+        } else {
+            shown.update(p.step, &line);
         }
     };
-    let result = kiln_gates::lrfind::run(&config, &opts, &mut progress)?;
+    let result = kiln_gates::lrfind::run(&config, &opts, &mut progress);
+    shown.finish();
+    let result = result?;
     let files = kiln_gates::lrfind::write_outputs(&result, &a.out)?;
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2e}"));
     println!(
