@@ -3,6 +3,7 @@
 //! [`LaunchRequest`] and prints what comes back.
 
 use crate::culprit::Diagnosis;
+pub use crate::flags::LaunchRequest;
 use crate::health::{HostHealth, NoHealth, PbsHealth, SlurmHealth};
 use crate::plan::Launcher;
 use crate::pool::{HostPool, quarantined_hosts};
@@ -18,103 +19,6 @@ use kiln_topology::Scheduler;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// kiln's own long flags, to catch them after a launcher flag (where they would silently be
-/// handed to the launcher).
-pub const KILN_FLAGS: &[&str] = &[
-    "--np",
-    "--ppn",
-    "--nnodes",
-    "--hostfile",
-    "--scheduler",
-    "--mpi",
-    "--oversubscribe",
-    "--accelerator",
-    "--gpus-per-node",
-    "--cpu-bind",
-    "--master-addr",
-    "--master-port",
-    "--no-rank-env",
-    "--timeout",
-    "--stall-timeout",
-    "--progress-regex",
-    "--grace",
-    "--walltime",
-    "--retries",
-    "--auto-retry",
-    "--spares",
-    "--min-nodes",
-    "--quarantine-file",
-    "--backoff",
-    "--chain",
-    "--chain-script",
-    "--run-dir",
-    "--dry-run",
-    "--as-rank",
-];
-
-/// The values of `kiln launch`'s flags.
-#[derive(Debug, Clone, Default)]
-pub struct LaunchRequest {
-    /// `--np`, `--ppn`, `--nnodes`.
-    pub np: Option<usize>,
-    /// See `np`.
-    pub ppn: Option<usize>,
-    /// See `np`.
-    pub nnodes: Option<usize>,
-    /// `--hostfile`.
-    pub hostfile: Option<PathBuf>,
-    /// `--scheduler`.
-    pub scheduler: String,
-    /// `--mpi`.
-    pub mpi: bool,
-    /// `--oversubscribe`.
-    pub oversubscribe: bool,
-    /// `--accelerator`.
-    pub accelerator: String,
-    /// `--gpus-per-node`.
-    pub gpus_per_node: Option<usize>,
-    /// `--cpu-bind`.
-    pub cpu_bind: Option<String>,
-    /// `--master-addr`.
-    pub master_addr: Option<String>,
-    /// `--master-port`.
-    pub master_port: Option<u16>,
-    /// `--no-rank-env`.
-    pub no_rank_env: bool,
-    /// `--timeout`.
-    pub timeout: Option<f64>,
-    /// `--stall-timeout`.
-    pub stall_timeout: Option<f64>,
-    /// `--progress-regex`.
-    pub progress_regex: String,
-    /// `--grace`.
-    pub grace: f64,
-    /// `--walltime`.
-    pub walltime: Option<String>,
-    /// `--retries`.
-    pub retries: Option<u32>,
-    /// `--auto-retry`.
-    pub auto_retry: bool,
-    /// `--spares`.
-    pub spares: Option<usize>,
-    /// `--min-nodes`.
-    pub min_nodes: Option<usize>,
-    /// `--quarantine-file`.
-    pub quarantine_file: Option<PathBuf>,
-    /// `--backoff`.
-    pub backoff: String,
-    /// `--chain`.
-    pub chain: Option<u32>,
-    /// `--chain-script`.
-    pub chain_script: Option<PathBuf>,
-    /// `--run-dir`.
-    pub run_dir: Option<PathBuf>,
-    /// `--dry-run`.
-    pub dry_run: bool,
-    /// Everything after kiln's flags: `[LAUNCHER FLAGS] -- PROGRAM [ARGS...]`.
-    pub command: Vec<String>,
-}
 
 /// Why a launch did not run; each says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -181,9 +85,10 @@ pub fn split_command(args: &[String]) -> Result<(Vec<String>, Vec<String>), Stri
                 ));
             };
             let launcher = args[..sep].to_vec();
+            let kiln_flags = crate::flags::kiln_flags();
             if let Some(flag) = launcher.iter().find(|a| {
                 let name = a.split('=').next().unwrap_or(a);
-                KILN_FLAGS.contains(&name)
+                kiln_flags.iter().any(|k| k == name)
             }) {
                 return Err(format!(
                     "{flag} is a kiln flag but comes after the launcher flag {first:?}; put kiln's flags first"

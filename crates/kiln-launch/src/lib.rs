@@ -9,6 +9,7 @@
 
 mod classify;
 mod culprit;
+mod flags;
 mod health;
 mod launch;
 mod limits;
@@ -32,10 +33,10 @@ pub use culprit::{
     Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
     same_host, scan_log,
 };
+pub use flags::kiln_flags;
 pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
 pub use launch::{
-    KILN_FLAGS, LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus,
-    split_command,
+    LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus, split_command,
 };
 pub use limits::seconds as limits_seconds;
 pub use limits::{

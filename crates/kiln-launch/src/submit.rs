@@ -314,29 +314,30 @@ fn directives(req: &SubmitRequest, exclude: &[String]) -> Vec<String> {
 
 /// The argv every job of the chain `exec`s: `kiln launch` with node and job scope, then the
 /// program.
-pub fn launch_argv(req: &SubmitRequest) -> Vec<std::ffi::OsString> {
-    let script = req.run_dir.join(layout::batch_script(req.scheduler.name()));
-    let mut argv: Vec<std::ffi::OsString> = vec![req.kiln.clone().into()];
-    let flags = ["launch", "--auto-retry", "--spares"];
-    argv.extend(flags.map(Into::into));
-    argv.push(req.spares.to_string().into());
-    argv.extend(["--run-dir".into(), req.run_dir.clone().into()]);
-    argv.extend(["--chain".into(), req.chain.to_string().into()]);
-    argv.extend(["--chain-script".into(), script.into()]);
-    if let Some(q) = &req.quarantine_file {
-        argv.extend(["--quarantine-file".into(), q.clone().into()]);
-    }
+pub fn launch_argv(req: &SubmitRequest) -> Result<Vec<std::ffi::OsString>, SubmitError> {
     // Slurm's USR1 is the warning; kiln's own walltime is the fallback a little later. PBS has
     // no warning: kiln's walltime is the only one.
     let own = match req.scheduler {
         BatchScheduler::Slurm => req.time.saturating_sub(req.lead() / 3),
         BatchScheduler::Pbs => req.time.saturating_sub(req.lead()),
     };
-    argv.extend(["--walltime".into(), own.as_secs().to_string().into()]);
+    // The flags come from kiln launch's own definition (see crate::flags), never spelled here.
+    let launch = crate::flags::LaunchRequest {
+        walltime: Some(own.as_secs().to_string()),
+        auto_retry: true,
+        spares: Some(req.spares),
+        quarantine_file: req.quarantine_file.clone(),
+        chain: Some(req.chain),
+        chain_script: Some(req.run_dir.join(layout::batch_script(req.scheduler.name()))),
+        run_dir: Some(req.run_dir.clone()),
+        ..Default::default()
+    };
+    let mut argv: Vec<std::ffi::OsString> = vec![req.kiln.clone().into(), "launch".into()];
+    argv.extend(launch.to_argv().map_err(SubmitError::Usage)?);
     argv.extend(req.launch_args.iter().map(Into::into));
     argv.push("--".into());
     argv.extend(req.command.iter().map(Into::into));
-    argv
+    Ok(argv)
 }
 
 /// The batch script. `exclude`: hosts to keep out (quarantined). Refuses a request whose
@@ -370,7 +371,7 @@ pub fn batch_script(req: &SubmitRequest, exclude: &[String]) -> Result<String, S
         ));
     }
     lines.push(format!("cd {}", quote_path(&req.workdir)));
-    let quoted: Vec<String> = launch_argv(req)
+    let quoted: Vec<String> = launch_argv(req)?
         .iter()
         .map(|a| quote_path(Path::new(a)))
         .collect();
@@ -611,7 +612,7 @@ mod tests {
             "#SBATCH --exclude=n7",
             "#SBATCH --account=proj",
             "#SBATCH --output='/runs/a b/job-%j.out'",
-            "exec /bin/kiln launch --auto-retry --spares 1 --run-dir '/runs/a b' --chain 4 --chain-script '/runs/a b/job.sbatch' --walltime 3500 --timeout=600 -- kiln train --set 'x='\\''1 2'\\'''",
+            "exec /bin/kiln launch --walltime=3500 --auto-retry --spares=1 --chain=4 '--chain-script=/runs/a b/job.sbatch' '--run-dir=/runs/a b' --timeout=600 -- kiln train --set 'x='\\''1 2'\\'''",
         ] {
             assert!(s.contains(line), "missing {line:?} in\n{s}");
         }
@@ -620,7 +621,7 @@ mod tests {
             "#PBS -l select=4",
             "#PBS -l walltime=1:00:00",
             "#PBS -A proj",
-            "--walltime 3300",
+            "--walltime=3300",
         ] {
             assert!(p.contains(line), "missing {line:?} in\n{p}");
         }

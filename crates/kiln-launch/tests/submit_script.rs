@@ -214,7 +214,7 @@ proptest! {
         // And bash runs exactly the argv kiln meant, with nothing else run.
         let (cd, argv) = run_script(dir.path(), &script);
         prop_assert_eq!(cd, nul_joined([req.workdir.as_os_str().as_bytes()]));
-        let want = launch_argv(&req);
+        let want = launch_argv(&req).expect("the script was written, so its argv was");
         prop_assert_eq!(argv, nul_joined(want.iter().map(|a| a.as_bytes())));
         prop_assert!(!dir.path().join("PWNED").exists());
     }

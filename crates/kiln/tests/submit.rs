@@ -80,7 +80,7 @@ fn dry_run_prints_the_slurm_script() {
         "#SBATCH --gpus-per-node=4".into(),
         format!("#SBATCH --output='{r}/job-%j.out'"),
         format!(
-            "exec {KILN} launch --auto-retry --spares 2 --run-dir '{r}' --chain 5 --chain-script '{r}/job.sbatch' --walltime 7100 --stall-timeout=300 -- kiln train --run-dir '{r}' --set training.steps=1000"
+            "exec {KILN} launch --walltime=7100 --auto-retry --spares=2 --chain=5 '--chain-script={r}/job.sbatch' '--run-dir={r}' --stall-timeout=300 -- kiln train --run-dir '{r}' --set training.steps=1000"
         ),
     ] {
         assert!(script.contains(&line), "missing {line:?} in\n{script}");
@@ -131,9 +131,9 @@ fn dry_run_prints_the_pbs_script() {
         "#PBS -q debug",
         "#PBS -A proj",
         "#PBS -l filesystems=home:flare",
-        "--auto-retry --spares 1",
+        "--auto-retry --spares=1",
         // PBS sends no warning: kiln's own walltime stops the ranks 5 minutes early.
-        "--walltime 3300",
+        "--walltime=3300",
         "-- python3 train.py",
     ] {
         assert!(script.contains(line), "missing {line:?} in\n{script}");
@@ -193,7 +193,7 @@ fn submit_goes_through_qsub_and_keeps_the_script() {
         .collect();
     assert_eq!(args, ["-v", "KILN_CHAIN_INDEX=1", &s(&run.join("job.pbs"))]);
     let script = std::fs::read_to_string(run.join("job.pbs")).unwrap();
-    assert!(script.contains("--chain 3"), "{script}");
+    assert!(script.contains("--chain=3"), "{script}");
     let ev = kiln_run::read_events(&run).unwrap();
     let sub = ev.iter().find(|e| e.event == "job_submitted").unwrap();
     assert_eq!(sub.fields["job_id"], "1234.pbs-standin");

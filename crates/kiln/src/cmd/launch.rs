@@ -116,9 +116,9 @@ Examples:
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = LAUNCH_HELP)]
 pub struct LaunchArgs {
-    /// kiln's own flags; boxed so the CLI's command enum stays small.
+    /// kiln's own flags (defined in kiln-launch); boxed so the CLI's command enum stays small.
     #[command(flatten)]
-    pub flags: Box<LaunchFlags>,
+    pub flags: Box<LaunchRequest>,
 
     /// [LAUNCHER FLAGS] -- PROGRAM [ARGS...]: the program to run on every rank, after `--`.
     #[arg(
@@ -127,128 +127,6 @@ pub struct LaunchArgs {
         allow_hyphen_values = true
     )]
     pub command: Vec<String>,
-}
-
-/// The flags of `kiln launch`.
-#[derive(Debug, clap::Args)]
-pub struct LaunchFlags {
-    /// Total number of ranks [default: nodes x ranks per node].
-    #[arg(long, value_name = "N", help_heading = "Sizes")]
-    pub np: Option<usize>,
-    /// Ranks per node [default: accelerators per node, or 1 on CPU nodes; all ranks locally].
-    #[arg(long, value_name = "N", help_heading = "Sizes")]
-    pub ppn: Option<usize>,
-    /// Number of nodes to use [default: every host of the allocation, or as --np needs].
-    #[arg(long, value_name = "N", help_heading = "Sizes")]
-    pub nnodes: Option<usize>,
-    /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
-    #[arg(long, value_name = "FILE", help_heading = "Sizes")]
-    pub hostfile: Option<PathBuf>,
-
-    /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
-    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto", help_heading = "Topology")]
-    pub scheduler: String,
-    /// Without a scheduler, start ranks with OpenMPI's mpirun instead of spawning them.
-    #[arg(long, help_heading = "Topology")]
-    pub mpi: bool,
-    /// Allow more local ranks than 4 per CPU (at most 4096).
-    #[arg(long, help_heading = "Sizes")]
-    pub oversubscribe: bool,
-    /// Accelerator kind, overriding detection (visible-device variables, nvidia-smi, rocm-smi, xpu-smi).
-    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto", help_heading = "Topology")]
-    pub accelerator: String,
-    /// Accelerators per node, overriding detection (0: CPU only); also srun's --gpus-per-node.
-    #[arg(long, value_name = "N", help_heading = "Topology")]
-    pub gpus_per_node: Option<usize>,
-    /// CPU binding for the launcher (mpiexec --cpu-bind, srun --cpu-bind, mpirun --bind-to);
-    /// `none` adds no flag [default: depth under PBS, none elsewhere].
-    #[arg(long, value_name = "BIND", help_heading = "Topology")]
-    pub cpu_bind: Option<String>,
-    /// MASTER_ADDR for the ranks [default: 127.0.0.1 locally, else the first host].
-    #[arg(long, value_name = "HOST", help_heading = "Topology")]
-    pub master_addr: Option<String>,
-    /// MASTER_PORT for the ranks, 1-65535 [default: a port free on this machine].
-    #[arg(long, value_name = "PORT", help_heading = "Topology")]
-    pub master_port: Option<u16>,
-    /// Under a launcher, run PROGRAM directly instead of through `kiln launch --as-rank`
-    /// (then the program must read the launcher's own rank variables).
-    #[arg(long, help_heading = "Topology")]
-    pub no_rank_env: bool,
-
-    /// Silence watchdog: kill when there is no output and no beacon update for S seconds.
-    #[arg(long, value_name = "S", help_heading = "Watchdogs")]
-    pub timeout: Option<f64>,
-    /// Stall watchdog: kill when progress has not advanced for S seconds although output
-    /// continues (armed once the first progress is seen).
-    #[arg(long, value_name = "S", help_heading = "Watchdogs")]
-    pub stall_timeout: Option<f64>,
-    /// Regex whose first capture group (or group `step`) is the step number.
-    #[arg(long, value_name = "REGEX", default_value = kiln_launch::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
-    pub progress_regex: String,
-    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks.
-    #[arg(
-        long,
-        value_name = "S",
-        default_value_t = 10.0,
-        help_heading = "Watchdogs"
-    )]
-    pub grace: f64,
-    /// Stop the job after this long, all attempts together (SIGTERM so ranks can checkpoint);
-    /// seconds or H:MM:SS.
-    #[arg(long, value_name = "TIME", help_heading = "Watchdogs")]
-    pub walltime: Option<String>,
-
-    /// Retry a failed or hung attempt up to N times [default: 0].
-    #[arg(
-        long,
-        value_name = "N",
-        conflicts_with = "auto_retry",
-        help_heading = "Retries"
-    )]
-    pub retries: Option<u32>,
-    /// Retry without a fixed count while attempts keep making new progress (give up after 3
-    /// attempts in a row that got no further), with node scope: swap culprit hosts for spares.
-    #[arg(long, help_heading = "Retries")]
-    pub auto_retry: bool,
-    /// Hosts kept as spares for node scope [default with --auto-retry: about 2 %, at least 1].
-    #[arg(long, value_name = "N", help_heading = "Retries")]
-    pub spares: Option<usize>,
-    /// Fewest hosts the job may shrink to when no spare is left (the program must resume on
-    /// fewer ranks) [default: no shrinking].
-    #[arg(long, value_name = "N", help_heading = "Retries")]
-    pub min_nodes: Option<usize>,
-    /// A shared quarantine file (JSON lines) read at start and appended with every host node
-    /// scope takes out, besides RUN_DIR/quarantine.jsonl.
-    #[arg(long, value_name = "FILE", help_heading = "Retries")]
-    pub quarantine_file: Option<PathBuf>,
-    /// Backoff between retries, BASE[,CAP] seconds: BASE, doubling, at most CAP
-    /// [default: 5,60 = 5, 10, 20, 40, 60, 60 ...].
-    #[arg(
-        long,
-        value_name = "BASE[,CAP]",
-        default_value = "5,60",
-        help_heading = "Retries"
-    )]
-    pub backoff: String,
-
-    /// Internal (kiln submit): most jobs of a batch chain; at the end of a resumable job kiln
-    /// submits --chain-script again.
-    #[arg(long, value_name = "K", hide = true)]
-    pub chain: Option<u32>,
-    /// Internal (kiln submit): the batch script to resubmit.
-    #[arg(long, value_name = "FILE", hide = true)]
-    pub chain_script: Option<PathBuf>,
-
-    /// Run directory for events.jsonl and attempt logs [default: runs/launch-<UTC time>].
-    #[arg(long, value_name = "DIR")]
-    pub run_dir: Option<PathBuf>,
-    /// Print what was detected and the exact argv (and added variables), then exit.
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Internal, what each rank runs under a launcher: set RANK/LOCAL_RANK/WORLD_SIZE/
-    /// LOCAL_WORLD_SIZE from the launcher's variables, run PROGRAM and record its exit.
-    #[arg(long)]
-    pub as_rank: bool,
 }
 
 /// Arguments of `kiln doctor`.
@@ -290,40 +168,6 @@ fn env_var(k: &str) -> Option<String> {
     std::env::var(k).ok()
 }
 
-fn request(args: LaunchFlags, command: Vec<String>) -> LaunchRequest {
-    LaunchRequest {
-        np: args.np,
-        ppn: args.ppn,
-        nnodes: args.nnodes,
-        hostfile: args.hostfile,
-        scheduler: args.scheduler,
-        mpi: args.mpi,
-        oversubscribe: args.oversubscribe,
-        accelerator: args.accelerator,
-        gpus_per_node: args.gpus_per_node,
-        cpu_bind: args.cpu_bind,
-        master_addr: args.master_addr,
-        master_port: args.master_port,
-        no_rank_env: args.no_rank_env,
-        timeout: args.timeout,
-        stall_timeout: args.stall_timeout,
-        progress_regex: args.progress_regex,
-        grace: args.grace,
-        walltime: args.walltime,
-        retries: args.retries,
-        auto_retry: args.auto_retry,
-        spares: args.spares,
-        min_nodes: args.min_nodes,
-        quarantine_file: args.quarantine_file,
-        backoff: args.backoff,
-        chain: args.chain,
-        chain_script: args.chain_script,
-        run_dir: args.run_dir,
-        dry_run: args.dry_run,
-        command,
-    }
-}
-
 fn print_attempt_end(i: u32, o: &kiln_launch::AttemptOutcome, d: &Diagnosis) {
     let progress = o
         .last_progress
@@ -347,9 +191,10 @@ fn print_attempt_end(i: u32, o: &kiln_launch::AttemptOutcome, d: &Diagnosis) {
 /// `kiln launch`.
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let LaunchArgs { flags, command } = args;
-    let flags = *flags;
+    let flags = LaunchRequest { command, ..*flags };
+    let command = &flags.command;
     if flags.as_rank {
-        let command = match kiln_launch::split_command(&command) {
+        let command = match kiln_launch::split_command(command) {
             Ok((_, c)) => c,
             Err(e) => {
                 eprintln!("kiln launch --as-rank: error: {e}");
@@ -364,7 +209,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             }
         };
     }
-    match kiln_launch::launch(&request(flags, command), &print_attempt_end) {
+    match kiln_launch::launch(&flags, &print_attempt_end) {
         Ok(LaunchEnd::DryRun(text)) => {
             print!("{text}");
             Ok(ExitCode::SUCCESS)

@@ -1,0 +1,209 @@
+//! The flags of `kiln launch`, defined once ([`LaunchRequest`], with clap's attributes and
+//! help), as ripgrep keeps its flags in one place: the CLI flattens it, [`kiln_flags`] lists
+//! their names (to catch one written after a launcher flag), and [`LaunchRequest::to_argv`]
+//! writes a request back as a command line (what `kiln submit` puts in a batch script),
+//! derived from the same definition, so `parse(to_argv(x)) == x`.
+
+use clap::{Args, FromArgMatches};
+use serde::Serialize;
+use serde_json::Value;
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// The flags of `kiln launch`, and the program it runs: the one definition of each flag.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize)]
+pub struct LaunchRequest {
+    /// Total number of ranks [default: nodes x ranks per node].
+    #[arg(long, value_name = "N", help_heading = "Sizes")]
+    pub np: Option<usize>,
+    /// Ranks per node [default: accelerators per node, or 1 on CPU nodes; all ranks locally].
+    #[arg(long, value_name = "N", help_heading = "Sizes")]
+    pub ppn: Option<usize>,
+    /// Number of nodes to use [default: every host of the allocation, or as --np needs].
+    #[arg(long, value_name = "N", help_heading = "Sizes")]
+    pub nnodes: Option<usize>,
+    /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
+    #[arg(long, value_name = "FILE", help_heading = "Sizes")]
+    pub hostfile: Option<PathBuf>,
+
+    /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
+    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto", help_heading = "Topology")]
+    pub scheduler: String,
+    /// Without a scheduler, start ranks with OpenMPI's mpirun instead of spawning them.
+    #[arg(long, help_heading = "Topology")]
+    pub mpi: bool,
+    /// Allow more local ranks than 4 per CPU (at most 4096).
+    #[arg(long, help_heading = "Sizes")]
+    pub oversubscribe: bool,
+    /// Accelerator kind, overriding detection (visible-device variables, nvidia-smi, rocm-smi, xpu-smi).
+    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto", help_heading = "Topology")]
+    pub accelerator: String,
+    /// Accelerators per node, overriding detection (0: CPU only); also srun's --gpus-per-node.
+    #[arg(long, value_name = "N", help_heading = "Topology")]
+    pub gpus_per_node: Option<usize>,
+    /// CPU binding for the launcher (mpiexec --cpu-bind, srun --cpu-bind, mpirun --bind-to);
+    /// `none` adds no flag [default: depth under PBS, none elsewhere].
+    #[arg(long, value_name = "BIND", help_heading = "Topology")]
+    pub cpu_bind: Option<String>,
+    /// MASTER_ADDR for the ranks [default: 127.0.0.1 locally, else the first host].
+    #[arg(long, value_name = "HOST", help_heading = "Topology")]
+    pub master_addr: Option<String>,
+    /// MASTER_PORT for the ranks, 1-65535 [default: a port free on this machine].
+    #[arg(long, value_name = "PORT", help_heading = "Topology")]
+    pub master_port: Option<u16>,
+    /// Under a launcher, run PROGRAM directly instead of through `kiln launch --as-rank`
+    /// (then the program must read the launcher's own rank variables).
+    #[arg(long, help_heading = "Topology")]
+    pub no_rank_env: bool,
+
+    /// Silence watchdog: kill when there is no output and no beacon update for S seconds.
+    #[arg(long, value_name = "S", help_heading = "Watchdogs")]
+    pub timeout: Option<f64>,
+    /// Stall watchdog: kill when progress has not advanced for S seconds although output
+    /// continues (armed once the first progress is seen).
+    #[arg(long, value_name = "S", help_heading = "Watchdogs")]
+    pub stall_timeout: Option<f64>,
+    /// Regex whose first capture group (or group `step`) is the step number.
+    #[arg(long, value_name = "REGEX", default_value = crate::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
+    pub progress_regex: String,
+    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks.
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 10.0,
+        help_heading = "Watchdogs"
+    )]
+    pub grace: f64,
+    /// Stop the job after this long, all attempts together (SIGTERM so ranks can checkpoint);
+    /// seconds or H:MM:SS.
+    #[arg(long, value_name = "TIME", help_heading = "Watchdogs")]
+    pub walltime: Option<String>,
+
+    /// Retry a failed or hung attempt up to N times [default: 0].
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with = "auto_retry",
+        help_heading = "Retries"
+    )]
+    pub retries: Option<u32>,
+    /// Retry without a fixed count while attempts keep making new progress (give up after 3
+    /// attempts in a row that got no further), with node scope: swap culprit hosts for spares.
+    #[arg(long, help_heading = "Retries")]
+    pub auto_retry: bool,
+    /// Hosts kept as spares for node scope [default with --auto-retry: about 2 %, at least 1].
+    #[arg(long, value_name = "N", help_heading = "Retries")]
+    pub spares: Option<usize>,
+    /// Fewest hosts the job may shrink to when no spare is left (the program must resume on
+    /// fewer ranks) [default: no shrinking].
+    #[arg(long, value_name = "N", help_heading = "Retries")]
+    pub min_nodes: Option<usize>,
+    /// A shared quarantine file (JSON lines) read at start and appended with every host node
+    /// scope takes out, besides RUN_DIR/quarantine.jsonl.
+    #[arg(long, value_name = "FILE", help_heading = "Retries")]
+    pub quarantine_file: Option<PathBuf>,
+    /// Backoff between retries, BASE[,CAP] seconds: BASE, doubling, at most CAP
+    /// [default: 5,60 = 5, 10, 20, 40, 60, 60 ...].
+    #[arg(
+        long,
+        value_name = "BASE[,CAP]",
+        default_value = "5,60",
+        help_heading = "Retries"
+    )]
+    pub backoff: String,
+
+    /// Internal (kiln submit): most jobs of a batch chain; at the end of a resumable job kiln
+    /// submits --chain-script again.
+    #[arg(long, value_name = "K", hide = true)]
+    pub chain: Option<u32>,
+    /// Internal (kiln submit): the batch script to resubmit.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub chain_script: Option<PathBuf>,
+
+    /// Run directory for events.jsonl and attempt logs [default: runs/launch-<UTC time>].
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// Print what was detected and the exact argv (and added variables), then exit.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Internal, what each rank runs under a launcher: set RANK/LOCAL_RANK/WORLD_SIZE/
+    /// LOCAL_WORLD_SIZE from the launcher's variables, run PROGRAM and record its exit.
+    #[arg(long)]
+    pub as_rank: bool,
+
+    /// Everything after kiln's flags: `[LAUNCHER FLAGS] -- PROGRAM [ARGS...]` (parsed by the
+    /// CLI as its trailing arguments).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub command: Vec<String>,
+}
+
+impl Default for LaunchRequest {
+    /// What `kiln launch -- PROGRAM` gets: every flag at its default.
+    fn default() -> Self {
+        Self::parse_flags(std::iter::empty::<OsString>())
+            .unwrap_or_else(|e| unreachable!("kiln launch's defaults parse: {e}"))
+    }
+}
+
+impl LaunchRequest {
+    /// The flags as clap sees them (a command named `launch` holding only kiln's flags).
+    fn command_line() -> clap::Command {
+        Self::augment_args(clap::Command::new("launch").no_binary_name(true))
+    }
+
+    /// Parses kiln's flags alone (no program), as the CLI would.
+    pub fn parse_flags<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = Self::command_line().try_get_matches_from(args)?;
+        Self::from_arg_matches(&matches)
+    }
+
+    /// The flags of this request that differ from their defaults, as `--name=value` (or
+    /// `--name` for a switch), in the order they are defined; `command` is not included.
+    /// Every name and value comes from the one definition above: no flag is spelled here.
+    pub fn to_argv(&self) -> Result<Vec<OsString>, String> {
+        let values = object(self)?;
+        let defaults = object(&Self::default())?;
+        let mut argv = Vec::new();
+        for arg in Self::command_line().get_arguments() {
+            let (Some(long), id) = (arg.get_long(), arg.get_id().as_str()) else {
+                continue;
+            };
+            let value = values.get(id).unwrap_or(&Value::Null);
+            if value.is_null() || Some(value) == defaults.get(id) {
+                continue;
+            }
+            match value {
+                Value::Bool(true) => argv.push(format!("--{long}").into()),
+                Value::Bool(false) => {}
+                Value::String(s) => argv.push(format!("--{long}={s}").into()),
+                other => argv.push(format!("--{long}={other}").into()),
+            }
+        }
+        Ok(argv)
+    }
+}
+
+/// A request's fields by name (clap's argument ids are the field names).
+fn object(req: &LaunchRequest) -> Result<serde_json::Map<String, Value>, String> {
+    match serde_json::to_value(req) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err("a launch request is not an object".into()),
+        // Paths that are not UTF-8 cannot be written as text.
+        Err(e) => Err(format!(
+            "cannot write the launch flags as a command line: {e}"
+        )),
+    }
+}
+
+/// Every long flag of `kiln launch` (`--np`, ...), derived from [`LaunchRequest`].
+pub fn kiln_flags() -> Vec<String> {
+    LaunchRequest::command_line()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect()
+}

@@ -1,0 +1,111 @@
+//! `kiln launch`'s flags are defined once (kiln_launch::LaunchRequest): a request written back
+//! as a command line (`to_argv`, what `kiln submit` puts in a batch script) parses to the same
+//! request, whatever its values, and the list of kiln's flag names is derived from it.
+
+use kiln_launch::{LaunchRequest, kiln_flags};
+use proptest::prelude::*;
+use std::path::PathBuf;
+
+fn text() -> impl Strategy<Value = String> {
+    // Any printable text, hyphens and `=` included (a regex, a walltime, a path).
+    "[ -~]{1,24}"
+}
+
+fn request() -> impl Strategy<Value = LaunchRequest> {
+    let sizes = (
+        proptest::option::of(1usize..100_000),
+        proptest::option::of(1usize..1024),
+        proptest::option::of(1usize..10_000),
+        proptest::option::of(text().prop_map(PathBuf::from)),
+        prop::sample::select(vec!["auto", "pbs", "slurm", "none"]),
+        any::<bool>(),
+        any::<bool>(),
+        prop::sample::select(vec!["auto", "nvidia", "amd", "intel", "cpu"]),
+        proptest::option::of(0usize..64),
+        proptest::option::of(text()),
+        proptest::option::of(text()),
+        proptest::option::of(1u16..),
+    );
+    let watch = (
+        any::<bool>(),
+        proptest::option::of(0.0f64..1e6),
+        proptest::option::of(0.0f64..1e6),
+        text(),
+        0.0f64..1e3,
+        proptest::option::of(text()),
+        proptest::option::of(0u32..100),
+        proptest::option::of(0usize..100),
+        proptest::option::of(1usize..100),
+        proptest::option::of(text().prop_map(PathBuf::from)),
+        text(),
+    );
+    let rest = (
+        proptest::option::of(1u32..100),
+        proptest::option::of(text().prop_map(PathBuf::from)),
+        proptest::option::of(text().prop_map(PathBuf::from)),
+        any::<bool>(),
+        any::<bool>(),
+    );
+    (sizes, watch, rest).prop_map(|(s, w, r)| {
+        LaunchRequest {
+            np: s.0,
+            ppn: s.1,
+            nnodes: s.2,
+            hostfile: s.3,
+            scheduler: s.4.into(),
+            mpi: s.5,
+            oversubscribe: s.6,
+            accelerator: s.7.into(),
+            gpus_per_node: s.8,
+            cpu_bind: s.9,
+            master_addr: s.10,
+            master_port: s.11,
+            no_rank_env: w.0,
+            timeout: w.1,
+            stall_timeout: w.2,
+            progress_regex: w.3,
+            grace: w.4,
+            walltime: w.5,
+            // --retries and --auto-retry exclude each other.
+            retries: w.6.filter(|_| !r.3),
+            auto_retry: r.3,
+            spares: w.7,
+            min_nodes: w.8,
+            quarantine_file: w.9,
+            backoff: w.10,
+            chain: r.0,
+            chain_script: r.1,
+            run_dir: r.2,
+            dry_run: r.4,
+            as_rank: false,
+            command: Vec::new(),
+        }
+    })
+}
+
+proptest! {
+    #[test]
+    fn a_request_written_as_flags_parses_back_to_itself(req in request()) {
+        let argv = req.to_argv().expect("UTF-8 values are written");
+        let back = LaunchRequest::parse_flags(&argv)
+            .map_err(|e| TestCaseError::fail(format!("{argv:?}: {e}")))?;
+        prop_assert_eq!(back, req, "{:?}", argv);
+    }
+}
+
+#[test]
+fn defaults_write_nothing_and_the_flag_list_is_derived() {
+    assert!(LaunchRequest::default().to_argv().unwrap().is_empty());
+    let flags = kiln_flags();
+    for f in [
+        "--np",
+        "--mpi",
+        "--stall-timeout",
+        "--run-dir",
+        "--as-rank",
+        "--chain-script",
+    ] {
+        assert!(flags.iter().any(|g| g == f), "{f} missing from {flags:?}");
+    }
+    assert!(flags.iter().all(|f| f.starts_with("--")), "{flags:?}");
+}
