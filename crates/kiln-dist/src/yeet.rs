@@ -67,6 +67,17 @@ pub enum YeetError {
     },
 }
 
+impl kiln_run::exit::ExitCoded for YeetError {
+    /// A source or archive yeet refuses is invalid input (78, never retried); anything
+    /// else (I/O, a checksum, failed nodes) may pass on a retry (1).
+    fn exit_code(&self) -> i32 {
+        match self {
+            YeetError::Unsafe { .. } | YeetError::Source(_) => kiln_run::exit::CONFIG,
+            _ => kiln_run::exit::FAILURE,
+        }
+    }
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> YeetError + '_ {
     move |source| YeetError::Io {
         path: path.to_path_buf(),

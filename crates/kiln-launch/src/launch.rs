@@ -39,6 +39,12 @@ pub enum LaunchError {
     Io(String),
 }
 
+impl exit::ExitCoded for LaunchError {
+    fn exit_code(&self) -> i32 {
+        LaunchError::exit_code(self)
+    }
+}
+
 impl LaunchError {
     /// The exit code kiln ends with.
     pub fn exit_code(&self) -> i32 {

@@ -108,6 +108,16 @@ pub enum SubmitError {
     Scheduler(String),
 }
 
+impl kiln_run::exit::ExitCoded for SubmitError {
+    /// Bad flags are usage errors (2); a failed write or a refusing scheduler, 1.
+    fn exit_code(&self) -> i32 {
+        match self {
+            SubmitError::Usage(_) => kiln_run::exit::USAGE,
+            SubmitError::Io { .. } | SubmitError::Scheduler(_) => kiln_run::exit::FAILURE,
+        }
+    }
+}
+
 impl SubmitRequest {
     /// Checks the request before anything is written.
     pub fn validate(&self) -> Result<(), SubmitError> {

@@ -35,6 +35,13 @@ pub enum ConfigError {
     TooBig(String),
 }
 
+impl kiln_run::exit::ExitCoded for ConfigError {
+    /// A config that cannot be read or is wrong is invalid input: 78, never retried.
+    fn exit_code(&self) -> i32 {
+        kiln_run::exit::CONFIG
+    }
+}
+
 fn join_domains(v: &[OutOfDomain]) -> String {
     v.iter()
         .map(|d| d.to_string())

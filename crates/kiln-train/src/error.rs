@@ -70,6 +70,12 @@ pub enum TrainError {
     },
 }
 
+impl exit::ExitCoded for TrainError {
+    fn exit_code(&self) -> i32 {
+        TrainError::exit_code(self)
+    }
+}
+
 impl TrainError {
     /// The process exit code for this error ([`kiln_run::exit`]): deterministic input
     /// errors are told apart from ones worth a retry.

@@ -80,9 +80,29 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             eprintln!("kiln: error: {}", render_error(&err));
-            ExitCode::FAILURE
+            ExitCode::from(u8::try_from(exit_code_of(&err)).unwrap_or(1))
         }
     }
+}
+
+/// The exit code an error ends kiln with: that of the first error in its chain that knows
+/// one ([`kiln_run::exit::ExitCoded`]), else 1. The one place errors become exit codes.
+fn exit_code_of(err: &anyhow::Error) -> i32 {
+    use kiln_run::exit::ExitCoded;
+    fn coded<T: ExitCoded + std::error::Error + Send + Sync + 'static>(
+        cause: &(dyn std::error::Error + 'static),
+    ) -> Option<i32> {
+        cause.downcast_ref::<T>().map(ExitCoded::exit_code)
+    }
+    err.chain()
+        .find_map(|cause| {
+            coded::<kiln_train::TrainError>(cause)
+                .or_else(|| coded::<kiln_train::config::ConfigError>(cause))
+                .or_else(|| coded::<kiln_launch::LaunchError>(cause))
+                .or_else(|| coded::<kiln_launch::SubmitError>(cause))
+                .or_else(|| coded::<kiln_dist::yeet::YeetError>(cause))
+        })
+        .unwrap_or(kiln_run::exit::FAILURE)
 }
 
 /// Colour in log lines only on a terminal, and never when `NO_COLOR` is set to anything

@@ -232,13 +232,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(exit(exit_code))
         }
-        Err(e) => {
-            match &e {
-                kiln_launch::LaunchError::Usage(m) => eprintln!("kiln launch: error: {m}"),
-                other => eprintln!("kiln launch: {other}"),
-            }
-            Ok(exit(e.exit_code()))
-        }
+        Err(e) => Err(anyhow::Error::new(e).context("launch")),
     }
 }
 

@@ -81,9 +81,9 @@ pub struct SubmitArgs {
     pub command: Vec<String>,
 }
 
+/// A bad flag: a usage error (exit 2, mapped in main).
 fn usage(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
-    eprintln!("kiln submit: error: {message}");
-    Ok(ExitCode::from(2))
+    Err(kiln_launch::SubmitError::Usage(format!("submit: {message}")).into())
 }
 
 /// `kiln submit`.
@@ -166,10 +166,6 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             println!("watch it with: kiln status {}", req.run_dir.display());
             Ok(ExitCode::SUCCESS)
         }
-        Err(kiln_launch::SubmitError::Usage(m)) => usage(m),
-        Err(e) => {
-            eprintln!("kiln submit: {e}");
-            Ok(ExitCode::FAILURE)
-        }
+        Err(e) => Err(anyhow::Error::new(e).context("submit")),
     }
 }

@@ -181,15 +181,8 @@ fn say(line: std::fmt::Arguments) {
 /// `kiln train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
-    // whether it is found here or once training starts.
-    let invalid = |e: &dyn std::fmt::Display| {
-        eprintln!("kiln: error: {e}");
-        Ok(exit_code(kiln_run::exit::CONFIG))
-    };
-    let config = match Config::load(args.config.as_deref(), &args.overrides) {
-        Ok(c) => c,
-        Err(e) => return invalid(&e),
-    };
+    // whether it is found here or once training starts (ConfigError and TrainError say so).
+    let config = Config::load(args.config.as_deref(), &args.overrides)?;
     if args.print_config {
         print!("{}", config.to_toml());
         return Ok(ExitCode::SUCCESS);
@@ -201,7 +194,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         progress.tasks = match kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))
         {
             Ok(t) => t,
-            Err(e) => return invalid(&format!("eval.tasks: {e}")),
+            Err(e) => {
+                return Err(kiln_train::config::ConfigError::Invalid {
+                    origin: "eval.tasks".into(),
+                    message: e.to_string(),
+                }
+                .into());
+            }
         };
     } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
         progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
@@ -219,11 +218,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             if let Some(bar) = &progress.bar {
                 bar.finish_and_clear();
             }
-            eprintln!(
-                "kiln: error: training in run directory {}: {e}",
-                args.run_dir.display()
-            );
-            return Ok(exit_code(e.exit_code()));
+            let dir = args.run_dir.display();
+            return Err(anyhow::Error::new(e).context(format!("training in run directory {dir}")));
         }
     };
     if let Some(bar) = &progress.bar {

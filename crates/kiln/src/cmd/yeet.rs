@@ -78,17 +78,6 @@ pub fn run(args: YeetArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Err(e) => {
-            eprintln!("kiln: error: yeet: {e}");
-            let refused = matches!(
-                e,
-                kiln_dist::yeet::YeetError::Unsafe { .. } | kiln_dist::yeet::YeetError::Source(_)
-            );
-            Ok(ExitCode::from(if refused {
-                kiln_run::exit::CONFIG as u8
-            } else {
-                1
-            }))
-        }
+        Err(e) => Err(anyhow::Error::new(e).context("yeet")),
     }
 }
