@@ -111,8 +111,15 @@ pub struct Saver {
 }
 
 impl Saver {
-    /// A saver over `store`; `asynchronous` starts the writer thread.
+    /// A saver over `store`; `asynchronous` starts the writer thread, which yields the CPU
+    /// to the step (see the module documentation).
     pub fn new(store: impl Store + 'static, asynchronous: bool) -> Self {
+        Self::with_priority(store, asynchronous, true)
+    }
+
+    /// [`Saver::new`]; `yielding`: whether the writer thread runs at a lower priority (a
+    /// tier that must keep up with the step, like the memory snapshots, does not).
+    pub fn with_priority(store: impl Store + 'static, asynchronous: bool, yielding: bool) -> Self {
         let manager: BoxedStore = Box::new(store);
         if !asynchronous {
             return Self {
@@ -127,6 +134,9 @@ impl Saver {
             .name("kiln-checkpoint-writer".into())
             .spawn(move || {
                 if let Ok(manager) = take.recv() {
+                    if yielding {
+                        yield_to_the_step();
+                    }
                     writer(manager, inbox, outbox);
                 }
             });
@@ -283,7 +293,6 @@ fn yield_to_the_step() {
 
 /// The writer thread: one job at a time, each result sent back.
 fn writer(mut manager: BoxedStore, inbox: Receiver<Job>, outbox: Sender<Outcome>) {
-    yield_to_the_step();
     for job in inbox {
         let t0 = Instant::now();
         let step = job.staged.step;

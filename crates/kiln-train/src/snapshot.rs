@@ -63,6 +63,7 @@ impl SnapshotStore {
         run_id: &str,
         mut on_reject: impl FnMut(&Path, &str),
     ) -> Option<(PathBuf, Checkpoint)> {
+        self.remove_leftovers();
         for step in checkpoint::list_steps(&self.root) {
             let dir = self.root.join(checkpoint::dir_name(step));
             let why = match checkpoint::load(&dir) {
@@ -77,6 +78,19 @@ impl SnapshotStore {
             on_reject(&dir, &why);
         }
         None
+    }
+
+    /// Deletes the temporary directories of writes a killed process left (only this rank
+    /// writes here).
+    fn remove_leftovers(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return;
+        };
+        for e in entries.filter_map(Result::ok) {
+            if e.file_name().to_string_lossy().starts_with(".tmp-") {
+                let _ = remove_tree(&e.path());
+            }
+        }
     }
 
     /// Deletes every snapshot of this store.
@@ -215,8 +229,8 @@ impl Snapshotter {
     /// `snapshot_interval` is 0).
     pub fn new(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> Self {
         let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep);
-        let saver =
-            (cfg.snapshot_interval > 0).then(|| Saver::new(store.clone(), cfg.asynchronous));
+        let saver = (cfg.snapshot_interval > 0)
+            .then(|| Saver::with_priority(store.clone(), cfg.asynchronous, false));
         Self {
             every: Every(cfg.snapshot_interval),
             store,
