@@ -37,6 +37,30 @@ pub const SNAPSHOT_FROM_PEER: &str = "snapshot_from_peer";
 /// (fields: process_start (unix time), mpi_init_s, run_dir_s, data_open_s, model_init_s,
 /// checkpoint_load_s, first_step_s).
 pub const STARTUP_PHASES: &str = "startup_phases";
+/// The phases of [`STARTUP_PHASES`], in order (its fields are `<phase>_s`).
+pub mod phase {
+    /// The collective's initialisation (MPI_Init, or nothing for one rank).
+    pub const MPI_INIT: &str = "mpi_init";
+    /// Locking the run directory, opening its logs and scanning its checkpoints.
+    pub const RUN_DIR: &str = "run_dir";
+    /// Opening the data (shards, blend indices).
+    pub const DATA_OPEN: &str = "data_open";
+    /// Building the model and the optimizer.
+    pub const MODEL_INIT: &str = "model_init";
+    /// Agreeing on and loading the resume point (memory, peer or persistent tier).
+    pub const CHECKPOINT_LOAD: &str = "checkpoint_load";
+    /// The first training step.
+    pub const FIRST_STEP: &str = "first_step";
+    /// Every phase, in order.
+    pub const ALL: [&str; 6] = [
+        MPI_INIT,
+        RUN_DIR,
+        DATA_OPEN,
+        MODEL_INIT,
+        CHECKPOINT_LOAD,
+        FIRST_STEP,
+    ];
+}
 /// The effective config differs from the one of the resumed checkpoint.
 pub const CONFIG_CHANGED: &str = "config_changed";
 /// A step was skipped for a non-finite loss or gradient.

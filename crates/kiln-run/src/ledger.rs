@@ -467,14 +467,7 @@ fn attempt_details(s: &mut AttemptSummary, a: &Att, events: &[Event]) {
     if let Some(start) = f(p, "process_start") {
         s.phases.push(("spawn".into(), (start - a.start).max(0.0)));
     }
-    for name in [
-        "mpi_init",
-        "run_dir",
-        "data_open",
-        "model_init",
-        "checkpoint_load",
-        "first_step",
-    ] {
+    for name in event::phase::ALL {
         if let Some(v) = f(p, &format!("{name}_s")) {
             s.phases.push((name.to_string(), v));
         }

@@ -9,20 +9,7 @@ use kiln_run::event;
 use serde_json::{Map, Value};
 
 /// Phase names (the event's fields are `<phase>_s`).
-pub mod phase {
-    /// The collective's initialisation (MPI_Init, or nothing for one rank).
-    pub const MPI_INIT: &str = "mpi_init";
-    /// Locking the run directory, opening its logs and scanning its checkpoints.
-    pub const RUN_DIR: &str = "run_dir";
-    /// Opening the data (shards, blend indices).
-    pub const DATA_OPEN: &str = "data_open";
-    /// Building the model and the optimizer.
-    pub const MODEL_INIT: &str = "model_init";
-    /// Agreeing on and loading the resume point (memory, peer or persistent tier).
-    pub const CHECKPOINT_LOAD: &str = "checkpoint_load";
-    /// The first training step.
-    pub const FIRST_STEP: &str = "first_step";
-}
+pub use kiln_run::event::phase;
 
 /// The phase clock (see the module documentation).
 #[derive(Debug, Clone)]
