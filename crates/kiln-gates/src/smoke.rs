@@ -77,7 +77,6 @@ pub fn smoke_config(base: &Config, steps: u64) -> Config {
     c.training.steps = steps;
     c.checkpoint.interval = 0;
     c.checkpoint.resume = false;
-    c.checkpoint.snapshot_interval = 0;
     c.eval.interval = 0;
     c
 }
