@@ -278,11 +278,17 @@ fn goodput(events: &[kiln_run::Event]) -> String {
                 (None, Some(e)) => format!(", to step {e}"),
                 _ => String::new(),
             };
-            let culprit = if a.culprits.is_empty() {
+            let mut culprit = if a.culprits.is_empty() {
                 String::new()
             } else {
                 format!(", culprit {}", a.culprits.join(","))
             };
+            if let Some(tier) = &a.resumed_from {
+                culprit.push_str(&format!(", resumed from {tier}"));
+            }
+            if let Some(n) = a.lost_steps {
+                culprit.push_str(&format!(", {n} step(s) lost"));
+            }
             out.push_str(&format!(
                 "  {:>3}  {:>8.1}-{:<8.1} s  {}{steps}{culprit}{}\n",
                 i + 1,
@@ -295,6 +301,9 @@ fn goodput(events: &[kiln_run::Event]) -> String {
                     format!("  on {}", a.hosts.join(","))
                 }
             ));
+            if let Some(line) = phases_line(&a.phases) {
+                out.push_str(&line);
+            }
         }
     }
     if !l.swaps.is_empty() {
@@ -454,6 +463,20 @@ pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<Vec<PathBuf>,
     )?;
     written.extend([svg, png]);
     Ok(written)
+}
+
+/// `       startup: spawn 0.1 s, mpi_init 0.3 s, ... (largest: mpi_init)` for an attempt.
+fn phases_line(phases: &[(String, f64)]) -> Option<String> {
+    let largest = phases.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let each: Vec<String> = phases
+        .iter()
+        .map(|(n, v)| format!("{n} {v:.2} s"))
+        .collect();
+    Some(format!(
+        "       startup: {} (largest: {})\n",
+        each.join(", "),
+        largest.0
+    ))
 }
 
 #[cfg(test)]

@@ -10,8 +10,57 @@ pub const CHECKPOINT_LOADED: &str = "checkpoint_loaded";
 pub const CHECKPOINT_REJECTED: &str = "checkpoint_rejected";
 /// A checkpoint was published (fields: step, path, seconds, pruned).
 pub const CHECKPOINT_SAVED: &str = "checkpoint_saved";
-/// The run resumed (fields: step, data_cursor, path).
+/// The run resumed (fields: step, data_cursor, path, tier: one of [`tier`], source_rank and
+/// peer_ranks for a snapshot sent by a peer, persistent_step: the newest checkpoint on the
+/// run directory then).
 pub const RESUME: &str = "resume";
+/// Where a resume came from (the `tier` field of [`RESUME`]).
+pub mod tier {
+    /// Every rank's own memory snapshot (node-local, e.g. `/dev/shm`).
+    pub const MEMORY: &str = "memory";
+    /// A memory snapshot that some ranks received from a peer that held it.
+    pub const PEER: &str = "peer";
+    /// A persistent checkpoint in the run directory.
+    pub const PERSISTENT: &str = "persistent";
+}
+/// A memory snapshot was published (fields: step, path, stall_s, write_s).
+pub const SNAPSHOT_SAVED: &str = "snapshot_saved";
+/// A memory snapshot failed verification or belongs to another run and was deleted, never
+/// used (fields: path, reason, rank).
+pub const SNAPSHOT_REJECTED: &str = "snapshot_rejected";
+/// Writing a memory snapshot failed; training goes on (fields: step, error).
+pub const SNAPSHOT_FAILED: &str = "snapshot_failed";
+/// Ranks without the agreed memory snapshot received it from a peer (fields: step,
+/// source_rank, ranks, bytes, seconds).
+pub const SNAPSHOT_FROM_PEER: &str = "snapshot_from_peer";
+/// How long each phase from the process's start to its first step took, on the writer rank
+/// (fields: process_start (unix time), mpi_init_s, run_dir_s, data_open_s, model_init_s,
+/// checkpoint_load_s, first_step_s).
+pub const STARTUP_PHASES: &str = "startup_phases";
+/// The phases of [`STARTUP_PHASES`], in order (its fields are `<phase>_s`).
+pub mod phase {
+    /// The collective's initialisation (MPI_Init, or nothing for one rank).
+    pub const MPI_INIT: &str = "mpi_init";
+    /// Locking the run directory, opening its logs and scanning its checkpoints.
+    pub const RUN_DIR: &str = "run_dir";
+    /// Opening the data (shards, blend indices).
+    pub const DATA_OPEN: &str = "data_open";
+    /// Building the model and the optimizer.
+    pub const MODEL_INIT: &str = "model_init";
+    /// Agreeing on and loading the resume point (memory, peer or persistent tier).
+    pub const CHECKPOINT_LOAD: &str = "checkpoint_load";
+    /// The first training step.
+    pub const FIRST_STEP: &str = "first_step";
+    /// Every phase, in order.
+    pub const ALL: [&str; 6] = [
+        MPI_INIT,
+        RUN_DIR,
+        DATA_OPEN,
+        MODEL_INIT,
+        CHECKPOINT_LOAD,
+        FIRST_STEP,
+    ];
+}
 /// The effective config differs from the one of the resumed checkpoint.
 pub const CONFIG_CHANGED: &str = "config_changed";
 /// A step was skipped for a non-finite loss or gradient.

@@ -21,6 +21,26 @@ pub const CHECKPOINT_MANIFEST: &str = "manifest.json";
 /// Where checkpoints that were rejected (corrupt, torn, foreign) are moved aside under
 /// [`CHECKPOINTS`]; never deleted by kiln.
 pub const REJECTED: &str = "rejected";
+/// The lineage (`run_id`) of the run in this directory, written at every start, so that a
+/// restart before the first persistent checkpoint keeps the lineage of its memory snapshots.
+pub const RUN_ID: &str = "run_id";
+/// File-name prefix of a run's memory-snapshot folder in the node-local snapshot directory
+/// (`kiln-<hash of the run directory>`).
+pub const SNAPSHOT_ROOT_PREFIX: &str = "kiln-";
+/// File-name prefix of one rank's memory snapshots in that folder (`rank-<R>`), holding
+/// `step-<N>` directories in the checkpoint format.
+pub const SNAPSHOT_RANK_PREFIX: &str = "rank-";
+
+/// A run's memory-snapshot folder, keyed by a hash of its run directory.
+pub fn snapshot_root(run_key: &str) -> String {
+    format!("{SNAPSHOT_ROOT_PREFIX}{run_key}")
+}
+
+/// One rank's memory-snapshot directory inside [`snapshot_root`].
+pub fn snapshot_rank(rank: usize) -> String {
+    format!("{SNAPSHOT_RANK_PREFIX}{rank}")
+}
+
 /// The final weights (safetensors) at the top of the run directory.
 pub const FINAL_MODEL: &str = "model.safetensors";
 /// The run-directory lock (flock) held by the one writer of a training run; it holds the

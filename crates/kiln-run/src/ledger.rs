@@ -6,7 +6,9 @@
 //! | productive        | training whose result was kept (first to last step of each attempt,   |
 //! |                   | less checkpoint stalls and lost work)                                 |
 //! | startup           | attempt start to its first completed step (a failed start: all of it) |
-//! | checkpoint stall  | time spent saving checkpoints (`checkpoint_saved.seconds`)            |
+//! | checkpoint stall  | time the step waited for saves and memory snapshots (`stall_s` of     |
+//! |                   | `checkpoint_saved` / `snapshot_saved`; a log from before `stall_s`:   |
+//! |                   | `seconds`). An asynchronous save's write is not a stall.              |
 //! | lost work         | steps redone: work after the checkpoint the next attempt resumed from |
 //! | hang detection    | last step of a hung attempt to the end of its kill                    |
 //! | backoff           | waiting between attempts                                              |
@@ -84,6 +86,13 @@ pub struct AttemptSummary {
     pub culprits: Vec<String>,
     /// Hosts it ran on.
     pub hosts: Vec<String>,
+    /// The tier its resume came from (`memory`, `peer`, `persistent`), if it resumed.
+    pub resumed_from: Option<String>,
+    /// Steps of this attempt the next one redid (a failed attempt that was resumed).
+    pub lost_steps: Option<u64>,
+    /// Its trainer's startup phases (`spawn` from the attempt's start to the process's,
+    /// then the `startup_phases` event's), seconds, in order.
+    pub phases: Vec<(String, f64)>,
 }
 
 /// A node swap or quarantine, for the timeline.
@@ -277,8 +286,11 @@ pub fn ledger(events: &[Event]) -> Ledger {
     };
     let saves: Vec<(f64, u64, f64)> = events
         .iter()
-        .filter(|e| e.event == event::CHECKPOINT_SAVED)
-        .filter_map(|e| Some((e.time, u(e, "step")?, f(e, "seconds").unwrap_or(0.0))))
+        .filter(|e| e.event == event::CHECKPOINT_SAVED || e.event == event::SNAPSHOT_SAVED)
+        .filter_map(|e| {
+            let stall = f(e, "stall_s").or_else(|| f(e, "seconds")).unwrap_or(0.0);
+            Some((e.time, u(e, "step")?, stall))
+        })
         .collect();
     let resumes: Vec<(f64, u64)> = events
         .iter()
@@ -328,10 +340,12 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 None => first,
             }
         };
+        let mut lost = None;
         if let (Some(r), Some(ls)) = (resumed, a.last_step)
             && !success
         {
             lost_steps += ls.saturating_sub(r);
+            lost = Some(ls.saturating_sub(r));
         }
         span(a.start, first, "startup", &mut b);
         let work_end = if success { a.end } else { last.max(first) };
@@ -349,7 +363,10 @@ pub fn ledger(events: &[Event]) -> Ledger {
             };
             span(work_end, a.end, tail, &mut b);
         }
-        summaries.push(summary(a, t0));
+        let mut s = summary(a, t0);
+        s.lost_steps = lost;
+        attempt_details(&mut s, a, &events);
+        summaries.push(s);
     }
     for e in events.iter().filter(|e| e.event == event::BACKOFF) {
         span(
@@ -420,6 +437,40 @@ fn summary(a: &Att, t0: f64) -> AttemptSummary {
         classification: a.class.clone(),
         culprits: a.culprits.clone(),
         hosts: a.hosts.clone(),
+        resumed_from: None,
+        lost_steps: None,
+        phases: Vec::new(),
+    }
+}
+
+/// The tier of the attempt's resume and its startup phases, from its trainer's events.
+fn attempt_details(s: &mut AttemptSummary, a: &Att, events: &[Event]) {
+    let inside = |e: &&Event| e.source == "train" && e.time >= a.start && e.time <= a.end;
+    s.resumed_from = events
+        .iter()
+        .filter(inside)
+        .find(|e| e.event == event::RESUME)
+        .map(|e| {
+            e.fields
+                .get("tier")
+                .and_then(Value::as_str)
+                .unwrap_or(event::tier::PERSISTENT)
+                .to_string()
+        });
+    let Some(p) = events
+        .iter()
+        .filter(inside)
+        .find(|e| e.event == event::STARTUP_PHASES)
+    else {
+        return;
+    };
+    if let Some(start) = f(p, "process_start") {
+        s.phases.push(("spawn".into(), (start - a.start).max(0.0)));
+    }
+    for name in event::phase::ALL {
+        if let Some(v) = f(p, &format!("{name}_s")) {
+            s.phases.push((name.to_string(), v));
+        }
     }
 }
 

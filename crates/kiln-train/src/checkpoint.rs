@@ -58,7 +58,7 @@ pub enum CheckpointError {
     },
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
@@ -222,7 +222,7 @@ pub fn dir_name(step: u64) -> String {
     layout::checkpoint_dir(step)
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(io_err(dir))
@@ -300,7 +300,7 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
 }
 
 /// Removes a directory kiln wrote; a symlink is removed itself, never followed.
-fn remove_tree(path: &Path) -> Result<(), CheckpointError> {
+pub(crate) fn remove_tree(path: &Path) -> Result<(), CheckpointError> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(path).map_err(io_err(path)),
         Ok(_) => std::fs::remove_file(path).map_err(io_err(path)),
@@ -476,7 +476,7 @@ pub fn load_latest_valid(
 
 /// The lineage id recorded in a checkpoint's state (`run_id`); checkpoints written before
 /// lineages existed have none.
-fn lineage_of(state: &serde_json::Value) -> Option<&str> {
+pub(crate) fn lineage_of(state: &serde_json::Value) -> Option<&str> {
     state.get("run_id").and_then(serde_json::Value::as_str)
 }
 
@@ -604,6 +604,15 @@ impl CheckpointManager {
             resume: chosen,
             rejected,
         })
+    }
+
+    /// Continues lineage `run_id` when no checkpoint of this directory was resumed (a run
+    /// restarted before its first persistent checkpoint, recorded in the run directory);
+    /// ignored once a checkpoint decided the lineage.
+    pub fn adopt_lineage(&mut self, run_id: &str) {
+        if self.ours.is_empty() {
+            self.run_id = run_id.to_string();
+        }
     }
 
     /// This run's lineage id (written into every checkpoint's state as `run_id`).

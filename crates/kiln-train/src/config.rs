@@ -389,6 +389,15 @@ pub struct CheckpointConfig {
     /// the step waits for the files, fsync and rename.
     #[serde(rename = "async")]
     pub asynchronous: bool,
+    /// Every rank snapshots its state every this many steps into node-local memory (the
+    /// memory tier: a restarted rank resumes from it, or from a peer's, before it reads the
+    /// run directory); written in the background, verified like a checkpoint; 0 = off.
+    pub snapshot_interval: u64,
+    /// Keep the newest this many memory snapshots per rank.
+    pub snapshot_keep: usize,
+    /// Node-local directory of the memory snapshots; empty = `/dev/shm` (else the system's
+    /// temporary directory). Each run directory gets its own `kiln-<hash>` folder in it.
+    pub snapshot_dir: String,
 }
 
 impl Default for CheckpointConfig {
@@ -398,6 +407,9 @@ impl Default for CheckpointConfig {
             keep_latest_k: 3,
             resume: true,
             asynchronous: true,
+            snapshot_interval: 5,
+            snapshot_keep: 2,
+            snapshot_dir: String::new(),
         }
     }
 }
@@ -694,6 +706,7 @@ impl Config {
             ),
         );
         d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
+        d.at_least("checkpoint.snapshot_keep", self.checkpoint.snapshot_keep, 1);
         d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
 
         let g = &self.guards;

@@ -17,7 +17,8 @@
 //!   over ranks), [`faults`] (the debug fault hooks, behind one seam the step calls);
 //! - the components, each deciding its own cadence and restoring its own state: [`journal`]
 //!   (events, metrics and the observer), [`saver`] (checkpoints: when, and synchronous or
-//!   background writing), [`guard_rail`] (skips, rollbacks, snapshots, frozen parameters),
+//!   background writing), [`snapshot`] (the memory tier: node-local snapshots every few
+//!   steps, agreed on and healed from a peer at restart), [`guard_rail`] (skips, rollbacks, snapshots, frozen parameters),
 //!   [`eval`] (held-out evaluation), [`replicas`] (the replica checksum check);
 //! - [`trainer`] (the step loop that calls them in order).
 
@@ -40,6 +41,8 @@ pub mod replicas;
 pub mod run_dir;
 pub mod saver;
 pub mod session;
+pub mod snapshot;
+pub mod startup;
 pub mod state;
 pub mod step;
 pub mod synthetic;

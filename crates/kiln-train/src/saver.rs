@@ -1,7 +1,8 @@
 //! [`Checkpointer`]: the checkpoint component of a run, on every rank: when a save is due
 //! (`checkpoint.interval`, the last step, a stop signal with unsaved work), and, on the
-//! writer rank, its [`Saver`], which writes checkpoints through the run's
-//! [`CheckpointManager`], synchronously or on a writer thread (`checkpoint.async`).
+//! writer rank, its [`Saver`], which writes checkpoints through a [`Store`] (the run's
+//! [`CheckpointManager`]; the memory tier's store in [`crate::snapshot`]), synchronously or
+//! on a writer thread (`checkpoint.async`).
 //!
 //! Asynchronous saving: the training step hands over the state as [`Staged`] tensors and
 //! goes on; the writer thread copies them to the host, serialises, writes, fsyncs, writes the
@@ -14,6 +15,10 @@
 //! ([`Saver::wait`]); dropping the saver joins the thread, so not even an early return can
 //! leave a save half done while the process exits normally. A SIGKILL during a write leaves
 //! a temporary directory, never a published checkpoint, exactly as a synchronous save would.
+//!
+//! The writer thread runs at a lower scheduling priority (nice +10): its host copy,
+//! serialisation, SHA-256 and fsync use a core the training step would otherwise get, and on
+//! a machine whose cores the step keeps busy it must yield to the step, not slow it.
 
 use crate::cadence::Every;
 use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointManager, SaveReport};
@@ -75,8 +80,23 @@ struct Job {
 
 type Outcome = Result<Saved, CheckpointError>;
 
+/// Where a saver publishes checkpoints: atomically, verified by the reader, with its own
+/// retention.
+pub trait Store: Send {
+    /// Publishes `ckpt` and applies retention.
+    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError>;
+}
+
+impl Store for CheckpointManager {
+    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+        CheckpointManager::save(self, ckpt)
+    }
+}
+
+type BoxedStore = Box<dyn Store>;
+
 enum Mode {
-    Sync(CheckpointManager),
+    Sync(BoxedStore),
     Async {
         jobs: Option<Sender<Job>>,
         done: Receiver<Outcome>,
@@ -91,8 +111,16 @@ pub struct Saver {
 }
 
 impl Saver {
-    /// A saver over `manager`; `asynchronous` starts the writer thread.
-    pub fn new(manager: CheckpointManager, asynchronous: bool) -> Self {
+    /// A saver over `store`; `asynchronous` starts the writer thread, which yields the CPU
+    /// to the step (see the module documentation).
+    pub fn new(store: impl Store + 'static, asynchronous: bool) -> Self {
+        Self::with_priority(store, asynchronous, true)
+    }
+
+    /// [`Saver::new`]; `yielding`: whether the writer thread runs at a lower priority (a
+    /// tier that must keep up with the step, like the memory snapshots, does not).
+    pub fn with_priority(store: impl Store + 'static, asynchronous: bool, yielding: bool) -> Self {
+        let manager: BoxedStore = Box::new(store);
         if !asynchronous {
             return Self {
                 mode: Mode::Sync(manager),
@@ -100,12 +128,15 @@ impl Saver {
         }
         let (jobs, inbox) = channel::<Job>();
         let (outbox, done) = channel::<Outcome>();
-        // The manager goes to the thread once it runs, so a failed spawn keeps it here.
-        let (give, take) = channel::<CheckpointManager>();
+        // The store goes to the thread once it runs, so a failed spawn keeps it here.
+        let (give, take) = channel::<BoxedStore>();
         let spawned = std::thread::Builder::new()
             .name("kiln-checkpoint-writer".into())
             .spawn(move || {
                 if let Ok(manager) = take.recv() {
+                    if yielding {
+                        yield_to_the_step();
+                    }
                     writer(manager, inbox, outbox);
                 }
             });
@@ -249,8 +280,19 @@ fn writer_gone() -> CheckpointError {
     }
 }
 
+/// Lowers the calling thread's scheduling priority (nice +10; Linux applies it to the
+/// thread alone). Best effort: a refusal leaves the priority as it was.
+fn yield_to_the_step() {
+    // SAFETY: gettid and setpriority have no memory effects; PRIO_PROCESS with a thread id
+    // changes only this thread's nice value on Linux.
+    unsafe {
+        let tid = libc::gettid();
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+    }
+}
+
 /// The writer thread: one job at a time, each result sent back.
-fn writer(mut manager: CheckpointManager, inbox: Receiver<Job>, outbox: Sender<Outcome>) {
+fn writer(mut manager: BoxedStore, inbox: Receiver<Job>, outbox: Sender<Outcome>) {
     for job in inbox {
         let t0 = Instant::now();
         let step = job.staged.step;
@@ -316,16 +358,19 @@ impl Checkpointer {
 
     /// Saves the checkpoint of `step`: the writer rank stages `staged()` (references, no
     /// copy) and hands it to the saver, which with a save still in flight first waits for it.
+    /// `before_s`: what the step already waited for this save (the replica check), counted
+    /// in its stall.
     pub fn save(
         &mut self,
         step: u64,
+        before_s: f64,
         staged: impl FnOnce() -> Staged,
         journal: &mut Journal,
     ) -> Result<(), TrainError> {
         if let Some(saver) = &mut self.saver {
             let t0 = Instant::now();
             let staged = staged();
-            let finished = saver.submit(staged, t0.elapsed().as_secs_f64());
+            let finished = saver.submit(staged, before_s + t0.elapsed().as_secs_f64());
             for outcome in finished {
                 report(outcome?, journal)?;
             }

@@ -75,9 +75,14 @@ pub fn unflatten(flat: &[f32], like: &[Tensor<1>], device: &Device) -> Vec<Tenso
 }
 
 /// A 64-bit checksum of all parameter values (bit-exact: any flipped bit changes it).
+/// Hashes each tensor's host copy in turn (the same digest as hashing them concatenated,
+/// without building the concatenation on the device and copying it once more).
 pub fn params_checksum(params: &[Tensor<1>]) -> u64 {
-    let flat = flatten(params);
-    let digest = Sha256::digest(bytemuck::cast_slice::<f32, u8>(&flat));
+    let mut h = Sha256::new();
+    for p in params {
+        h.update(bytemuck::cast_slice::<f32, u8>(&to_vec(p)));
+    }
+    let digest = h.finalize();
     u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]))
 }
 

@@ -31,6 +31,8 @@ use crate::replicas::ReplicaCheck;
 use crate::run_dir::RunDir;
 use crate::saver::{Checkpointer, Saver, Staged};
 use crate::session::{Session, sha256_hex};
+use crate::snapshot::{Recovered, Snapshotter, broadcast_vec};
+use crate::startup::{Startup, phase};
 use crate::state::{TrainState, new_run_id};
 use crate::step::{At, BatchLayout, Step};
 use kiln_dist::Collective;
@@ -40,6 +42,34 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+
+/// Where a resume came from (the `resume` event's fields).
+struct Resumed {
+    tier: &'static str,
+    persistent_step: Option<u64>,
+    source_rank: Option<usize>,
+    peer_ranks: Vec<usize>,
+}
+
+impl Resumed {
+    fn memory(r: &Recovered, persistent_step: Option<u64>) -> Self {
+        Self {
+            tier: r.tier,
+            persistent_step,
+            source_rank: r.source_rank,
+            peer_ranks: r.peer_ranks.clone(),
+        }
+    }
+
+    fn persistent(persistent_step: Option<u64>) -> Self {
+        Self {
+            tier: event::tier::PERSISTENT,
+            persistent_step,
+            source_rank: None,
+            peer_ranks: Vec::new(),
+        }
+    }
+}
 
 /// How a training run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,6 +163,8 @@ pub struct Trainer<'a> {
     step: Step<'a>,
     guards: GuardRail,
     checkpoints: Checkpointer,
+    snapshots: Snapshotter,
+    startup: Startup,
     eval: Evaluator,
     replicas: ReplicaCheck,
     journal: Journal<'a>,
@@ -148,11 +180,13 @@ pub struct Trainer<'a> {
 /// writes an `exit` event; with several ranks, an error on one rank that the others cannot
 /// know about ends all of them (MPI_Abort) so that none waits forever in a collective.
 pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainReport, TrainError> {
+    let mut startup = Startup::begin();
     let rank_env = kiln_topology::RankEnv::from_process_env()
         .map_err(|e| TrainError::Parallel(format!("rank environment: {e}")))?;
     let comm = kiln_dist::init(&rank_env)?;
     let comm = comm.as_ref();
-    let mut trainer = Trainer::new(opts, comm, observer).inspect_err(|e| {
+    startup.mark(phase::MPI_INIT);
+    let mut trainer = Trainer::starting(opts, comm, observer, startup).inspect_err(|e| {
         if !e.is_collective() {
             abort_all(comm, e);
         }
@@ -193,9 +227,20 @@ impl<'a> Trainer<'a> {
         comm: &'a dyn Collective,
         observer: &'a mut dyn Observer,
     ) -> Result<Self, TrainError> {
+        Self::starting(opts, comm, observer, Startup::begin())
+    }
+
+    /// [`Trainer::new`] with the phase clock `train` started before the collective.
+    fn starting(
+        opts: &TrainOptions,
+        comm: &'a dyn Collective,
+        observer: &'a mut dyn Observer,
+        mut startup: Startup,
+    ) -> Result<Self, TrainError> {
         let cfg = opts.config.clone();
         cfg.validate()?;
         let opened = (comm.rank() == 0).then(|| open_run_dir(opts)).transpose()?;
+        startup.mark(phase::RUN_DIR);
         let (writer, saver, run_id, resume, rejected) = match opened {
             Some(o) => (
                 Some(o.writer),
@@ -207,7 +252,7 @@ impl<'a> Trainer<'a> {
             None => (None, None, String::new(), None, Vec::new()),
         };
         let mut journal = Journal::new(writer, observer);
-        let (layout, data, session) = match build(&cfg, comm) {
+        let (layout, data, session) = match build(&cfg, comm, &mut startup) {
             Ok(parts) => parts,
             Err(e) => {
                 let fields = json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()});
@@ -233,6 +278,8 @@ impl<'a> Trainer<'a> {
             step: Step::new(&cfg, &session, layout, comm),
             guards: GuardRail::new(&cfg.guards),
             checkpoints: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
+            snapshots: Snapshotter::new(&cfg.checkpoint, &opts.run_dir, comm.rank()),
+            startup,
             eval: Evaluator::new(&cfg, cfg.training.steps, data.synthetic.as_ref()),
             replicas: ReplicaCheck::new(cfg.guards.replica_check_interval),
             run_dir: opts.run_dir.clone(),
@@ -263,8 +310,11 @@ impl<'a> Trainer<'a> {
             signal_hook::flag::register_usize(sig, Arc::clone(&self.stop), sig as usize)
                 .map_err(io(&self.run_dir))?;
         }
+        self.startup.mark(phase::MODEL_INIT);
         self.check_ranks_agree()?;
-        self.resume(resume, rejected)
+        self.resume(resume, rejected)?;
+        self.startup.mark(phase::CHECKPOINT_LOAD);
+        Ok(())
     }
 
     /// Every rank must run the same config: compared by hash at start.
@@ -291,6 +341,9 @@ impl<'a> Trainer<'a> {
         if let Err(e) = self.checkpoints.wait(&mut self.journal) {
             tracing::error!("{e}");
         }
+        if let Err(e) = self.snapshots.wait(&mut self.journal) {
+            tracing::error!("{e}");
+        }
         let step = self.state.step;
         let _ = self.journal.emit(
             event::EXIT,
@@ -310,14 +363,62 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// Resumes from the checkpoint rank 0 chose (the other ranks load the same step), or
-    /// starts afresh in a new lineage.
+    /// Resumes from the newest state a tier holds: the ranks' memory snapshots (a rank
+    /// without the agreed one receives it from a peer) when one is at least as new as the
+    /// persistent checkpoint rank 0 chose; else that checkpoint (the other ranks load the
+    /// same step); else a fresh start in a new lineage.
     fn resume(
         &mut self,
         chosen: Option<(PathBuf, Checkpoint)>,
         rejected: Vec<checkpoint::Rejection>,
     ) -> Result<(), TrainError> {
-        for r in &rejected {
+        self.report_rejected(&rejected)?;
+        let persistent = self.agree_on_lineage(chosen.as_ref().map(|(_, c)| c.step));
+        if !self.cfg.checkpoint.resume {
+            self.snapshots.clear(&mut self.journal);
+        } else if let Some(r) = self.snapshots.recover(
+            self.comm,
+            &self.state.run_id.clone(),
+            persistent,
+            &mut self.journal,
+        )? {
+            let from = Resumed::memory(&r, persistent);
+            return self.restore(&r.dir, &r.ck, &from);
+        }
+        let loaded = match (chosen, persistent) {
+            (Some(c), _) => Some(c),
+            (None, Some(step)) => {
+                let dir = self
+                    .run_dir
+                    .join(kiln_run::layout::CHECKPOINTS)
+                    .join(checkpoint::dir_name(step));
+                Some((dir.clone(), checkpoint::load(&dir)?))
+            }
+            (None, None) => None,
+        };
+        match loaded {
+            Some((dir, ck)) => self.restore(&dir, &ck, &Resumed::persistent(persistent)),
+            None => self.emit_start(None),
+        }
+    }
+
+    /// Rank 0's persistent resume step and lineage, on every rank (the lineage goes into
+    /// every rank's state, so every rank's snapshots are the same run's).
+    fn agree_on_lineage(&mut self, persistent: Option<u64>) -> Option<u64> {
+        if self.comm.size() == 1 {
+            return persistent;
+        }
+        let mut bytes = persistent.map_or(u64::MAX, |s| s).to_le_bytes();
+        self.comm.broadcast_bytes(0, &mut bytes);
+        let mut run_id = self.state.run_id.clone().into_bytes();
+        broadcast_vec(self.comm, 0, &mut run_id);
+        self.state.run_id = String::from_utf8_lossy(&run_id).into_owned();
+        let step = u64::from_le_bytes(bytes);
+        (step != u64::MAX).then_some(step)
+    }
+
+    fn report_rejected(&mut self, rejected: &[checkpoint::Rejection]) -> Result<(), TrainError> {
+        for r in rejected {
             self.journal.emit(
                 event::CHECKPOINT_REJECTED,
                 json!({"path": path_text(&r.path), "reason": r.reason, "moved_to": path_text(&r.moved_to)}),
@@ -329,29 +430,12 @@ impl<'a> Trainer<'a> {
                 r.moved_to.display()
             ));
         }
-        let mut step = chosen.as_ref().map_or(u64::MAX, |(_, c)| c.step);
-        let mut loaded = chosen;
-        if self.comm.size() > 1 {
-            let mut bytes = step.to_le_bytes();
-            self.comm.broadcast_bytes(0, &mut bytes);
-            step = u64::from_le_bytes(bytes);
-            if loaded.is_none() && step != u64::MAX {
-                let dir = self
-                    .run_dir
-                    .join(kiln_run::layout::CHECKPOINTS)
-                    .join(checkpoint::dir_name(step));
-                loaded = Some((dir.clone(), checkpoint::load(&dir)?));
-            }
-        }
-        match loaded {
-            Some((dir, ck)) => self.restore(&dir, &ck),
-            None => self.emit_start(None),
-        }
+        Ok(())
     }
 
     /// Restores every part from `ck`; each part restores its own state. The batch layout
     /// keeps the checkpoint's global batch when the run resumes on another number of ranks.
-    fn restore(&mut self, dir: &Path, ck: &Checkpoint) -> Result<(), TrainError> {
+    fn restore(&mut self, dir: &Path, ck: &Checkpoint, from: &Resumed) -> Result<(), TrainError> {
         let mismatch = |reason: String| TrainError::ResumeMismatch {
             path: dir.to_path_buf(),
             reason,
@@ -395,18 +479,27 @@ impl<'a> Trainer<'a> {
         }
         self.state = st;
         let step = self.state.step;
-        self.checkpoints.restored(step);
+        // What is on disk is the persistent checkpoint: a memory snapshot does not survive
+        // the node, so a stop signal after this resume still saves.
+        if let Some(p) = from.persistent_step {
+            self.checkpoints.restored(p);
+        }
         self.guards.restored(step);
         self.journal.emit(
             event::CHECKPOINT_LOADED,
-            json!({"path": path_text(dir), "step": step}),
+            json!({"path": path_text(dir), "step": step, "tier": from.tier}),
         )?;
         self.journal.emit(
             event::RESUME,
-            json!({"step": step, "data_cursor": self.state.data_cursor, "sample_cursor": self.state.next_sample(), "path": path_text(dir)}),
+            json!({"step": step, "data_cursor": self.state.data_cursor, "sample_cursor": self.state.next_sample(),
+                   "path": path_text(dir), "tier": from.tier, "persistent_step": from.persistent_step,
+                   "source_rank": from.source_rank, "peer_ranks": from.peer_ranks}),
         )?;
-        self.journal
-            .note(&format!("resumed from {} (step {step})", dir.display()));
+        self.journal.note(&format!(
+            "resumed from {} (step {step}, {} tier)",
+            dir.display(),
+            from.tier
+        ));
         self.emit_start(Some(dir))
     }
 
@@ -457,18 +550,20 @@ impl<'a> Trainer<'a> {
         while self.state.step < self.facts.total {
             let applied = match self.train_step()? {
                 Some(m) => {
+                    self.startup.first_step(&mut self.journal)?;
                     self.after_step(&m)?;
                     true
                 }
                 None => false,
             };
             self.checkpoints.poll(&mut self.journal)?;
+            self.snapshots.poll(&mut self.journal)?;
             let signal = self.agreed_stop();
-            if self
-                .checkpoints
-                .due(self.state.step, applied, signal.is_some())
-            {
+            let step = self.state.step;
+            if self.checkpoints.due(step, applied, signal.is_some()) {
                 self.checkpoint()?;
+            } else if applied && self.snapshots.due(step) {
+                self.snapshot()?;
             }
             if let Some(signal) = signal {
                 return self.preempted(signal);
@@ -624,10 +719,30 @@ impl<'a> Trainer<'a> {
     }
 
     /// Saves a checkpoint of the current state (writer rank), after checking that the ranks
-    /// agree on the parameters. Every rank calls it at the same step.
+    /// agree on the parameters. Every rank calls it at the same step. What the step waits
+    /// for (the replica check, staging, a previous save still in flight) is its stall.
     pub fn checkpoint(&mut self) -> Result<(), TrainError> {
+        let t0 = Instant::now();
         self.check_replicas()?;
         self.beacon("checkpoint");
+        self.complete_state();
+        let before_s = t0.elapsed().as_secs_f64();
+        let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
+        let staged = || stage(session, optimizer, state);
+        self.checkpoints
+            .save(state.step, before_s, staged, &mut self.journal)
+    }
+
+    /// Snapshots the current state into this rank's memory tier (every rank, its own).
+    fn snapshot(&mut self) -> Result<(), TrainError> {
+        self.complete_state();
+        let (snapshots, journal) = (&mut self.snapshots, &mut self.journal);
+        let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
+        snapshots.take(|| stage(session, optimizer, state), journal)
+    }
+
+    /// Fills in the parts of the state a checkpoint records but the step does not keep.
+    fn complete_state(&mut self) {
         if let Some(schedule) = self.data.source.resume_state() {
             self.state.data_schedule = Some(schedule);
         }
@@ -637,15 +752,6 @@ impl<'a> Trainer<'a> {
         self.state.model_hash = self.facts.model_hash.clone();
         self.state.config_hash = self.facts.config_hash.clone();
         self.state.kiln_version = env!("CARGO_PKG_VERSION").to_string();
-        let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
-        // References to the state (no copy); the saver copies and writes (see crate::saver).
-        let staged = || Staged {
-            step: state.step,
-            model: session.named_params(),
-            optimizer: optimizer.named_state(session.model.specs()),
-            state: serde_json::to_value(state).unwrap_or_default(),
-        };
-        self.checkpoints.save(state.step, staged, &mut self.journal)
     }
 
     /// Stopped by an agreed signal: the checkpoint is saved (the writer rank waits for it);
@@ -674,6 +780,8 @@ impl<'a> Trainer<'a> {
         }
         self.beacon("done");
         self.comm.barrier();
+        // The run is complete and its final checkpoint published: the memory tier goes.
+        self.snapshots.clear(&mut self.journal);
         self.emit_exit("completed", exit::SUCCESS, None);
         Ok(self.report(Outcome::Completed))
     }
@@ -694,11 +802,22 @@ impl<'a> Trainer<'a> {
     }
 }
 
+/// A checkpoint of `state` staged from the live tensors (references, no copy).
+fn stage(session: &Session, optimizer: &Optimizer, state: &TrainState) -> Staged {
+    Staged {
+        step: state.step,
+        model: session.named_params(),
+        optimizer: optimizer.named_state(session.model.specs()),
+        state: serde_json::to_value(state).unwrap_or_default(),
+    }
+}
+
 /// The batch layout, the data and the model of a run (sizes that cannot fit are refused
 /// before the data is indexed for them).
 fn build(
     cfg: &Config,
     comm: &dyn Collective,
+    startup: &mut Startup,
 ) -> Result<(BatchLayout, TrainData, Session), TrainError> {
     let layout =
         BatchLayout::new(&cfg.training, comm.rank(), comm.size()).map_err(TrainError::Parallel)?;
@@ -706,6 +825,7 @@ fn build(
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)
         .map_err(TrainError::Data)?;
     let vocab = data.vocab(cfg).map_err(TrainError::Data)?;
+    startup.mark(phase::DATA_OPEN);
     let session = Session::new(cfg, vocab)?;
     Ok((layout, data, session))
 }
@@ -724,12 +844,24 @@ fn open_run_dir(opts: &TrainOptions) -> Result<Opened, TrainError> {
             json!({"path": path_text(&run.path().join(kiln_run::layout::METRICS)), "bytes_removed": cut}),
         )?;
     }
-    let opened = CheckpointManager::open(
+    let mut opened = CheckpointManager::open(
         &run.path().join(kiln_run::layout::CHECKPOINTS),
         cfg.checkpoint.keep_latest_k,
         cfg.checkpoint.resume,
         &new_run_id(),
     )?;
+    // A restart before the first persistent checkpoint keeps the lineage its memory
+    // snapshots carry; the lineage is recorded at every start.
+    if cfg.checkpoint.resume && opened.resume.is_none() {
+        let recorded = std::fs::read_to_string(run.path().join(kiln_run::layout::RUN_ID));
+        if let Some(id) = recorded.ok().map(|t| t.trim().to_string())
+            && !id.is_empty()
+            && id.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            opened.manager.adopt_lineage(&id);
+        }
+    }
+    run.write_file(kiln_run::layout::RUN_ID, opened.manager.run_id().as_bytes())?;
     Ok(Opened {
         run_id: opened.manager.run_id().to_string(),
         saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),

@@ -1,0 +1,286 @@
+//! The memory tier of recovery, with the real binary, real signals and (for 2 ranks) a real
+//! MPI: a run SIGKILLed after a memory snapshot resumes from it (or from a peer's copy when
+//! its own store is gone) and ends bit-identical to a run never interrupted; a corrupt
+//! snapshot is rejected, never used. The only persistent checkpoint here is the last step's,
+//! so a resume of a killed run can only come from the memory tier.
+
+#![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+const STEPS: u64 = 400;
+
+/// Short runs of the tiny model with frequent snapshots and rare checkpoints.
+fn sets(shm: &Path) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "training.batch_size=2",
+        "training.threads=1",
+        "training.compute_shards=1",
+        "checkpoint.interval=1000",
+        "checkpoint.snapshot_interval=3",
+        "checkpoint.snapshot_keep=2",
+        "eval.interval=0",
+        "eval.samples=8",
+        "lr_scheduler.warmup_steps=4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.push(format!("training.steps={STEPS}"));
+    v.push(format!("checkpoint.snapshot_dir={}", shm.display()));
+    v
+}
+
+/// `kiln train` on one rank, or `kiln launch --mpi --np N -- kiln train`.
+fn command(np: usize, rd: &Path, shm: &Path) -> Command {
+    let mut cmd = if np == 1 {
+        common::kiln_cmd(&["train", "--no-progress-bar", "--run-dir"])
+    } else {
+        let mut c = common::kiln_cmd(&["launch", "--mpi", "--np", &np.to_string()]);
+        c.args(["--timeout", "120", "--run-dir"]).arg(rd).args([
+            "--",
+            common::KILN,
+            "train",
+            "--no-progress-bar",
+            "--run-dir",
+        ]);
+        c
+    };
+    cmd.arg(rd);
+    for s in common::TINY_MODEL
+        .iter()
+        .map(|s| s.to_string())
+        .chain(sets(shm))
+    {
+        cmd.arg("--set").arg(s);
+    }
+    cmd
+}
+
+fn run_ok(np: usize, rd: &Path, shm: &Path) {
+    let out = command(np, rd, shm).output().expect("spawn kiln");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn weights(rd: &Path) -> Vec<u8> {
+    std::fs::read(rd.join("model.safetensors")).expect("final weights")
+}
+
+fn events(rd: &Path, name: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(rd.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == name)
+        .collect()
+}
+
+/// Rank `rank`'s snapshot directory under the snapshot dir `shm` (one run per `shm`).
+fn rank_store(shm: &Path, rank: usize) -> Option<PathBuf> {
+    let run = std::fs::read_dir(shm).ok()?.flatten().next()?.path();
+    Some(run.join(format!("rank-{rank}")))
+}
+
+/// The published snapshot steps of `rank`, newest first.
+fn snapshot_steps(shm: &Path, rank: usize) -> Vec<u64> {
+    let Some(store) = rank_store(shm, rank) else {
+        return Vec::new();
+    };
+    let mut steps: Vec<u64> = std::fs::read_dir(store)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    steps
+}
+
+/// Waits until every one of `ranks` holds two snapshots.
+fn wait_for_snapshots(shm: &Path, ranks: usize, child: &mut Child) {
+    let t0 = Instant::now();
+    while !(0..ranks).all(|r| snapshot_steps(shm, r).len() >= 2) {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the run ended ({status}) before two snapshots");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no two snapshots");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn sigkill(pid: i32) {
+    // SAFETY: kill(2) on a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+}
+
+/// The PID of rank `rank`'s `kiln train` of run directory `rd` (by command line and RANK).
+fn rank_pid(rd: &Path, rank: usize) -> Option<i32> {
+    let want_dir = rd.to_string_lossy().into_owned();
+    let want_rank = format!("RANK={rank}");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let trainer = args.iter().any(|a| a == "train")
+            && args.iter().any(|a| a == &want_dir)
+            && !args.iter().any(|a| a == "launch");
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Starts a run, waits until every rank holds two snapshots, SIGKILLs `victim`
+/// (rank 0 = the `kiln train` itself on one rank) and waits for the run to end.
+fn run_and_kill(np: usize, rd: &Path, shm: &Path, victim: usize) {
+    let mut child = command(np, rd, shm)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    wait_for_snapshots(shm, np, &mut child);
+    let pid = if np == 1 {
+        child.id() as i32
+    } else {
+        rank_pid(rd, victim).expect("the victim's pid")
+    };
+    sigkill(pid);
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the killed run must not succeed");
+    assert!(
+        !rd.join("model.safetensors").exists(),
+        "the run did not finish"
+    );
+}
+
+/// The one `resume` event of the run, checked to come from a snapshot (no persistent
+/// checkpoint existed).
+fn the_resume(rd: &Path) -> serde_json::Value {
+    let resumes = events(rd, "resume");
+    assert_eq!(resumes.len(), 1, "{resumes:?}");
+    let r = resumes[0].clone();
+    let step = r["step"].as_u64().unwrap();
+    assert!(step > 0 && step < STEPS, "{r}");
+    assert!(r["persistent_step"].is_null(), "{r}");
+    r
+}
+
+fn reference(tmp: &Path, np: usize) -> Vec<u8> {
+    let (rd, shm) = (tmp.join(format!("reference-{np}")), tmp.join("shm-ref"));
+    run_ok(np, &rd, &shm);
+    weights(&rd)
+}
+
+#[test]
+fn one_rank_sigkill_resumes_from_its_memory_snapshot_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 1);
+    let (rd, shm) = (tmp.path().join("killed"), tmp.path().join("shm"));
+    run_and_kill(1, &rd, &shm, 0);
+    let newest = snapshot_steps(&shm, 0)[0];
+    run_ok(1, &rd, &shm);
+    let r = the_resume(&rd);
+    assert_eq!(r["tier"], "memory", "{r}");
+    assert_eq!(r["step"], newest, "the newest snapshot is used: {r}");
+    let left: Vec<_> = std::fs::read_dir(&shm).unwrap().flatten().collect();
+    assert!(left.is_empty(), "snapshots left after success: {left:?}");
+    assert!(weights(&rd) == reference, "resume from memory is not exact");
+}
+
+#[test]
+fn a_corrupt_snapshot_is_rejected_and_the_one_before_it_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 1);
+    let (rd, shm) = (tmp.path().join("corrupt"), tmp.path().join("shm"));
+    run_and_kill(1, &rd, &shm, 0);
+    let steps = snapshot_steps(&shm, 0);
+    assert!(steps.len() >= 2, "two snapshots kept: {steps:?}");
+    let store = rank_store(&shm, 0).unwrap();
+    let model = store.join(format!("step-{}/model.safetensors", steps[0]));
+    let mut bytes = std::fs::read(&model).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&model, bytes).unwrap();
+    run_ok(1, &rd, &shm);
+    let rejected = events(&rd, "snapshot_rejected");
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert!(
+        rejected[0]["reason"].as_str().unwrap().contains("SHA-256"),
+        "{rejected:?}"
+    );
+    let r = the_resume(&rd);
+    assert_eq!(r["tier"], "memory", "{r}");
+    assert_eq!(
+        r["step"], steps[1],
+        "the snapshot before the corrupt one: {r}"
+    );
+    assert!(
+        weights(&rd) == reference,
+        "resume after a rejection is not exact"
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn two_ranks_sigkill_of_one_resumes_from_memory_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 2);
+    let (rd, shm) = (tmp.path().join("killed"), tmp.path().join("shm"));
+    run_and_kill(2, &rd, &shm, 1);
+    run_ok(2, &rd, &shm);
+    let r = the_resume(&rd);
+    // Rank 1 died perhaps in the middle of writing the snapshot rank 0 finished: then it
+    // received rank 0's copy. Either way the resume is from memory, not from storage.
+    let tier = r["tier"].as_str().unwrap();
+    assert!(tier == "memory" || tier == "peer", "{r}");
+    assert!(weights(&rd) == reference, "resume from memory is not exact");
+    let left: Vec<_> = std::fs::read_dir(&shm).unwrap().flatten().collect();
+    assert!(left.is_empty(), "snapshots left after success: {left:?}");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_rank_whose_snapshots_are_gone_heals_from_its_peer_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 2);
+    let (rd, shm) = (tmp.path().join("replaced"), tmp.path().join("shm"));
+    run_and_kill(2, &rd, &shm, 1);
+    // Rank 1's node was replaced: its node-local memory is empty.
+    std::fs::remove_dir_all(rank_store(&shm, 1).unwrap()).unwrap();
+    let newest = snapshot_steps(&shm, 0)[0];
+    run_ok(2, &rd, &shm);
+    let r = the_resume(&rd);
+    assert_eq!(r["tier"], "peer", "{r}");
+    assert_eq!(r["source_rank"], 0, "{r}");
+    assert_eq!(r["peer_ranks"], serde_json::json!([1]), "{r}");
+    assert_eq!(r["step"], newest, "{r}");
+    let healed = events(&rd, "snapshot_from_peer");
+    assert_eq!(healed.len(), 1, "{healed:?}");
+    assert!(healed[0]["bytes"].as_u64().unwrap() > 0);
+    finish_identical_tail(&rd, &shm, &reference);
+}
+
+/// The checks after a run already finished: exact, and cleaned up.
+fn finish_identical_tail(rd: &Path, shm: &Path, reference: &[u8]) {
+    assert!(weights(rd) == reference, "resume from a peer is not exact");
+    let left: Vec<_> = std::fs::read_dir(shm).unwrap().flatten().collect();
+    assert!(left.is_empty(), "snapshots left after success: {left:?}");
+}
