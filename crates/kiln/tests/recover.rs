@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-const STEPS: u64 = 400;
+// Long enough (a few seconds) that the snapshot writer, which skips a snapshot rather than
+// stall the step, has published two well before the end even on a loaded machine: at 400
+// steps (0.3 s) a busy CI machine could finish the run first.
+const STEPS: u64 = 2000;
 
 /// Short runs of the tiny model with frequent snapshots and rare checkpoints.
 fn sets(shm: &Path) -> Vec<String> {
