@@ -541,6 +541,7 @@ pub fn launch(
         reap_orphans: reap,
         stdout_pty: true,
         expected_ranks: None,
+        rank_shims: !req.no_rank_env,
     };
     let health = health_of(&setup.scheduler.value);
     let swap_hosts = req.auto_retry || req.spares.is_some();

@@ -105,12 +105,15 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     let progress_dir = std::env::var_os(PROGRESS_DIR_ENV)
         .filter(|d| !d.is_empty())
         .map(PathBuf::from);
-    let record = |code: Option<i32>, signal: Option<i32>| {
-        if let Some(dir) = &progress_dir
-            && let Err(e) = write_exit_record(dir, env.rank, code, signal, unix_time())
-        {
-            eprintln!("kiln launch --as-rank: {e}");
-        }
+    let record = |code: Option<i32>, signal: Option<i32>| match &progress_dir {
+        Some(dir) => match write_exit_record(dir, env.rank, code, signal, unix_time()) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("kiln launch --as-rank: {e}");
+                false
+            }
+        },
+        None => false,
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::supervise::become_subreaper();
@@ -141,7 +144,7 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     let sampling = Arc::new(AtomicBool::new(true));
     if let Some(dir) = progress_dir.clone() {
         let (rank, on) = (env.rank, Arc::clone(&sampling));
-        std::thread::spawn(move || report_liveness(&dir, rank, pgid, &on));
+        std::thread::spawn(move || watch_rank(&dir, rank, pgid, &on));
     }
     let status = loop {
         match child.wait() {
@@ -156,12 +159,27 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
         (None, Some(s)) => RankExit::Signal(s),
         (None, None) => RankExit::Code(1),
     };
-    match exit {
+    let recorded = match exit {
         RankExit::Code(c) => record(Some(c), None),
         RankExit::Signal(s) => record(None, Some(s)),
-    }
+    };
     end_leftovers(Pid::from_raw(pgid));
-    Ok(exit)
+    Ok(exit_to_launcher(exit, recorded))
+}
+
+/// Set once kiln's stop request reached this rank (see [`kiln_run::write_stop_request`]).
+static STOP_FORWARDED: AtomicBool = AtomicBool::new(false);
+
+/// What the shim tells the launcher. After kiln's stop request, a rank that recorded how it
+/// ended exits 0 to the launcher: mpirun aborts the whole job on the first non-zero exit, which
+/// would kill the ranks still writing their part of the checkpoint. kiln reads the true exit
+/// (75: preempted) from the record.
+fn exit_to_launcher(exit: RankExit, recorded: bool) -> RankExit {
+    if recorded && STOP_FORWARDED.load(Ordering::SeqCst) {
+        RankExit::Code(0)
+    } else {
+        exit
+    }
 }
 
 /// How often a rank's process state and CPU time are written for the supervisor.
@@ -206,14 +224,38 @@ pub(crate) fn group_liveness(pgid: i32) -> Option<(char, u64)> {
     Some((state, cpu))
 }
 
-/// Writes `live-<rank>` every [`LIVENESS_EVERY`] while `on` holds.
-fn report_liveness(dir: &std::path::Path, rank: usize, pgid: i32, on: &AtomicBool) {
+/// How often the shim looks for kiln's stop request.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// While `on` holds: forwards kiln's stop request to the program's group (once) and writes
+/// `live-<rank>` every [`LIVENESS_EVERY`].
+fn watch_rank(dir: &std::path::Path, rank: usize, pgid: i32, on: &AtomicBool) {
+    let mut last_live: Option<Instant> = None;
     while on.load(Ordering::SeqCst) {
-        if let Some((state, cpu)) = group_liveness(pgid) {
-            let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+        forward_stop_request(dir, pgid);
+        if last_live.is_none_or(|t| t.elapsed() >= LIVENESS_EVERY) {
+            last_live = Some(Instant::now());
+            if let Some((state, cpu)) = group_liveness(pgid) {
+                let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+            }
         }
-        std::thread::sleep(LIVENESS_EVERY);
+        std::thread::sleep(STOP_POLL);
     }
+}
+
+/// Signals the program's group once kiln asked the ranks to stop (continuing it first if it
+/// was stopped, so that it can act on the signal).
+fn forward_stop_request(dir: &std::path::Path, pgid: i32) {
+    if STOP_FORWARDED.load(Ordering::SeqCst) {
+        return;
+    }
+    let Some(req) = kiln_run::read_stop_request(dir) else {
+        return;
+    };
+    STOP_FORWARDED.store(true, Ordering::SeqCst);
+    let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
+    let _ = killpg(Pid::from_raw(pgid), sig);
+    let _ = killpg(Pid::from_raw(pgid), Signal::SIGCONT);
 }
 
 fn install_forwarding() {

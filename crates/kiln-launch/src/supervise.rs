@@ -60,6 +60,9 @@ pub struct AttemptConfig {
     /// (`kiln launch --as-rank` writes them) the attempt is classified by those exits even if
     /// the launcher still runs.
     pub expected_ranks: Option<usize>,
+    /// Each rank of a launcher runs under `kiln launch --as-rank`, which carries kiln's stop
+    /// request to its rank (see [`kiln_run::write_stop_request`]).
+    pub rank_shims: bool,
 }
 
 /// Progress of one rank (or of the merged output, rank `None`).
@@ -237,6 +240,9 @@ pub fn run_attempt(
     let log = Arc::new(Mutex::new(log));
     if let (Some(dir), true) = (&cfg.progress_dir, cfg.clear_progress_dir) {
         kiln_run::clear_rank_files(dir);
+    }
+    if let Some(dir) = &cfg.progress_dir {
+        kiln_run::clear_stop_request(dir);
     }
     // Stop requests that arrived before this attempt (during backoff) are the caller's to
     // handle; only new ones count here.
@@ -451,7 +457,7 @@ impl Watch {
                     self.stop_signal = Some(req.signal);
                     let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
                     tracing::info!("forwarding {sig} to the ranks");
-                    kill_groups(groups, sig);
+                    forward_stop(cfg, running, sig);
                     kill_at = Some(now + cfg.grace);
                     let classification = if req.signal == libc::SIGUSR1 {
                         Classification::Walltime
@@ -583,18 +589,20 @@ impl Watch {
         let last_progress = progress.iter().map(|p| p.step).max();
         let start_step = self.beacons.values().map(|t| t.first_step).min();
         let stop_signal = self.stop_signal;
+        let ranks_code = stop_signal.and(ranks_exit_code(cfg, &rank_exits));
         let (classification, exit_code, detect_s, culprits, message, at) = match self.verdict {
             Some(v) => {
                 let exit_code = v.exit_code.unwrap_or(match v.classification {
                     Classification::HungSilent | Classification::HungStalled => WATCHDOG_EXIT,
                     Classification::Walltime => WALLTIME_EXIT,
-                    // After forwarding a stop, a rank that checkpointed and exited with a code
-                    // tells the truth about where it stands (75: resumable); pass it through.
-                    _ => match (code, stop_signal) {
+                    // After forwarding a stop, the ranks that checkpointed and exited tell the
+                    // truth about where they stand (75: resumable): their own exits decide, not
+                    // the launcher's.
+                    _ => ranks_code.unwrap_or(match (code, stop_signal) {
                         (Some(c), _) => c,
                         (None, Some(s)) => 128 + s,
                         (None, None) => exit_code_of(code, signal),
-                    },
+                    }),
                 });
                 (
                     v.classification,
@@ -686,6 +694,35 @@ fn by_rank_exits(
         }
         None => (launcher.0, launcher.1, None),
     }
+}
+
+/// Delivers a stop signal kiln received to the ranks. Under a launcher whose ranks run the
+/// `--as-rank` shim, the shims deliver it (see [`kiln_run::write_stop_request`]); the launcher
+/// is not signalled, because it would kill ranks that are still checkpointing. Otherwise the
+/// process groups get it.
+fn forward_stop(cfg: &AttemptConfig, running: &Running, sig: Signal) {
+    let shimmed = cfg.rank_shims && running.ranks.iter().all(Option::is_none);
+    if let (true, Some(dir)) = (shimmed, &cfg.progress_dir) {
+        match kiln_run::write_stop_request(dir, sig as i32, unix_time()) {
+            Ok(()) => return,
+            Err(e) => tracing::warn!("{e}: signalling the launcher instead"),
+        }
+    }
+    kill_groups(&running.groups, sig);
+}
+
+/// The code the ranks' own exits give, once every expected rank left an exit record: 0 if all
+/// succeeded, else the code of the rank that failed first.
+fn ranks_exit_code(cfg: &AttemptConfig, records: &[ExitRecord]) -> Option<i32> {
+    let n = cfg.expected_ranks.filter(|&n| n > 0)?;
+    if (0..n).any(|r| !records.iter().any(|x| x.rank == r)) {
+        return None;
+    }
+    let first = records
+        .iter()
+        .filter(|r| r.shell_code() != 0)
+        .min_by(|a, b| a.time.total_cmp(&b.time));
+    Some(first.map_or(0, ExitRecord::shell_code))
 }
 
 /// When a watchdog fires but every rank has already exited (it left an exit record), the

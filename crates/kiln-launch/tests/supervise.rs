@@ -33,6 +33,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         reap_orphans: false,
         stdout_pty: true,
         expected_ranks: None,
+        rank_shims: false,
     }
 }
 
