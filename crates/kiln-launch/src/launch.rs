@@ -39,6 +39,7 @@ pub const KILN_FLAGS: &[&str] = &[
     "--stall-timeout",
     "--progress-regex",
     "--grace",
+    "--heartbeat-timeout",
     "--walltime",
     "--retries",
     "--auto-retry",
@@ -90,6 +91,8 @@ pub struct LaunchRequest {
     pub progress_regex: String,
     /// `--grace`.
     pub grace: f64,
+    /// `--heartbeat-timeout`.
+    pub heartbeat_timeout: f64,
     /// `--walltime`.
     pub walltime: Option<String>,
     /// `--retries`.
@@ -234,6 +237,7 @@ struct Timing {
     silence: Option<Duration>,
     stall: Option<Duration>,
     grace: Duration,
+    heartbeat: Duration,
     regex: ProgressRegex,
     backoff: Backoff,
     walltime: Option<Duration>,
@@ -245,6 +249,7 @@ fn timing(req: &LaunchRequest) -> Result<Timing, String> {
         silence: opt("--timeout", req.timeout)?,
         stall: opt("--stall-timeout", req.stall_timeout)?,
         grace: limits::seconds("--grace", req.grace, true)?,
+        heartbeat: limits::seconds("--heartbeat-timeout", req.heartbeat_timeout, false)?,
         regex: ProgressRegex::new(&req.progress_regex)?,
         backoff: Backoff::parse(&req.backoff)?,
         walltime: req
@@ -289,6 +294,7 @@ fn set_up(
             exe.display().to_string(),
             "launch".into(),
             "--as-rank".into(),
+            format!("--heartbeat-timeout={}", req.heartbeat_timeout),
             "--".into(),
         ],
         _ => Vec::new(),
@@ -542,6 +548,7 @@ pub fn launch(
         stdout_pty: true,
         expected_ranks: None,
         rank_shims: !req.no_rank_env,
+        heartbeat_timeout: Some(t.heartbeat),
     };
     let health = health_of(&setup.scheduler.value);
     let swap_hosts = req.auto_retry || req.spares.is_some();

@@ -10,6 +10,7 @@
 mod classify;
 mod culprit;
 mod health;
+mod heartbeat;
 mod launch;
 mod limits;
 mod plan;

@@ -24,6 +24,7 @@ pub mod event;
 mod events;
 pub mod exit;
 pub mod files;
+mod heartbeat;
 pub mod host;
 pub mod jsonl;
 pub mod layout;
@@ -36,6 +37,9 @@ pub use beacon::{
     write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
+pub use heartbeat::{
+    HEARTBEAT_EVERY, HEARTBEAT_FD_ENV, Heartbeat, LostRecord, read_lost_records, write_lost_record,
+};
 pub use stop::{StopRecord, clear_stop_request, read_stop_request, write_stop_request};
 
 /// This machine's host name (as `hostname` prints it), for lock files, beacons and events;

@@ -53,6 +53,8 @@ Exit codes and classifications (classification is written to RUN_DIR/events.json
                              the host of the named rank is swapped
   124      hung-silent       --timeout: no output for S seconds
   124      hung-stalled      --stall-timeout: progress did not advance for S seconds
+  124      no-heartbeat      --heartbeat-timeout: a rank that beat fell silent (stopped,
+                             wedged); it was killed and the rank and host are named
   128+N    killed-by-signal  a rank died of signal N kiln did not send (137: SIGKILL, e.g. OOM)
   75       preempted         the program exited 75 (checkpointed, resumable) and no retry is left
   75       walltime          --walltime ran out or kiln got SIGUSR1; ranks got SIGTERM/SIGUSR1
@@ -65,7 +67,7 @@ Exit codes and classifications (classification is written to RUN_DIR/events.json
   2        (usage)           bad flags, conflicting or absurd sizes, malformed hostfile or
                              visible-device list; nothing started
   Retried (with --retries/--auto-retry): failed, replica-mismatch, hung-silent, hung-stalled,
-  killed-by-signal, preempted. Never retried: success, deterministic, not-found, walltime,
+  no-heartbeat, killed-by-signal, preempted. Never retried: success, deterministic, not-found, walltime,
   interrupted. A launcher that keeps running after every rank left its exit record is
   classified by the ranks' exits, not as a hang.
 
@@ -185,6 +187,16 @@ pub struct LaunchFlags {
     /// Regex whose first capture group (or group `step`) is the step number.
     #[arg(long, value_name = "REGEX", default_value = kiln_launch::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
     pub progress_regex: String,
+    /// Liveness watchdog: a rank that sends heartbeats (kiln's trainer does, every 0.1 s from
+    /// a thread) and then stays silent for S seconds (stopped, wedged, gone) is killed and the
+    /// attempt ends at once, naming the rank and its host.
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 1.0,
+        help_heading = "Watchdogs"
+    )]
+    pub heartbeat_timeout: f64,
     /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks.
     #[arg(
         long,
@@ -309,6 +321,7 @@ fn request(args: LaunchFlags, command: Vec<String>) -> LaunchRequest {
         stall_timeout: args.stall_timeout,
         progress_regex: args.progress_regex,
         grace: args.grace,
+        heartbeat_timeout: args.heartbeat_timeout,
         walltime: args.walltime,
         retries: args.retries,
         auto_retry: args.auto_retry,
@@ -356,7 +369,16 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
                 return Ok(exit(kiln_run::exit::USAGE));
             }
         };
-        return match kiln_launch::run_as_rank(&command) {
+        let beat =
+            kiln_launch::limits_seconds("--heartbeat-timeout", flags.heartbeat_timeout, false);
+        let beat = match beat {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("kiln launch --as-rank: error: {e}");
+                return Ok(exit(kiln_run::exit::USAGE));
+            }
+        };
+        return match kiln_launch::run_as_rank(&command, Some(beat)) {
             Ok(end) => kiln_launch::exit_like(end),
             Err(e) => {
                 eprintln!("kiln launch --as-rank: {e}");
