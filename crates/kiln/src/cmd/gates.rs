@@ -330,7 +330,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     // The held-out synthetic eval applies to runs trained on the built-in corpus.
     let held_out = (s.config.data.corpus_list.is_empty() && samples > 0).then(|| {
         let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
-        kiln_train::eval::synthetic(&s, &syn, loaded.step.unwrap_or(0), samples, None)
+        kiln_train::eval::synthetic(s, &syn, loaded.step.unwrap_or(0), samples, None)
     });
     let score = kiln_gates::mc::score_multiple_choice(s, &tasks);
     let task_name = a
