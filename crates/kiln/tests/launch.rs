@@ -513,7 +513,7 @@ fn dry_run_prints_the_pbs_and_slurm_argv() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     let want = format!(
-        "argv: [\"mpiexec\",\"--envall\",\"-n\",\"4\",\"-ppn\",\"2\",\"--hostfile\",\"{}\",\"{KILN}\",\"launch\",\"--as-rank\",\"--\",\"python\",\"train.py\"]",
+        "argv: [\"mpiexec\",\"--envall\",\"-n\",\"4\",\"-ppn\",\"2\",\"--hostfile\",\"{}\",\"{KILN}\",\"launch\",\"--as-rank\",\"--heartbeat-timeout=1\",\"--\",\"python\",\"train.py\"]",
         s(&nodefile)
     );
     assert!(stdout.contains(&want), "{stdout}\nwant {want}");
@@ -533,7 +533,7 @@ fn dry_run_prints_the_pbs_and_slurm_argv() {
     .unwrap();
     let stdout = text(&out.stdout);
     let want = format!(
-        "argv: [\"srun\",\"--nodes=2\",\"--ntasks=8\",\"--ntasks-per-node=4\",\"--gpus-per-node=4\",\"--kill-on-bad-exit=1\",\"{KILN}\",\"launch\",\"--as-rank\",\"--\",\"python\",\"train.py\"]"
+        "argv: [\"srun\",\"--nodes=2\",\"--ntasks=8\",\"--ntasks-per-node=4\",\"--gpus-per-node=4\",\"--kill-on-bad-exit=1\",\"{KILN}\",\"launch\",\"--as-rank\",\"--heartbeat-timeout=1\",\"--\",\"python\",\"train.py\"]"
     );
     assert!(stdout.contains(&want), "{stdout}\nwant {want}");
 }
