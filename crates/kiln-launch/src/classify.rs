@@ -22,6 +22,9 @@ pub enum Classification {
     HungSilent,
     /// Output continued but progress did not advance for `--stall-timeout` seconds.
     HungStalled,
+    /// A rank that sent heartbeats stopped sending them for `--heartbeat-timeout` seconds
+    /// (stopped, wedged or gone): it was killed and the attempt ended.
+    NoHeartbeat,
     /// A rank was killed by a signal kiln did not send (OOM killer, segfault, ...).
     Signaled,
     /// The program exited 75: it checkpointed after a stop request and can resume.
@@ -43,6 +46,7 @@ impl Classification {
             Classification::NotFound => "not-found",
             Classification::HungSilent => "hung-silent",
             Classification::HungStalled => "hung-stalled",
+            Classification::NoHeartbeat => "no-heartbeat",
             Classification::Signaled => "killed-by-signal",
             Classification::Preempted => "preempted",
             Classification::Walltime => "walltime",
@@ -59,6 +63,7 @@ impl Classification {
                 | Classification::ReplicaMismatch
                 | Classification::HungSilent
                 | Classification::HungStalled
+                | Classification::NoHeartbeat
                 | Classification::Signaled
                 | Classification::Preempted
         )
@@ -68,7 +73,7 @@ impl Classification {
     pub fn is_hang(self) -> bool {
         matches!(
             self,
-            Classification::HungSilent | Classification::HungStalled
+            Classification::HungSilent | Classification::HungStalled | Classification::NoHeartbeat
         )
     }
 }

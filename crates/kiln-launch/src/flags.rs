@@ -66,6 +66,16 @@ pub struct LaunchRequest {
     /// Regex whose first capture group (or group `step`) is the step number.
     #[arg(long, value_name = "REGEX", default_value = crate::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
     pub progress_regex: String,
+    /// Liveness watchdog: a rank that sends heartbeats (kiln's trainer does, every 0.1 s from
+    /// a thread) and then stays silent for S seconds (stopped, wedged, gone) is killed and the
+    /// attempt ends at once, naming the rank and its host.
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 1.0,
+        help_heading = "Watchdogs"
+    )]
+    pub heartbeat_timeout: f64,
     /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks.
     #[arg(
         long,

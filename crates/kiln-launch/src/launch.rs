@@ -145,6 +145,7 @@ struct Timing {
     silence: Option<Duration>,
     stall: Option<Duration>,
     grace: Duration,
+    heartbeat: Duration,
     regex: ProgressRegex,
     backoff: Backoff,
     walltime: Option<Duration>,
@@ -156,6 +157,7 @@ fn timing(req: &LaunchRequest) -> Result<Timing, String> {
         silence: opt("--timeout", req.timeout)?,
         stall: opt("--stall-timeout", req.stall_timeout)?,
         grace: limits::seconds("--grace", req.grace, true)?,
+        heartbeat: limits::seconds("--heartbeat-timeout", req.heartbeat_timeout, false)?,
         regex: ProgressRegex::new(&req.progress_regex)?,
         backoff: Backoff::parse(&req.backoff)?,
         walltime: req
@@ -196,12 +198,20 @@ fn set_up(
         None => crate::free_port().unwrap_or(29500),
     };
     let shim = match std::env::current_exe() {
-        Ok(exe) if !req.no_rank_env => vec![
-            exe.display().to_string(),
-            "launch".into(),
-            "--as-rank".into(),
-            "--".into(),
-        ],
+        Ok(exe) if !req.no_rank_env => {
+            // What each rank runs first: `kiln launch --as-rank` with the flags it needs,
+            // written from the flags' one definition.
+            let as_rank = LaunchRequest {
+                as_rank: true,
+                heartbeat_timeout: req.heartbeat_timeout,
+                ..Default::default()
+            };
+            let mut argv = vec![exe.display().to_string(), "launch".into()];
+            let flags = as_rank.to_argv().map_err(LaunchError::Usage)?;
+            argv.extend(flags.iter().map(|f| f.to_string_lossy().into_owned()));
+            argv.push("--".into());
+            argv
+        }
         _ => Vec::new(),
     };
     let opts = LaunchOptions {
@@ -452,6 +462,8 @@ pub fn launch(
         reap_orphans: reap,
         stdout_pty: true,
         expected_ranks: None,
+        rank_shims: !req.no_rank_env,
+        heartbeat_timeout: Some(t.heartbeat),
     };
     let health = health_of(&setup.scheduler.value);
     let swap_hosts = req.auto_retry || req.spares.is_some();

@@ -11,6 +11,7 @@ mod classify;
 mod culprit;
 mod flags;
 mod health;
+mod heartbeat;
 mod launch;
 mod limits;
 mod plan;

@@ -97,7 +97,14 @@ pub enum RankExit {
 
 /// Runs `command` as this rank (see the module docs) and returns how it ended; the caller
 /// exits with [`RankExit::Code`] or dies of [`RankExit::Signal`] (see [`exit_like`]).
-pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
+///
+/// With `heartbeat_timeout`, the program gets a heartbeat pipe (see [`kiln_run::Heartbeat`]);
+/// once it beat, a silence that long SIGKILLs it (a stopped or wedged rank) after recording
+/// `lost-<rank>`, so the job ends at once and kiln names the rank and host.
+pub fn run_as_rank(
+    command: &[String],
+    heartbeat_timeout: Option<Duration>,
+) -> Result<RankExit, ShimError> {
     let env = RankEnv::from_process_env()?;
     let Some((program, args)) = command.split_first() else {
         return Err(ShimError::NoCommand);
@@ -105,12 +112,15 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     let progress_dir = std::env::var_os(PROGRESS_DIR_ENV)
         .filter(|d| !d.is_empty())
         .map(PathBuf::from);
-    let record = |code: Option<i32>, signal: Option<i32>| {
-        if let Some(dir) = &progress_dir
-            && let Err(e) = write_exit_record(dir, env.rank, code, signal, unix_time())
-        {
-            eprintln!("kiln launch --as-rank: {e}");
-        }
+    let record = |code: Option<i32>, signal: Option<i32>| match &progress_dir {
+        Some(dir) => match write_exit_record(dir, env.rank, code, signal, unix_time()) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("kiln launch --as-rank: {e}");
+                false
+            }
+        },
+        None => false,
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::supervise::become_subreaper();
@@ -124,7 +134,13 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
             Ok(())
         });
     }
-    let mut child = match cmd.spawn() {
+    let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
+    if let Some((_, write)) = &beat_pipe {
+        crate::heartbeat::hand_to_child(&mut cmd, write);
+    }
+    let spawned = cmd.spawn();
+    let listener = beat_pipe.map(|(read, _write)| crate::heartbeat::Listener::start(read));
+    let mut child = match spawned {
         Ok(c) => c,
         Err(source) => {
             let e = ShimError::Exec {
@@ -139,9 +155,10 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
     CHILD_GROUP.store(pgid, Ordering::SeqCst);
     install_forwarding();
     let sampling = Arc::new(AtomicBool::new(true));
-    if let Some(dir) = progress_dir.clone() {
-        let (rank, on) = (env.rank, Arc::clone(&sampling));
-        std::thread::spawn(move || report_liveness(&dir, rank, pgid, &on));
+    {
+        let (dir, rank, on) = (progress_dir.clone(), env.rank, Arc::clone(&sampling));
+        let beats = listener.zip(heartbeat_timeout);
+        std::thread::spawn(move || watch_rank(dir.as_deref(), rank, pgid, beats, &on));
     }
     let status = loop {
         match child.wait() {
@@ -156,12 +173,27 @@ pub fn run_as_rank(command: &[String]) -> Result<RankExit, ShimError> {
         (None, Some(s)) => RankExit::Signal(s),
         (None, None) => RankExit::Code(1),
     };
-    match exit {
+    let recorded = match exit {
         RankExit::Code(c) => record(Some(c), None),
         RankExit::Signal(s) => record(None, Some(s)),
-    }
+    };
     end_leftovers(Pid::from_raw(pgid));
-    Ok(exit)
+    Ok(exit_to_launcher(exit, recorded))
+}
+
+/// Set once kiln's stop request reached this rank (see [`kiln_run::write_stop_request`]).
+static STOP_FORWARDED: AtomicBool = AtomicBool::new(false);
+
+/// What the shim tells the launcher. After kiln's stop request, a rank that recorded how it
+/// ended exits 0 to the launcher: mpirun aborts the whole job on the first non-zero exit, which
+/// would kill the ranks still writing their part of the checkpoint. kiln reads the true exit
+/// (75: preempted) from the record.
+fn exit_to_launcher(exit: RankExit, recorded: bool) -> RankExit {
+    if recorded && STOP_FORWARDED.load(Ordering::SeqCst) {
+        RankExit::Code(0)
+    } else {
+        exit
+    }
 }
 
 /// How often a rank's process state and CPU time are written for the supervisor.
@@ -206,14 +238,80 @@ pub(crate) fn group_liveness(pgid: i32) -> Option<(char, u64)> {
     Some((state, cpu))
 }
 
-/// Writes `live-<rank>` every [`LIVENESS_EVERY`] while `on` holds.
-fn report_liveness(dir: &std::path::Path, rank: usize, pgid: i32, on: &AtomicBool) {
+/// How often the shim looks for kiln's stop request.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// While `on` holds: forwards kiln's stop request to the program's group (once) and writes
+/// `live-<rank>` every [`LIVENESS_EVERY`].
+/// With `beats`, SIGKILLs the program once its heartbeat stayed silent for the bound.
+fn watch_rank(
+    dir: Option<&std::path::Path>,
+    rank: usize,
+    pgid: i32,
+    beats: Option<(crate::heartbeat::Listener, Duration)>,
+    on: &AtomicBool,
+) {
+    let mut last_live: Option<Instant> = None;
     while on.load(Ordering::SeqCst) {
-        if let Some((state, cpu)) = group_liveness(pgid) {
-            let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+        if let Some((listener, bound)) = &beats
+            && give_up_on_silence(dir, rank, pgid, listener, *bound)
+        {
+            return;
         }
-        std::thread::sleep(LIVENESS_EVERY);
+        let Some(dir) = dir else {
+            std::thread::sleep(STOP_POLL);
+            continue;
+        };
+        forward_stop_request(dir, pgid);
+        if last_live.is_none_or(|t| t.elapsed() >= LIVENESS_EVERY) {
+            last_live = Some(Instant::now());
+            if let Some((state, cpu)) = group_liveness(pgid) {
+                let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
+            }
+        }
+        std::thread::sleep(STOP_POLL);
     }
+}
+
+/// Records and kills a rank whose heartbeat has been silent for `bound`; returns whether it
+/// did.
+fn give_up_on_silence(
+    dir: Option<&std::path::Path>,
+    rank: usize,
+    pgid: i32,
+    listener: &crate::heartbeat::Listener,
+    bound: Duration,
+) -> bool {
+    let Some(silent) = listener.silent_for(Instant::now()).filter(|s| *s >= bound) else {
+        return false;
+    };
+    if let Some(dir) = dir
+        && let Err(e) = kiln_run::write_lost_record(dir, rank, silent.as_secs_f64(), unix_time())
+    {
+        eprintln!("kiln launch --as-rank: {e}");
+    }
+    eprintln!(
+        "kiln launch --as-rank: rank {rank} on {} sent no heartbeat for {:.2} s; killing it",
+        kiln_run::this_host(),
+        silent.as_secs_f64()
+    );
+    let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+    true
+}
+
+/// Signals the program's group once kiln asked the ranks to stop (continuing it first if it
+/// was stopped, so that it can act on the signal).
+fn forward_stop_request(dir: &std::path::Path, pgid: i32) {
+    if STOP_FORWARDED.load(Ordering::SeqCst) {
+        return;
+    }
+    let Some(req) = kiln_run::read_stop_request(dir) else {
+        return;
+    };
+    STOP_FORWARDED.store(true, Ordering::SeqCst);
+    let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
+    let _ = killpg(Pid::from_raw(pgid), sig);
+    let _ = killpg(Pid::from_raw(pgid), Signal::SIGCONT);
 }
 
 fn install_forwarding() {

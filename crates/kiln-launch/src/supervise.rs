@@ -60,6 +60,12 @@ pub struct AttemptConfig {
     /// (`kiln launch --as-rank` writes them) the attempt is classified by those exits even if
     /// the launcher still runs.
     pub expected_ranks: Option<usize>,
+    /// Each rank of a launcher runs under `kiln launch --as-rank`, which carries kiln's stop
+    /// request to its rank (see [`kiln_run::write_stop_request`]).
+    pub rank_shims: bool,
+    /// `--heartbeat-timeout`: a rank that beat and then fell silent this long is killed and
+    /// ends the attempt (see [`kiln_run::Heartbeat`]); `None`: heartbeats are not watched.
+    pub heartbeat_timeout: Option<Duration>,
 }
 
 /// Progress of one rank (or of the merged output, rank `None`).
@@ -217,9 +223,11 @@ struct Verdict {
 struct Running {
     groups: Vec<Pid>,
     ranks: Vec<Option<usize>>,
-    exit_rx: mpsc::Receiver<(usize, ExitStatus)>,
+    exit_rx: mpsc::Receiver<(usize, ExitStatus, Instant)>,
     done_rx: mpsc::Receiver<()>,
     readers: usize,
+    /// Heartbeat listeners of ranks kiln spawned itself: `(index in groups, rank, listener)`.
+    beats: Vec<(usize, usize, crate::heartbeat::Listener)>,
 }
 
 /// Runs one attempt to the end. `stop` reports signals kiln received (see
@@ -237,6 +245,9 @@ pub fn run_attempt(
     let log = Arc::new(Mutex::new(log));
     if let (Some(dir), true) = (&cfg.progress_dir, cfg.clear_progress_dir) {
         kiln_run::clear_rank_files(dir);
+    }
+    if let Some(dir) = &cfg.progress_dir {
+        kiln_run::clear_stop_request(dir);
     }
     // Stop requests that arrived before this attempt (during backoff) are the caller's to
     // handle; only new ones count here.
@@ -257,6 +268,9 @@ pub fn run_attempt(
         beacons: BTreeMap::new(),
         live: BTreeMap::new(),
         handled_stops,
+        failure_detect_s: None,
+        ended: None,
+        liveness_read: None,
     };
     w.run(cfg, &running, &shared, stop, start, start_time);
 
@@ -293,8 +307,17 @@ fn start_all(
     let mut readers = 0usize;
     let mut children: Vec<(Child, Option<usize>)> = Vec::new();
     let mut groups: Vec<Pid> = Vec::new();
+    let mut beats = Vec::new();
     for spec in &cfg.procs {
-        let (mut child, stdout) = match spawn(spec, cfg.stdout_pty) {
+        let beat_pipe = match (spec.rank, cfg.heartbeat_timeout) {
+            (Some(_), Some(_)) => crate::heartbeat::pipe().ok(),
+            _ => None,
+        };
+        let spawned = spawn(spec, cfg.stdout_pty, beat_pipe.as_ref().map(|p| &p.1));
+        if let (Some((read, _write)), Some(rank), Ok(_)) = (beat_pipe, spec.rank, &spawned) {
+            beats.push((groups.len(), rank, crate::heartbeat::Listener::start(read)));
+        }
+        let (mut child, stdout) = match spawned {
             Ok(c) => c,
             Err(e) => {
                 // Nothing half-started may survive a failed spawn of a later rank.
@@ -350,14 +373,14 @@ fn start_all(
     let ranks: Vec<Option<usize>> = children.iter().map(|(_, r)| *r).collect();
     // One waiter thread per child: an exit wakes the loop at once instead of at the next
     // tick, which is most of the overhead of launching a short program.
-    let (exit_tx, exit_rx) = mpsc::channel::<(usize, ExitStatus)>();
+    let (exit_tx, exit_rx) = mpsc::channel::<(usize, ExitStatus, Instant)>();
     for (i, (mut child, _)) in children.into_iter().enumerate() {
         let tx = exit_tx.clone();
         std::thread::spawn(move || {
             // An error means the child can no longer be waited for (reaped elsewhere):
             // count it as a failed exit rather than waiting forever.
             let status = child.wait().unwrap_or(ExitStatus::from_raw(1 << 8));
-            let _ = tx.send((i, status));
+            let _ = tx.send((i, status, Instant::now()));
         });
     }
     Ok(Running {
@@ -366,6 +389,7 @@ fn start_all(
         exit_rx,
         done_rx,
         readers,
+        beats,
     })
 }
 
@@ -378,6 +402,12 @@ struct Watch {
     beacons: BTreeMap<usize, Tracked>,
     live: BTreeMap<usize, Live>,
     handled_stops: u32,
+    /// Seconds from the first failing rank's exit to kiln stopping the others.
+    failure_detect_s: Option<f64>,
+    /// When the last process exited.
+    ended: Option<Instant>,
+    /// When the progress directory was last read for lost and exit records.
+    liveness_read: Option<Instant>,
 }
 
 /// A rank's process as its shim last reported it.
@@ -409,7 +439,28 @@ fn update_liveness(
     }
 }
 
+/// How often the progress directory is read for lost and exit records.
+const LIVENESS_EVERY: Duration = Duration::from_millis(100);
+
 impl Watch {
+    /// See [`liveness_verdict`]; the progress directory is read every [`LIVENESS_EVERY`].
+    fn liveness(
+        &mut self,
+        cfg: &AttemptConfig,
+        running: &Running,
+        start_time: f64,
+        now: Instant,
+    ) -> Option<Verdict> {
+        let read_dir = self
+            .liveness_read
+            .is_none_or(|t| now.duration_since(t) >= LIVENESS_EVERY);
+        if read_dir {
+            self.liveness_read = Some(now);
+        }
+        let dir = cfg.progress_dir.as_deref().filter(|_| read_dir);
+        liveness_verdict(cfg, running, &self.statuses, dir, start_time, now)
+    }
+
     /// Watches until every process exited, acting on failures, stops, the walltime and
     /// the watchdogs.
     fn run(
@@ -422,17 +473,18 @@ impl Watch {
         start_time: f64,
     ) {
         let groups = &running.groups;
-        let mut exited: Vec<(usize, ExitStatus)> = Vec::new();
+        let mut exited: Vec<(usize, ExitStatus, Instant)> = Vec::new();
         let mut kill_at: Option<Instant> = None;
         let mut last_beacon_read: Option<Instant> = None;
         let mut last_beacon_change = start;
         loop {
             let now = Instant::now();
             exited.extend(running.exit_rx.try_iter());
-            for (i, status) in exited.drain(..) {
+            for (i, status, at) in exited.drain(..) {
                 self.statuses[i] = Some(status);
                 if !status.success() && self.first_failure.is_none() {
                     self.first_failure = Some(i);
+                    self.failure_detect_s = Some(now.saturating_duration_since(at).as_secs_f64());
                     // One dead rank leaves the rest blocked in a collective: stop them all.
                     if self.statuses.iter().any(Option::is_none) && kill_at.is_none() {
                         kill_groups(groups, Signal::SIGTERM);
@@ -441,6 +493,13 @@ impl Watch {
                 }
             }
             if self.statuses.iter().all(Option::is_some) {
+                self.ended = Some(now);
+                // The launcher may have ended the job before the lost record was read.
+                if self.verdict.is_none()
+                    && let (Some(dir), Some(bound)) = (&cfg.progress_dir, cfg.heartbeat_timeout)
+                {
+                    self.verdict = lost_verdict(dir, bound, start_time, now);
+                }
                 return;
             }
             if let Some(req) = stop()
@@ -451,7 +510,7 @@ impl Watch {
                     self.stop_signal = Some(req.signal);
                     let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
                     tracing::info!("forwarding {sig} to the ranks");
-                    kill_groups(groups, sig);
+                    forward_stop(cfg, running, sig);
                     kill_at = Some(now + cfg.grace);
                     let classification = if req.signal == libc::SIGUSR1 {
                         Classification::Walltime
@@ -519,6 +578,15 @@ impl Watch {
                 }
                 update_liveness(&mut self.live, fresh, start_time, now);
             }
+            if self.verdict.is_none()
+                && self.first_failure.is_none()
+                && let Some(v) = self.liveness(cfg, running, start_time, now)
+            {
+                eprintln_verdict(cfg, &v);
+                kill_groups(groups, Signal::SIGTERM);
+                kill_at = Some(now + cfg.grace);
+                self.verdict = Some(v);
+            }
             if self.verdict.is_none() && self.first_failure.is_none() {
                 self.verdict = watchdog(
                     cfg,
@@ -530,15 +598,7 @@ impl Watch {
                 )
                 .map(|v| ranks_already_exited(cfg).unwrap_or(v));
                 if let Some(v) = &self.verdict {
-                    // Say it now, not after the grace period: the operator watching wants to know.
-                    if cfg.echo
-                        && let Some(m) = &v.message
-                    {
-                        eprintln!(
-                            "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
-                            cfg.grace.as_secs_f64()
-                        );
-                    }
+                    eprintln_verdict(cfg, v);
                     kill_groups(groups, Signal::SIGTERM);
                     kill_at = Some(now + cfg.grace);
                 }
@@ -583,18 +643,20 @@ impl Watch {
         let last_progress = progress.iter().map(|p| p.step).max();
         let start_step = self.beacons.values().map(|t| t.first_step).min();
         let stop_signal = self.stop_signal;
+        let ranks_code = stop_signal.and(ranks_exit_code(cfg, &rank_exits));
         let (classification, exit_code, detect_s, culprits, message, at) = match self.verdict {
             Some(v) => {
                 let exit_code = v.exit_code.unwrap_or(match v.classification {
                     Classification::HungSilent | Classification::HungStalled => WATCHDOG_EXIT,
                     Classification::Walltime => WALLTIME_EXIT,
-                    // After forwarding a stop, a rank that checkpointed and exited with a code
-                    // tells the truth about where it stands (75: resumable); pass it through.
-                    _ => match (code, stop_signal) {
+                    // After forwarding a stop, the ranks that checkpointed and exited tell the
+                    // truth about where they stand (75: resumable): their own exits decide, not
+                    // the launcher's.
+                    _ => ranks_code.unwrap_or(match (code, stop_signal) {
                         (Some(c), _) => c,
                         (None, Some(s)) => 128 + s,
                         (None, None) => exit_code_of(code, signal),
-                    },
+                    }),
                 });
                 (
                     v.classification,
@@ -607,7 +669,18 @@ impl Watch {
             }
             None => {
                 let (class, code, msg) = by_rank_exits(code, signal, &rank_exits);
-                (class, code, None, Vec::new(), msg, None)
+                let ended = unix_at(self.ended.unwrap_or(end), start, start_time);
+                let detect = self
+                    .failure_detect_s
+                    .or_else(|| first_failed(&rank_exits).map(|r| (ended - r.time).max(0.0)));
+                let culprit = match self.first_failure.and_then(|i| running.ranks.get(i)) {
+                    Some(Some(rank)) => Some(*rank),
+                    _ => first_failed(&rank_exits).map(|r| r.rank),
+                };
+                let culprits = culprit
+                    .into_iter()
+                    .filter(|_| class != Classification::Success);
+                (class, code, detect, culprits.collect(), msg, None)
             }
         };
         let message = message.or_else(|| {
@@ -623,7 +696,8 @@ impl Watch {
                     Some(_),
                     Some(Some(rank)),
                 ) if running.ranks.len() > 1 => Some(format!(
-                    "rank {rank} failed first ({}); the other ranks were stopped",
+                    "rank {rank} on {} failed first ({}); the other ranks were stopped",
+                    kiln_run::this_host(),
                     describe(code, signal)
                 )),
                 _ => None,
@@ -651,6 +725,113 @@ impl Watch {
             kill_s: at.map(|a| end.duration_since(a).as_secs_f64()),
             message,
         }
+    }
+}
+
+/// Unix time of `i`, from the attempt's start in both clocks.
+fn unix_at(i: Instant, start: Instant, start_time: f64) -> f64 {
+    start_time + i.saturating_duration_since(start).as_secs_f64()
+}
+
+/// The rank that failed first by its exit record.
+fn first_failed(records: &[ExitRecord]) -> Option<&ExitRecord> {
+    records
+        .iter()
+        .filter(|r| r.shell_code() != 0)
+        .min_by(|a, b| a.time.total_cmp(&b.time))
+}
+
+/// Says a verdict now, not after the grace period: the operator watching wants to know.
+fn eprintln_verdict(cfg: &AttemptConfig, v: &Verdict) {
+    if cfg.echo
+        && let Some(m) = &v.message
+    {
+        eprintln!(
+            "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
+            cfg.grace.as_secs_f64()
+        );
+    }
+}
+
+/// Liveness apart from progress: a rank kiln spawned whose heartbeat fell silent for
+/// `--heartbeat-timeout` (killed here at once: it is stopped or wedged), a rank a shim gave up
+/// on (`lost-<R>`), or a rank under a launcher that exited with a failure while the launcher
+/// still runs. Each ends the attempt at once, naming the rank and host, with the detection
+/// time.
+fn liveness_verdict(
+    cfg: &AttemptConfig,
+    running: &Running,
+    statuses: &[Option<ExitStatus>],
+    dir: Option<&std::path::Path>,
+    start_time: f64,
+    now: Instant,
+) -> Option<Verdict> {
+    let bound = cfg.heartbeat_timeout?;
+    for (i, rank, l) in &running.beats {
+        let Some(silent) = l.silent_for(now).filter(|s| *s >= bound) else {
+            continue;
+        };
+        if statuses.get(*i).copied().flatten().is_some() {
+            continue;
+        }
+        kill_groups(&running.groups[*i..=*i], Signal::SIGKILL);
+        let host = kiln_run::this_host().to_string();
+        return Some(no_heartbeat(*rank, &host, silent.as_secs_f64(), bound, now));
+    }
+    let dir = dir?;
+    lost_verdict(dir, bound, start_time, now).or_else(|| failed_rank_verdict(dir, start_time, now))
+}
+
+/// A rank a shim gave up on for its silence (`lost-<R>`).
+fn lost_verdict(
+    dir: &std::path::Path,
+    bound: Duration,
+    start_time: f64,
+    now: Instant,
+) -> Option<Verdict> {
+    let l = kiln_run::read_lost_records(dir)
+        .into_iter()
+        .find(|l| l.time + 1.0 >= start_time)?;
+    let detect = l.silent_s + (unix_time() - l.time).max(0.0);
+    Some(no_heartbeat(l.rank, &l.host, detect, bound, now))
+}
+
+/// A rank under a launcher that exited with a failure (its exit record) while the launcher
+/// still runs.
+fn failed_rank_verdict(dir: &std::path::Path, start_time: f64, now: Instant) -> Option<Verdict> {
+    let exits: Vec<ExitRecord> = read_exit_records(dir)
+        .into_iter()
+        .filter(|r| r.time + 1.0 >= start_time)
+        .collect();
+    let r = first_failed(&exits)?;
+    let code = r.shell_code();
+    Some(Verdict {
+        classification: classify_code(code, r.signal.is_some()),
+        at: now,
+        detect_s: Some((unix_time() - r.time).max(0.0)),
+        culprits: vec![r.rank],
+        message: Some(format!(
+            "rank {} on {} failed first ({}); the other ranks were stopped",
+            r.rank,
+            r.host,
+            describe(r.code, r.signal)
+        )),
+        exit_code: Some(code),
+    })
+}
+
+fn no_heartbeat(rank: usize, host: &str, detect_s: f64, bound: Duration, now: Instant) -> Verdict {
+    Verdict {
+        classification: Classification::NoHeartbeat,
+        at: now,
+        detect_s: Some(detect_s),
+        culprits: vec![rank],
+        message: Some(format!(
+            "rank {rank} on {host} sent no heartbeat for {detect_s:.2} s (--heartbeat-timeout {}): \
+             stopped, wedged or gone",
+            bound.as_secs_f64()
+        )),
+        exit_code: Some(WATCHDOG_EXIT),
     }
 }
 
@@ -686,6 +867,35 @@ fn by_rank_exits(
         }
         None => (launcher.0, launcher.1, None),
     }
+}
+
+/// Delivers a stop signal kiln received to the ranks. Under a launcher whose ranks run the
+/// `--as-rank` shim, the shims deliver it (see [`kiln_run::write_stop_request`]); the launcher
+/// is not signalled, because it would kill ranks that are still checkpointing. Otherwise the
+/// process groups get it.
+fn forward_stop(cfg: &AttemptConfig, running: &Running, sig: Signal) {
+    let shimmed = cfg.rank_shims && running.ranks.iter().all(Option::is_none);
+    if let (true, Some(dir)) = (shimmed, &cfg.progress_dir) {
+        match kiln_run::write_stop_request(dir, sig as i32, unix_time()) {
+            Ok(()) => return,
+            Err(e) => tracing::warn!("{e}: signalling the launcher instead"),
+        }
+    }
+    kill_groups(&running.groups, sig);
+}
+
+/// The code the ranks' own exits give, once every expected rank left an exit record: 0 if all
+/// succeeded, else the code of the rank that failed first.
+fn ranks_exit_code(cfg: &AttemptConfig, records: &[ExitRecord]) -> Option<i32> {
+    let n = cfg.expected_ranks.filter(|&n| n > 0)?;
+    if (0..n).any(|r| !records.iter().any(|x| x.rank == r)) {
+        return None;
+    }
+    let first = records
+        .iter()
+        .filter(|r| r.shell_code() != 0)
+        .min_by(|a, b| a.time.total_cmp(&b.time));
+    Some(first.map_or(0, ExitRecord::shell_code))
 }
 
 /// When a watchdog fires but every rank has already exited (it left an exit record), the
@@ -728,7 +938,11 @@ fn describe(code: Option<i32>, signal: Option<i32>) -> String {
 /// A process's stdout as kiln reads it.
 type Stream = Option<Box<dyn Read + Send>>;
 
-fn spawn(spec: &ProcSpec, pty: bool) -> std::io::Result<(Child, Stream)> {
+fn spawn(
+    spec: &ProcSpec,
+    pty: bool,
+    heartbeat: Option<&std::os::fd::OwnedFd>,
+) -> std::io::Result<(Child, Stream)> {
     let Some((program, args)) = spec.argv.split_first() else {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -765,6 +979,9 @@ fn spawn(spec: &ProcSpec, pty: bool) -> std::io::Result<(Child, Stream)> {
                 Ok(())
             });
         }
+    }
+    if let Some(write) = heartbeat {
+        crate::heartbeat::hand_to_child(&mut cmd, write);
     }
     let mut child = cmd.spawn()?;
     // `cmd` holds the pty's slave end: drop it, so the terminal closes when the child's

@@ -33,6 +33,8 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         reap_orphans: false,
         stdout_pty: true,
         expected_ranks: None,
+        rank_shims: false,
+        heartbeat_timeout: None,
     }
 }
 
@@ -64,7 +66,7 @@ fn a_failing_rank_stops_the_others_and_is_named() {
     let o = run_attempt(&config(dir.path(), procs), &no_stop).unwrap();
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     assert_eq!((o.classification, o.exit_code), (Classification::Failed, 5));
-    assert!(o.message.unwrap().contains("rank 1 failed first"));
+    assert!(o.message.unwrap().contains("failed first") && o.culprits == [1]);
 }
 
 #[test]

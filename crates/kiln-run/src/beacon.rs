@@ -263,7 +263,7 @@ pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
 
 /// `(rank, contents)` of every readable `<prefix><rank>` file in `dir`. Reads are bounded:
 /// a beacon is one short line, and the directory may be shared with foreign programs.
-fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> {
+pub(crate) fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> {
     use std::io::Read;
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
@@ -294,9 +294,11 @@ pub fn clear_rank_files(dir: &Path) {
     };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = ["rank-", "exit-", "live-", ".rank-", ".exit-", ".live-"]
-            .iter()
-            .any(|p| name.starts_with(p));
+        let ours = [
+            "rank-", "exit-", "live-", "lost-", ".rank-", ".exit-", ".live-", ".lost-",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p));
         if ours {
             let _ = std::fs::remove_file(e.path());
         }

@@ -69,6 +69,18 @@ pub const EXIT_RECORD_PREFIX: &str = "exit-";
 /// File-name prefix of liveness records (`live-<R>`).
 pub const LIVENESS_PREFIX: &str = "live-";
 
+/// kiln's stop request in the progress directory (see [`crate::write_stop_request`]): how a
+/// stop reaches the ranks under a launcher without signalling the launcher itself.
+pub const STOP_REQUEST: &str = "stop";
+
+/// File-name prefix of lost-heartbeat records (`lost-<R>`).
+pub const LOST_PREFIX: &str = "lost-";
+
+/// A rank's lost-heartbeat record (see [`crate::write_lost_record`]).
+pub fn lost_record(rank: usize) -> String {
+    format!("{LOST_PREFIX}{rank}")
+}
+
 /// A rank's liveness record in the progress directory (see [`crate::write_liveness`]).
 pub fn liveness(rank: usize) -> String {
     format!("{LIVENESS_PREFIX}{rank}")

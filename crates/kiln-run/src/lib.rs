@@ -24,10 +24,12 @@ pub mod event;
 mod events;
 pub mod exit;
 pub mod files;
+mod heartbeat;
 pub mod host;
 pub mod jsonl;
 pub mod layout;
 pub mod ledger;
+mod stop;
 
 pub use beacon::{
     Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, PROGRESS_DIR_ENV, clear_rank_files,
@@ -35,6 +37,10 @@ pub use beacon::{
     write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
+pub use heartbeat::{
+    HEARTBEAT_EVERY, HEARTBEAT_FD_ENV, Heartbeat, LostRecord, read_lost_records, write_lost_record,
+};
+pub use stop::{StopRecord, clear_stop_request, read_stop_request, write_stop_request};
 
 /// This machine's host name (as `hostname` prints it), for lock files, beacons and events;
 /// `unknown` if it cannot be read.

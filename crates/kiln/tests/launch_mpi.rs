@@ -2,6 +2,8 @@
 //! installs). Without mpirun this test fails on purpose: a silently skipped MPI test would
 //! hide a broken CI image.
 
+mod common;
+
 use std::process::Command;
 
 #[test]
@@ -108,5 +110,72 @@ fn a_hostfile_in_any_kiln_syntax_reaches_mpirun_in_its_own() {
         }
         let written = std::fs::read_to_string(dir.path().join("run/hostfile")).unwrap();
         assert_eq!(written, "localhost slots=2\n", "{hostfile:?}");
+    }
+}
+
+/// SIGTERM to `kiln launch` is a preemption: the ranks checkpoint and exit 75, and kiln
+/// reports 75 from the ranks' own exits on every launch path. Under mpirun it returned
+/// mpirun's 1 with no exit records: mpirun, signalled by kiln, SIGKILLed its ranks (and their
+/// `--as-rank` shims) a moment later, and aborted the job when the first rank exited 75 while
+/// the other still wrote its checkpoint. Here rank 1 takes 1.5 s to "checkpoint".
+#[test]
+fn sigterm_is_a_preemption_reported_as_75_from_the_ranks_on_every_launch_path() {
+    let script = "trap 'sleep $((RANK * 3 / 2)); echo saved > ckpt-$RANK; exit 75' TERM; \
+                  echo ready-$RANK; while true; do sleep 0.05; done";
+    for mpi in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let rd = dir.path().join("run");
+        let mut cmd = common::kiln_cmd(&["launch", "--np", "2", "--timeout", "60"]);
+        if mpi {
+            cmd.arg("--mpi");
+        }
+        let mut child = cmd
+            .current_dir(dir.path())
+            .arg("--run-dir")
+            .arg(&rd)
+            .args(["--", "sh", "-c", script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        for r in 0..2 {
+            common::wait_for_file_text(
+                &rd.join("attempt-1.log"),
+                &format!("ready-{r}"),
+                &mut child,
+            );
+        }
+        // SAFETY: plain kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(75), "mpi={mpi}: {stderr}");
+        for r in 0..2 {
+            let ckpt = std::fs::read_to_string(dir.path().join(format!("ckpt-{r}")));
+            assert_eq!(
+                ckpt.ok().as_deref(),
+                Some("saved\n"),
+                "mpi={mpi}: rank {r} checkpointed"
+            );
+        }
+        let events = kiln_run::read_events(&rd).unwrap();
+        let end = events
+            .iter()
+            .find(|e| e.event == kiln_run::event::ATTEMPT_END)
+            .unwrap();
+        assert_eq!(end.fields["classification"], "interrupted", "mpi={mpi}");
+        assert_eq!(end.fields["exit_code"], 75, "mpi={mpi}");
+        if mpi {
+            let exits = end.fields["rank_exits"].as_array().unwrap();
+            let codes: Vec<_> = exits
+                .iter()
+                .map(|x| (x["rank"].clone(), x["code"].clone()))
+                .collect();
+            assert_eq!(
+                codes,
+                [(0.into(), 75.into()), (1.into(), 75.into())],
+                "every rank recorded its own exit: {exits:?}"
+            );
+        }
     }
 }

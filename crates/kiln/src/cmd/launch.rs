@@ -53,6 +53,8 @@ Exit codes and classifications (classification is written to RUN_DIR/events.json
                              the host of the named rank is swapped
   124      hung-silent       --timeout: no output for S seconds
   124      hung-stalled      --stall-timeout: progress did not advance for S seconds
+  124      no-heartbeat      --heartbeat-timeout: a rank that beat fell silent (stopped,
+                             wedged); it was killed and the rank and host are named
   128+N    killed-by-signal  a rank died of signal N kiln did not send (137: SIGKILL, e.g. OOM)
   75       preempted         the program exited 75 (checkpointed, resumable) and no retry is left
   75       walltime          --walltime ran out or kiln got SIGUSR1; ranks got SIGTERM/SIGUSR1
@@ -65,7 +67,7 @@ Exit codes and classifications (classification is written to RUN_DIR/events.json
   2        (usage)           bad flags, conflicting or absurd sizes, malformed hostfile or
                              visible-device list; nothing started
   Retried (with --retries/--auto-retry): failed, replica-mismatch, hung-silent, hung-stalled,
-  killed-by-signal, preempted. Never retried: success, deterministic, not-found, walltime,
+  no-heartbeat, killed-by-signal, preempted. Never retried: success, deterministic, not-found, walltime,
   interrupted. A launcher that keeps running after every rank left its exit record is
   classified by the ranks' exits, not as a hang.
 
@@ -201,7 +203,16 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
                 return Ok(exit(kiln_run::exit::USAGE));
             }
         };
-        return match kiln_launch::run_as_rank(&command) {
+        let beat =
+            kiln_launch::limits_seconds("--heartbeat-timeout", flags.heartbeat_timeout, false);
+        let beat = match beat {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("kiln launch --as-rank: error: {e}");
+                return Ok(exit(kiln_run::exit::USAGE));
+            }
+        };
+        return match kiln_launch::run_as_rank(&command, Some(beat)) {
             Ok(end) => kiln_launch::exit_like(end),
             Err(e) => {
                 eprintln!("kiln launch --as-rank: {e}");

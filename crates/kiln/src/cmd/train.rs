@@ -180,6 +180,8 @@ fn say(line: std::fmt::Arguments) {
 
 /// `kiln train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    // Liveness apart from progress: beat to the node's launcher from a thread while this runs.
+    let _heartbeat = kiln_run::Heartbeat::start();
     // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
     // whether it is found here or once training starts (ConfigError and TrainError say so).
     let config = Config::load(args.config.as_deref(), &args.overrides)?;

@@ -107,3 +107,18 @@ pub fn spawn_until(mut cmd: Command, step: u64, saved: Option<u64>) -> std::proc
         .expect("training never reached the step (and checkpoint)");
     child
 }
+
+/// Waits (up to 30 s) until `path` contains `needle`; panics if `child` exits first.
+pub fn wait_for_file_text(path: &Path, needle: &str, child: &mut std::process::Child) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::time::Instant::now() < until {
+        if std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)) {
+            return;
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("kiln exited early: {st}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    panic!("{needle:?} never appeared in {}", path.display());
+}
