@@ -281,7 +281,8 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
         last_step(&run) >= 100
     });
-    // Rank 1 (on n2) hangs; the others keep going, output and heartbeats continue.
+    // Rank 1 (on n2) is stopped: its heartbeats stop (the others' go on), so the liveness
+    // watchdog, not the slower stall watchdog, ends the attempt and names it.
     let pid = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
     // SAFETY: kill(2) on a rank process this test's cluster started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
@@ -291,8 +292,10 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     let ev = events(&run);
     let ends = named(&ev, "attempt_end");
     let hung = ends[0];
-    assert_eq!(hung.fields["classification"], "hung-stalled", "{out}");
+    assert_eq!(hung.fields["classification"], "no-heartbeat", "{out}");
     assert_eq!(hung.fields["culprit_ranks"], serde_json::json!([1]));
+    let detect = hung.fields["detect_s"].as_f64().expect("detection time recorded");
+    assert!(detect < 3.0, "found by liveness, before the 3 s stall watchdog: {detect}");
     assert_eq!(hung.fields["cause"], "hang");
     assert_eq!(hung.fields["culprit_hosts"], serde_json::json!(["n2"]));
     let swap = named(&ev, "node_swap");
