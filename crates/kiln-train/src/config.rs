@@ -316,7 +316,7 @@ pub struct TrainingConfig {
     /// Seed of the init, the data order and every other random choice.
     pub seed: u64,
     /// Device: `flex` (CPU), or with the matching cargo feature `cuda:N`, `rocm:N`, `vulkan`,
-    /// `wgpu`, `metal`.
+    /// `wgpu`, `metal`, `cubecl-cpu` (CubeCL's CPU runtime: the GPU code path on the host).
     pub device: String,
     /// CPU threads for the flex backend; 0 = all cores. At most 4 x the cores this process
     /// may use ([`kiln_run::host::THREADS_PER_CORE`]): more only adds contention.

@@ -28,7 +28,8 @@ pub(crate) fn sha256_hex(text: &str) -> String {
     hex::encode(Sha256::digest(text.as_bytes()))
 }
 
-/// Parses a device name (`flex`, `cuda:0`, `rocm:1`, `vulkan`, `wgpu`, `metal`).
+/// Parses a device name (`flex`, `cuda:0`, `rocm:1`, `vulkan`, `wgpu`, `metal`,
+/// `cubecl-cpu`: CubeCL's CPU runtime, the GPU code path on the host). `cpu` is `flex`.
 pub fn parse_device(name: &str) -> Result<Device, TrainError> {
     let (kind, index) = match name.split_once(':') {
         Some((k, i)) => {
@@ -60,12 +61,16 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
         "wgpu" => Ok(Device::wgpu(Default::default())),
         #[cfg(feature = "metal")]
         "metal" => Ok(Device::metal(Default::default())),
+        #[cfg(feature = "cubecl-cpu")]
+        "cubecl-cpu" => Ok(Device::cpu()),
         // A guard, not a pattern: with a GPU feature on, its name is matched above and a
         // pattern listing it here would be unreachable (a warning in that build).
-        k if ["cuda", "rocm", "vulkan", "wgpu", "metal"].contains(&k) => Err(not_built(k)),
+        k if ["cuda", "rocm", "vulkan", "wgpu", "metal", "cubecl-cpu"].contains(&k) => {
+            Err(not_built(k))
+        }
         _ => Err(TrainError::Device(
             name.into(),
-            "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu or metal".into(),
+            "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu, metal or cubecl-cpu".into(),
         )),
     }
 }
