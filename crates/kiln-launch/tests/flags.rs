@@ -45,6 +45,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
         proptest::option::of(text().prop_map(PathBuf::from)),
         any::<bool>(),
         any::<bool>(),
+        0.01f64..1e3,
     );
     (sizes, watch, rest).prop_map(|(s, w, r)| {
         LaunchRequest {
@@ -65,6 +66,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             stall_timeout: w.2,
             progress_regex: w.3,
             grace: w.4,
+            heartbeat_timeout: r.5,
             walltime: w.5,
             // --retries and --auto-retry exclude each other.
             retries: w.6.filter(|_| !r.3),

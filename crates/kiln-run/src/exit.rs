@@ -70,6 +70,14 @@ pub fn describe(code: i32) -> &'static str {
     }
 }
 
+/// An error that knows the exit code kiln ends with because of it. Every library error type
+/// that reaches the command line implements it; `kiln`'s `main` is the one place that maps
+/// an error to its code (the first error in the chain that has one).
+pub trait ExitCoded {
+    /// The process exit code (one of this module's constants, or a passed-through one).
+    fn exit_code(&self) -> i32;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,12 +107,4 @@ mod tests {
         }
         assert!(is_resumable(PREEMPTED) && is_resumable(NODES_EXHAUSTED) && !is_resumable(FAILURE));
     }
-}
-
-/// An error that knows the exit code kiln ends with because of it. Every library error type
-/// that reaches the command line implements it; `kiln`'s `main` is the one place that maps
-/// an error to its code (the first error in the chain that has one).
-pub trait ExitCoded {
-    /// The process exit code (one of this module's constants, or a passed-through one).
-    fn exit_code(&self) -> i32;
 }

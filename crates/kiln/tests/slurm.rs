@@ -294,8 +294,13 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     let hung = ends[0];
     assert_eq!(hung.fields["classification"], "no-heartbeat", "{out}");
     assert_eq!(hung.fields["culprit_ranks"], serde_json::json!([1]));
-    let detect = hung.fields["detect_s"].as_f64().expect("detection time recorded");
-    assert!(detect < 3.0, "found by liveness, before the 3 s stall watchdog: {detect}");
+    let detect = hung.fields["detect_s"]
+        .as_f64()
+        .expect("detection time recorded");
+    assert!(
+        detect < 3.0,
+        "found by liveness, before the 3 s stall watchdog: {detect}"
+    );
     assert_eq!(hung.fields["cause"], "hang");
     assert_eq!(hung.fields["culprit_hosts"], serde_json::json!(["n2"]));
     let swap = named(&ev, "node_swap");
