@@ -233,7 +233,11 @@ const BATCH: usize = 64;
 /// Log-likelihood of every choice of every task given its context, `[task][choice]`.
 /// Each (context + choice) is one sequence; sequences longer than the training `seq_len`
 /// keep their last `seq_len` tokens (lm-evaluation-harness truncates the context the same way).
-pub fn choice_logliks(session: &Session, tasks: &[McTask]) -> Vec<Vec<f64>> {
+pub fn choice_logliks(
+    session: &Session,
+    tasks: &[McTask],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Vec<Vec<f64>> {
     let max_len = session.config.training.seq_len.max(2) + 1;
     // (task, choice, tokens, index of the first choice token in tokens)
     let mut items: Vec<(usize, usize, Vec<u32>, usize)> = Vec::new();
@@ -251,6 +255,7 @@ pub fn choice_logliks(session: &Session, tasks: &[McTask]) -> Vec<Vec<f64>> {
         }
     }
     let mut out: Vec<Vec<f64>> = tasks.iter().map(|t| vec![0.0; t.choices.len()]).collect();
+    let mut done = 0;
     for chunk in items.chunks(BATCH) {
         let len = chunk.iter().map(|(_, _, s, _)| s.len()).max().unwrap_or(2);
         let t = len - 1;
@@ -278,6 +283,8 @@ pub fn choice_logliks(session: &Session, tasks: &[McTask]) -> Vec<Vec<f64>> {
                 .sum();
             out[*ti][*ci] = ll;
         }
+        done += chunk.len();
+        progress(done, items.len());
     }
     out
 }
@@ -295,7 +302,12 @@ fn argmax(values: impl Iterator<Item = f64>) -> usize {
 /// Scores `tasks` with the session's current parameters (no gradients): `acc`, `acc_norm`
 /// (log-likelihood divided by the choice's length in bytes), as lm-evaluation-harness.
 /// This is the function the trainer calls for its in-training eval.
-pub fn score_multiple_choice(session: &Session, tasks: &[McTask]) -> McScore {
+/// `progress(done, total)` is called after each batch of scored sequences (one per choice).
+pub fn score_multiple_choice(
+    session: &Session,
+    tasks: &[McTask],
+    progress: &mut dyn FnMut(usize, usize),
+) -> McScore {
     if tasks.is_empty() {
         return McScore {
             tasks: 0,
@@ -305,7 +317,7 @@ pub fn score_multiple_choice(session: &Session, tasks: &[McTask]) -> McScore {
             chance: 0.0,
         };
     }
-    let ll = choice_logliks(session, tasks);
+    let ll = choice_logliks(session, tasks, progress);
     let (mut acc, mut acc_norm, mut answer_ll, mut chance) = (0usize, 0usize, 0.0f64, 0.0f64);
     for (t, lls) in tasks.iter().zip(&ll) {
         acc += usize::from(argmax(lls.iter().copied()) == t.answer);
@@ -507,8 +519,8 @@ mod tests {
         .unwrap();
         let s = Session::new(&cfg, synthetic::VOCAB).unwrap();
         let tasks = synthetic_copy_tasks(40, 3);
-        let a = score_multiple_choice(&s, &tasks);
-        let b = score_multiple_choice(&s, &tasks);
+        let a = score_multiple_choice(&s, &tasks, &mut |_, _| {});
+        let b = score_multiple_choice(&s, &tasks, &mut |_, _| {});
         assert_eq!(a, b);
         assert_eq!(a.tasks, 40);
         assert!((a.chance - 0.25).abs() < 1e-9);

@@ -123,6 +123,11 @@ fn eval_status_and_plot_on_a_tiny_run() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("held-out loss:"), "{out}");
     assert!(out.contains("200 tasks, acc "), "{out}");
+    // Not a terminal: progress comes as a line at each tenth of the scored sequences.
+    assert!(
+        out.contains("eval: ") && out.contains(" sequences scored"),
+        "{out}"
+    );
     // on a checkpoint directory, as JSON
     let ck = run.join("checkpoints/step-3");
     let (code, out) = kiln(&["eval", ck.to_str().unwrap(), "--json"], &[]);

@@ -262,16 +262,20 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Progress of a long gate: a live bar on a terminal, else (a pipe, a batch log) a line at
-/// every tenth of the work, so a long run is never silent.
+/// Progress of a long gate (lr-find, eval): a live bar on a terminal, else (a pipe, a batch
+/// log) a line each time another tenth of the work is done, so a long run is never silent.
 struct GateProgress {
     bar: Option<indicatif::ProgressBar>,
     label: &'static str,
     total: u64,
+    /// Tenths of the work already reported (no terminal).
+    tenths_shown: u64,
+    /// Print progress lines when there is no terminal (off for machine-read output).
+    lines: bool,
 }
 
 impl GateProgress {
-    fn new(label: &'static str, total: u64) -> Self {
+    fn new(label: &'static str, total: u64, lines: bool) -> Self {
         use std::io::IsTerminal;
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = indicatif::ProgressBar::new(total);
@@ -284,7 +288,13 @@ impl GateProgress {
             bar.set_prefix(label);
             bar
         });
-        Self { bar, label, total }
+        Self {
+            bar,
+            label,
+            total,
+            tenths_shown: 0,
+            lines,
+        }
     }
 
     fn update(&mut self, done: u64, line: &str) {
@@ -293,8 +303,12 @@ impl GateProgress {
                 bar.set_position(done);
                 bar.set_message(line.to_string());
             }
-            None if done.is_multiple_of((self.total / 10).max(1)) => {
-                eprintln!("{}: {done}/{} {line}", self.label, self.total);
+            None if self.lines => {
+                let tenth = done.saturating_mul(10) / self.total.max(1);
+                if tenth > self.tenths_shown {
+                    self.tenths_shown = tenth;
+                    eprintln!("{}: {done}/{} {line}", self.label, self.total);
+                }
             }
             None => {}
         }
@@ -318,7 +332,7 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
         blowup_factor: a.blowup,
     };
     let verbose = a.verbose;
-    let mut shown = GateProgress::new("lr-find", a.steps);
+    let mut shown = GateProgress::new("lr-find", a.steps, true);
     let mut progress = |p: &kiln_gates::lrfind::LrPoint| {
         let line = format!(
             "step={} lr={:.3e} loss={:.4} smoothed={:.4} grad_norm={:.3}",
@@ -383,7 +397,11 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
         let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
         kiln_train::eval::synthetic(s, &syn, loaded.step.unwrap_or(0), samples, None)
     });
-    let score = kiln_gates::mc::score_multiple_choice(s, &tasks);
+    let sequences = tasks.iter().map(|t| t.choices.len() as u64).sum();
+    let mut shown = GateProgress::new("eval", sequences, !a.json);
+    let mut progress = |done: usize, _: usize| shown.update(done as u64, "sequences scored");
+    let score = kiln_gates::mc::score_multiple_choice(s, &tasks, &mut progress);
+    shown.finish();
     let task_name = a
         .tasks
         .as_ref()
