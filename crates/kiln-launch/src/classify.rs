@@ -111,15 +111,6 @@ pub fn classify_exit(code: Option<i32>, signal: Option<i32>) -> Classification {
     }
 }
 
-/// The watchdog exit code (124, as GNU timeout).
-pub const WATCHDOG_EXIT: i32 = exit::WATCHDOG;
-/// The exit code for a walltime stop (75, "resumable").
-pub const WALLTIME_EXIT: i32 = exit::PREEMPTED;
-/// Exit code when the program does not exist (as shells use).
-pub const NOT_FOUND_EXIT: i32 = exit::NOT_FOUND;
-/// Exit code when the program exists but cannot be executed.
-pub const NOT_EXECUTABLE_EXIT: i32 = exit::NOT_EXECUTABLE;
-
 #[cfg(test)]
 mod tests {
     use super::*;

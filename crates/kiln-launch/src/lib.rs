@@ -26,10 +26,7 @@ mod signals;
 mod submit;
 mod supervise;
 
-pub use classify::{
-    Classification, NOT_EXECUTABLE_EXIT, NOT_FOUND_EXIT, WALLTIME_EXIT, WATCHDOG_EXIT,
-    classify_code, classify_exit, exit_code_of,
-};
+pub use classify::{Classification, classify_code, classify_exit, exit_code_of};
 pub use culprit::{
     Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
     same_host, scan_log,

@@ -615,7 +615,7 @@ fn wait_backoff(
     if deadline.is_some_and(|d| Instant::now() + delay >= d) {
         let mut last = outcome.clone();
         last.classification = Classification::Walltime;
-        last.exit_code = crate::classify::WALLTIME_EXIT;
+        last.exit_code = exit::PREEMPTED;
         last.message =
             Some("walltime reached before the next attempt could start; not retrying".into());
         log.emit(
@@ -648,7 +648,7 @@ fn wait_backoff(
                 Classification::Interrupted
             };
             last.exit_code = if req.signal == libc::SIGUSR1 {
-                crate::classify::WALLTIME_EXIT
+                exit::PREEMPTED
             } else {
                 128 + req.signal
             };

@@ -2,14 +2,11 @@
 //! capture and tee their output, watch for silence and stalled progress, and kill whole
 //! process trees.
 
-use crate::classify::{
-    Classification, NOT_EXECUTABLE_EXIT, NOT_FOUND_EXIT, WALLTIME_EXIT, WATCHDOG_EXIT,
-    classify_code, classify_exit, exit_code_of,
-};
+use crate::classify::{Classification, classify_code, classify_exit, exit_code_of};
 use crate::plan::ProcSpec;
 use crate::progress::{LineSplitter, ProgressRegex, StepCounter};
 use crate::signals::StopRequest;
-use kiln_run::{Beacon, ExitRecord, read_beacons, read_exit_records, unix_time};
+use kiln_run::{Beacon, ExitRecord, exit, read_beacons, read_exit_records, unix_time};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
@@ -329,15 +326,15 @@ fn start_all(
                 let (classification, code, what) = match e.kind() {
                     std::io::ErrorKind::NotFound => (
                         Classification::NotFound,
-                        NOT_FOUND_EXIT,
+                        exit::NOT_FOUND,
                         "command not found",
                     ),
                     std::io::ErrorKind::PermissionDenied => (
                         Classification::NotFound,
-                        NOT_EXECUTABLE_EXIT,
+                        exit::NOT_EXECUTABLE,
                         "permission denied (not executable)",
                     ),
-                    _ => (Classification::Failed, NOT_EXECUTABLE_EXIT, "cannot start"),
+                    _ => (Classification::Failed, exit::NOT_EXECUTABLE, "cannot start"),
                 };
                 return Err(Box::new(AttemptOutcome::spawn_failure(
                     classification,
@@ -647,8 +644,8 @@ impl Watch {
         let (classification, exit_code, detect_s, culprits, message, at) = match self.verdict {
             Some(v) => {
                 let exit_code = v.exit_code.unwrap_or(match v.classification {
-                    Classification::HungSilent | Classification::HungStalled => WATCHDOG_EXIT,
-                    Classification::Walltime => WALLTIME_EXIT,
+                    Classification::HungSilent | Classification::HungStalled => exit::WATCHDOG,
+                    Classification::Walltime => exit::PREEMPTED,
                     // After forwarding a stop, the ranks that checkpointed and exited tell the
                     // truth about where they stand (75: resumable): their own exits decide, not
                     // the launcher's.
@@ -831,7 +828,7 @@ fn no_heartbeat(rank: usize, host: &str, detect_s: f64, bound: Duration, now: In
              stopped, wedged or gone",
             bound.as_secs_f64()
         )),
-        exit_code: Some(WATCHDOG_EXIT),
+        exit_code: Some(exit::WATCHDOG),
     }
 }
 

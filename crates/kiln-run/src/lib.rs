@@ -52,9 +52,3 @@ pub fn host_name() -> String {
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown".into())
 }
-
-/// Exit code of a process that was asked to stop; see [`exit::PREEMPTED`].
-pub const EXIT_PREEMPTED: i32 = exit::PREEMPTED;
-
-/// Exit code of a watchdog kill; see [`exit::WATCHDOG`].
-pub const EXIT_WATCHDOG: i32 = exit::WATCHDOG;
