@@ -431,8 +431,8 @@ pub fn launch(
         std::fs::create_dir_all(&progress_dir)
             .map_err(|e| io("creating progress dir", &progress_dir, &e))?;
     }
-    let mut events =
-        EventLog::open(&run_dir, "launch").map_err(|e| LaunchError::Io(e.to_string()))?;
+    let mut events = EventLog::open(&run_dir, event::source::LAUNCH)
+        .map_err(|e| LaunchError::Io(e.to_string()))?;
     let job_id = job_id_of(&setup.scheduler.value);
     let chain = chain_job(req, &setup, job_id.as_deref());
     emit_start(

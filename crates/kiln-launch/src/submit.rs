@@ -483,7 +483,7 @@ pub fn submit(req: &SubmitRequest) -> Result<Submitted, SubmitError> {
     crate::write_file_atomic(&script, batch_script(req, &exclude)?.as_bytes(), 0o755)
         .map_err(io(&script))?;
     let job_id = submit_script(req.scheduler, &script, 1, None, &[])?;
-    if let Ok(mut log) = EventLog::open(&req.run_dir, "submit") {
+    if let Ok(mut log) = EventLog::open(&req.run_dir, kiln_run::event::source::SUBMIT) {
         let _ = log.emit(
             event::JOB_SUBMITTED,
             json!({"job_id": job_id, "scheduler": req.scheduler.name(), "chain_index": 1, "chain_limit": req.chain, "script": script, "excluded": exclude, "nodes": req.nodes, "spares": req.spares, "time_s": req.time.as_secs()}),

@@ -1118,16 +1118,13 @@ fn update_beacons(
     (changed, advanced)
 }
 
-/// Beacon phases that mean "waiting for the other ranks" (in a collective).
-pub const WAITING_PHASES: &[&str] = &["allreduce", "all_reduce", "collective", "barrier", "wait"];
-
 fn waiting(phase: &str) -> bool {
-    WAITING_PHASES.contains(&phase)
+    kiln_run::event::beacon_phase::WAITING.contains(&phase)
 }
 
 /// A rank whose beacon says it finished is not stalled.
 fn finished(phase: &str) -> bool {
-    matches!(phase, "done" | "finished" | "exit")
+    kiln_run::event::beacon_phase::FINISHED.contains(&phase)
 }
 
 fn watchdog(

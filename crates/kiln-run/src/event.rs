@@ -2,6 +2,34 @@
 //! readers (`kiln status`, plots, tests) cannot drift apart.
 
 // Trainer.
+
+/// Who writes an event: the `source` of each line of `events.jsonl`.
+pub mod source {
+    /// `kiln train` (the writer rank).
+    pub const TRAIN: &str = "train";
+    /// `kiln launch`.
+    pub const LAUNCH: &str = "launch";
+    /// `kiln submit`.
+    pub const SUBMIT: &str = "submit";
+}
+
+/// Phases of a rank's progress beacon: written by the trainer, read by the supervisor.
+pub mod beacon_phase {
+    /// Training steps.
+    pub const TRAIN: &str = "train";
+    /// Held-out evaluation (the writer rank; the others wait in the next collective).
+    pub const EVAL: &str = "eval";
+    /// Saving a checkpoint.
+    pub const CHECKPOINT: &str = "checkpoint";
+    /// All steps done.
+    pub const DONE: &str = "done";
+    /// Phases that mean the rank finished, so it is not stalled (kiln's, and the spellings
+    /// other programs' beacons use).
+    pub const FINISHED: &[&str] = &[DONE, "finished", "exit"];
+    /// Phases that mean waiting for the other ranks (in a collective).
+    pub const WAITING: &[&str] = &["allreduce", "all_reduce", "collective", "barrier", "wait"];
+}
+
 /// The trainer started (fields: step, total_steps, params, device, data, ...).
 pub const START: &str = "start";
 /// A checkpoint was loaded to resume from.

@@ -197,7 +197,10 @@ fn attempts(events: &[Event]) -> Vec<Att> {
         .collect();
     if v.is_empty() {
         let mut open: Option<&Event> = None;
-        for e in events.iter().filter(|e| e.source == "train") {
+        for e in events
+            .iter()
+            .filter(|e| e.source == crate::event::source::TRAIN)
+        {
             match (e.event.as_str(), open) {
                 (event::START, _) => open = Some(e),
                 (event::EXIT, Some(s)) => {
@@ -230,7 +233,7 @@ fn attempts(events: &[Event]) -> Vec<Att> {
             .iter()
             .find(|e| {
                 e.event == event::START
-                    && e.source == "train"
+                    && e.source == crate::event::source::TRAIN
                     && e.time >= a.start
                     && e.time <= a.end
             })
@@ -445,7 +448,9 @@ fn summary(a: &Att, t0: f64) -> AttemptSummary {
 
 /// The tier of the attempt's resume and its startup phases, from its trainer's events.
 fn attempt_details(s: &mut AttemptSummary, a: &Att, events: &[Event]) {
-    let inside = |e: &&Event| e.source == "train" && e.time >= a.start && e.time <= a.end;
+    let inside = |e: &&Event| {
+        e.source == crate::event::source::TRAIN && e.time >= a.start && e.time <= a.end
+    };
     s.resumed_from = events
         .iter()
         .filter(inside)

@@ -576,7 +576,7 @@ impl<'a> Trainer<'a> {
     /// update. `None` when the guards discarded it.
     pub fn train_step(&mut self) -> Result<Option<StepMetrics>, TrainError> {
         let t0 = Instant::now();
-        self.beacon("train");
+        self.beacon(event::beacon_phase::TRAIN);
         let lr = optim::lr_at(
             &self.cfg.lr_scheduler,
             self.cfg.optimizer.lr,
@@ -688,7 +688,7 @@ impl<'a> Trainer<'a> {
         let Some(syn) = self.data.synthetic.as_ref() else {
             return Ok(());
         };
-        self.beacon("eval");
+        self.beacon(event::beacon_phase::EVAL);
         let mut e = self.eval.run(&self.session, syn, self.state.step);
         e.extra = self.journal.observer().extra_eval(&self.session);
         self.journal.eval(&e)?;
@@ -724,7 +724,7 @@ impl<'a> Trainer<'a> {
     pub fn checkpoint(&mut self) -> Result<(), TrainError> {
         let t0 = Instant::now();
         self.check_replicas()?;
-        self.beacon("checkpoint");
+        self.beacon(event::beacon_phase::CHECKPOINT);
         self.complete_state();
         let before_s = t0.elapsed().as_secs_f64();
         let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
@@ -778,7 +778,7 @@ impl<'a> Trainer<'a> {
             })?;
             run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
         }
-        self.beacon("done");
+        self.beacon(event::beacon_phase::DONE);
         self.comm.barrier();
         // The run is complete and its final checkpoint published: the memory tier goes.
         self.snapshots.clear(&mut self.journal);
@@ -836,7 +836,7 @@ fn open_run_dir(opts: &TrainOptions) -> Result<Opened, TrainError> {
     let cfg = &opts.config;
     let run = RunDir::lock(&opts.run_dir)?;
     run.write_file(kiln_run::layout::CONFIG, cfg.to_toml().as_bytes())?;
-    let mut events = EventLog::open(run.path(), "train")?;
+    let mut events = EventLog::open(run.path(), event::source::TRAIN)?;
     let (metrics, cut) = run.open_log(kiln_run::layout::METRICS)?;
     if cut > 0 {
         events.emit(
