@@ -145,9 +145,9 @@ impl Manifest {
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)
             .map_err(|e| DataError::format(path, e.to_string()))?;
-        let tmp = crate::indexed::tmp_name(path);
-        std::fs::write(&tmp, text + "\n").map_err(|e| DataError::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| DataError::io(path, e))
+        let bytes = (text + "\n").into_bytes();
+        kiln_run::files::write_atomic(path, &bytes, kiln_run::files::Atomic::DURABLE)
+            .map_err(|e| DataError::io(path, e))
     }
 
     /// Check the `.bin` and `.idx` of each prefix against the manifest at `manifest_path`.

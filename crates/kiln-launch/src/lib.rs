@@ -66,25 +66,3 @@ pub use submit::{
 pub use supervise::{
     AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, become_subreaper, run_attempt,
 };
-
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so
-/// a reader never sees half a file and a symlink at `path` is replaced, not followed.
-pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
-}

@@ -480,8 +480,15 @@ pub fn submit(req: &SubmitRequest) -> Result<Submitted, SubmitError> {
     };
     std::fs::create_dir_all(&req.run_dir).map_err(io(&req.run_dir))?;
     let script = req.run_dir.join(layout::batch_script(req.scheduler.name()));
-    crate::write_file_atomic(&script, batch_script(req, &exclude)?.as_bytes(), 0o755)
-        .map_err(io(&script))?;
+    kiln_run::files::write_atomic(
+        &script,
+        batch_script(req, &exclude)?.as_bytes(),
+        kiln_run::files::Atomic {
+            durable: true,
+            mode: 0o755,
+        },
+    )
+    .map_err(io(&script))?;
     let job_id = submit_script(req.scheduler, &script, 1, None, &[])?;
     if let Ok(mut log) = EventLog::open(&req.run_dir, kiln_run::event::source::SUBMIT) {
         let _ = log.emit(

@@ -7,6 +7,7 @@
 //! writes it under a launcher), so a job is classified by its ranks' exits even when the
 //! launcher itself does not say.
 
+use crate::files::{Atomic, write_atomic};
 use crate::layout;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -83,15 +84,14 @@ pub fn write_beacon(
     time: f64,
 ) -> Result<(), BeaconError> {
     let path = dir.join(layout::beacon(rank));
-    let tmp = dir.join(format!(".rank-{rank}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
     };
     let phase = if phase.is_empty() { "-" } else { phase };
     let phase = phase.split_whitespace().collect::<Vec<_>>().join("_");
-    std::fs::write(&tmp, format!("{step} {phase} {time:.3} {}\n", this_host())).map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)
+    let line = format!("{step} {phase} {time:.3} {}\n", this_host());
+    write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
 
 /// Parses one beacon line; `None` if it is not `<step> <phase> <time> [<host>]`.
@@ -145,7 +145,6 @@ pub fn write_exit_record(
     time: f64,
 ) -> Result<(), BeaconError> {
     let path = dir.join(layout::exit_record(rank));
-    let tmp = dir.join(format!(".exit-{rank}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
@@ -157,8 +156,7 @@ pub fn write_exit_record(
         field(signal),
         this_host()
     );
-    std::fs::write(&tmp, line).map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)
+    write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
 
 fn parse_exit_record(rank: usize, text: &str) -> Option<ExitRecord> {
@@ -220,7 +218,6 @@ pub fn write_liveness(
     time: f64,
 ) -> Result<(), BeaconError> {
     let path = dir.join(layout::liveness(rank));
-    let tmp = dir.join(format!(".{}.tmp", layout::liveness(rank)));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
@@ -230,12 +227,8 @@ pub fn write_liveness(
     } else {
         '?'
     };
-    std::fs::write(
-        &tmp,
-        format!("{state} {cpu_ticks} {time:.3} {}\n", this_host()),
-    )
-    .map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)
+    let line = format!("{state} {cpu_ticks} {time:.3} {}\n", this_host());
+    write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
 
 /// Reads every `live-<R>` record in `dir`, sorted by rank; unparsable files are ignored.

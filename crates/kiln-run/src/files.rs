@@ -10,9 +10,12 @@
 //!
 //! Errors are plain [`std::io::Error`]s whose message says what is wrong; callers add the
 //! path, as they do for every other I/O error.
+//!
+//! Writing: [`write_atomic`] is kiln's one write-to-a-temporary-name-then-rename for whole
+//! files (beacons, exit and stop records, batch scripts, run-directory files, manifests).
 
 use std::fs::{File, Metadata, OpenOptions};
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -132,6 +135,60 @@ pub fn read_to_string_limited(path: &Path, limit: u64, what: &str) -> io::Result
                 e.utf8_error().valid_up_to()
             ),
         )
+    })
+}
+
+/// How [`write_atomic`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Atomic {
+    /// fsync before the rename: the file survives a crash of the machine, not only of the
+    /// writer (off for records rewritten every step, such as beacons).
+    pub durable: bool,
+    /// Permission bits of the new file (before the umask).
+    pub mode: u32,
+}
+
+impl Atomic {
+    /// A small record rewritten often (beacons, exit and stop records): no fsync.
+    pub const RECORD: Self = Self {
+        durable: false,
+        mode: 0o666,
+    };
+    /// A file that must survive a crash (configs, manifests, scripts).
+    pub const DURABLE: Self = Self {
+        durable: true,
+        mode: 0o666,
+    };
+}
+
+/// Replaces `path` with `bytes` so that a reader sees the old file or the new one, never a
+/// part: written to a temporary name beside it (a link planted there is not followed),
+/// fsynced when [`Atomic::durable`], then renamed over `path` (a link at `path` is replaced,
+/// not followed). The temporary file is removed if anything fails.
+pub fn write_atomic(path: &Path, bytes: &[u8], how: Atomic) -> io::Result<()> {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()));
+    let write = || -> io::Result<()> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(how.mode)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        if how.durable {
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, path)
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
     })
 }
 

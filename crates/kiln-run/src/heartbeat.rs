@@ -113,14 +113,12 @@ pub fn write_lost_record(
 ) -> Result<(), BeaconError> {
     let name = layout::lost_record(rank);
     let path = dir.join(&name);
-    let tmp = dir.join(format!(".{name}.tmp"));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
     };
     let line = format!("{silent_s:.3} {time:.3} {}\n", crate::this_host());
-    std::fs::write(&tmp, line).map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)
+    crate::files::write_atomic(&path, line.as_bytes(), crate::files::Atomic::RECORD).map_err(io)
 }
 
 /// Reads every `lost-<R>` record in `dir`, sorted by rank; unparsable files are ignored.

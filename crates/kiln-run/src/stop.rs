@@ -22,13 +22,12 @@ pub struct StopRecord {
 /// Atomically writes `dir/stop` (temporary name, then rename).
 pub fn write_stop_request(dir: &Path, signal: i32, time: f64) -> Result<(), BeaconError> {
     let path = dir.join(layout::STOP_REQUEST);
-    let tmp = dir.join(format!(".{}.tmp", layout::STOP_REQUEST));
     let io = |source| BeaconError::Io {
         path: path.clone(),
         source,
     };
-    std::fs::write(&tmp, format!("{signal} {time:.3}\n")).map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)
+    let line = format!("{signal} {time:.3}\n");
+    crate::files::write_atomic(&path, line.as_bytes(), crate::files::Atomic::RECORD).map_err(io)
 }
 
 /// The stop request in `dir`, if there is a readable one.

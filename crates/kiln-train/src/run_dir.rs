@@ -115,22 +115,8 @@ impl RunDir {
 /// Writes `dir/name` through a temporary file and a rename.
 pub fn write_replacing(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, RunDirError> {
     let target = dir.join(name);
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &target)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(&target)(e)
-    })?;
+    kiln_run::files::write_atomic(&target, bytes, kiln_run::files::Atomic::DURABLE)
+        .map_err(io(&target))?;
     Ok(target)
 }
 
