@@ -279,14 +279,20 @@ pub fn write_plots(
 
 /// Colors of the ledger buckets, in [`kiln_run::ledger::Buckets::rows`] order.
 const BUCKET_COLORS: [(&str, RGBColor); 8] = [
-    ("productive", RGBColor(44, 160, 44)),
-    ("startup", RGBColor(31, 119, 180)),
-    ("checkpoint stall", RGBColor(148, 103, 189)),
-    ("lost work", RGBColor(214, 39, 40)),
-    ("hang detection", RGBColor(255, 127, 14)),
-    ("backoff", RGBColor(188, 189, 34)),
-    ("queue", RGBColor(127, 127, 127)),
-    ("other", RGBColor(200, 200, 200)),
+    (kiln_run::ledger::bucket::PRODUCTIVE, RGBColor(44, 160, 44)),
+    (kiln_run::ledger::bucket::STARTUP, RGBColor(31, 119, 180)),
+    (
+        kiln_run::ledger::bucket::CHECKPOINT_STALL,
+        RGBColor(148, 103, 189),
+    ),
+    (kiln_run::ledger::bucket::LOST_WORK, RGBColor(214, 39, 40)),
+    (
+        kiln_run::ledger::bucket::HANG_DETECTION,
+        RGBColor(255, 127, 14),
+    ),
+    (kiln_run::ledger::bucket::BACKOFF, RGBColor(188, 189, 34)),
+    (kiln_run::ledger::bucket::QUEUE, RGBColor(127, 127, 127)),
+    (kiln_run::ledger::bucket::OTHER, RGBColor(200, 200, 200)),
 ];
 
 fn bucket_color(kind: &str) -> RGBColor {
@@ -420,7 +426,7 @@ where
     band.draw_series(
         std::iter::once(Rectangle::new(
             [(0.0, 1.8), (total, 2.8)],
-            bucket_color("other").filled(),
+            bucket_color(kiln_run::ledger::bucket::OTHER).filled(),
         ))
         .chain(
             l.spans.iter().map(|s| {

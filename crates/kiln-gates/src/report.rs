@@ -92,15 +92,15 @@ pub fn read_metrics(run_dir: &Path) -> Result<Metrics, GatesError> {
 
 /// Events that guards and recovery write, counted by `kiln status`.
 pub const GUARD_EVENTS: &[&str] = &[
-    "initial_loss_ok",
-    "initial_loss_error",
-    "nonfinite_skip",
-    "loss_spike",
-    "rollback",
-    "spike_skip",
-    "frozen_params",
-    "checkpoint_rejected",
-    "config_changed",
+    event::INITIAL_LOSS_OK,
+    event::INITIAL_LOSS_ERROR,
+    event::NONFINITE_SKIP,
+    event::LOSS_SPIKE,
+    event::ROLLBACK,
+    event::SPIKE_SKIP,
+    event::FROZEN_PARAMS,
+    event::CHECKPOINT_REJECTED,
+    event::CONFIG_CHANGED,
 ];
 
 fn check_run_dir(run_dir: &Path) -> Result<(), GatesError> {
@@ -223,7 +223,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     ));
     for e in events
         .iter()
-        .filter(|e| GUARD_EVENTS.contains(&e.event.as_str()) && e.event != "initial_loss_ok")
+        .filter(|e| GUARD_EVENTS.contains(&e.event.as_str()) && e.event != event::INITIAL_LOSS_OK)
         .rev()
         .take(5)
         .collect::<Vec<_>>()

@@ -21,6 +21,26 @@ use crate::event;
 use crate::events::Event;
 use serde_json::Value;
 
+/// The names of the ledger's buckets (rows of `kiln status`, spans of the timeline plot).
+pub mod bucket {
+    /// Steps that stayed (not lost to a rollback or a restart).
+    pub const PRODUCTIVE: &str = "productive";
+    /// From attempt start to the first step.
+    pub const STARTUP: &str = "startup";
+    /// What the training step waited for checkpoints.
+    pub const CHECKPOINT_STALL: &str = "checkpoint stall";
+    /// Steps done after the last checkpoint that a restart redid.
+    pub const LOST_WORK: &str = "lost work";
+    /// From the last progress to the watchdog's kill.
+    pub const HANG_DETECTION: &str = "hang detection";
+    /// Waiting between attempts.
+    pub const BACKOFF: &str = "backoff";
+    /// Waiting for the scheduler between jobs.
+    pub const QUEUE: &str = "queue";
+    /// Everything else.
+    pub const OTHER: &str = "other";
+}
+
 /// Seconds per bucket.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Buckets {
@@ -46,14 +66,14 @@ impl Buckets {
     /// `(name, seconds)` in display order.
     pub fn rows(&self) -> [(&'static str, f64); 8] {
         [
-            ("productive", self.productive),
-            ("startup", self.startup),
-            ("checkpoint stall", self.checkpoint),
-            ("lost work", self.lost),
-            ("hang detection", self.hang),
-            ("backoff", self.backoff),
-            ("queue", self.queue),
-            ("other", self.other),
+            (bucket::PRODUCTIVE, self.productive),
+            (bucket::STARTUP, self.startup),
+            (bucket::CHECKPOINT_STALL, self.checkpoint),
+            (bucket::LOST_WORK, self.lost),
+            (bucket::HANG_DETECTION, self.hang),
+            (bucket::BACKOFF, self.backoff),
+            (bucket::QUEUE, self.queue),
+            (bucket::OTHER, self.other),
         ]
     }
 }
@@ -272,13 +292,13 @@ pub fn ledger(events: &[Event]) -> Ledger {
             return;
         }
         match kind {
-            "productive" => b.productive += d,
-            "startup" => b.startup += d,
-            "checkpoint stall" => b.checkpoint += d,
-            "lost work" => b.lost += d,
-            "hang detection" => b.hang += d,
-            "backoff" => b.backoff += d,
-            "queue" => b.queue += d,
+            bucket::PRODUCTIVE => b.productive += d,
+            bucket::STARTUP => b.startup += d,
+            bucket::CHECKPOINT_STALL => b.checkpoint += d,
+            bucket::LOST_WORK => b.lost += d,
+            bucket::HANG_DETECTION => b.hang += d,
+            bucket::BACKOFF => b.backoff += d,
+            bucket::QUEUE => b.queue += d,
             _ => b.other += d,
         }
         spans.push(Span {
@@ -315,9 +335,9 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 a.start,
                 a.end,
                 if a.class.starts_with("hung") {
-                    "hang detection"
+                    bucket::HANG_DETECTION
                 } else {
-                    "startup"
+                    bucket::STARTUP
                 },
                 &mut b,
             );
@@ -350,19 +370,24 @@ pub fn ledger(events: &[Event]) -> Ledger {
             lost_steps += ls.saturating_sub(r);
             lost = Some(ls.saturating_sub(r));
         }
-        span(a.start, first, "startup", &mut b);
+        span(a.start, first, bucket::STARTUP, &mut b);
         let work_end = if success { a.end } else { last.max(first) };
         let kept_end = kept_until.min(work_end);
         // Checkpoint stalls are inside the kept work; they are taken out of productive.
         let kept_stall = stall.min((kept_end - first).max(0.0));
-        span(first, kept_end - kept_stall, "productive", &mut b);
-        span(kept_end - kept_stall, kept_end, "checkpoint stall", &mut b);
-        span(kept_end, work_end, "lost work", &mut b);
+        span(first, kept_end - kept_stall, bucket::PRODUCTIVE, &mut b);
+        span(
+            kept_end - kept_stall,
+            kept_end,
+            bucket::CHECKPOINT_STALL,
+            &mut b,
+        );
+        span(kept_end, work_end, bucket::LOST_WORK, &mut b);
         if !success {
             let tail = if a.class.starts_with("hung") {
-                "hang detection"
+                bucket::HANG_DETECTION
             } else {
-                "lost work"
+                bucket::LOST_WORK
             };
             span(work_end, a.end, tail, &mut b);
         }
@@ -375,7 +400,7 @@ pub fn ledger(events: &[Event]) -> Ledger {
         span(
             e.time,
             e.time + f(e, "seconds").unwrap_or(0.0),
-            "backoff",
+            bucket::BACKOFF,
             &mut b,
         );
     }
@@ -383,7 +408,7 @@ pub fn ledger(events: &[Event]) -> Ledger {
     for e in events.iter().filter(|e| e.event == event::JOB_START) {
         jobs += 1;
         if let Some(s) = f(e, "submit_time") {
-            span(s, e.time, "queue", &mut b);
+            span(s, e.time, bucket::QUEUE, &mut b);
         }
     }
     let total = t1 - t0;
