@@ -18,7 +18,7 @@
 //! Megatron's 10.
 
 use crate::cache::{self, CacheFile, Key};
-use crate::corpus::normalize;
+use crate::corpus::{normalize, weights_sum_finite};
 use crate::error::{DataError, Result};
 use std::path::Path;
 
@@ -125,13 +125,6 @@ impl BlendSchedule {
         }
         Ok(out)
     }
-}
-
-/// Whether relative weights normalise: their sum must be finite (two weights of 1e308 sum to
-/// infinity, and every weight would normalise to 0).
-pub fn weights_sum_finite(weights: &[f64]) -> bool {
-    let w = normalize(weights);
-    w.iter().all(|x| x.is_finite()) && w.iter().any(|x| *x > 0.0)
 }
 
 /// One blend segment checked against the dataset table: from global sample `start` on, the

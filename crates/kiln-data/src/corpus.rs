@@ -165,7 +165,7 @@ impl CorpusList {
                 reason: "no datasets listed (expected lines of `weight prefix [corpus]`)".into(),
             });
         }
-        if !crate::blend::weights_sum_finite(&entries.iter().map(|e| e.weight).collect::<Vec<_>>())
+        if !weights_sum_finite(&entries.iter().map(|e| e.weight).collect::<Vec<_>>())
             && entries.iter().any(|e| e.weight > 0.0)
         {
             return Err(DataError::List {
@@ -196,6 +196,13 @@ impl CorpusList {
 pub fn normalize(weights: &[f64]) -> Vec<f64> {
     let sum = pairwise_sum(weights);
     weights.iter().map(|w| w / sum).collect()
+}
+
+/// Whether relative weights normalise: their sum must be finite (two weights of 1e308 sum to
+/// infinity, and every weight would normalise to 0).
+pub fn weights_sum_finite(weights: &[f64]) -> bool {
+    let w = normalize(weights);
+    w.iter().all(|x| x.is_finite()) && w.iter().any(|x| *x > 0.0)
 }
 
 /// numpy's pairwise summation (blocks of 8 accumulators below 128 elements), so that even

@@ -10,6 +10,7 @@
 mod classify;
 mod culprit;
 mod flags;
+mod groups;
 mod health;
 mod heartbeat;
 mod launch;
@@ -32,6 +33,7 @@ pub use culprit::{
     same_host, scan_log,
 };
 pub use flags::kiln_flags;
+pub use groups::become_subreaper;
 pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
 pub use launch::{
     LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus, split_command,
@@ -63,6 +65,4 @@ pub use submit::{
     BatchScheduler, CHAIN_INDEX_ENV, ChainJob, SubmitError, SubmitRequest, Submitted, batch_script,
     continue_chain, launch_argv, parse_time, shell_quote, shell_quote_bytes, submit, submit_script,
 };
-pub use supervise::{
-    AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, become_subreaper, run_attempt,
-};
+pub use supervise::{AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, run_attempt};

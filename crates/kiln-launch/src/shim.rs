@@ -123,7 +123,7 @@ pub fn run_as_rank(
         None => false,
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
-    crate::supervise::become_subreaper();
+    crate::groups::become_subreaper();
     let mut cmd = Command::new(program);
     cmd.args(args).envs(env.to_vars()).process_group(0);
     #[cfg(target_os = "linux")]
@@ -199,45 +199,6 @@ fn exit_to_launcher(exit: RankExit, recorded: bool) -> RankExit {
 /// How often a rank's process state and CPU time are written for the supervisor.
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
 
-/// The state and CPU ticks of the processes of group `pgid`: `T` if any is stopped, else `R`
-/// if any runs, else the state of the group leader; CPU summed over the group (so a wrapper
-/// script's worker counts).
-pub(crate) fn group_liveness(pgid: i32) -> Option<(char, u64)> {
-    let mut cpu = 0u64;
-    let (mut stopped, mut running, mut leader) = (false, false, None);
-    for e in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // Fields after the command name, which may contain spaces and ')'.
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.len() < 13 || f[2].parse::<i32>().ok() != Some(pgid) {
-            continue;
-        }
-        let state = f[0].chars().next().unwrap_or('?');
-        stopped |= matches!(state, 'T' | 't');
-        running |= state == 'R';
-        if pid == pgid {
-            leader = Some(state);
-        }
-        cpu += f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0);
-    }
-    let state = if stopped {
-        'T'
-    } else if running {
-        'R'
-    } else {
-        leader?
-    };
-    Some((state, cpu))
-}
-
 /// How often the shim looks for kiln's stop request.
 const STOP_POLL: Duration = Duration::from_millis(100);
 
@@ -265,7 +226,7 @@ fn watch_rank(
         forward_stop_request(dir, pgid);
         if last_live.is_none_or(|t| t.elapsed() >= LIVENESS_EVERY) {
             last_live = Some(Instant::now());
-            if let Some((state, cpu)) = group_liveness(pgid) {
+            if let Some((state, cpu)) = crate::groups::group_liveness(pgid) {
                 let _ = kiln_run::write_liveness(dir, rank, state, cpu, unix_time());
             }
         }
@@ -330,22 +291,21 @@ fn install_forwarding() {
 /// then SIGKILL what is left.
 fn end_leftovers(group: Pid) {
     let groups = [group];
-    let adopted = crate::supervise::adopted_children;
-    if !crate::supervise::any_alive(&groups) && adopted().is_empty() {
+    let adopted = crate::groups::adopted_children;
+    if !crate::groups::any_alive(&groups) && adopted().is_empty() {
         return;
     }
-    crate::supervise::kill_groups(&groups, Signal::SIGTERM);
+    crate::groups::kill_groups(&groups, Signal::SIGTERM);
     for pid in adopted() {
         let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGTERM);
     }
     let until = Instant::now() + LEFTOVER_GRACE;
-    while (crate::supervise::any_alive(&groups) || !adopted().is_empty()) && Instant::now() < until
-    {
-        crate::supervise::reap_any_adopted_zombies();
+    while (crate::groups::any_alive(&groups) || !adopted().is_empty()) && Instant::now() < until {
+        crate::groups::reap_any_adopted_zombies();
         std::thread::sleep(Duration::from_millis(10));
     }
     let _ = killpg(group, Signal::SIGKILL);
-    crate::supervise::reap_adopted();
+    crate::groups::reap_adopted();
 }
 
 /// Ends this process the way the program ended: the same exit code, or the same signal

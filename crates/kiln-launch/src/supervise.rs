@@ -3,11 +3,12 @@
 //! process trees.
 
 use crate::classify::{Classification, classify_code, classify_exit, exit_code_of};
+use crate::groups::{finish_groups, kill_groups, reap_adopted};
 use crate::plan::ProcSpec;
 use crate::progress::{LineSplitter, ProgressRegex, StepCounter};
 use crate::signals::StopRequest;
 use kiln_run::{Beacon, ExitRecord, exit, read_beacons, read_exit_records, unix_time};
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -162,20 +163,6 @@ pub enum SuperviseError {
         /// The cause.
         source: std::io::Error,
     },
-}
-
-/// Makes this process adopt orphaned descendants (Linux `PR_SET_CHILD_SUBREAPER`), so that a
-/// grandchild that left the process group (`setsid`) still cannot outlive the attempt.
-pub fn become_subreaper() -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: prctl with integer arguments has no memory-safety preconditions.
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0 }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        false
-    }
 }
 
 #[derive(Default)]
@@ -562,7 +549,7 @@ impl Watch {
                 let mut fresh = kiln_run::read_liveness(dir);
                 for (pg, rank) in running.groups.iter().zip(&running.ranks) {
                     if let (Some(rank), Some((state, cpu_ticks))) =
-                        (rank, crate::shim::group_liveness(pg.as_raw()))
+                        (rank, crate::groups::group_liveness(pg.as_raw()))
                     {
                         fresh.push(kiln_run::Liveness {
                             rank: *rank,
@@ -1334,86 +1321,4 @@ fn progress_report(
         }));
     }
     out
-}
-
-pub(crate) fn kill_groups(groups: &[Pid], sig: Signal) {
-    for &pg in groups {
-        // ESRCH (group already empty) is the normal case at the end; nothing to report.
-        let _ = killpg(pg, sig);
-    }
-}
-
-pub(crate) fn any_alive(groups: &[Pid]) -> bool {
-    groups.iter().any(|&pg| killpg(pg, None).is_ok())
-}
-
-/// Ends whatever is left in the groups: SIGTERM, up to `grace`, SIGKILL, up to one second.
-fn finish_groups(groups: &[Pid], grace: Duration, reap: bool) {
-    if !any_alive(groups) {
-        return;
-    }
-    kill_groups(groups, Signal::SIGTERM);
-    let until = Instant::now() + grace;
-    while any_alive(groups) && Instant::now() < until {
-        if reap {
-            reap_any_adopted_zombies();
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    if any_alive(groups) {
-        kill_groups(groups, Signal::SIGKILL);
-        let until = Instant::now() + Duration::from_secs(1);
-        while any_alive(groups) && Instant::now() < until {
-            reap_any_adopted_zombies();
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-/// Children of this process that are not ones we spawned: descendants re-parented to us.
-pub(crate) fn adopted_children() -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    // Fields after the command name, which may itself contain spaces and ')'.
-                    let rest = &s[s.rfind(')')? + 1..];
-                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
-                })
-                == Some(me)
-        })
-        .collect()
-}
-
-/// Reaps adopted zombies (a killed grandchild whose parent was already gone is re-parented to
-/// us as subreaper; until reaped it still counts as a member of its group).
-pub(crate) fn reap_any_adopted_zombies() {
-    use nix::sys::wait::{WaitPidFlag, waitpid};
-    for pid in adopted_children() {
-        let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
-    }
-}
-
-/// Kills and reaps every adopted descendant, repeating while killing one orphans another.
-pub(crate) fn reap_adopted() {
-    use nix::sys::wait::waitpid;
-    for _ in 0..16 {
-        let pids = adopted_children();
-        if pids.is_empty() {
-            return;
-        }
-        for &pid in &pids {
-            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
-        }
-        for pid in pids {
-            let _ = waitpid(Pid::from_raw(pid), None);
-        }
-    }
 }
