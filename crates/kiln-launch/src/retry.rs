@@ -349,103 +349,198 @@ impl Log<'_> {
     }
 }
 
-/// Names the culprit of a finished attempt (nothing to name after a success).
-fn diagnose_attempt(
-    outcome: &AttemptOutcome,
-    plan: &AttemptPlan,
-    log_tail: &[u8],
-    run_dir: &Path,
-    scope: &NodeScope<'_>,
+/// What recovery acts on across attempts: the event log, the host pool and quarantine files
+/// (node scope), the swaps made so far, and the run directory. Its methods are the steps of
+/// [`run_with_retries`] between two attempts.
+struct Recovery<'a> {
+    log: Log<'a>,
+    scope: NodeScope<'a>,
+    swaps: Vec<(String, String, bool)>,
+    run_dir: PathBuf,
+    /// Node scope is on: culprit hosts are swapped for spares.
     swap_hosts: bool,
-) -> Diagnosis {
-    if outcome.classification == Classification::Success {
-        return Diagnosis {
-            cause: "none".into(),
-            hosts: Vec::new(),
-            evidence: Vec::new(),
-        };
-    }
-    let lost = if swap_hosts {
-        scope.health.lost(&plan.hosts)
-    } else {
-        Vec::new()
-    };
-    let (mismatch_ranks, mismatch_hosts) = mismatches(run_dir, outcome.start_time);
-    diagnose(
-        outcome,
-        &Clues {
-            log: log_tail,
-            hosts: &plan.hosts,
-            ppn: plan.sizes.ppn,
-            lost,
-            mismatch_ranks,
-            mismatch_hosts,
-        },
-    )
 }
 
-/// Replaces each culprit by a spare (or drops it), recording swaps and quarantines. Returns
-/// the reason to stop when a host can be neither replaced nor dropped.
-#[allow(clippy::too_many_arguments)]
-fn replace_hosts(
-    log: &mut Log<'_>,
-    scope: &mut NodeScope<'_>,
-    swaps: &mut Vec<(String, String, bool)>,
-    attempt: u32,
-    replace: &[String],
-    blind: bool,
-    cause: &str,
-    diagnosis: &Diagnosis,
-    run_dir: &Path,
-) -> Option<String> {
-    for host in replace {
-        let found: Vec<String> = diagnosis
-            .evidence
-            .iter()
-            .filter(|e| &e.host == host)
-            .map(|e| format!("{}: {}", e.source, e.detail))
-            .collect();
-        let evidence = if found.is_empty() {
-            "no evidence named a host; rank 0's host swapped as a guess".to_string()
+impl Recovery<'_> {
+    /// Names the culprit of a finished attempt (nothing to name after a success).
+    fn diagnose(&self, outcome: &AttemptOutcome, plan: &AttemptPlan, log_tail: &[u8]) -> Diagnosis {
+        if outcome.classification == Classification::Success {
+            return Diagnosis {
+                cause: "none".into(),
+                hosts: Vec::new(),
+                evidence: Vec::new(),
+            };
+        }
+        let lost = if self.swap_hosts {
+            self.scope.health.lost(&plan.hosts)
         } else {
-            found.join("; ")
+            Vec::new()
         };
-        if blind && scope.pool.spares.is_empty() {
-            return None; // a guess never shrinks the job
-        }
-        match scope.pool.replace(host) {
-            Replacement::Swapped(with) => {
-                log.emit(
-                    event::NODE_SWAP,
-                    json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
-                );
-                eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
-                swaps.push((host.clone(), with, blind));
-            }
-            Replacement::Dropped => {
-                log.emit(
-                    event::SHRINK,
-                    json!({"attempt": attempt, "dropped": host, "cause": cause, "to": scope.pool.active.len()}),
-                );
-                eprintln!(
-                    "kiln: no spare left; continuing without {host} on {} host(s)",
-                    scope.pool.active.len()
-                );
-            }
-            Replacement::Exhausted => {
-                quarantine(log, scope, host, cause, &evidence, run_dir);
-                return Some(format!(
-                    "no spare left to replace {host} ({cause}) and the job may not shrink below {} host(s)",
-                    scope.pool.min_active
-                ));
-            }
-        }
-        // A guess is not evidence: the host is set aside for this launch, not quarantined.
-        if !blind {
-            quarantine(log, scope, host, cause, &evidence, run_dir);
-        }
+        let (mismatch_ranks, mismatch_hosts) = mismatches(&self.run_dir, outcome.start_time);
+        diagnose(
+            outcome,
+            &Clues {
+                log: log_tail,
+                hosts: &plan.hosts,
+                ppn: plan.sizes.ppn,
+                lost,
+                mismatch_ranks,
+                mismatch_hosts,
+            },
+        )
     }
-    None
+
+    /// Replaces each culprit by a spare (or drops it), recording swaps and quarantines. Returns
+    /// the reason to stop when a host can be neither replaced nor dropped.
+    fn replace_hosts(
+        &mut self,
+        attempt: u32,
+        replace: &[String],
+        blind: bool,
+        cause: &str,
+        diagnosis: &Diagnosis,
+    ) -> Option<String> {
+        for host in replace {
+            let found: Vec<String> = diagnosis
+                .evidence
+                .iter()
+                .filter(|e| &e.host == host)
+                .map(|e| format!("{}: {}", e.source, e.detail))
+                .collect();
+            let evidence = if found.is_empty() {
+                "no evidence named a host; rank 0's host swapped as a guess".to_string()
+            } else {
+                found.join("; ")
+            };
+            if blind && self.scope.pool.spares.is_empty() {
+                return None; // a guess never shrinks the job
+            }
+            match self.scope.pool.replace(host) {
+                Replacement::Swapped(with) => {
+                    self.log.emit(
+                        event::NODE_SWAP,
+                        json!({"attempt": attempt, "host": host, "replacement": with, "cause": cause, "evidence": evidence, "blind": blind}),
+                    );
+                    eprintln!("kiln: swapping {host} for spare {with} ({cause}: {evidence})");
+                    self.swaps.push((host.clone(), with, blind));
+                }
+                Replacement::Dropped => {
+                    self.log.emit(
+                        event::SHRINK,
+                        json!({"attempt": attempt, "dropped": host, "cause": cause, "to": self.scope.pool.active.len()}),
+                    );
+                    eprintln!(
+                        "kiln: no spare left; continuing without {host} on {} host(s)",
+                        self.scope.pool.active.len()
+                    );
+                }
+                Replacement::Exhausted => {
+                    self.quarantine(host, cause, &evidence);
+                    return Some(format!(
+                        "no spare left to replace {host} ({cause}) and the job may not shrink below {} host(s)",
+                        self.scope.pool.min_active
+                    ));
+                }
+            }
+            // A guess is not evidence: the host is set aside for this launch, not quarantined.
+            if !blind {
+                self.quarantine(host, cause, &evidence);
+            }
+        }
+        None
+    }
+
+    /// Records `host` in every quarantine file and the event log.
+    fn quarantine(&mut self, host: &str, cause: &str, evidence: &str) {
+        let entry = QuarantineEntry {
+            time: kiln_run::unix_time(),
+            host: host.to_string(),
+            cause: cause.to_string(),
+            evidence: evidence.to_string(),
+            job_id: self.scope.job_id.clone(),
+            run_dir: Some(self.run_dir.clone()),
+        };
+        for f in &self.scope.quarantine_files {
+            if let Err(e) = append_quarantine(f, &entry) {
+                tracing::warn!("{e}");
+                eprintln!("kiln: {e}");
+            }
+        }
+        self.log.emit(
+            event::QUARANTINE,
+            json!({"host": host, "cause": cause, "evidence": evidence, "files": self.scope.quarantine_files}),
+        );
+    }
+
+    /// Waits the backoff before the next attempt. Returns the outcome to end with when the
+    /// walltime leaves no room for another attempt or a stop signal arrives meanwhile.
+    fn wait_backoff(
+        &mut self,
+        attempt: u32,
+        outcome: &AttemptOutcome,
+        backoff: &Backoff,
+        deadline: Option<Instant>,
+        stop: &dyn Fn() -> Option<StopRequest>,
+    ) -> Option<AttemptOutcome> {
+        let delay = backoff.delay(attempt);
+        // No attempt can start after the walltime: stop now, resumable, instead of starting
+        // one that would be killed at once.
+        if deadline.is_some_and(|d| Instant::now() + delay >= d) {
+            let mut last = outcome.clone();
+            last.classification = Classification::Walltime;
+            last.exit_code = exit::PREEMPTED;
+            last.message =
+                Some("walltime reached before the next attempt could start; not retrying".into());
+            self.log.emit(
+                event::STOPPED,
+                json!({"attempt": attempt, "reason": "walltime"}),
+            );
+            return Some(last);
+        }
+        self.log.emit(
+            event::BACKOFF,
+            json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
+        );
+        eprintln!(
+            "kiln: attempt {attempt} ended {} (exit {}); retrying in {:.1} s",
+            outcome.classification.name(),
+            outcome.exit_code,
+            delay.as_secs_f64()
+        );
+        // Sleep in small steps: a stop signal during backoff must end kiln promptly.
+        let seen = stop().map_or(0, |s| s.count);
+        let until = Instant::now() + delay;
+        while Instant::now() < until {
+            if let Some(req) = stop()
+                && req.count > seen
+            {
+                let mut last = outcome.clone();
+                last.classification = if req.signal == libc::SIGUSR1 {
+                    Classification::Walltime
+                } else {
+                    Classification::Interrupted
+                };
+                last.exit_code = if req.signal == libc::SIGUSR1 {
+                    exit::PREEMPTED
+                } else {
+                    128 + req.signal
+                };
+                last.message = Some(format!(
+                    "kiln received signal {} during backoff; not retrying",
+                    req.signal
+                ));
+                self.log.emit(
+                    event::STOPPED,
+                    json!({"attempt": attempt, "signal": req.signal}),
+                );
+                return Some(last);
+            }
+            std::thread::sleep(
+                Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
+            );
+        }
+        None
+    }
 }
 
 /// Runs attempts with recovery (see the module docs).
@@ -455,16 +550,21 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         run_dir,
         limit,
         backoff,
-        mut scope,
+        scope,
         swap_hosts,
         planner,
         events,
         stop,
         on_attempt_end,
     } = cfg;
-    let mut log = Log(events);
+    let mut r = Recovery {
+        log: Log(events),
+        scope,
+        swaps: Vec::new(),
+        run_dir,
+        swap_hosts,
+    };
     let mut history = History::default();
-    let mut swaps: Vec<(String, String, bool)> = Vec::new();
     let mut attempt: u32 = 0;
     let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
         Ok(LaunchResult {
@@ -477,11 +577,11 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
     loop {
         attempt += 1;
         let log_name = layout::attempt_log(attempt);
-        let plan = match planner(&scope.pool.active) {
+        let plan = match planner(&r.scope.pool.active) {
             Ok(p) => p,
             Err(e) => {
                 let o = AttemptOutcome::not_started(exit::USAGE, e.to_string());
-                return end(o, attempt - 1, Some(e.to_string()), swaps);
+                return end(o, attempt - 1, Some(e.to_string()), r.swaps);
             }
         };
         if let Some((path, text)) = &plan.hostfile_to_write
@@ -490,24 +590,24 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             tracing::warn!("writing {}: {e}", path.display());
         }
         let mut cfg = template.clone();
-        cfg.log_path = run_dir.join(&log_name);
+        cfg.log_path = r.run_dir.join(&log_name);
         cfg.procs = plan.procs.clone();
         cfg.expected_ranks = Some(plan.sizes.np);
         let argv: Vec<Vec<String>> = cfg.procs.iter().map(|p| p.argv.clone()).collect();
-        log.emit(
+        r.log.emit(
             event::ATTEMPT_START,
-            json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
+            json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": r.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
         let log_tail = tail(&cfg.log_path, 256 * 1024);
-        let diagnosis = diagnose_attempt(&outcome, &plan, &log_tail, &run_dir, &scope, swap_hosts);
+        let diagnosis = r.diagnose(&outcome, &plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
         if let Some(obj) = fields.as_object_mut() {
             obj.insert("cause".into(), json!(diagnosis.cause));
             obj.insert("culprit_hosts".into(), json!(diagnosis.hosts));
             obj.insert("evidence".into(), json!(diagnosis.evidence));
         }
-        log.emit(event::ATTEMPT_END, fields);
+        r.log.emit(event::ATTEMPT_END, fields);
         on_attempt_end(attempt, &outcome, &diagnosis);
 
         let signature = (outcome.classification != Classification::Success)
@@ -518,25 +618,25 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             &diagnosis,
             signature,
             limit,
-            swap_hosts,
+            r.swap_hosts,
             &mut history,
         );
         let (replace, blind) = match decision {
-            Finish => return end(outcome, attempt, None, swaps),
+            Finish => return end(outcome, attempt, None, r.swaps),
             Stop { reason, code } => {
-                log.emit(
+                r.log.emit(
                     event::STOPPED,
                     json!({"attempt": attempt, "reason": reason, "exit_code": code}),
                 );
                 let mut last = outcome;
                 last.exit_code = code;
-                return end(last, attempt, Some(reason), swaps);
+                return end(last, attempt, Some(reason), r.swaps);
             }
             Retry { replace, blind } => (replace, blind),
         };
         // A guess swaps rank 0's host: it does the most besides training (I/O, logging).
         let replace = if blind {
-            scope.pool.active_names().into_iter().take(1).collect()
+            r.scope.pool.active_names().into_iter().take(1).collect()
         } else {
             replace
         };
@@ -545,128 +645,21 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         } else {
             diagnosis.cause.as_str()
         };
-        let stopped = replace_hosts(
-            &mut log, &mut scope, &mut swaps, attempt, &replace, blind, cause, &diagnosis, &run_dir,
-        );
+        let stopped = r.replace_hosts(attempt, &replace, blind, cause, &diagnosis);
         if let Some(reason) = stopped {
-            log.emit(
+            r.log.emit(
                 event::STOPPED,
                 json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
             );
             let mut last = outcome;
             last.exit_code = exit::NODES_EXHAUSTED;
-            return end(last, attempt, Some(reason), swaps);
+            return end(last, attempt, Some(reason), r.swaps);
         }
-        let waited = wait_backoff(
-            &mut log,
-            attempt,
-            &outcome,
-            &backoff,
-            template.deadline,
-            stop,
-        );
+        let waited = r.wait_backoff(attempt, &outcome, &backoff, template.deadline, stop);
         if let Some(last) = waited {
-            return end(last, attempt, None, swaps);
+            return end(last, attempt, None, r.swaps);
         }
     }
-}
-
-fn quarantine(
-    log: &mut Log<'_>,
-    scope: &NodeScope<'_>,
-    host: &str,
-    cause: &str,
-    evidence: &str,
-    run_dir: &Path,
-) {
-    let entry = QuarantineEntry {
-        time: kiln_run::unix_time(),
-        host: host.to_string(),
-        cause: cause.to_string(),
-        evidence: evidence.to_string(),
-        job_id: scope.job_id.clone(),
-        run_dir: Some(run_dir.to_path_buf()),
-    };
-    for f in &scope.quarantine_files {
-        if let Err(e) = append_quarantine(f, &entry) {
-            tracing::warn!("{e}");
-            eprintln!("kiln: {e}");
-        }
-    }
-    log.emit(
-        event::QUARANTINE,
-        json!({"host": host, "cause": cause, "evidence": evidence, "files": scope.quarantine_files}),
-    );
-}
-
-/// Waits the backoff before the next attempt. Returns the outcome to end with when the
-/// walltime leaves no room for another attempt or a stop signal arrives meanwhile.
-fn wait_backoff(
-    log: &mut Log<'_>,
-    attempt: u32,
-    outcome: &AttemptOutcome,
-    backoff: &Backoff,
-    deadline: Option<Instant>,
-    stop: &dyn Fn() -> Option<StopRequest>,
-) -> Option<AttemptOutcome> {
-    let delay = backoff.delay(attempt);
-    // No attempt can start after the walltime: stop now, resumable, instead of starting
-    // one that would be killed at once.
-    if deadline.is_some_and(|d| Instant::now() + delay >= d) {
-        let mut last = outcome.clone();
-        last.classification = Classification::Walltime;
-        last.exit_code = exit::PREEMPTED;
-        last.message =
-            Some("walltime reached before the next attempt could start; not retrying".into());
-        log.emit(
-            event::STOPPED,
-            json!({"attempt": attempt, "reason": "walltime"}),
-        );
-        return Some(last);
-    }
-    log.emit(
-        event::BACKOFF,
-        json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
-    );
-    eprintln!(
-        "kiln: attempt {attempt} ended {} (exit {}); retrying in {:.1} s",
-        outcome.classification.name(),
-        outcome.exit_code,
-        delay.as_secs_f64()
-    );
-    // Sleep in small steps: a stop signal during backoff must end kiln promptly.
-    let seen = stop().map_or(0, |s| s.count);
-    let until = Instant::now() + delay;
-    while Instant::now() < until {
-        if let Some(req) = stop()
-            && req.count > seen
-        {
-            let mut last = outcome.clone();
-            last.classification = if req.signal == libc::SIGUSR1 {
-                Classification::Walltime
-            } else {
-                Classification::Interrupted
-            };
-            last.exit_code = if req.signal == libc::SIGUSR1 {
-                exit::PREEMPTED
-            } else {
-                128 + req.signal
-            };
-            last.message = Some(format!(
-                "kiln received signal {} during backoff; not retrying",
-                req.signal
-            ));
-            log.emit(
-                event::STOPPED,
-                json!({"attempt": attempt, "signal": req.signal}),
-            );
-            return Some(last);
-        }
-        std::thread::sleep(
-            Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
-        );
-    }
-    None
 }
 
 #[cfg(test)]
