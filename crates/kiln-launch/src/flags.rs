@@ -8,6 +8,7 @@ use clap::{Args, FromArgMatches};
 use serde::Serialize;
 use serde_json::Value;
 use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 
 /// The flags of `kiln launch`, and the program it runs: the one definition of each flag.
@@ -24,6 +25,7 @@ pub struct LaunchRequest {
     pub nnodes: Option<usize>,
     /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
     #[arg(long, value_name = "FILE", help_heading = "Sizes")]
+    #[serde(serialize_with = "path_bytes")]
     pub hostfile: Option<PathBuf>,
 
     /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
@@ -111,6 +113,7 @@ pub struct LaunchRequest {
     /// A shared quarantine file (JSON lines) read at start and appended with every host node
     /// scope takes out, besides RUN_DIR/quarantine.jsonl.
     #[arg(long, value_name = "FILE", help_heading = "Retries")]
+    #[serde(serialize_with = "path_bytes")]
     pub quarantine_file: Option<PathBuf>,
     /// Backoff between retries, BASE[,CAP] seconds: BASE, doubling, at most CAP
     /// [default: 5,60 = 5, 10, 20, 40, 60, 60 ...].
@@ -128,10 +131,12 @@ pub struct LaunchRequest {
     pub chain: Option<u32>,
     /// Internal (kiln submit): the batch script to resubmit.
     #[arg(long, value_name = "FILE", hide = true)]
+    #[serde(serialize_with = "path_bytes")]
     pub chain_script: Option<PathBuf>,
 
     /// Run directory for events.jsonl and attempt logs [default: runs/launch-<UTC time>].
     #[arg(long, value_name = "DIR")]
+    #[serde(serialize_with = "path_bytes")]
     pub run_dir: Option<PathBuf>,
     /// Print what was detected and the exact argv (and added variables), then exit.
     #[arg(long)]
@@ -191,11 +196,23 @@ impl LaunchRequest {
                 Value::Bool(true) => argv.push(format!("--{long}").into()),
                 Value::Bool(false) => {}
                 Value::String(s) => argv.push(format!("--{long}={s}").into()),
+                // A path, as its bytes (see `path_bytes`): written back byte for byte.
+                Value::Array(bytes) => {
+                    let mut arg = format!("--{long}=").into_bytes();
+                    arg.extend(bytes.iter().filter_map(|b| u8::try_from(b.as_u64()?).ok()));
+                    argv.push(OsString::from_vec(arg));
+                }
                 other => argv.push(format!("--{long}={other}").into()),
             }
         }
         Ok(argv)
     }
+}
+
+/// Paths as their bytes, so a path that is not UTF-8 is written back exactly.
+fn path_bytes<S: serde::Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+    use std::os::unix::ffi::OsStrExt;
+    path.as_ref().map(|p| p.as_os_str().as_bytes()).serialize(s)
 }
 
 /// A request's fields by name (clap's argument ids are the field names).

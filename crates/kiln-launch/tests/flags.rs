@@ -96,6 +96,19 @@ proptest! {
 }
 
 #[test]
+fn paths_that_are_not_utf8_are_written_byte_for_byte() {
+    use std::os::unix::ffi::OsStrExt;
+    let odd = std::ffi::OsStr::from_bytes(b"/runs/\xff a\n").to_owned();
+    let req = LaunchRequest {
+        run_dir: Some(PathBuf::from(&odd)),
+        quarantine_file: Some(PathBuf::from(&odd)),
+        ..LaunchRequest::default()
+    };
+    let argv = req.to_argv().expect("paths are written as bytes");
+    assert_eq!(LaunchRequest::parse_flags(&argv).unwrap(), req, "{argv:?}");
+}
+
+#[test]
 fn defaults_write_nothing_and_the_flag_list_is_derived() {
     assert!(LaunchRequest::default().to_argv().unwrap().is_empty());
     let flags = kiln_flags();
