@@ -102,34 +102,6 @@ fn assert_ok(out: &Output) {
     assert_eq!(out.status.code(), Some(0), "{}", text(out));
 }
 
-/// The PID of the `kiln train` process of rank `rank` of the job writing `rd` (found by
-/// its command line and the RANK that `kiln launch --as-rank` set).
-fn rank_pid(rd: &Path, rank: usize) -> Option<i32> {
-    let want_dir = rd.to_string_lossy().into_owned();
-    let want_rank = format!("RANK={rank}");
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let is_trainer = args.iter().any(|a| a == "train")
-            && args.iter().any(|a| a == &want_dir)
-            && !args.iter().any(|a| a == "launch");
-        if !is_trainer {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
 /// Waits until the run's metrics reach `step`, then returns.
 fn wait_for_step(rd: &Path, step: u64, child: &mut Child) {
     let t0 = Instant::now();
@@ -216,7 +188,7 @@ fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let pid = rank_pid(&rd, 1).expect("rank 1's pid");
+    let pid = common::trainer_pid(&rd, 1).expect("rank 1's pid");
     // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     let status = job.wait().unwrap();
@@ -246,7 +218,7 @@ fn sigterm_to_one_rank_makes_all_ranks_checkpoint_at_one_step_and_exit_75() {
         .spawn()
         .unwrap();
     wait_for_step(&rd, 5, &mut job);
-    let pid = rank_pid(&rd, 2).expect("rank 2's pid");
+    let pid = common::trainer_pid(&rd, 2).expect("rank 2's pid");
     // SAFETY: kill(2) on a pid of a process this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
     let status = job.wait().unwrap();

@@ -127,30 +127,6 @@ fn sigkill(pid: i32) {
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
 }
 
-/// The PID of rank `rank`'s `kiln train` of run directory `rd` (by command line and RANK).
-fn rank_pid(rd: &Path, rank: usize) -> Option<i32> {
-    let want_dir = rd.to_string_lossy().into_owned();
-    let want_rank = format!("RANK={rank}");
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let trainer = args.iter().any(|a| a == "train")
-            && args.iter().any(|a| a == &want_dir)
-            && !args.iter().any(|a| a == "launch");
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
 /// Starts a run, waits until every rank holds two snapshots, SIGKILLs `victim`
 /// (rank 0 = the `kiln train` itself on one rank) and waits for the run to end.
 fn run_and_kill(np: usize, rd: &Path, shm: &Path, victim: usize) {
@@ -163,7 +139,7 @@ fn run_and_kill(np: usize, rd: &Path, shm: &Path, victim: usize) {
     let pid = if np == 1 {
         child.id() as i32
     } else {
-        rank_pid(rd, victim).expect("the victim's pid")
+        common::trainer_pid(rd, victim).expect("the victim's pid")
     };
     sigkill(pid);
     let status = child.wait().unwrap();

@@ -122,3 +122,29 @@ pub fn wait_for_file_text(path: &Path, needle: &str, child: &mut std::process::C
     }
     panic!("{needle:?} never appeared in {}", path.display());
 }
+
+/// The PID of rank `rank`'s `kiln train` writing run directory `run_dir`: found by its
+/// command line (`train` and the run directory, not the `launch` shim around it) and the
+/// RANK that `kiln launch --as-rank` set in its environment.
+pub fn trainer_pid(run_dir: &Path, rank: usize) -> Option<i32> {
+    let want_dir = run_dir.to_string_lossy().into_owned();
+    let want_rank = format!("RANK={rank}");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let trainer = args.iter().any(|a| a == "train")
+            && args.iter().any(|a| a == &want_dir)
+            && !args.iter().any(|a| a == "launch");
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}

@@ -376,22 +376,5 @@ pub fn rank_pid(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
         let text = std::fs::read_to_string(dir.join(format!("rank-{rank}"))).ok()?;
         return text.trim().parse().ok();
     }
-    let want_rank = format!("RANK={rank}");
-    let want_dir = run.display().to_string();
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let trainer = args.get(1).is_some_and(|a| a == "train") && args.contains(&want_dir);
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if trainer && env.split(|&b| b == 0).any(|v| v == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
+    super::trainer_pid(run, rank)
 }
