@@ -65,35 +65,23 @@ fn a_hostfile_in_any_kiln_syntax_reaches_mpirun_in_its_own() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("hosts"), hostfile).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
-        cmd.current_dir(dir.path())
-            .args([
-                "launch",
-                "--mpi",
-                "--hostfile",
-                "hosts",
-                "--np",
-                "2",
-                "--timeout",
-                "60",
-            ])
-            .args([
-                "--run-dir",
-                "run",
-                "--",
-                "sh",
-                "-c",
-                "echo RANK=$RANK/$WORLD_SIZE",
-            ]);
-        for v in [
-            "PBS_JOBID",
-            "SLURM_JOB_ID",
-            "SLURM_JOBID",
-            "RANK",
-            "WORLD_SIZE",
-        ] {
-            cmd.env_remove(v);
-        }
+        let mut cmd = common::kiln_cmd(&[
+            "launch",
+            "--mpi",
+            "--hostfile",
+            "hosts",
+            "--np",
+            "2",
+            "--timeout",
+            "60",
+            "--run-dir",
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "echo RANK=$RANK/$WORLD_SIZE",
+        ]);
+        cmd.current_dir(dir.path());
         let out = cmd.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
