@@ -67,6 +67,16 @@ impl Key {
             String::from_utf8_lossy(&self.kind).trim().to_lowercase()
         )
     }
+
+    /// The cache file of this key for the dataset at `prefix`, under `cache_dir` (named
+    /// after the dataset, so an operator can tell whose it is).
+    pub fn dataset_path(&self, cache_dir: &Path, prefix: &Path) -> PathBuf {
+        let stem = prefix
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "dataset".into());
+        cache_dir.join(self.file_name(&stem))
+    }
 }
 
 /// A cache file mapped read-only; `payload()` is the bytes after the header.

@@ -364,12 +364,7 @@ fn index_checked_cached(ds: &IndexedDataset, cache_dir: &Path) -> Result<()> {
     let (_, idx_fp) = crate::fingerprint::sampled(ds.index().path())?;
     let (_, bin_fp) = crate::fingerprint::sampled(&crate::indexed::bin_path(ds.prefix()))?;
     let key = crate::cache::Key::new(b"IDXCHECK", &format!("v1 idx={idx_fp} bin={bin_fp}"));
-    let stem = ds
-        .prefix()
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "dataset".into());
-    let path = cache_dir.join(key.file_name(&stem));
+    let path = key.dataset_path(cache_dir, ds.prefix());
     crate::cache::get_or_build(&path, &key, || {
         let _span = tracing::info_span!("index check", dataset = %ds.prefix().display()).entered();
         let tokens = ds.index().check_all()?;
@@ -384,12 +379,7 @@ fn max_token_cached(ds: &IndexedDataset, cache_dir: &Path) -> Result<Option<u32>
     let bin = crate::indexed::bin_path(ds.prefix());
     let (_, fp) = crate::fingerprint::sampled(&bin)?;
     let key = crate::cache::Key::new(b"MAXTOKEN", &format!("v1 bin={fp}"));
-    let stem = ds
-        .prefix()
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "dataset".into());
-    let path = cache_dir.join(key.file_name(&stem));
+    let path = key.dataset_path(cache_dir, ds.prefix());
     let file = crate::cache::get_or_build(&path, &key, || {
         let _span = tracing::info_span!("max token id", dataset = %ds.prefix().display()).entered();
         // Stored as max + 1, so that 0 means "no tokens".
