@@ -90,6 +90,10 @@ pub struct Setup {
     progress_dir: PathBuf,
     run_dir: PathBuf,
     python_unbuffered_set: bool,
+    /// The device variable of each local rank (empty: nothing to choose); see
+    /// [`kiln_topology::device_for_local_rank`]. Ranks under a launcher get theirs in the
+    /// shim, from [`kiln_run::host::ACCELERATORS_ENV`].
+    rank_devices: Vec<Option<(&'static str, String)>>,
 }
 
 /// The processes of one attempt on a given set of hosts.
@@ -289,6 +293,9 @@ pub fn prepare(
         as_root,
         local_cpus,
     };
+    let rank_devices = (0..sizes.ppn)
+        .map(|r| kiln_topology::device_for_local_rank(accelerators.value, vars, r))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut setup = Setup {
         scheduler,
         hosts,
@@ -309,6 +316,7 @@ pub fn prepare(
         progress_dir: opts.progress_dir.clone(),
         run_dir: opts.run_dir.clone(),
         python_unbuffered_set: opts.python_unbuffered_set,
+        rank_devices,
     };
     let first = setup.plan_for(&active)?;
     setup.used_hosts = first.hosts;
@@ -383,13 +391,22 @@ impl Setup {
         if !self.python_unbuffered_set {
             exports.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
         }
+        if self.accelerators.value.kind != AcceleratorKind::Cpu {
+            let acc = kiln_topology::accelerators_to_env(self.accelerators.value);
+            exports.push((kiln_run::host::ACCELERATORS_ENV.to_string(), acc));
+        }
         let mut req = self.template.clone();
         req.sizes = sizes;
         req.hosts = hosts.to_vec();
         req.hostfile = hostfile;
         req.explicit_hosts = self.user_hostfile || !all_hosts;
         req.exports = exports;
-        let procs = build_plan(&req)?;
+        let mut procs = build_plan(&req)?;
+        for proc in &mut procs {
+            let device = proc.rank.and_then(|r| self.rank_devices.get(r)?.clone());
+            proc.env
+                .extend(device.map(|(var, value)| (var.to_string(), value)));
+        }
         Ok(AttemptPlan {
             sizes,
             procs,

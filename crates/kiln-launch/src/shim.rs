@@ -62,6 +62,9 @@ pub enum ShimError {
     /// The launcher's rank variables are unusable.
     #[error("rank environment: {0}")]
     RankEnv(#[from] RankEnvError),
+    /// The node's visible-device list, from which this rank takes its device, is malformed.
+    #[error("device binding: {0}")]
+    Devices(#[from] kiln_topology::VisibleDevicesError),
     /// No command given.
     #[error("no command given after `--`")]
     NoCommand,
@@ -126,6 +129,11 @@ pub fn run_as_rank(
     crate::groups::become_subreaper();
     let mut cmd = Command::new(program);
     cmd.args(args).envs(env.to_vars()).process_group(0);
+    // Each local rank its own GPU, from the accelerators `kiln launch` detected.
+    let vars = |k: &str| std::env::var(k).ok();
+    if let Some((var, device)) = kiln_topology::rank_device(&vars, env.local_rank)? {
+        cmd.env(var, device);
+    }
     #[cfg(target_os = "linux")]
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {

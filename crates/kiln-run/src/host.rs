@@ -19,6 +19,10 @@ use std::path::{Path, PathBuf};
 /// Environment variable that caps the memory kiln budgets for.
 pub const MEMORY_LIMIT_ENV: &str = "KILN_MEMORY_LIMIT";
 
+/// Environment variable through which `kiln launch` tells each rank the accelerators it
+/// detected on the node (`nvidia:4`), so that the rank takes its own one.
+pub const ACCELERATORS_ENV: &str = "KILN_ACCELERATORS";
+
 /// Memory this process may still use, and where that number came from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MemoryLimit {

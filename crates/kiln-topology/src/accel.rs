@@ -247,6 +247,86 @@ pub fn detect_accelerators(
     })
 }
 
+/// The variable that gives one process its devices of `kind`, as the runtime reads it: for
+/// AMD the one already set (`ROCR_VISIBLE_DEVICES` first, as detection reads them), else
+/// `ROCR_VISIBLE_DEVICES`; `None` for CPU.
+fn binding_var(
+    kind: AcceleratorKind,
+    vars: &dyn Fn(&str) -> Option<String>,
+) -> Option<&'static str> {
+    match kind {
+        AcceleratorKind::Nvidia => Some("CUDA_VISIBLE_DEVICES"),
+        AcceleratorKind::Amd => Some(
+            ["ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"]
+                .into_iter()
+                .find(|v| vars(v).is_some())
+                .unwrap_or("ROCR_VISIBLE_DEVICES"),
+        ),
+        AcceleratorKind::Intel => Some("ZE_AFFINITY_MASK"),
+        AcceleratorKind::Cpu => None,
+    }
+}
+
+/// The device of local rank `local_rank`: the variable to set for that rank and its value,
+/// one entry of the node's visible-device list (`vars`' current value of that variable, or
+/// `0..count` when it is unset), chosen round-robin by local rank so that N ranks on N
+/// GPUs get one each (more ranks than GPUs share them). `None` when there is nothing to
+/// choose: a CPU node, or a single visible device (one GPU, or a scheduler that already
+/// bound each task to its own, as `srun --gpus-per-task` does). A device then opens as
+/// index 0 (`training.device = "cuda"`), whichever GPU it is.
+pub fn device_for_local_rank(
+    acc: Accelerators,
+    vars: &dyn Fn(&str) -> Option<String>,
+    local_rank: usize,
+) -> Result<Option<(&'static str, String)>, VisibleDevicesError> {
+    let Some(var) = binding_var(acc.kind, vars) else {
+        return Ok(None);
+    };
+    let devices = match vars(var) {
+        Some(value) => parse_visible_devices(var, &value)?,
+        None => (0..acc.count).map(|i| i.to_string()).collect(),
+    };
+    if devices.len() < 2 {
+        return Ok(None);
+    }
+    Ok(Some((var, devices[local_rank % devices.len()].clone())))
+}
+
+/// `kind:count` as `kiln launch` hands the detected accelerators to its ranks
+/// ([`kiln_run::host::ACCELERATORS_ENV`]), so a rank's shim binds its device by the same
+/// detection the launcher made.
+pub fn accelerators_to_env(acc: Accelerators) -> String {
+    format!("{}:{}", acc.kind.name(), acc.count)
+}
+
+/// Reads [`accelerators_to_env`]'s form back; `None` for anything else (then no binding).
+pub fn accelerators_from_env(value: &str) -> Option<Accelerators> {
+    let (kind, count) = value.trim().split_once(':')?;
+    let kind = [
+        AcceleratorKind::Nvidia,
+        AcceleratorKind::Amd,
+        AcceleratorKind::Intel,
+        AcceleratorKind::Cpu,
+    ]
+    .into_iter()
+    .find(|k| k.name() == kind)?;
+    let count = count.parse().ok().filter(|&n| n <= MAX_VISIBLE_DEVICES)?;
+    Some(Accelerators { kind, count })
+}
+
+/// The device binding of local rank `local_rank` under `kiln launch`: the accelerators the
+/// launcher detected ([`kiln_run::host::ACCELERATORS_ENV`] in `vars`) split by
+/// [`device_for_local_rank`]. `None` outside `kiln launch` or when there is nothing to choose.
+pub fn rank_device(
+    vars: &dyn Fn(&str) -> Option<String>,
+    local_rank: usize,
+) -> Result<Option<(&'static str, String)>, VisibleDevicesError> {
+    match vars(kiln_run::host::ACCELERATORS_ENV).and_then(|v| accelerators_from_env(&v)) {
+        Some(acc) => device_for_local_rank(acc, vars, local_rank),
+        None => Ok(None),
+    }
+}
+
 /// `nvidia-smi -L`: one `GPU <i>: <name> (UUID: ...)` line per GPU (MIG lines are indented).
 pub fn count_nvidia_smi(out: &str) -> usize {
     out.lines().filter(|l| l.starts_with("GPU ")).count()
@@ -285,6 +365,84 @@ mod tests {
 
     fn with(var: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
         move |k: &str| (k == var).then(|| value.to_string())
+    }
+
+    #[test]
+    fn each_local_rank_gets_its_own_device() {
+        let nvidia = |count| Accelerators {
+            kind: AcceleratorKind::Nvidia,
+            count,
+        };
+        let unset = |_: &str| None;
+        let pick = |acc, vars: &dyn Fn(&str) -> Option<String>, r| {
+            device_for_local_rank(acc, vars, r).unwrap()
+        };
+        for r in 0..4 {
+            assert_eq!(
+                pick(nvidia(4), &unset, r),
+                Some(("CUDA_VISIBLE_DEVICES", r.to_string()))
+            );
+        }
+        // More ranks than GPUs share them round-robin.
+        assert_eq!(pick(nvidia(2), &unset, 3).unwrap().1, "1");
+        // The entries of a set list are handed out, not indices.
+        let listed = with("CUDA_VISIBLE_DEVICES", "4,6,GPU-8c1a");
+        assert_eq!(pick(nvidia(3), &listed, 2).unwrap().1, "GPU-8c1a");
+        // One device (or a scheduler that bound each task): nothing to choose.
+        assert_eq!(pick(nvidia(1), &unset, 0), None);
+        assert_eq!(pick(nvidia(4), &with("CUDA_VISIBLE_DEVICES", "3"), 1), None);
+        let cpu = Accelerators {
+            kind: AcceleratorKind::Cpu,
+            count: 0,
+        };
+        assert_eq!(pick(cpu, &unset, 1), None);
+        // AMD keeps the variable the job set; Intel uses Level Zero's mask.
+        let amd = Accelerators {
+            kind: AcceleratorKind::Amd,
+            count: 2,
+        };
+        let hip = with("HIP_VISIBLE_DEVICES", "0,1");
+        assert_eq!(
+            pick(amd, &hip, 1),
+            Some(("HIP_VISIBLE_DEVICES", "1".into()))
+        );
+        assert_eq!(
+            pick(amd, &unset, 1),
+            Some(("ROCR_VISIBLE_DEVICES", "1".into()))
+        );
+        let tiles = with("ZE_AFFINITY_MASK", "0.0,0.1");
+        let intel = Accelerators {
+            kind: AcceleratorKind::Intel,
+            count: 2,
+        };
+        assert_eq!(pick(intel, &tiles, 1).unwrap().1, "0.1");
+        // A malformed list is the same error detection gives.
+        assert!(
+            device_for_local_rank(nvidia(2), &with("CUDA_VISIBLE_DEVICES", "0,,1"), 0).is_err()
+        );
+    }
+
+    #[test]
+    fn accelerators_round_trip_through_the_environment() {
+        for kind in [
+            AcceleratorKind::Nvidia,
+            AcceleratorKind::Amd,
+            AcceleratorKind::Intel,
+            AcceleratorKind::Cpu,
+        ] {
+            let acc = Accelerators { kind, count: 8 };
+            assert_eq!(accelerators_from_env(&accelerators_to_env(acc)), Some(acc));
+        }
+        for bad in [
+            "",
+            "nvidia",
+            "gpu:2",
+            "nvidia:x",
+            "nvidia:-1",
+            "nvidia:100000",
+        ] {
+            assert_eq!(accelerators_from_env(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

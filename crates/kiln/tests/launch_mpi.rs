@@ -167,3 +167,50 @@ fn sigterm_is_a_preemption_reported_as_75_from_the_ranks_on_every_launch_path() 
         }
     }
 }
+
+/// One GPU per local rank on both launch paths: a local spawn (kiln sets each rank's
+/// variable) and mpirun (each rank's shim does, from the accelerators kiln detected). No GPU
+/// is needed: the binding is the variable the runtime reads.
+#[test]
+fn each_local_rank_gets_its_own_gpu_on_every_launch_path() {
+    for (visible, want) in [
+        (None, ["0", "1", "2"]),
+        (Some("GPU-8c1a,4,6"), ["GPU-8c1a", "4", "6"]),
+    ] {
+        for mpi in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let rd = dir.path().join("run");
+            let mut args = vec!["launch", "--np", "3", "--timeout", "60"];
+            if mpi {
+                args.push("--mpi");
+            }
+            if visible.is_none() {
+                args.extend(["--accelerator", "nvidia", "--gpus-per-node", "3"]);
+            }
+            let mut cmd = common::kiln_cmd(&args);
+            cmd.arg("--run-dir").arg(&rd).args([
+                "--",
+                "sh",
+                "-c",
+                "echo \"rank $LOCAL_RANK gpu $CUDA_VISIBLE_DEVICES\"",
+            ]);
+            if let Some(v) = visible {
+                cmd.env("CUDA_VISIBLE_DEVICES", v);
+            }
+            let out = cmd.output().expect("run kiln");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "mpi={mpi}: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for (r, gpu) in want.iter().enumerate() {
+                assert!(
+                    stdout.contains(&format!("rank {r} gpu {gpu}\n")),
+                    "mpi={mpi} visible={visible:?}: rank {r} should see only {gpu}:\n{stdout}"
+                );
+            }
+        }
+    }
+}
