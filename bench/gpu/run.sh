@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): unpacks the carried kiln, sets what the CUDA runtime needs,
+# and runs bench.py (kiln vs PyTorch eager and torch.compile, reference and 1B-class models).
+# Results: stdout, and result.json in $OUT (or bench/gpu/).
+#
+# What a GPU host needs for kiln's CUDA build, beside the NVIDIA driver (CUDA 13 for the
+# default CUDARC_CUDA_VERSION=13000): libdevice.10.bc, found through CUDA_PATH (a CUDA toolkit
+# has it in nvvm/libdevice/; PyPI's nvidia-cuda-nvcc-cu12 ships it too), and for more than
+# one GPU NCCL's libnccl.so (cudarc opens that name; PyPI's nvidia-nccl-cu13 ships
+# libnccl.so.2, so link it).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+kiln="$here/carry/kiln"
+if [ ! -x "$kiln" ]; then
+  python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as i, open(sys.argv[2], "wb") as o: shutil.copyfileobj(i, o)' \
+    "$kiln.xz" "$kiln"
+  chmod +x "$kiln"
+fi
+if [ -z "${CUDA_PATH:-}" ]; then
+  for d in /usr/local/cuda /usr/local/cuda-13* /usr/lib/cuda; do
+    [ -f "$d/nvvm/libdevice/libdevice.10.bc" ] && { export CUDA_PATH=$d; break; }
+  done
+fi
+echo "CUDA_PATH=${CUDA_PATH:-unset}; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+"$kiln" --version
+python3 "$here/bench.py" --kiln "$kiln" "$@"

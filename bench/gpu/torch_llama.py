@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""PyTorch peer of kiln's GPU benchmark: the same Llama as kiln (RMSNorm, RoPE, GQA attention
+through scaled_dot_product_attention as torchtitan uses, SwiGLU, untied head), bf16 autocast on
+f32 master weights, AdamW (fused), gradient clipping 1.0, on one CUDA GPU.
+
+Prints one JSON line: tokens/s, step time, MFU against the GPU's dense bf16 peak, and peak
+GPU memory (allocated and reserved by PyTorch's caching allocator).
+
+Usage: torch_llama.py --model ref|1b --variant eager|compile [--batch B] [--seq T]
+                      [--steps N] [--warmup N]
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# (vocab, d_model, layers, heads, kv heads, ffn hidden, default batch, default seq)
+MODELS = {
+    # kiln's reference model (bench/train): 15.7M parameters.
+    "ref": (8192, 384, 6, 6, 2, 1024, 8, 256),
+    # A 1B-class Llama (issue 18): 1.1B parameters.
+    "1b": (32000, 2048, 16, 16, 4, 5632, 4, 2048),
+}
+
+# Dense bf16 tensor-core peak (FLOP/s) by device name; MFU is measured against it.
+PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GH200": 989e12, "B200": 2250e12}
+
+
+def peak_flops(name):
+    for key, flops in PEAKS.items():
+        if key in name:
+            return flops
+    return float("nan")
+
+
+class Block(nn.Module):
+    def __init__(self, d, nh, nkv, ffn):
+        super().__init__()
+        self.nh, self.nkv, self.hd = nh, nkv, d // nh
+        self.attn_norm = nn.RMSNorm(d, eps=1e-5)
+        self.wq = nn.Linear(d, nh * self.hd, bias=False)
+        self.wk = nn.Linear(d, nkv * self.hd, bias=False)
+        self.wv = nn.Linear(d, nkv * self.hd, bias=False)
+        self.wo = nn.Linear(nh * self.hd, d, bias=False)
+        self.ffn_norm = nn.RMSNorm(d, eps=1e-5)
+        self.gate = nn.Linear(d, ffn, bias=False)
+        self.up = nn.Linear(d, ffn, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.wk(h).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.wv(h).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        h = self.ffn_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, d, layers, nh, nkv, ffn, seq):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, nh, nkv, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.head = nn.Linear(d, vocab, bias=False)
+        hd = d // nh
+        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x, self.cos, self.sin)
+        return self.head(self.norm(x))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=MODELS, default="ref")
+    ap.add_argument("--variant", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    vocab, d, layers, nh, nkv, ffn, batch, seq = MODELS[a.model]
+    batch, seq = a.batch or batch, a.seq or seq
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = Llama(vocab, d, layers, nh, nkv, ffn, seq).to(dev)  # f32 masters
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    step_model = torch.compile(model) if a.variant == "compile" else model
+    ids = torch.randint(0, vocab, (batch, seq + 1), device=dev)
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = step_model(x)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    loss = float(loss)  # waits for the last step
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / a.steps
+    tokens = batch * seq
+    # torchtitan's count: 6 x parameters (embedding excluded: a lookup) + attention 12*L*d*T.
+    flops_per_token = 6 * (params - vocab * d) + 12 * layers * d * seq
+    name = torch.cuda.get_device_name()
+    print(json.dumps({
+        "impl": f"torch-{a.variant}", "model": a.model, "params": params, "batch": batch,
+        "seq": seq, "device": name, "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
+        "mfu": flops_per_token * tokens / dt / peak_flops(name), "loss": loss,
+        "peak_alloc_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+        "torch": torch.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()
