@@ -311,7 +311,10 @@ impl<'c> Step<'c> {
         scale: f64,
         labels: Labels,
     ) -> (f32, Vec<Tensor<1>>) {
-        let shards = self.shards.min(rows.len()).max(1);
+        let shards = match crate::tensor::on_host_threads(&session.device) {
+            true => self.shards.min(rows.len()).max(1),
+            false => 1, // one stream: see `on_host_threads`
+        };
         if shards == 1 {
             return shard_loss_and_grads(session, rows, self.layout.seq, scale, labels, 0);
         }

@@ -17,6 +17,19 @@ pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
     data.try_into_vec::<f32>().unwrap_or_default()
 }
 
+/// Whether `device` computes on the host's threads (flex), where spreading independent
+/// tensor work over threads pays. On a CubeCL device each host thread has its own stream,
+/// and a tensor produced on one thread's stream and read on another's is not reliably
+/// waited for (measured on CubeCL's CPU runtime: a global norm summed from per-tensor
+/// results of rayon threads came out 10 % low, every gradient itself exact), so work on those
+/// devices stays on the calling thread.
+pub fn on_host_threads(device: &Device) -> bool {
+    matches!(
+        device.as_dispatch().clone().inner(),
+        burn::backend::DispatchDevice::Flex(_)
+    )
+}
+
 /// Token ids `[rows, len]` as an Int tensor on `device`.
 pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
     let flat: Vec<i64> = rows

@@ -179,10 +179,23 @@ fn model_step_gradients_match_flex_per_parameter() {
         };
         let g = Step::single(&cfg, &s)
             .unwrap()
-            .gradients(&s, data.source.as_ref(), At { base: 0, batch_no: 1 })
+            .gradients(
+                &s,
+                data.source.as_ref(),
+                At {
+                    base: 0,
+                    batch_no: 1,
+                },
+            )
             .unwrap();
         let names: Vec<String> = s.model.specs().iter().map(|p| p.name.clone()).collect();
-        (s.host_params(), g.loss, g.norm, names, g.grads.iter().map(host).collect::<Vec<_>>())
+        (
+            s.host_params(),
+            g.loss,
+            g.norm,
+            names,
+            g.grads.iter().map(host).collect::<Vec<_>>(),
+        )
     };
     let (weights, want_loss, want_norm, names, want) = step_of("flex", None);
     let (_, loss, norm, _, got) = step_of("cubecl-cpu", Some(&weights));
@@ -196,7 +209,13 @@ fn model_step_gradients_match_flex_per_parameter() {
             bad.push(format!("{name}: {d:.2e}"));
         }
     }
-    assert!((loss - want_loss).abs() <= 1e-4 * want_loss.abs(), "loss {loss} vs {want_loss}");
+    assert!(
+        (loss - want_loss).abs() <= 1e-4 * want_loss.abs(),
+        "loss {loss} vs {want_loss}"
+    );
     assert!(bad.is_empty(), "gradients differ from flex: {bad:?}");
-    assert!((norm - want_norm).abs() <= 1e-3 * want_norm, "grad norm {norm} vs {want_norm}");
+    assert!(
+        (norm - want_norm).abs() <= 1e-3 * want_norm,
+        "grad norm {norm} vs {want_norm}"
+    );
 }

@@ -60,13 +60,16 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
     if grads.is_empty() {
         return 0.0;
     }
-    // One tensor per rayon task: flex runs each element-wise op on one thread, and the
+    // One tensor per rayon task on flex: it runs each element-wise op on one thread, and the
     // per-tensor results are the same whichever thread computes them (concatenated and
-    // summed in parameter order below), so the norm keeps its bits.
-    let sq: Vec<Tensor<1>> = grads
-        .par_iter()
-        .map(|g| g.clone().powi_scalar(2).sum())
-        .collect();
+    // summed in parameter order below), so the norm keeps its bits. Elsewhere one thread
+    // (see `on_host_threads`).
+    let square_sum = |g: &Tensor<1>| g.clone().powi_scalar(2).sum();
+    let sq: Vec<Tensor<1>> = if crate::tensor::on_host_threads(&grads[0].device()) {
+        grads.par_iter().map(square_sum).collect()
+    } else {
+        grads.iter().map(square_sum).collect()
+    };
     Tensor::cat(sq, 0).sum().sqrt().into_scalar::<f32>()
 }
 
