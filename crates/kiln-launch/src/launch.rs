@@ -4,13 +4,16 @@
 
 use crate::culprit::Diagnosis;
 pub use crate::flags::LaunchRequest;
+use crate::groups::become_subreaper;
 use crate::health::{HostHealth, NoHealth, PbsHealth, SlurmHealth};
-use crate::plan::Launcher;
+use crate::plan::{Launcher, SizeRequest};
 use crate::pool::{HostPool, quarantined_hosts};
 use crate::probe::{Lookup, lookup_program, probe_tool};
 use crate::progress::ProgressRegex;
-use crate::retry::{Backoff, NodeScope, RetryConfig, RetryLimit, run_with_retries};
+use crate::retry::{Backoff, LaunchResult, NodeScope, RetryConfig, RetryLimit, run_with_retries};
 use crate::setup::{LaunchOptions, Setup, prepare};
+use crate::shim::{free_port, running_as_root};
+use crate::signals::{install_stop_handlers, stop_requested};
 use crate::submit::{BatchScheduler, CHAIN_INDEX_ENV, ChainJob, continue_chain};
 use crate::supervise::{AttemptConfig, AttemptOutcome};
 use crate::{classify::Classification, limits};
@@ -195,7 +198,7 @@ fn set_up(
     let exclude = quarantined_hosts(&files).map_err(|e| LaunchError::Usage(e.to_string()))?;
     let master_port = match req.master_port {
         Some(p) => p,
-        None => crate::free_port().unwrap_or(29500),
+        None => free_port().unwrap_or(29500),
     };
     let shim = match std::env::current_exe() {
         Ok(exe) if !req.no_rank_env => {
@@ -217,7 +220,7 @@ fn set_up(
     let opts = LaunchOptions {
         scheduler: Some(req.scheduler.clone()),
         hostfile: req.hostfile.clone(),
-        sizes: crate::SizeRequest {
+        sizes: SizeRequest {
             np: req.np,
             ppn: req.ppn,
             nnodes: req.nnodes,
@@ -244,7 +247,7 @@ fn set_up(
         &env_var,
         &probe_tool,
         local_cpus(),
-        crate::running_as_root(),
+        running_as_root(),
     )
     .map_err(|e| LaunchError::Usage(e.to_string()))?;
     if let Some(m) = req.min_nodes
@@ -444,10 +447,10 @@ pub fn launch(
         req,
     )?;
 
-    crate::install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
+    install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
     // Grandchildren that escape the process group (setsid, daemonize) are re-parented to
     // kiln, which then kills them when the attempt ends.
-    let reap = crate::become_subreaper();
+    let reap = become_subreaper();
     let attempt = AttemptConfig {
         procs: Vec::new(),
         log_path: run_dir.join(layout::attempt_log(1)),
@@ -491,7 +494,7 @@ pub fn launch(
         swap_hosts,
         planner: &planner,
         events: &mut events,
-        stop: &crate::stop_requested,
+        stop: &stop_requested,
         on_attempt_end,
     })
     .map_err(|e| LaunchError::Io(e.to_string()))?;
@@ -517,7 +520,7 @@ pub fn launch(
 /// Writes `launch_end` and, for a job of a chain, submits the next job when it should.
 fn finish(
     events: &mut EventLog,
-    result: &crate::LaunchResult,
+    result: &LaunchResult,
     started: Instant,
     job_id: Option<String>,
     chain: Option<&ChainJob>,

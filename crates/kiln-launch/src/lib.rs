@@ -30,7 +30,7 @@ mod supervise;
 pub use classify::{Classification, classify_code, classify_exit, exit_code_of};
 pub use culprit::{
     Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
-    same_host, scan_log,
+    scan_log,
 };
 pub use flags::kiln_flags;
 pub use groups::become_subreaper;
@@ -47,7 +47,7 @@ pub use plan::{
 };
 pub use pool::{
     HostPool, QuarantineEntry, QuarantineError, Replacement, append_quarantine, quarantined_hosts,
-    read_quarantine,
+    read_quarantine, same_host,
 };
 pub use probe::{Lookup, find_in_path, lookup_program, probe_tool};
 pub use progress::{

@@ -7,6 +7,7 @@ use crate::limits;
 use crate::plan::{
     Launcher, PlanError, PlanRequest, ProcSpec, SizeRequest, Sizes, build_plan, resolve_sizes,
 };
+use crate::pool::same_host;
 use kiln_topology::{
     AcceleratorKind, Accelerators, Detected, Host, HostsError, Probe, Scheduler,
     VisibleDevicesError, allocation_hosts, detect_accelerators, detect_scheduler,
@@ -208,7 +209,7 @@ pub fn prepare(
     let excluded: Vec<String> = hosts
         .value
         .iter()
-        .filter(|h| opts.exclude.iter().any(|x| crate::same_host(x, &h.name)))
+        .filter(|h| opts.exclude.iter().any(|x| same_host(x, &h.name)))
         .map(|h| h.name.clone())
         .collect();
     let usable: Vec<Host> = hosts
