@@ -177,6 +177,12 @@ impl LaunchRequest {
         Self::from_arg_matches(&matches)
     }
 
+    /// Whether node scope is on (`--auto-retry`, or `--spares N`): spare hosts are kept and
+    /// swapped in for culprit hosts.
+    pub fn node_scope(&self) -> bool {
+        self.auto_retry || self.spares.is_some()
+    }
+
     /// The flags of this request that differ from their defaults, as `--name=value` (or
     /// `--name` for a switch), in the order they are defined; `command` is not included.
     /// Every name and value comes from the one definition above: no flag is spelled here.

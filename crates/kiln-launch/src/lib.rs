@@ -58,7 +58,9 @@ pub use retry::{
     AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
     RetryLimit, decide, outcome_json, run_with_retries,
 };
-pub use setup::{AttemptPlan, LaunchOptions, Setup, SetupError, default_spares, prepare};
+pub use setup::{
+    AttemptPlan, DEFAULT_MASTER_PORT, LaunchOptions, Setup, SetupError, default_spares, prepare,
+};
 pub use shim::{RankExit, ShimError, exit_like, free_port, run_as_rank, running_as_root};
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
 pub use submit::{

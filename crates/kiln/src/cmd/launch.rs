@@ -252,13 +252,15 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let mut ok = true;
     let dir = std::env::temp_dir();
     let opts = LaunchOptions {
-        scheduler: Some(args.scheduler),
-        hostfile: args.hostfile,
-        mpi: args.mpi,
-        accelerator: Some(args.accelerator),
-        gpus_per_node: args.gpus_per_node,
+        request: LaunchRequest {
+            scheduler: args.scheduler,
+            hostfile: args.hostfile,
+            mpi: args.mpi,
+            accelerator: args.accelerator,
+            gpus_per_node: args.gpus_per_node,
+            ..LaunchRequest::default()
+        },
         command: vec!["PROGRAM".into()],
-        master_port: 29500,
         progress_dir: dir.join(kiln_run::layout::PROGRESS),
         run_dir: dir,
         ..LaunchOptions::default()
