@@ -6,12 +6,12 @@ use kiln_run::{exit, layout};
 /// Width of the text the listings are wrapped to.
 const WIDTH: usize = 92;
 
-/// The files of a run directory ([`layout::entries`]), one per row: name, what it holds and
-/// who writes it.
+/// The files of a run directory ([`layout::entries`]), one per row: name, who writes it and
+/// what it holds.
 pub fn run_dir_listing() -> String {
     let rows: Vec<(String, String)> = layout::entries()
         .into_iter()
-        .map(|e| (e.name, format!("{} [{}]", e.what, e.by)))
+        .map(|e| (e.name, format!("{}: {}", e.by, e.what)))
         .collect();
     listing(&rows)
 }
