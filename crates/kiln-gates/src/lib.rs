@@ -12,6 +12,8 @@ pub mod plot;
 pub mod report;
 pub mod smoke;
 
+use kiln_run::{EventLogError, exit};
+use kiln_train::checkpoint::CheckpointError;
 use std::path::PathBuf;
 
 /// Errors of the gates.
@@ -52,9 +54,31 @@ pub enum GatesError {
         /// What failed.
         message: String,
     },
-    /// Anything else that makes the request impossible (the message says why).
+    /// A flag value out of its domain (the message names the flag and what is allowed).
+    #[error("{0}")]
+    Usage(String),
+    /// Anything else in the input that makes the request impossible (the message says why).
     #[error("{0}")]
     Invalid(String),
+}
+
+impl exit::ExitCoded for GatesError {
+    /// Input that is wrong (a malformed file, a checkpoint that does not verify, a request
+    /// that cannot be met) is deterministic and exits [`exit::CONFIG`]; a bad flag value
+    /// [`exit::USAGE`]; reading or writing that failed [`exit::FAILURE`], worth a retry; the
+    /// trainer's errors keep their own codes.
+    fn exit_code(&self) -> i32 {
+        match self {
+            Self::Io { .. } | Self::Plot { .. } => exit::FAILURE,
+            Self::Parse { .. } | Self::Invalid(_) => exit::CONFIG,
+            Self::Usage(_) => exit::USAGE,
+            Self::Train(e) => e.exit_code(),
+            Self::Checkpoint(CheckpointError::Io { .. }) => exit::FAILURE,
+            Self::Checkpoint(CheckpointError::Invalid { .. }) => exit::CONFIG,
+            Self::Events(EventLogError::Io { .. }) => exit::FAILURE,
+            Self::Events(EventLogError::Parse { .. }) => exit::CONFIG,
+        }
+    }
 }
 
 fn location(path: &std::path::Path, line: usize) -> String {

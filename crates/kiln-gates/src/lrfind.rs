@@ -96,25 +96,25 @@ pub fn run(
     progress: &mut dyn FnMut(&LrPoint),
 ) -> Result<LrFindResult, GatesError> {
     if !(opts.min_lr > 0.0 && opts.max_lr > opts.min_lr && opts.max_lr.is_finite()) {
-        return Err(GatesError::Invalid(format!(
+        return Err(GatesError::Usage(format!(
             "need 0 < --min < --max, got --min {} --max {}",
             opts.min_lr, opts.max_lr
         )));
     }
     if !(opts.blowup_factor.is_finite() && opts.blowup_factor > 1.0) {
-        return Err(GatesError::Invalid(format!(
+        return Err(GatesError::Usage(format!(
             "--blowup {}: must be a finite number > 1 (the smoothed loss over its best that ends the sweep; 4 is typical)",
             opts.blowup_factor
         )));
     }
     if opts.steps < 5 {
-        return Err(GatesError::Invalid(format!(
+        return Err(GatesError::Usage(format!(
             "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",
             opts.steps
         )));
     }
     if !(0.0..1.0).contains(&opts.beta) {
-        return Err(GatesError::Invalid(format!(
+        return Err(GatesError::Usage(format!(
             "smoothing beta must be in [0, 1), got {}",
             opts.beta
         )));

@@ -309,7 +309,7 @@ pub fn check_mem_tolerance(mem_tolerance: f64) -> Result<(), GatesError> {
     if mem_tolerance.is_finite() {
         Ok(())
     } else {
-        Err(GatesError::Invalid(format!(
+        Err(GatesError::Usage(format!(
             "--mem-tolerance {mem_tolerance}: must be a finite number (0.25 allows 25 % growth; a negative value disables the memory check)"
         )))
     }

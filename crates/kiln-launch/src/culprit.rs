@@ -11,6 +11,7 @@
 //! is the program, not a node.
 
 use crate::classify::Classification;
+use crate::pool::same_host;
 use crate::supervise::AttemptOutcome;
 use regex::Regex;
 use serde::Serialize;
@@ -149,13 +150,6 @@ fn compiled() -> &'static [(LogPattern, Regex)] {
             .filter_map(|p| Some((*p, Regex::new(p.regex).ok()?)))
             .collect()
     })
-}
-
-/// Whether two names are the same host: equal, or equal up to the domain
-/// (`x1000c0s0b0n0` and `x1000c0s0b0n0.hsn.cm` are one host).
-pub fn same_host(a: &str, b: &str) -> bool {
-    let short = |s: &str| s.split('.').next().unwrap_or(s).to_ascii_lowercase();
-    a.eq_ignore_ascii_case(b) || short(a) == short(b)
 }
 
 fn canonical(host: &str, hosts: &[String]) -> Option<String> {
@@ -501,7 +495,7 @@ mod tests {
         let mut o = failed();
         o.classification = Classification::HungStalled;
         o.culprits = vec![1];
-        o.progress = vec![crate::RankProgress {
+        o.progress = vec![crate::supervise::RankProgress {
             rank: Some(1),
             step: 3,
             phase: Some("train".into()),

@@ -66,7 +66,7 @@ pub struct LaunchRequest {
     #[arg(long, value_name = "S", help_heading = "Watchdogs")]
     pub stall_timeout: Option<f64>,
     /// Regex whose first capture group (or group `step`) is the step number.
-    #[arg(long, value_name = "REGEX", default_value = crate::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
+    #[arg(long, value_name = "REGEX", default_value = crate::progress::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
     pub progress_regex: String,
     /// Liveness watchdog: a rank that sends heartbeats (kiln's trainer does, every 0.1 s from
     /// a thread) and then stays silent for S seconds (stopped, wedged, gone) is killed and the
@@ -175,6 +175,12 @@ impl LaunchRequest {
     {
         let matches = Self::command_line().try_get_matches_from(args)?;
         Self::from_arg_matches(&matches)
+    }
+
+    /// Whether node scope is on (`--auto-retry`, or `--spares N`): spare hosts are kept and
+    /// swapped in for culprit hosts.
+    pub fn node_scope(&self) -> bool {
+        self.auto_retry || self.spares.is_some()
     }
 
     /// The flags of this request that differ from their defaults, as `--name=value` (or

@@ -1,5 +1,6 @@
 //! Asking the scheduler which hosts are gone: the strongest evidence of a node failure.
 
+use crate::pool::same_host;
 use crate::probe::probe_tool;
 use kiln_topology::expand_hostlist;
 
@@ -96,7 +97,7 @@ impl HostHealth for PbsHealth {
             .filter_map(|l| {
                 let mut it = l.split_whitespace();
                 let (node, state) = (it.next()?, it.next().unwrap_or("down"));
-                let host = hosts.iter().find(|h| crate::same_host(h, node))?;
+                let host = hosts.iter().find(|h| same_host(h, node))?;
                 Some((host.clone(), format!("pbsnodes -l: {state}")))
             })
             .collect()

@@ -4,13 +4,16 @@
 
 use crate::culprit::Diagnosis;
 pub use crate::flags::LaunchRequest;
+use crate::groups::become_subreaper;
 use crate::health::{HostHealth, NoHealth, PbsHealth, SlurmHealth};
 use crate::plan::Launcher;
 use crate::pool::{HostPool, quarantined_hosts};
 use crate::probe::{Lookup, lookup_program, probe_tool};
 use crate::progress::ProgressRegex;
-use crate::retry::{Backoff, NodeScope, RetryConfig, RetryLimit, run_with_retries};
-use crate::setup::{LaunchOptions, Setup, prepare};
+use crate::retry::{Backoff, LaunchResult, NodeScope, RetryConfig, RetryLimit, run_with_retries};
+use crate::setup::{DEFAULT_MASTER_PORT, LaunchOptions, Setup, prepare};
+use crate::shim::{free_port, running_as_root};
+use crate::signals::{install_stop_handlers, stop_requested};
 use crate::submit::{BatchScheduler, CHAIN_INDEX_ENV, ChainJob, continue_chain};
 use crate::supervise::{AttemptConfig, AttemptOutcome};
 use crate::{classify::Classification, limits};
@@ -193,10 +196,6 @@ fn set_up(
     let (launcher_args, command) = split_command(&req.command).map_err(LaunchError::Usage)?;
     let files = quarantine_files(run_dir, &req.quarantine_file);
     let exclude = quarantined_hosts(&files).map_err(|e| LaunchError::Usage(e.to_string()))?;
-    let master_port = match req.master_port {
-        Some(p) => p,
-        None => crate::free_port().unwrap_or(29500),
-    };
     let shim = match std::env::current_exe() {
         Ok(exe) if !req.no_rank_env => {
             // What each rank runs first: `kiln launch --as-rank` with the flags it needs,
@@ -214,28 +213,20 @@ fn set_up(
         }
         _ => Vec::new(),
     };
+    let master_port = req
+        .master_port
+        .unwrap_or_else(|| free_port().unwrap_or(DEFAULT_MASTER_PORT));
     let opts = LaunchOptions {
-        scheduler: Some(req.scheduler.clone()),
-        hostfile: req.hostfile.clone(),
-        sizes: crate::SizeRequest {
-            np: req.np,
-            ppn: req.ppn,
-            nnodes: req.nnodes,
+        request: LaunchRequest {
+            master_port: Some(master_port),
+            command: Vec::new(),
+            ..req.clone()
         },
-        mpi: req.mpi,
-        oversubscribe: req.oversubscribe,
-        accelerator: Some(req.accelerator.clone()),
-        gpus_per_node: req.gpus_per_node,
-        cpu_bind: req.cpu_bind.clone(),
         launcher_args,
-        rank_shim: shim,
         command: command.clone(),
-        master_addr: req.master_addr.clone(),
-        master_port,
+        rank_shim: shim,
         progress_dir: progress_dir.to_path_buf(),
         run_dir: run_dir.to_path_buf(),
-        node_scope: req.auto_retry || req.spares.is_some(),
-        spares: req.spares,
         exclude,
         python_unbuffered_set: std::env::var_os("PYTHONUNBUFFERED").is_some(),
     };
@@ -244,7 +235,7 @@ fn set_up(
         &env_var,
         &probe_tool,
         local_cpus(),
-        crate::running_as_root(),
+        running_as_root(),
     )
     .map_err(|e| LaunchError::Usage(e.to_string()))?;
     if let Some(m) = req.min_nodes
@@ -444,10 +435,10 @@ pub fn launch(
         req,
     )?;
 
-    crate::install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
+    install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
     // Grandchildren that escape the process group (setsid, daemonize) are re-parented to
     // kiln, which then kills them when the attempt ends.
-    let reap = crate::become_subreaper();
+    let reap = become_subreaper();
     let attempt = AttemptConfig {
         procs: Vec::new(),
         log_path: run_dir.join(layout::attempt_log(1)),
@@ -466,7 +457,7 @@ pub fn launch(
         heartbeat_timeout: Some(t.heartbeat),
     };
     let health = health_of(&setup.scheduler.value);
-    let swap_hosts = req.auto_retry || req.spares.is_some();
+    let swap_hosts = req.node_scope();
     let pool = HostPool {
         active: setup.active.clone(),
         spares: setup.spares.clone(),
@@ -491,7 +482,7 @@ pub fn launch(
         swap_hosts,
         planner: &planner,
         events: &mut events,
-        stop: &crate::stop_requested,
+        stop: &stop_requested,
         on_attempt_end,
     })
     .map_err(|e| LaunchError::Io(e.to_string()))?;
@@ -517,7 +508,7 @@ pub fn launch(
 /// Writes `launch_end` and, for a job of a chain, submits the next job when it should.
 fn finish(
     events: &mut EventLog,
-    result: &crate::LaunchResult,
+    result: &LaunchResult,
     started: Instant,
     job_id: Option<String>,
     chain: Option<&ChainJob>,

@@ -30,7 +30,7 @@ mod supervise;
 pub use classify::{Classification, classify_code, classify_exit, exit_code_of};
 pub use culprit::{
     Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
-    same_host, scan_log,
+    scan_log,
 };
 pub use flags::kiln_flags;
 pub use groups::become_subreaper;
@@ -47,7 +47,7 @@ pub use plan::{
 };
 pub use pool::{
     HostPool, QuarantineEntry, QuarantineError, Replacement, append_quarantine, quarantined_hosts,
-    read_quarantine,
+    read_quarantine, same_host,
 };
 pub use probe::{Lookup, find_in_path, lookup_program, probe_tool};
 pub use progress::{
@@ -58,7 +58,9 @@ pub use retry::{
     AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
     RetryLimit, decide, outcome_json, run_with_retries,
 };
-pub use setup::{AttemptPlan, LaunchOptions, Setup, SetupError, default_spares, prepare};
+pub use setup::{
+    AttemptPlan, DEFAULT_MASTER_PORT, LaunchOptions, Setup, SetupError, default_spares, prepare,
+};
 pub use shim::{RankExit, ShimError, exit_like, free_port, run_as_rank, running_as_root};
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
 pub use submit::{

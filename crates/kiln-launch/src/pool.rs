@@ -6,6 +6,13 @@ use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
+/// Whether two names are the same host: equal, or equal up to the domain
+/// (`x1000c0s0b0n0` and `x1000c0s0b0n0.hsn.cm` are one host).
+pub fn same_host(a: &str, b: &str) -> bool {
+    let short = |s: &str| s.split('.').next().unwrap_or(s).to_ascii_lowercase();
+    a.eq_ignore_ascii_case(b) || short(a) == short(b)
+}
+
 /// Active and spare hosts of a node-scope launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostPool {

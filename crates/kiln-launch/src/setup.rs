@@ -3,57 +3,53 @@
 //! choose the launcher, build argv. [`Setup::plan_for`] rebuilds the plan for another set of
 //! hosts (after a node swap), so every attempt runs on its own active set.
 
+use crate::flags::LaunchRequest;
 use crate::limits;
 use crate::plan::{
     Launcher, PlanError, PlanRequest, ProcSpec, SizeRequest, Sizes, build_plan, resolve_sizes,
 };
+use crate::pool::same_host;
 use kiln_topology::{
     AcceleratorKind, Accelerators, Detected, Host, HostsError, Probe, Scheduler,
     VisibleDevicesError, allocation_hosts, detect_accelerators, detect_scheduler,
 };
 use std::path::PathBuf;
 
-/// What the command line asked for; `None` means "detect".
+/// The rendezvous port when the request names none (torchrun's default); `kiln launch`
+/// picks a port free on this machine instead, before it prepares.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// What a launch is asked for: the flags as given (`auto` or `None` means "detect"), and
+/// what the caller worked out from them and the environment.
 #[derive(Debug, Clone, Default)]
 pub struct LaunchOptions {
-    /// `--scheduler pbs|slurm|none`.
-    pub scheduler: Option<String>,
-    /// `--hostfile`.
-    pub hostfile: Option<PathBuf>,
-    /// `--np`, `--ppn`, `--nnodes`.
-    pub sizes: SizeRequest,
-    /// `--mpi`: use `mpirun` when there is no scheduler.
-    pub mpi: bool,
-    /// `--oversubscribe`: allow more local ranks than [`limits::LOCAL_RANKS_PER_CPU`] per CPU.
-    pub oversubscribe: bool,
-    /// `--accelerator nvidia|amd|intel|cpu`.
-    pub accelerator: Option<String>,
-    /// `--gpus-per-node N`.
-    pub gpus_per_node: Option<usize>,
-    /// `--cpu-bind`.
-    pub cpu_bind: Option<String>,
+    /// The flags of `kiln launch`: sizes, scheduler, hostfile, accelerators, CPU binding,
+    /// master address and port, node scope and spares. Its `command` is not read: see
+    /// `launcher_args` and `command` here.
+    pub request: LaunchRequest,
     /// Unknown flags before `--`, for the launcher.
     pub launcher_args: Vec<String>,
-    /// Prefix that maps rank variables on each rank (see [`PlanRequest::rank_shim`]).
-    pub rank_shim: Vec<String>,
     /// The user's command.
     pub command: Vec<String>,
-    /// `--master-addr`.
-    pub master_addr: Option<String>,
-    /// The rendezvous port (the caller picks a free one unless `--master-port` is given).
-    pub master_port: u16,
+    /// Prefix that maps rank variables on each rank (see [`PlanRequest::rank_shim`]).
+    pub rank_shim: Vec<String>,
     /// Directory ranks write progress beacons to.
     pub progress_dir: PathBuf,
     /// The run directory (a generated hostfile goes there).
     pub run_dir: PathBuf,
-    /// Node scope is on (`--auto-retry`): keep spare hosts to swap in.
-    pub node_scope: bool,
-    /// `--spares N`; `None`: about 2 % of the hosts (at least 1) under node scope, else 0.
-    pub spares: Option<usize>,
     /// Hosts not to use (quarantined by earlier attempts or jobs).
     pub exclude: Vec<String>,
     /// `PYTHONUNBUFFERED` as kiln sees it: when unset, ranks get `PYTHONUNBUFFERED=1`.
     pub python_unbuffered_set: bool,
+}
+
+/// The sizes the request asks for (`--np`, `--ppn`, `--nnodes`).
+fn size_request(r: &LaunchRequest) -> SizeRequest {
+    SizeRequest {
+        np: r.np,
+        ppn: r.ppn,
+        nnodes: r.nnodes,
+    }
 }
 
 /// Everything decided before the first attempt, with the reasons, for `--dry-run` and
@@ -139,27 +135,27 @@ fn scheduler_choice(
     opts: &LaunchOptions,
     vars: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Detected<Scheduler>, SetupError> {
-    Ok(match opts.scheduler.as_deref() {
-        None | Some("auto") => detect_scheduler(vars),
-        Some("none") => Detected {
+    Ok(match opts.request.scheduler.as_str() {
+        "auto" => detect_scheduler(vars),
+        "none" => Detected {
             value: Scheduler::None,
             reason: "--scheduler none".into(),
         },
-        Some("pbs") => Detected {
+        "pbs" => Detected {
             value: Scheduler::Pbs {
                 job_id: vars("PBS_JOBID").unwrap_or_else(|| "(unset)".into()),
                 nodefile: vars("PBS_NODEFILE").map(PathBuf::from),
             },
             reason: "--scheduler pbs".into(),
         },
-        Some("slurm") => Detected {
+        "slurm" => Detected {
             value: Scheduler::Slurm {
                 job_id: vars("SLURM_JOB_ID").unwrap_or_else(|| "(unset)".into()),
                 nodelist: vars("SLURM_JOB_NODELIST").or_else(|| vars("SLURM_NODELIST")),
             },
             reason: "--scheduler slurm".into(),
         },
-        Some(other) => {
+        other => {
             return Err(SetupError::Flag(format!(
                 "--scheduler {other:?}: expected auto, pbs, slurm or none"
             )));
@@ -176,35 +172,33 @@ pub fn prepare(
     local_cpus: usize,
     as_root: bool,
 ) -> Result<Setup, SetupError> {
-    for (flag, v) in [
-        ("--ppn", opts.sizes.ppn),
-        ("--gpus-per-node", opts.gpus_per_node),
-    ] {
+    let (req, sizes) = (&opts.request, size_request(&opts.request));
+    for (flag, v) in [("--ppn", sizes.ppn), ("--gpus-per-node", req.gpus_per_node)] {
         if let Some(v) = v {
             limits::per_node(flag, v).map_err(SetupError::Flag)?;
         }
     }
-    if let Some(np) = opts.sizes.np {
+    if let Some(np) = sizes.np {
         limits::ranks(np, None, true).map_err(SetupError::Flag)?;
     }
-    if opts.master_port == 0 {
+    if req.master_port == Some(0) {
         return Err(SetupError::Flag(
             "--master-port 0 is not a port ranks can meet on; omit the flag to let kiln pick a free port".into(),
         ));
     }
     let scheduler = scheduler_choice(opts, vars)?;
-    let hosts = allocation_hosts(&scheduler.value, opts.hostfile.as_deref())?;
+    let hosts = allocation_hosts(&scheduler.value, req.hostfile.as_deref())?;
     let accelerators = accelerators(opts, vars, probe)?;
     limits::per_node("accelerators per node", accelerators.value.count)
         .map_err(SetupError::Flag)?;
-    let launcher = match (&scheduler.value, opts.mpi) {
+    let launcher = match (&scheduler.value, req.mpi) {
         (Scheduler::Pbs { .. }, _) => Launcher::Mpiexec,
         (Scheduler::Slurm { .. }, _) => Launcher::Srun,
         (Scheduler::None, true) => Launcher::Mpirun,
         (Scheduler::None, false) => Launcher::Local,
     };
     // A hostfile without a scheduler describes other machines: only mpirun can reach them.
-    if launcher == Launcher::Local && opts.hostfile.is_some() {
+    if launcher == Launcher::Local && req.hostfile.is_some() {
         return Err(SetupError::Flag(
             "--hostfile without a scheduler needs --mpi (kiln starts ranks on other hosts through mpirun)".into(),
         ));
@@ -212,7 +206,7 @@ pub fn prepare(
     let excluded: Vec<String> = hosts
         .value
         .iter()
-        .filter(|h| opts.exclude.iter().any(|x| crate::same_host(x, &h.name)))
+        .filter(|h| opts.exclude.iter().any(|x| same_host(x, &h.name)))
         .map(|h| h.name.clone())
         .collect();
     let usable: Vec<Host> = hosts
@@ -227,7 +221,7 @@ pub fn prepare(
             excluded.join(", ")
         )));
     }
-    let min_spares = match (opts.spares, opts.node_scope) {
+    let min_spares = match (req.spares, req.node_scope()) {
         (Some(s), _) => {
             if s >= usable.len() {
                 return Err(SetupError::Flag(format!(
@@ -238,7 +232,7 @@ pub fn prepare(
             }
             s
         }
-        (None, true) if opts.sizes.nnodes.is_none() => default_spares(usable.len()),
+        (None, true) if sizes.nnodes.is_none() => default_spares(usable.len()),
         (None, _) => 0,
     };
     let default_ppn = accelerators.value.count.max(1);
@@ -253,22 +247,22 @@ pub fn prepare(
     } else {
         hosts.reason.clone()
     };
-    let sizes = resolve_sizes(opts.sizes, candidates, &reason, default_ppn)?;
+    let sizes = resolve_sizes(sizes, candidates, &reason, default_ppn)?;
     let local = matches!(launcher, Launcher::Local)
-        || (launcher == Launcher::Mpirun && opts.hostfile.is_none());
-    limits::ranks(sizes.np, local.then_some(local_cpus), opts.oversubscribe)
+        || (launcher == Launcher::Mpirun && req.hostfile.is_none());
+    limits::ranks(sizes.np, local.then_some(local_cpus), req.oversubscribe)
         .map_err(SetupError::Flag)?;
     let active: Vec<Host> = usable.iter().take(sizes.nnodes).cloned().collect();
-    let spares: Vec<Host> = if opts.node_scope || opts.spares.is_some() {
+    let spares: Vec<Host> = if req.node_scope() {
         usable.iter().skip(sizes.nnodes).cloned().collect()
     } else {
         Vec::new()
     };
-    let source_file = opts.hostfile.clone().or(match &scheduler.value {
+    let source_file = req.hostfile.clone().or(match &scheduler.value {
         Scheduler::Pbs { nodefile, .. } => nodefile.clone(),
         _ => None,
     });
-    let cpu_bind = opts
+    let cpu_bind = req
         .cpu_bind
         .clone()
         .or_else(|| (launcher == Launcher::Mpiexec).then(|| "depth".to_string()));
@@ -310,9 +304,9 @@ pub fn prepare(
         procs: Vec::new(),
         template,
         source_file,
-        user_hostfile: opts.hostfile.is_some(),
-        master_addr: opts.master_addr.clone(),
-        master_port: opts.master_port,
+        user_hostfile: req.hostfile.is_some(),
+        master_addr: req.master_addr.clone(),
+        master_port: req.master_port.unwrap_or(DEFAULT_MASTER_PORT),
         progress_dir: opts.progress_dir.clone(),
         run_dir: opts.run_dir.clone(),
         python_unbuffered_set: opts.python_unbuffered_set,
@@ -421,20 +415,20 @@ fn accelerators(
     vars: &dyn Fn(&str) -> Option<String>,
     probe: Probe<'_>,
 ) -> Result<Detected<Accelerators>, SetupError> {
-    let kind = match opts.accelerator.as_deref() {
-        None | Some("auto") => None,
-        Some("nvidia") => Some(AcceleratorKind::Nvidia),
-        Some("amd") => Some(AcceleratorKind::Amd),
-        Some("intel") => Some(AcceleratorKind::Intel),
-        Some("cpu") => Some(AcceleratorKind::Cpu),
-        Some(other) => {
+    let kind = match opts.request.accelerator.as_str() {
+        "auto" => None,
+        "nvidia" => Some(AcceleratorKind::Nvidia),
+        "amd" => Some(AcceleratorKind::Amd),
+        "intel" => Some(AcceleratorKind::Intel),
+        "cpu" => Some(AcceleratorKind::Cpu),
+        other => {
             return Err(SetupError::Flag(format!(
                 "--accelerator {other:?}: expected auto, nvidia, amd, intel or cpu"
             )));
         }
     };
     // Only run the GPU tools when the flags leave something to detect.
-    let detected = match (kind, opts.gpus_per_node) {
+    let detected = match (kind, opts.request.gpus_per_node) {
         (Some(k), Some(n)) => {
             return Ok(Detected {
                 value: Accelerators { kind: k, count: n },
@@ -457,7 +451,7 @@ fn accelerators(
         d.value.kind = k;
         d.reason = format!("--accelerator {}; count: {}", k.name(), d.reason);
     }
-    if let Some(n) = opts.gpus_per_node {
+    if let Some(n) = opts.request.gpus_per_node {
         d.value.count = n;
         if n == 0 {
             d.value.kind = AcceleratorKind::Cpu;

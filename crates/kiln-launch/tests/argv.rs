@@ -1,7 +1,7 @@
 //! Launcher argv for PBS, Slurm, mpirun and local spawns, from given environments and
 //! hostfiles, checked against the exact expected lists.
 
-use kiln_launch::{LaunchOptions, Launcher, SizeRequest, prepare};
+use kiln_launch::{LaunchOptions, LaunchRequest, Launcher, prepare};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -26,7 +26,10 @@ fn opts(run_dir: &Path) -> LaunchOptions {
             "--".into(),
         ],
         command: vec!["python".into(), "-m".into(), "torchtitan.train".into()],
-        master_port: 29500,
+        request: LaunchRequest {
+            master_port: Some(29500),
+            ..LaunchRequest::default()
+        },
         progress_dir: run_dir.join("progress"),
         run_dir: run_dir.to_path_buf(),
         ..LaunchOptions::default()
@@ -104,12 +107,8 @@ fn pbs_with_fewer_nodes_writes_a_trimmed_hostfile() {
     let nf = nodefile.display().to_string();
     let vars = env(&[("PBS_JOBID", "1"), ("PBS_NODEFILE", &nf)]);
     let mut o = opts(dir.path());
-    o.sizes = SizeRequest {
-        np: Some(4),
-        ppn: Some(2),
-        nnodes: None,
-    };
-    o.cpu_bind = Some("none".into());
+    (o.request.np, o.request.ppn, o.request.nnodes) = (Some(4), Some(2), None);
+    o.request.cpu_bind = Some("none".into());
     let s = prepare(&o, &vars, &no_gpu_tools, 8, false).unwrap();
     let written: PathBuf = dir.path().join("hostfile");
     assert_eq!(
@@ -139,7 +138,7 @@ fn slurm_uses_srun_with_expanded_nodes_and_gpus() {
         ("CUDA_VISIBLE_DEVICES", "0,1,2,3"),
     ]);
     let mut o = opts(dir.path());
-    o.cpu_bind = Some("cores".into());
+    o.request.cpu_bind = Some("cores".into());
     let s = prepare(&o, &vars, &no_gpu_tools, 64, false).unwrap();
     assert_eq!(s.used_hosts, ["nid001", "nid002", "nid003", "nid007"]);
     let mut want = strs(&[
@@ -171,13 +170,9 @@ fn slurm_with_a_hostfile_and_nnodes_names_the_nodes() {
     .unwrap();
     let vars = env(&[("SLURM_JOB_ID", "77"), ("SLURM_JOB_NODELIST", "g[1-3]")]);
     let mut o = opts(dir.path());
-    o.hostfile = Some(hostfile);
-    o.sizes = SizeRequest {
-        np: None,
-        ppn: Some(2),
-        nnodes: Some(2),
-    };
-    o.gpus_per_node = Some(0);
+    o.request.hostfile = Some(hostfile);
+    (o.request.np, o.request.ppn, o.request.nnodes) = (None, Some(2), Some(2));
+    o.request.gpus_per_node = Some(0);
     let s = prepare(&o, &vars, &no_gpu_tools, 64, false).unwrap();
     let mut want = strs(&[
         "srun",
@@ -195,12 +190,8 @@ fn slurm_with_a_hostfile_and_nnodes_names_the_nodes() {
 fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
     let dir = tempfile::tempdir().unwrap();
     let mut o = opts(dir.path());
-    o.mpi = true;
-    o.sizes = SizeRequest {
-        np: Some(4),
-        ppn: None,
-        nnodes: None,
-    };
+    o.request.mpi = true;
+    (o.request.np, o.request.ppn, o.request.nnodes) = (Some(4), None, None);
     o.launcher_args = strs(&["--mca", "btl", "self,tcp"]);
     let s = prepare(&o, &env(&[]), &no_gpu_tools, 2, true).unwrap();
     let mut want = strs(&[
@@ -238,11 +229,7 @@ fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
 fn local_spawn_gives_each_rank_its_variables() {
     let dir = tempfile::tempdir().unwrap();
     let mut o = opts(dir.path());
-    o.sizes = SizeRequest {
-        np: Some(3),
-        ppn: None,
-        nnodes: None,
-    };
+    (o.request.np, o.request.ppn, o.request.nnodes) = (Some(3), None, None);
     let s = prepare(&o, &env(&[]), &no_gpu_tools, 2, false).unwrap();
     assert_eq!(s.procs.len(), 3);
     for (r, p) in s.procs.iter().enumerate() {
@@ -261,8 +248,8 @@ fn actionable_errors() {
     let bad = dir.path().join("bad-hosts");
     std::fs::write(&bad, "n1\nn2 slots=two\n").unwrap();
     let mut o = opts(dir.path());
-    o.hostfile = Some(bad.clone());
-    o.mpi = true;
+    o.request.hostfile = Some(bad.clone());
+    o.request.mpi = true;
     let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
@@ -270,18 +257,14 @@ fn actionable_errors() {
 
     let empty = dir.path().join("empty-hosts");
     std::fs::write(&empty, "\n# none\n").unwrap();
-    o.hostfile = Some(empty);
+    o.request.hostfile = Some(empty);
     let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
     assert!(e.contains("empty-hosts") && e.contains("no hosts"), "{e}");
 
     let mut o = opts(dir.path());
-    o.sizes = SizeRequest {
-        np: Some(2),
-        ppn: Some(1),
-        nnodes: None,
-    };
+    (o.request.np, o.request.ppn, o.request.nnodes) = (Some(2), Some(1), None);
     let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
@@ -309,7 +292,7 @@ fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
     let dir = tempfile::tempdir().unwrap();
     let vars = env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n[1-4]")]);
     let mut o = opts(dir.path());
-    o.node_scope = true;
+    o.request.auto_retry = true;
     o.exclude = vec!["n2".into()];
     let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
     // n2 is quarantined; of n1, n3, n4 one (2 %, at least 1) is a spare.
@@ -333,15 +316,15 @@ fn node_scope_keeps_spares_and_replans_for_a_swapped_host() {
     assert!(p.procs[0].argv.contains(&"--ntasks=1".to_string()));
     // --spares explicit; --nnodes leaves the rest as spares.
     o.exclude.clear();
-    o.spares = Some(2);
+    o.request.spares = Some(2);
     let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
     assert_eq!((s.used_hosts.len(), s.spares.len()), (2, 2));
-    o.spares = None;
-    o.sizes.nnodes = Some(3);
+    o.request.spares = None;
+    o.request.nnodes = Some(3);
     let s = prepare(&o, &vars, &no_gpu_tools, 2, false).unwrap();
     assert_eq!((s.used_hosts.len(), s.spares.len()), (3, 1));
-    o.sizes.nnodes = None;
-    o.spares = Some(4);
+    o.request.nnodes = None;
+    o.request.spares = Some(4);
     let e = prepare(&o, &vars, &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
@@ -353,14 +336,20 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     type Edit = Box<dyn Fn(&mut LaunchOptions)>;
     let cases: Vec<(Edit, &str)> = vec![
-        (Box::new(|o| o.sizes.np = Some(1usize << 32)), "at most"),
+        (Box::new(|o| o.request.np = Some(1usize << 32)), "at most"),
         (
-            Box::new(|o| o.gpus_per_node = Some(1usize << 32)),
+            Box::new(|o| o.request.gpus_per_node = Some(1usize << 32)),
             "--gpus-per-node",
         ),
-        (Box::new(|o| o.sizes.ppn = Some(5000)), "--ppn 5000"),
-        (Box::new(|o| o.sizes.np = Some(100_000)), "--oversubscribe"),
-        (Box::new(|o| o.master_port = 0), "--master-port 0"),
+        (Box::new(|o| o.request.ppn = Some(5000)), "--ppn 5000"),
+        (
+            Box::new(|o| o.request.np = Some(100_000)),
+            "--oversubscribe",
+        ),
+        (
+            Box::new(|o| o.request.master_port = Some(0)),
+            "--master-port 0",
+        ),
     ];
     for (edit, needle) in cases {
         let mut o = opts(dir.path());
@@ -371,8 +360,8 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
         assert!(e.contains(needle), "{needle}: {e}");
     }
     let mut o = opts(dir.path());
-    o.sizes.np = Some(100);
-    o.oversubscribe = true;
+    o.request.np = Some(100);
+    o.request.oversubscribe = true;
     assert_eq!(
         prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
             .unwrap()
@@ -383,7 +372,7 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     // Under a scheduler the local CPU count does not cap the ranks.
     let vars = env(&[("SLURM_JOB_ID", "5"), ("SLURM_JOB_NODELIST", "n[1-1000]")]);
     let mut o = opts(dir.path());
-    o.sizes.ppn = Some(8);
+    o.request.ppn = Some(8);
     assert_eq!(
         prepare(&o, &vars, &no_gpu_tools, 2, false)
             .unwrap()

@@ -50,23 +50,100 @@ pub fn is_resumable(code: i32) -> bool {
     matches!(code, PREEMPTED | NODES_EXHAUSTED)
 }
 
+/// One exit code and what it means: a row of [`CODES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Code {
+    /// The code.
+    pub code: i32,
+    /// A short name, for logs and `kiln status`.
+    pub name: &'static str,
+    /// What happened and what to do, in one line, for `--help` and the README.
+    pub meaning: &'static str,
+}
+
+/// Every code kiln's processes exit with on their own account (a program's own code is
+/// passed through by `kiln launch`), with its meaning: the one table that `--help` and
+/// [`describe`] are made from.
+pub const CODES: &[Code] = &[
+    Code {
+        code: SUCCESS,
+        name: "success",
+        meaning: "all done (kiln train: every step, final weights in RUN_DIR/model.safetensors)",
+    },
+    Code {
+        code: FAILURE,
+        name: "error",
+        meaning: "an error that may be transient (I/O, a lost peer); the message says which",
+    },
+    Code {
+        code: USAGE,
+        name: "usage error",
+        meaning: "bad flags or flag values; nothing started",
+    },
+    Code {
+        code: GUARD_STOP,
+        name: "guard stopped training",
+        meaning: "non-finite steps or loss spikes that rollbacks did not cure \
+                  (guards.max_rollbacks), or a first-step loss far from ln(vocab); \
+                  checkpoints are kept",
+    },
+    Code {
+        code: NODES_EXHAUSTED,
+        name: "no healthy host left (spares exhausted)",
+        meaning: "node scope had no healthy host left for a failed one and --min-nodes \
+                  forbids shrinking; a new allocation resumes the run",
+    },
+    Code {
+        code: RUN_DIR_LOCKED,
+        name: "run directory locked by another process",
+        meaning: "another trainer writes the run directory (named: pid and host)",
+    },
+    Code {
+        code: PREEMPTED,
+        name: "preempted (checkpointed, resumable)",
+        meaning: "SIGTERM, SIGUSR1 or SIGINT arrived (on any rank), the current step \
+                  finished and a checkpoint was saved; the same command resumes exactly",
+    },
+    Code {
+        code: REPLICA_MISMATCH,
+        name: "replica mismatch",
+        meaning: "data-parallel replicas disagree on their parameters; the rank is named in \
+                  events.jsonl (replica_mismatch) and none of the bad weights was saved",
+    },
+    Code {
+        code: CONFIG,
+        name: "invalid config or input",
+        meaning: "invalid config, data, checkpoint, rank environment or other input (also: \
+                  resuming a checkpoint of another optimizer.kind): fix it, do not retry",
+    },
+    Code {
+        code: WATCHDOG,
+        name: "watchdog kill",
+        meaning: "a watchdog killed the job: no output, no progress or no heartbeat for too long",
+    },
+    Code {
+        code: NOT_EXECUTABLE,
+        name: "not executable",
+        meaning: "the program exists but cannot be executed",
+    },
+    Code {
+        code: NOT_FOUND,
+        name: "not found",
+        meaning: "the program or the launcher does not exist",
+    },
+];
+
+/// The row of [`CODES`] for `code`, if it is one of them.
+pub fn code(code: i32) -> Option<&'static Code> {
+    CODES.iter().find(|c| c.code == code)
+}
+
 /// A short name of what an exit code means, for logs and `kiln status`.
 pub fn describe(code: i32) -> &'static str {
-    match code {
-        SUCCESS => "success",
-        FAILURE => "error",
-        USAGE => "usage error",
-        GUARD_STOP => "guard stopped training",
-        NODES_EXHAUSTED => "no healthy host left (spares exhausted)",
-        RUN_DIR_LOCKED => "run directory locked by another process",
-        PREEMPTED => "preempted (checkpointed, resumable)",
-        REPLICA_MISMATCH => "replica mismatch",
-        CONFIG => "invalid config or input",
-        WATCHDOG => "watchdog kill",
-        NOT_EXECUTABLE => "not executable",
-        NOT_FOUND => "not found",
-        c if c > 128 => "killed by a signal",
-        _ => "failed",
+    match self::code(code) {
+        Some(c) => c.name,
+        None if code > 128 => "killed by a signal",
+        None => "failed",
     }
 }
 
@@ -106,5 +183,32 @@ mod tests {
             assert!(!is_deterministic(c), "{c}");
         }
         assert!(is_resumable(PREEMPTED) && is_resumable(NODES_EXHAUSTED) && !is_resumable(FAILURE));
+    }
+
+    #[test]
+    fn every_code_is_in_the_table_once() {
+        let all = [
+            SUCCESS,
+            FAILURE,
+            USAGE,
+            GUARD_STOP,
+            NODES_EXHAUSTED,
+            RUN_DIR_LOCKED,
+            PREEMPTED,
+            REPLICA_MISMATCH,
+            CONFIG,
+            WATCHDOG,
+            NOT_EXECUTABLE,
+            NOT_FOUND,
+        ];
+        for c in all {
+            assert_eq!(CODES.iter().filter(|r| r.code == c).count(), 1, "{c}");
+        }
+        assert_eq!(CODES.len(), all.len());
+        assert_eq!(describe(CONFIG), "invalid config or input");
+        assert_eq!(
+            (describe(137), describe(3)),
+            ("killed by a signal", "failed")
+        );
     }
 }

@@ -1,5 +1,8 @@
 //! Names of the files and directories of a run directory: the one place they are spelled.
-//! Every component (trainer, launcher, status, plots) joins these to the run directory.
+//! Every component (trainer, launcher, status, plots) joins these to the run directory, and
+//! [`entries`] lists them with what each holds (for `--help`, the README and the crate doc).
+
+use std::fmt::Display;
 
 /// The effective config of the training run (TOML).
 pub const CONFIG: &str = "config.toml";
@@ -58,7 +61,7 @@ pub const QUARANTINE: &str = "quarantine.jsonl";
 pub const PLOTS: &str = "plots";
 
 /// A rank's progress beacon in the progress directory (see [`crate::write_beacon`]).
-pub fn beacon(rank: usize) -> String {
+pub fn beacon(rank: impl Display) -> String {
     format!("{BEACON_PREFIX}{rank}")
 }
 
@@ -77,17 +80,17 @@ pub const STOP_REQUEST: &str = "stop";
 pub const LOST_PREFIX: &str = "lost-";
 
 /// A rank's lost-heartbeat record (see [`crate::write_lost_record`]).
-pub fn lost_record(rank: usize) -> String {
+pub fn lost_record(rank: impl Display) -> String {
     format!("{LOST_PREFIX}{rank}")
 }
 
 /// A rank's liveness record in the progress directory (see [`crate::write_liveness`]).
-pub fn liveness(rank: usize) -> String {
+pub fn liveness(rank: impl Display) -> String {
     format!("{LIVENESS_PREFIX}{rank}")
 }
 
 /// A rank's exit record in the progress directory (see [`crate::write_exit_record`]).
-pub fn exit_record(rank: usize) -> String {
+pub fn exit_record(rank: impl Display) -> String {
     format!("{EXIT_RECORD_PREFIX}{rank}")
 }
 
@@ -105,18 +108,21 @@ pub fn batch_script(scheduler: &str) -> String {
 pub const JOB_OUTPUT_PATTERN: &str = "job-%j.out";
 
 /// Output of launch attempt `i` (raw bytes).
-pub fn attempt_log(i: u32) -> String {
+pub fn attempt_log(i: impl Display) -> String {
     format!("attempt-{i}.log")
 }
 
 /// Name of the checkpoint directory of step `step`.
-pub fn checkpoint_dir(step: u64) -> String {
-    format!("step-{step}")
+pub fn checkpoint_dir(step: impl Display) -> String {
+    format!("{CHECKPOINT_PREFIX}{step}")
 }
+
+/// File-name prefix of checkpoint directories (`step-<N>`).
+pub const CHECKPOINT_PREFIX: &str = "step-";
 
 /// The step of a checkpoint directory name (`step-<N>`), if it is one.
 pub fn parse_checkpoint_dir(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("step-")?;
+    let digits = name.strip_prefix(CHECKPOINT_PREFIX)?;
     // Only canonical decimal names: `step-010` or `step-+1` are not ours.
     if digits.is_empty() || (digits.len() > 1 && digits.starts_with('0')) {
         return None;
@@ -127,6 +133,97 @@ pub fn parse_checkpoint_dir(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// One file or directory of a run directory: a row of [`entries`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its name, or its pattern (`<N>`: a step, `<i>`: an attempt, `<R>`: a rank); a
+    /// directory ends with `/`.
+    pub name: String,
+    /// Who writes it.
+    pub by: &'static str,
+    /// What it holds, in one line.
+    pub what: &'static str,
+}
+
+/// Everything a run directory holds, in the order an operator meets it: the one listing
+/// that `kiln train --help`, `kiln launch --help`, the README and the crate doc show.
+pub fn entries() -> Vec<Entry> {
+    let train = |name: &str, what| entry(name.into(), "kiln train", what);
+    let launch = |name: String, what| entry(name, "kiln launch", what);
+    vec![
+        train(
+            CONFIG,
+            "the effective config (defaults, file and --set merged)",
+        ),
+        train(
+            METRICS,
+            "one JSON line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu, \
+             rss_mib) and per eval (eval_loss, eval_accuracy, unigram_loss)",
+        ),
+        entry(
+            EVENTS.into(),
+            "every component",
+            "one JSON event per line: start, resume, checkpoints (saved with stall_s and \
+             write_s, loaded, rejected), guards, signals, attempts, node swaps, jobs, exit",
+        ),
+        train(
+            &format!("{CHECKPOINTS}/{}/", checkpoint_dir("<N>")),
+            "model.safetensors, optimizer.safetensors, state.json and manifest.json \
+             (checksums), published atomically",
+        ),
+        train(
+            &format!("{CHECKPOINTS}/{REJECTED}/"),
+            "checkpoints that failed verification or belong to another run, moved aside \
+             with a note; never deleted",
+        ),
+        train(FINAL_MODEL, "the final weights"),
+        train(
+            LOCK,
+            "held (flock) by the one trainer writing the directory: its pid and host",
+        ),
+        train(
+            RUN_ID,
+            "the run's lineage, kept by a restart before the first checkpoint",
+        ),
+        launch(
+            attempt_log("<i>"),
+            "raw bytes of attempt i's output (stdout and stderr)",
+        ),
+        launch(
+            format!("{PROGRESS}/"),
+            "$KILN_PROGRESS_DIR: the ranks' beacons, exit, liveness and lost records and \
+             kiln's stop request; cleared before each attempt unless the caller set it",
+        ),
+        launch(
+            HOSTFILE.into(),
+            "the hosts used, when fewer than the allocation's",
+        ),
+        launch(
+            QUARANTINE.into(),
+            "hosts node scope took out of service, with the evidence",
+        ),
+        entry(
+            format!("{} | {}", batch_script("slurm"), batch_script("pbs")),
+            "kiln submit",
+            "the batch script every job of the chain runs",
+        ),
+        entry(
+            JOB_OUTPUT_PATTERN.replace("%j", "<id>"),
+            "the scheduler",
+            "a batch job's own output",
+        ),
+        entry(
+            format!("{PLOTS}/"),
+            "kiln plot",
+            "curves and the goodput timeline, SVG and PNG",
+        ),
+    ]
+}
+
+fn entry(name: String, by: &'static str, what: &'static str) -> Entry {
+    Entry { name, by, what }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,10 +232,57 @@ mod tests {
     fn checkpoint_dir_names_round_trip_and_only_canonical_ones_parse() {
         assert_eq!(parse_checkpoint_dir(&checkpoint_dir(120)), Some(120));
         assert_eq!(parse_checkpoint_dir("step-0"), Some(0));
+        assert_eq!(checkpoint_dir(7), "step-7");
         for bad in [
             "step-", "step-010", "step-+1", "step-1a", "rejected", "step--1",
         ] {
             assert_eq!(parse_checkpoint_dir(bad), None, "{bad}");
+        }
+    }
+
+    /// The names of [`entries`] as a listing holds them: in backquotes.
+    fn missing_from(listing: &str) -> Vec<String> {
+        entries()
+            .into_iter()
+            .flat_map(|e| {
+                let names: Vec<String> = e.name.split(" | ").map(str::to_string).collect();
+                names
+            })
+            .filter(|name| !listing.contains(&format!("`{name}`")))
+            .collect()
+    }
+
+    #[test]
+    fn the_readme_lists_every_entry_of_the_run_directory() {
+        let readme = include_str!("../../../README.md");
+        let start = readme
+            .find("### The run directory")
+            .expect("README has a run-directory section");
+        let section = &readme[start..];
+        let end = section[4..].find("\n#").map_or(section.len(), |i| i + 4);
+        let missing = missing_from(&section[..end]);
+        assert!(
+            missing.is_empty(),
+            "README's run directory lacks {missing:?}"
+        );
+    }
+
+    #[test]
+    fn the_crate_doc_lists_every_entry_of_the_run_directory() {
+        let doc: String = include_str!("lib.rs")
+            .lines()
+            .filter_map(|l| l.strip_prefix("//!"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let missing = missing_from(&doc);
+        assert!(missing.is_empty(), "kiln-run's crate doc lacks {missing:?}");
+    }
+
+    #[test]
+    fn every_entry_has_a_name_and_one_line() {
+        for e in entries() {
+            assert!(!e.name.is_empty() && !e.by.is_empty(), "{e:?}");
+            assert!(!e.what.contains('\n') && !e.what.contains("  "), "{e:?}");
         }
     }
 }

@@ -1,14 +1,25 @@
 //! Run-directory conventions shared by every kiln component.
 //!
-//! A run directory holds everything an operator needs at 3 a.m., in plain files:
+//! A run directory holds everything an operator needs at 3 a.m., in plain files (the same
+//! listing as [`layout::entries`], which `--help` prints):
 //!
-//! | file                     | written by        | format                                   |
-//! | ------------------------ | ----------------- | ---------------------------------------- |
-//! | `config.toml`            | `kiln train`      | the effective config                     |
-//! | `metrics.jsonl`          | `kiln train`      | one JSON object per logged step          |
-//! | `events.jsonl`           | every component   | one [`Event`] per line (see below)       |
-//! | `checkpoints/step-<N>/`  | `kiln train`      | safetensors + `state.json` + `manifest`  |
-//! | `attempt-<i>.log`        | `kiln launch`     | raw bytes of one attempt's output        |
+//! | file                        | written by      | what it holds                                  |
+//! | --------------------------- | --------------- | ---------------------------------------------- |
+//! | `config.toml`               | kiln train      | the effective config                           |
+//! | `metrics.jsonl`             | kiln train      | one JSON line per step and per eval            |
+//! | `events.jsonl`              | every component | one [`Event`] per line (see below)             |
+//! | `checkpoints/step-<N>/`     | kiln train      | safetensors + `state.json` + `manifest.json`   |
+//! | `checkpoints/rejected/`     | kiln train      | checkpoints moved aside; never deleted         |
+//! | `model.safetensors`         | kiln train      | the final weights                              |
+//! | `train.lock`                | kiln train      | the one writer's lock (pid and host)           |
+//! | `run_id`                    | kiln train      | the run's lineage                              |
+//! | `attempt-<i>.log`           | kiln launch     | raw bytes of one attempt's output              |
+//! | `progress/`                 | kiln launch     | beacons, exit, liveness, lost records, stop    |
+//! | `hostfile`                  | kiln launch     | the hosts used, when fewer than allocated      |
+//! | `quarantine.jsonl`          | kiln launch     | hosts taken out of service, with the evidence  |
+//! | `job.sbatch`, `job.pbs`     | kiln submit     | the batch script of every job of the chain     |
+//! | `job-<id>.out`              | the scheduler   | a batch job's own output                       |
+//! | `plots/`                    | kiln plot       | curves and the goodput timeline                |
 //!
 //! File names live in [`layout`], event names in [`event`], exit codes in [`exit`]. Two
 //! helpers every component needs sit here too: [`files`] (bounded reads of regular files

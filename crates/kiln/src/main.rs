@@ -101,6 +101,7 @@ fn exit_code_of(err: &anyhow::Error) -> i32 {
                 .or_else(|| coded::<kiln_launch::LaunchError>(cause))
                 .or_else(|| coded::<kiln_launch::SubmitError>(cause))
                 .or_else(|| coded::<kiln_dist::yeet::YeetError>(cause))
+                .or_else(|| coded::<kiln_gates::GatesError>(cause))
         })
         .unwrap_or(kiln_run::exit::FAILURE)
 }

@@ -110,7 +110,7 @@ fn export_writes_a_hugging_face_llama_directory() {
     // A checkpoint exports too, and an existing non-empty directory is never overwritten.
     let ck = run.join("checkpoints/step-3");
     let (code, text) = export(&ck, &out);
-    assert_eq!(code, 1, "{text}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{text}");
     assert!(text.contains("not an empty directory"), "{text}");
     let (code, text) = export(&ck, &tmp.path().join("hf-3"));
     assert_eq!(code, 0, "{text}");
@@ -158,7 +158,7 @@ fn qk_norm_models_are_refused() {
     train(&run, &["model.qk_norm=true", "training.steps=1"]);
     let out = tmp.path().join("hf");
     let (code, text) = export(&run, &out);
-    assert_eq!(code, 1, "{text}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{text}");
     assert!(
         text.contains("QK-norm") && text.contains("refused"),
         "{text}"

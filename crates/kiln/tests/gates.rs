@@ -88,10 +88,10 @@ fn smoke_fails_readably_when_numerics_change() {
     assert!(out.contains("first differing step: 2 (grad_norm)"), "{out}");
     assert!(out.contains("difference: 1 ULPs"), "{out}");
 
-    // A malformed baseline is an error naming the file.
+    // A malformed baseline is invalid input (78), named.
     std::fs::write(base, "{ nope").unwrap();
     let (code, out) = kiln(&["smoke", "--baseline", base], &tiny());
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
     assert!(
         out.contains("tiny.json") && out.contains("--bless"),
         "{out}"
@@ -145,13 +145,13 @@ fn eval_status_and_plot_on_a_tiny_run() {
     )
     .unwrap();
     let (code, out) = kiln(&["eval", run_s, "--tasks", bad.to_str().unwrap()], &[]);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
     assert!(
         out.contains("bad.jsonl line 2") && out.contains("'x'"),
         "{out}"
     );
     let (code, out) = kiln(&["eval", dir.path().join("nope").to_str().unwrap()], &[]);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
     assert!(out.contains("nope"), "{out}");
 
     // status
@@ -167,7 +167,7 @@ fn eval_status_and_plot_on_a_tiny_run() {
         "{out}"
     );
     let (code, out) = kiln(&["status", dir.path().join("nope").to_str().unwrap()], &[]);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
     assert!(out.contains("no such run directory"), "{out}");
 
     // plot
@@ -306,4 +306,30 @@ fn gate_step_counts_with_no_sense_are_refused_at_once() {
         assert!(err.contains("--steps"), "{args:?}: {err}");
         assert!(!out_dir.exists(), "{args:?} wrote outputs");
     }
+}
+
+/// A gate's error exits with the code `kiln_run::exit` gives it (through
+/// `kiln_gates::GatesError`'s `ExitCoded`), not the generic 1: bad input is 78 and bad flag
+/// values are 2, which `kiln launch` never retries.
+#[test]
+fn gate_errors_exit_with_their_mapped_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (code, out) = kiln(&["status", empty.to_str().unwrap()], &[]);
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
+    assert!(out.contains("not a run directory"), "{out}");
+
+    let tasks = dir.path().join("tasks.jsonl");
+    std::fs::write(&tasks, "{\"context\": \"a\"}\nnot json\n").unwrap();
+    let (code, out) = kiln(
+        &["eval", "nowhere", "--tasks", tasks.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(code, kiln_run::exit::CONFIG, "{out}");
+    assert!(out.contains("tasks.jsonl line 1"), "{out}");
+
+    let (code, out) = kiln(&["smoke", "--mem-tolerance", "inf"], &[]);
+    assert_eq!(code, kiln_run::exit::USAGE, "{out}");
+    assert!(out.contains("--mem-tolerance inf"), "{out}");
 }

@@ -627,21 +627,28 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
             &["--workers = 100000"],
         ),
         (
-            &["smoke", "--mem-tolerance", "nan"],
-            &["--mem-tolerance NaN: must be a finite number"],
-        ),
-        (
-            &["lr-find", "--blowup=-1"],
-            &["--blowup -1: must be a finite number > 1"],
-        ),
-        (&["lr-find", "--blowup", "nan"], &["--blowup NaN"]),
-        (
             &["eval", "somewhere", "--samples", "0"],
             &["--samples 0: must be at least 1"],
         ),
     ] {
         let r = run(kiln(args, d), 60);
         refused(&r, &format!("{args:?}"), needles);
+        assert!(r.seconds < 20.0, "{args:?} took {:.1}s", r.seconds);
+    }
+    // The gates' own checks of flag values: usage errors (kiln_gates::GatesError::Usage).
+    for (args, needles) in [
+        (
+            &["smoke", "--mem-tolerance", "nan"][..],
+            &["--mem-tolerance NaN: must be a finite number"][..],
+        ),
+        (
+            &["lr-find", "--blowup=-1"],
+            &["--blowup -1: must be a finite number > 1"],
+        ),
+        (&["lr-find", "--blowup", "nan"], &["--blowup NaN"]),
+    ] {
+        let r = run(kiln(args, d), 60);
+        refused_with(&r, kiln_run::exit::USAGE, &format!("{args:?}"), needles);
         assert!(r.seconds < 20.0, "{args:?} took {:.1}s", r.seconds);
     }
 
@@ -665,7 +672,12 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
     let mut cmd = Command::new(KILN);
     cmd.arg("eval").arg(&ck).current_dir(d);
     let r = run(cmd, 60);
-    refused(&r, "eval without manifest", &["without manifest.json"]);
+    refused_with(
+        &r,
+        INVALID,
+        "eval without manifest",
+        &["without manifest.json"],
+    );
     assert!(!r.stderr.contains("config.toml"), "{}", r.stderr);
 }
 
@@ -869,10 +881,11 @@ fn status_reads_logs_with_a_line_bound() {
             writeln!(f, "\n{event}").unwrap();
         }
     };
-    // A 256 MiB line followed by an event: an error naming the line, in little memory.
+    // A 256 MiB line followed by an event: invalid input, an error naming the line, in little
+    // memory.
     write("events.jsonl", false);
     let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, INVALID, "{err}");
     assert!(
         err.contains("events.jsonl line 1: is 268435478 bytes long"),
         "{err}"
@@ -890,7 +903,7 @@ fn status_reads_logs_with_a_line_bound() {
     std::fs::write(run_dir.join("events.jsonl"), format!("{event}\n")).unwrap();
     write("metrics.jsonl", false);
     let (code, err, kib) = peak_memory(kiln(&["status", "run"], dir.path()));
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, INVALID, "{err}");
     assert!(
         err.contains("metrics.jsonl line 1: is 268435478 bytes long"),
         "{err}"

@@ -33,8 +33,9 @@ Models Hugging Face's Llama cannot represent are refused: QK-norm (model.qk_norm
 
 Exit codes:
   0   exported
-  1   the run, checkpoint, config or tokenizer is missing or unreadable, the checkpoint does
-      not verify, the model cannot be represented (QK-norm), or OUT_DIR is not empty
+  1   a file could not be read or written (the message names it)
+  78  the run, checkpoint or config is missing or invalid, the checkpoint does not verify,
+      the model cannot be represented (QK-norm), or OUT_DIR is not empty
 
 Examples:
   kiln export runs/default --to hf exports/default

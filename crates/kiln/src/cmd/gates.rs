@@ -20,7 +20,10 @@ The baseline keeps the effective config it was made with; a run with a different
 
 Exit codes:
   0   identical to the baseline (or --bless wrote it)
-  1   numerics, step count or memory differ, the config differs, or an error
+  1   numerics, step count or memory differ, or the config differs; or reading or writing
+      failed (the message names the file)
+  2   a bad flag value (--steps, --mem-tolerance); nothing ran
+  78  the config or the baseline file is invalid: fix it
 
 Examples:
   kiln smoke                                   # default config against gates/smoke-default.json

@@ -9,7 +9,7 @@ use kiln_topology::RankEnv;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const LAUNCH_HELP: &str = "\
+const LAUNCH_ABOUT: &str = "\
 Usage:
   kiln launch [KILN FLAGS] [LAUNCHER FLAGS] -- PROGRAM [ARGS...]
 
@@ -96,17 +96,12 @@ Node scope (--auto-retry, or --spares N):
   Job scope (`kiln submit`) adds --chain/--chain-script: at the end of a batch job whose exit is
   75 or 69, if it made progress and the chain limit allows, kiln submits the next job.
 
-Run directory (--run-dir; give the trainer the same directory so `kiln status` sees both):
-  events.jsonl      launch_start, job_start, host_pool, attempt_start, attempt_end (argv, hosts,
-                    times, exit code, classification, progress, culprit ranks and hosts,
-                    evidence, time to detect), node_swap, quarantine, shrink, backoff, stopped,
-                    launch_end, job_submitted, chain
-  attempt-<i>.log   raw bytes of attempt i's output (stdout and stderr)
-  progress/         $KILN_PROGRESS_DIR (beacons, exit records), cleared before each attempt
-                    (unless set by the caller)
-  hostfile          the hosts used, when fewer than the allocation's
-  quarantine.jsonl  hosts node scope took out of service, with the evidence
+Events (RUN_DIR/events.jsonl): launch_start, job_start, host_pool, attempt_start, attempt_end
+(argv, hosts, times, exit code, classification, progress, culprit ranks and hosts, evidence,
+time to detect), node_swap, quarantine, shrink, backoff, stopped, launch_end, job_submitted,
+chain.";
 
+const LAUNCH_EXAMPLES: &str = "\
 Examples:
   kiln launch --timeout 600 --stall-timeout 300 --retries 3 -- kiln train configs/tiny.toml
   kiln launch --auto-retry --spares 2 --stall-timeout 300 --run-dir runs/a -- kiln train --run-dir runs/a
@@ -114,9 +109,19 @@ Examples:
   kiln launch --dry-run --nnodes 2 --ppn 4 -- python train.py     # print the argv only
   kiln launch --np 8 --ppn 4 --cpu-bind none --no-vni -- ./a.out  # --no-vni goes to mpiexec";
 
+/// What `kiln launch --help` says after the flags; the run directory comes from kiln-run's
+/// table.
+fn launch_help() -> String {
+    format!(
+        "{LAUNCH_ABOUT}\n\nRun directory (--run-dir; give the trainer the same directory so \
+         `kiln status` sees both):\n{}\n\n{LAUNCH_EXAMPLES}",
+        super::help::run_dir_listing()
+    )
+}
+
 /// Arguments of `kiln launch`.
 #[derive(Debug, clap::Args)]
-#[command(after_long_help = LAUNCH_HELP)]
+#[command(after_long_help = launch_help())]
 pub struct LaunchArgs {
     /// kiln's own flags (defined in kiln-launch); boxed so the CLI's command enum stays small.
     #[command(flatten)]
@@ -252,13 +257,15 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let mut ok = true;
     let dir = std::env::temp_dir();
     let opts = LaunchOptions {
-        scheduler: Some(args.scheduler),
-        hostfile: args.hostfile,
-        mpi: args.mpi,
-        accelerator: Some(args.accelerator),
-        gpus_per_node: args.gpus_per_node,
+        request: LaunchRequest {
+            scheduler: args.scheduler,
+            hostfile: args.hostfile,
+            mpi: args.mpi,
+            accelerator: args.accelerator,
+            gpus_per_node: args.gpus_per_node,
+            ..LaunchRequest::default()
+        },
         command: vec!["PROGRAM".into()],
-        master_port: 29500,
         progress_dir: dir.join(kiln_run::layout::PROGRESS),
         run_dir: dir,
         ..LaunchOptions::default()

@@ -3,6 +3,7 @@
 pub mod data;
 pub mod export;
 pub mod gates;
+pub mod help;
 pub mod launch;
 pub mod submit;
 pub mod train;

@@ -8,54 +8,7 @@ use std::time::Instant;
 
 /// Arguments of `kiln train`.
 #[derive(Debug, clap::Args)]
-#[command(after_long_help = "\
-Exit codes (kiln launch reads them: 65, 73 and 78 are never retried):
-  0   all steps done (final weights in RUN_DIR/model.safetensors)
-  1   error that may be transient (I/O on the run directory); the message says which
-  65  a guard stopped the run: non-finite steps or loss spikes that rollbacks did not cure
-      (guards.max_rollbacks), or a first-step loss far from ln(vocab); checkpoints are kept
-  73  the run directory is locked by another trainer (named: pid and host)
-  75  preempted: SIGTERM, SIGUSR1 or SIGINT arrived (on any rank), the current step
-      finished, a checkpoint was saved; run the same command again to resume exactly
-  76  data-parallel replicas disagree on their parameters; the rank is named in
-      events.jsonl (replica_mismatch) and nothing of the bad weights was saved
-  78  invalid config, data, checkpoint or rank environment (also: resuming a checkpoint of
-      another optimizer.kind): fix the input, do not retry
-
-Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
-mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
-global batch (training.global_batch_size, or batch_size x grad_accum_steps x ranks);
-gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
-on any number of ranks that divides its global batch.
-
-Optimizers (optimizer.kind): adamw (default), muon (Newton-Schulz orthogonalised momentum
-for the hidden matrices, AdamW for embeddings, norms and the head), sophiag (clipped,
-Hessian-preconditioned momentum; optimizer.sophia.rho, hessian_interval). Precision:
-training.dtype = f32 | bf16 (matmuls), training.master_dtype = f32 | bf16 (stored weights;
-bf16 loses small updates: the norms freeze). Checkpoints are written on a background thread
-(checkpoint.async = true): a step waits only for a host copy of the state, and every exit
-waits for the save in flight.
-
-Run directory:
-  config.toml      the effective config
-  metrics.jsonl    one line per step (loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
-                   rss_mib) and per evaluation (eval_loss, eval_accuracy)
-  events.jsonl     start, resume, checkpoint saved (with the step's stall_s and the write_s)
-                   /loaded/rejected, guards, signal, exit
-  checkpoints/step-<N>/  model.safetensors (weights, in the master dtype),
-                   optimizer.safetensors (the optimizer's state, f32, keyed <param>.<slot>:
-                   exp_avg/exp_avg_sq for AdamW, momentum_buffer for Muon's matrices,
-                   exp_avg/hessian for SophiaG), state.json (incl. the optimizer kind),
-                   manifest.json
-  checkpoints/rejected/  checkpoints that failed verification or belong to another run,
-                   moved aside with a REJECTED.txt note (kiln never deletes them)
-  train.lock       held (flock) by the one trainer writing this directory
-  model.safetensors      the final weights
-
-Examples:
-  kiln train                                   # the built-in default, a few minutes on CPU
-  kiln train configs/tiny.toml --set training.steps=2000 --run-dir runs/long
-  kiln train --print-config > my.toml          # every key, with its default")]
+#[command(after_long_help = train_help())]
 pub struct TrainArgs {
     /// TOML config file; without one, the built-in defaults (synthetic copy corpus).
     pub config: Option<PathBuf>,
@@ -72,6 +25,49 @@ pub struct TrainArgs {
     #[arg(long)]
     pub no_progress_bar: bool,
 }
+
+/// What `kiln train --help` says after the flags; the exit codes and the run directory come
+/// from kiln-run's tables.
+fn train_help() -> String {
+    use kiln_run::exit::*;
+    let codes = [
+        SUCCESS,
+        FAILURE,
+        GUARD_STOP,
+        RUN_DIR_LOCKED,
+        PREEMPTED,
+        REPLICA_MISMATCH,
+        CONFIG,
+    ];
+    format!(
+        "Exit codes (kiln launch reads them: {} are never retried):\n{}\n\n{TRAIN_ABOUT}\n\n\
+         Run directory:\n{}\n\n{TRAIN_EXAMPLES}",
+        super::help::never_retried(&codes),
+        super::help::exit_listing(&codes),
+        super::help::run_dir_listing(),
+    )
+}
+
+const TRAIN_ABOUT: &str = "\
+Data parallelism: start N ranks with an MPI launcher (kiln launch --mpi --np N, mpirun,
+mpiexec or srun) on a kiln built with `--features mpi`. Each rank trains on its slice of the
+global batch (training.global_batch_size, or batch_size x grad_accum_steps x ranks);
+gradients are averaged over ranks. Rank 0 writes the run directory. A checkpoint resumes
+on any number of ranks that divides its global batch.
+
+Optimizers (optimizer.kind): adamw (default), muon (Newton-Schulz orthogonalised momentum
+for the hidden matrices, AdamW for embeddings, norms and the head), sophiag (clipped,
+Hessian-preconditioned momentum; optimizer.sophia.rho, hessian_interval). Precision:
+training.dtype = f32 | bf16 (matmuls), training.master_dtype = f32 | bf16 (stored weights;
+bf16 loses small updates: the norms freeze). Checkpoints are written on a background thread
+(checkpoint.async = true): a step waits only for a host copy of the state, and every exit
+waits for the save in flight.";
+
+const TRAIN_EXAMPLES: &str = "\
+Examples:
+  kiln train                                   # the built-in default, a few minutes on CPU
+  kiln train configs/tiny.toml --set training.steps=2000 --run-dir runs/long
+  kiln train --print-config > my.toml          # every key, with its default";
 
 /// Renders progress: a live status line on a terminal, plain `step=N ...` lines otherwise
 /// (what `kiln launch` and any other supervisor parse).

@@ -1,0 +1,245 @@
+//! The watch loop of one attempt: every tick it takes the exits, and asks each handler in turn
+//! (a stop kiln received, the walltime, the progress directory, liveness, the watchdogs)
+//! whether the attempt must end; the first [`Verdict`] stops the ranks (SIGTERM, then SIGKILL
+//! after the grace period, see [`Escalation`]). It returns once every process exited.
+
+use super::beacons::Beacons;
+use super::cadence::TICK;
+use super::config::AttemptConfig;
+use super::escalation::Escalation;
+use super::exits::ranks_already_exited;
+use super::liveness::{LiveRanks, lost_verdict};
+use super::outcome::Verdict;
+use super::output::Shared;
+use super::spawn::Running;
+use super::watchdog::watchdog;
+use crate::classify::Classification;
+use crate::groups::kill_groups;
+use crate::signals::StopRequest;
+use nix::sys::signal::Signal;
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// One running attempt, as the loop and its handlers see it.
+pub(super) struct Attempt<'a> {
+    pub(super) cfg: &'a AttemptConfig,
+    pub(super) running: &'a Running,
+    pub(super) shared: &'a Arc<Mutex<Shared>>,
+    /// Signals kiln received (see [`crate::stop_requested`]).
+    pub(super) stop: &'a dyn Fn() -> Option<StopRequest>,
+    /// The attempt's start, in both clocks.
+    pub(super) start: Instant,
+    pub(super) start_time: f64,
+}
+
+/// The supervision state of one attempt.
+pub(super) struct Watch {
+    pub(super) statuses: Vec<Option<ExitStatus>>,
+    /// Exits received but not yet taken.
+    pending: Vec<(usize, ExitStatus, Instant)>,
+    pub(super) first_failure: Option<usize>,
+    /// Seconds from the first failing rank's exit to kiln stopping the others.
+    pub(super) failure_detect_s: Option<f64>,
+    /// When the last process exited.
+    pub(super) ended: Option<Instant>,
+    pub(super) verdict: Option<Verdict>,
+    /// The first stop signal kiln forwarded.
+    pub(super) stop_signal: Option<i32>,
+    handled_stops: u32,
+    pub(super) beacons: Beacons,
+    live: LiveRanks,
+    kill: Escalation,
+}
+
+impl Watch {
+    /// Stop requests counted up to `handled_stops` arrived before this attempt (during
+    /// backoff): they are the caller's to handle; only new ones count here.
+    pub(super) fn new(a: &Attempt<'_>, handled_stops: u32) -> Self {
+        Watch {
+            statuses: vec![None; a.running.ranks.len()],
+            pending: Vec::new(),
+            first_failure: None,
+            failure_detect_s: None,
+            ended: None,
+            verdict: None,
+            stop_signal: None,
+            handled_stops,
+            beacons: Beacons::new(a.start),
+            live: LiveRanks::new(),
+            kill: Escalation::new(a.cfg.grace),
+        }
+    }
+
+    /// Watches until every process exited, acting on failures, stops, the walltime and
+    /// the watchdogs.
+    pub(super) fn run(&mut self, a: &Attempt<'_>) {
+        loop {
+            let now = Instant::now();
+            self.take_exits(a, now);
+            if self.statuses.iter().all(Option::is_some) {
+                self.last_look(a, now);
+                return;
+            }
+            let stopped = self.stop_request(a, now);
+            self.verdict = self.verdict.take().or(stopped);
+            let walltime = self.walltime(a, now);
+            self.stop_ranks(a, walltime, now);
+            self.read_progress_dir(a, now);
+            let hung = self.liveness(a, now).or_else(|| self.watchdog(a, now));
+            self.stop_ranks(a, hung, now);
+            self.kill.tick(&a.running.groups, now);
+            self.pending
+                .extend(a.running.exit_rx.recv_timeout(TICK).ok());
+        }
+    }
+
+    /// Ends the attempt for `verdict`, if there is one: SIGTERM now, SIGKILL after the grace.
+    fn stop_ranks(&mut self, a: &Attempt<'_>, verdict: Option<Verdict>, now: Instant) {
+        if let Some(v) = verdict {
+            self.kill.terminate(&a.running.groups, now);
+            self.verdict = Some(v);
+        }
+    }
+
+    /// Whether a handler may still end the attempt: nothing decided, no rank failed.
+    fn undecided(&self) -> bool {
+        self.verdict.is_none() && self.first_failure.is_none()
+    }
+
+    /// Records the processes that exited. One dead rank leaves the rest blocked in a
+    /// collective: the first failure stops them all.
+    fn take_exits(&mut self, a: &Attempt<'_>, now: Instant) {
+        self.pending.extend(a.running.exit_rx.try_iter());
+        for (i, status, at) in std::mem::take(&mut self.pending) {
+            self.statuses[i] = Some(status);
+            if !status.success() && self.first_failure.is_none() {
+                self.first_failure = Some(i);
+                self.failure_detect_s = Some(now.saturating_duration_since(at).as_secs_f64());
+                if self.statuses.iter().any(Option::is_none) && !self.kill.armed() {
+                    self.kill.terminate(&a.running.groups, now);
+                }
+            }
+        }
+    }
+
+    /// Every process exited. The launcher may have ended the job before the lost record was
+    /// read: read it now.
+    fn last_look(&mut self, a: &Attempt<'_>, now: Instant) {
+        self.ended = Some(now);
+        if self.verdict.is_none()
+            && let (Some(dir), Some(bound)) = (&a.cfg.progress_dir, a.cfg.heartbeat_timeout)
+        {
+            self.verdict = lost_verdict(dir, bound, a.start_time, now);
+        }
+    }
+
+    /// A new stop request: the first is forwarded to the ranks (with SIGKILL after the
+    /// grace) and decides the ending; a second one (Ctrl-C twice) means "now".
+    fn stop_request(&mut self, a: &Attempt<'_>, now: Instant) -> Option<Verdict> {
+        let req = (a.stop)().filter(|r| r.count > self.handled_stops)?;
+        self.handled_stops = req.count;
+        if self.stop_signal.is_some() {
+            kill_groups(&a.running.groups, Signal::SIGKILL);
+            return None;
+        }
+        self.stop_signal = Some(req.signal);
+        let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
+        tracing::info!("forwarding {sig} to the ranks");
+        forward_stop(a, sig);
+        self.kill.arm(now);
+        let classification = if req.signal == libc::SIGUSR1 {
+            Classification::Walltime
+        } else {
+            Classification::Interrupted
+        };
+        Some(Verdict {
+            classification,
+            at: now,
+            detect_s: None,
+            culprits: Vec::new(),
+            message: Some(format!(
+                "kiln received {sig}: forwarded it to the ranks; not retrying"
+            )),
+            exit_code: None,
+        })
+    }
+
+    /// The walltime (`AttemptConfig::deadline`) is over: stop so the ranks can checkpoint.
+    fn walltime(&self, a: &Attempt<'_>, now: Instant) -> Option<Verdict> {
+        if self.verdict.is_some() || a.cfg.deadline.is_none_or(|d| now < d) {
+            return None;
+        }
+        Some(Verdict {
+            classification: Classification::Walltime,
+            at: now,
+            detect_s: None,
+            culprits: Vec::new(),
+            message: Some("walltime reached: sent SIGTERM so the ranks can checkpoint".into()),
+            exit_code: None,
+        })
+    }
+
+    /// Reads beacons (progress) and liveness records, every [`super::cadence::BEACON_EVERY`].
+    fn read_progress_dir(&mut self, a: &Attempt<'_>, now: Instant) {
+        let Some(dir) = &a.cfg.progress_dir else {
+            return;
+        };
+        if !self.beacons.due(now) {
+            return;
+        }
+        let advanced = (self.beacons).update(kiln_run::read_beacons(dir), a.start_time, now);
+        if advanced && let Ok(mut s) = a.shared.lock() {
+            s.advanced(now);
+        }
+        self.live.sample(dir, a.running, a.start_time, now);
+    }
+
+    /// A rank that is gone or fell silent (see [`LiveRanks::verdict`]).
+    fn liveness(&mut self, a: &Attempt<'_>, now: Instant) -> Option<Verdict> {
+        if !self.undecided() {
+            return None;
+        }
+        let v = (self.live).verdict(a.cfg, a.running, &self.statuses, a.start_time, now)?;
+        announce(a.cfg, &v);
+        Some(v)
+    }
+
+    /// The silence and stall watchdogs, unless every rank already exited on its own.
+    fn watchdog(&self, a: &Attempt<'_>, now: Instant) -> Option<Verdict> {
+        if !self.undecided() {
+            return None;
+        }
+        let v = watchdog(a.cfg, a.shared, &self.beacons, &self.live.ranks, now)?;
+        let v = ranks_already_exited(a.cfg).unwrap_or(v);
+        announce(a.cfg, &v);
+        Some(v)
+    }
+}
+
+/// Delivers a stop signal kiln received to the ranks. Under a launcher whose ranks run the
+/// `--as-rank` shim, the shims deliver it (see [`kiln_run::write_stop_request`]); the launcher
+/// is not signalled, because it would kill ranks that are still checkpointing. Otherwise the
+/// process groups get it.
+fn forward_stop(a: &Attempt<'_>, sig: Signal) {
+    let shimmed = a.cfg.rank_shims && a.running.ranks.iter().all(Option::is_none);
+    if let (true, Some(dir)) = (shimmed, &a.cfg.progress_dir) {
+        match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time()) {
+            Ok(()) => return,
+            Err(e) => tracing::warn!("{e}: signalling the launcher instead"),
+        }
+    }
+    kill_groups(&a.running.groups, sig);
+}
+
+/// Says a verdict now, not after the grace period: the operator watching wants to know.
+fn announce(cfg: &AttemptConfig, v: &Verdict) {
+    if cfg.echo
+        && let Some(m) = &v.message
+    {
+        eprintln!(
+            "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
+            cfg.grace.as_secs_f64()
+        );
+    }
+}

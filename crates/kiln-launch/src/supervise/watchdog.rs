@@ -1,0 +1,218 @@
+//! The progress watchdogs: silence (`--timeout`: no output and no beacon change) and stall
+//! (`--stall-timeout`: output goes on but no rank advances), and naming the ranks that
+//! stopped advancing first.
+
+use super::beacons::{Beacons, Tracked};
+use super::config::AttemptConfig;
+use super::liveness::Live;
+use super::outcome::Verdict;
+use super::output::Shared;
+use crate::classify::Classification;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Output-derived progress per source: `(step, when it last advanced)`.
+type OutputProgress = BTreeMap<Option<usize>, (u64, Instant)>;
+
+/// What the watchdogs judge by, at one instant.
+pub(super) struct Seen<'a> {
+    pub(super) beacons: &'a Beacons,
+    pub(super) live: &'a BTreeMap<usize, Live>,
+    pub(super) last_output: Option<Instant>,
+    pub(super) output: OutputProgress,
+    pub(super) now: Instant,
+}
+
+/// The stall watchdog, then the silence watchdog.
+pub(super) fn watchdog(
+    cfg: &AttemptConfig,
+    shared: &Arc<Mutex<Shared>>,
+    beacons: &Beacons,
+    live: &BTreeMap<usize, Live>,
+    now: Instant,
+) -> Option<Verdict> {
+    let seen = {
+        let s = shared.lock().ok()?;
+        Seen {
+            beacons,
+            live,
+            last_output: s.last_output,
+            output: s.output_progress.clone(),
+            now,
+        }
+    };
+    cfg.stall_timeout
+        .and_then(|limit| stalled(&seen, limit))
+        .or_else(|| cfg.silence_timeout.and_then(|limit| silent(&seen, limit)))
+}
+
+/// Stall: any tracked rank (beacon) or output source that has not advanced for `limit`.
+fn stalled(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
+    let now = seen.now;
+    let beacons = &seen.beacons.ranks;
+    let mut idle: Vec<(u64, f64)> = beacons
+        .values()
+        .filter(|t| !t.finished())
+        .map(|t| (t.step, now.duration_since(t.last_advance).as_secs_f64()))
+        .collect();
+    if beacons.is_empty() {
+        idle.extend(
+            (seen.output.values()).map(|(step, at)| (*step, now.duration_since(*at).as_secs_f64())),
+        );
+    }
+    let worst = idle.iter().map(|i| i.1).fold(0.0, f64::max);
+    if idle.is_empty() || worst < limit.as_secs_f64() {
+        return None;
+    }
+    let (culprits, who) = first_stopped(seen);
+    let step = idle.iter().map(|i| i.0).max().unwrap_or(0);
+    Some(Verdict {
+        exit_code: None,
+        classification: Classification::HungStalled,
+        at: now,
+        detect_s: Some(worst),
+        culprits,
+        message: Some(format!(
+            "watchdog: progress stalled for {worst:.1} s (--stall-timeout {}) although the job is still running; \
+             last step {step}; {who}",
+            limit.as_secs_f64()
+        )),
+    })
+}
+
+/// Silence: no output and no beacon change for `limit`.
+fn silent(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
+    let now = seen.now;
+    let last = seen
+        .last_output
+        .unwrap_or(now)
+        .max(seen.beacons.last_change);
+    let quiet = now.duration_since(last).as_secs_f64();
+    if quiet < limit.as_secs_f64() {
+        return None;
+    }
+    let (culprits, who) = first_stopped(seen);
+    let step = (seen.output.values().map(|p| p.0))
+        .chain(seen.beacons.ranks.values().map(|t| t.step))
+        .max();
+    let step = step.map_or("no progress seen".to_string(), |s| format!("last step {s}"));
+    Some(Verdict {
+        exit_code: None,
+        classification: Classification::HungSilent,
+        at: now,
+        detect_s: Some(quiet),
+        culprits,
+        message: Some(format!(
+            "watchdog: no output for {quiet:.1} s (--timeout {}); {step}; {who}",
+            limit.as_secs_f64()
+        )),
+    })
+}
+
+/// A rank's progress as the watchdog compares it: `(rank, step, last advance, source)`.
+type RankIdle = (usize, u64, Instant, &'static str);
+
+/// Names the ranks that stopped advancing first: the lowest step; among equals, those whose
+/// last advance is within half a second of the earliest. Beacons win over output.
+fn first_stopped(seen: &Seen<'_>) -> (Vec<usize>, String) {
+    let (beacons, now) = (&seen.beacons.ranks, seen.now);
+    let ranks: Vec<RankIdle> = if !beacons.is_empty() {
+        beacons
+            .iter()
+            .filter(|(_, t)| !t.finished())
+            .map(|(r, t)| (*r, t.step, t.last_advance, "beacon"))
+            .collect()
+    } else {
+        (seen.output.iter())
+            .filter_map(|(r, (s, t))| Some(((*r)?, *s, *t, "output")))
+            .collect()
+    };
+    if ranks.is_empty() {
+        return (
+            Vec::new(),
+            "no per-rank progress (write beacons to $KILN_PROGRESS_DIR/rank-<R> to name the rank)"
+                .into(),
+        );
+    }
+    let suspects = suspects(&ranks, beacons);
+    let min_step = suspects.iter().map(|r| r.1).min().unwrap_or(0);
+    let lowest: Vec<_> = suspects.iter().filter(|r| r.1 == min_step).collect();
+    let earliest = lowest.iter().map(|r| r.2).min().unwrap_or(now);
+    let first: Vec<usize> = lowest
+        .iter()
+        .filter(|r| r.2.duration_since(earliest) <= Duration::from_millis(500))
+        .map(|r| r.0)
+        .collect();
+    let detail: Vec<String> = ranks
+        .iter()
+        .map(|(r, s, t, _)| {
+            format!(
+                "rank {r} step {s} ({:.1} s ago)",
+                now.duration_since(*t).as_secs_f64()
+            )
+        })
+        .collect();
+    let (first, how) = narrow_by_liveness(first, seen.live, now);
+    let list: Vec<String> = first.iter().map(usize::to_string).collect();
+    let who = format!(
+        "ranks that stopped advancing first: {} (from {}s{how}: {})",
+        list.join(", "),
+        ranks[0].3,
+        detail.join(", ")
+    );
+    (first, who)
+}
+
+/// In a collective every healthy rank waits for the stuck one at the same step: a rank whose
+/// beacon says it waits on the others is not the culprit when some rank does not.
+fn suspects(ranks: &[RankIdle], beacons: &BTreeMap<usize, Tracked>) -> Vec<RankIdle> {
+    let working: Vec<usize> = beacons
+        .iter()
+        .filter(|(_, t)| !t.waiting() && !t.finished())
+        .map(|(r, _)| *r)
+        .collect();
+    if !working.is_empty() && working.len() < ranks.len() && ranks.iter().all(|r| r.3 == "beacon") {
+        ranks
+            .iter()
+            .filter(|r| working.contains(&r.0))
+            .copied()
+            .collect()
+    } else {
+        ranks.to_vec()
+    }
+}
+
+/// Among ranks that stopped at the same step at the same time (a collective: the healthy
+/// ones wait for the stuck one), the stuck one is the process that does nothing: stopped, or
+/// using no CPU while the others spin in MPI. Returns the narrowed list (unchanged when the
+/// processes do not tell them apart) and how it was narrowed.
+fn narrow_by_liveness(
+    tied: Vec<usize>,
+    live: &BTreeMap<usize, Live>,
+    now: Instant,
+) -> (Vec<usize>, &'static str) {
+    if tied.len() < 2 || !tied.iter().all(|r| live.contains_key(r)) {
+        return (tied, "");
+    }
+    let strict = |v: &Vec<usize>| !v.is_empty() && v.len() < tied.len();
+    let stopped: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| matches!(live[r].state, 'T' | 't'))
+        .collect();
+    if strict(&stopped) {
+        return (stopped, " and process states: stopped");
+    }
+    let idle_for = |r: &usize| now.saturating_duration_since(live[r].cpu_changed);
+    let busy = tied.iter().any(|r| idle_for(r) < Duration::from_secs(1));
+    let idle: Vec<usize> = tied
+        .iter()
+        .copied()
+        .filter(|r| idle_for(r) >= Duration::from_secs(2))
+        .collect();
+    if busy && strict(&idle) {
+        return (idle, " and CPU use: no CPU while the others spin");
+    }
+    (tied, "")
+}
