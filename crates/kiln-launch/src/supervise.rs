@@ -36,6 +36,9 @@ pub struct AttemptConfig {
     pub silence_timeout: Option<Duration>,
     /// `--stall-timeout`: kill after this long without progress, once progress was seen.
     pub stall_timeout: Option<Duration>,
+    /// Without `stall_timeout`, stop progress stalls after a multiple of the observed step
+    /// time of the beacon-reporting ranks (see [`crate::stall`]).
+    pub stall_auto: bool,
     /// Progress regex over output lines (`None`: beacons only).
     pub progress_regex: Option<ProgressRegex>,
     /// Beacon directory (`$KILN_PROGRESS_DIR`).
@@ -255,6 +258,7 @@ pub fn run_attempt(
         failure_detect_s: None,
         ended: None,
         liveness_read: None,
+        steps: crate::stall::StepClock::default(),
     };
     w.run(cfg, &running, &shared, stop, start, start_time);
 
@@ -392,6 +396,8 @@ struct Watch {
     ended: Option<Instant>,
     /// When the progress directory was last read for lost and exit records.
     liveness_read: Option<Instant>,
+    /// Step times from the beacons: the stall watchdog's default limit.
+    steps: crate::stall::StepClock,
 }
 
 /// A rank's process as its shim last reported it.
@@ -537,8 +543,9 @@ impl Watch {
                 && last_beacon_read.is_none_or(|t| now.duration_since(t) >= BEACON_EVERY)
             {
                 last_beacon_read = Some(now);
-                let (changed, advanced) =
-                    update_beacons(&mut self.beacons, read_beacons(dir), start_time, now);
+                let fresh = read_beacons(dir);
+                self.steps.observe(&fresh, start_time, now);
+                let (changed, advanced) = update_beacons(&mut self.beacons, fresh, start_time, now);
                 if changed {
                     last_beacon_change = now;
                 }
@@ -577,6 +584,7 @@ impl Watch {
                     shared,
                     &self.beacons,
                     &self.live,
+                    &self.steps,
                     last_beacon_change,
                     now,
                 )
@@ -1119,6 +1127,7 @@ fn watchdog(
     shared: &Arc<Mutex<Shared>>,
     beacons: &BTreeMap<usize, Tracked>,
     live: &BTreeMap<usize, Live>,
+    steps: &crate::stall::StepClock,
     last_beacon_change: Instant,
     now: Instant,
 ) -> Option<Verdict> {
@@ -1127,7 +1136,11 @@ fn watchdog(
         (s.last_output, s.output_progress.clone())
     };
     // Stall: any tracked rank (beacon) or output source that has not advanced for S.
-    if let Some(limit) = cfg.stall_timeout {
+    let stall = match cfg.stall_timeout {
+        Some(s) => Some((s, format!("--stall-timeout {}", s.as_secs_f64()))),
+        None => steps.limit().filter(|_| cfg.stall_auto),
+    };
+    if let Some((limit, how)) = stall {
         let mut idle: Vec<(Option<usize>, u64, f64)> = Vec::new();
         for (rank, t) in beacons.iter().filter(|(_, t)| !finished(&t.phase)) {
             idle.push((
@@ -1152,7 +1165,7 @@ fn watchdog(
                 detect_s: Some(worst),
                 culprits,
                 message: Some(format!(
-                    "watchdog: progress stalled for {worst:.1} s (--stall-timeout {}) although the job is still running; \
+                    "watchdog: progress stalled for {worst:.1} s (limit {:.1} s: {how}) although the job is still running; \
                      last step {step}; {who}",
                     limit.as_secs_f64()
                 )),

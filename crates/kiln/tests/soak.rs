@@ -17,7 +17,10 @@
 //! rank 0 is the real `kiln train` and rank 1 stands in for a replica, following rank 0's
 //! beacon). At the end the final weights are compared with an uninterrupted run of the same
 //! config (run alongside: `kiln launch --mpi --np 2` locally for data-parallel), and the
-//! ledger is printed.
+//! ledger is printed: `kiln status`, then the per-cause ETTR table and the per-fault table
+//! (detection time, resume tier, work lost) in Markdown, ready for the README, also written
+//! to `soak-table.md` beside `soak-report.json`. The stall watchdog runs on its default (a
+//! multiple of the observed step time); liveness on the default heartbeat timeout.
 
 mod common;
 
@@ -228,7 +231,6 @@ fn soak() {
     ])
     .arg(&run)
     .args([
-        "--launch-arg=--stall-timeout=3",
         "--launch-arg=--timeout=60",
         "--launch-arg=--backoff=0.5,2",
         "--launch-arg=--grace=5",
@@ -327,6 +329,7 @@ fn soak() {
         "jobs": l.jobs,
         "attempts": l.attempts.len(),
         "lost_steps": l.lost_steps,
+        "ledger_faults": l.faults,
         "swaps": l.swaps.len(),
         "blind_swaps": l.swaps.iter().filter(|s| s.blind).count(),
         "faults": faults,
@@ -340,8 +343,15 @@ fn soak() {
         serde_json::to_string_pretty(&report).unwrap(),
     )
     .unwrap();
+    let table = format!(
+        "Soak: {minutes} min, a fault every {every} s, {} ms/step, {} rank(s)\n\n{}",
+        (per_step * 1e3).round(),
+        ranks(),
+        kiln_gates::recovery::markdown(&l)
+    );
+    std::fs::write(keep.join("soak-table.md"), &table).unwrap();
     eprintln!(
-        "{status}\nsoak report: {}\n{}",
+        "{status}\nsoak report: {}\n{}\n\n{table}",
         keep.join("soak-report.json").display(),
         serde_json::to_string_pretty(&report).unwrap()
     );
