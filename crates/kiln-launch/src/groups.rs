@@ -20,6 +20,23 @@ pub fn become_subreaper() -> bool {
     }
 }
 
+/// After a rank died, failed or fell silent, the others get at most this long between SIGTERM
+/// and SIGKILL: without it they cannot finish a collective (they wait in one, deaf to
+/// SIGTERM), so a longer grace only delays the next attempt. A save in flight is atomic: the
+/// previous checkpoint and snapshot stay.
+pub const LOST_RANK_GRACE: Duration = Duration::from_secs(1);
+
+/// The grace the other ranks get when a rank ended the attempt with `code` (`None`: a signal
+/// or a silence): [`LOST_RANK_GRACE`] at most, unless it exited 75 (checkpointed, resumable:
+/// the others are checkpointing too and get all of `grace`).
+pub(crate) fn grace_after_loss(grace: Duration, code: Option<i32>) -> Duration {
+    if code == Some(kiln_run::exit::PREEMPTED) {
+        grace
+    } else {
+        grace.min(LOST_RANK_GRACE)
+    }
+}
+
 pub(crate) fn kill_groups(groups: &[Pid], sig: Signal) {
     for &pg in groups {
         // ESRCH (group already empty) is the normal case at the end; nothing to report.

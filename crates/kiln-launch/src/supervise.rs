@@ -3,7 +3,7 @@
 //! process trees.
 
 use crate::classify::{Classification, classify_code, classify_exit, exit_code_of};
-use crate::groups::{finish_groups, kill_groups, reap_adopted};
+use crate::groups::{finish_groups, grace_after_loss, kill_groups, reap_adopted};
 use crate::plan::ProcSpec;
 use crate::progress::{LineSplitter, ProgressRegex, StepCounter};
 use crate::signals::StopRequest;
@@ -478,7 +478,7 @@ impl Watch {
                     // One dead rank leaves the rest blocked in a collective: stop them all.
                     if self.statuses.iter().any(Option::is_none) && kill_at.is_none() {
                         kill_groups(groups, Signal::SIGTERM);
-                        kill_at = Some(now + cfg.grace);
+                        kill_at = Some(now + grace_after_loss(cfg.grace, status.code()));
                     }
                 }
             }
@@ -573,9 +573,10 @@ impl Watch {
                 && self.first_failure.is_none()
                 && let Some(v) = self.liveness(cfg, running, start_time, now)
             {
-                eprintln_verdict(cfg, &v);
+                let grace = grace_after_loss(cfg.grace, v.exit_code);
+                eprintln_verdict(cfg, &v, grace);
                 kill_groups(groups, Signal::SIGTERM);
-                kill_at = Some(now + cfg.grace);
+                kill_at = Some(now + grace);
                 self.verdict = Some(v);
             }
             if self.verdict.is_none() && self.first_failure.is_none() {
@@ -590,7 +591,7 @@ impl Watch {
                 )
                 .map(|v| ranks_already_exited(cfg).unwrap_or(v));
                 if let Some(v) = &self.verdict {
-                    eprintln_verdict(cfg, v);
+                    eprintln_verdict(cfg, v, cfg.grace);
                     kill_groups(groups, Signal::SIGTERM);
                     kill_at = Some(now + cfg.grace);
                 }
@@ -734,13 +735,13 @@ fn first_failed(records: &[ExitRecord]) -> Option<&ExitRecord> {
 }
 
 /// Says a verdict now, not after the grace period: the operator watching wants to know.
-fn eprintln_verdict(cfg: &AttemptConfig, v: &Verdict) {
+fn eprintln_verdict(cfg: &AttemptConfig, v: &Verdict, grace: Duration) {
     if cfg.echo
         && let Some(m) = &v.message
     {
         eprintln!(
             "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
-            cfg.grace.as_secs_f64()
+            grace.as_secs_f64()
         );
     }
 }

@@ -249,6 +249,16 @@ impl Att {
         Some((decided - self.detect_s?).max(self.start))
     }
 
+    /// When it reached `step`, by linear interpolation between its first progress (at its
+    /// start step) and its last; `None` outside those steps.
+    fn time_of_step(&self, step: u64) -> Option<f64> {
+        let (s0, s1, t0, t1) = (self.start_step?, self.last_step?, self.first?, self.last?);
+        if step < s0 || step > s1 || s1 == s0 {
+            return None;
+        }
+        Some(t0 + (t1 - t0) * (step - s0) as f64 / (s1 - s0) as f64)
+    }
+
     /// Seconds per step between its first and last progress.
     fn step_s(&self) -> Option<f64> {
         let steps = self.last_step?.checked_sub(self.start_step?)?;
@@ -433,7 +443,9 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 .filter(|s| resumed.is_none_or(|r| s.1 == r))
                 .map(|s| s.0)
                 .reduce(f64::max);
-            match target {
+            // A snapshot whose writer was stopped or killed before it logged the save is
+            // still used: the work up to its step, by the attempt's pace, was kept.
+            match target.or_else(|| a.time_of_step(resumed?)) {
                 Some(t) => t.clamp(first, a.end),
                 None => first,
             }
@@ -784,6 +796,44 @@ mod tests {
         let step_s = (38.4 - 12.0) / 130.0;
         assert!(close(fault.step_s.unwrap(), step_s));
         assert!(close(fault.lost_s.unwrap(), 10.0 * step_s));
+    }
+
+    #[test]
+    fn a_resume_from_a_snapshot_whose_save_was_never_logged_keeps_the_work_before_it() {
+        // Attempt 1 reached step 260 (steps 0-260 from 12 to 38); its writer was stopped before
+        // it logged a save, but the next attempt resumed from a snapshot of step `resumed`.
+        for (resumed, kept) in [(260, 26.0), (130, 13.0)] {
+            let events = vec![
+                ev(10.5, "train", "start", json!({"step": 0})),
+                ev(
+                    40.0,
+                    "launch",
+                    "attempt_end",
+                    json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0,
+                           "last_advance_time": 38.0, "classification": "no-heartbeat",
+                           "last_progress": 260, "detect_s": 1.0, "kill_s": 0.5}),
+                ),
+                ev(41.0, "train", "start", json!({"step": resumed})),
+                ev(
+                    41.2,
+                    "train",
+                    "resume",
+                    json!({"step": resumed, "tier": "memory"}),
+                ),
+                ev(
+                    50.0,
+                    "launch",
+                    "attempt_end",
+                    json!({"start_time": 40.5, "end_time": 50.0, "first_advance_time": 42.0,
+                           "last_advance_time": 49.9, "classification": "success", "last_progress": 300}),
+                ),
+            ];
+            let b = ledger(&events).buckets;
+            let close = |x: f64, y: f64| (x - y).abs() < 1e-9;
+            assert!(close(b.productive, kept + 8.0), "{resumed}: {b:?}");
+            assert!(close(b.lost, 26.0 - kept + 0.5), "{resumed}: {b:?}");
+            assert!(close(b.detection, 1.5), "{resumed}: {b:?}");
+        }
     }
 
     #[test]
