@@ -231,7 +231,7 @@ fn verdict(
     let gib = |b: f64| human_bytes(b);
     let (key, value, default, saved) = culprit(config, vocab);
     Err(ConfigError::TooBig(format!(
-        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY} + memory snapshots {} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
+        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
         gib(est.need()),
         gib(limit.bytes as f64),
         limit.source,
@@ -248,7 +248,11 @@ fn verdict(
         config.training.seq_len,
         gib(est.checkpoint),
         gib(est.eval),
-        gib(est.snapshots),
+        if est.snapshots > 0.0 {
+            format!(" + memory snapshots {}", gib(est.snapshots))
+        } else {
+            String::new()
+        },
         gib(OVERHEAD),
         gib(saved),
     )))
