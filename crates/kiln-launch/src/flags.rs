@@ -79,9 +79,9 @@ pub struct LaunchRequest {
         help_heading = "Watchdogs"
     )]
     pub heartbeat_timeout: f64,
-    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks (after a rank died,
-    /// failed other than with 75, or fell silent: at most 1 s, as the others cannot finish a
-    /// collective without it).
+    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks (after a rank was killed
+    /// by a signal or fell silent: at most 1 s, as the others cannot finish a collective
+    /// without it).
     #[arg(
         long,
         value_name = "S",

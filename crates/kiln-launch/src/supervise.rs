@@ -478,7 +478,8 @@ impl Watch {
                     // One dead rank leaves the rest blocked in a collective: stop them all.
                     if self.statuses.iter().any(Option::is_none) && kill_at.is_none() {
                         kill_groups(groups, Signal::SIGTERM);
-                        kill_at = Some(now + grace_after_loss(cfg.grace, status.code()));
+                        kill_at =
+                            Some(now + grace_after_loss(cfg.grace, status.signal().is_some()));
                     }
                 }
             }
@@ -573,7 +574,11 @@ impl Watch {
                 && self.first_failure.is_none()
                 && let Some(v) = self.liveness(cfg, running, start_time, now)
             {
-                let grace = grace_after_loss(cfg.grace, v.exit_code);
+                let lost = matches!(
+                    v.classification,
+                    Classification::NoHeartbeat | Classification::Signaled
+                );
+                let grace = grace_after_loss(cfg.grace, lost);
                 eprintln_verdict(cfg, &v, grace);
                 kill_groups(groups, Signal::SIGTERM);
                 kill_at = Some(now + grace);
