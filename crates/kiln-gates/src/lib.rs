@@ -9,6 +9,7 @@ pub mod export;
 pub mod lrfind;
 pub mod mc;
 pub mod plot;
+pub mod recovery;
 pub mod report;
 pub mod smoke;
 

@@ -286,10 +286,7 @@ const BUCKET_COLORS: [(&str, RGBColor); 8] = [
         RGBColor(148, 103, 189),
     ),
     (kiln_run::ledger::bucket::LOST_WORK, RGBColor(214, 39, 40)),
-    (
-        kiln_run::ledger::bucket::HANG_DETECTION,
-        RGBColor(255, 127, 14),
-    ),
+    (kiln_run::ledger::bucket::DETECTION, RGBColor(255, 127, 14)),
     (kiln_run::ledger::bucket::BACKOFF, RGBColor(188, 189, 34)),
     (kiln_run::ledger::bucket::QUEUE, RGBColor(127, 127, 127)),
     (kiln_run::ledger::bucket::OTHER, RGBColor(200, 200, 200)),

@@ -127,8 +127,8 @@ fn fmt_value(v: &Value) -> String {
     }
 }
 
-/// The text of `kiln status RUN_DIR`.
-pub fn status(run_dir: &Path) -> Result<String, GatesError> {
+/// The metrics and events of the run in `run_dir`, and its planned total steps.
+fn read_run(run_dir: &Path) -> Result<(Metrics, Vec<kiln_run::Event>, Option<u64>), GatesError> {
     check_run_dir(run_dir)?;
     let metrics = if run_dir.join(layout::METRICS).exists() {
         read_metrics(run_dir)?
@@ -136,12 +136,33 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
         Metrics::default()
     };
     let events = kiln_run::read_events(run_dir)?;
-    let mut out = format!("run: {}\n", run_dir.display());
     let total = events
         .iter()
         .rev()
         .find(|e| e.event == event::START)
         .and_then(|e| e.fields.get("total_steps").and_then(Value::as_u64));
+    Ok((metrics, events, total))
+}
+
+/// `kiln status --json`: the step reached, the total, ETTR and the goodput ledger (buckets,
+/// attempts, faults with their detection time, resume tier and lost work, swaps, timeline
+/// spans) as one JSON object.
+pub fn status_json(run_dir: &Path) -> Result<Value, GatesError> {
+    let (metrics, events, total) = read_run(run_dir)?;
+    let l = kiln_run::ledger::ledger(&events);
+    Ok(serde_json::json!({
+        "run_dir": run_dir.display().to_string(),
+        "step": metrics.steps.last().map(|s| s.step),
+        "total_steps": total,
+        "ettr": l.ettr(),
+        "ledger": l,
+    }))
+}
+
+/// The text of `kiln status RUN_DIR`.
+pub fn status(run_dir: &Path) -> Result<String, GatesError> {
+    let (metrics, events, total) = read_run(run_dir)?;
+    let mut out = format!("run: {}\n", run_dir.display());
     let last = metrics.steps.last();
     match last {
         Some(s) => {
@@ -306,6 +327,7 @@ fn goodput(events: &[kiln_run::Event]) -> String {
             }
         }
     }
+    out.push_str(&crate::recovery::fault_lines(&l));
     if !l.swaps.is_empty() {
         let list: Vec<String> = l
             .swaps

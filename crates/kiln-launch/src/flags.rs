@@ -62,7 +62,8 @@ pub struct LaunchRequest {
     #[arg(long, value_name = "S", help_heading = "Watchdogs")]
     pub timeout: Option<f64>,
     /// Stall watchdog: kill when progress has not advanced for S seconds although output
-    /// continues (armed once the first progress is seen).
+    /// continues (armed once the first progress is seen); 0 turns it off [default: for ranks
+    /// that write beacons, 10 x the slowest recent step time, at least 3 s].
     #[arg(long, value_name = "S", help_heading = "Watchdogs")]
     pub stall_timeout: Option<f64>,
     /// Regex whose first capture group (or group `step`) is the step number.
@@ -78,7 +79,9 @@ pub struct LaunchRequest {
         help_heading = "Watchdogs"
     )]
     pub heartbeat_timeout: f64,
-    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks.
+    /// Seconds between SIGTERM and SIGKILL when kiln stops the ranks (after a rank was killed
+    /// by a signal or fell silent: at most 1 s, as the others cannot finish a collective
+    /// without it).
     #[arg(
         long,
         value_name = "S",

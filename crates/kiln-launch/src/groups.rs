@@ -20,6 +20,24 @@ pub fn become_subreaper() -> bool {
     }
 }
 
+/// After a rank was killed by a signal or fell silent, the others get at most this long
+/// between SIGTERM and SIGKILL: without it they cannot finish a collective (they wait in one,
+/// deaf to SIGTERM), so a longer grace only delays the next attempt. A save in flight is
+/// atomic: the previous checkpoint and snapshot stay.
+pub const LOST_RANK_GRACE: Duration = Duration::from_secs(1);
+
+/// The grace the other ranks get when a rank ended the attempt: [`LOST_RANK_GRACE`] at most
+/// when it was `lost` (killed by a signal, or silent), else all of `grace` (a rank that
+/// exited with a code chose to: the others may be handling the same error, checkpointing
+/// after a 75, or still have output on its way through the launcher).
+pub(crate) fn grace_after_loss(grace: Duration, lost: bool) -> Duration {
+    if lost {
+        grace.min(LOST_RANK_GRACE)
+    } else {
+        grace
+    }
+}
+
 pub(crate) fn kill_groups(groups: &[Pid], sig: Signal) {
     for &pg in groups {
         // ESRCH (group already empty) is the normal case at the end; nothing to report.

@@ -147,6 +147,7 @@ pub fn default_run_dir() -> PathBuf {
 struct Timing {
     silence: Option<Duration>,
     stall: Option<Duration>,
+    stall_auto: bool,
     grace: Duration,
     heartbeat: Duration,
     regex: ProgressRegex,
@@ -156,9 +157,15 @@ struct Timing {
 
 fn timing(req: &LaunchRequest) -> Result<Timing, String> {
     let opt = |flag: &str, v: Option<f64>| v.map(|s| limits::seconds(flag, s, false)).transpose();
+    // --stall-timeout S: a fixed limit; 0: off; not given: a multiple of the step time.
+    let stall = req
+        .stall_timeout
+        .map(|s| limits::seconds("--stall-timeout", s, true))
+        .transpose()?;
     Ok(Timing {
         silence: opt("--timeout", req.timeout)?,
-        stall: opt("--stall-timeout", req.stall_timeout)?,
+        stall: stall.filter(|s| !s.is_zero()),
+        stall_auto: stall.is_none(),
         grace: limits::seconds("--grace", req.grace, true)?,
         heartbeat: limits::seconds("--heartbeat-timeout", req.heartbeat_timeout, false)?,
         regex: ProgressRegex::new(&req.progress_regex)?,
@@ -444,6 +451,7 @@ pub fn launch(
         log_path: run_dir.join(layout::attempt_log(1)),
         silence_timeout: t.silence,
         stall_timeout: t.stall,
+        stall_auto: t.stall_auto,
         progress_regex: Some(t.regex),
         progress_dir: Some(progress_dir),
         clear_progress_dir: own_progress_dir,

@@ -24,6 +24,7 @@ mod retry;
 mod setup;
 mod shim;
 mod signals;
+mod stall;
 mod submit;
 mod supervise;
 
@@ -63,6 +64,7 @@ pub use setup::{
 };
 pub use shim::{RankExit, ShimError, exit_like, free_port, run_as_rank, running_as_root};
 pub use signals::{StopRequest, install_stop_handlers, stop_requested};
+pub use stall::{STALL_FACTOR, STALL_FLOOR, StepClock};
 pub use submit::{
     BatchScheduler, CHAIN_INDEX_ENV, ChainJob, SubmitError, SubmitRequest, Submitted, batch_script,
     continue_chain, launch_argv, parse_time, shell_quote, shell_quote_bytes, submit, submit_script,

@@ -22,6 +22,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         log_path: dir.join("attempt.log"),
         silence_timeout: None,
         stall_timeout: None,
+        stall_auto: false,
         progress_regex: Some(
             kiln_launch::ProgressRegex::new(kiln_launch::DEFAULT_PROGRESS_REGEX).unwrap(),
         ),

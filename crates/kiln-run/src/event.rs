@@ -26,6 +26,9 @@ pub mod beacon_phase {
     /// Phases that mean the rank finished, so it is not stalled (kiln's, and the spellings
     /// other programs' beacons use).
     pub const FINISHED: &[&str] = &[DONE, "finished", "exit"];
+    /// Phases between steps, in which no step advances: the stall watchdog's default times
+    /// them by their own longest duration seen, not by the step time.
+    pub const OUTSIDE_STEPS: &[&str] = &[EVAL, CHECKPOINT];
     /// Phases that mean waiting for the other ranks (in a collective).
     pub const WAITING: &[&str] = &["allreduce", "all_reduce", "collective", "barrier", "wait"];
 }

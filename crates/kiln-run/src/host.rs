@@ -103,6 +103,38 @@ pub fn available_memory() -> Option<MemoryLimit> {
     best
 }
 
+/// Whether `path` (or, when it does not exist yet, its nearest existing ancestor) is on a
+/// file system kept in memory (tmpfs, ramfs: `/dev/shm`), so that files there use RAM and
+/// count against the memory this process may use.
+pub fn in_memory_fs(path: &Path) -> bool {
+    let Some(existing) = path.ancestors().find(|p| p.exists()) else {
+        return false;
+    };
+    on_memory_fs(existing)
+}
+
+#[cfg(target_os = "linux")]
+fn on_memory_fs(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs writes into the zeroed struct we own; `c` is a valid C string.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        if libc::statfs(c.as_ptr(), &mut st) != 0 {
+            return false;
+        }
+        // TMPFS_MAGIC and RAMFS_MAGIC of statfs(2); f_type's width differs by platform.
+        matches!(st.f_type as u64 & 0xffff_ffff, 0x0102_1994 | 0x8584_58f6)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn on_memory_fs(_path: &Path) -> bool {
+    false
+}
+
 // kiln-run has no logging dependency; a malformed override is reported once on stderr.
 fn warn_bad_override(text: &str) {
     eprintln!(
@@ -220,6 +252,17 @@ pub fn disk_available(path: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_file_systems_are_told_apart_from_disks_and_proc() {
+        // A path not created yet is judged by its nearest existing ancestor.
+        let shm = Path::new("/dev/shm");
+        assert_eq!(
+            in_memory_fs(&shm.join("kiln-none/rank-0")),
+            in_memory_fs(shm)
+        );
+        assert!(!in_memory_fs(Path::new("/proc/self")));
+    }
 
     #[test]
     fn parses_meminfo_and_byte_sizes() {

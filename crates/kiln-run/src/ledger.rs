@@ -10,12 +10,19 @@
 //! |                   | `checkpoint_saved` / `snapshot_saved`; a log from before `stall_s`:   |
 //! |                   | `seconds`). An asynchronous save's write is not a stall.              |
 //! | lost work         | steps redone: work after the checkpoint the next attempt resumed from |
-//! | hang detection    | last step of a hung attempt to the end of its kill                    |
+//! | detection         | a failed attempt's fault (the last heartbeat, progress or exit of the |
+//! |                   | rank that failed: `detect_s` before the supervisor decided) to the end|
+//! |                   | of its kill; a log without `detect_s`: a hang's last step to the end  |
 //! | backoff           | waiting between attempts                                              |
 //! | queue             | a batch job's submission to its start                                 |
 //! | other             | the rest: kiln's own start and decisions, gaps the events do not cover|
 //!
 //! ETTR (effective training time ratio) is productive / total.
+//!
+//! Each failed attempt is also a [`Fault`]: when it happened, how long the supervisor took to
+//! decide (`detect_s` of `attempt_end`), the tier the next attempt resumed from (`tier` of its
+//! `resume`: memory, peer or persistent), and the work it lost (steps redone x the attempt's
+//! step time).
 
 use crate::event;
 use crate::events::Event;
@@ -31,8 +38,8 @@ pub mod bucket {
     pub const CHECKPOINT_STALL: &str = "checkpoint stall";
     /// Steps done after the last checkpoint that a restart redid.
     pub const LOST_WORK: &str = "lost work";
-    /// From the last progress to the watchdog's kill.
-    pub const HANG_DETECTION: &str = "hang detection";
+    /// From a fault to the end of its attempt's kill.
+    pub const DETECTION: &str = "detection";
     /// Waiting between attempts.
     pub const BACKOFF: &str = "backoff";
     /// Waiting for the scheduler between jobs.
@@ -52,8 +59,8 @@ pub struct Buckets {
     pub checkpoint: f64,
     /// Work redone after a failure.
     pub lost: f64,
-    /// From a hang to the end of its kill.
-    pub hang: f64,
+    /// From a fault to the end of its attempt's kill.
+    pub detection: f64,
     /// Between attempts.
     pub backoff: f64,
     /// Waiting in the scheduler's queue.
@@ -70,7 +77,7 @@ impl Buckets {
             (bucket::STARTUP, self.startup),
             (bucket::CHECKPOINT_STALL, self.checkpoint),
             (bucket::LOST_WORK, self.lost),
-            (bucket::HANG_DETECTION, self.hang),
+            (bucket::DETECTION, self.detection),
             (bucket::BACKOFF, self.backoff),
             (bucket::QUEUE, self.queue),
             (bucket::OTHER, self.other),
@@ -115,6 +122,37 @@ pub struct AttemptSummary {
     pub phases: Vec<(String, f64)>,
 }
 
+/// A failed attempt and its recovery.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Fault {
+    /// The attempt that failed (1-based, in time order).
+    pub attempt: usize,
+    /// When the fault happened (the supervisor's decision less `detect_s`; the attempt's
+    /// last progress when that is unknown), seconds since the run's first event.
+    pub at: f64,
+    /// How the attempt ended (`no-heartbeat`, `hung-stalled`, `failed`, ...).
+    pub classification: String,
+    /// Ranks named as the culprits.
+    pub ranks: Vec<u64>,
+    /// Their hosts.
+    pub hosts: Vec<String>,
+    /// Seconds from the fault to the supervisor deciding, when it recorded them.
+    pub detect_s: Option<f64>,
+    /// Seconds from the decision until every process of the attempt was gone.
+    pub kill_s: Option<f64>,
+    /// The tier the next attempt resumed from (`memory`, `peer`, `persistent`); `None` when
+    /// none followed or it started afresh.
+    pub resumed_from: Option<String>,
+    /// The step it resumed from.
+    pub resumed_step: Option<u64>,
+    /// Steps of this attempt the next one redid.
+    pub lost_steps: Option<u64>,
+    /// Seconds per step of this attempt (first to last progress).
+    pub step_s: Option<f64>,
+    /// `lost_steps x step_s`.
+    pub lost_s: Option<f64>,
+}
+
 /// A node swap or quarantine, for the timeline.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Swap {
@@ -147,6 +185,8 @@ pub struct Ledger {
     pub swaps: Vec<Swap>,
     /// Steps redone after failures.
     pub lost_steps: u64,
+    /// Failed attempts, in time order.
+    pub faults: Vec<Fault>,
     /// Timeline spans, by bucket.
     pub spans: Vec<Span>,
 }
@@ -192,7 +232,39 @@ struct Att {
     last_step: Option<u64>,
     class: String,
     culprits: Vec<String>,
+    culprit_ranks: Vec<u64>,
     hosts: Vec<String>,
+    detect_s: Option<f64>,
+    kill_s: Option<f64>,
+}
+
+/// Endings that are not faults (kiln-launch's `Classification::name`): the run finished or
+/// was stopped on purpose, after a checkpoint.
+const NOT_FAULTS: [&str; 4] = ["success", "walltime", "preempted", "interrupted"];
+
+impl Att {
+    /// Unix time of the fault: the decision (end less the kill) less the detection time.
+    fn fault_time(&self) -> Option<f64> {
+        let decided = self.end - self.kill_s.unwrap_or(0.0);
+        Some((decided - self.detect_s?).max(self.start))
+    }
+
+    /// When it reached `step`, by linear interpolation between its first progress (at its
+    /// start step) and its last; `None` outside those steps.
+    fn time_of_step(&self, step: u64) -> Option<f64> {
+        let (s0, s1, t0, t1) = (self.start_step?, self.last_step?, self.first?, self.last?);
+        if step < s0 || step > s1 || s1 == s0 {
+            return None;
+        }
+        Some(t0 + (t1 - t0) * (step - s0) as f64 / (s1 - s0) as f64)
+    }
+
+    /// Seconds per step between its first and last progress.
+    fn step_s(&self) -> Option<f64> {
+        let steps = self.last_step?.checked_sub(self.start_step?)?;
+        let secs = self.last? - self.first?;
+        (steps > 0 && secs > 0.0).then(|| secs / steps as f64)
+    }
 }
 
 /// Attempts from `attempt_end` events; a run trained without `kiln launch` counts each
@@ -211,7 +283,15 @@ fn attempts(events: &[Event]) -> Vec<Att> {
                 last_step: u(e, "last_progress"),
                 class: e.fields.get("classification")?.as_str()?.to_string(),
                 culprits: strings(e, "culprit_hosts"),
+                culprit_ranks: e
+                    .fields
+                    .get("culprit_ranks")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default(),
                 hosts: strings(e, "hosts"),
+                detect_s: f(e, "detect_s"),
+                kill_s: f(e, "kill_s"),
             })
         })
         .collect();
@@ -238,7 +318,10 @@ fn attempts(events: &[Event]) -> Vec<Att> {
                             format!("exit {code}")
                         },
                         culprits: Vec::new(),
+                        culprit_ranks: Vec::new(),
                         hosts: Vec::new(),
+                        detect_s: None,
+                        kill_s: None,
                     });
                     open = None;
                 }
@@ -296,7 +379,7 @@ pub fn ledger(events: &[Event]) -> Ledger {
             bucket::STARTUP => b.startup += d,
             bucket::CHECKPOINT_STALL => b.checkpoint += d,
             bucket::LOST_WORK => b.lost += d,
-            bucket::HANG_DETECTION => b.hang += d,
+            bucket::DETECTION => b.detection += d,
             bucket::BACKOFF => b.backoff += d,
             bucket::QUEUE => b.queue += d,
             _ => b.other += d,
@@ -335,13 +418,15 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 a.start,
                 a.end,
                 if a.class.starts_with("hung") {
-                    bucket::HANG_DETECTION
+                    bucket::DETECTION
                 } else {
                     bucket::STARTUP
                 },
                 &mut b,
             );
-            summaries.push(summary(a, t0));
+            let mut s = summary(a, t0);
+            attempt_details(&mut s, a, &events);
+            summaries.push(s);
             continue;
         };
         let success = a.class == "success";
@@ -358,7 +443,9 @@ pub fn ledger(events: &[Event]) -> Ledger {
                 .filter(|s| resumed.is_none_or(|r| s.1 == r))
                 .map(|s| s.0)
                 .reduce(f64::max);
-            match target {
+            // A snapshot whose writer was stopped or killed before it logged the save is
+            // still used: the work up to its step, by the attempt's pace, was kept.
+            match target.or_else(|| a.time_of_step(resumed?)) {
                 Some(t) => t.clamp(first, a.end),
                 None => first,
             }
@@ -384,12 +471,16 @@ pub fn ledger(events: &[Event]) -> Ledger {
         );
         span(kept_end, work_end, bucket::LOST_WORK, &mut b);
         if !success {
-            let tail = if a.class.starts_with("hung") {
-                bucket::HANG_DETECTION
-            } else {
-                bucket::LOST_WORK
+            // The work up to the fault is lost; from the fault on, the supervisor was finding
+            // it and ending the attempt. Without a recorded detection time, a hang's tail is
+            // detection and any other's lost work.
+            let fault = match a.fault_time() {
+                Some(t) => t.clamp(work_end, a.end),
+                None if a.class.starts_with("hung") => work_end,
+                None => a.end,
             };
-            span(work_end, a.end, tail, &mut b);
+            span(work_end, fault, bucket::LOST_WORK, &mut b);
+            span(fault, a.end, bucket::DETECTION, &mut b);
         }
         let mut s = summary(a, t0);
         s.lost_steps = lost;
@@ -449,11 +540,42 @@ pub fn ledger(events: &[Event]) -> Ledger {
         total,
         buckets: b,
         jobs,
+        faults: faults(&atts, &summaries, t0),
         attempts: summaries,
         swaps,
         lost_steps,
         spans,
     }
+}
+
+/// The failed attempts, each with its detection, the tier the next attempt resumed from and
+/// the work it lost.
+fn faults(atts: &[Att], summaries: &[AttemptSummary], t0: f64) -> Vec<Fault> {
+    let failed = atts
+        .iter()
+        .zip(summaries)
+        .enumerate()
+        .filter(|(_, (a, _))| !NOT_FAULTS.contains(&a.class.as_str()));
+    failed
+        .map(|(i, (a, s))| {
+            let next = summaries.get(i + 1).filter(|n| n.resumed_from.is_some());
+            let step_s = a.step_s();
+            Fault {
+                attempt: i + 1,
+                at: a.fault_time().or(a.last).unwrap_or(a.end) - t0,
+                classification: a.class.clone(),
+                ranks: a.culprit_ranks.clone(),
+                hosts: a.culprits.clone(),
+                detect_s: a.detect_s,
+                kill_s: a.kill_s,
+                resumed_from: next.and_then(|n| n.resumed_from.clone()),
+                resumed_step: next.and_then(|n| n.steps.0),
+                lost_steps: s.lost_steps,
+                step_s,
+                lost_s: s.lost_steps.zip(step_s).map(|(n, t)| n as f64 * t),
+            }
+        })
+        .collect()
 }
 
 fn summary(a: &Att, t0: f64) -> AttemptSummary {
@@ -603,11 +725,115 @@ mod tests {
         ];
         let b = ledger(&events).buckets;
         assert_eq!(b.startup, 5.0 + 1.0);
-        assert_eq!(b.hang, 10.0);
+        assert_eq!(b.detection, 10.0);
         // No checkpoint: the hung attempt's work is all lost.
         assert_eq!(b.lost, 4.0);
         assert_eq!(b.productive, 0.0);
         assert_eq!(ledger(&[]).total, 0.0);
+    }
+
+    #[test]
+    fn each_fault_has_its_detection_resume_tier_and_lost_work() {
+        // Attempt 1 (10-40): rank 1 on n2 stops beating; the supervisor decides 1 s after its
+        // last beat and the kill takes 0.5 s. Attempt 2 resumes from the memory snapshot of
+        // step 120 (saved at 37) and succeeds.
+        let events = vec![
+            ev(10.5, "train", "start", json!({"step": 0})),
+            ev(
+                37.0,
+                "train",
+                "snapshot_saved",
+                json!({"step": 120, "stall_s": 0.0}),
+            ),
+            ev(
+                40.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0,
+                       "last_advance_time": 38.4, "classification": "no-heartbeat",
+                       "last_progress": 130, "detect_s": 1.0, "kill_s": 0.5,
+                       "culprit_ranks": [1], "culprit_hosts": ["n2"]}),
+            ),
+            ev(41.0, "train", "start", json!({"step": 120})),
+            ev(
+                41.2,
+                "train",
+                "resume",
+                json!({"step": 120, "tier": "memory"}),
+            ),
+            ev(
+                60.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 40.5, "end_time": 60.0, "first_advance_time": 42.0,
+                       "last_advance_time": 59.9, "classification": "success", "last_progress": 200}),
+            ),
+        ];
+        let l = ledger(&events);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let b = l.buckets;
+        assert!(close(b.detection, 1.5), "{b:?}");
+        assert!(close(b.lost, 1.5), "{b:?}");
+        assert!(close(b.productive, 25.0 + 18.0), "{b:?}");
+        assert!(close(b.startup, 2.0 + 1.5), "{b:?}");
+        let sum: f64 = b.rows().iter().map(|r| r.1).sum();
+        assert!(close(sum, l.total));
+        assert_eq!(l.faults.len(), 1);
+        let fault = &l.faults[0];
+        assert_eq!(fault.attempt, 1);
+        assert!(close(fault.at, 28.5), "{fault:?}");
+        assert_eq!(fault.classification, "no-heartbeat");
+        assert_eq!(
+            (fault.ranks.clone(), fault.hosts.clone()),
+            (vec![1], vec!["n2".to_string()])
+        );
+        assert_eq!((fault.detect_s, fault.kill_s), (Some(1.0), Some(0.5)));
+        assert_eq!(fault.resumed_from.as_deref(), Some("memory"));
+        assert_eq!(
+            (fault.resumed_step, fault.lost_steps),
+            (Some(120), Some(10))
+        );
+        let step_s = (38.4 - 12.0) / 130.0;
+        assert!(close(fault.step_s.unwrap(), step_s));
+        assert!(close(fault.lost_s.unwrap(), 10.0 * step_s));
+    }
+
+    #[test]
+    fn a_resume_from_a_snapshot_whose_save_was_never_logged_keeps_the_work_before_it() {
+        // Attempt 1 reached step 260 (steps 0-260 from 12 to 38); its writer was stopped before
+        // it logged a save, but the next attempt resumed from a snapshot of step `resumed`.
+        for (resumed, kept) in [(260, 26.0), (130, 13.0)] {
+            let events = vec![
+                ev(10.5, "train", "start", json!({"step": 0})),
+                ev(
+                    40.0,
+                    "launch",
+                    "attempt_end",
+                    json!({"start_time": 10.0, "end_time": 40.0, "first_advance_time": 12.0,
+                           "last_advance_time": 38.0, "classification": "no-heartbeat",
+                           "last_progress": 260, "detect_s": 1.0, "kill_s": 0.5}),
+                ),
+                ev(41.0, "train", "start", json!({"step": resumed})),
+                ev(
+                    41.2,
+                    "train",
+                    "resume",
+                    json!({"step": resumed, "tier": "memory"}),
+                ),
+                ev(
+                    50.0,
+                    "launch",
+                    "attempt_end",
+                    json!({"start_time": 40.5, "end_time": 50.0, "first_advance_time": 42.0,
+                           "last_advance_time": 49.9, "classification": "success", "last_progress": 300}),
+                ),
+            ];
+            let b = ledger(&events).buckets;
+            let close = |x: f64, y: f64| (x - y).abs() < 1e-9;
+            assert!(close(b.productive, kept + 8.0), "{resumed}: {b:?}");
+            assert!(close(b.lost, 26.0 - kept + 0.5), "{resumed}: {b:?}");
+            assert!(close(b.detection, 1.5), "{resumed}: {b:?}");
+        }
     }
 
     #[test]

@@ -20,9 +20,12 @@
 //! | step: activations | `4 N (L (24 d + 5 f + 6 kv + 3 H T) + 2 H T + 3.5 V + 2 d)` | saved for backward per token and layer (norms, projections, RoPE temporaries, SwiGLU, attention scores and softmax), one layer's score gradients, and the logits with their log-softmax and gradient |
 //! | checkpoint | `32 P` | weights and moments copied to the host, serialised, the final weights |
 //! | eval | `4 N (24 d + 5 f + 3 H T + 3 V)` | forward only, one layer live at a time |
+//! | memory snapshots | `12 P (K + 1)` less what the store holds | a training rank's memory tier when it is on a memory file system (tmpfs, `/dev/shm`): `checkpoint.snapshot_keep` = K copies of weights and moments, one more while the next is written; snapshots already there are out of the available memory already |
 //!
 //! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
-//! [`SAFETY`], plus [`OVERHEAD`] for the program itself.
+//! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
+//! program itself. When the snapshots are what does not fit, the error names
+//! `checkpoint.snapshot_keep`, `checkpoint.snapshot_dir` and `checkpoint.snapshot_interval`.
 //!
 //! Calibrated against the peak resident memory (VmHWM) of 2-step runs with a checkpoint and
 //! an eval, on the flex backend (2 cores, AVX-512). The need is above every measured peak,
@@ -41,6 +44,8 @@
 //! | bench model (16M params), batch 4 / 8 / 12 x 256 | 1.8 / 2.6 / 3.3 GiB | 1227 / 1223 / 1840 MiB |
 
 use crate::config::{Config, ConfigError, ModelConfig};
+use kiln_run::host::{MemoryLimit, human_bytes};
+use std::path::Path;
 
 /// Factor on the estimate: allocator fragmentation, temporaries the table does not list.
 pub const SAFETY: f64 = 1.25;
@@ -62,13 +67,48 @@ pub struct Estimate {
     pub checkpoint: f64,
     /// One eval forward pass.
     pub eval: f64,
+    /// Memory snapshots still to be written to a memory file system (see [`snapshot_bytes`];
+    /// 0 outside a training rank's check).
+    pub snapshots: f64,
 }
 
 impl Estimate {
     /// Bytes needed, safety factor and overhead included.
     pub fn need(&self) -> f64 {
-        (self.resident + self.step.max(self.checkpoint).max(self.eval)) * SAFETY + OVERHEAD
+        (self.resident + self.step.max(self.checkpoint).max(self.eval)) * SAFETY
+            + self.snapshots
+            + OVERHEAD
     }
+}
+
+/// The RAM the memory tier of a training rank whose snapshots go to `store` adds:
+/// `checkpoint.snapshot_keep + 1` copies of the weights and AdamW moments (`12 P` bytes each;
+/// the newest is written before the oldest is pruned), less the bytes the store holds now
+/// (already out of the available memory). 0 when snapshots are off or `store` is not on a
+/// memory file system (then they cost disk, not RAM).
+pub fn snapshot_bytes(config: &Config, params: f64, store: &Path) -> f64 {
+    let c = &config.checkpoint;
+    if c.snapshot_interval == 0 || !kiln_run::host::in_memory_fs(store) {
+        return 0.0;
+    }
+    let copies = (c.snapshot_keep.max(1) + 1) as f64;
+    (copies * 12.0 * params - held_bytes(store, 2)).max(0.0)
+}
+
+/// Bytes of the files under `dir`, `depth` levels down (a store: `step-N/<files>`).
+fn held_bytes(dir: &Path, depth: u32) -> f64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0.0;
+    };
+    let mut total = 0.0;
+    for e in entries.flatten() {
+        match e.file_type() {
+            Ok(t) if t.is_file() => total += e.metadata().map_or(0, |m| m.len()) as f64,
+            Ok(t) if t.is_dir() && depth > 0 => total += held_bytes(&e.path(), depth - 1),
+            _ => {}
+        }
+    }
+    total
 }
 
 /// Parameters of the Llama of `model` with `vocab` tokens (what `Llama::new` would lay out,
@@ -123,6 +163,7 @@ pub fn estimate(config: &Config, vocab: usize) -> Estimate {
         activations,
         checkpoint: 32.0 * p,
         eval,
+        snapshots: 0.0,
     }
 }
 
@@ -142,22 +183,55 @@ pub fn known_vocab(config: &Config) -> usize {
 /// this process may use. Where nothing says how much that is, the check is skipped.
 pub fn check(config: &Config, vocab: usize) -> Result<Estimate, ConfigError> {
     let est = estimate(config, vocab);
-    let Some(limit) = kiln_run::host::available_memory() else {
+    verdict(config, vocab, est, kiln_run::host::available_memory(), None)
+}
+
+/// [`check`] for a training rank whose memory snapshots go to `store`: they count too (see
+/// [`snapshot_bytes`]).
+pub fn check_run(config: &Config, vocab: usize, store: &Path) -> Result<Estimate, ConfigError> {
+    let mut est = estimate(config, vocab);
+    est.snapshots = snapshot_bytes(config, est.params, store);
+    verdict(
+        config,
+        vocab,
+        est,
+        kiln_run::host::available_memory(),
+        Some(store),
+    )
+}
+
+/// `est` against `limit` (`None`: nothing says; the check is skipped). `store`: where the
+/// snapshots counted in `est` go.
+fn verdict(
+    config: &Config,
+    vocab: usize,
+    est: Estimate,
+    limit: Option<MemoryLimit>,
+    store: Option<&Path>,
+) -> Result<Estimate, ConfigError> {
+    let Some(limit) = limit else {
         return Ok(est);
     };
     tracing::info!(
-        need = %kiln_run::host::human_bytes(est.need()),
-        available = %kiln_run::host::human_bytes(limit.bytes as f64),
+        need = %human_bytes(est.need()),
+        snapshots = %human_bytes(est.snapshots),
+        available = %human_bytes(limit.bytes as f64),
         source = %limit.source,
         "memory estimate of the run"
     );
     if est.need() <= limit.bytes as f64 {
         return Ok(est);
     }
-    let gib = |b: f64| kiln_run::host::human_bytes(b);
+    if let Some(store) = store
+        && est.snapshots > 0.0
+        && est.need() - est.snapshots <= limit.bytes as f64
+    {
+        return Err(snapshots_too_big(config, &est, &limit, store));
+    }
+    let gib = |b: f64| human_bytes(b);
     let (key, value, default, saved) = culprit(config, vocab);
     Err(ConfigError::TooBig(format!(
-        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
+        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
         gib(est.need()),
         gib(limit.bytes as f64),
         limit.source,
@@ -174,9 +248,43 @@ pub fn check(config: &Config, vocab: usize) -> Result<Estimate, ConfigError> {
         config.training.seq_len,
         gib(est.checkpoint),
         gib(est.eval),
+        if est.snapshots > 0.0 {
+            format!(" + memory snapshots {}", gib(est.snapshots))
+        } else {
+            String::new()
+        },
         gib(OVERHEAD),
         gib(saved),
     )))
+}
+
+/// The run fits without its memory snapshots but not with them.
+fn snapshots_too_big(
+    config: &Config,
+    est: &Estimate,
+    limit: &MemoryLimit,
+    store: &Path,
+) -> ConfigError {
+    let keep = config.checkpoint.snapshot_keep;
+    let each = 12.0 * est.params;
+    let lower = if keep > 1 {
+        format!(
+            "lower checkpoint.snapshot_keep (now {keep}; 1 saves {}), ",
+            human_bytes(each * (keep - 1) as f64)
+        )
+    } else {
+        String::new()
+    };
+    ConfigError::TooBig(format!(
+        "the memory snapshots do not fit: checkpoint.snapshot_keep = {keep} keeps {keep} cop{} of the training state ({} each: weights and AdamW moments), plus one while the next is written, in {} (a memory file system: they use RAM), {} more than it holds now; with them this run needs about {} but {} is available ({}). To fit, {lower}point checkpoint.snapshot_dir at a node-local disk, or set checkpoint.snapshot_interval = 0 to turn the memory tier off",
+        if keep == 1 { "y" } else { "ies" },
+        human_bytes(each),
+        store.display(),
+        human_bytes(est.snapshots),
+        human_bytes(est.need()),
+        human_bytes(limit.bytes as f64),
+        limit.source,
+    ))
 }
 
 /// The key whose return to its default saves the most memory: `(key, value, "the default is
@@ -349,6 +457,55 @@ mod tests {
         // The default run fits anywhere kiln's tests run.
         let c = config(&[]);
         assert!(check(&c, 16).is_ok());
+    }
+
+    #[test]
+    fn memory_snapshots_count_when_they_use_ram_and_are_named_when_they_do_not_fit() {
+        let c = config(&["checkpoint.snapshot_keep=2"]);
+        let est = estimate(&c, 16);
+        let each = 12.0 * est.params;
+        // On a disk they cost no RAM.
+        let disk = Path::new(env!("CARGO_MANIFEST_DIR"));
+        if !kiln_run::host::in_memory_fs(disk) {
+            assert_eq!(snapshot_bytes(&c, est.params, disk), 0.0);
+        }
+        let shm = Path::new("/dev/shm");
+        if !kiln_run::host::in_memory_fs(shm) {
+            return; // no memory file system on this machine
+        }
+        let dir = tempfile::tempdir_in(shm).unwrap();
+        let store = dir.path().join("rank-0");
+        assert_eq!(snapshot_bytes(&c, est.params, &store), 3.0 * each);
+        // Snapshots already in the store are out of the available memory already.
+        std::fs::create_dir_all(store.join("step-5")).unwrap();
+        std::fs::write(store.join("step-5/model.safetensors"), vec![0u8; 1000]).unwrap();
+        assert_eq!(snapshot_bytes(&c, est.params, &store), 3.0 * each - 1000.0);
+        let off = config(&["checkpoint.snapshot_interval=0"]);
+        assert_eq!(snapshot_bytes(&off, est.params, &store), 0.0);
+        // The run fits without them but not with them: the error names the keys.
+        let mut with = est.clone();
+        with.snapshots = snapshot_bytes(&c, est.params, &store);
+        assert_eq!(with.need(), est.need() + with.snapshots);
+        let limit = |bytes: f64| {
+            Some(MemoryLimit {
+                bytes: bytes as u64,
+                source: "a test".into(),
+            })
+        };
+        let short = limit(with.need() - with.snapshots / 2.0);
+        let err = verdict(&c, 16, with.clone(), short, Some(&store))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "the memory snapshots do not fit: checkpoint.snapshot_keep = 2 keeps 2 copies",
+            "lower checkpoint.snapshot_keep (now 2; 1 saves",
+            "checkpoint.snapshot_dir",
+            "checkpoint.snapshot_interval = 0",
+            "(a test)",
+        ] {
+            assert!(err.contains(want), "{want:?} not in {err}");
+        }
+        assert!(verdict(&c, 16, with.clone(), limit(with.need() + 1.0), Some(&store)).is_ok());
     }
 
     #[test]

@@ -252,7 +252,7 @@ impl<'a> Trainer<'a> {
             None => (None, None, String::new(), None, Vec::new()),
         };
         let mut journal = Journal::new(writer, observer);
-        let (layout, data, session) = match build(&cfg, comm, &mut startup) {
+        let (layout, data, session) = match build(&cfg, comm, &opts.run_dir, &mut startup) {
             Ok(parts) => parts,
             Err(e) => {
                 let fields = json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()});
@@ -812,19 +812,26 @@ fn stage(session: &Session, optimizer: &Optimizer, state: &TrainState) -> Staged
     }
 }
 
-/// The batch layout, the data and the model of a run (sizes that cannot fit are refused
-/// before the data is indexed for them).
+/// The batch layout, the data and the model of a run (sizes that cannot fit, this rank's
+/// memory snapshots included, are refused before the data is indexed for them).
 fn build(
     cfg: &Config,
     comm: &dyn Collective,
+    run_dir: &Path,
     startup: &mut Startup,
 ) -> Result<(BatchLayout, TrainData, Session), TrainError> {
     let layout =
         BatchLayout::new(&cfg.training, comm.rank(), comm.size()).map_err(TrainError::Parallel)?;
-    crate::budget::check(cfg, crate::budget::known_vocab(cfg))?;
+    let store = crate::snapshot::rank_dir(&cfg.checkpoint, run_dir, comm.rank());
+    let known = crate::budget::known_vocab(cfg);
+    crate::budget::check_run(cfg, known, &store)?;
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)
         .map_err(TrainError::Data)?;
     let vocab = data.vocab(cfg).map_err(TrainError::Data)?;
+    if known == 0 {
+        // The corpus told the vocabulary only now: the embedding may change the answer.
+        crate::budget::check_run(cfg, vocab, &store)?;
+    }
     startup.mark(phase::DATA_OPEN);
     let session = Session::new(cfg, vocab)?;
     Ok((layout, data, session))

@@ -249,6 +249,59 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate_and_the_key() {
     assert!(r.seconds < 10.0, "took {:.1}s", r.seconds);
 }
 
+/// Memory snapshots on a memory file system use RAM: a run that fits without them but not with
+/// them is refused naming `checkpoint.snapshot_keep`; the same run with its snapshots on a
+/// disk trains under the same limit.
+#[test]
+fn memory_snapshots_on_tmpfs_count_in_the_memory_budget() {
+    let shm = Path::new("/dev/shm");
+    if !kiln_run::host::in_memory_fs(shm) {
+        eprintln!("no tmpfs at /dev/shm: nothing to check");
+        return;
+    }
+    let store = tempfile::tempdir_in(shm).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let sets = |snapshots: &Path| {
+        vec![
+            "training.steps=2".to_string(),
+            "training.threads=1".to_string(),
+            format!("checkpoint.snapshot_dir={}", snapshots.display()),
+        ]
+    };
+    let all: Vec<String> = common::TINY_MODEL
+        .iter()
+        .map(|s| s.to_string())
+        .chain(sets(store.path()))
+        .collect();
+    let cfg = kiln_train::config::Config::load(None, &all).unwrap();
+    let est = kiln_train::budget::estimate(&cfg, kiln_train::budget::known_vocab(&cfg));
+    let snapshots = 12.0 * est.params * (cfg.checkpoint.snapshot_keep + 1) as f64;
+    let limit = ((est.need() + snapshots / 2.0) as u64).to_string();
+    let train = |name: &str, snapshots: &Path| {
+        let sets = sets(snapshots);
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let mut cmd = train_cmd(&dir.path().join(name), &sets);
+        cmd.env("KILN_MEMORY_LIMIT", &limit);
+        run(cmd, 120)
+    };
+    let r = train("on-tmpfs", store.path());
+    refused_with(
+        &r,
+        INVALID,
+        "snapshots on tmpfs",
+        &[
+            "the memory snapshots do not fit: checkpoint.snapshot_keep = 2",
+            "checkpoint.snapshot_dir",
+            "checkpoint.snapshot_interval = 0",
+        ],
+    );
+    let disk = dir.path().join("snapshots");
+    if !kiln_run::host::in_memory_fs(&disk) {
+        let r = train("on-disk", &disk);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+}
+
 #[test]
 fn a_megatron_corpus_without_a_vocab_record_needs_a_vocab_that_fits() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,8 +1,10 @@
 //! Liveness apart from progress (issue 21): ranks beat to their node's launcher every 0.1 s
 //! from a thread; a SIGSTOPped rank falls silent and is found within `--heartbeat-timeout`, a
 //! SIGKILLed rank ends the attempt at once; either way the other rank (blocked, as in a
-//! collective) is not left waiting, and the rank and host are named. Detection times are read
-//! from the recorded events, not measured on this (loaded) machine.
+//! collective) is not left waiting, and the rank and host are named. Ranks that all keep
+//! beating but stop making progress are caught by the stall watchdog after a multiple of their
+//! observed step time (its default), and a slow run that still progresses is left alone.
+//! Detection times are read from the recorded events, not measured on this (loaded) machine.
 
 mod common;
 
@@ -120,4 +122,92 @@ fn a_killed_rank_ends_the_attempt_at_once_on_every_launch_path() {
         );
         assert!(detect < 1.0, "mpi={mpi}: detect_s {detect}");
     }
+}
+
+/// A rank that beats like kiln's trainer and writes a beacon per step: it sleeps each of the
+/// comma-separated seconds of argv[1] (one step each), then exits 0, or with argv[2] = `hang`
+/// keeps printing and beating without another step (a hang every rank still beats through).
+const STEPPER: &str = "import os, sys, threading, time
+fd = int(os.environ['KILN_HEARTBEAT_FD'])
+def beat():
+    while True:
+        os.write(fd, b'.')
+        time.sleep(0.1)
+threading.Thread(target=beat, daemon=True).start()
+d, r = os.environ['KILN_PROGRESS_DIR'], os.environ['RANK']
+def beacon(step):
+    tmp = os.path.join(d, '.tmp-' + r)
+    open(tmp, 'w').write('%d train %.3f\\n' % (step, time.time()))
+    os.replace(tmp, os.path.join(d, 'rank-' + r))
+step = 0
+beacon(step)
+for w in sys.argv[1].split(','):
+    time.sleep(float(w))
+    step += 1
+    beacon(step)
+    print('rank', r, 'did step', step, flush=True)
+while sys.argv[2] == 'hang':
+    print('rank', r, 'alive', flush=True)
+    time.sleep(0.2)
+";
+
+/// `kiln launch --np 2` of [`STEPPER`] with the stall watchdog on its default; the exit code
+/// and the attempt's end.
+fn stepper(steps: &str, then: &str) -> (Option<i32>, serde_json::Map<String, Value>, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let out = common::kiln_cmd(&["launch", "--np", "2", "--grace", "1", "--run-dir"])
+        .arg(&rd)
+        .args(["--", "python3", "-c", STEPPER, steps, then])
+        .output()
+        .unwrap();
+    let status = common::kiln_cmd(&["status", "--json"])
+        .arg(&rd)
+        .output()
+        .unwrap();
+    let status: Value = serde_json::from_slice(&status.stdout).unwrap();
+    (out.status.code(), attempt_end(&rd), status)
+}
+
+#[test]
+fn a_hang_every_rank_beats_through_is_caught_after_a_multiple_of_the_step_time() {
+    let (code, end, status) = stepper("0.5,0.5,0.5,0.5,0.5,0.5", "hang");
+    assert_eq!(code, Some(124), "{end:?}");
+    assert_eq!(end["classification"], "hung-stalled", "{end:?}");
+    let message = end["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("default: 10 x slowest recent step"),
+        "{message}"
+    );
+    // "... stalled for D s (limit L s: default: ...": the limit the watchdog derived.
+    let limit: f64 = message
+        .split("(limit ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no limit in {message}"));
+    let detect = end["detect_s"].as_f64().unwrap();
+    eprintln!("stall: limit {limit:.2} s, detect_s {detect:.2} s: {message}");
+    // 10 x the slowest step seen (0.5 s, read every 0.2 s: at most about 0.9 s), above the
+    // 3 s floor; caught when the stalled ranks had been idle that long.
+    assert!((4.5..=10.0).contains(&limit), "limit {limit}");
+    assert!(
+        detect >= limit - 0.05 && detect < limit + 2.0,
+        "detect_s {detect}"
+    );
+    // The ledger tells the same detection time.
+    let faults = status["ledger"]["faults"].as_array().unwrap();
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0]["classification"], "hung-stalled");
+    assert_eq!(faults[0]["detect_s"].as_f64(), Some(detect));
+}
+
+#[test]
+fn a_slow_run_that_still_progresses_is_not_stopped() {
+    // Each step up to twice as long as the last, the last one 4 s: longer than the 3 s a
+    // fixed limit had, well within 10 x the slowest step seen.
+    let (code, end, status) = stepper("0.3,0.6,1.2,2.4,4.0", "exit");
+    assert_eq!(code, Some(0), "{end:?}");
+    assert_eq!(end["classification"], "success", "{end:?}");
+    assert_eq!(status["ledger"]["faults"], serde_json::json!([]));
 }

@@ -2,7 +2,8 @@
 //! MPI: a run SIGKILLed after a memory snapshot resumes from it (or from a peer's copy when
 //! its own store is gone) and ends bit-identical to a run never interrupted; a corrupt
 //! snapshot is rejected, never used. The only persistent checkpoint here is the last step's,
-//! so a resume of a killed run can only come from the memory tier.
+//! so a resume of a killed run can only come from the memory tier. The ledger (`kiln status`
+//! and its `--json`) tells each fault's detection time, resume tier and lost work.
 
 #![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 
@@ -230,6 +231,7 @@ fn two_ranks_sigkill_of_one_resumes_from_memory_bit_identical() {
     // received rank 0's copy. Either way the resume is from memory, not from storage.
     let tier = r["tier"].as_str().unwrap();
     assert!(tier == "memory" || tier == "peer", "{r}");
+    the_fault_in_the_ledger(&rd, tier);
     assert!(weights(&rd) == reference, "resume from memory is not exact");
     let left: Vec<_> = std::fs::read_dir(&shm).unwrap().flatten().collect();
     assert!(left.is_empty(), "snapshots left after success: {left:?}");
@@ -254,7 +256,49 @@ fn a_rank_whose_snapshots_are_gone_heals_from_its_peer_bit_identical() {
     let healed = events(&rd, "snapshot_from_peer");
     assert_eq!(healed.len(), 1, "{healed:?}");
     assert!(healed[0]["bytes"].as_u64().unwrap() > 0);
+    the_fault_in_the_ledger(&rd, "peer");
     finish_identical_tail(&rd, &shm, &reference);
+}
+
+/// The kill of rank 1 as `kiln status --json` and `kiln status` tell it: one fault, rank 1,
+/// found within a second (the recorded detection time, not a clock of this test), resumed
+/// from `tier` at the resume's step, its lost work = steps redone x step time.
+fn the_fault_in_the_ledger(rd: &Path, tier: &str) {
+    let out = common::kiln_cmd(&["status", "--json"])
+        .arg(rd)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let faults = v["ledger"]["faults"].as_array().unwrap();
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    let f = &faults[0];
+    assert_eq!(f["ranks"], serde_json::json!([1]), "{f}");
+    let detect = f["detect_s"].as_f64().unwrap();
+    eprintln!("ledger fault: {f}");
+    assert!(detect < 1.0, "detect_s {detect}: {f}");
+    assert_eq!(f["resumed_from"], tier, "{f}");
+    assert_eq!(f["resumed_step"], the_resume(rd)["step"], "{f}");
+    let (lost, step_s) = (
+        f["lost_steps"].as_u64().unwrap(),
+        f["step_s"].as_f64().unwrap(),
+    );
+    assert!(step_s > 0.0, "{f}");
+    assert!(
+        (f["lost_s"].as_f64().unwrap() - lost as f64 * step_s).abs() < 1e-6,
+        "{f}"
+    );
+    let text = common::kiln_cmd(&["status"]).arg(rd).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("faults: 1; detection mean"), "{text}");
+    assert!(
+        text.contains(&format!("resumed from {tier} at step")),
+        "{text}"
+    );
 }
 
 /// The checks after a run already finished: exact, and cleaned up.

@@ -17,6 +17,9 @@ pub struct AttemptConfig {
     pub silence_timeout: Option<Duration>,
     /// `--stall-timeout`: kill after this long without progress, once progress was seen.
     pub stall_timeout: Option<Duration>,
+    /// Without `stall_timeout`, stop progress stalls after a multiple of the observed step
+    /// time of the beacon-reporting ranks (see [`crate::stall`]).
+    pub stall_auto: bool,
     /// Progress regex over output lines (`None`: beacons only).
     pub progress_regex: Option<ProgressRegex>,
     /// Beacon directory (`$KILN_PROGRESS_DIR`).

@@ -20,10 +20,11 @@ impl Escalation {
         }
     }
 
-    /// SIGTERM to every group now; SIGKILL when the grace period is over.
-    pub(super) fn terminate(&mut self, groups: &[Pid], now: Instant) {
+    /// SIGTERM to every group now; SIGKILL after `grace` (shorter than the attempt's after a
+    /// lost rank, see [`crate::groups::grace_after_loss`]).
+    pub(super) fn terminate_within(&mut self, groups: &[Pid], now: Instant, grace: Duration) {
         kill_groups(groups, Signal::SIGTERM);
-        self.arm(now);
+        self.kill_at = Some(now + grace);
     }
 
     /// SIGKILL when the grace period is over (the stop was delivered some other way).

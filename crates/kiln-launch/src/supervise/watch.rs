@@ -14,12 +14,13 @@ use super::output::Shared;
 use super::spawn::Running;
 use super::watchdog::watchdog;
 use crate::classify::Classification;
-use crate::groups::kill_groups;
+use crate::groups::{grace_after_loss, kill_groups};
 use crate::signals::StopRequest;
 use nix::sys::signal::Signal;
+use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One running attempt, as the loop and its handlers see it.
 pub(super) struct Attempt<'a> {
@@ -50,6 +51,8 @@ pub(super) struct Watch {
     pub(super) beacons: Beacons,
     live: LiveRanks,
     kill: Escalation,
+    /// Step times from the beacons: the stall watchdog's default limit.
+    steps: crate::stall::StepClock,
 }
 
 impl Watch {
@@ -68,6 +71,7 @@ impl Watch {
             beacons: Beacons::new(a.start),
             live: LiveRanks::new(),
             kill: Escalation::new(a.cfg.grace),
+            steps: crate::stall::StepClock::default(),
         }
     }
 
@@ -95,9 +99,12 @@ impl Watch {
     }
 
     /// Ends the attempt for `verdict`, if there is one: SIGTERM now, SIGKILL after the grace.
+    /// After a lost rank (silent, or killed by a signal) the others are likely blocked in a
+    /// collective and ignore SIGTERM: they get at most a short grace.
     fn stop_ranks(&mut self, a: &Attempt<'_>, verdict: Option<Verdict>, now: Instant) {
         if let Some(v) = verdict {
-            self.kill.terminate(&a.running.groups, now);
+            let grace = verdict_grace(a.cfg, &v);
+            self.kill.terminate_within(&a.running.groups, now, grace);
             self.verdict = Some(v);
         }
     }
@@ -117,7 +124,8 @@ impl Watch {
                 self.first_failure = Some(i);
                 self.failure_detect_s = Some(now.saturating_duration_since(at).as_secs_f64());
                 if self.statuses.iter().any(Option::is_none) && !self.kill.armed() {
-                    self.kill.terminate(&a.running.groups, now);
+                    let grace = grace_after_loss(a.cfg.grace, status.signal().is_some());
+                    self.kill.terminate_within(&a.running.groups, now, grace);
                 }
             }
         }
@@ -188,7 +196,9 @@ impl Watch {
         if !self.beacons.due(now) {
             return;
         }
-        let advanced = (self.beacons).update(kiln_run::read_beacons(dir), a.start_time, now);
+        let fresh = kiln_run::read_beacons(dir);
+        self.steps.observe(&fresh, a.start_time, now);
+        let advanced = (self.beacons).update(fresh, a.start_time, now);
         if advanced && let Ok(mut s) = a.shared.lock() {
             s.advanced(now);
         }
@@ -210,7 +220,14 @@ impl Watch {
         if !self.undecided() {
             return None;
         }
-        let v = watchdog(a.cfg, a.shared, &self.beacons, &self.live.ranks, now)?;
+        let v = watchdog(
+            a.cfg,
+            a.shared,
+            &self.beacons,
+            &self.live.ranks,
+            &self.steps,
+            now,
+        )?;
         let v = ranks_already_exited(a.cfg).unwrap_or(v);
         announce(a.cfg, &v);
         Some(v)
@@ -232,6 +249,16 @@ fn forward_stop(a: &Attempt<'_>, sig: Signal) {
     kill_groups(&a.running.groups, sig);
 }
 
+/// The grace the others get after `v`: short when a rank was lost (see
+/// [`grace_after_loss`]).
+fn verdict_grace(cfg: &AttemptConfig, v: &Verdict) -> Duration {
+    let lost = matches!(
+        v.classification,
+        Classification::NoHeartbeat | Classification::Signaled
+    );
+    grace_after_loss(cfg.grace, lost)
+}
+
 /// Says a verdict now, not after the grace period: the operator watching wants to know.
 fn announce(cfg: &AttemptConfig, v: &Verdict) {
     if cfg.echo
@@ -239,7 +266,7 @@ fn announce(cfg: &AttemptConfig, v: &Verdict) {
     {
         eprintln!(
             "kiln: {m}; stopping the ranks (SIGTERM, SIGKILL after {:.1} s)",
-            cfg.grace.as_secs_f64()
+            verdict_grace(cfg, v).as_secs_f64()
         );
     }
 }

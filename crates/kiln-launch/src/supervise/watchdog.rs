@@ -30,6 +30,7 @@ pub(super) fn watchdog(
     shared: &Arc<Mutex<Shared>>,
     beacons: &Beacons,
     live: &BTreeMap<usize, Live>,
+    steps: &crate::stall::StepClock,
     now: Instant,
 ) -> Option<Verdict> {
     let seen = {
@@ -42,13 +43,17 @@ pub(super) fn watchdog(
             now,
         }
     };
-    cfg.stall_timeout
-        .and_then(|limit| stalled(&seen, limit))
+    let stall = match cfg.stall_timeout {
+        Some(s) => Some((s, format!("--stall-timeout {}", s.as_secs_f64()))),
+        None => steps.limit().filter(|_| cfg.stall_auto),
+    };
+    stall
+        .and_then(|(limit, how)| stalled(&seen, limit, &how))
         .or_else(|| cfg.silence_timeout.and_then(|limit| silent(&seen, limit)))
 }
 
 /// Stall: any tracked rank (beacon) or output source that has not advanced for `limit`.
-fn stalled(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
+fn stalled(seen: &Seen<'_>, limit: Duration, how: &str) -> Option<Verdict> {
     let now = seen.now;
     let beacons = &seen.beacons.ranks;
     let mut idle: Vec<(u64, f64)> = beacons
@@ -74,7 +79,7 @@ fn stalled(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
         detect_s: Some(worst),
         culprits,
         message: Some(format!(
-            "watchdog: progress stalled for {worst:.1} s (--stall-timeout {}) although the job is still running; \
+            "watchdog: progress stalled for {worst:.1} s (limit {:.1} s: {how}) although the job is still running; \
              last step {step}; {who}",
             limit.as_secs_f64()
         )),

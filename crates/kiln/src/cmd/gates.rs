@@ -154,15 +154,24 @@ checkpoints) with counts and the latest few in full.
 
 Then the goodput ledger over every batch job and launch attempt of the run: each second of
 wall time as productive training, startup (launch to first step), checkpoint stall, lost work
-(steps redone after a failure), hang detection, backoff, queue wait (submission to start) or
-other, and ETTR = productive / total; the attempts with their classification and culprit
-hosts, the node swaps (named and blind), the quarantined hosts, and the chain's last decision.
+(steps redone after a failure), detection (from a fault to the end of its attempt's kill),
+backoff, queue wait (submission to start) or other, and ETTR = productive / total; the attempts
+with their classification and culprit hosts; each fault with its detection time (from the
+failed rank's last heartbeat, progress or exit to the supervisor's decision), the tier the next
+attempt resumed from (memory snapshot, peer, persistent checkpoint) and the work it lost (steps
+redone x step time); the node swaps (named and blind), the quarantined hosts, and the chain's
+last decision.
 
-Example:
-  kiln status runs/default")]
+Examples:
+  kiln status runs/default
+  kiln status --json runs/default | jq .ledger.faults")]
 pub struct StatusArgs {
     /// The run directory (`kiln train --run-dir`).
     pub run_dir: PathBuf,
+    /// Print one JSON object (the step, ETTR and the whole ledger: buckets, attempts, faults,
+    /// swaps) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `kiln plot`.
@@ -450,7 +459,12 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
 
 /// `kiln status`.
 pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
-    print!("{}", kiln_gates::report::status(&a.run_dir)?);
+    if a.json {
+        let v = kiln_gates::report::status_json(&a.run_dir)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", kiln_gates::report::status(&a.run_dir)?);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

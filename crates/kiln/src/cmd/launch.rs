@@ -37,11 +37,14 @@ Progress and watchdogs:
   stripped, invalid UTF-8 tolerated), and per-rank beacon files $KILN_PROGRESS_DIR/rank-<R>
   holding `<step> <phase> <unix_time> <host>` (kiln's trainer writes them; any program may).
   --timeout fires on silence (no output, no beacon update); --stall-timeout fires when output
-  continues but progress stops, armed once the first progress is seen. When one fires, kiln
-  names the ranks that stopped advancing first (a rank whose beacon phase is allreduce,
-  collective, barrier or wait is waiting on the others and is named only if every rank is),
-  sends SIGTERM to every process group, waits
-  --grace seconds, then SIGKILL. Every duration is a positive number of seconds, at most a year.
+  continues but progress stops, armed once the first progress is seen. Without
+  --stall-timeout, ranks that write beacons are stopped when progress stalls for 10 x the
+  slowest of their recent step times (at least 3 s; an eval or checkpoint phase: 10 x its
+  longest duration seen, not timed the first time); --stall-timeout 0 turns it off. When one
+  fires, kiln names the ranks that stopped advancing first (a rank whose beacon phase is
+  allreduce, collective, barrier or wait is waiting on the others and is named only if every
+  rank is), sends SIGTERM to every process group, waits --grace seconds, then SIGKILL. Every
+  duration is a positive number of seconds, at most a year.
 
 Exit codes and classifications (classification is written to RUN_DIR/events.jsonl):
   0        success           every rank exited 0
@@ -52,7 +55,8 @@ Exit codes and classifications (classification is written to RUN_DIR/events.json
   76       replica-mismatch  data-parallel replicas disagree; retried, and under node scope
                              the host of the named rank is swapped
   124      hung-silent       --timeout: no output for S seconds
-  124      hung-stalled      --stall-timeout: progress did not advance for S seconds
+  124      hung-stalled      --stall-timeout (or its default, a multiple of the step time):
+                             progress did not advance
   124      no-heartbeat      --heartbeat-timeout: a rank that beat fell silent (stopped,
                              wedged); it was killed and the rank and host are named
   128+N    killed-by-signal  a rank died of signal N kiln did not send (137: SIGKILL, e.g. OOM)
