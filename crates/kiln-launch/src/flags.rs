@@ -146,23 +146,22 @@ pub struct LaunchRequest {
 /// accelerators, launcher without a scheduler): defined once, flattened into
 /// [`LaunchRequest`] and into `kiln doctor`, which reports what they lead to.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize)]
-#[command(next_help_heading = "Topology")]
 pub struct TopologyFlags {
     /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", help_heading = "Topology")]
     #[serde(serialize_with = "path_bytes")]
     pub hostfile: Option<PathBuf>,
     /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
-    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto")]
+    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto", help_heading = "Topology")]
     pub scheduler: String,
     /// Without a scheduler, start ranks with OpenMPI's mpirun instead of spawning them.
-    #[arg(long)]
+    #[arg(long, help_heading = "Topology")]
     pub mpi: bool,
     /// Accelerator kind, overriding detection (visible-device variables, nvidia-smi, rocm-smi, xpu-smi).
-    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto")]
+    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto", help_heading = "Topology")]
     pub accelerator: String,
     /// Accelerators per node, overriding detection (0: CPU only); also srun's --gpus-per-node.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help_heading = "Topology")]
     pub gpus_per_node: Option<usize>,
 }
 

@@ -130,3 +130,27 @@ fn defaults_write_nothing_and_the_flag_list_is_derived() {
     }
     assert!(flags.iter().all(|f| f.starts_with("--")), "{flags:?}");
 }
+
+#[test]
+fn the_shared_topology_flags_keep_their_heading_to_themselves() {
+    use clap::Args;
+    let cmd = LaunchRequest::augment_args(clap::Command::new("launch"));
+    let heading = |id: &str| {
+        cmd.get_arguments()
+            .find(|a| a.get_id() == id)
+            .map(|a| a.get_help_heading())
+    };
+    for id in [
+        "hostfile",
+        "scheduler",
+        "mpi",
+        "accelerator",
+        "gpus_per_node",
+    ] {
+        assert_eq!(heading(id), Some(Some("Topology")), "{id}");
+    }
+    // The flags after them keep theirs (none: clap's "Options").
+    for id in ["run_dir", "dry_run", "as_rank"] {
+        assert_eq!(heading(id), Some(None), "{id}");
+    }
+}

@@ -138,10 +138,7 @@ mod tests {
                 "{code}{name} in\n{launch}"
             );
         }
-        assert!(
-            launch.contains("Never retried: success, deterministic"),
-            "{launch}"
-        );
+        assert!(launch.contains("Never retried: success,"), "{launch}");
         for line in dir.lines().chain(codes.lines()).chain(launch.lines()) {
             assert!(line.len() <= WIDTH, "{line:?}");
         }

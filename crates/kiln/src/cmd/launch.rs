@@ -6,7 +6,6 @@ use kiln_launch::{
     local_cpus, prepare, probe_tool,
 };
 use kiln_topology::RankEnv;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// What `kiln launch --help` says after the flags, before its exit codes.
