@@ -178,6 +178,13 @@ pub fn load(path: &Path) -> Result<SmokeRun, GatesError> {
             ),
         });
     }
+    if run.steps == 0 {
+        return Err(GatesError::Parse {
+            path: path.to_path_buf(),
+            line: 0,
+            message: "steps 0: a baseline records at least one step; re-create it with `kiln smoke --bless`".into(),
+        });
+    }
     for r in &run.records {
         for bits in [&r.loss_bits, &r.grad_norm_bits] {
             if parse_bits(bits).is_none() {

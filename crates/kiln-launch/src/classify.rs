@@ -1,5 +1,7 @@
-//! How an attempt ended, and what `kiln launch` exits with for it. Exit codes and their
-//! retry meaning come from [`kiln_run::exit`], the table the trainer exits with.
+//! How an attempt ended, and what `kiln launch` exits with for it: the classes, and
+//! [`ENDINGS`], the table of each class's exit code and meaning that `kiln launch --help`
+//! prints. Exit codes and their retry meaning come from [`kiln_run::exit`], the table the
+//! trainer exits with.
 
 use kiln_run::exit;
 
@@ -36,6 +38,22 @@ pub enum Classification {
 }
 
 impl Classification {
+    /// Every class, in the order of [`Classification`]'s definition.
+    pub const ALL: [Classification; 12] = [
+        Classification::Success,
+        Classification::Failed,
+        Classification::Deterministic,
+        Classification::ReplicaMismatch,
+        Classification::NotFound,
+        Classification::HungSilent,
+        Classification::HungStalled,
+        Classification::NoHeartbeat,
+        Classification::Signaled,
+        Classification::Preempted,
+        Classification::Walltime,
+        Classification::Interrupted,
+    ];
+
     /// The name written to `events.jsonl`.
     pub fn name(self) -> &'static str {
         match self {
@@ -75,6 +93,177 @@ impl Classification {
             self,
             Classification::HungSilent | Classification::HungStalled | Classification::NoHeartbeat
         )
+    }
+}
+
+/// What `kiln launch` exits with for an ending of [`ENDINGS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitOf {
+    /// One of [`kiln_run::exit`]'s codes.
+    Code(i32),
+    /// The program's own exit code (`N`).
+    Program,
+    /// 128 + the signal a rank died of (`128+N`), as shells report it.
+    Signal,
+    /// 128 + the stop signal kiln got: SIGINT, SIGTERM or SIGHUP.
+    Stop,
+}
+
+impl std::fmt::Display for ExitOf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitOf::Code(c) => write!(f, "{c}"),
+            ExitOf::Program => f.write_str("N"),
+            ExitOf::Signal => f.write_str("128+N"),
+            ExitOf::Stop => {
+                let [int, term, hup] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP].map(|s| 128 + s);
+                write!(f, "{int}/{term}/{hup}")
+            }
+        }
+    }
+}
+
+/// What an ending of `kiln launch` is: a class of an attempt, or an end of kiln's own that
+/// no attempt's class covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndedAs {
+    /// The last attempt's class (written to `events.jsonl`).
+    Class(Classification),
+    /// An end of kiln's own, named in parentheses in the listing.
+    Launcher(&'static str),
+}
+
+/// One way `kiln launch` ends: a row of [`ENDINGS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ending {
+    /// The class, or kiln's own end.
+    pub ended_as: EndedAs,
+    /// The exit code.
+    pub exit: ExitOf,
+    /// What happened, in one line; `None`: the meaning of the code in [`exit::CODES`].
+    pub meaning: Option<&'static str>,
+}
+
+impl Ending {
+    /// The class's name, or kiln's own end in parentheses.
+    pub fn name(&self) -> String {
+        match self.ended_as {
+            EndedAs::Class(c) => c.name().to_string(),
+            EndedAs::Launcher(what) => format!("({what})"),
+        }
+    }
+
+    /// What happened: this row's own meaning, else that of its code in [`exit::CODES`].
+    pub fn meaning(&self) -> &'static str {
+        match (self.meaning, self.exit) {
+            (Some(m), _) => m,
+            (None, ExitOf::Code(c)) => exit::code(c).map_or("", |c| c.meaning),
+            (None, _) => "",
+        }
+    }
+}
+
+/// Every way `kiln launch` ends, with its exit code and meaning: the one table that
+/// `kiln launch --help` prints. Every class has at least one row.
+pub const ENDINGS: &[Ending] = {
+    use Classification::*;
+    use EndedAs::{Class, Launcher};
+    use ExitOf::{Code, Program, Signal, Stop};
+    &[
+        row(
+            Class(Success),
+            Code(exit::SUCCESS),
+            Some("every rank exited 0"),
+        ),
+        row(
+            Class(Failed),
+            Program,
+            Some("the program's own non-zero exit code (the first rank to fail)"),
+        ),
+        row(
+            Class(Deterministic),
+            Program,
+            Some(
+                "a rank exited 2, 65, 73 or 78 (usage, guard stop, run directory locked, \
+                 invalid config or input): the same input fails the same way, so it is never \
+                 retried and no spare is used",
+            ),
+        ),
+        row(
+            Class(ReplicaMismatch),
+            Code(exit::REPLICA_MISMATCH),
+            Some(
+                "data-parallel replicas disagree; retried, and under node scope the host of \
+                 the named rank is swapped",
+            ),
+        ),
+        row(
+            Class(HungSilent),
+            Code(exit::WATCHDOG),
+            Some("--timeout: no output for S seconds"),
+        ),
+        row(
+            Class(HungStalled),
+            Code(exit::WATCHDOG),
+            Some(
+                "--stall-timeout (or its default, a multiple of the step time): progress did not advance",
+            ),
+        ),
+        row(
+            Class(NoHeartbeat),
+            Code(exit::WATCHDOG),
+            Some(
+                "--heartbeat-timeout: a rank that beat fell silent (stopped, wedged); it was \
+                 killed and the rank and host are named",
+            ),
+        ),
+        row(
+            Class(Signaled),
+            Signal,
+            Some("a rank died of signal N kiln did not send (137: SIGKILL, e.g. OOM)"),
+        ),
+        row(
+            Class(Preempted),
+            Code(exit::PREEMPTED),
+            Some("the program exited 75 (checkpointed, resumable) and no retry is left"),
+        ),
+        row(
+            Class(Walltime),
+            Code(exit::PREEMPTED),
+            Some("--walltime ran out or kiln got SIGUSR1; ranks got SIGTERM/SIGUSR1"),
+        ),
+        row(
+            Launcher("spares exhausted"),
+            Code(exit::NODES_EXHAUSTED),
+            None,
+        ),
+        row(Class(NotFound), Code(exit::NOT_FOUND), None),
+        row(Class(NotFound), Code(exit::NOT_EXECUTABLE), None),
+        row(
+            Class(Interrupted),
+            Stop,
+            Some(
+                "kiln got SIGINT/SIGTERM/SIGHUP, forwarded it and stopped retrying; if the \
+                 ranks exited with a code after that, that code (75: resumable)",
+            ),
+        ),
+        row(
+            Launcher("usage"),
+            Code(exit::USAGE),
+            Some(
+                "bad flags, conflicting or absurd sizes, malformed hostfile or visible-device \
+                 list; nothing started",
+            ),
+        ),
+    ]
+};
+
+/// A row of [`ENDINGS`].
+const fn row(ended_as: EndedAs, exit: ExitOf, meaning: Option<&'static str>) -> Ending {
+    Ending {
+        ended_as,
+        exit,
+        meaning,
     }
 }
 
@@ -138,5 +327,39 @@ mod tests {
         assert_eq!(classify_exit(None, Some(9)), Classification::Signaled);
         assert_eq!(classify_code(137, true), Classification::Signaled);
         assert!(Classification::ReplicaMismatch.retryable());
+    }
+
+    #[test]
+    fn every_class_ends_in_the_table_with_the_code_it_is_classified_from() {
+        for class in Classification::ALL {
+            assert!(
+                ENDINGS.iter().any(|e| e.ended_as == EndedAs::Class(class)),
+                "{class:?} has no row"
+            );
+        }
+        for e in ENDINGS {
+            assert!(!e.meaning().is_empty(), "{}", e.name());
+            let (EndedAs::Class(class), ExitOf::Code(code)) = (e.ended_as, e.exit) else {
+                continue;
+            };
+            // A code a program exits with is classified as its row says; the watchdogs'
+            // and the walltime's codes are kiln's own.
+            if !(class.is_hang() || class == Classification::Walltime) {
+                assert_eq!(classify_code(code, false), class, "{code}");
+            }
+        }
+        // The codes the deterministic row names are those classified deterministic.
+        let deterministic = ENDINGS
+            .iter()
+            .find(|e| e.ended_as == EndedAs::Class(Classification::Deterministic))
+            .map(Ending::meaning)
+            .unwrap_or_default();
+        for c in exit::CODES {
+            let named = deterministic.contains(&format!(" {},", c.code))
+                || deterministic.contains(&format!(" {} ", c.code));
+            let is = classify_code(c.code, false) == Classification::Deterministic;
+            assert_eq!(named, is, "{}", c.code);
+        }
+        assert_eq!(ExitOf::Stop.to_string(), "130/143/129");
     }
 }

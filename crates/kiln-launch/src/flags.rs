@@ -2,7 +2,8 @@
 //! help), as ripgrep keeps its flags in one place: the CLI flattens it, [`kiln_flags`] lists
 //! their names (to catch one written after a launcher flag), and [`LaunchRequest::to_argv`]
 //! writes a request back as a command line (what `kiln submit` puts in a batch script),
-//! derived from the same definition, so `parse(to_argv(x)) == x`.
+//! derived from the same definition, so `parse(to_argv(x)) == x`. The flags that override
+//! detection ([`TopologyFlags`]) are shared with `kiln doctor`.
 
 use clap::{Args, FromArgMatches};
 use serde::Serialize;
@@ -23,26 +24,14 @@ pub struct LaunchRequest {
     /// Number of nodes to use [default: every host of the allocation, or as --np needs].
     #[arg(long, value_name = "N", help_heading = "Sizes")]
     pub nnodes: Option<usize>,
-    /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
-    #[arg(long, value_name = "FILE", help_heading = "Sizes")]
-    #[serde(serialize_with = "path_bytes")]
-    pub hostfile: Option<PathBuf>,
-
-    /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
-    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto", help_heading = "Topology")]
-    pub scheduler: String,
-    /// Without a scheduler, start ranks with OpenMPI's mpirun instead of spawning them.
-    #[arg(long, help_heading = "Topology")]
-    pub mpi: bool,
     /// Allow more local ranks than 4 per CPU (at most 4096).
     #[arg(long, help_heading = "Sizes")]
     pub oversubscribe: bool,
-    /// Accelerator kind, overriding detection (visible-device variables, nvidia-smi, rocm-smi, xpu-smi).
-    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto", help_heading = "Topology")]
-    pub accelerator: String,
-    /// Accelerators per node, overriding detection (0: CPU only); also srun's --gpus-per-node.
-    #[arg(long, value_name = "N", help_heading = "Topology")]
-    pub gpus_per_node: Option<usize>,
+
+    /// Where the ranks run: the flags that override detection, shared with `kiln doctor`.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub topology: TopologyFlags,
     /// CPU binding for the launcher (mpiexec --cpu-bind, srun --cpu-bind, mpirun --bind-to);
     /// `none` adds no flag [default: depth under PBS, none elsewhere].
     #[arg(long, value_name = "BIND", help_heading = "Topology")]
@@ -154,6 +143,36 @@ pub struct LaunchRequest {
     #[arg(skip)]
     #[serde(skip)]
     pub command: Vec<String>,
+}
+
+/// The flags that override what kiln detects about where it runs (scheduler, hosts,
+/// accelerators, launcher without a scheduler): defined once, flattened into
+/// [`LaunchRequest`] and into `kiln doctor`, which reports what they lead to.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize)]
+pub struct TopologyFlags {
+    /// Hosts to use instead of the scheduler's: `host`, `host slots=N` or `host:N` per line.
+    #[arg(long, value_name = "FILE", help_heading = "Topology")]
+    #[serde(serialize_with = "path_bytes")]
+    pub hostfile: Option<PathBuf>,
+    /// Scheduler, overriding detection from PBS_JOBID / SLURM_JOB_ID.
+    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto", help_heading = "Topology")]
+    pub scheduler: String,
+    /// Without a scheduler, start ranks with OpenMPI's mpirun instead of spawning them.
+    #[arg(long, help_heading = "Topology")]
+    pub mpi: bool,
+    /// Accelerator kind, overriding detection (visible-device variables, nvidia-smi, rocm-smi, xpu-smi).
+    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto", help_heading = "Topology")]
+    pub accelerator: String,
+    /// Accelerators per node, overriding detection (0: CPU only); also srun's --gpus-per-node.
+    #[arg(long, value_name = "N", help_heading = "Topology")]
+    pub gpus_per_node: Option<usize>,
+}
+
+impl Default for TopologyFlags {
+    /// Everything detected: what `kiln launch` and `kiln doctor` get without these flags.
+    fn default() -> Self {
+        LaunchRequest::default().topology
+    }
 }
 
 impl Default for LaunchRequest {

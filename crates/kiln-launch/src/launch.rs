@@ -195,31 +195,10 @@ fn quarantine_files(run_dir: &std::path::Path, shared: &Option<PathBuf>) -> Vec<
 }
 
 /// Everything before the first attempt: checks, detection, the plan.
-fn set_up(
-    req: &LaunchRequest,
-    run_dir: &std::path::Path,
-    progress_dir: &std::path::Path,
-) -> Result<(Setup, Vec<String>), LaunchError> {
+fn set_up(req: &LaunchRequest, dirs: &Dirs) -> Result<(Setup, Vec<String>), LaunchError> {
     let (launcher_args, command) = split_command(&req.command).map_err(LaunchError::Usage)?;
-    let files = quarantine_files(run_dir, &req.quarantine_file);
+    let files = quarantine_files(&dirs.run, &req.quarantine_file);
     let exclude = quarantined_hosts(&files).map_err(|e| LaunchError::Usage(e.to_string()))?;
-    let shim = match std::env::current_exe() {
-        Ok(exe) if !req.no_rank_env => {
-            // What each rank runs first: `kiln launch --as-rank` with the flags it needs,
-            // written from the flags' one definition.
-            let as_rank = LaunchRequest {
-                as_rank: true,
-                heartbeat_timeout: req.heartbeat_timeout,
-                ..Default::default()
-            };
-            let mut argv = vec![exe.display().to_string(), "launch".into()];
-            let flags = as_rank.to_argv().map_err(LaunchError::Usage)?;
-            argv.extend(flags.iter().map(|f| f.to_string_lossy().into_owned()));
-            argv.push("--".into());
-            argv
-        }
-        _ => Vec::new(),
-    };
     let master_port = req
         .master_port
         .unwrap_or_else(|| free_port().unwrap_or(DEFAULT_MASTER_PORT));
@@ -231,9 +210,9 @@ fn set_up(
         },
         launcher_args,
         command: command.clone(),
-        rank_shim: shim,
-        progress_dir: progress_dir.to_path_buf(),
-        run_dir: run_dir.to_path_buf(),
+        rank_shim: rank_shim(req)?,
+        progress_dir: dirs.progress.clone(),
+        run_dir: dirs.run.clone(),
         exclude,
         python_unbuffered_set: std::env::var_os("PYTHONUNBUFFERED").is_some(),
     };
@@ -256,74 +235,87 @@ fn set_up(
     Ok((setup, command))
 }
 
+/// What each rank runs first under a launcher: `kiln launch --as-rank` with the flags it
+/// needs, written from the flags' one definition; nothing with `--no-rank-env`.
+fn rank_shim(req: &LaunchRequest) -> Result<Vec<String>, LaunchError> {
+    let exe = match std::env::current_exe() {
+        Ok(exe) if !req.no_rank_env => exe,
+        _ => return Ok(Vec::new()),
+    };
+    let as_rank = LaunchRequest {
+        as_rank: true,
+        heartbeat_timeout: req.heartbeat_timeout,
+        ..Default::default()
+    };
+    let mut argv = vec![exe.display().to_string(), "launch".into()];
+    let flags = as_rank.to_argv().map_err(LaunchError::Usage)?;
+    argv.extend(flags.iter().map(|f| f.to_string_lossy().into_owned()));
+    argv.push("--".into());
+    Ok(argv)
+}
+
 /// What `--dry-run` prints.
 fn describe(setup: &Setup, run_dir: &std::path::Path) -> String {
-    let mut out = String::new();
-    let mut line = |s: String| {
-        out.push_str(&s);
-        out.push('\n');
-    };
-    line(format!(
-        "scheduler:    {} ({})",
-        setup.scheduler.value.name(),
-        setup.scheduler.reason
-    ));
-    line(format!(
-        "hosts:        {} ({})",
-        setup.used_hosts.join(","),
-        setup.hosts.reason
-    ));
-    if !setup.spares.is_empty() || !setup.excluded.is_empty() {
-        let spares: Vec<&str> = setup.spares.iter().map(|h| h.name.as_str()).collect();
-        line(format!(
-            "spares:       {}; quarantined: {}",
-            if spares.is_empty() {
-                "none".into()
-            } else {
-                spares.join(",")
-            },
-            if setup.excluded.is_empty() {
-                "none".into()
-            } else {
-                setup.excluded.join(",")
-            }
-        ));
-    }
-    let acc = setup.accelerators.value;
-    line(format!(
-        "accelerators: {} x {} per node ({})",
-        acc.count,
-        acc.kind.name(),
-        setup.accelerators.reason
-    ));
-    line(format!(
-        "launcher:     {} (np {}, ppn {}, nnodes {})",
-        setup.launcher.name(),
-        setup.sizes.np,
-        setup.sizes.ppn,
-        setup.sizes.nnodes
-    ));
-    line(format!("run dir:      {}", run_dir.display()));
+    let (acc, sizes) = (setup.accelerators.value, setup.sizes);
+    let mut lines = vec![
+        format!(
+            "scheduler:    {} ({})",
+            setup.scheduler.value.name(),
+            setup.scheduler.reason
+        ),
+        format!(
+            "hosts:        {} ({})",
+            setup.used_hosts.join(","),
+            setup.hosts.reason
+        ),
+    ];
+    lines.extend(spares_line(setup));
+    lines.extend([
+        format!(
+            "accelerators: {} x {} per node ({})",
+            acc.count,
+            acc.kind.name(),
+            setup.accelerators.reason
+        ),
+        format!(
+            "launcher:     {} (np {}, ppn {}, nnodes {})",
+            setup.launcher.name(),
+            sizes.np,
+            sizes.ppn,
+            sizes.nnodes
+        ),
+        format!("run dir:      {}", run_dir.display()),
+    ]);
     if let Some((path, text)) = &setup.hostfile_to_write {
-        line(format!(
-            "hostfile:     {} would contain {:?}",
-            path.display(),
-            text
+        lines.push(format!(
+            "hostfile:     {} would contain {text:?}",
+            path.display()
         ));
     }
     for p in &setup.procs {
         let rank = p.rank.map_or(String::new(), |r| format!(" (rank {r})"));
-        line(format!(
-            "argv{rank}: {}",
-            serde_json::to_string(&p.argv).unwrap_or_default()
-        ));
         let env: Vec<String> = p.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        line(format!(
-            "env{rank}:  {}",
-            serde_json::to_string(&env).unwrap_or_default()
-        ));
+        let json = |v: &[String]| serde_json::to_string(v).unwrap_or_default();
+        lines.push(format!("argv{rank}: {}", json(&p.argv)));
+        lines.push(format!("env{rank}:  {}", json(&env)));
     }
-    out
+    lines.iter().map(|l| format!("{l}\n")).collect()
+}
+
+/// The `--dry-run` line of spares and quarantined hosts, when there is either.
+fn spares_line(setup: &Setup) -> Option<String> {
+    let spares: Vec<String> = setup.spares.iter().map(|h| h.name.clone()).collect();
+    let list = |v: &[String]| match v {
+        [] => "none".to_string(),
+        v => v.join(","),
+    };
+    (!spares.is_empty() || !setup.excluded.is_empty()).then(|| {
+        format!(
+            "spares:       {}; quarantined: {}",
+            list(&spares),
+            list(&setup.excluded)
+        )
+    })
 }
 
 /// Errors a person can act on, before anything starts: a missing program or launcher.
@@ -406,144 +398,276 @@ pub fn launch(
         ));
     }
     let started = Instant::now();
-    let run_dir = req.run_dir.clone().unwrap_or_else(default_run_dir);
-    // Absolute, because ranks on other hosts may not start in this directory and must still
-    // find KILN_PROGRESS_DIR and the hostfile.
-    let run_dir = std::path::absolute(&run_dir).unwrap_or(run_dir);
-    // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not cleared.
-    let (progress_dir, own_progress_dir) = match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty())
-    {
-        Some(d) => (PathBuf::from(d), false),
-        None => (run_dir.join(layout::PROGRESS), true),
-    };
-    let (setup, command) = set_up(req, &run_dir, &progress_dir)?;
+    let dirs = Dirs::of(req);
+    let (setup, command) = set_up(req, &dirs)?;
     if req.dry_run {
-        return Ok(LaunchEnd::DryRun(describe(&setup, &run_dir)));
+        return Ok(LaunchEnd::DryRun(describe(&setup, &dirs.run)));
     }
     check_programs(&setup, &command)?;
-    let io = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
-        LaunchError::Io(format!("{what} {}: {e}", path.display()))
-    };
-    std::fs::create_dir_all(&run_dir).map_err(|e| io("creating run dir", &run_dir, &e))?;
-    if own_progress_dir {
-        std::fs::create_dir_all(&progress_dir)
-            .map_err(|e| io("creating progress dir", &progress_dir, &e))?;
-    }
-    let mut events = EventLog::open(&run_dir, event::source::LAUNCH)
-        .map_err(|e| LaunchError::Io(e.to_string()))?;
-    let job_id = job_id_of(&setup.scheduler.value);
-    let chain = chain_job(req, &setup, job_id.as_deref());
-    emit_start(
-        &mut events,
-        &setup,
-        &command,
-        &progress_dir,
-        chain.as_ref(),
-        req,
-    )?;
-
-    install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
-    // Grandchildren that escape the process group (setsid, daemonize) are re-parented to
-    // kiln, which then kills them when the attempt ends.
-    let reap = become_subreaper();
-    let attempt = AttemptConfig {
-        procs: Vec::new(),
-        log_path: run_dir.join(layout::attempt_log(1)),
-        silence_timeout: t.silence,
-        stall_timeout: t.stall,
-        stall_auto: t.stall_auto,
-        progress_regex: Some(t.regex),
-        progress_dir: Some(progress_dir),
-        clear_progress_dir: own_progress_dir,
-        grace: t.grace,
-        deadline: t.walltime.map(|w| started + w),
-        echo: true,
-        reap_orphans: reap,
-        stdout_pty: true,
-        expected_ranks: None,
-        rank_shims: !req.no_rank_env,
-        heartbeat_timeout: Some(t.heartbeat),
-    };
-    let health = health_of(&setup.scheduler.value);
-    let swap_hosts = req.node_scope();
-    let pool = HostPool {
-        active: setup.active.clone(),
-        spares: setup.spares.clone(),
-        min_active: req.min_nodes.unwrap_or(setup.active.len()),
-    };
-    let planner = |hosts: &[kiln_topology::Host]| setup.plan_for(hosts);
-    let result = run_with_retries(RetryConfig {
-        attempt,
-        run_dir: run_dir.clone(),
-        limit: if req.auto_retry {
-            RetryLimit::Auto
-        } else {
-            RetryLimit::Count(req.retries.unwrap_or(0))
-        },
-        backoff: t.backoff,
-        scope: NodeScope {
-            pool,
-            health: health.as_ref(),
-            quarantine_files: quarantine_files(&run_dir, &req.quarantine_file),
-            job_id: job_id.clone(),
-        },
-        swap_hosts,
-        planner: &planner,
-        events: &mut events,
-        stop: &stop_requested,
-        on_attempt_end,
-    })
-    .map_err(|e| LaunchError::Io(e.to_string()))?;
-    let last = &result.last;
-    finish(
-        &mut events,
-        &result,
-        started,
-        job_id,
-        chain.as_ref(),
-        &run_dir,
-        req,
-    );
-    Ok(LaunchEnd::Done {
-        exit_code: last.exit_code,
-        attempts: result.attempts,
-        classification: last.classification,
-        stop_reason: result.stop_reason,
-        run_dir,
-    })
+    let mut run = Running::start(req, setup, dirs, started, &command)?;
+    let result = run.recover(t, on_attempt_end)?;
+    Ok(run.finish(result))
 }
 
-/// Writes `launch_end` and, for a job of a chain, submits the next job when it should.
-fn finish(
-    events: &mut EventLog,
-    result: &LaunchResult,
-    started: Instant,
+/// Where a launch writes: the run directory, and the directory ranks write beacons to.
+struct Dirs {
+    /// The run directory, absolute.
+    run: PathBuf,
+    /// `KILN_PROGRESS_DIR`.
+    progress: PathBuf,
+    /// Whether kiln chose `progress` (not a caller's `KILN_PROGRESS_DIR`): it creates and
+    /// clears it.
+    own_progress: bool,
+}
+
+impl Dirs {
+    fn of(req: &LaunchRequest) -> Self {
+        let run = req.run_dir.clone().unwrap_or_else(default_run_dir);
+        // Absolute, because ranks on other hosts may not start in this directory and must
+        // still find KILN_PROGRESS_DIR and the hostfile.
+        let run = std::path::absolute(&run).unwrap_or(run);
+        // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not
+        // cleared.
+        match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty()) {
+            Some(d) => Dirs {
+                run,
+                progress: PathBuf::from(d),
+                own_progress: false,
+            },
+            None => Dirs {
+                progress: run.join(layout::PROGRESS),
+                run,
+                own_progress: true,
+            },
+        }
+    }
+
+    fn create(&self) -> Result<(), LaunchError> {
+        let io = |what: &str, path: &std::path::Path, e: std::io::Error| {
+            LaunchError::Io(format!("{what} {}: {e}", path.display()))
+        };
+        std::fs::create_dir_all(&self.run).map_err(|e| io("creating run dir", &self.run, e))?;
+        if self.own_progress {
+            std::fs::create_dir_all(&self.progress)
+                .map_err(|e| io("creating progress dir", &self.progress, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// A launch that passed its checks, from its start events through the recovery loop to
+/// `launch_end` and the chain.
+struct Running<'a> {
+    req: &'a LaunchRequest,
+    setup: Setup,
+    dirs: Dirs,
+    events: EventLog,
+    /// The batch job this launch runs in.
     job_id: Option<String>,
-    chain: Option<&ChainJob>,
-    run_dir: &std::path::Path,
-    req: &LaunchRequest,
-) {
-    let last = &result.last;
-    let _ = events.emit(
-        event::LAUNCH_END,
-        json!({
-            "attempts": result.attempts,
-            "exit_code": last.exit_code,
-            "classification": last.classification.name(),
-            "last_progress": last.last_progress,
-            "stop_reason": result.stop_reason,
-            "swaps": result.swaps.len(),
-            "blind_swaps": result.swaps.iter().filter(|s| s.2).count(),
-            "wall_s": started.elapsed().as_secs_f64(),
-            "job_id": job_id,
-        }),
-    );
-    if let Some(job) = chain {
-        let made_progress = events_made_progress(run_dir, started);
-        let exclude =
-            quarantined_hosts(&quarantine_files(run_dir, &req.quarantine_file)).unwrap_or_default();
-        let (_, reason) = continue_chain(job, last.exit_code, made_progress, &exclude, events);
-        eprintln!("kiln: chain job {} of {}: {reason}", job.index, job.limit);
+    /// The job's place in a chain of batch jobs (`kiln submit`).
+    chain: Option<ChainJob>,
+    started: Instant,
+}
+
+impl<'a> Running<'a> {
+    /// Creates the directories, opens the event log, writes the start events and installs
+    /// the stop handlers.
+    fn start(
+        req: &'a LaunchRequest,
+        setup: Setup,
+        dirs: Dirs,
+        started: Instant,
+        command: &[String],
+    ) -> Result<Self, LaunchError> {
+        dirs.create()?;
+        let events = EventLog::open(&dirs.run, event::source::LAUNCH)
+            .map_err(|e| LaunchError::Io(e.to_string()))?;
+        let job_id = job_id_of(&setup.scheduler.value);
+        let chain = chain_job(req, &setup, job_id.as_deref());
+        let mut run = Running {
+            req,
+            setup,
+            dirs,
+            events,
+            job_id,
+            chain,
+            started,
+        };
+        run.emit_job_start()?;
+        run.emit_start(command)?;
+        install_stop_handlers().map_err(|e| LaunchError::Io(format!("signal handlers: {e}")))?;
+        Ok(run)
+    }
+
+    /// The settings every attempt starts from (its processes and log are set per attempt).
+    fn attempt_config(&self, t: Timing) -> AttemptConfig {
+        AttemptConfig {
+            procs: Vec::new(),
+            log_path: self.dirs.run.join(layout::attempt_log(1)),
+            silence_timeout: t.silence,
+            stall_timeout: t.stall,
+            stall_auto: t.stall_auto,
+            progress_regex: Some(t.regex),
+            progress_dir: Some(self.dirs.progress.clone()),
+            clear_progress_dir: self.dirs.own_progress,
+            grace: t.grace,
+            deadline: t.walltime.map(|w| self.started + w),
+            echo: true,
+            // Grandchildren that escape the process group (setsid, daemonize) are
+            // re-parented to kiln, which then kills them when the attempt ends.
+            reap_orphans: become_subreaper(),
+            stdout_pty: true,
+            expected_ranks: None,
+            rank_shims: !self.req.no_rank_env,
+            heartbeat_timeout: Some(t.heartbeat),
+        }
+    }
+
+    /// Runs attempts, and recovers them, until one succeeds or recovery stops.
+    fn recover(
+        &mut self,
+        t: Timing,
+        on_attempt_end: &dyn Fn(u32, &AttemptOutcome, &Diagnosis),
+    ) -> Result<LaunchResult, LaunchError> {
+        let (req, backoff) = (self.req, t.backoff);
+        let attempt = self.attempt_config(t);
+        let setup = &self.setup;
+        let health = health_of(&setup.scheduler.value);
+        let planner = |hosts: &[kiln_topology::Host]| setup.plan_for(hosts);
+        run_with_retries(RetryConfig {
+            attempt,
+            run_dir: self.dirs.run.clone(),
+            limit: if req.auto_retry {
+                RetryLimit::Auto
+            } else {
+                RetryLimit::Count(req.retries.unwrap_or(0))
+            },
+            backoff,
+            scope: NodeScope {
+                pool: HostPool {
+                    active: setup.active.clone(),
+                    spares: setup.spares.clone(),
+                    min_active: req.min_nodes.unwrap_or(setup.active.len()),
+                },
+                health: health.as_ref(),
+                quarantine_files: quarantine_files(&self.dirs.run, &req.quarantine_file),
+                job_id: self.job_id.clone(),
+            },
+            swap_hosts: req.node_scope(),
+            planner: &planner,
+            events: &mut self.events,
+            stop: &stop_requested,
+            on_attempt_end,
+        })
+        .map_err(|e| LaunchError::Io(e.to_string()))
+    }
+
+    /// Writes `launch_end` and, for a job of a chain, submits the next job when it should;
+    /// then says how the launch ended.
+    fn finish(mut self, result: LaunchResult) -> LaunchEnd {
+        let last = &result.last;
+        let _ = self.events.emit(
+            event::LAUNCH_END,
+            json!({
+                "attempts": result.attempts,
+                "exit_code": last.exit_code,
+                "classification": last.classification.name(),
+                "last_progress": last.last_progress,
+                "stop_reason": result.stop_reason,
+                "swaps": result.swaps.len(),
+                "blind_swaps": result.swaps.iter().filter(|s| s.2).count(),
+                "wall_s": self.started.elapsed().as_secs_f64(),
+                "job_id": self.job_id,
+            }),
+        );
+        if let Some(job) = &self.chain {
+            let run_dir = &self.dirs.run;
+            let made_progress = events_made_progress(run_dir, self.started);
+            let files = quarantine_files(run_dir, &self.req.quarantine_file);
+            let exclude = quarantined_hosts(&files).unwrap_or_default();
+            let (_, reason) = continue_chain(
+                job,
+                last.exit_code,
+                made_progress,
+                &exclude,
+                &mut self.events,
+            );
+            eprintln!("kiln: chain job {} of {}: {reason}", job.index, job.limit);
+        }
+        LaunchEnd::Done {
+            exit_code: last.exit_code,
+            attempts: result.attempts,
+            classification: last.classification,
+            stop_reason: result.stop_reason,
+            run_dir: self.dirs.run,
+        }
+    }
+
+    /// `job_start`, for a launch inside a batch job: its scheduler, its place in a chain,
+    /// and how long it waited in the queue since `kiln submit` (or the previous job)
+    /// submitted it.
+    fn emit_job_start(&mut self) -> Result<(), LaunchError> {
+        let chain = self.chain.as_ref();
+        let Some(job) = chain.map(|c| c.job_id.clone()).or(self.job_id.clone()) else {
+            return Ok(());
+        };
+        let submitted = kiln_run::read_events(&self.dirs.run)
+            .unwrap_or_default()
+            .into_iter()
+            .rev()
+            .find(|e| {
+                e.event == event::JOB_SUBMITTED
+                    && e.fields.get("job_id").and_then(|v| v.as_str()) == Some(job.as_str())
+            })
+            .map(|e| e.time);
+        let now = kiln_run::unix_time();
+        self.events
+            .emit(
+                event::JOB_START,
+                json!({"job_id": job, "scheduler": self.setup.scheduler.value.name(), "chain_index": chain.map(|c| c.index), "chain_limit": chain.map(|c| c.limit), "submit_time": submitted, "queue_s": submitted.map(|s| (now - s).max(0.0))}),
+            )
+            .map_err(|e| LaunchError::Io(e.to_string()))
+    }
+
+    /// `launch_start` (what was detected and decided), and `host_pool` under node scope.
+    fn emit_start(&mut self, command: &[String]) -> Result<(), LaunchError> {
+        let (setup, req) = (&self.setup, self.req);
+        let acc = setup.accelerators.value;
+        let err = |e: kiln_run::EventLogError| LaunchError::Io(e.to_string());
+        self.events
+            .emit(
+                event::LAUNCH_START,
+                json!({
+                    "scheduler": setup.scheduler.value.name(),
+                    "scheduler_reason": setup.scheduler.reason,
+                    "hosts": setup.used_hosts,
+                    "hosts_reason": setup.hosts.reason,
+                    "accelerator": acc.kind.name(),
+                    "accelerators_per_node": acc.count,
+                    "accelerators_reason": setup.accelerators.reason,
+                    "launcher": setup.launcher.name(),
+                    "np": setup.sizes.np, "ppn": setup.sizes.ppn, "nnodes": setup.sizes.nnodes,
+                    "argv": setup.procs.iter().map(|p| &p.argv).collect::<Vec<_>>(),
+                    "command": command,
+                    "progress_dir": self.dirs.progress,
+                    "kiln_version": env!("CARGO_PKG_VERSION"),
+                }),
+            )
+            .map_err(err)?;
+        if req.node_scope() {
+            self.events
+                .emit(
+                    event::HOST_POOL,
+                    json!({
+                        "active": setup.used_hosts,
+                        "spares": setup.spares.iter().map(|h| &h.name).collect::<Vec<_>>(),
+                        "quarantined": setup.excluded,
+                        "min_nodes": req.min_nodes.unwrap_or(setup.active.len()),
+                    }),
+                )
+                .map_err(err)?;
+        }
+        Ok(())
     }
 }
 
@@ -578,77 +702,6 @@ fn chain_job(req: &LaunchRequest, setup: &Setup, job_id: Option<&str>) -> Option
         limit,
         script: req.chain_script.clone()?,
     })
-}
-
-fn emit_start(
-    events: &mut EventLog,
-    setup: &Setup,
-    command: &[String],
-    progress_dir: &std::path::Path,
-    chain: Option<&ChainJob>,
-    req: &LaunchRequest,
-) -> Result<(), LaunchError> {
-    let acc = setup.accelerators.value;
-    let err = |e: kiln_run::EventLogError| LaunchError::Io(e.to_string());
-    if let Some(job) = chain
-        .map(|c| c.job_id.clone())
-        .or(job_id_of(&setup.scheduler.value))
-    {
-        let run_dir = events.path().parent().map(std::path::Path::to_path_buf);
-        let submitted = run_dir
-            .as_deref()
-            .map(kiln_run::read_events)
-            .and_then(Result::ok)
-            .unwrap_or_default()
-            .into_iter()
-            .rev()
-            .find(|e| {
-                e.event == event::JOB_SUBMITTED
-                    && e.fields.get("job_id").and_then(|v| v.as_str()) == Some(job.as_str())
-            })
-            .map(|e| e.time);
-        let now = kiln_run::unix_time();
-        events
-            .emit(
-                event::JOB_START,
-                json!({"job_id": job, "scheduler": setup.scheduler.value.name(), "chain_index": chain.map(|c| c.index), "chain_limit": chain.map(|c| c.limit), "submit_time": submitted, "queue_s": submitted.map(|s| (now - s).max(0.0))}),
-            )
-            .map_err(err)?;
-    }
-    events
-        .emit(
-            event::LAUNCH_START,
-            json!({
-                "scheduler": setup.scheduler.value.name(),
-                "scheduler_reason": setup.scheduler.reason,
-                "hosts": setup.used_hosts,
-                "hosts_reason": setup.hosts.reason,
-                "accelerator": acc.kind.name(),
-                "accelerators_per_node": acc.count,
-                "accelerators_reason": setup.accelerators.reason,
-                "launcher": setup.launcher.name(),
-                "np": setup.sizes.np, "ppn": setup.sizes.ppn, "nnodes": setup.sizes.nnodes,
-                "argv": setup.procs.iter().map(|p| &p.argv).collect::<Vec<_>>(),
-                "command": command,
-                "progress_dir": progress_dir,
-                "kiln_version": env!("CARGO_PKG_VERSION"),
-            }),
-        )
-        .map_err(err)?;
-    if req.auto_retry || req.spares.is_some() {
-        events
-            .emit(
-                event::HOST_POOL,
-                json!({
-                    "active": setup.used_hosts,
-                    "spares": setup.spares.iter().map(|h| &h.name).collect::<Vec<_>>(),
-                    "quarantined": setup.excluded,
-                    "min_nodes": req.min_nodes.unwrap_or(setup.active.len()),
-                }),
-            )
-            .map_err(err)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -28,12 +28,14 @@ mod stall;
 mod submit;
 mod supervise;
 
-pub use classify::{Classification, classify_code, classify_exit, exit_code_of};
+pub use classify::{
+    Classification, ENDINGS, EndedAs, Ending, ExitOf, classify_code, classify_exit, exit_code_of,
+};
 pub use culprit::{
     Cause, Clues, Diagnosis, Evidence, LOG_PATTERNS, LogPattern, diagnose, error_signature,
     scan_log,
 };
-pub use flags::kiln_flags;
+pub use flags::{TopologyFlags, kiln_flags};
 pub use groups::become_subreaper;
 pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
 pub use launch::{

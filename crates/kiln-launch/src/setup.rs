@@ -78,18 +78,54 @@ pub struct Setup {
     pub hostfile_to_write: Option<(PathBuf, String)>,
     /// The processes to start (for `active`).
     pub procs: Vec<ProcSpec>,
+    planning: Planning,
+}
+
+/// What [`Setup::plan_for`] makes every attempt's plan from, besides the detected facts.
+#[derive(Debug, Clone)]
+struct Planning {
+    /// The plan without hosts, hostfile and variables.
     template: PlanRequest,
+    /// The hostfile the hosts came from (`--hostfile`, or PBS's nodefile).
     source_file: Option<PathBuf>,
+    /// Whether `source_file` is the user's `--hostfile`.
     user_hostfile: bool,
     master_addr: Option<String>,
     master_port: u16,
     progress_dir: PathBuf,
+    /// Where a generated hostfile goes.
     run_dir: PathBuf,
     python_unbuffered_set: bool,
     /// The device variable of each local rank (empty: nothing to choose); see
     /// [`kiln_topology::device_for_local_rank`]. Ranks under a launcher get theirs in the
     /// shim, from [`kiln_run::host::ACCELERATORS_ENV`].
     rank_devices: Vec<Option<(&'static str, String)>>,
+}
+
+impl Planning {
+    fn new(
+        opts: &LaunchOptions,
+        scheduler: &Scheduler,
+        template: PlanRequest,
+        rank_devices: Vec<Option<(&'static str, String)>>,
+    ) -> Self {
+        let req = &opts.request;
+        let source_file = req.topology.hostfile.clone().or(match scheduler {
+            Scheduler::Pbs { nodefile, .. } => nodefile.clone(),
+            _ => None,
+        });
+        Planning {
+            template,
+            source_file,
+            user_hostfile: req.topology.hostfile.is_some(),
+            master_addr: req.master_addr.clone(),
+            master_port: req.master_port.unwrap_or(DEFAULT_MASTER_PORT),
+            progress_dir: opts.progress_dir.clone(),
+            run_dir: opts.run_dir.clone(),
+            python_unbuffered_set: opts.python_unbuffered_set,
+            rank_devices,
+        }
+    }
 }
 
 /// The processes of one attempt on a given set of hosts.
@@ -135,7 +171,7 @@ fn scheduler_choice(
     opts: &LaunchOptions,
     vars: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Detected<Scheduler>, SetupError> {
-    Ok(match opts.request.scheduler.as_str() {
+    Ok(match opts.request.topology.scheduler.as_str() {
         "auto" => detect_scheduler(vars),
         "none" => Detected {
             value: Scheduler::None,
@@ -172,13 +208,64 @@ pub fn prepare(
     local_cpus: usize,
     as_root: bool,
 ) -> Result<Setup, SetupError> {
-    let (req, sizes) = (&opts.request, size_request(&opts.request));
-    for (flag, v) in [("--ppn", sizes.ppn), ("--gpus-per-node", req.gpus_per_node)] {
+    let req = &opts.request;
+    check_flags(req)?;
+    let scheduler = scheduler_choice(opts, vars)?;
+    let hosts = allocation_hosts(&scheduler.value, req.topology.hostfile.as_deref())?;
+    let accelerators = accelerators(opts, vars, probe)?;
+    limits::per_node("accelerators per node", accelerators.value.count)
+        .map_err(SetupError::Flag)?;
+    let launcher = launcher_for(&scheduler.value, req)?;
+    let pool = Usable::of(opts, &hosts)?;
+    let default_ppn = accelerators.value.count.max(1);
+    let sizes = resolve_sizes(
+        size_request(req),
+        pool.candidates(),
+        &pool.reason,
+        default_ppn,
+    )?;
+    let local = matches!(launcher, Launcher::Local)
+        || (launcher == Launcher::Mpirun && req.topology.hostfile.is_none());
+    limits::ranks(sizes.np, local.then_some(local_cpus), req.oversubscribe)
+        .map_err(SetupError::Flag)?;
+    let (active, spares) = pool.split(sizes.nnodes, req.node_scope());
+    let acc = accelerators.value;
+    let template = plan_template(opts, launcher, sizes, acc.count, local_cpus, as_root);
+    let rank_devices = (0..sizes.ppn)
+        .map(|r| kiln_topology::device_for_local_rank(acc, vars, r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut setup = Setup {
+        planning: Planning::new(opts, &scheduler.value, template, rank_devices),
+        scheduler,
+        hosts,
+        accelerators,
+        sizes,
+        launcher,
+        active,
+        spares,
+        excluded: pool.excluded,
+        used_hosts: Vec::new(),
+        hostfile_to_write: None,
+        procs: Vec::new(),
+    };
+    let first = setup.plan_for(&setup.active)?;
+    (setup.used_hosts, setup.hostfile_to_write, setup.procs) =
+        (first.hosts, first.hostfile_to_write, first.procs);
+    Ok(setup)
+}
+
+/// The flags' own bounds, before anything is detected: ranks per node, accelerators per node,
+/// ranks, and a port ranks can meet on.
+fn check_flags(req: &LaunchRequest) -> Result<(), SetupError> {
+    for (flag, v) in [
+        ("--ppn", req.ppn),
+        ("--gpus-per-node", req.topology.gpus_per_node),
+    ] {
         if let Some(v) = v {
             limits::per_node(flag, v).map_err(SetupError::Flag)?;
         }
     }
-    if let Some(np) = sizes.np {
+    if let Some(np) = req.np {
         limits::ranks(np, None, true).map_err(SetupError::Flag)?;
     }
     if req.master_port == Some(0) {
@@ -186,87 +273,112 @@ pub fn prepare(
             "--master-port 0 is not a port ranks can meet on; omit the flag to let kiln pick a free port".into(),
         ));
     }
-    let scheduler = scheduler_choice(opts, vars)?;
-    let hosts = allocation_hosts(&scheduler.value, req.hostfile.as_deref())?;
-    let accelerators = accelerators(opts, vars, probe)?;
-    limits::per_node("accelerators per node", accelerators.value.count)
-        .map_err(SetupError::Flag)?;
-    let launcher = match (&scheduler.value, req.mpi) {
+    Ok(())
+}
+
+/// The launcher: the scheduler's own, else mpirun with `--mpi`, else local processes.
+fn launcher_for(scheduler: &Scheduler, req: &LaunchRequest) -> Result<Launcher, SetupError> {
+    let launcher = match (scheduler, req.topology.mpi) {
         (Scheduler::Pbs { .. }, _) => Launcher::Mpiexec,
         (Scheduler::Slurm { .. }, _) => Launcher::Srun,
         (Scheduler::None, true) => Launcher::Mpirun,
         (Scheduler::None, false) => Launcher::Local,
     };
     // A hostfile without a scheduler describes other machines: only mpirun can reach them.
-    if launcher == Launcher::Local && req.hostfile.is_some() {
+    if launcher == Launcher::Local && req.topology.hostfile.is_some() {
         return Err(SetupError::Flag(
             "--hostfile without a scheduler needs --mpi (kiln starts ranks on other hosts through mpirun)".into(),
         ));
     }
-    let excluded: Vec<String> = hosts
-        .value
-        .iter()
-        .filter(|h| opts.exclude.iter().any(|x| same_host(x, &h.name)))
-        .map(|h| h.name.clone())
-        .collect();
-    let usable: Vec<Host> = hosts
-        .value
-        .iter()
-        .filter(|h| !excluded.contains(&h.name))
-        .cloned()
-        .collect();
-    if usable.is_empty() {
-        return Err(SetupError::Flag(format!(
-            "every host of the allocation is quarantined ({}); see the quarantine file",
-            excluded.join(", ")
-        )));
-    }
-    let min_spares = match (req.spares, req.node_scope()) {
-        (Some(s), _) => {
-            if s >= usable.len() {
+    Ok(launcher)
+}
+
+/// The hosts of the allocation a launch may use: those not quarantined, of which
+/// `min_spares` are kept back as spares.
+struct Usable {
+    /// The hosts not quarantined, in allocation order.
+    hosts: Vec<Host>,
+    /// The hosts left out because they are quarantined.
+    excluded: Vec<String>,
+    /// Hosts kept as spares at least (`--spares`, or the default under node scope).
+    min_spares: usize,
+    /// Where the hosts came from, with the counts when some are left out or kept.
+    reason: String,
+}
+
+impl Usable {
+    fn of(opts: &LaunchOptions, hosts: &Detected<Vec<Host>>) -> Result<Self, SetupError> {
+        let req = &opts.request;
+        let (usable, excluded): (Vec<Host>, Vec<Host>) = hosts
+            .value
+            .iter()
+            .cloned()
+            .partition(|h| !opts.exclude.iter().any(|x| same_host(x, &h.name)));
+        let excluded: Vec<String> = excluded.into_iter().map(|h| h.name).collect();
+        if usable.is_empty() {
+            return Err(SetupError::Flag(format!(
+                "every host of the allocation is quarantined ({}); see the quarantine file",
+                excluded.join(", ")
+            )));
+        }
+        let min_spares = match (req.spares, req.node_scope()) {
+            (Some(s), _) if s >= usable.len() => {
                 return Err(SetupError::Flag(format!(
                     "--spares {s} leaves no active host: {} usable host(s) ({})",
                     usable.len(),
                     hosts.reason
                 )));
             }
-            s
-        }
-        (None, true) if sizes.nnodes.is_none() => default_spares(usable.len()),
-        (None, _) => 0,
-    };
-    let default_ppn = accelerators.value.count.max(1);
-    let candidates = usable.len() - min_spares;
-    let reason = if min_spares > 0 || !excluded.is_empty() {
-        format!(
-            "{} ({} usable, {} kept as spares)",
-            hosts.reason,
-            usable.len(),
-            min_spares
-        )
-    } else {
-        hosts.reason.clone()
-    };
-    let sizes = resolve_sizes(sizes, candidates, &reason, default_ppn)?;
-    let local = matches!(launcher, Launcher::Local)
-        || (launcher == Launcher::Mpirun && req.hostfile.is_none());
-    limits::ranks(sizes.np, local.then_some(local_cpus), req.oversubscribe)
-        .map_err(SetupError::Flag)?;
-    let active: Vec<Host> = usable.iter().take(sizes.nnodes).cloned().collect();
-    let spares: Vec<Host> = if req.node_scope() {
-        usable.iter().skip(sizes.nnodes).cloned().collect()
-    } else {
-        Vec::new()
-    };
-    let source_file = req.hostfile.clone().or(match &scheduler.value {
-        Scheduler::Pbs { nodefile, .. } => nodefile.clone(),
-        _ => None,
-    });
-    let cpu_bind = req
+            (Some(s), _) => s,
+            (None, true) if req.nnodes.is_none() => default_spares(usable.len()),
+            (None, _) => 0,
+        };
+        let reason = if min_spares > 0 || !excluded.is_empty() {
+            let n = usable.len();
+            format!("{} ({n} usable, {min_spares} kept as spares)", hosts.reason)
+        } else {
+            hosts.reason.clone()
+        };
+        Ok(Usable {
+            hosts: usable,
+            excluded,
+            min_spares,
+            reason,
+        })
+    }
+
+    /// How many hosts the active set may take.
+    fn candidates(&self) -> usize {
+        self.hosts.len() - self.min_spares
+    }
+
+    /// The first `nnodes` hosts, active, and the rest, spares under node scope.
+    fn split(&self, nnodes: usize, node_scope: bool) -> (Vec<Host>, Vec<Host>) {
+        let (active, rest) = self.hosts.split_at(nnodes.min(self.hosts.len()));
+        let spares = if node_scope {
+            rest.to_vec()
+        } else {
+            Vec::new()
+        };
+        (active.to_vec(), spares)
+    }
+}
+
+/// What every attempt's plan starts from; [`Setup::plan_for`] fills in the hosts.
+fn plan_template(
+    opts: &LaunchOptions,
+    launcher: Launcher,
+    sizes: Sizes,
+    gpus_per_node: usize,
+    local_cpus: usize,
+    as_root: bool,
+) -> PlanRequest {
+    let cpu_bind = opts
+        .request
         .cpu_bind
         .clone()
         .or_else(|| (launcher == Launcher::Mpiexec).then(|| "depth".to_string()));
-    let template = PlanRequest {
+    PlanRequest {
         launcher,
         sizes,
         hosts: Vec::new(),
@@ -275,48 +387,17 @@ pub fn prepare(
         cpu_bind,
         // Cores per rank: share this node's cores evenly, as ezpz does for PBS.
         depth: Some((local_cpus / sizes.ppn.max(1)).max(1)),
-        gpus_per_node: accelerators.value.count,
+        gpus_per_node,
         launcher_args: opts.launcher_args.clone(),
-        rank_shim: if launcher == Launcher::Local {
-            Vec::new()
-        } else {
-            opts.rank_shim.clone()
+        rank_shim: match launcher {
+            Launcher::Local => Vec::new(),
+            _ => opts.rank_shim.clone(),
         },
         command: opts.command.clone(),
         exports: Vec::new(),
         as_root,
         local_cpus,
-    };
-    let rank_devices = (0..sizes.ppn)
-        .map(|r| kiln_topology::device_for_local_rank(accelerators.value, vars, r))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut setup = Setup {
-        scheduler,
-        hosts,
-        accelerators,
-        sizes,
-        launcher,
-        active: active.clone(),
-        spares,
-        excluded,
-        used_hosts: Vec::new(),
-        hostfile_to_write: None,
-        procs: Vec::new(),
-        template,
-        source_file,
-        user_hostfile: req.hostfile.is_some(),
-        master_addr: req.master_addr.clone(),
-        master_port: req.master_port.unwrap_or(DEFAULT_MASTER_PORT),
-        progress_dir: opts.progress_dir.clone(),
-        run_dir: opts.run_dir.clone(),
-        python_unbuffered_set: opts.python_unbuffered_set,
-        rank_devices,
-    };
-    let first = setup.plan_for(&active)?;
-    setup.used_hosts = first.hosts;
-    setup.hostfile_to_write = first.hostfile_to_write;
-    setup.procs = first.procs;
-    Ok(setup)
+    }
 }
 
 impl Setup {
@@ -326,7 +407,6 @@ impl Setup {
         if hosts.is_empty() {
             return Err(PlanError("no host left to run on".into()));
         }
-        let launcher = self.launcher;
         let ppn = self.sizes.ppn;
         let nnodes = hosts.len();
         let np = if nnodes == self.sizes.nnodes {
@@ -340,64 +420,18 @@ impl Setup {
                 .iter()
                 .zip(&self.hosts.value)
                 .all(|(a, b)| a.name == b.name);
-        let mut hostfile_to_write = None;
-        let hostfile = match launcher {
-            Launcher::Mpiexec | Launcher::Mpirun
-                if launcher == Launcher::Mpiexec || self.user_hostfile =>
-            {
-                // The scheduler's own nodefile is in its launcher's syntax; a user's hostfile
-                // may be in any syntax kiln reads (`host:N`, `host slots=N`, repeated
-                // lines), so the launcher gets kiln's rewrite in its own syntax.
-                match (&self.source_file, all_hosts) {
-                    (Some(f), true) if !self.user_hostfile => Some(f.clone()),
-                    _ => {
-                        let path = self.run_dir.join(kiln_run::layout::HOSTFILE);
-                        let text: String = match launcher {
-                            Launcher::Mpirun => hosts
-                                .iter()
-                                .map(|h| format!("{} slots={ppn}\n", h.name))
-                                .collect(),
-                            _ => hosts.iter().map(|h| format!("{}\n", h.name)).collect(),
-                        };
-                        hostfile_to_write = Some((path.clone(), text));
-                        Some(path)
-                    }
-                }
-            }
-            _ => None,
-        };
+        let (hostfile, hostfile_to_write) = self.hostfile_for(hosts, all_hosts);
         let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
-        let master_addr = self.master_addr.clone().unwrap_or_else(|| match launcher {
-            Launcher::Local => "127.0.0.1".into(),
-            Launcher::Mpirun if !self.user_hostfile => "127.0.0.1".into(),
-            _ => names.first().cloned().unwrap_or_else(|| "127.0.0.1".into()),
-        });
-        let mut exports = vec![
-            ("MASTER_ADDR".to_string(), master_addr),
-            ("MASTER_PORT".to_string(), self.master_port.to_string()),
-            (
-                kiln_run::PROGRESS_DIR_ENV.to_string(),
-                self.progress_dir.display().to_string(),
-            ),
-        ];
-        // Python block-buffers stdout into a pipe: a rank whose output kiln watches must
-        // flush every line, or the silence watchdog sees nothing (ezpz does the same).
-        if !self.python_unbuffered_set {
-            exports.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
-        }
-        if self.accelerators.value.kind != AcceleratorKind::Cpu {
-            let acc = kiln_topology::accelerators_to_env(self.accelerators.value);
-            exports.push((kiln_run::host::ACCELERATORS_ENV.to_string(), acc));
-        }
-        let mut req = self.template.clone();
+        let p = &self.planning;
+        let mut req = p.template.clone();
         req.sizes = sizes;
         req.hosts = hosts.to_vec();
         req.hostfile = hostfile;
-        req.explicit_hosts = self.user_hostfile || !all_hosts;
-        req.exports = exports;
+        req.explicit_hosts = p.user_hostfile || !all_hosts;
+        req.exports = self.exports(&names);
         let mut procs = build_plan(&req)?;
         for proc in &mut procs {
-            let device = proc.rank.and_then(|r| self.rank_devices.get(r)?.clone());
+            let device = proc.rank.and_then(|r| p.rank_devices.get(r)?.clone());
             proc.env
                 .extend(device.map(|(var, value)| (var.to_string(), value)));
         }
@@ -408,14 +442,77 @@ impl Setup {
             hosts: names,
         })
     }
+
+    /// The hostfile mpiexec or mpirun reads for `hosts` (`all_hosts`: the whole allocation),
+    /// and the one kiln must write first, if any: (path, contents).
+    fn hostfile_for(
+        &self,
+        hosts: &[Host],
+        all_hosts: bool,
+    ) -> (Option<PathBuf>, Option<(PathBuf, String)>) {
+        let p = &self.planning;
+        let ppn = self.sizes.ppn;
+        match self.launcher {
+            Launcher::Mpiexec | Launcher::Mpirun
+                if self.launcher == Launcher::Mpiexec || p.user_hostfile =>
+            {
+                // The scheduler's own nodefile is in its launcher's syntax; a user's hostfile
+                // may be in any syntax kiln reads (`host:N`, `host slots=N`, repeated
+                // lines), so the launcher gets kiln's rewrite in its own syntax.
+                match (&p.source_file, all_hosts) {
+                    (Some(f), true) if !p.user_hostfile => (Some(f.clone()), None),
+                    _ => {
+                        let path = p.run_dir.join(kiln_run::layout::HOSTFILE);
+                        let text: String = match self.launcher {
+                            Launcher::Mpirun => hosts
+                                .iter()
+                                .map(|h| format!("{} slots={ppn}\n", h.name))
+                                .collect(),
+                            _ => hosts.iter().map(|h| format!("{}\n", h.name)).collect(),
+                        };
+                        (Some(path.clone()), Some((path, text)))
+                    }
+                }
+            }
+            _ => (None, None),
+        }
+    }
+
+    /// The variables every rank of an attempt on the hosts `names` sees.
+    fn exports(&self, names: &[String]) -> Vec<(String, String)> {
+        let p = &self.planning;
+        let master_addr = p
+            .master_addr
+            .clone()
+            .unwrap_or_else(|| match self.launcher {
+                Launcher::Local => "127.0.0.1".into(),
+                Launcher::Mpirun if !p.user_hostfile => "127.0.0.1".into(),
+                _ => names.first().cloned().unwrap_or_else(|| "127.0.0.1".into()),
+            });
+        let mut exports = vec![
+            ("MASTER_ADDR".to_string(), master_addr),
+            ("MASTER_PORT".to_string(), p.master_port.to_string()),
+            (
+                kiln_run::PROGRESS_DIR_ENV.to_string(),
+                p.progress_dir.display().to_string(),
+            ),
+        ];
+        // Python block-buffers stdout into a pipe: a rank whose output kiln watches must
+        // flush every line, or the silence watchdog sees nothing (ezpz does the same).
+        if !p.python_unbuffered_set {
+            exports.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
+        }
+        if self.accelerators.value.kind != AcceleratorKind::Cpu {
+            let acc = kiln_topology::accelerators_to_env(self.accelerators.value);
+            exports.push((kiln_run::host::ACCELERATORS_ENV.to_string(), acc));
+        }
+        exports
+    }
 }
 
-fn accelerators(
-    opts: &LaunchOptions,
-    vars: &dyn Fn(&str) -> Option<String>,
-    probe: Probe<'_>,
-) -> Result<Detected<Accelerators>, SetupError> {
-    let kind = match opts.request.accelerator.as_str() {
+/// The kind `--accelerator` names; `None` for `auto`.
+fn accelerator_kind(flag: &str) -> Result<Option<AcceleratorKind>, SetupError> {
+    Ok(match flag {
         "auto" => None,
         "nvidia" => Some(AcceleratorKind::Nvidia),
         "amd" => Some(AcceleratorKind::Amd),
@@ -426,9 +523,18 @@ fn accelerators(
                 "--accelerator {other:?}: expected auto, nvidia, amd, intel or cpu"
             )));
         }
-    };
+    })
+}
+
+/// Accelerators per node: detected, or as `--accelerator` and `--gpus-per-node` override.
+fn accelerators(
+    opts: &LaunchOptions,
+    vars: &dyn Fn(&str) -> Option<String>,
+    probe: Probe<'_>,
+) -> Result<Detected<Accelerators>, SetupError> {
+    let kind = accelerator_kind(&opts.request.topology.accelerator)?;
     // Only run the GPU tools when the flags leave something to detect.
-    let detected = match (kind, opts.request.gpus_per_node) {
+    let detected = match (kind, opts.request.topology.gpus_per_node) {
         (Some(k), Some(n)) => {
             return Ok(Detected {
                 value: Accelerators { kind: k, count: n },
@@ -451,7 +557,7 @@ fn accelerators(
         d.value.kind = k;
         d.reason = format!("--accelerator {}; count: {}", k.name(), d.reason);
     }
-    if let Some(n) = opts.request.gpus_per_node {
+    if let Some(n) = opts.request.topology.gpus_per_node {
         d.value.count = n;
         if n == 0 {
             d.value.kind = AcceleratorKind::Cpu;

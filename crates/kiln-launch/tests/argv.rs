@@ -170,9 +170,9 @@ fn slurm_with_a_hostfile_and_nnodes_names_the_nodes() {
     .unwrap();
     let vars = env(&[("SLURM_JOB_ID", "77"), ("SLURM_JOB_NODELIST", "g[1-3]")]);
     let mut o = opts(dir.path());
-    o.request.hostfile = Some(hostfile);
+    o.request.topology.hostfile = Some(hostfile);
     (o.request.np, o.request.ppn, o.request.nnodes) = (None, Some(2), Some(2));
-    o.request.gpus_per_node = Some(0);
+    o.request.topology.gpus_per_node = Some(0);
     let s = prepare(&o, &vars, &no_gpu_tools, 64, false).unwrap();
     let mut want = strs(&[
         "srun",
@@ -190,7 +190,7 @@ fn slurm_with_a_hostfile_and_nnodes_names_the_nodes() {
 fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
     let dir = tempfile::tempdir().unwrap();
     let mut o = opts(dir.path());
-    o.request.mpi = true;
+    o.request.topology.mpi = true;
     (o.request.np, o.request.ppn, o.request.nnodes) = (Some(4), None, None);
     o.launcher_args = strs(&["--mca", "btl", "self,tcp"]);
     let s = prepare(&o, &env(&[]), &no_gpu_tools, 2, true).unwrap();
@@ -248,8 +248,8 @@ fn actionable_errors() {
     let bad = dir.path().join("bad-hosts");
     std::fs::write(&bad, "n1\nn2 slots=two\n").unwrap();
     let mut o = opts(dir.path());
-    o.request.hostfile = Some(bad.clone());
-    o.request.mpi = true;
+    o.request.topology.hostfile = Some(bad.clone());
+    o.request.topology.mpi = true;
     let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
@@ -257,7 +257,7 @@ fn actionable_errors() {
 
     let empty = dir.path().join("empty-hosts");
     std::fs::write(&empty, "\n# none\n").unwrap();
-    o.request.hostfile = Some(empty);
+    o.request.topology.hostfile = Some(empty);
     let e = prepare(&o, &env(&[]), &no_gpu_tools, 2, false)
         .unwrap_err()
         .to_string();
@@ -338,7 +338,7 @@ fn absurd_sizes_and_ports_are_refused_before_anything_starts() {
     let cases: Vec<(Edit, &str)> = vec![
         (Box::new(|o| o.request.np = Some(1usize << 32)), "at most"),
         (
-            Box::new(|o| o.request.gpus_per_node = Some(1usize << 32)),
+            Box::new(|o| o.request.topology.gpus_per_node = Some(1usize << 32)),
             "--gpus-per-node",
         ),
         (Box::new(|o| o.request.ppn = Some(5000)), "--ppn 5000"),

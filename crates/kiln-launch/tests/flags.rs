@@ -2,7 +2,7 @@
 //! as a command line (`to_argv`, what `kiln submit` puts in a batch script) parses to the same
 //! request, whatever its values, and the list of kiln's flag names is derived from it.
 
-use kiln_launch::{LaunchRequest, kiln_flags};
+use kiln_launch::{LaunchRequest, TopologyFlags, kiln_flags};
 use proptest::prelude::*;
 use std::path::PathBuf;
 
@@ -52,12 +52,14 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             np: s.0,
             ppn: s.1,
             nnodes: s.2,
-            hostfile: s.3,
-            scheduler: s.4.into(),
-            mpi: s.5,
             oversubscribe: s.6,
-            accelerator: s.7.into(),
-            gpus_per_node: s.8,
+            topology: TopologyFlags {
+                hostfile: s.3,
+                scheduler: s.4.into(),
+                mpi: s.5,
+                accelerator: s.7.into(),
+                gpus_per_node: s.8,
+            },
             cpu_bind: s.9,
             master_addr: s.10,
             master_port: s.11,
@@ -102,6 +104,10 @@ fn paths_that_are_not_utf8_are_written_byte_for_byte() {
     let req = LaunchRequest {
         run_dir: Some(PathBuf::from(&odd)),
         quarantine_file: Some(PathBuf::from(&odd)),
+        topology: TopologyFlags {
+            hostfile: Some(PathBuf::from(&odd)),
+            ..TopologyFlags::default()
+        },
         ..LaunchRequest::default()
     };
     let argv = req.to_argv().expect("paths are written as bytes");
@@ -123,4 +129,28 @@ fn defaults_write_nothing_and_the_flag_list_is_derived() {
         assert!(flags.iter().any(|g| g == f), "{f} missing from {flags:?}");
     }
     assert!(flags.iter().all(|f| f.starts_with("--")), "{flags:?}");
+}
+
+#[test]
+fn the_shared_topology_flags_keep_their_heading_to_themselves() {
+    use clap::Args;
+    let cmd = LaunchRequest::augment_args(clap::Command::new("launch"));
+    let heading = |id: &str| {
+        cmd.get_arguments()
+            .find(|a| a.get_id() == id)
+            .map(|a| a.get_help_heading())
+    };
+    for id in [
+        "hostfile",
+        "scheduler",
+        "mpi",
+        "accelerator",
+        "gpus_per_node",
+    ] {
+        assert_eq!(heading(id), Some(Some("Topology")), "{id}");
+    }
+    // The flags after them keep theirs (none: clap's "Options").
+    for id in ["run_dir", "dry_run", "as_rank"] {
+        assert_eq!(heading(id), Some(None), "{id}");
+    }
 }

@@ -80,7 +80,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             eprintln!("kiln: error: {}", render_error(&err));
-            ExitCode::from(u8::try_from(exit_code_of(&err)).unwrap_or(1))
+            cmd::exit_code(exit_code_of(&err))
         }
     }
 }
@@ -102,6 +102,7 @@ fn exit_code_of(err: &anyhow::Error) -> i32 {
                 .or_else(|| coded::<kiln_launch::SubmitError>(cause))
                 .or_else(|| coded::<kiln_dist::yeet::YeetError>(cause))
                 .or_else(|| coded::<kiln_gates::GatesError>(cause))
+                .or_else(|| coded::<cmd::CliError>(cause))
         })
         .unwrap_or(kiln_run::exit::FAILURE)
 }

@@ -1,5 +1,6 @@
 //! `kiln data ...`: token data verbs. Thin: flags here, logic in `kiln-data`.
-use anyhow::{Context, bail};
+use super::{invalid, usage};
+use anyhow::Context;
 use kiln_data::blend::BlendSchedule;
 use kiln_data::corpus::CorpusList;
 use kiln_data::indexed::{IndexedDataset, idx_path};
@@ -210,17 +211,19 @@ fn with_threads(
     f: impl FnOnce() -> anyhow::Result<ExitCode> + Send,
 ) -> anyhow::Result<ExitCode> {
     if let Some(n) = threads {
-        kiln_run::host::check_threads(flag, n).map_err(anyhow::Error::msg)?;
+        kiln_run::host::check_threads(flag, n).map_err(usage)?;
     }
     kiln_data::with_threads(threads, f)?
 }
 
 fn train_tokenizer(a: TrainTokenizerArgs) -> anyhow::Result<ExitCode> {
     if a.special_tokens.is_empty() {
-        bail!("give at least one --special-token (the first is the end-of-document token)");
+        return Err(usage(
+            "give at least one --special-token (the first is the end-of-document token)",
+        ));
     }
     tokenize::check_vocab_size(a.vocab_size, a.special_tokens.len())
-        .map_err(|e| anyhow::anyhow!("--vocab-size {e}"))?;
+        .map_err(|e| usage(format!("--vocab-size {e}")))?;
     let t0 = std::time::Instant::now();
     let tok = tokenize::train_bpe(
         &a.input.source(),
@@ -283,15 +286,17 @@ fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
 
 fn parse_range(s: &str, what: &str) -> anyhow::Result<(u64, u64)> {
     let parse = |x: &str| {
-        x.trim()
-            .parse::<u64>()
-            .with_context(|| format!("{what} {s:?}: expected I or A..B with integers"))
+        x.trim().parse::<u64>().map_err(|e| {
+            usage(format!(
+                "{what} {s:?}: expected I or A..B with integers: {e}"
+            ))
+        })
     };
     match s.split_once("..") {
         Some((a, b)) => {
             let (a, b) = (parse(a)?, parse(b)?);
             if b < a {
-                bail!("{what} {s:?}: the end is before the start");
+                return Err(usage(format!("{what} {s:?}: the end is before the start")));
             }
             Ok((a, b))
         }
@@ -299,7 +304,7 @@ fn parse_range(s: &str, what: &str) -> anyhow::Result<(u64, u64)> {
             let a = parse(s)?;
             let b = a
                 .checked_add(1)
-                .with_context(|| format!("{what} {s:?}: index out of range"))?;
+                .ok_or_else(|| usage(format!("{what} {s:?}: index out of range")))?;
             Ok((a, b))
         }
     }
@@ -312,11 +317,11 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
         let (start, end) = parse_range(r, "--dump-doc")?;
         let docs = idx.documents() as u64;
         if end > docs {
-            bail!(
+            return Err(usage(format!(
                 "{}: --dump-doc {r}: the dataset has {docs} documents (0..{})",
                 a.prefix.display(),
                 docs.saturating_sub(1)
-            );
+            )));
         }
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
         for d in start..end {
@@ -325,10 +330,10 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
                 idx.document_index(d as usize + 1),
             );
             if s0 < 0 || s1 < s0 || s1 as usize > idx.sequences() {
-                bail!(
+                return Err(invalid(format!(
                     "{}: corrupt document index at {d}",
                     idx_path(&a.prefix).display()
-                );
+                )));
             }
             let mut tokens = Vec::new();
             for s in s0 as usize..s1 as usize {
@@ -406,16 +411,24 @@ fn open_loader(a: &LoaderArgs) -> anyhow::Result<BlendedLoader> {
         (Some(n), _, _) => n,
         (None, Some(s), Some(g)) => s
             .checked_mul(g)
-            .context("--steps x --global-batch overflows")?,
-        _ => bail!("give --samples N, or --steps S with --global-batch G"),
+            .ok_or_else(|| usage("--steps x --global-batch overflows"))?,
+        _ => {
+            return Err(usage(
+                "give --samples N, or --steps S with --global-batch G",
+            ));
+        }
     };
     if samples == 0 {
-        bail!("the sample count (--samples, or --steps x --global-batch) must be at least 1");
+        return Err(usage(
+            "the sample count (--samples, or --steps x --global-batch) must be at least 1",
+        ));
     }
     if let Some(at) = a.resume_at_sample
         && at > samples
     {
-        bail!("--resume-at-sample {at} is past the end of the blend ({samples} samples)");
+        return Err(usage(format!(
+            "--resume-at-sample {at} is past the end of the blend ({samples} samples)"
+        )));
     }
     let mut cfg = LoaderConfig::new(
         a.seq_len,
@@ -434,7 +447,7 @@ fn open_loader(a: &LoaderArgs) -> anyhow::Result<BlendedLoader> {
         )
         .with_context(|| format!("cannot read schedule {}", path.display()))?;
         let schedule: BlendSchedule = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a blend schedule", path.display()))?;
+            .map_err(|e| invalid(format!("{}: not a blend schedule: {e}", path.display())))?;
         cfg.resume = Some(Resume {
             schedule,
             at_sample: at,

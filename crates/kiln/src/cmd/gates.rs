@@ -211,13 +211,11 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
             }
         })?)
     };
+    // --steps is at least 1 (clap checks it), a baseline's step count too (smoke::load).
     let steps = a
         .steps
         .or_else(|| baseline.as_ref().map(|b| b.steps))
         .unwrap_or(10);
-    if steps == 0 {
-        anyhow::bail!("--steps must be at least 1");
-    }
     let config = smoke::smoke_config(&base, steps);
     // Refuse before spending minutes on a run that cannot be compared.
     if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config) {
@@ -392,7 +390,9 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
 /// `kiln eval`.
 pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     if a.samples == Some(0) {
-        anyhow::bail!("--samples 0: must be at least 1 (held-out sequences to score)");
+        return Err(super::usage(
+            "--samples 0: must be at least 1 (held-out sequences to score)",
+        ));
     }
     let tasks = match &a.tasks {
         Some(path) => kiln_gates::mc::load_tasks(path)?,

@@ -1,6 +1,8 @@
-//! Help text made from kiln-run's tables (the files of a run directory, the exit codes), so
-//! that `--help` says what the code does and the same as the README.
+//! Help text made from the tables in the libraries (kiln-run's files of a run directory and
+//! exit codes, kiln-launch's endings of a launch), so that `--help` says what the code does
+//! and the same as the README.
 
+use kiln_launch::{Classification, ENDINGS};
 use kiln_run::{exit, layout};
 
 /// Width of the text the listings are wrapped to.
@@ -9,9 +11,9 @@ const WIDTH: usize = 92;
 /// The files of a run directory ([`layout::entries`]), one per row: name, who writes it and
 /// what it holds.
 pub fn run_dir_listing() -> String {
-    let rows: Vec<(String, String)> = layout::entries()
+    let rows: Vec<[String; 2]> = layout::entries()
         .into_iter()
-        .map(|e| (e.name, format!("{}: {}", e.by, e.what)))
+        .map(|e| [e.name, format!("{}: {}", e.by, e.what)])
         .collect();
     listing(&rows)
 }
@@ -19,12 +21,36 @@ pub fn run_dir_listing() -> String {
 /// The exit codes `codes` with their names and meanings ([`exit::CODES`]); a code that is
 /// not in the table is left out.
 pub fn exit_listing(codes: &[i32]) -> String {
-    let rows: Vec<(String, String)> = codes
+    let rows: Vec<[String; 2]> = codes
         .iter()
         .filter_map(|&c| exit::code(c))
-        .map(|c| (c.code.to_string(), format!("{}: {}", c.name, c.meaning)))
+        .map(|c| [c.code.to_string(), format!("{}: {}", c.name, c.meaning)])
         .collect();
     listing(&rows)
+}
+
+/// What `kiln launch` exits with ([`kiln_launch::ENDINGS`]): code, class and meaning, one
+/// row per way it ends; then which classes are retried ([`Classification::retryable`]).
+pub fn launch_exit_listing() -> String {
+    let rows: Vec<[String; 3]> = ENDINGS
+        .iter()
+        .map(|e| [e.exit.to_string(), e.name(), e.meaning().to_string()])
+        .collect();
+    let (retried, never): (Vec<_>, Vec<_>) =
+        Classification::ALL.into_iter().partition(|c| c.retryable());
+    let names = |v: Vec<Classification>| v.iter().map(|c| c.name()).collect::<Vec<_>>().join(", ");
+    let retry = format!(
+        "Retried (with --retries/--auto-retry): {}. Never retried: {}. A launcher that keeps \
+         running after every rank left its exit record is classified by the ranks' exits, not \
+         as a hang.",
+        names(retried),
+        names(never)
+    );
+    let mut out = listing(&rows);
+    for line in wrap(&retry, WIDTH - 2) {
+        out.push_str(&format!("\n  {line}"));
+    }
+    out
 }
 
 /// Those of `codes` that `kiln launch` never retries, as `65, 73 and 78`.
@@ -41,15 +67,28 @@ pub fn never_retried(codes: &[i32]) -> String {
     }
 }
 
-/// Two columns, indented by two spaces; the second is wrapped to [`WIDTH`].
-fn listing(rows: &[(String, String)]) -> String {
-    let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0) + 2;
-    let width = WIDTH.saturating_sub(2 + first).max(20);
+/// `N` columns, indented by two spaces, each as wide as its longest cell and two more; the
+/// last is wrapped to [`WIDTH`].
+fn listing<const N: usize>(rows: &[[String; N]]) -> String {
+    let widths: Vec<usize> = (0..N.saturating_sub(1))
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0) + 2)
+        .collect();
+    let width = WIDTH
+        .saturating_sub(2 + widths.iter().sum::<usize>())
+        .max(20);
     let mut out = String::new();
-    for (name, text) in rows {
+    for row in rows {
+        let Some((text, cells)) = row.split_last() else {
+            continue;
+        };
         for (i, line) in wrap(text, width).iter().enumerate() {
-            let name = if i == 0 { name.as_str() } else { "" };
-            out.push_str(&format!("  {name:<first$}{line}\n"));
+            out.push_str("  ");
+            for (cell, w) in cells.iter().zip(&widths) {
+                let cell = if i == 0 { cell.as_str() } else { "" };
+                out.push_str(&format!("{cell:<w$}"));
+            }
+            out.push_str(line);
+            out.push('\n');
         }
     }
     out.truncate(out.trim_end().len());
@@ -89,7 +128,18 @@ mod tests {
             codes.starts_with("  0 ") && codes.contains("\n  78 "),
             "{codes}"
         );
-        for line in dir.lines().chain(codes.lines()) {
+        let launch = launch_exit_listing();
+        for e in ENDINGS {
+            let (code, name) = (format!("  {} ", e.exit), format!(" {} ", e.name()));
+            assert!(
+                launch
+                    .lines()
+                    .any(|l| l.starts_with(&code) && l.contains(&name)),
+                "{code}{name} in\n{launch}"
+            );
+        }
+        assert!(launch.contains("Never retried: success,"), "{launch}");
+        for line in dir.lines().chain(codes.lines()).chain(launch.lines()) {
             assert!(line.len() <= WIDTH, "{line:?}");
         }
         assert_eq!(never_retried(&[0, 65, 73, 78]), "65, 73 and 78");

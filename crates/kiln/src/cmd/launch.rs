@@ -2,13 +2,13 @@
 //! library, lines out. All logic lives in kiln-topology and kiln-launch.
 
 use kiln_launch::{
-    Diagnosis, LaunchEnd, LaunchOptions, LaunchRequest, find_in_path, local_cpus, prepare,
-    probe_tool,
+    Diagnosis, LaunchEnd, LaunchOptions, LaunchRequest, Setup, TopologyFlags, find_in_path,
+    local_cpus, prepare, probe_tool,
 };
 use kiln_topology::RankEnv;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// What `kiln launch --help` says after the flags, before its exit codes.
 const LAUNCH_ABOUT: &str = "\
 Usage:
   kiln launch [KILN FLAGS] [LAUNCHER FLAGS] -- PROGRAM [ARGS...]
@@ -43,38 +43,12 @@ Progress and watchdogs:
   longest duration seen, not timed the first time); --stall-timeout 0 turns it off. When one
   fires, kiln names the ranks that stopped advancing first (a rank whose beacon phase is
   allreduce, collective, barrier or wait is waiting on the others and is named only if every
-  rank is), sends SIGTERM to every process group, waits --grace seconds, then SIGKILL. Every
-  duration is a positive number of seconds, at most a year.
+  rank is), sends SIGTERM to every process group, waits --grace seconds (at most 1 s after a
+  rank was lost: killed by a signal or silent), then SIGKILL. Every duration is a positive
+  number of seconds, at most a year.";
 
-Exit codes and classifications (classification is written to RUN_DIR/events.jsonl):
-  0        success           every rank exited 0
-  N        failed            the program's own non-zero exit code (the first rank to fail)
-  N        deterministic     a rank exited 2, 65, 73 or 78 (usage, guard stop, run directory
-                             locked, invalid config or input): the same input fails the same
-                             way, so it is never retried and no spare is used
-  76       replica-mismatch  data-parallel replicas disagree; retried, and under node scope
-                             the host of the named rank is swapped
-  124      hung-silent       --timeout: no output for S seconds
-  124      hung-stalled      --stall-timeout (or its default, a multiple of the step time):
-                             progress did not advance
-  124      no-heartbeat      --heartbeat-timeout: a rank that beat fell silent (stopped,
-                             wedged); it was killed and the rank and host are named
-  128+N    killed-by-signal  a rank died of signal N kiln did not send (137: SIGKILL, e.g. OOM)
-  75       preempted         the program exited 75 (checkpointed, resumable) and no retry is left
-  75       walltime          --walltime ran out or kiln got SIGUSR1; ranks got SIGTERM/SIGUSR1
-  69       (spares exhausted) node scope had no healthy host left to replace a failed one and
-                             --min-nodes forbids shrinking; a new allocation resumes the run
-  127      not-found         the program or the launcher does not exist
-  126      not-found         the program exists but cannot be executed
-  130/143/129 interrupted    kiln got SIGINT/SIGTERM/SIGHUP, forwarded it and stopped retrying;
-                             if the ranks exited with a code after that, that code (75: resumable)
-  2        (usage)           bad flags, conflicting or absurd sizes, malformed hostfile or
-                             visible-device list; nothing started
-  Retried (with --retries/--auto-retry): failed, replica-mismatch, hung-silent, hung-stalled,
-  no-heartbeat, killed-by-signal, preempted. Never retried: success, deterministic, not-found, walltime,
-  interrupted. A launcher that keeps running after every rank left its exit record is
-  classified by the ranks' exits, not as a hang.
-
+/// What `kiln launch --help` says about recovery, after its exit codes.
+const LAUNCH_RECOVERY: &str = "\
 Node scope (--auto-retry, or --spares N):
   The allocation is split into active hosts and spares (--spares, default about 2 %, at least
   1 when there are two or more hosts; with --nnodes, every host beyond it is a spare); hosts in
@@ -113,12 +87,14 @@ Examples:
   kiln launch --dry-run --nnodes 2 --ppn 4 -- python train.py     # print the argv only
   kiln launch --np 8 --ppn 4 --cpu-bind none --no-vni -- ./a.out  # --no-vni goes to mpiexec";
 
-/// What `kiln launch --help` says after the flags; the run directory comes from kiln-run's
-/// table.
+/// What `kiln launch --help` says after the flags; the exit codes come from kiln-launch's
+/// table of endings, the run directory from kiln-run's table.
 fn launch_help() -> String {
     format!(
-        "{LAUNCH_ABOUT}\n\nRun directory (--run-dir; give the trainer the same directory so \
-         `kiln status` sees both):\n{}\n\n{LAUNCH_EXAMPLES}",
+        "{LAUNCH_ABOUT}\n\nExit codes and classifications (classification is written to \
+         RUN_DIR/events.jsonl):\n{}\n\n{LAUNCH_RECOVERY}\n\nRun directory (--run-dir; give \
+         the trainer the same directory so `kiln status` sees both):\n{}\n\n{LAUNCH_EXAMPLES}",
+        super::help::launch_exit_listing(),
         super::help::run_dir_listing()
     )
 }
@@ -154,25 +130,10 @@ Exit codes:
   1  something could not be detected (malformed hostfile or nodelist, bad rank variables);
      the report says what")]
 pub struct DoctorArgs {
-    /// Hostfile to check instead of the scheduler's host list.
-    #[arg(long, value_name = "FILE")]
-    pub hostfile: Option<PathBuf>,
-    /// Scheduler, overriding detection.
-    #[arg(long, value_name = "NAME", value_parser = ["auto", "pbs", "slurm", "none"], default_value = "auto")]
-    pub scheduler: String,
-    /// Accelerator kind, overriding detection.
-    #[arg(long, value_name = "KIND", value_parser = ["auto", "nvidia", "amd", "intel", "cpu"], default_value = "auto")]
-    pub accelerator: String,
-    /// Accelerators per node, overriding detection.
-    #[arg(long, value_name = "N")]
-    pub gpus_per_node: Option<usize>,
-    /// Report what `--mpi` would use when there is no scheduler.
-    #[arg(long)]
-    pub mpi: bool,
-}
-
-fn exit(code: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(code).unwrap_or(1))
+    /// The flags that override detection, as `kiln launch` takes them (defined once, in
+    /// kiln-launch).
+    #[command(flatten)]
+    pub topology: TopologyFlags,
 }
 
 fn env_var(k: &str) -> Option<String> {
@@ -203,31 +164,8 @@ fn print_attempt_end(i: u32, o: &kiln_launch::AttemptOutcome, d: &Diagnosis) {
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let LaunchArgs { flags, command } = args;
     let flags = LaunchRequest { command, ..*flags };
-    let command = &flags.command;
     if flags.as_rank {
-        let command = match kiln_launch::split_command(command) {
-            Ok((_, c)) => c,
-            Err(e) => {
-                eprintln!("kiln launch --as-rank: error: {e}");
-                return Ok(exit(kiln_run::exit::USAGE));
-            }
-        };
-        let beat =
-            kiln_launch::limits_seconds("--heartbeat-timeout", flags.heartbeat_timeout, false);
-        let beat = match beat {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("kiln launch --as-rank: error: {e}");
-                return Ok(exit(kiln_run::exit::USAGE));
-            }
-        };
-        return match kiln_launch::run_as_rank(&command, Some(beat)) {
-            Ok(end) => kiln_launch::exit_like(end),
-            Err(e) => {
-                eprintln!("kiln launch --as-rank: {e}");
-                Ok(exit(e.exit_code()))
-            }
-        };
+        return Ok(as_rank(&flags));
     }
     match kiln_launch::launch(&flags, &print_attempt_end) {
         Ok(LaunchEnd::DryRun(text)) => {
@@ -250,23 +188,44 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
                     run_dir.join(kiln_run::layout::EVENTS).display()
                 );
             }
-            Ok(exit(exit_code))
+            Ok(super::exit_code(exit_code))
         }
         Err(e) => Err(anyhow::Error::new(e).context("launch")),
     }
 }
 
-/// `kiln doctor`.
+/// `kiln launch --as-rank`: what each rank runs under a launcher. It reports its own errors
+/// (prefixed with `--as-rank`, as the launcher mixes every rank's output) and exits as the
+/// program did.
+fn as_rank(flags: &LaunchRequest) -> ExitCode {
+    let usage = |e: String| {
+        eprintln!("kiln launch --as-rank: error: {e}");
+        super::exit_code(kiln_run::exit::USAGE)
+    };
+    let command = match kiln_launch::split_command(&flags.command) {
+        Ok((_, c)) => c,
+        Err(e) => return usage(e),
+    };
+    let beat =
+        match kiln_launch::limits_seconds("--heartbeat-timeout", flags.heartbeat_timeout, false) {
+            Ok(b) => b,
+            Err(e) => return usage(e),
+        };
+    match kiln_launch::run_as_rank(&command, Some(beat)) {
+        Ok(end) => kiln_launch::exit_like(end),
+        Err(e) => {
+            eprintln!("kiln launch --as-rank: {e}");
+            super::exit_code(e.exit_code())
+        }
+    }
+}
+
+/// `kiln doctor`: what `kiln launch` would detect and use here, each with its reason.
 pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
-    let mut ok = true;
     let dir = std::env::temp_dir();
     let opts = LaunchOptions {
         request: LaunchRequest {
-            scheduler: args.scheduler,
-            hostfile: args.hostfile,
-            mpi: args.mpi,
-            accelerator: args.accelerator,
-            gpus_per_node: args.gpus_per_node,
+            topology: args.topology,
             ..LaunchRequest::default()
         },
         command: vec!["PROGRAM".into()],
@@ -274,72 +233,22 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         run_dir: dir,
         ..LaunchOptions::default()
     };
-    match prepare(
+    let setup = prepare(
         &opts,
         &env_var,
         &probe_tool,
         local_cpus(),
         kiln_launch::running_as_root(),
-    ) {
-        Ok(s) => {
-            println!(
-                "scheduler:     {}  ({})",
-                s.scheduler.value.name(),
-                s.scheduler.reason
-            );
-            let names: Vec<String> = s
-                .hosts
-                .value
-                .iter()
-                .map(|h| format!("{}[{}]", h.name, h.slots))
-                .collect();
-            println!(
-                "hosts:         {} host(s): {}  ({})",
-                names.len(),
-                names.join(" "),
-                s.hosts.reason
-            );
-            let a = s.accelerators.value;
-            println!(
-                "accelerators:  {} x {} per node  ({})",
-                a.count,
-                a.kind.name(),
-                s.accelerators.reason
-            );
-            println!("cpus here:     {}", local_cpus());
-            println!(
-                "kiln launch:   {} with np {}, ppn {}, nnodes {}",
-                s.launcher.name(),
-                s.sizes.np,
-                s.sizes.ppn,
-                s.sizes.nnodes
-            );
-            if let Some(p) = s.procs.first() {
-                println!("  argv:        {}", serde_json::to_string(&p.argv)?);
-            }
-        }
+    );
+    let mut ok = true;
+    match setup {
+        Ok(s) => print_setup(&s)?,
         Err(e) => {
             ok = false;
             println!("topology:      ERROR {e}");
         }
     }
-    match RankEnv::from_process_env() {
-        Ok(r) => println!(
-            "rank env:      rank {} of {}, local {} of {}, master {}:{}  (source: {})",
-            r.rank,
-            r.world_size,
-            r.local_rank,
-            r.local_world_size,
-            r.master_addr.as_deref().unwrap_or("(unset)"),
-            r.master_port
-                .map_or("(unset)".to_string(), |p| p.to_string()),
-            r.source
-        ),
-        Err(e) => {
-            ok = false;
-            println!("rank env:      ERROR {e}");
-        }
-    }
+    ok &= print_rank_env();
     for tool in [
         "mpiexec",
         "mpirun",
@@ -356,4 +265,68 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The scheduler, hosts, accelerators and launcher `kiln doctor` found, each with why.
+fn print_setup(s: &Setup) -> anyhow::Result<()> {
+    println!(
+        "scheduler:     {}  ({})",
+        s.scheduler.value.name(),
+        s.scheduler.reason
+    );
+    let names: Vec<String> = s
+        .hosts
+        .value
+        .iter()
+        .map(|h| format!("{}[{}]", h.name, h.slots))
+        .collect();
+    println!(
+        "hosts:         {} host(s): {}  ({})",
+        names.len(),
+        names.join(" "),
+        s.hosts.reason
+    );
+    let a = s.accelerators.value;
+    println!(
+        "accelerators:  {} x {} per node  ({})",
+        a.count,
+        a.kind.name(),
+        s.accelerators.reason
+    );
+    println!("cpus here:     {}", local_cpus());
+    println!(
+        "kiln launch:   {} with np {}, ppn {}, nnodes {}",
+        s.launcher.name(),
+        s.sizes.np,
+        s.sizes.ppn,
+        s.sizes.nnodes
+    );
+    if let Some(p) = s.procs.first() {
+        println!("  argv:        {}", serde_json::to_string(&p.argv)?);
+    }
+    Ok(())
+}
+
+/// This process's rank environment; false when its variables are malformed.
+fn print_rank_env() -> bool {
+    match RankEnv::from_process_env() {
+        Ok(r) => {
+            println!(
+                "rank env:      rank {} of {}, local {} of {}, master {}:{}  (source: {})",
+                r.rank,
+                r.world_size,
+                r.local_rank,
+                r.local_world_size,
+                r.master_addr.as_deref().unwrap_or("(unset)"),
+                r.master_port
+                    .map_or("(unset)".to_string(), |p| p.to_string()),
+                r.source
+            );
+            true
+        }
+        Err(e) => {
+            println!("rank env:      ERROR {e}");
+            false
+        }
+    }
 }

@@ -251,11 +251,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 "kiln: preempted by signal {signal} after step {}; checkpoint saved; run the same command to resume",
                 report.step
             );
-            Ok(exit_code(kiln_run::exit::PREEMPTED))
+            Ok(super::exit_code(kiln_run::exit::PREEMPTED))
         }
     }
-}
-
-fn exit_code(code: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }
