@@ -71,13 +71,7 @@ pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
     if tensors.is_empty() {
         return Vec::new();
     }
-    if on_host_threads(&tensors[0].device()) {
-        return to_vec(&Tensor::cat(tensors.to_vec(), 0));
-    }
-    // On CubeCL's CPU runtime the concatenation of a model's gradients read back wrong
-    // (two data-parallel ranks got a global norm 0.80x the one-rank norm, every gradient
-    // exact when read one by one): read each tensor back instead.
-    tensors.iter().flat_map(to_vec).collect()
+    to_vec(&Tensor::cat(tensors.to_vec(), 0))
 }
 
 /// Cuts `flat` back into tensors shaped like `like`, on `device`.
