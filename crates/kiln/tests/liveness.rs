@@ -11,22 +11,35 @@ mod common;
 use serde_json::Value;
 use std::path::Path;
 
-/// A rank that beats like kiln's trainer (a thread writing to `$KILN_HEARTBEAT_FD`), then
-/// blocks forever as a rank waiting in a collective would.
-const RANK: &str = "import os, threading, time
+/// A Python rank program that first beats like kiln's trainer (a thread writing to
+/// `$KILN_HEARTBEAT_FD` every 0.1 s), then runs `$rest`.
+macro_rules! beating_rank {
+    ($rest:literal) => {
+        concat!(
+            "import os, sys, threading, time
 fd = int(os.environ['KILN_HEARTBEAT_FD'])
 def beat():
     while True:
         os.write(fd, b'.')
         time.sleep(0.1)
 threading.Thread(target=beat, daemon=True).start()
-r = os.environ['RANK']
+",
+            $rest
+        )
+    };
+}
+
+/// A rank that beats like kiln's trainer (a thread writing to `$KILN_HEARTBEAT_FD`), then
+/// blocks forever as a rank waiting in a collective would.
+const RANK: &str = beating_rank!(
+    "r = os.environ['RANK']
 time.sleep(0.3)
 open('pid-' + r + '.tmp', 'w').write(str(os.getpid()))
 os.rename('pid-' + r + '.tmp', 'pid-' + r)
 print('ready-' + r, flush=True)
 time.sleep(600)
-";
+"
+);
 
 fn attempt_end(rd: &Path) -> serde_json::Map<String, Value> {
     let events = kiln_run::read_events(rd).unwrap();
@@ -127,14 +140,8 @@ fn a_killed_rank_ends_the_attempt_at_once_on_every_launch_path() {
 /// A rank that beats like kiln's trainer and writes a beacon per step: it sleeps each of the
 /// comma-separated seconds of argv[1] (one step each), then exits 0, or with argv[2] = `hang`
 /// keeps printing and beating without another step (a hang every rank still beats through).
-const STEPPER: &str = "import os, sys, threading, time
-fd = int(os.environ['KILN_HEARTBEAT_FD'])
-def beat():
-    while True:
-        os.write(fd, b'.')
-        time.sleep(0.1)
-threading.Thread(target=beat, daemon=True).start()
-d, r = os.environ['KILN_PROGRESS_DIR'], os.environ['RANK']
+const STEPPER: &str = beating_rank!(
+    "d, r = os.environ['KILN_PROGRESS_DIR'], os.environ['RANK']
 def beacon(step):
     tmp = os.path.join(d, '.tmp-' + r)
     open(tmp, 'w').write('%d train %.3f\\n' % (step, time.time()))
@@ -149,7 +156,8 @@ for w in sys.argv[1].split(','):
 while sys.argv[2] == 'hang':
     print('rank', r, 'alive', flush=True)
     time.sleep(0.2)
-";
+"
+);
 
 /// `kiln launch --np 2` of [`STEPPER`] with the stall watchdog on its default; the exit code
 /// and the attempt's end.

@@ -39,7 +39,7 @@ mod swiglu;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, Flex, backend_extension};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::{Bytes, DType, Int, Shape, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -174,10 +174,7 @@ pub fn set_enabled(on: bool) {
 fn fusable<const D: usize>(t: &Tensor<D>) -> bool {
     ENABLED.load(Ordering::Relaxed)
         && t.dtype() == DType::F32
-        && matches!(
-            t.device().as_dispatch().clone().inner(),
-            DispatchDevice::Flex(_)
-        )
+        && crate::tensor::on_host_threads(&t.device())
 }
 
 // ---------------------------------------------------------------------------------------
