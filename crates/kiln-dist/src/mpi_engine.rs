@@ -85,6 +85,19 @@ impl Collective for Mpi {
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::max());
         buf.copy_from_slice(&out);
     }
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        if recv.is_empty() {
+            return;
+        }
+        self.world
+            .reduce_scatter_block_into(send, recv, SystemOperation::sum());
+    }
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        if send.is_empty() {
+            return;
+        }
+        self.world.all_gather_into(send, recv);
+    }
     fn all_gather_u64(&self, value: u64) -> Vec<u64> {
         let mut out = vec![0u64; self.size()];
         self.world.all_gather_into(&value, &mut out[..]);

@@ -16,6 +16,39 @@ pub const CHECKPOINTS: &str = "checkpoints";
 pub const CHECKPOINT_MODEL: &str = "model.safetensors";
 /// The optimizer state file of a checkpoint.
 pub const CHECKPOINT_OPTIMIZER: &str = "optimizer.safetensors";
+/// In a sharded run (`parallelism.shard`), the optimizer state written by rank `rank` of
+/// `ranks` in place of [`CHECKPOINT_OPTIMIZER`]: `optimizer-00001-of-00004.safetensors`.
+pub fn checkpoint_optimizer_shard(rank: usize, ranks: usize) -> String {
+    format!("{CHECKPOINT_OPTIMIZER_SHARD}{rank:05}-of-{ranks:05}.safetensors")
+}
+
+/// The `(rank, ranks)` of an optimizer shard file name, if it is one (canonical names only).
+pub fn parse_optimizer_shard(name: &str) -> Option<(usize, usize)> {
+    let rest = name
+        .strip_prefix(CHECKPOINT_OPTIMIZER_SHARD)?
+        .strip_suffix(".safetensors")?;
+    let (rank, ranks) = rest.split_once("-of-")?;
+    let (rank, ranks): (usize, usize) = (rank.parse().ok()?, ranks.parse().ok()?);
+    (checkpoint_optimizer_shard(rank, ranks) == name && rank < ranks).then_some((rank, ranks))
+}
+
+/// File-name prefix of [`checkpoint_optimizer_shard`].
+const CHECKPOINT_OPTIMIZER_SHARD: &str = "optimizer-";
+
+/// Where the ranks of a sharded run write their optimizer shards for step `step` (under
+/// [`CHECKPOINTS`]) before rank 0 moves them into the checkpoint it publishes.
+pub fn checkpoint_shard_staging(step: impl Display) -> String {
+    format!("{SHARD_STAGING_PREFIX}{}", checkpoint_dir(step))
+}
+
+/// The step of a [`checkpoint_shard_staging`] directory name, if it is one.
+pub fn parse_shard_staging(name: &str) -> Option<u64> {
+    parse_checkpoint_dir(name.strip_prefix(SHARD_STAGING_PREFIX)?)
+}
+
+/// File-name prefix of [`checkpoint_shard_staging`].
+const SHARD_STAGING_PREFIX: &str = ".shards-";
+
 /// The training state file of a checkpoint (the trainer's `TrainState` as JSON).
 pub const CHECKPOINT_STATE: &str = "state.json";
 /// The manifest of a checkpoint (checksums and sizes of the other files); a checkpoint

@@ -22,6 +22,13 @@
 //! | eval | `4 N (24 d + 5 f + 3 H T + 3 V)` | forward only, one layer live at a time |
 //! | memory snapshots | `12 P (K + 1)` less what the store holds | a training rank's memory tier when it is on a memory file system (tmpfs, `/dev/shm`): `checkpoint.snapshot_keep` = K copies of weights and moments, one more while the next is written; snapshots already there are out of the available memory already |
 //!
+//! Sharded (`parallelism.shard`, on `R` ranks): each rank keeps the whole weights but only
+//! `1/R` of AdamW's moments, so the weights + moments part is `4 P + 8 P / R`, the rollback
+//! snapshot likewise, and a checkpoint copies `4 P` of weights three times (host copy,
+//! serialised, final) on rank 0 and `8 P / R` twice (its shard, serialised) on every rank.
+//! When a run does not fit, the error says whether `parallelism.shard = "gradients"` would
+//! make it fit on these ranks, or on how many ranks it would.
+//!
 //! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
 //! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
 //! program itself. When the snapshots are what does not fit, the error names
@@ -85,10 +92,11 @@ impl Estimate {
 /// `checkpoint.snapshot_keep + 1` copies of the weights and AdamW moments (`12 P` bytes each;
 /// the newest is written before the oldest is pruned), less the bytes the store holds now
 /// (already out of the available memory). 0 when snapshots are off or `store` is not on a
-/// memory file system (then they cost disk, not RAM).
+/// memory file system (then they cost disk, not RAM), and in a sharded run (no memory tier).
 pub fn snapshot_bytes(config: &Config, params: f64, store: &Path) -> f64 {
     let c = &config.checkpoint;
-    if c.snapshot_interval == 0 || !kiln_run::host::in_memory_fs(store) {
+    let sharded = config.parallelism.shard != crate::config::Shard::None; // no memory tier
+    if c.snapshot_interval == 0 || sharded || !kiln_run::host::in_memory_fs(store) {
         return 0.0;
     }
     let copies = (c.snapshot_keep.max(1) + 1) as f64;
@@ -130,8 +138,15 @@ pub fn param_count(model: &ModelConfig, vocab: usize) -> f64 {
     vocab as f64 * d + model.n_layers as f64 * per_layer + d + head
 }
 
-/// The memory estimate of `config` with a vocabulary of `vocab` (see the module docs).
+/// The memory estimate of `config` with a vocabulary of `vocab` (see the module docs), for
+/// one rank of this process's job (`WORLD_SIZE` ranks; one outside a job).
 pub fn estimate(config: &Config, vocab: usize) -> Estimate {
+    let ranks = kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size);
+    estimate_on(config, vocab, ranks)
+}
+
+/// [`estimate`] for one of `ranks` data-parallel ranks (what sharding leaves to each).
+pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     let m = &config.model;
     let t = &config.training;
     let g = &config.guards;
@@ -155,17 +170,51 @@ pub fn estimate(config: &Config, vocab: usize) -> Estimate {
     let activations = 4.0 * tokens * (layers * per_token_layer + 2.0 * scores + 3.5 * v + 2.0 * d);
     // The held-out eval runs micro-batches of batch_size rows, forward only.
     let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
+    // Weights + moments, and what a checkpoint copies, on one rank (see the module docs).
+    let (state, checkpoint) = match config.parallelism.shard {
+        crate::config::Shard::None => (12.0, 32.0),
+        _ => {
+            let moments = 8.0 / ranks.max(1) as f64;
+            (4.0 + moments, 12.0 + 2.0 * moments)
+        }
+    };
+    let snapshot = snapshot / 12.0 * state;
     Estimate {
         params: p,
-        resident: p * (12.0 + snapshot + frozen),
+        resident: p * (state + snapshot + frozen),
         // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
         step: 4.0 * p * (2.0 * shards + 1.0) + activations,
         activations,
-        checkpoint: 32.0 * p,
+        checkpoint: checkpoint * p,
         eval,
         snapshots: 0.0,
     }
 }
+
+/// What sharding would do for a run that does not fit in `limit` bytes: `None` when it is
+/// already sharded or would not fit on any reasonable number of ranks.
+fn sharding_advice(config: &Config, vocab: usize, ranks: usize, limit: f64) -> Option<String> {
+    if config.parallelism.shard != crate::config::Shard::None {
+        return None;
+    }
+    let mut sharded = config.clone();
+    sharded.parallelism.shard = crate::config::Shard::Gradients;
+    let need = |r: usize| estimate_on(&sharded, vocab, r).need();
+    if ranks > 1 && need(ranks) <= limit {
+        return Some(format!(
+            "; or set parallelism.shard = \"gradients\" (about {} a rank on these {ranks} ranks)",
+            human_bytes(need(ranks))
+        ));
+    }
+    let fits = (ranks.max(1) + 1..=MAX_ADVISED_RANKS).find(|&r| need(r) <= limit)?;
+    Some(format!(
+        "; or train it on {fits} ranks with parallelism.shard = \"gradients\" (about {} a rank)",
+        human_bytes(need(fits))
+    ))
+}
+
+/// The most ranks [`sharding_advice`] looks at.
+const MAX_ADVISED_RANKS: usize = 4096;
 
 /// The vocabulary known before the data is opened: `model.vocab_size`, or the synthetic
 /// corpus's; 0 when a corpus list will tell (the embedding is then checked once it has).
@@ -230,8 +279,10 @@ fn verdict(
     }
     let gib = |b: f64| human_bytes(b);
     let (key, value, default, saved) = culprit(config, vocab);
+    let ranks = kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size);
+    let shard = sharding_advice(config, vocab, ranks, limit.bytes as f64).unwrap_or_default();
     Err(ConfigError::TooBig(format!(
-        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less)",
+        "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less){shard}",
         gib(est.need()),
         gib(limit.bytes as f64),
         limit.source,

@@ -1,5 +1,11 @@
 //! Checkpoints: `RUN_DIR/checkpoints/step-<N>/` holds `model.safetensors`,
 //! `optimizer.safetensors`, `state.json` and `manifest.json` (SHA-256 and size of each file).
+//! A sharded run (`parallelism.shard`) has no `optimizer.safetensors`: each rank writes its
+//! own shard, `optimizer-<r>-of-<n>.safetensors`, in parallel (tensors named
+//! `<param>.<slot>@<first element>`, a contiguous piece of the flattened state), and rank 0
+//! moves them into the checkpoint it publishes, under one manifest. Loading assembles the
+//! whole state from the shards, so any rank count and any mode resumes it; a missing shard,
+//! or pieces that leave a gap, reject the checkpoint like a corrupt file.
 //!
 //! Publishing is crash-safe: everything is written into a temporary directory, each file and
 //! the directory are fsynced, and only then is it renamed to `step-<N>` (rename is atomic).
@@ -215,6 +221,40 @@ pub struct Checkpoint {
     pub optimizer: Vec<HostTensor>,
     /// `state.json`, kept as JSON so this module does not depend on the trainer's types.
     pub state: serde_json::Value,
+    /// A sharded run's optimizer shards, already written by their ranks ([`write_shard`]):
+    /// moved into the checkpoint in place of `optimizer` (empty otherwise).
+    pub shards: Vec<ShardFile>,
+}
+
+/// One rank's optimizer shard, written and fsynced in the step's staging directory, to be
+/// moved into the checkpoint rank 0 publishes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardFile {
+    /// Its file name in the checkpoint.
+    pub name: String,
+    /// Where it is now.
+    pub path: PathBuf,
+    /// Its checksum and size.
+    pub entry: ManifestEntry,
+}
+
+/// Writes rank `rank` of `ranks`'s optimizer state pieces (`<param>.<slot>@<start>`) for step
+/// `step` into the staging directory under `root`, fsynced.
+pub fn write_shard(
+    root: &Path,
+    step: u64,
+    (rank, ranks): (usize, usize),
+    tensors: &[HostTensor],
+) -> Result<ShardFile, CheckpointError> {
+    let dir = root.join(layout::checkpoint_shard_staging(step));
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let name = layout::checkpoint_optimizer_shard(rank, ranks);
+    let path = dir.join(&name);
+    remove_tree(&path)?;
+    let bytes = to_safetensors(tensors).map_err(|e| invalid(&path, e.to_string()))?;
+    let entry = write_synced(&path, &bytes)?;
+    fsync_dir(&dir)?;
+    Ok(ShardFile { name, path, entry })
 }
 
 /// Name of a checkpoint directory.
@@ -266,12 +306,18 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         write_synced(&tmp.join(MODEL_FILE), &model)?,
     );
     drop(model);
-    let opt = ser(&ckpt.optimizer, OPTIMIZER_FILE)?;
-    files.insert(
-        OPTIMIZER_FILE.to_string(),
-        write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
-    );
-    drop(opt);
+    if ckpt.shards.is_empty() {
+        let opt = ser(&ckpt.optimizer, OPTIMIZER_FILE)?;
+        files.insert(
+            OPTIMIZER_FILE.to_string(),
+            write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
+        );
+    }
+    for f in &ckpt.shards {
+        let to = tmp.join(&f.name);
+        std::fs::rename(&f.path, &to).map_err(io_err(&f.path))?;
+        files.insert(f.name.clone(), f.entry.clone());
+    }
     let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(&tmp, e.to_string()))?;
     files.insert(
         STATE_FILE.to_string(),
@@ -296,6 +342,9 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
     }
     fsync_dir(root)?;
+    if !ckpt.shards.is_empty() {
+        remove_tree(&root.join(layout::checkpoint_shard_staging(ckpt.step)))?;
+    }
     Ok(final_dir)
 }
 
@@ -387,22 +436,95 @@ fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let manifest: Manifest = serde_json::from_slice(&bytes)
         .map_err(|e| invalid(&path, format!("malformed manifest: {e}")))?;
     for name in manifest.files.keys() {
-        if !FILES.contains(&name.as_str()) {
+        if !FILES.contains(&name.as_str()) && layout::parse_optimizer_shard(name).is_none() {
             return Err(invalid(
                 &path,
                 format!(
-                    "manifest names {name:?}, which is not a file of a kiln checkpoint (only {}); refused",
+                    "manifest names {name:?}, which is not a file of a kiln checkpoint (only {} or optimizer-<r>-of-<n>.safetensors); refused",
                     FILES.join(", ")
                 ),
             ));
         }
     }
-    for required in FILES {
+    for required in [MODEL_FILE, STATE_FILE] {
         if !manifest.files.contains_key(required) {
             return Err(invalid(&path, format!("manifest does not list {required}")));
         }
     }
+    check_optimizer_files(&manifest, &path)?;
     Ok(manifest)
+}
+
+/// The manifest lists the optimizer state once: `optimizer.safetensors`, or every shard
+/// `optimizer-<r>-of-<n>` of one `n`.
+fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), CheckpointError> {
+    let shards: Vec<(usize, usize)> = manifest
+        .files
+        .keys()
+        .filter_map(|n| layout::parse_optimizer_shard(n))
+        .collect();
+    let whole = manifest.files.contains_key(OPTIMIZER_FILE);
+    let Some(&(_, n)) = shards.first() else {
+        return match whole {
+            true => Ok(()),
+            false => Err(invalid(path, format!("manifest does not list {OPTIMIZER_FILE}"))),
+        };
+    };
+    if whole {
+        return Err(invalid(
+            path,
+            format!("manifest lists both {OPTIMIZER_FILE} and optimizer shards"),
+        ));
+    }
+    let missing: Vec<usize> = (0..n)
+        .filter(|&r| !shards.contains(&(r, n)))
+        .collect();
+    if !missing.is_empty() || shards.len() != n {
+        return Err(invalid(
+            path,
+            format!("manifest lists {} of the {n} optimizer shards (missing ranks {missing:?}, or shards of another rank count)", shards.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// The optimizer state of a sharded checkpoint: every shard read and verified, and each
+/// tensor assembled from its pieces (`<name>@<start>`), which must tile it without a gap.
+fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, CheckpointError> {
+    let mut pieces: BTreeMap<String, Vec<(usize, Vec<f32>)>> = BTreeMap::new();
+    let names = manifest.files.keys().filter(|n| layout::parse_optimizer_shard(n).is_some());
+    for name in names {
+        let path = dir.join(name);
+        for t in from_safetensors(&read_verified(dir, manifest, name)?, &path)? {
+            let piece = t
+                .name
+                .rsplit_once('@')
+                .and_then(|(base, at)| Some((base.to_string(), at.parse::<usize>().ok()?)));
+            let Some((base, at)) = piece else {
+                return Err(invalid(
+                    &path,
+                    format!("tensor {} is not a shard piece (<name>@<first element>)", t.name),
+                ));
+            };
+            pieces.entry(base).or_default().push((at, t.values));
+        }
+    }
+    let mut out = Vec::with_capacity(pieces.len());
+    for (name, mut parts) in pieces {
+        parts.sort_by_key(|(at, _)| *at);
+        let mut values = Vec::new();
+        for (at, part) in parts {
+            if at != values.len() {
+                return Err(invalid(
+                    dir,
+                    format!("optimizer state {name} has a gap or overlap at element {} (its shards do not tile it)", values.len()),
+                ));
+            }
+            values.extend_from_slice(&part);
+        }
+        out.push(HostTensor::f32(name, vec![values.len()], values));
+    }
+    Ok(out)
 }
 
 /// Reads one file of `dir` listed in `manifest` and checks its size and SHA-256.
@@ -445,15 +567,19 @@ pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         &read_verified(dir, &manifest, MODEL_FILE)?,
         &dir.join(MODEL_FILE),
     )?;
-    let optimizer = from_safetensors(
-        &read_verified(dir, &manifest, OPTIMIZER_FILE)?,
-        &dir.join(OPTIMIZER_FILE),
-    )?;
+    let optimizer = match manifest.files.contains_key(OPTIMIZER_FILE) {
+        true => from_safetensors(
+            &read_verified(dir, &manifest, OPTIMIZER_FILE)?,
+            &dir.join(OPTIMIZER_FILE),
+        )?,
+        false => load_shards(dir, &manifest)?,
+    };
     Ok(Checkpoint {
         step,
         model,
         optimizer,
         state,
+        shards: Vec::new(),
     })
 }
 
@@ -650,11 +776,28 @@ impl CheckpointManager {
         }
         self.ours.truncate(self.keep);
         self.remove_own_leftovers()?;
+        self.remove_stale_shard_staging(step)?;
         Ok(SaveReport {
             path,
             pruned,
             superseded,
         })
+    }
+
+    /// Deletes the optimizer-shard staging directories of steps before `step` (left by a
+    /// sharded run that died between its ranks' writes and rank 0's publish).
+    fn remove_stale_shard_staging(&self, step: u64) -> Result<(), CheckpointError> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Ok(());
+        };
+        for e in entries.filter_map(Result::ok) {
+            let stale = layout::parse_shard_staging(&e.file_name().to_string_lossy())
+                .is_some_and(|s| s < step);
+            if stale {
+                remove_tree(&e.path())?;
+            }
+        }
+        Ok(())
     }
 
     /// Deletes this process's temporary directories of earlier failed saves (another
@@ -725,6 +868,7 @@ mod tests {
                 vec![0.5, 0.25],
             )],
             state: serde_json::json!({"step": step, "run_id": run_id}),
+            shards: Vec::new(),
         }
     }
 

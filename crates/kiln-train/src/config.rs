@@ -539,19 +539,53 @@ pub struct DebugConfig {
     pub corrupt_replica_rank: usize,
 }
 
-/// Data parallelism: every rank holds the whole model and trains on its slice of the global
-/// batch; gradients are averaged over the ranks (MPI all-reduce) before clipping.
+/// Data parallelism: every rank trains on its slice of the global batch; gradients are
+/// averaged over the ranks (MPI all-reduce, or reduce-scatter when sharded) before clipping.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelismConfig {
     /// Gradients are all-reduced in buckets of this many MiB (PyTorch DDP uses 25); the
     /// bucket size is part of what makes the reduction repeatable, so keep it fixed in a run.
     pub bucket_mb: usize,
+    /// What the ranks shard instead of replicating (see [`Shard`]).
+    pub shard: Shard,
 }
 
 impl Default for ParallelismConfig {
     fn default() -> Self {
-        Self { bucket_mb: 25 }
+        Self {
+            bucket_mb: 25,
+            shard: Shard::None,
+        }
+    }
+}
+
+/// What data-parallel ranks shard (`parallelism.shard`), named by what is sharded rather than
+/// by ZeRO stage number. The parameters, flattened in model order, are cut into one
+/// contiguous range per rank (the last one shorter when the count does not divide: any
+/// number of ranks can split them); each rank keeps the optimizer state of its range only,
+/// updates that range and all-gathers the updated parameters from the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Shard {
+    /// Everything replicated (plain data parallelism, the all-reduce).
+    #[default]
+    None,
+    /// Optimizer state sharded (ZeRO-1): gradients still all-reduced whole.
+    Optimizer,
+    /// Optimizer state and reduced gradients sharded (ZeRO-2): a reduce-scatter leaves each
+    /// rank only its range of the averaged gradients, half the all-reduce's traffic.
+    Gradients,
+}
+
+impl Shard {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Optimizer => "optimizer",
+            Self::Gradients => "gradients",
+        }
     }
 }
 
@@ -767,6 +801,20 @@ impl Config {
                     "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
                     o.lr * o.weight_decay
                 ));
+            }
+            if self.parallelism.shard != Shard::None {
+                let shard = self.parallelism.shard.name();
+                if o.kind != OptimizerKind::Adamw {
+                    d.rule(format!(
+                        "parallelism.shard = {shard:?} shards AdamW's state only; use optimizer.kind = \"adamw\" or parallelism.shard = \"none\" ({} keeps whole-matrix state)",
+                        o.kind.name()
+                    ));
+                }
+                if t.master_dtype != Precision::F32 {
+                    d.rule(format!(
+                        "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
+                    ));
+                }
             }
             let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
                 .max(u128::from(t.global_batch_size));

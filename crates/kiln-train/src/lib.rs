@@ -14,7 +14,8 @@
 //!   [`session`] (a model and its parameters), [`data`] (token sources), [`state`] (the
 //!   exact-resume state), [`metrics`] (what a run reports, and the [`Observer`]);
 //! - the step: [`step`] (the one training step every driver calls, and the batch layout
-//!   over ranks), [`faults`] (the debug fault hooks, behind one seam the step calls);
+//!   over ranks), [`shard`] (sharded data parallelism: a rank's range of the state and its
+//!   collectives), [`faults`] (the debug fault hooks, behind one seam the step calls);
 //! - the components, each deciding its own cadence and restoring its own state: [`journal`]
 //!   (events, metrics and the observer), [`saver`] (checkpoints: when, and synchronous or
 //!   background writing), [`snapshot`] (the memory tier: node-local snapshots every few
@@ -41,6 +42,7 @@ pub mod replicas;
 pub mod run_dir;
 pub mod saver;
 pub mod session;
+pub mod shard;
 pub mod snapshot;
 pub mod startup;
 pub mod state;

@@ -42,6 +42,8 @@ pub struct Staged {
     pub optimizer: Vec<DeviceTensor>,
     /// `state.json`.
     pub state: serde_json::Value,
+    /// A sharded run's optimizer shards, already on disk (see [`Checkpoint::shards`]).
+    pub shards: Vec<crate::checkpoint::ShardFile>,
 }
 
 impl Staged {
@@ -52,6 +54,7 @@ impl Staged {
             model: self.model.iter().map(DeviceTensor::to_host).collect(),
             optimizer: self.optimizer.iter().map(DeviceTensor::to_host).collect(),
             state: self.state.clone(),
+            shards: self.shards.clone(),
         }
     }
 }
@@ -439,6 +442,7 @@ mod tests {
             model: vec![t("w", [1.0, 2.0, step as f32])],
             optimizer: vec![t("w.exp_avg", [0.0; 3])],
             state: serde_json::json!({"step": step, "run_id": "r"}),
+            shards: Vec::new(),
         }
     }
 

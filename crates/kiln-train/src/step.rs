@@ -12,6 +12,7 @@ use crate::faults::Faults;
 use crate::model::Llama;
 use crate::optim::{self, Optimizer};
 use crate::session::Session;
+use crate::shard::ShardPlan;
 use crate::tensor::{flatten, int_tensor, unflatten};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
@@ -117,9 +118,10 @@ pub struct Gradients {
     pub at: At,
     /// Mean loss over the global batch.
     pub loss: f32,
-    /// Gradients (f32 whatever the parameters' dtype).
+    /// Gradients (f32 whatever the parameters' dtype); in a sharded run this rank's range
+    /// of each (see [`ShardPlan::pieces`]).
     pub grads: Vec<Tensor<1>>,
-    /// Their global norm, before clipping.
+    /// Their global norm (over all ranks' ranges in a sharded run), before clipping.
     pub norm: f32,
     /// Seconds spent averaging over the ranks (0 with one rank).
     pub allreduce_s: f64,
@@ -145,6 +147,8 @@ pub struct Step<'c> {
     frozen: Vec<bool>,
     faults: Faults,
     allreduce: BucketedAllReduce,
+    /// What this rank keeps of a sharded run (`parallelism.shard`).
+    shard: Option<ShardPlan>,
     comm: &'c dyn Collective,
 }
 
@@ -152,7 +156,9 @@ impl Step<'static> {
     /// The step of `cfg` on one rank, outside a data-parallel job (lr-find, profiling).
     pub fn single(cfg: &Config, session: &Session) -> Result<Self, TrainError> {
         let layout = BatchLayout::new(&cfg.training, 0, 1).map_err(TrainError::Parallel)?;
-        Ok(Self::new(cfg, session, layout, &kiln_dist::Solo))
+        let mut step = Self::new(cfg, session, layout, &kiln_dist::Solo);
+        step.shard = None; // one rank keeps everything, whatever the config shards
+        Ok(step)
     }
 }
 
@@ -173,8 +179,14 @@ impl<'c> Step<'c> {
             frozen: faults.frozen(session.model.specs()),
             faults,
             allreduce: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
+            shard: ShardPlan::new(cfg, session.model.specs(), comm.rank(), comm.size()),
             comm,
         }
+    }
+
+    /// What this rank keeps of a sharded run, if it is one.
+    pub fn shard(&self) -> Option<&ShardPlan> {
+        self.shard.as_ref()
     }
 
     /// How the global batch is cut over the ranks.
@@ -214,6 +226,13 @@ impl<'c> Step<'c> {
         lr: f64,
     ) -> Result<(), TrainError> {
         let clip = optim::clip_coefficient(g.norm, self.max_grad_norm);
+        if let Some(plan) = &self.shard {
+            // This rank's range of each parameter, updated, then everyone's gathered.
+            let mut pieces = plan.pieces(&session.params);
+            optimizer.update_clipped(&mut pieces, g.grads, clip, lr, &self.frozen);
+            plan.gather(self.comm, &pieces, &mut session.params, &session.device);
+            return Ok(());
+        }
         optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
         if optimizer.hessian_due() {
             // Seeded by (seed, optimizer step, rank): a resumed run draws the same labels.
@@ -267,8 +286,19 @@ impl<'c> Step<'c> {
                 Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
             });
         }
-        let (loss, grads, allreduce_s) = self.average(session, loss, grads.unwrap_or_default());
-        let norm = optim::global_norm(&grads);
+        let grads = grads.unwrap_or_default();
+        let (loss, grads, norm, allreduce_s) = match &self.shard {
+            Some(plan) => {
+                let t0 = Instant::now();
+                let (loss, pieces, norm) = plan.average(self.comm, loss, &grads, &session.device);
+                (loss, pieces, norm, t0.elapsed().as_secs_f64())
+            }
+            None => {
+                let (loss, grads, allreduce_s) = self.average(session, loss, grads);
+                let norm = optim::global_norm(&grads);
+                (loss, grads, norm, allreduce_s)
+            }
+        };
         Ok(Gradients {
             at,
             loss,

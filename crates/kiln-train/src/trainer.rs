@@ -31,6 +31,8 @@ use crate::replicas::ReplicaCheck;
 use crate::run_dir::RunDir;
 use crate::saver::{Checkpointer, Saver, Staged};
 use crate::session::{Session, sha256_hex};
+use crate::checkpoint::ShardFile;
+use crate::shard::ShardPlan;
 use crate::snapshot::{Recovered, Snapshotter, broadcast_vec};
 use crate::startup::{Startup, phase};
 use crate::state::{TrainState, new_run_id};
@@ -261,12 +263,12 @@ impl<'a> Trainer<'a> {
             }
         };
         let tokens = layout.global_batch() * layout.seq as u64;
-        let optimizer = Optimizer::new(
-            &cfg.optimizer,
-            session.model.specs(),
-            &session.device,
-            tokens,
-        );
+        let step = Step::new(&cfg, &session, layout, comm);
+        let specs = session.model.specs();
+        let optimizer = match step.shard() {
+            Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, &session.device, plan.ranges()),
+            None => Optimizer::new(&cfg.optimizer, specs, &session.device, tokens),
+        };
         let facts = RunFacts::new(&cfg, &session);
         let state = TrainState::fresh(
             cfg.training.seed,
@@ -275,10 +277,10 @@ impl<'a> Trainer<'a> {
             layout.world as u64,
         );
         let mut t = Self {
-            step: Step::new(&cfg, &session, layout, comm),
+            snapshots: Snapshotter::new(&memory_tier(&cfg), &opts.run_dir, comm.rank()),
+            step,
             guards: GuardRail::new(&cfg.guards),
             checkpoints: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
-            snapshots: Snapshotter::new(&cfg.checkpoint, &opts.run_dir, comm.rank()),
             startup,
             eval: Evaluator::new(&cfg, cfg.training.steps, data.synthetic.as_ref()),
             replicas: ReplicaCheck::new(cfg.guards.replica_check_interval),
@@ -460,11 +462,12 @@ impl<'a> Trainer<'a> {
         let specs = self.session.model.specs();
         let tokens = layout.global_batch() * layout.seq as u64;
         let saved = (ck.optimizer.as_slice(), st.optimizer_step);
+        let shard = self.step.shard().map(ShardPlan::ranges);
         self.optimizer = Optimizer::restore(
             &self.cfg.optimizer,
             specs,
             &self.session.device,
-            tokens,
+            (tokens, shard),
             saved,
         )
         .map_err(mismatch)?;
@@ -726,11 +729,27 @@ impl<'a> Trainer<'a> {
         self.check_replicas()?;
         self.beacon(event::beacon_phase::CHECKPOINT);
         self.complete_state();
+        let shards = self.write_shard()?;
         let before_s = t0.elapsed().as_secs_f64();
         let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
-        let staged = || stage(session, optimizer, state);
+        let staged = || Staged {
+            shards,
+            ..stage(session, optimizer, state)
+        };
         self.checkpoints
             .save(state.step, before_s, staged, &mut self.journal)
+    }
+
+    /// In a sharded run, every rank writes its optimizer shard now (in parallel, on this
+    /// thread: the ranks then exchange what they wrote); rank 0 publishes them with its
+    /// checkpoint. Empty otherwise.
+    fn write_shard(&self) -> Result<Vec<ShardFile>, TrainError> {
+        let Some(plan) = self.step.shard() else {
+            return Ok(Vec::new());
+        };
+        let root = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+        let state = self.optimizer.named_state(self.session.model.specs());
+        plan.write_shard(self.comm, &root, self.state.step, &state)
     }
 
     /// Snapshots the current state into this rank's memory tier (every rank, its own).
@@ -802,14 +821,30 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// A checkpoint of `state` staged from the live tensors (references, no copy).
+/// A checkpoint of `state` staged from the live tensors (references, no copy). In a sharded
+/// run the optimizer state is in the shards the ranks wrote, not here.
 fn stage(session: &Session, optimizer: &Optimizer, state: &TrainState) -> Staged {
+    let optimizer = match optimizer.shard_ranges() {
+        Some(_) => Vec::new(),
+        None => optimizer.named_state(session.model.specs()),
+    };
     Staged {
         step: state.step,
         model: session.named_params(),
-        optimizer: optimizer.named_state(session.model.specs()),
+        optimizer,
         state: serde_json::to_value(state).unwrap_or_default(),
+        shards: Vec::new(),
     }
+}
+
+/// The memory tier's settings: off in a sharded run, whose ranks each hold a different
+/// piece of the state (a snapshot of one rank could not be healed from a peer).
+fn memory_tier(cfg: &Config) -> crate::config::CheckpointConfig {
+    let mut c = cfg.checkpoint.clone();
+    if cfg.parallelism.shard != crate::config::Shard::None {
+        c.snapshot_interval = 0;
+    }
+    c
 }
 
 /// The batch layout, the data and the model of a run (sizes that cannot fit, this rank's

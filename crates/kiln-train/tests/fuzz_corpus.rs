@@ -64,6 +64,7 @@ fn checkpoint_seeds_and_regressions() {
         model: tensors("", 3),
         optimizer: tensors("opt.", 2),
         state: state(7),
+        shards: Vec::new(),
     };
     let saved = checkpoint::save(dir.path(), &ck).unwrap();
     let read = |name: &str| std::fs::read(saved.join(name)).unwrap();

@@ -170,10 +170,18 @@ fn two_ranks_train_one_model_with_global_metrics_and_one_writer() {
 #[cfg(feature = "mpi")]
 #[test]
 fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
+    kill_one_rank_then_resume(&[]);
+}
+
+/// A 2-rank run of `sets`, rank 1 SIGKILLed after step 8's checkpoint, then the same command:
+/// it resumes once and ends with the weights of an uninterrupted run.
+#[cfg(feature = "mpi")]
+fn kill_one_rank_then_resume(sets: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = reference(tmp.path(), 2);
+    let reference = tmp.path().join("reference");
+    assert_ok(&run(2, &reference, sets));
     let rd = tmp.path().join("killed");
-    let mut job = launch(2, &rd, &[])
+    let mut job = launch(2, &rd, sets)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -197,7 +205,7 @@ fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
         !rd.join("model.safetensors").exists(),
         "the job did not finish"
     );
-    let out = run(2, &rd, &[]);
+    let out = run(2, &rd, sets);
     assert_ok(&out);
     let resumed = events(&rd, "train")
         .into_iter()
@@ -255,13 +263,43 @@ fn sigterm_to_one_rank_makes_all_ranks_checkpoint_at_one_step_and_exit_75() {
 #[test]
 fn a_checkpoint_of_three_ranks_resumes_on_two_with_the_same_samples() {
     let tmp = tempfile::tempdir().unwrap();
-    // Global batch 12 = 3 ranks x batch 2 x accumulation 2.
-    let sets = ["training.global_batch_size=12", "training.steps=12"];
-    let full = tmp.path().join("three");
-    assert_ok(&run(3, &full, &sets));
+    let out = resume_resized(tmp.path(), (3, &[]), (2, &[]));
+    let resized = events(&tmp.path().join("resized"), "train")
+        .into_iter()
+        .find(|e| e["event"] == "resized")
+        .unwrap_or_else(|| panic!("no resized event: {}", text(&out)));
+    assert_eq!(resized["from_ranks"], 3);
+    assert_eq!(resized["to_ranks"], 2);
+    assert_eq!(resized["global_batch"], 12);
+    assert_eq!(resized["grad_accum_steps"], 3);
+    // A global batch that cannot be split is refused clearly.
+    let out = run(
+        2,
+        &tmp.path().join("bad"),
+        &["training.global_batch_size=6", "training.steps=2"],
+    );
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("cannot be split"), "{}", text(&out));
+}
+
+/// A 12-step run on `from` = (ranks, sets), and the same run with its last checkpoint lost
+/// resumed from step 8 on `to` (in `tmp/resized`): every step trains on the same global
+/// samples, and the losses differ only by the order of the reduction (2e-3 relative: the
+/// sums of another rank count round differently, and that grows over the steps).
+#[cfg(feature = "mpi")]
+fn resume_resized(tmp: &Path, from: (usize, &[&str]), to: (usize, &[&str])) -> Output {
+    // Global batch 12 = 3 ranks x batch 2 x accumulation 2 (or 2 x 3, 1 x 6).
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut sets = vec!["training.global_batch_size=12", "training.steps=12"];
+        sets.extend_from_slice(extra);
+        sets
+    }
+    let (from_sets, to_sets) = (with(from.1), with(to.1));
+    let full = tmp.join("full");
+    assert_ok(&run(from.0, &full, &from_sets));
     // The same run, its last checkpoint lost: it resumes from step 8...
-    let rd = tmp.path().join("resized");
-    assert_ok(&run(3, &rd, &sets));
+    let rd = tmp.join("resized");
+    assert_ok(&run(from.0, &rd, &from_sets));
     std::fs::remove_dir_all(rd.join("checkpoints/step-12")).unwrap();
     std::fs::remove_file(rd.join("model.safetensors")).unwrap();
     let mut kept: Vec<String> = std::fs::read_to_string(rd.join("metrics.jsonl"))
@@ -271,19 +309,9 @@ fn a_checkpoint_of_three_ranks_resumes_on_two_with_the_same_samples() {
         .collect();
     kept.truncate(8);
     std::fs::write(rd.join("metrics.jsonl"), kept.join("\n") + "\n").unwrap();
-    // ... on 2 ranks (a node lost, no spare): accumulation 3 keeps the global batch.
-    let out = run(2, &rd, &sets);
+    // ... on the other ranks and mode.
+    let out = run(to.0, &rd, &to_sets);
     assert_ok(&out);
-    let resized = events(&rd, "train")
-        .into_iter()
-        .find(|e| e["event"] == "resized")
-        .unwrap_or_else(|| panic!("no resized event: {}", text(&out)));
-    assert_eq!(resized["from_ranks"], 3);
-    assert_eq!(resized["to_ranks"], 2);
-    assert_eq!(resized["global_batch"], 12);
-    assert_eq!(resized["grad_accum_steps"], 3);
-    // Every step trains on the same global samples as the uninterrupted run; the losses
-    // then differ only by the order of the reduction.
     let (a, b) = (step_lines(&full), step_lines(&rd));
     assert_eq!(a.len(), 12);
     assert_eq!(b.len(), 12);
@@ -297,14 +325,116 @@ fn a_checkpoint_of_three_ranks_resumes_on_two_with_the_same_samples() {
             x["step"]
         );
     }
-    // A global batch that cannot be split is refused clearly.
-    let out = run(
-        2,
-        &tmp.path().join("bad"),
-        &["training.global_batch_size=6", "training.steps=2"],
-    );
-    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
-    assert!(text(&out).contains("cannot be split"), "{}", text(&out));
+    out
+}
+
+const SHARD_OPTIMIZER: &str = "parallelism.shard=optimizer";
+const SHARD_GRADIENTS: &str = "parallelism.shard=gradients";
+
+/// Optimizer sharding makes the replicated run's calls and computes every element as it
+/// does: the same weights bit for bit. Gradient sharding reduce-scatters instead (another
+/// MPI reduction order) and sums the norm per range: equal losses to 1e-4 relative (float
+/// rounding of the sums), and its ranks still agree bit for bit (the replica check every 4
+/// steps would stop the run).
+#[cfg(feature = "mpi")]
+#[test]
+fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    for np in [2, 3] {
+        let replicated = reference(tmp.path(), np);
+        let rd = tmp.path().join(format!("optimizer-{np}"));
+        assert_ok(&run(np, &rd, &[SHARD_OPTIMIZER]));
+        assert_eq!(weights(&replicated), weights(&rd), "{np} ranks");
+        let rd = tmp.path().join(format!("gradients-{np}"));
+        assert_ok(&run(np, &rd, &[SHARD_GRADIENTS]));
+        let (a, b) = (step_lines(&replicated), step_lines(&rd));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+            assert!((lx - ly).abs() < 1e-4 * lx.abs(), "{np} ranks, step {}: {lx} vs {ly}", x["step"]);
+        }
+        // One optimizer shard per rank, written by that rank, under one manifest.
+        let ckpt = rd.join("checkpoints/step-24");
+        assert!(!ckpt.join("optimizer.safetensors").exists());
+        for r in 0..np {
+            let name = format!("optimizer-{r:05}-of-{np:05}.safetensors");
+            assert!(ckpt.join(&name).exists(), "{name}");
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_sharded_run_sigkilled_resumes_bit_identical() {
+    kill_one_rank_then_resume(&[SHARD_GRADIENTS]);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_sharded_checkpoint_resumes_replicated_on_fewer_ranks_and_back() {
+    for (from, to) in [
+        ((3, SHARD_GRADIENTS), (2, "parallelism.shard=none")),
+        ((3, SHARD_GRADIENTS), (1, "parallelism.shard=none")),
+        ((1, "parallelism.shard=none"), (3, SHARD_GRADIENTS)),
+        ((2, SHARD_OPTIMIZER), (3, SHARD_GRADIENTS)),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        resume_resized(tmp.path(), (from.0, &[from.1]), (to.0, &[to.1]));
+    }
+}
+
+/// A missing shard rejects the whole checkpoint: the run falls back to the one before.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_missing_optimizer_shard_falls_back_to_the_previous_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = tmp.path().join("lost-shard");
+    assert_ok(&run(2, &rd, &[SHARD_GRADIENTS, "training.steps=8"]));
+    std::fs::remove_file(rd.join("checkpoints/step-8/optimizer-00001-of-00002.safetensors"))
+        .unwrap();
+    std::fs::remove_file(rd.join("model.safetensors")).unwrap();
+    let out = run(2, &rd, &[SHARD_GRADIENTS, "training.steps=8"]);
+    assert_ok(&out);
+    let ev = events(&rd, "train");
+    let rejected = ev
+        .iter()
+        .find(|e| e["event"] == "checkpoint_rejected")
+        .unwrap_or_else(|| panic!("no rejection: {}", text(&out)));
+    assert!(rejected["path"].as_str().unwrap().ends_with("step-8"), "{rejected}");
+    let resume = ev.iter().find(|e| e["event"] == "resume").expect("resumed");
+    assert_eq!(resume["step"], 4, "{resume}");
+}
+
+/// A model whose replicated state does not fit one rank's memory limit trains on 4
+/// sharded ranks under the same per-rank limit, and the refusal says so.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_model_refused_on_one_rank_trains_on_four_sharded_ranks_under_the_same_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let big = [
+        "model.d_model=512",
+        "model.n_heads=8",
+        "model.n_kv_heads=8",
+        "model.n_layers=2",
+        "model.ffn_hidden=2048",
+        "training.steps=2",
+        "checkpoint.interval=0",
+    ];
+    let limit = "800M";
+    let one = common::train_cmd(&tmp.path().join("one"), &big)
+        .env("KILN_MEMORY_LIMIT", limit)
+        .output()
+        .unwrap();
+    assert_eq!(one.status.code(), Some(78), "{}", text(&one));
+    let said = text(&one);
+    assert!(said.contains("parallelism.shard = \"gradients\""), "{said}");
+    let mut sets = big.to_vec();
+    sets.push(SHARD_GRADIENTS);
+    let four = launch(4, &tmp.path().join("four"), &sets)
+        .env("KILN_MEMORY_LIMIT", limit)
+        .output()
+        .unwrap();
+    assert_ok(&four);
 }
 
 #[cfg(feature = "mpi")]

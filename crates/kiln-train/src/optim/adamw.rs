@@ -6,6 +6,7 @@ use crate::config::OptimizerConfig;
 use crate::kernels::{self, adamw::AdamWScalars};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
+use std::ops::Range;
 
 /// State suffix of the first moment (`<param>.exp_avg`, PyTorch's name).
 pub const EXP_AVG: &str = "exp_avg";
@@ -23,6 +24,10 @@ pub struct AdamW {
     pub exp_avg_sq: Vec<Option<Tensor<1>>>,
     /// Number of updates applied (PyTorch's `step`), for bias correction.
     pub step: u64,
+    /// In a sharded run, the elements of each parameter whose state this rank keeps (the
+    /// moments then hold that range only, and the update is given that range of the
+    /// parameter and gradient); `None` when every owned parameter's state is whole.
+    pub ranges: Option<Vec<Option<Range<usize>>>>,
 }
 
 /// Whether `spec` is decayed under `cfg` (norm weights and embeddings only on request).
@@ -56,6 +61,32 @@ impl AdamW {
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
             step: 0,
+            ranges: None,
+        }
+    }
+
+    /// Zero state for the elements `ranges[i]` of each parameter `i` (a rank's shard of a
+    /// sharded run; `None`: none of that parameter). The arithmetic is element-wise, so a
+    /// range updates exactly as the same elements of a whole parameter would.
+    pub fn sharded(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
+        let zeros = || {
+            ranges
+                .iter()
+                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
+                .collect::<Vec<_>>()
+        };
+        Self {
+            cfg: cfg.clone(),
+            decay: specs.iter().map(|s| decays(cfg, s)).collect(),
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            step: 0,
+            ranges: Some(ranges.to_vec()),
         }
     }
 

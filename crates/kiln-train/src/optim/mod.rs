@@ -26,6 +26,7 @@ use crate::model::ParamSpec;
 use crate::tensor::DeviceTensor;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Learning rate at optimizer step `step` (0-based) of `total`.
 pub fn lr_at(sched: &LrSchedulerConfig, peak: f64, step: u64, total: u64) -> f64 {
@@ -147,6 +148,25 @@ impl Optimizer {
             OptimizerKind::Sophiag => {
                 Self::SophiaG(SophiaG::new(cfg, specs, device, tokens_per_step))
             }
+        }
+    }
+
+    /// Zero AdamW state for a rank's shard of a sharded run: the elements `ranges[i]` of
+    /// each parameter `i` (see [`AdamW::sharded`]).
+    pub fn sharded(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
+        Self::AdamW(AdamW::sharded(cfg, specs, device, ranges))
+    }
+
+    /// The elements of each parameter whose state this rank keeps, in a sharded run.
+    pub fn shard_ranges(&self) -> Option<&[Option<Range<usize>>]> {
+        match self {
+            Self::AdamW(o) => o.ranges.as_deref(),
+            _ => None,
         }
     }
 
@@ -282,18 +302,23 @@ impl Optimizer {
             .collect()
     }
 
-    /// The state as named tensors on the device (references, no copy).
+    /// The state as named tensors on the device (references, no copy); in a sharded run,
+    /// this rank's pieces, named `<param>.<slot>@<first element>`.
     pub fn named_state(&self, specs: &[ParamSpec]) -> Vec<DeviceTensor> {
+        let ranges = self.shard_ranges();
         let mut out = Vec::new();
         for (suffix, tensors) in self.slots() {
-            for (spec, t) in specs.iter().zip(tensors) {
-                if let Some(t) = t {
-                    out.push(DeviceTensor {
-                        name: format!("{}.{suffix}", spec.name),
-                        shape: spec.shape.clone(),
-                        tensor: t.clone(),
-                    });
-                }
+            for (i, (spec, t)) in specs.iter().zip(tensors).enumerate() {
+                let Some(t) = t else { continue };
+                let (name, shape) = match ranges.and_then(|r| r[i].as_ref()) {
+                    Some(r) => (format!("{}.{suffix}@{}", spec.name, r.start), vec![r.len()]),
+                    None => (format!("{}.{suffix}", spec.name), spec.shape.clone()),
+                };
+                out.push(DeviceTensor {
+                    name,
+                    shape,
+                    tensor: t.clone(),
+                });
             }
         }
         out
@@ -305,18 +330,22 @@ impl Optimizer {
         cfg: &OptimizerConfig,
         specs: &[ParamSpec],
         device: &Device,
-        tokens_per_step: u64,
+        (tokens_per_step, shard): (u64, Option<&[Option<Range<usize>>]>),
         (tensors, step): (&[HostTensor], u64),
     ) -> Result<Self, String> {
-        let mut o = Self::new(cfg, specs, device, tokens_per_step);
+        let mut o = match shard {
+            Some(ranges) => Self::sharded(cfg, specs, device, ranges),
+            None => Self::new(cfg, specs, device, tokens_per_step),
+        };
         o.load_host_state(specs, tensors, device)?;
         o.set_step(step);
         Ok(o)
     }
 
-    /// Restores the state from host tensors named `<param>.<slot>`; every slot this
-    /// optimizer keeps must be there with its parameter's shape (the error names the
-    /// first that is not).
+    /// Restores the state from host tensors named `<param>.<slot>`, whole (a sharded
+    /// checkpoint's pieces are assembled when it is loaded, with a flat shape); every slot
+    /// this optimizer keeps must be there with its parameter's size (the error names the
+    /// first that is not). A sharded optimizer takes its range of each.
     pub fn load_host_state(
         &mut self,
         specs: &[ParamSpec],
@@ -325,8 +354,9 @@ impl Optimizer {
     ) -> Result<(), String> {
         let by_name: std::collections::HashMap<&str, &HostTensor> =
             tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let ranges = self.shard_ranges().map(<[_]>::to_vec);
         for (suffix, slot) in self.slots_mut() {
-            for (spec, t) in specs.iter().zip(slot.iter_mut()) {
+            for (i, (spec, t)) in specs.iter().zip(slot.iter_mut()).enumerate() {
                 if t.is_none() {
                     continue;
                 }
@@ -334,14 +364,20 @@ impl Optimizer {
                 let found = by_name
                     .get(name.as_str())
                     .ok_or_else(|| format!("optimizer tensor {name} is missing"))?;
-                if found.shape != spec.shape {
+                let flat = found.shape == [spec.numel()];
+                if (found.shape != spec.shape && !flat) || found.values.len() != spec.numel() {
                     return Err(format!(
                         "optimizer tensor {name} has shape {:?}, the model needs {:?}",
                         found.shape, spec.shape
                     ));
                 }
+                let range = match ranges.as_ref().and_then(|r| r[i].clone()) {
+                    Some(r) => r,
+                    None => 0..spec.numel(),
+                };
+                let values = found.values[range.clone()].to_vec();
                 *t = Some(Tensor::from_data(
-                    TensorData::new(found.values.clone(), [spec.numel()]),
+                    TensorData::new(values, [range.len()]),
                     device,
                 ));
             }
