@@ -1,10 +1,13 @@
 //! Fuzz harness: a checkpoint directory as `kiln_train::checkpoint::load` reads it
-//! (`manifest.json`, `state.json`, `model.safetensors`, `optimizer.safetensors`).
+//! (`manifest.json`, `state.json`, `model.safetensors`, and `optimizer.safetensors` or a
+//! sharded run's two `optimizer-<r>-of-00002.safetensors`).
 //!
 //! The input is four parts separated by [`SEP`]: manifest, state, model, optimizer (missing
-//! parts are empty files). An empty manifest part means "a correct manifest for the other
-//! three files", so that mutations of `state.json` and the safetensors files get past the
-//! checksums and reach their parsers; a non-empty one is written as it is.
+//! parts are empty files); a fifth part makes it a sharded checkpoint: parts four and five are
+//! the two optimizer shards ([`SHARDED`]). An empty manifest part means "a correct manifest
+//! for the other files", so that mutations of `state.json` and the safetensors files get past
+//! the checksums and reach their parsers (and the shards' assembly); a non-empty one is
+//! written as it is.
 //!
 //! Manifest entries naming anything but the checkpoint's own files (`../x`, `/dev/zero`)
 //! must be refused without being opened (`regressions/checkpoint/manifest-*`).
@@ -21,10 +24,20 @@ pub const SEP: &[u8] = b"--KILN-FUZZ-PART--";
 /// The checkpoint's files, in the order of the input's parts.
 pub const FILES: [&str; 4] = [MANIFEST_FILE, STATE_FILE, MODEL_FILE, OPTIMIZER_FILE];
 
-fn split(data: &[u8]) -> Vec<&[u8]> {
+/// The files of a sharded checkpoint (an input of five parts), in order.
+pub const SHARDED: [&str; 5] = [
+    MANIFEST_FILE,
+    STATE_FILE,
+    MODEL_FILE,
+    "optimizer-00000-of-00002.safetensors",
+    "optimizer-00001-of-00002.safetensors",
+];
+
+/// Up to five parts; the files they are written as.
+fn split(data: &[u8]) -> (Vec<&[u8]>, &'static [&'static str]) {
     let mut parts = Vec::new();
     let mut rest = data;
-    while parts.len() + 1 < FILES.len() {
+    while parts.len() + 1 < SHARDED.len() {
         match rest.windows(SEP.len()).position(|w| w == SEP) {
             Some(at) => {
                 parts.push(&rest[..at]);
@@ -34,20 +47,24 @@ fn split(data: &[u8]) -> Vec<&[u8]> {
         }
     }
     parts.push(rest);
-    parts.resize(FILES.len(), &[]);
-    parts
+    let files: &[&str] = match parts.len() {
+        5 => &SHARDED,
+        _ => &FILES,
+    };
+    parts.resize(files.len(), &[]);
+    (parts, files)
 }
 
 pub fn run(data: &[u8]) {
-    let parts = split(data);
+    let (parts, names) = split(data);
     let dir = tempfile::tempdir().expect("temporary directory");
     let ck = dir.path().join("step-7");
     std::fs::create_dir(&ck).expect("checkpoint directory");
-    for (name, bytes) in FILES.iter().zip(&parts).skip(1) {
+    for (name, bytes) in names.iter().zip(&parts).skip(1) {
         std::fs::write(ck.join(name), bytes).expect("write a part");
     }
     let manifest = if parts[0].is_empty() {
-        let files: BTreeMap<String, ManifestEntry> = FILES[1..]
+        let files: BTreeMap<String, ManifestEntry> = names[1..]
             .iter()
             .zip(&parts[1..])
             .map(|(name, bytes)| {
@@ -62,7 +79,7 @@ pub fn run(data: &[u8]) {
     } else {
         parts[0].to_vec()
     };
-    std::fs::write(ck.join(FILES[0]), &manifest).expect("write the manifest");
+    std::fs::write(ck.join(names[0]), &manifest).expect("write the manifest");
     if let Err(e) = checkpoint::load_state(&ck) {
         assert!(e.to_string().contains("step-7"), "{e}");
     }

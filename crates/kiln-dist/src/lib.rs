@@ -235,8 +235,14 @@ mod tests {
         assert_eq!(c.all_gather_u64(7), vec![7]);
         let sh = Sharded::new(5, 1, 8);
         assert_eq!(sh.range(0), 0..5);
-        assert_eq!(sh.reduce_scatter_mean(c.as_ref(), &[1.0, 2.0, 3.0, 4.0, 5.0]), [1.0, 2.0, 3.0, 4.0, 5.0]);
-        assert_eq!(sh.all_gather(c.as_ref(), &[1.0, 2.0, 3.0, 4.0, 5.0]), [1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(
+            sh.reduce_scatter_mean(c.as_ref(), &[1.0, 2.0, 3.0, 4.0, 5.0]),
+            [1.0, 2.0, 3.0, 4.0, 5.0]
+        );
+        assert_eq!(
+            sh.all_gather(c.as_ref(), &[1.0, 2.0, 3.0, 4.0, 5.0]),
+            [1.0, 2.0, 3.0, 4.0, 5.0]
+        );
         let mut m = [3u64, 9];
         c.all_reduce_max_u64(&mut m);
         assert_eq!(m, [3, 9]);

@@ -35,6 +35,9 @@ pub mod beacon_phase {
 
 /// The trainer started (fields: step, total_steps, params, device, data, ...).
 pub const START: &str = "start";
+/// The run completed: each rank's peak resident memory (fields: step, rank_mib: VmHWM in
+/// MiB, in rank order).
+pub const PEAK_MEMORY: &str = "peak_memory";
 /// A checkpoint was loaded to resume from.
 pub const CHECKPOINT_LOADED: &str = "checkpoint_loaded";
 /// A checkpoint failed verification and was moved aside (fields: path, reason, moved_to).

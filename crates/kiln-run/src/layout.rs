@@ -273,6 +273,34 @@ mod tests {
         }
     }
 
+    #[test]
+    fn optimizer_shard_and_staging_names_round_trip_and_only_canonical_ones_parse() {
+        for (r, n) in [(0, 1), (1, 2), (99_998, 99_999), (3, 100_000)] {
+            assert_eq!(
+                parse_optimizer_shard(&checkpoint_optimizer_shard(r, n)),
+                Some((r, n))
+            );
+        }
+        assert_eq!(
+            checkpoint_optimizer_shard(1, 4),
+            "optimizer-00001-of-00004.safetensors"
+        );
+        for bad in [
+            "optimizer.safetensors",
+            "optimizer-1-of-4.safetensors",
+            "optimizer-00004-of-00004.safetensors",
+            "optimizer-00001-of-00004.safetensors.tmp",
+            "optimizer-+0001-of-00004.safetensors",
+            "optimizer-00001-of-00004",
+            "../optimizer-00001-of-00004.safetensors",
+        ] {
+            assert_eq!(parse_optimizer_shard(bad), None, "{bad}");
+        }
+        assert_eq!(parse_shard_staging(&checkpoint_shard_staging(40)), Some(40));
+        assert_eq!(parse_shard_staging("step-40"), None);
+        assert_eq!(parse_shard_staging(".shards-step-040"), None);
+    }
+
     /// The names of [`entries`] as a listing holds them: in backquotes.
     fn missing_from(listing: &str) -> Vec<String> {
         entries()

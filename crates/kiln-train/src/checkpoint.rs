@@ -467,7 +467,10 @@ fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), Checkpo
     let Some(&(_, n)) = shards.first() else {
         return match whole {
             true => Ok(()),
-            false => Err(invalid(path, format!("manifest does not list {OPTIMIZER_FILE}"))),
+            false => Err(invalid(
+                path,
+                format!("manifest does not list {OPTIMIZER_FILE}"),
+            )),
         };
     };
     if whole {
@@ -476,13 +479,14 @@ fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), Checkpo
             format!("manifest lists both {OPTIMIZER_FILE} and optimizer shards"),
         ));
     }
-    let missing: Vec<usize> = (0..n)
-        .filter(|&r| !shards.contains(&(r, n)))
-        .collect();
+    let missing: Vec<usize> = (0..n).filter(|&r| !shards.contains(&(r, n))).collect();
     if !missing.is_empty() || shards.len() != n {
         return Err(invalid(
             path,
-            format!("manifest lists {} of the {n} optimizer shards (missing ranks {missing:?}, or shards of another rank count)", shards.len()),
+            format!(
+                "manifest lists {} of the {n} optimizer shards (missing ranks {missing:?}, or shards of another rank count)",
+                shards.len()
+            ),
         ));
     }
     Ok(())
@@ -492,7 +496,10 @@ fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), Checkpo
 /// tensor assembled from its pieces (`<name>@<start>`), which must tile it without a gap.
 fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, CheckpointError> {
     let mut pieces: BTreeMap<String, Vec<(usize, Vec<f32>)>> = BTreeMap::new();
-    let names = manifest.files.keys().filter(|n| layout::parse_optimizer_shard(n).is_some());
+    let names = manifest
+        .files
+        .keys()
+        .filter(|n| layout::parse_optimizer_shard(n).is_some());
     for name in names {
         let path = dir.join(name);
         for t in from_safetensors(&read_verified(dir, manifest, name)?, &path)? {
@@ -503,7 +510,10 @@ fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, Check
             let Some((base, at)) = piece else {
                 return Err(invalid(
                     &path,
-                    format!("tensor {} is not a shard piece (<name>@<first element>)", t.name),
+                    format!(
+                        "tensor {} is not a shard piece (<name>@<first element>)",
+                        t.name
+                    ),
                 ));
             };
             pieces.entry(base).or_default().push((at, t.values));
@@ -517,7 +527,10 @@ fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, Check
             if at != values.len() {
                 return Err(invalid(
                     dir,
-                    format!("optimizer state {name} has a gap or overlap at element {} (its shards do not tile it)", values.len()),
+                    format!(
+                        "optimizer state {name} has a gap or overlap at element {} (its shards do not tile it)",
+                        values.len()
+                    ),
                 ));
             }
             values.extend_from_slice(&part);

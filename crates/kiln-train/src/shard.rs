@@ -120,7 +120,10 @@ impl ShardPlan {
                 return (loss, pieces, norm);
             }
         };
-        let mut sq = [shard.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()];
+        let mut sq = [shard
+            .iter()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()];
         comm.all_reduce_sum_f64(&mut sq);
         let pieces = unflatten(&shard, &self.pieces(grads), device);
         (loss, pieces, sq[0].sqrt() as f32)
@@ -185,7 +188,9 @@ mod tests {
         for world in 1..=5 {
             for (i, spec) in specs.iter().enumerate() {
                 let mut covered: Vec<Range<usize>> = (0..world)
-                    .filter_map(|r| ShardPlan::new(&cfg, &specs, r, world).unwrap().ranges[i].clone())
+                    .filter_map(|r| {
+                        ShardPlan::new(&cfg, &specs, r, world).unwrap().ranges[i].clone()
+                    })
                     .collect();
                 covered.sort_by_key(|r| r.start);
                 let mut next = 0;

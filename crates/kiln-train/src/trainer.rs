@@ -18,6 +18,7 @@
 //! on a background thread ([`crate::saver`]), so the other ranks never wait for its disk
 //! except when the run ends.
 
+use crate::checkpoint::ShardFile;
 use crate::checkpoint::{self, Checkpoint, CheckpointManager};
 use crate::config::Config;
 use crate::data::TrainData;
@@ -31,7 +32,6 @@ use crate::replicas::ReplicaCheck;
 use crate::run_dir::RunDir;
 use crate::saver::{Checkpointer, Saver, Staged};
 use crate::session::{Session, sha256_hex};
-use crate::checkpoint::ShardFile;
 use crate::shard::ShardPlan;
 use crate::snapshot::{Recovered, Snapshotter, broadcast_vec};
 use crate::startup::{Startup, phase};
@@ -798,7 +798,16 @@ impl<'a> Trainer<'a> {
             run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
         }
         self.beacon(event::beacon_phase::DONE);
-        self.comm.barrier();
+        let kib = (metrics::peak_rss_mib() * 1024.0) as u64;
+        let mib: Vec<f64> = self
+            .comm
+            .all_gather_u64(kib)
+            .iter()
+            .map(|&k| k as f64 / 1024.0)
+            .collect();
+        let step = self.state.step;
+        self.journal
+            .emit(event::PEAK_MEMORY, json!({"step": step, "rank_mib": mib}))?;
         // The run is complete and its final checkpoint published: the memory tier goes.
         self.snapshots.clear(&mut self.journal);
         self.emit_exit("completed", exit::SUCCESS, None);

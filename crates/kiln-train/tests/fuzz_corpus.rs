@@ -72,9 +72,53 @@ fn checkpoint_seeds_and_regressions() {
     let join = |parts: &[Vec<u8>]| parts.join(checkpoint_target::SEP);
     let mut auto = parts.clone();
     auto[0].clear();
+    // A sharded run's checkpoint: each of two ranks wrote its pieces of the state.
+    let pieces = |rank: usize| {
+        let t = tensors("opt.", 2);
+        let piece = |t: &HostTensor, lo: usize, hi: usize| {
+            HostTensor::f32(
+                format!("{}@{lo}", t.name),
+                vec![hi - lo],
+                t.values[lo..hi].to_vec(),
+            )
+        };
+        let (n0, n1) = (t[0].values.len(), t[1].values.len());
+        match rank {
+            0 => vec![piece(&t[0], 0, n0), piece(&t[1], 0, 1)],
+            _ => vec![piece(&t[1], 1, n1)],
+        }
+    };
+    let root = dir.path().join("sharded");
+    let shards = (0..2)
+        .map(|r| checkpoint::write_shard(&root, 7, (r, 2), &pieces(r)).unwrap())
+        .collect();
+    let sharded = checkpoint::save(
+        &root,
+        &Checkpoint {
+            optimizer: Vec::new(),
+            shards,
+            ..ck
+        },
+    )
+    .unwrap();
+    let whole = checkpoint::load(&saved).unwrap().optimizer;
+    let assembled = checkpoint::load(&sharded).unwrap().optimizer;
+    assert_eq!(whole.len(), assembled.len());
+    for (a, b) in whole.iter().zip(&assembled) {
+        assert_eq!((&a.name, &a.values), (&b.name, &b.values));
+    }
+    let read_sharded = |name: &str| std::fs::read(sharded.join(name)).unwrap();
+    let sharded_parts: Vec<Vec<u8>> = checkpoint_target::SHARDED
+        .iter()
+        .map(|f| read_sharded(f))
+        .collect();
+    let mut sharded_auto = sharded_parts.clone();
+    sharded_auto[0].clear();
     let seeds = [
         ("saved-step-7", join(&parts)),
         ("saved-step-7-auto-manifest", join(&auto)),
+        ("sharded-step-7", join(&sharded_parts)),
+        ("sharded-step-7-auto-manifest", join(&sharded_auto)),
     ];
     corpus::check_seeds("checkpoint", &seeds);
     assert!(corpus::run_all("checkpoint", checkpoint_target::run) >= seeds.len());

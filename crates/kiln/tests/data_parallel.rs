@@ -351,7 +351,11 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
-            assert!((lx - ly).abs() < 1e-4 * lx.abs(), "{np} ranks, step {}: {lx} vs {ly}", x["step"]);
+            assert!(
+                (lx - ly).abs() < 1e-4 * lx.abs(),
+                "{np} ranks, step {}: {lx} vs {ly}",
+                x["step"]
+            );
         }
         // One optimizer shard per rank, written by that rank, under one manifest.
         let ckpt = rd.join("checkpoints/step-24");
@@ -400,7 +404,10 @@ fn a_missing_optimizer_shard_falls_back_to_the_previous_checkpoint() {
         .iter()
         .find(|e| e["event"] == "checkpoint_rejected")
         .unwrap_or_else(|| panic!("no rejection: {}", text(&out)));
-    assert!(rejected["path"].as_str().unwrap().ends_with("step-8"), "{rejected}");
+    assert!(
+        rejected["path"].as_str().unwrap().ends_with("step-8"),
+        "{rejected}"
+    );
     let resume = ev.iter().find(|e| e["event"] == "resume").expect("resumed");
     assert_eq!(resume["step"], 4, "{resume}");
 }
