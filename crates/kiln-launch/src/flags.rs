@@ -98,6 +98,18 @@ pub struct LaunchRequest {
     /// Hosts kept as spares for node scope [default with --auto-retry: about 2 %, at least 1].
     #[arg(long, value_name = "N", help_heading = "Retries")]
     pub spares: Option<usize>,
+    /// With node scope, a host blamed for a crash or a hang is swapped at its Nth such
+    /// failure in this launch; before that the attempt is retried on the same hosts (process
+    /// scope: most crashes and hangs are the process, not the node). A node failure or a
+    /// replica mismatch swaps its host at once.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u32).range(1..),
+        help_heading = "Retries"
+    )]
+    pub strikes: u32,
     /// Fewest hosts the job may shrink to when no spare is left (the program must resume on
     /// fewer ranks) [default: no shrinking].
     #[arg(long, value_name = "N", help_heading = "Retries")]

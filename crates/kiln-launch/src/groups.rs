@@ -24,7 +24,7 @@ pub fn become_subreaper() -> bool {
 /// between SIGTERM and SIGKILL: without it they cannot finish a collective (they wait in one,
 /// deaf to SIGTERM), so a longer grace only delays the next attempt. A save in flight is
 /// atomic: the previous checkpoint and snapshot stay.
-pub const LOST_RANK_GRACE: Duration = Duration::from_secs(1);
+pub const LOST_RANK_GRACE: Duration = Duration::from_millis(250);
 
 /// The grace the other ranks get when a rank ended the attempt: [`LOST_RANK_GRACE`] at most
 /// when it was `lost` (killed by a signal, or silent), else all of `grace` (a rank that

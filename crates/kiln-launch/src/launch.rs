@@ -554,6 +554,7 @@ impl<'a> Running<'a> {
                 job_id: self.job_id.clone(),
             },
             swap_hosts: req.node_scope(),
+            strikes: req.strikes,
             planner: &planner,
             events: &mut self.events,
             stop: &stop_requested,

@@ -108,6 +108,8 @@ pub struct RetryConfig<'a> {
     /// Whether failed hosts are swapped (node scope, `--auto-retry`/`--spares`); without it
     /// every attempt runs on the same hosts.
     pub swap_hosts: bool,
+    /// With node scope, the crash or hang of a host that swaps it (`--strikes`).
+    pub strikes: u32,
     /// Builds an attempt's processes for a set of hosts.
     pub planner: &'a dyn Fn(&[Host]) -> Result<AttemptPlan, PlanError>,
     /// Where events go.
@@ -200,18 +202,23 @@ pub struct History {
     pub previous_signature: Option<String>,
     /// The previous attempt's last step.
     pub previous_last_step: Option<u64>,
+    /// Crashes and hangs each host was blamed for so far.
+    pub strikes: std::collections::BTreeMap<String, u32>,
 }
 
 /// The policy, as a pure function of the attempt, its diagnosis and the history (which it
-/// updates). See `kiln launch --help` for the rules in words.
+/// updates). `swap`: node scope's strike count (`--strikes`: a host blamed for a crash or a
+/// hang is swapped at its Nth such failure), `None` without node scope. See `kiln launch
+/// --help` for the rules in words.
 pub fn decide(
     o: &AttemptOutcome,
     d: &Diagnosis,
     signature: Option<String>,
     limit: RetryLimit,
-    swap_hosts: bool,
+    swap: Option<u32>,
     h: &mut History,
 ) -> Decision {
+    let swap_hosts = swap.is_some();
     h.attempts += 1;
     let advanced_best = match (o.last_progress, h.best_progress) {
         (Some(now), Some(best)) => now > best,
@@ -268,9 +275,28 @@ pub fn decide(
     // A failure before any step is most often the program or its input: only a node that
     // died or a replica that disagreed justifies a spare then.
     let strong = matches!(d.cause.as_str(), "node-failure" | "replica-mismatch");
-    if !d.hosts.is_empty() && (strong || !zero_step) {
+    if !d.hosts.is_empty() && strong {
         return Retry {
             replace: d.hosts.clone(),
+            blind: false,
+        };
+    }
+    // A crash or a hang after progress: process scope first (the same hosts: most are the
+    // process, not the node), the host swapped once it is blamed `strikes` times.
+    if !d.hosts.is_empty() && !zero_step {
+        let strikes = swap.unwrap_or(1).max(1);
+        let replace = d
+            .hosts
+            .iter()
+            .filter(|host| {
+                let n = h.strikes.entry((*host).clone()).or_insert(0);
+                *n += 1;
+                *n >= strikes
+            })
+            .cloned()
+            .collect();
+        return Retry {
+            replace,
             blind: false,
         };
     }
@@ -552,6 +578,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         backoff,
         scope,
         swap_hosts,
+        strikes,
         planner,
         events,
         stop,
@@ -618,7 +645,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             &diagnosis,
             signature,
             limit,
-            r.swap_hosts,
+            r.swap_hosts.then_some(strikes),
             &mut history,
         );
         let (replace, blind) = match decision {
@@ -699,6 +726,9 @@ mod tests {
         }
     }
 
+    /// Node scope swapping a blamed host at its first crash or hang.
+    const AT_ONCE: Option<u32> = Some(1);
+
     #[test]
     fn policy() {
         let auto = RetryLimit::Auto;
@@ -709,7 +739,7 @@ mod tests {
             &diag("node-failure", &["n2"]),
             None,
             auto,
-            true,
+            AT_ONCE,
             &mut h,
         );
         assert_eq!(
@@ -726,7 +756,7 @@ mod tests {
             &diag("unknown", &[]),
             None,
             auto,
-            true,
+            AT_ONCE,
             &mut h,
         );
         assert_eq!(d, Finish);
@@ -734,20 +764,20 @@ mod tests {
         let mut h = History::default();
         let o = outcome(Classification::Failed, 1, false);
         assert_eq!(
-            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            decide(&o, &diag("unknown", &[]), None, auto, AT_ONCE, &mut h),
             Retry {
                 replace: vec![],
                 blind: false
             }
         );
         assert!(matches!(
-            decide(&o, &diag("unknown", &[]), None, auto, true, &mut h),
+            decide(&o, &diag("unknown", &[]), None, auto, AT_ONCE, &mut h),
             Stop { code: 1, .. }
         ));
         // A crash before any step names no host worth a spare: retried in place.
         let mut h = History::default();
         assert_eq!(
-            decide(&o, &diag("crash", &["n1"]), None, auto, true, &mut h),
+            decide(&o, &diag("crash", &["n1"]), None, auto, AT_ONCE, &mut h),
             Retry {
                 replace: vec![],
                 blind: false
@@ -759,7 +789,7 @@ mod tests {
             ..History::default()
         };
         assert!(matches!(
-            decide(&o, &diag("node-failure", &["n3"]), None, auto, true, &mut h),
+            decide(&o, &diag("node-failure", &["n3"]), None, auto, AT_ONCE, &mut h),
             Retry { .. }
         ));
         // The same error twice after a swap is the program's.
@@ -771,11 +801,11 @@ mod tests {
             &diag("crash", &["n1"]),
             sig.clone(),
             auto,
-            true,
+            AT_ONCE,
             &mut h,
         );
         assert!(matches!(
-            decide(&o, &diag("crash", &["n4"]), sig.clone(), auto, true, &mut h),
+            decide(&o, &diag("crash", &["n4"]), sig.clone(), auto, AT_ONCE, &mut h),
             Stop { .. }
         ));
         // The same error at the same step after a swap is the program's, even with progress.
@@ -790,7 +820,7 @@ mod tests {
             &diag("replica-mismatch", &["n2"]),
             sig.clone(),
             auto,
-            true,
+            AT_ONCE,
             &mut h,
         );
         assert!(matches!(
@@ -799,7 +829,7 @@ mod tests {
                 &diag("replica-mismatch", &["n4"]),
                 sig.clone(),
                 auto,
-                true,
+                AT_ONCE,
                 &mut h
             ),
             Stop { .. }
@@ -812,7 +842,7 @@ mod tests {
                 &diag("unknown", &[]),
                 None,
                 auto,
-                true,
+                AT_ONCE,
                 &mut h
             ),
             Retry {
@@ -826,7 +856,7 @@ mod tests {
                 &diag("unknown", &[]),
                 None,
                 auto,
-                true,
+                AT_ONCE,
                 &mut h
             ),
             Retry {
@@ -843,7 +873,7 @@ mod tests {
                 &diag("crash", &["n2"]),
                 None,
                 RetryLimit::Count(1),
-                false,
+                None,
                 &mut h
             ),
             Retry {
@@ -857,10 +887,45 @@ mod tests {
                 &diag("crash", &["n2"]),
                 None,
                 RetryLimit::Count(1),
-                false,
+                None,
                 &mut h
             ),
             Finish
+        );
+    }
+
+    #[test]
+    fn a_crash_or_hang_is_retried_in_place_until_its_host_has_struck_out() {
+        let auto = RetryLimit::Auto;
+        let two = Some(2);
+        let mut h = History::default();
+        let o = |class| outcome(class, 1, true);
+        let in_place = Retry {
+            replace: vec![],
+            blind: false,
+        };
+        // First strikes of n1 and n2: process scope, the same hosts.
+        let d = decide(&o(Classification::Failed), &diag("crash", &["n1"]), None, auto, two, &mut h);
+        assert_eq!(d, in_place);
+        let d = decide(&o(Classification::HungSilent), &diag("hang", &["n2"]), None, auto, two, &mut h);
+        assert_eq!(d, in_place);
+        // n1 again (a hang this time): its second strike swaps it.
+        let d = decide(&o(Classification::HungSilent), &diag("hang", &["n1"]), None, auto, two, &mut h);
+        assert_eq!(
+            d,
+            Retry {
+                replace: vec!["n1".into()],
+                blind: false
+            }
+        );
+        // A node failure or a replica mismatch swaps at once, strikes or not.
+        let d = decide(&o(Classification::Failed), &diag("node-failure", &["n3"]), None, auto, two, &mut h);
+        assert_eq!(
+            d,
+            Retry {
+                replace: vec!["n3".into()],
+                blind: false
+            }
         );
     }
 }

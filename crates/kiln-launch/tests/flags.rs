@@ -46,6 +46,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
         any::<bool>(),
         any::<bool>(),
         0.01f64..1e3,
+        1u32..10,
     );
     (sizes, watch, rest).prop_map(|(s, w, r)| {
         LaunchRequest {
@@ -74,6 +75,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             retries: w.6.filter(|_| !r.3),
             auto_retry: r.3,
             spares: w.7,
+            strikes: r.6,
             min_nodes: w.8,
             quarantine_file: w.9,
             backoff: w.10,

@@ -201,7 +201,8 @@ pub fn entries() -> Vec<Entry> {
         ),
         train(
             &format!("{CHECKPOINTS}/{}/", checkpoint_dir("<N>")),
-            "model.safetensors, optimizer.safetensors, state.json and manifest.json \
+            "model.safetensors, optimizer.safetensors (sharded runs: one \
+             optimizer-<r>-of-<n>.safetensors per rank), state.json and manifest.json \
              (checksums), published atomically",
         ),
         train(

@@ -275,6 +275,8 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
             "--launch-arg=--timeout=30",
             "--launch-arg=--backoff=0.5",
             "--launch-arg=--grace=5",
+            // Its first strike swaps the host (the default, 2, retries in place first).
+            "--launch-arg=--strikes=1",
         ],
         &command,
     );
