@@ -789,7 +789,14 @@ mod tests {
             ..History::default()
         };
         assert!(matches!(
-            decide(&o, &diag("node-failure", &["n3"]), None, auto, AT_ONCE, &mut h),
+            decide(
+                &o,
+                &diag("node-failure", &["n3"]),
+                None,
+                auto,
+                AT_ONCE,
+                &mut h
+            ),
             Retry { .. }
         ));
         // The same error twice after a swap is the program's.
@@ -805,7 +812,14 @@ mod tests {
             &mut h,
         );
         assert!(matches!(
-            decide(&o, &diag("crash", &["n4"]), sig.clone(), auto, AT_ONCE, &mut h),
+            decide(
+                &o,
+                &diag("crash", &["n4"]),
+                sig.clone(),
+                auto,
+                AT_ONCE,
+                &mut h
+            ),
             Stop { .. }
         ));
         // The same error at the same step after a swap is the program's, even with progress.
@@ -899,18 +913,46 @@ mod tests {
         let auto = RetryLimit::Auto;
         let two = Some(2);
         let mut h = History::default();
-        let o = |class| outcome(class, 1, true);
+        // Every attempt gets further than the last (else --auto-retry would give up).
+        let step = std::cell::Cell::new(0);
+        let o = |class| {
+            let mut o = outcome(class, 1, true);
+            step.set(step.get() + 10);
+            o.last_progress = Some(step.get());
+            o
+        };
         let in_place = Retry {
             replace: vec![],
             blind: false,
         };
         // First strikes of n1 and n2: process scope, the same hosts.
-        let d = decide(&o(Classification::Failed), &diag("crash", &["n1"]), None, auto, two, &mut h);
+        let d = decide(
+            &o(Classification::Failed),
+            &diag("crash", &["n1"]),
+            None,
+            auto,
+            two,
+            &mut h,
+        );
         assert_eq!(d, in_place);
-        let d = decide(&o(Classification::HungSilent), &diag("hang", &["n2"]), None, auto, two, &mut h);
+        let d = decide(
+            &o(Classification::HungSilent),
+            &diag("hang", &["n2"]),
+            None,
+            auto,
+            two,
+            &mut h,
+        );
         assert_eq!(d, in_place);
         // n1 again (a hang this time): its second strike swaps it.
-        let d = decide(&o(Classification::HungSilent), &diag("hang", &["n1"]), None, auto, two, &mut h);
+        let d = decide(
+            &o(Classification::HungSilent),
+            &diag("hang", &["n1"]),
+            None,
+            auto,
+            two,
+            &mut h,
+        );
         assert_eq!(
             d,
             Retry {
@@ -919,7 +961,14 @@ mod tests {
             }
         );
         // A node failure or a replica mismatch swaps at once, strikes or not.
-        let d = decide(&o(Classification::Failed), &diag("node-failure", &["n3"]), None, auto, two, &mut h);
+        let d = decide(
+            &o(Classification::Failed),
+            &diag("node-failure", &["n3"]),
+            None,
+            auto,
+            two,
+            &mut h,
+        );
         assert_eq!(
             d,
             Retry {
