@@ -55,6 +55,11 @@ pub struct LaunchRequest {
     /// that write beacons, 10 x the slowest recent step time, at least 3 s].
     #[arg(long, value_name = "S", help_heading = "Watchdogs")]
     pub stall_timeout: Option<f64>,
+    /// Startup watchdog: kill an attempt in which no rank reached a step S seconds after it
+    /// started (a wire-up or launch that hangs); 0 turns it off [default: from a launch's
+    /// second attempt on, 10 x the slowest startup of its earlier attempts, at least 10 s].
+    #[arg(long, value_name = "S", help_heading = "Watchdogs")]
+    pub startup_timeout: Option<f64>,
     /// Regex whose first capture group (or group `step`) is the step number.
     #[arg(long, value_name = "REGEX", default_value = crate::progress::DEFAULT_PROGRESS_REGEX, help_heading = "Watchdogs")]
     pub progress_regex: String,

@@ -148,6 +148,8 @@ struct Timing {
     silence: Option<Duration>,
     stall: Option<Duration>,
     stall_auto: bool,
+    startup: Option<Duration>,
+    startup_auto: bool,
     grace: Duration,
     heartbeat: Duration,
     regex: ProgressRegex,
@@ -162,10 +164,17 @@ fn timing(req: &LaunchRequest) -> Result<Timing, String> {
         .stall_timeout
         .map(|s| limits::seconds("--stall-timeout", s, true))
         .transpose()?;
+    // --startup-timeout likewise, its default from the launch's earlier startups.
+    let startup = req
+        .startup_timeout
+        .map(|s| limits::seconds("--startup-timeout", s, true))
+        .transpose()?;
     Ok(Timing {
         silence: opt("--timeout", req.timeout)?,
         stall: stall.filter(|s| !s.is_zero()),
         stall_auto: stall.is_none(),
+        startup: startup.filter(|s| !s.is_zero()),
+        startup_auto: startup.is_none(),
         grace: limits::seconds("--grace", req.grace, true)?,
         heartbeat: limits::seconds("--heartbeat-timeout", req.heartbeat_timeout, false)?,
         regex: ProgressRegex::new(&req.progress_regex)?,
@@ -507,6 +516,8 @@ impl<'a> Running<'a> {
             silence_timeout: t.silence,
             stall_timeout: t.stall,
             stall_auto: t.stall_auto,
+            startup_timeout: t.startup,
+            startup_auto: t.startup_auto,
             progress_regex: Some(t.regex),
             progress_dir: Some(self.dirs.progress.clone()),
             clear_progress_dir: self.dirs.own_progress,

@@ -593,6 +593,8 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
     };
     let mut history = History::default();
     let mut attempt: u32 = 0;
+    // The slowest startup (attempt start to first advance) so far: the startup watchdog's.
+    let mut slowest_startup: Option<f64> = None;
     let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
         Ok(LaunchResult {
             last,
@@ -620,12 +622,19 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         cfg.log_path = r.run_dir.join(&log_name);
         cfg.procs = plan.procs.clone();
         cfg.expected_ranks = Some(plan.sizes.np);
+        if cfg.startup_auto {
+            cfg.startup_timeout = crate::stall::startup_limit(slowest_startup);
+        }
         let argv: Vec<Vec<String>> = cfg.procs.iter().map(|p| p.argv.clone()).collect();
         r.log.emit(
             event::ATTEMPT_START,
             json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": r.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
+        if let Some(first) = outcome.first_advance_time {
+            let took = first - outcome.start_time;
+            slowest_startup = Some(slowest_startup.map_or(took, |s: f64| s.max(took)));
+        }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = r.diagnose(&outcome, &plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);

@@ -24,6 +24,21 @@ pub const STALL_FACTOR: f64 = 10.0;
 /// miss, a slow collective must not kill a fast run.
 pub const STALL_FLOOR: Duration = Duration::from_secs(3);
 
+/// The startup watchdog's default limit is this many times the slowest startup (attempt
+/// start to first advance) of the launch's earlier attempts...
+pub const STARTUP_FACTOR: f64 = 10.0;
+
+/// ... and never shorter than this.
+pub const STARTUP_FLOOR: Duration = Duration::from_secs(10);
+
+/// The default startup limit of an attempt, from the slowest startup (seconds) of the
+/// launch's earlier attempts that reached a step: `None` before any did (a first start may
+/// index data or compile for minutes; nothing says how long is too long yet).
+pub fn startup_limit(slowest: Option<f64>) -> Option<Duration> {
+    let s = slowest.filter(|s| s.is_finite() && *s >= 0.0)?;
+    Some(Duration::from_secs_f64((STARTUP_FACTOR * s).min(1e9)).max(STARTUP_FLOOR))
+}
+
 /// Step-time samples kept per rank.
 pub const RECENT: usize = 32;
 
@@ -138,6 +153,16 @@ impl StepClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_startup_limit_is_a_multiple_of_the_slowest_startup_with_a_floor() {
+        assert_eq!(startup_limit(None), None);
+        assert_eq!(startup_limit(Some(0.4)), Some(STARTUP_FLOOR));
+        assert_eq!(startup_limit(Some(3.0)), Some(Duration::from_secs(30)));
+        assert_eq!(startup_limit(Some(f64::NAN)), None);
+        assert_eq!(startup_limit(Some(-1.0)), None);
+        assert!(startup_limit(Some(1e300)).is_some());
+    }
 
     fn at(t0: Instant, s: f64) -> Instant {
         t0 + Duration::from_secs_f64(s)

@@ -47,6 +47,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
         any::<bool>(),
         0.01f64..1e3,
         1u32..10,
+        proptest::option::of(0.0f64..1e6),
     );
     (sizes, watch, rest).prop_map(|(s, w, r)| {
         LaunchRequest {
@@ -67,6 +68,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             no_rank_env: w.0,
             timeout: w.1,
             stall_timeout: w.2,
+            startup_timeout: r.7,
             progress_regex: w.3,
             grace: w.4,
             heartbeat_timeout: r.5,

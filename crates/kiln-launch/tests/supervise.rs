@@ -36,7 +36,31 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         expected_ranks: None,
         rank_shims: false,
         heartbeat_timeout: None,
+        startup_timeout: None,
+        startup_auto: false,
     }
+}
+
+#[test]
+fn an_attempt_that_never_reaches_a_step_is_ended_by_the_startup_watchdog() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), vec![sh("echo wiring up; sleep 30", None)]);
+    cfg.startup_timeout = Some(Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::HungSilent);
+    let message = o.message.unwrap_or_default();
+    assert!(message.contains("no rank reached a step"), "{message}");
+    assert!(o.detect_s.unwrap() >= 0.5, "{:?}", o.detect_s);
+    assert!(t0.elapsed() < Duration::from_secs(20), "it was not killed");
+    // Once a step was seen the startup watchdog is done: a quiet run goes on.
+    let mut cfg = config(
+        dir.path(),
+        vec![sh("echo step=1; sleep 1.5; echo step=2", None)],
+    );
+    cfg.startup_timeout = Some(Duration::from_millis(500));
+    let o = run_attempt(&cfg, &no_stop).unwrap();
+    assert_eq!(o.classification, Classification::Success, "{:?}", o.message);
 }
 
 fn no_stop() -> Option<StopRequest> {

@@ -364,6 +364,15 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
             let name = format!("optimizer-{r:05}-of-{np:05}.safetensors");
             assert!(ckpt.join(&name).exists(), "{name}");
         }
+        // Export reads the sharded checkpoint directly (its manifest verifies every shard).
+        let out = std::process::Command::new(common::KILN)
+            .arg("export")
+            .arg(&ckpt)
+            .args(["--to", "hf"])
+            .arg(tmp.path().join(format!("hf-{np}")))
+            .output()
+            .unwrap();
+        assert_ok(&out);
     }
 }
 

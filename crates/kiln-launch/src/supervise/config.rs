@@ -49,6 +49,13 @@ pub struct AttemptConfig {
     /// `--heartbeat-timeout`: a rank that beat and then fell silent this long is killed and
     /// ends the attempt (see [`kiln_run::Heartbeat`]); `None`: heartbeats are not watched.
     pub heartbeat_timeout: Option<Duration>,
+    /// Startup watchdog: kill when no rank advanced this long after the attempt started (a
+    /// wire-up or launch that hangs before the first step); set per attempt by the retry
+    /// loop (see [`crate::stall::startup_limit`]); `None`: off.
+    pub startup_timeout: Option<Duration>,
+    /// Without `--startup-timeout`, the retry loop sets `startup_timeout` from the launch's
+    /// earlier startups.
+    pub startup_auto: bool,
 }
 
 /// Errors that prevent supervising at all (not failures of the program).

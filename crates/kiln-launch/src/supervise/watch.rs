@@ -223,10 +223,9 @@ impl Watch {
         let v = watchdog(
             a.cfg,
             a.shared,
-            &self.beacons,
-            &self.live.ranks,
+            (&self.beacons, &self.live.ranks),
             &self.steps,
-            now,
+            (a.start, now),
         )?;
         let v = ranks_already_exited(a.cfg).unwrap_or(v);
         announce(a.cfg, &v);

@@ -24,25 +24,40 @@ pub(super) struct Seen<'a> {
     pub(super) now: Instant,
 }
 
-/// The stall watchdog, then the silence watchdog.
+/// The startup watchdog, the stall watchdog, then the silence watchdog. `start`: the
+/// attempt's.
 pub(super) fn watchdog(
     cfg: &AttemptConfig,
     shared: &Arc<Mutex<Shared>>,
-    beacons: &Beacons,
-    live: &BTreeMap<usize, Live>,
+    (beacons, live): (&Beacons, &BTreeMap<usize, Live>),
     steps: &crate::stall::StepClock,
-    now: Instant,
+    (start, now): (Instant, Instant),
 ) -> Option<Verdict> {
-    let seen = {
+    let (seen, advanced) = {
         let s = shared.lock().ok()?;
-        Seen {
+        let seen = Seen {
             beacons,
             live,
             last_output: s.last_output,
             output: s.output_progress.clone(),
             now,
-        }
+        };
+        (seen, s.first_advance.is_some())
     };
+    if !advanced && let Some(limit) = cfg.startup_timeout {
+        let how = match cfg.startup_auto {
+            true => format!(
+                "{} x the slowest startup of this launch's earlier attempts, at least {} s",
+                crate::stall::STARTUP_FACTOR,
+                crate::stall::STARTUP_FLOOR.as_secs()
+            ),
+            false => "--startup-timeout".to_string(),
+        };
+        let v = not_started(&seen, (now.duration_since(start), limit), &how);
+        if v.is_some() {
+            return v;
+        }
+    }
     let stall = match cfg.stall_timeout {
         Some(s) => Some((s, format!("--stall-timeout {}", s.as_secs_f64()))),
         None => steps.limit().filter(|_| cfg.stall_auto),
@@ -82,6 +97,30 @@ fn stalled(seen: &Seen<'_>, limit: Duration, how: &str) -> Option<Verdict> {
             "watchdog: progress stalled for {worst:.1} s (limit {:.1} s: {how}) although the job is still running; \
              last step {step}; {who}",
             limit.as_secs_f64()
+        )),
+    })
+}
+
+/// Startup: no rank advanced `waited` after the attempt started, `limit` or more.
+fn not_started(
+    seen: &Seen<'_>,
+    (waited, limit): (Duration, Duration),
+    how: &str,
+) -> Option<Verdict> {
+    if waited < limit {
+        return None;
+    }
+    let (culprits, who) = first_stopped(seen);
+    Some(Verdict {
+        exit_code: None,
+        classification: Classification::HungSilent,
+        at: seen.now,
+        detect_s: Some(waited.as_secs_f64()),
+        culprits,
+        message: Some(format!(
+            "watchdog: no rank reached a step {:.1} s after the attempt started (limit {:.1} s: {how}); {who}",
+            waited.as_secs_f64(),
+            limit.as_secs_f64(),
         )),
     })
 }
