@@ -919,71 +919,35 @@ mod tests {
 
     #[test]
     fn a_crash_or_hang_is_retried_in_place_until_its_host_has_struck_out() {
-        let auto = RetryLimit::Auto;
-        let two = Some(2);
         let mut h = History::default();
         // Every attempt gets further than the last (else --auto-retry would give up).
-        let step = std::cell::Cell::new(0);
-        let o = |class| {
+        let mut step = 0;
+        let mut next = |class, cause: &str, host: &str| {
             let mut o = outcome(class, 1, true);
-            step.set(step.get() + 10);
-            o.last_progress = Some(step.get());
-            o
-        };
-        let in_place = Retry {
-            replace: vec![],
-            blind: false,
+            step += 10;
+            o.last_progress = Some(step);
+            match decide(
+                &o,
+                &diag(cause, &[host]),
+                None,
+                RetryLimit::Auto,
+                Some(2),
+                &mut h,
+            ) {
+                Retry { replace, blind } if !blind => replace,
+                other => panic!("{other:?}"),
+            }
         };
         // First strikes of n1 and n2: process scope, the same hosts.
-        let d = decide(
-            &o(Classification::Failed),
-            &diag("crash", &["n1"]),
-            None,
-            auto,
-            two,
-            &mut h,
-        );
-        assert_eq!(d, in_place);
-        let d = decide(
-            &o(Classification::HungSilent),
-            &diag("hang", &["n2"]),
-            None,
-            auto,
-            two,
-            &mut h,
-        );
-        assert_eq!(d, in_place);
+        assert!(next(Classification::Failed, "crash", "n1").is_empty());
+        assert!(next(Classification::HungSilent, "hang", "n2").is_empty());
         // n1 again (a hang this time): its second strike swaps it.
-        let d = decide(
-            &o(Classification::HungSilent),
-            &diag("hang", &["n1"]),
-            None,
-            auto,
-            two,
-            &mut h,
-        );
-        assert_eq!(
-            d,
-            Retry {
-                replace: vec!["n1".into()],
-                blind: false
-            }
-        );
+        assert_eq!(next(Classification::HungSilent, "hang", "n1"), ["n1"]);
         // A node failure or a replica mismatch swaps at once, strikes or not.
-        let d = decide(
-            &o(Classification::Failed),
-            &diag("node-failure", &["n3"]),
-            None,
-            auto,
-            two,
-            &mut h,
-        );
+        assert_eq!(next(Classification::Failed, "node-failure", "n3"), ["n3"]);
         assert_eq!(
-            d,
-            Retry {
-                replace: vec!["n3".into()],
-                blind: false
-            }
+            next(Classification::ReplicaMismatch, "replica-mismatch", "n4"),
+            ["n4"]
         );
     }
 }
