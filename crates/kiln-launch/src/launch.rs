@@ -159,22 +159,16 @@ struct Timing {
 
 fn timing(req: &LaunchRequest) -> Result<Timing, String> {
     let opt = |flag: &str, v: Option<f64>| v.map(|s| limits::seconds(flag, s, false)).transpose();
-    // --stall-timeout S: a fixed limit; 0: off; not given: a multiple of the step time.
-    let stall = req
-        .stall_timeout
-        .map(|s| limits::seconds("--stall-timeout", s, true))
-        .transpose()?;
-    // --startup-timeout likewise, its default from the launch's earlier startups.
-    let startup = req
-        .startup_timeout
-        .map(|s| limits::seconds("--startup-timeout", s, true))
-        .transpose()?;
+    // --stall-timeout: the default is a multiple of the step time; --startup-timeout: of the
+    // launch's earlier startups.
+    let (stall, stall_auto) = auto_limit("--stall-timeout", req.stall_timeout)?;
+    let (startup, startup_auto) = auto_limit("--startup-timeout", req.startup_timeout)?;
     Ok(Timing {
         silence: opt("--timeout", req.timeout)?,
-        stall: stall.filter(|s| !s.is_zero()),
-        stall_auto: stall.is_none(),
-        startup: startup.filter(|s| !s.is_zero()),
-        startup_auto: startup.is_none(),
+        stall,
+        stall_auto,
+        startup,
+        startup_auto,
         grace: limits::seconds("--grace", req.grace, true)?,
         heartbeat: limits::seconds("--heartbeat-timeout", req.heartbeat_timeout, false)?,
         regex: ProgressRegex::new(&req.progress_regex)?,
@@ -185,6 +179,13 @@ fn timing(req: &LaunchRequest) -> Result<Timing, String> {
             .map(|w| limits::clock_time("--walltime", w))
             .transpose()?,
     })
+}
+
+/// A watchdog limit whose default is derived from the run: `S` fixes it (`(Some, false)`),
+/// 0 turns it off (`(None, false)`), no value leaves it to the default (`(None, true)`).
+fn auto_limit(flag: &str, v: Option<f64>) -> Result<(Option<Duration>, bool), String> {
+    let fixed = v.map(|s| limits::seconds(flag, s, true)).transpose()?;
+    Ok((fixed.filter(|s| !s.is_zero()), fixed.is_none()))
 }
 
 fn env_var(k: &str) -> Option<String> {

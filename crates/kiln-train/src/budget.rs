@@ -92,11 +92,11 @@ impl Estimate {
 /// `checkpoint.snapshot_keep + 1` copies of the weights and AdamW moments (`12 P` bytes each;
 /// the newest is written before the oldest is pruned), less the bytes the store holds now
 /// (already out of the available memory). 0 when snapshots are off or `store` is not on a
-/// memory file system (then they cost disk, not RAM), and in a sharded run (no memory tier).
+/// memory file system (then they cost disk, not RAM), and in a sharded run (no memory tier:
+/// [`Config::effective_checkpoint`]).
 pub fn snapshot_bytes(config: &Config, params: f64, store: &Path) -> f64 {
-    let c = &config.checkpoint;
-    let sharded = config.parallelism.shard != crate::config::Shard::None; // no memory tier
-    if c.snapshot_interval == 0 || sharded || !kiln_run::host::in_memory_fs(store) {
+    let c = config.effective_checkpoint();
+    if c.snapshot_interval == 0 || !kiln_run::host::in_memory_fs(store) {
         return 0.0;
     }
     let copies = (c.snapshot_keep.max(1) + 1) as f64;
@@ -141,8 +141,12 @@ pub fn param_count(model: &ModelConfig, vocab: usize) -> f64 {
 /// The memory estimate of `config` with a vocabulary of `vocab` (see the module docs), for
 /// one rank of this process's job (`WORLD_SIZE` ranks; one outside a job).
 pub fn estimate(config: &Config, vocab: usize) -> Estimate {
-    let ranks = kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size);
-    estimate_on(config, vocab, ranks)
+    estimate_on(config, vocab, job_ranks())
+}
+
+/// Ranks of this process's job (`WORLD_SIZE`; one outside a job).
+fn job_ranks() -> usize {
+    kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size)
 }
 
 /// [`estimate`] for one of `ranks` data-parallel ranks (what sharding leaves to each).
@@ -279,8 +283,7 @@ fn verdict(
     }
     let gib = |b: f64| human_bytes(b);
     let (key, value, default, saved) = culprit(config, vocab);
-    let ranks = kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size);
-    let shard = sharding_advice(config, vocab, ranks, limit.bytes as f64).unwrap_or_default();
+    let shard = sharding_advice(config, vocab, job_ranks(), limit.bytes as f64).unwrap_or_default();
     Err(ConfigError::TooBig(format!(
         "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less){shard}",
         gib(est.need()),

@@ -590,6 +590,17 @@ impl Shard {
 }
 
 impl Config {
+    /// The checkpoint settings as the run uses them: the memory tier is off in a sharded
+    /// run (`parallelism.shard`), whose ranks each hold a different piece of the state, so a
+    /// snapshot one rank lost could not be healed from a peer.
+    pub fn effective_checkpoint(&self) -> CheckpointConfig {
+        let mut c = self.checkpoint.clone();
+        if self.parallelism.shard != Shard::None {
+            c.snapshot_interval = 0;
+        }
+        c
+    }
+
     /// Parses TOML text; `origin` names it in errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Invalid {

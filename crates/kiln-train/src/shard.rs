@@ -18,7 +18,7 @@ use crate::checkpoint::{self, HostTensor, ShardFile};
 use crate::config::{Config, Shard};
 use crate::error::TrainError;
 use crate::model::ParamSpec;
-use crate::tensor::{DeviceTensor, flatten, unflatten};
+use crate::tensor::{DeviceTensor, flatten, split, unflatten};
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{Collective, Sharded};
 use std::ops::Range;
@@ -90,6 +90,13 @@ impl ShardPlan {
             .collect()
     }
 
+    /// `flat` (this rank's range of the flattened parameters) cut into pieces, as
+    /// [`ShardPlan::pieces`] cuts whole tensors.
+    fn cut(&self, flat: &[f32], device: &Device) -> Vec<Tensor<1>> {
+        let lengths = self.ranges.iter().map(|r| r.as_ref().map_or(0, Range::len));
+        split(flat, lengths, device)
+    }
+
     /// The loss and this rank's range of the gradients, averaged over the ranks (as pieces,
     /// see [`ShardPlan::pieces`]), and the global norm of the averaged gradients.
     pub fn average(
@@ -116,7 +123,7 @@ impl ShardPlan {
                 kiln_dist::BucketedAllReduce::new(self.bucket).mean(comm, &mut all);
                 let loss = all.pop().unwrap_or(f32::NAN);
                 let norm = crate::optim::global_norm(&unflatten(&all, grads, device));
-                let pieces = unflatten(&all[mine], &self.pieces(grads), device);
+                let pieces = self.cut(&all[mine], device);
                 return (loss, pieces, norm);
             }
         };
@@ -125,7 +132,7 @@ impl ShardPlan {
             .map(|&g| f64::from(g) * f64::from(g))
             .sum::<f64>()];
         comm.all_reduce_sum_f64(&mut sq);
-        let pieces = unflatten(&shard, &self.pieces(grads), device);
+        let pieces = self.cut(&shard, device);
         (loss, pieces, sq[0].sqrt() as f32)
     }
 

@@ -76,10 +76,19 @@ pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
 
 /// Cuts `flat` back into tensors shaped like `like`, on `device`.
 pub fn unflatten(flat: &[f32], like: &[Tensor<1>], device: &Device) -> Vec<Tensor<1>> {
+    split(flat, like.iter().map(|t| t.dims()[0]), device)
+}
+
+/// Cuts `flat` into consecutive tensors of `lengths` elements, on `device`.
+pub fn split(
+    flat: &[f32],
+    lengths: impl IntoIterator<Item = usize>,
+    device: &Device,
+) -> Vec<Tensor<1>> {
     let mut at = 0;
-    like.iter()
-        .map(|t| {
-            let n = t.dims()[0];
+    lengths
+        .into_iter()
+        .map(|n| {
             let part = flat[at..at + n].to_vec();
             at += n;
             Tensor::from_data(TensorData::new(part, [n]), device)

@@ -277,7 +277,7 @@ impl<'a> Trainer<'a> {
             layout.world as u64,
         );
         let mut t = Self {
-            snapshots: Snapshotter::new(&memory_tier(&cfg), &opts.run_dir, comm.rank()),
+            snapshots: Snapshotter::new(&cfg.effective_checkpoint(), &opts.run_dir, comm.rank()),
             step,
             guards: GuardRail::new(&cfg.guards),
             checkpoints: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
@@ -844,16 +844,6 @@ fn stage(session: &Session, optimizer: &Optimizer, state: &TrainState) -> Staged
         state: serde_json::to_value(state).unwrap_or_default(),
         shards: Vec::new(),
     }
-}
-
-/// The memory tier's settings: off in a sharded run, whose ranks each hold a different
-/// piece of the state (a snapshot of one rank could not be healed from a peer).
-fn memory_tier(cfg: &Config) -> crate::config::CheckpointConfig {
-    let mut c = cfg.checkpoint.clone();
-    if cfg.parallelism.shard != crate::config::Shard::None {
-        c.snapshot_interval = 0;
-    }
-    c
 }
 
 /// The batch layout, the data and the model of a run (sizes that cannot fit, this rank's

@@ -44,19 +44,11 @@ pub(super) fn watchdog(
         };
         (seen, s.first_advance.is_some())
     };
-    if !advanced && let Some(limit) = cfg.startup_timeout {
-        let how = match cfg.startup_auto {
-            true => format!(
-                "{} x the slowest startup of this launch's earlier attempts, at least {} s",
-                crate::stall::STARTUP_FACTOR,
-                crate::stall::STARTUP_FLOOR.as_secs()
-            ),
-            false => "--startup-timeout".to_string(),
-        };
-        let v = not_started(&seen, (now.duration_since(start), limit), &how);
-        if v.is_some() {
-            return v;
-        }
+    if !advanced
+        && let Some(limit) = cfg.startup_timeout
+        && let Some(v) = not_started(&seen, (now.duration_since(start), limit), cfg.startup_auto)
+    {
+        return Some(v);
     }
     let stall = match cfg.stall_timeout {
         Some(s) => Some((s, format!("--stall-timeout {}", s.as_secs_f64()))),
@@ -101,15 +93,24 @@ fn stalled(seen: &Seen<'_>, limit: Duration, how: &str) -> Option<Verdict> {
     })
 }
 
-/// Startup: no rank advanced `waited` after the attempt started, `limit` or more.
+/// Startup: no rank advanced `waited` after the attempt started, `limit` or more (`auto`: the
+/// default limit, see [`crate::stall::startup_limit`]).
 fn not_started(
     seen: &Seen<'_>,
     (waited, limit): (Duration, Duration),
-    how: &str,
+    auto: bool,
 ) -> Option<Verdict> {
     if waited < limit {
         return None;
     }
+    let how = match auto {
+        true => format!(
+            "{} x the slowest startup of this launch's earlier attempts, at least {} s",
+            crate::stall::STARTUP_FACTOR,
+            crate::stall::STARTUP_FLOOR.as_secs()
+        ),
+        false => "--startup-timeout".to_string(),
+    };
     let (culprits, who) = first_stopped(seen);
     Some(Verdict {
         exit_code: None,

@@ -48,21 +48,10 @@ impl AdamW {
         device: &Device,
         owned: &[bool],
     ) -> Self {
-        let zeros = || {
-            specs
-                .iter()
-                .zip(owned)
-                .map(|(s, &own)| own.then(|| Tensor::zeros([s.numel()], device)))
-                .collect::<Vec<_>>()
-        };
-        Self {
-            cfg: cfg.clone(),
-            decay: specs.iter().map(|s| decays(cfg, s)).collect(),
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
-            step: 0,
-            ranges: None,
-        }
+        let whole: Vec<Option<Range<usize>>> = (specs.iter().zip(owned))
+            .map(|(s, &own)| own.then(|| 0..s.numel()))
+            .collect();
+        Self::zeroed(cfg, specs, device, &whole)
     }
 
     /// Zero state for the elements `ranges[i]` of each parameter `i` (a rank's shard of a
@@ -74,9 +63,21 @@ impl AdamW {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
+        Self {
+            ranges: Some(ranges.to_vec()),
+            ..Self::zeroed(cfg, specs, device, ranges)
+        }
+    }
+
+    /// Zero moments as long as each of `ranges` (`None`: no state for that parameter).
+    fn zeroed(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
         let zeros = || {
-            ranges
-                .iter()
+            (ranges.iter())
                 .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
                 .collect::<Vec<_>>()
         };
@@ -86,7 +87,7 @@ impl AdamW {
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
             step: 0,
-            ranges: Some(ranges.to_vec()),
+            ranges: None,
         }
     }
 

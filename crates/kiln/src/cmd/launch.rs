@@ -61,9 +61,12 @@ Node scope (--auto-retry, or --spares N):
   stopped together, as in a collective, the one whose process is stopped or uses no CPU while
   the others spin, from $KILN_PROGRESS_DIR/live-<rank> written by the rank shim), per-rank
   exit records (the rank that failed first). Evidence that blames every host names none. Then:
-    culprit named   swap it for a spare (same rank positions), quarantine it, relaunch; with no
-                    spare left, drop it if --min-nodes allows, else stop with 69. Before any
-                    step only a node failure or a replica mismatch is worth a spare
+    culprit named   a node failure or a replica mismatch: swap it for a spare (same rank
+                    positions), quarantine it, relaunch; a crash or a hang: retry on the same
+                    hosts, and swap the host so at its --strikes'th (default 2) such failure in
+                    the launch. With no spare left, drop it if --min-nodes allows, else stop
+                    with 69. Before any step only a node failure or a replica mismatch is worth
+                    a spare
     no evidence     after progress: swap rank 0's host as a guess (a blind swap, counted apart);
                     before any step, or a preemption: retry on the same hosts
     deterministic   exit 2/65/73/78, two attempts in a row that completed no step, or the same
