@@ -158,3 +158,13 @@ fn the_shared_topology_flags_keep_their_heading_to_themselves() {
         assert_eq!(heading(id), Some(None), "{id}");
     }
 }
+
+#[test]
+fn strikes_below_one_are_refused_and_two_is_the_default() {
+    assert!(LaunchRequest::parse_flags(["--strikes=0"]).is_err());
+    assert_eq!(
+        LaunchRequest::parse_flags(["--strikes=3"]).unwrap().strikes,
+        3
+    );
+    assert_eq!(LaunchRequest::default().strikes, 2);
+}

@@ -1030,6 +1030,31 @@ mod tests {
         assert!(err.contains("n_kv_heads"), "{err}");
     }
 
+    #[test]
+    fn sharding_refuses_what_it_cannot_shard_naming_the_keys() {
+        let refused = |extra: &str| {
+            let sets = ["parallelism.shard=gradients".to_string(), extra.to_string()];
+            Config::load(None, &sets).unwrap_err().to_string()
+        };
+        let err = refused("optimizer.kind=muon");
+        assert!(
+            err.contains("parallelism.shard") && err.contains("optimizer.kind"),
+            "{err}"
+        );
+        let err = refused("training.master_dtype=bf16");
+        assert!(err.contains("training.master_dtype"), "{err}");
+        let err = Config::load(None, &["parallelism.shard=params".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("params"), "{err}");
+        let sharded = Config::load(None, &["parallelism.shard=optimizer".into()]).unwrap();
+        assert_eq!(sharded.effective_checkpoint().snapshot_interval, 0);
+        assert_eq!(
+            Config::default().effective_checkpoint(),
+            Config::default().checkpoint
+        );
+    }
+
     fn domain_error(set: &str) -> String {
         match Config::load(None, &[set.to_string()]) {
             Err(ConfigError::OutOfDomain(v)) => v

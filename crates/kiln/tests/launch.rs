@@ -700,3 +700,20 @@ fn implausible_and_restarting_step_counters_are_not_stalls() {
     assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
     assert_eq!(attempt_ends(&rd)[0]["classification"], "hung-stalled");
 }
+
+#[test]
+fn bad_startup_timeouts_and_strikes_are_usage_errors() {
+    for (flag, needle) in [
+        ("--startup-timeout=-1", "--startup-timeout -1"),
+        ("--startup-timeout=nan", "--startup-timeout NaN"),
+        ("--strikes=0", "--strikes"),
+    ] {
+        let (out, _) = run(&["launch", flag, "--", "true"]);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains(needle),
+            "{flag}: {}",
+            text(&out.stderr)
+        );
+    }
+}
