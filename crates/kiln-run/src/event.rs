@@ -64,6 +64,10 @@ pub const SNAPSHOT_SAVED: &str = "snapshot_saved";
 pub const SNAPSHOT_REJECTED: &str = "snapshot_rejected";
 /// Writing a memory snapshot failed; training goes on (fields: step, error).
 pub const SNAPSHOT_FAILED: &str = "snapshot_failed";
+/// A run resumed between two of the guards' snapshots found the state of the last one in no
+/// tier: a rollback before the next one goes to another step than an uninterrupted run's
+/// would (fields: step, resumed_step).
+pub const ROLLBACK_POINT_LOST: &str = "rollback_point_lost";
 /// Ranks without the agreed memory snapshot received it from a peer (fields: step,
 /// source_rank, ranks, bytes, seconds).
 pub const SNAPSHOT_FROM_PEER: &str = "snapshot_from_peer";

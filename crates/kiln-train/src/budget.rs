@@ -20,7 +20,7 @@
 //! | step: activations | `4 N (L (24 d + 5 f + 6 kv + 3 H T) + 2 H T + 3.5 V + 2 d)` | saved for backward per token and layer (norms, projections, RoPE temporaries, SwiGLU, attention scores and softmax), one layer's score gradients, and the logits with their log-softmax and gradient |
 //! | checkpoint | `32 P` | weights and moments copied to the host, serialised, the final weights |
 //! | eval | `4 N (24 d + 5 f + 3 H T + 3 V)` | forward only, one layer live at a time |
-//! | memory snapshots | `12 P (K + 1)` less what the store holds | a training rank's memory tier when it is on a memory file system (tmpfs, `/dev/shm`): `checkpoint.snapshot_keep` = K copies of weights and moments, one more while the next is written; snapshots already there are out of the available memory already |
+//! | memory snapshots | `12 P (K + 2)` less what the store holds | a training rank's memory tier when it is on a memory file system (tmpfs, `/dev/shm`): `checkpoint.snapshot_keep` = K copies of weights and moments, one more while the next is written, one at the guards' rollback point (none with `guards.snapshot_interval = 0`); snapshots already there are out of the available memory already |
 //!
 //! Sharded (`parallelism.shard`, on `R` ranks): each rank keeps the whole weights but only
 //! `1/R` of AdamW's moments, so the weights + moments part is `4 P + 8 P / R`, the rollback
@@ -90,7 +90,8 @@ impl Estimate {
 
 /// The RAM the memory tier of a training rank whose snapshots go to `store` adds:
 /// `checkpoint.snapshot_keep + 1` copies of the weights and AdamW moments (`12 P` bytes each;
-/// the newest is written before the oldest is pruned), less the bytes the store holds now
+/// the newest is written before the oldest is pruned), one more for the guards' rollback
+/// point when rollbacks are on (`guards.snapshot_interval`), less the bytes the store holds now
 /// (already out of the available memory). 0 when snapshots are off or `store` is not on a
 /// memory file system (then they cost disk, not RAM), and in a sharded run (no memory tier:
 /// [`Config::effective_checkpoint`]).
@@ -99,7 +100,8 @@ pub fn snapshot_bytes(config: &Config, params: f64, store: &Path) -> f64 {
     if c.snapshot_interval == 0 || !kiln_run::host::in_memory_fs(store) {
         return 0.0;
     }
-    let copies = (c.snapshot_keep.max(1) + 1) as f64;
+    let rollback_point = usize::from(config.guards.snapshot_interval > 0);
+    let copies = (c.snapshot_keep.max(1) + 1 + rollback_point) as f64;
     (copies * 12.0 * params - held_bytes(store, 2)).max(0.0)
 }
 
@@ -330,7 +332,7 @@ fn snapshots_too_big(
         String::new()
     };
     ConfigError::TooBig(format!(
-        "the memory snapshots do not fit: checkpoint.snapshot_keep = {keep} keeps {keep} cop{} of the training state ({} each: weights and AdamW moments), plus one while the next is written, in {} (a memory file system: they use RAM), {} more than it holds now; with them this run needs about {} but {} is available ({}). To fit, {lower}point checkpoint.snapshot_dir at a node-local disk, or set checkpoint.snapshot_interval = 0 to turn the memory tier off",
+        "the memory snapshots do not fit: checkpoint.snapshot_keep = {keep} keeps {keep} cop{} of the training state ({} each: weights and AdamW moments), plus one while the next is written and one at the guards' rollback point, in {} (a memory file system: they use RAM), {} more than it holds now; with them this run needs about {} but {} is available ({}). To fit, {lower}point checkpoint.snapshot_dir at a node-local disk, or set checkpoint.snapshot_interval = 0 to turn the memory tier off",
         if keep == 1 { "y" } else { "ies" },
         human_bytes(each),
         store.display(),
@@ -529,11 +531,17 @@ mod tests {
         }
         let dir = tempfile::tempdir_in(shm).unwrap();
         let store = dir.path().join("rank-0");
-        assert_eq!(snapshot_bytes(&c, est.params, &store), 3.0 * each);
+        // Two kept, one being written, one at the guards' rollback point.
+        assert_eq!(snapshot_bytes(&c, est.params, &store), 4.0 * each);
+        let no_rollbacks = config(&["checkpoint.snapshot_keep=2", "guards.snapshot_interval=0"]);
+        assert_eq!(
+            snapshot_bytes(&no_rollbacks, est.params, &store),
+            3.0 * each
+        );
         // Snapshots already in the store are out of the available memory already.
         std::fs::create_dir_all(store.join("step-5")).unwrap();
         std::fs::write(store.join("step-5/model.safetensors"), vec![0u8; 1000]).unwrap();
-        assert_eq!(snapshot_bytes(&c, est.params, &store), 3.0 * each - 1000.0);
+        assert_eq!(snapshot_bytes(&c, est.params, &store), 4.0 * each - 1000.0);
         let off = config(&["checkpoint.snapshot_interval=0"]);
         assert_eq!(snapshot_bytes(&off, est.params, &store), 0.0);
         // The run fits without them but not with them: the error names the keys.

@@ -868,10 +868,10 @@ fn move_aside(root: &Path, dir: &Path, reason: &str) -> Result<Rejection, Checkp
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn ckpt(step: u64, run_id: &str) -> Checkpoint {
+    pub(crate) fn ckpt(step: u64, run_id: &str) -> Checkpoint {
         Checkpoint {
             step,
             model: vec![HostTensor::f32("w".into(), vec![2], vec![1.0, step as f32])],

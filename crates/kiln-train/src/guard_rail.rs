@@ -3,8 +3,13 @@
 //! loss spike, check the first loss), keeps the in-memory snapshot it rolls back to, and
 //! names parameters that stopped changing. Every rank sees the same values, so every rank
 //! decides the same. Its cadence is its own (`guards.snapshot_interval`,
-//! `guards.frozen_check_interval`); its in-memory state is not checkpointed: a resumed run
-//! starts it afresh at the resumed step ([`GuardRail::restored`]).
+//! `guards.frozen_check_interval`). Its snapshot is not checkpointed with the run's state;
+//! instead the memory tier keeps the state at the newest multiple of the snapshot interval,
+//! and a run resumed between two snapshots gets it back from there (or from a persistent
+//! checkpoint at that step, or a peer: [`GuardRail::adopt_snapshot`]), so that it rolls back
+//! exactly where an uninterrupted run would. The rest of its in-memory state (the streak
+//! counters, the frozen check's reference) starts afresh at the resumed step
+//! ([`GuardRail::restored`]).
 
 use crate::cadence::Every;
 use crate::config::GuardsConfig;
@@ -78,6 +83,19 @@ impl GuardRail {
     pub fn restored(&mut self, step: u64) {
         self.fresh = false;
         self.high_water = step;
+    }
+
+    /// The step of the snapshot an uninterrupted run would hold on reaching `step`, when
+    /// that is not `step` itself (rollbacks off: none).
+    pub fn snapshot_before(&self, step: u64) -> Option<u64> {
+        let every = self.cfg.snapshot_interval;
+        (every > 0 && !step.is_multiple_of(every)).then(|| step - step % every)
+    }
+
+    /// Takes `live` (the state at [`GuardRail::snapshot_before`] the resumed step, restored)
+    /// as the snapshot to roll back to.
+    pub fn adopt_snapshot(&mut self, live: &Live) {
+        self.take_snapshot(live);
     }
 
     /// At the start of training: the first snapshot, when one is due at the start step.

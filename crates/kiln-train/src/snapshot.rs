@@ -37,17 +37,21 @@ use std::time::Instant;
 pub struct SnapshotStore {
     root: PathBuf,
     keep: usize,
+    /// The guards' rollback interval: the newest snapshot at a multiple of it is kept too.
+    anchor: Every,
 }
 
 /// The files of a snapshot, in the order they are sent to a peer.
 const SENT: [&str; 4] = [MANIFEST_FILE, FILES[0], FILES[1], FILES[2]];
 
 impl SnapshotStore {
-    /// The store in `root`, keeping the newest `keep` snapshots.
-    pub fn new(root: PathBuf, keep: usize) -> Self {
+    /// The store in `root`, keeping the newest `keep` snapshots and the newest at a
+    /// multiple of `anchor` (0: none).
+    pub fn new(root: PathBuf, keep: usize, anchor: u64) -> Self {
         Self {
             root,
             keep: keep.max(1),
+            anchor: Every(anchor),
         }
     }
 
@@ -64,19 +68,33 @@ impl SnapshotStore {
         mut on_reject: impl FnMut(&Path, &str),
     ) -> Option<(PathBuf, Checkpoint)> {
         self.remove_leftovers();
-        for step in checkpoint::list_steps(&self.root) {
-            let dir = self.root.join(checkpoint::dir_name(step));
-            let why = match checkpoint::load(&dir) {
-                Ok(c) if checkpoint::lineage_of(&c.state) == Some(run_id) => return Some((dir, c)),
-                Ok(c) => format!(
-                    "belongs to another run (run_id {:?}; this run is {run_id:?})",
-                    checkpoint::lineage_of(&c.state)
-                ),
-                Err(e) => e.to_string(),
-            };
-            let _ = remove_tree(&dir);
-            on_reject(&dir, &why);
+        checkpoint::list_steps(&self.root)
+            .into_iter()
+            .find_map(|step| self.verified(run_id, step, &mut on_reject))
+    }
+
+    /// The snapshot of `step` of lineage `run_id`, verified; one that is not is deleted and
+    /// passed to `on_reject`.
+    fn verified(
+        &self,
+        run_id: &str,
+        step: u64,
+        mut on_reject: impl FnMut(&Path, &str),
+    ) -> Option<(PathBuf, Checkpoint)> {
+        let dir = self.root.join(checkpoint::dir_name(step));
+        if !dir.is_dir() {
+            return None;
         }
+        let why = match checkpoint::load(&dir) {
+            Ok(c) if checkpoint::lineage_of(&c.state) == Some(run_id) => return Some((dir, c)),
+            Ok(c) => format!(
+                "belongs to another run (run_id {:?}; this run is {run_id:?})",
+                checkpoint::lineage_of(&c.state)
+            ),
+            Err(e) => e.to_string(),
+        };
+        let _ = remove_tree(&dir);
+        on_reject(&dir, &why);
         None
     }
 
@@ -160,17 +178,20 @@ fn take_frame<'b>(rest: &mut &'b [u8]) -> Option<&'b [u8]> {
 
 impl Store for SnapshotStore {
     /// Publishes `ckpt`, then deletes every other snapshot but the newest `keep - 1` older
-    /// ones (newer ones are left by a rollback: stale) and this process's leftovers.
+    /// ones and the newest at the anchor interval (the guards' rollback point; newer ones
+    /// are left by a rollback: stale) and this process's leftovers.
     fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
         let path = checkpoint::save(&self.root, ckpt)?;
         let mut pruned = Vec::new();
-        let older = checkpoint::list_steps(&self.root)
-            .into_iter()
-            .filter(|&s| s < ckpt.step);
-        let newer = checkpoint::list_steps(&self.root)
-            .into_iter()
-            .filter(|&s| s > ckpt.step);
-        for s in older.skip(self.keep - 1).chain(newer) {
+        let steps = checkpoint::list_steps(&self.root);
+        let anchor = steps
+            .iter()
+            .copied()
+            .find(|&s| s <= ckpt.step && self.anchor.due(s));
+        let older = steps.iter().copied().filter(|&s| s < ckpt.step);
+        let newer = steps.iter().copied().filter(|&s| s > ckpt.step);
+        let stale = older.skip(self.keep - 1).filter(|&s| Some(s) != anchor);
+        for s in stale.chain(newer) {
             let dir = self.root.join(checkpoint::dir_name(s));
             remove_tree(&dir)?;
             pruned.push(dir);
@@ -218,6 +239,8 @@ pub struct Recovered {
 /// The memory-tier component (see the module documentation).
 pub struct Snapshotter {
     every: Every,
+    /// The guards' rollback interval: a snapshot is also due there, never skipped.
+    anchor: Every,
     store: SnapshotStore,
     saver: Option<Saver>,
     /// Snapshots skipped because the previous one was still being written.
@@ -226,32 +249,41 @@ pub struct Snapshotter {
 
 impl Snapshotter {
     /// The memory tier of `cfg` for `rank` of the run in `run_dir` (off when
-    /// `snapshot_interval` is 0).
-    pub fn new(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> Self {
-        let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep);
+    /// `snapshot_interval` is 0). `anchor` is the guards' rollback interval
+    /// (`guards.snapshot_interval`): the snapshot at its newest multiple is always taken and
+    /// kept, so that a resumed run can roll back where an uninterrupted one would.
+    pub fn new(cfg: &CheckpointConfig, run_dir: &Path, rank: usize, anchor: u64) -> Self {
+        let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep, anchor);
         let saver = (cfg.snapshot_interval > 0)
             .then(|| Saver::with_priority(store.clone(), cfg.asynchronous, false));
         Self {
             every: Every(cfg.snapshot_interval),
+            anchor: Every(anchor),
             store,
             saver,
             skipped: 0,
         }
     }
 
-    /// Whether a snapshot is due after `step` (an applied step at the interval).
+    /// Whether a snapshot is due after `step` (an applied step at the interval or at the
+    /// guards' rollback interval).
     pub fn due(&self, step: u64) -> bool {
-        self.saver.is_some() && self.every.due(step)
+        self.saver.is_some() && (self.every.due(step) || self.anchor.due(step))
     }
 
-    /// Hands `staged()` to the writer, unless the previous snapshot is still in flight (then
-    /// this one is skipped: the tier never stalls the step).
+    /// Hands the snapshot of `step`, `staged()`, to the writer, unless the previous snapshot
+    /// is still in flight: then this one is skipped (the tier never stalls the step), except
+    /// at the guards' rollback interval, where it waits for the writer.
     pub fn take(
         &mut self,
+        step: u64,
         staged: impl FnOnce() -> Staged,
         journal: &mut Journal,
     ) -> Result<(), TrainError> {
         self.poll(journal)?;
+        if self.anchor.due(step) {
+            self.wait(journal)?;
+        }
         let Some(saver) = &mut self.saver else {
             return Ok(());
         };
@@ -353,6 +385,43 @@ impl Snapshotter {
         }))
     }
 
+    /// The state of `step` of lineage `run_id` on every rank (the guards' rollback point):
+    /// this rank's memory snapshot of it, else the persistent checkpoint `persistent` when it
+    /// is that step's; a rank without either receives a holder's copy. `None` on every rank
+    /// when no rank holds it or a sent copy did not verify. A collective: every rank calls it.
+    pub fn at_step(
+        &mut self,
+        comm: &dyn Collective,
+        run_id: &str,
+        step: u64,
+        persistent: &Path,
+        journal: &mut Journal,
+    ) -> Result<Option<(PathBuf, Checkpoint)>, TrainError> {
+        let mut rejected = Vec::new();
+        let mine = self.store.verified(run_id, step, |p, r| {
+            rejected.push((p.to_path_buf(), r.to_string()));
+        });
+        for (path, reason) in rejected {
+            reject(comm.rank(), &path, &reason, journal)?;
+        }
+        let local = mine.or_else(|| {
+            let c = checkpoint::load(persistent).ok()?;
+            let same = c.step == step && checkpoint::lineage_of(&c.state) == Some(run_id);
+            same.then(|| (persistent.to_path_buf(), c))
+        });
+        let holders: Vec<usize> = (0..comm.size())
+            .zip(all_gather(comm, u64::from(local.is_some())))
+            .filter(|(_, has)| *has == 1)
+            .map(|(r, _)| r)
+            .collect();
+        let receivers: Vec<usize> = (0..comm.size()).filter(|r| !holders.contains(r)).collect();
+        match holders.first() {
+            None => Ok(None),
+            Some(_) if receivers.is_empty() => Ok(local),
+            Some(&source) => self.heal(comm, step, source, &receivers, local, journal),
+        }
+    }
+
     /// Sends the snapshot of `step` from `source` to the ranks without it; `None` on every
     /// rank when a receiver's copy did not verify.
     fn heal(
@@ -451,5 +520,37 @@ fn report(
             tracing::warn!("memory snapshot failed: {e}");
             journal.emit(event::SNAPSHOT_FAILED, json!({"error": e.to_string()}))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::tests::ckpt;
+
+    #[test]
+    fn retention_keeps_the_newest_and_the_guards_rollback_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SnapshotStore::new(dir.path().to_path_buf(), 2, 7);
+        for step in (3..=24).step_by(3) {
+            store.save(&ckpt(step, "a")).unwrap();
+        }
+        // Newest two (24, 21) and the newest multiple of 7 (21 already): nothing else.
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![24, 21]);
+        store.save(&ckpt(27, "a")).unwrap();
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![27, 24, 21]);
+        store.save(&ckpt(28, "a")).unwrap();
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![28, 27]);
+        let found = store.verified("a", 21, |_, _| {});
+        assert!(found.is_none(), "pruned");
+        let found = store.verified("a", 28, |_, _| {}).unwrap();
+        assert_eq!(found.1.step, 28);
+        let mut rejected = Vec::new();
+        assert!(
+            store
+                .verified("b", 27, |p, _| rejected.push(p.to_path_buf()))
+                .is_none()
+        );
+        assert_eq!(rejected.len(), 1, "another lineage's is deleted");
     }
 }

@@ -277,7 +277,12 @@ impl<'a> Trainer<'a> {
             layout.world as u64,
         );
         let mut t = Self {
-            snapshots: Snapshotter::new(&cfg.effective_checkpoint(), &opts.run_dir, comm.rank()),
+            snapshots: Snapshotter::new(
+                &cfg.effective_checkpoint(),
+                &opts.run_dir,
+                comm.rank(),
+                cfg.guards.snapshot_interval,
+            ),
             step,
             guards: GuardRail::new(&cfg.guards),
             checkpoints: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
@@ -385,6 +390,7 @@ impl<'a> Trainer<'a> {
             &mut self.journal,
         )? {
             let from = Resumed::memory(&r, persistent);
+            self.restore_rollback_point(&r.ck)?;
             return self.restore(&r.dir, &r.ck, &from);
         }
         let loaded = match (chosen, persistent) {
@@ -399,9 +405,50 @@ impl<'a> Trainer<'a> {
             (None, None) => None,
         };
         match loaded {
-            Some((dir, ck)) => self.restore(&dir, &ck, &Resumed::persistent(persistent)),
+            Some((dir, ck)) => {
+                self.restore_rollback_point(&ck)?;
+                self.restore(&dir, &ck, &Resumed::persistent(persistent))
+            }
             None => self.emit_start(None),
         }
+    }
+
+    /// Gives the guards the rollback snapshot an uninterrupted run would hold when it reached
+    /// `ck`: the state at the newest multiple of `guards.snapshot_interval` before it (the
+    /// fresh state for step 0), from this rank's memory tier or the persistent one, or from a
+    /// peer that holds it. When no tier kept it the guards start afresh and say so: a
+    /// rollback before their next snapshot would then differ from an uninterrupted run's.
+    fn restore_rollback_point(&mut self, ck: &Checkpoint) -> Result<(), TrainError> {
+        let Some(at) = self.guards.snapshot_before(ck.step) else {
+            return Ok(());
+        };
+        if at > 0 {
+            let run_id = checkpoint::lineage_of(&ck.state)
+                .unwrap_or(&self.state.run_id)
+                .to_string();
+            let persistent = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+            let found = self.snapshots.at_step(
+                self.comm,
+                &run_id,
+                at,
+                &persistent.join(checkpoint::dir_name(at)),
+                &mut self.journal,
+            )?;
+            let Some((dir, anchor)) = found else {
+                return self.journal.emit(
+                    event::ROLLBACK_POINT_LOST,
+                    json!({"step": at, "resumed_step": ck.step}),
+                );
+            };
+            self.state = self.load(&dir, &anchor, false)?;
+        }
+        let live = Live {
+            state: &mut self.state,
+            session: &mut self.session,
+            optimizer: &mut self.optimizer,
+        };
+        self.guards.adopt_snapshot(&live);
+        Ok(())
     }
 
     /// Rank 0's persistent resume step and lineage, on every rank (the lineage goes into
@@ -438,49 +485,7 @@ impl<'a> Trainer<'a> {
     /// Restores every part from `ck`; each part restores its own state. The batch layout
     /// keeps the checkpoint's global batch when the run resumes on another number of ranks.
     fn restore(&mut self, dir: &Path, ck: &Checkpoint, from: &Resumed) -> Result<(), TrainError> {
-        let mismatch = |reason: String| TrainError::ResumeMismatch {
-            path: dir.to_path_buf(),
-            reason,
-        };
-        let mut st = TrainState::from_checkpoint(&ck.state, &self.cfg, &self.facts.model_hash)
-            .map_err(mismatch)?;
-        let layout = self
-            .step
-            .layout()
-            .resumed(&self.cfg.training, st.global_batch)
-            .map_err(mismatch)?;
-        self.report_resize(&st, &layout)?;
-        self.step.set_layout(layout);
-        if let Some(schedule) = st.data_schedule.clone().filter(|v| !v.is_null()) {
-            let samples = layout.samples_for(self.cfg.training.steps);
-            self.data = TrainData::open(&self.cfg, samples, Some((schedule, st.next_sample())))
-                .map_err(TrainError::Data)?;
-        }
-        st.global_batch = layout.global_batch();
-        st.world_size = layout.world as u64;
-        self.session.load_params(&ck.model, dir)?;
-        let specs = self.session.model.specs();
-        let tokens = layout.global_batch() * layout.seq as u64;
-        let saved = (ck.optimizer.as_slice(), st.optimizer_step);
-        let shard = self.step.shard().map(ShardPlan::ranges);
-        self.optimizer = Optimizer::restore(
-            &self.cfg.optimizer,
-            specs,
-            &self.session.device,
-            (tokens, shard),
-            saved,
-        )
-        .map_err(mismatch)?;
-        if st.run_id.is_empty() {
-            st.run_id = self.state.run_id.clone();
-        }
-        if st.config_hash != self.facts.config_hash {
-            self.journal.emit(
-                event::CONFIG_CHANGED,
-                json!({"path": path_text(dir), "note": "hyper-parameters differ from the checkpoint's run"}),
-            )?;
-        }
-        self.state = st;
+        self.state = self.load(dir, ck, true)?;
         let step = self.state.step;
         // What is on disk is the persistent checkpoint: a memory snapshot does not survive
         // the node, so a stop signal after this resume still saves.
@@ -504,6 +509,63 @@ impl<'a> Trainer<'a> {
             from.tier
         ));
         self.emit_start(Some(dir))
+    }
+
+    /// The model and optimizer of `ck` loaded, and its state to adopt. `resume`: training
+    /// goes on from it (the batch layout and the data follow it; a changed rank count or
+    /// hyper-parameters are reported); else it is only the guards' rollback point.
+    fn load(
+        &mut self,
+        dir: &Path,
+        ck: &Checkpoint,
+        resume: bool,
+    ) -> Result<TrainState, TrainError> {
+        let mismatch = |reason: String| TrainError::ResumeMismatch {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let mut st = TrainState::from_checkpoint(&ck.state, &self.cfg, &self.facts.model_hash)
+            .map_err(mismatch)?;
+        let layout = self
+            .step
+            .layout()
+            .resumed(&self.cfg.training, st.global_batch)
+            .map_err(mismatch)?;
+        if resume {
+            self.report_resize(&st, &layout)?;
+            self.step.set_layout(layout);
+        }
+        let schedule = st.data_schedule.clone().filter(|v| resume && !v.is_null());
+        if let Some(schedule) = schedule {
+            let samples = layout.samples_for(self.cfg.training.steps);
+            self.data = TrainData::open(&self.cfg, samples, Some((schedule, st.next_sample())))
+                .map_err(TrainError::Data)?;
+        }
+        st.global_batch = layout.global_batch();
+        st.world_size = layout.world as u64;
+        self.session.load_params(&ck.model, dir)?;
+        let specs = self.session.model.specs();
+        let tokens = layout.global_batch() * layout.seq as u64;
+        let saved = (ck.optimizer.as_slice(), st.optimizer_step);
+        let shard = self.step.shard().map(ShardPlan::ranges);
+        self.optimizer = Optimizer::restore(
+            &self.cfg.optimizer,
+            specs,
+            &self.session.device,
+            (tokens, shard),
+            saved,
+        )
+        .map_err(mismatch)?;
+        if st.run_id.is_empty() {
+            st.run_id = self.state.run_id.clone();
+        }
+        if resume && st.config_hash != self.facts.config_hash {
+            self.journal.emit(
+                event::CONFIG_CHANGED,
+                json!({"path": path_text(dir), "note": "hyper-parameters differ from the checkpoint's run"}),
+            )?;
+        }
+        Ok(st)
     }
 
     /// The `resized` event when the checkpoint was written by another number of ranks or
@@ -757,7 +819,7 @@ impl<'a> Trainer<'a> {
         self.complete_state();
         let (snapshots, journal) = (&mut self.snapshots, &mut self.journal);
         let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
-        snapshots.take(|| stage(session, optimizer, state), journal)
+        snapshots.take(state.step, || stage(session, optimizer, state), journal)
     }
 
     /// Fills in the parts of the state a checkpoint records but the step does not keep.

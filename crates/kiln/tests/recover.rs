@@ -151,6 +151,115 @@ fn run_and_kill(np: usize, rd: &Path, shm: &Path, victim: usize) {
     );
 }
 
+/// The guards' rollback interval in [`kill_between_rollback_points`]: the memory tier
+/// snapshots every 3 steps, so most of its snapshots fall between two multiples of it.
+const ROLLBACK_EVERY: u64 = 7;
+
+/// Like [`run_and_kill`] with `guards.snapshot_interval` = [`ROLLBACK_EVERY`], but every
+/// rank is killed, when every rank's newest snapshot is past the spike window's warm-up and
+/// between two of the guards' snapshots (the ranks are stopped while their stores are read).
+/// Returns that snapshot's step and data cursor.
+fn kill_between_rollback_points(np: usize, rd: &Path, shm: &Path) -> (u64, u64) {
+    let mut child = command(np, rd, shm)
+        .arg("--set")
+        .arg(format!("guards.snapshot_interval={ROLLBACK_EVERY}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    wait_for_snapshots(shm, np, &mut child);
+    let pids: Vec<i32> = if np == 1 {
+        vec![child.id() as i32]
+    } else {
+        (0..np)
+            .map(|r| common::trainer_pid(rd, r).expect("a trainer's pid"))
+            .collect()
+    };
+    let t0 = Instant::now();
+    let step = loop {
+        pids.iter().for_each(|&p| signal(p, libc::SIGSTOP));
+        let newest: Vec<u64> = (0..np).map(|r| snapshot_steps(shm, r)[0]).collect();
+        let s = newest[0];
+        if s > 60 && !s.is_multiple_of(ROLLBACK_EVERY) && newest.iter().all(|&n| n == s) {
+            break s;
+        }
+        pids.iter().for_each(|&p| signal(p, libc::SIGCONT));
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no snapshot between two"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    // Every rank goes: a survivor's writer would publish a newer snapshot once continued.
+    pids.iter().for_each(|&p| signal(p, libc::SIGKILL));
+    assert!(
+        !child.wait().unwrap().success(),
+        "the killed run must not succeed"
+    );
+    let state = rank_store(shm, 0)
+        .unwrap()
+        .join(format!("step-{step}/state.json"));
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(state).unwrap()).unwrap();
+    (step, state["data_cursor"].as_u64().unwrap())
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a process this test started.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// A loss spike two batches after a resume between two of the guards' snapshots: the
+/// resumed run (on `np` ranks; `replaced`: rank 1's store is gone) rolls back to the same
+/// step as an uninterrupted run with the same spike, and ends bit-identical to it.
+fn spike_after_resume_rolls_back_as_uninterrupted(np: usize, replaced: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (rd, shm) = (tmp.path().join("killed"), tmp.path().join("shm"));
+    let (step, cursor) = kill_between_rollback_points(np, &rd, &shm);
+    if replaced {
+        std::fs::remove_dir_all(rank_store(&shm, 1).unwrap()).unwrap();
+    }
+    let spike = [
+        format!("guards.snapshot_interval={ROLLBACK_EVERY}"),
+        format!("debug.spike_at_step={}", cursor + 2),
+    ];
+    let run = |rd: &Path, shm: &Path| {
+        let mut c = command(np, rd, shm);
+        spike.iter().for_each(|s| {
+            c.arg("--set").arg(s);
+        });
+        let out = c.output().expect("spawn kiln");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&rd, &shm);
+    let reference = tmp.path().join("reference");
+    run(&reference, &tmp.path().join("shm-ref"));
+    let to_step = |rd: &Path| {
+        let r = events(rd, "rollback");
+        assert_eq!(r.len(), 1, "{r:?}");
+        r[0]["to_step"].as_u64().unwrap()
+    };
+    assert_eq!(the_resume(&rd)["step"], step);
+    assert_eq!(to_step(&reference), step - step % ROLLBACK_EVERY);
+    assert_eq!(to_step(&rd), to_step(&reference), "rolled back elsewhere");
+    assert!(events(&rd, "rollback_point_lost").is_empty());
+    finish_identical_tail(&rd, &shm, &weights(&reference));
+}
+
+#[test]
+fn a_spike_after_a_memory_resume_rolls_back_where_an_uninterrupted_run_does() {
+    spike_after_resume_rolls_back_as_uninterrupted(1, false);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_replaced_rank_gets_the_rollback_point_from_its_peer() {
+    spike_after_resume_rolls_back_as_uninterrupted(2, true);
+}
+
 /// The one `resume` event of the run, checked to come from a snapshot (no persistent
 /// checkpoint existed).
 fn the_resume(rd: &Path) -> serde_json::Value {
