@@ -312,6 +312,12 @@ pub fn build_plan(req: &PlanRequest) -> Result<Vec<ProcSpec>, PlanError> {
             // One dead rank leaves the others blocked in a collective: end the step at once
             // so the watchdog and the retry loop see the failure, not a hang.
             argv.push(s("--kill-on-bad-exit=1"));
+            // A restarted attempt reuses the nodes of the step it replaces, whose ranks are
+            // already dead but whose step Slurm ends only after its clean-up (KillWait and
+            // more: 5-7 s measured, up to 30 s with the default KillWait); without this the
+            // new step waits for it ("Requested nodes are busy"). kiln runs one step at a
+            // time, so sharing the nodes' resources with a dying step is safe (Slurm 20.11+).
+            argv.push(s("--overlap"));
             Ok(vec![ProcSpec {
                 argv: with_cmd(argv),
                 env: req.exports.clone(),

@@ -1,7 +1,8 @@
 //! The recovery loop, process and node scope: run attempts until success, a non-retryable
 //! ending, a deterministic failure, or the budget is spent. After a failed attempt, name the
 //! culprit host (see [`crate::culprit`]), swap it for a spare and quarantine it, or retry on
-//! the same hosts, with exponential backoff between attempts. Every attempt and decision is
+//! the same hosts, with exponential backoff between attempts that make no new progress (one
+//! that trained further starts it again at its base). Every attempt and decision is
 //! recorded in events.jsonl.
 
 use crate::classify::Classification;
@@ -498,17 +499,18 @@ impl Recovery<'_> {
         );
     }
 
-    /// Waits the backoff before the next attempt. Returns the outcome to end with when the
-    /// walltime leaves no room for another attempt or a stop signal arrives meanwhile.
+    /// Waits the backoff before the next attempt, the `retry`th in a row without new
+    /// progress. Returns the outcome to end with when the walltime leaves no room for
+    /// another attempt or a stop signal arrives meanwhile.
     fn wait_backoff(
         &mut self,
-        attempt: u32,
+        (attempt, retry): (u32, u32),
         outcome: &AttemptOutcome,
         backoff: &Backoff,
         deadline: Option<Instant>,
         stop: &dyn Fn() -> Option<StopRequest>,
     ) -> Option<AttemptOutcome> {
-        let delay = backoff.delay(attempt);
+        let delay = backoff.delay(retry);
         // No attempt can start after the walltime: stop now, resumable, instead of starting
         // one that would be killed at once.
         if deadline.is_some_and(|d| Instant::now() + delay >= d) {
@@ -691,7 +693,15 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             last.exit_code = exit::NODES_EXHAUSTED;
             return end(last, attempt, Some(reason), r.swaps);
         }
-        let waited = r.wait_backoff(attempt, &outcome, &backoff, template.deadline, stop);
+        // A fault after new progress is not a crash loop: back off from the base again.
+        let retry = history.no_progress_streak + 1;
+        let waited = r.wait_backoff(
+            (attempt, retry),
+            &outcome,
+            &backoff,
+            template.deadline,
+            stop,
+        );
         if let Some(last) = waited {
             return end(last, attempt, None, r.swaps);
         }

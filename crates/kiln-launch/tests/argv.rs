@@ -149,6 +149,7 @@ fn slurm_uses_srun_with_expanded_nodes_and_gpus() {
         "--gpus-per-node=4",
         "--cpu-bind=cores",
         "--kill-on-bad-exit=1",
+        "--overlap",
     ]);
     want.extend(tail());
     assert_eq!(s.procs[0].argv, want);
@@ -181,6 +182,7 @@ fn slurm_with_a_hostfile_and_nnodes_names_the_nodes() {
         "--ntasks-per-node=2",
         "--nodelist=g1,g2",
         "--kill-on-bad-exit=1",
+        "--overlap",
     ]);
     want.extend(tail());
     assert_eq!(s.procs[0].argv, want);

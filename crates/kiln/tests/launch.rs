@@ -250,7 +250,9 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
     let rd = dir.path().join("run");
     let count = dir.path().join("count");
     let script = format!(
-        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; printf 'attempt %s \\377\\376\\033[1mstep=%s\\033[0m\\n' $n $n; [ $n -ge 3 ]",
+        // Attempt 2 gets no further than attempt 1 (step 1): the backoff doubles; attempt 3
+        // trains further: it is back at the base.
+        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; p=$n; [ $n -eq 2 ] && p=1; printf 'attempt %s \\377\\376\\033[1mstep=%s\\033[0m\\n' $n $p; [ $n -ge 4 ]",
         c = s(&count)
     );
     let (out, _) = run(&[
@@ -269,7 +271,7 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     assert_eq!(
         std::fs::read_to_string(&count).unwrap().trim(),
-        "3",
+        "4",
         "no retry after success"
     );
     assert!(
@@ -278,7 +280,7 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
     );
     let log = std::fs::read(rd.join("attempt-2.log")).unwrap();
     assert!(
-        log.starts_with(b"attempt 2 \xff\xfe\x1b[1mstep=2"),
+        log.starts_with(b"attempt 2 \xff\xfe\x1b[1mstep=1"),
         "{log:?}"
     );
     let ev = events(&rd);
@@ -287,9 +289,9 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         .iter()
         .map(|e| e.fields["classification"].as_str().unwrap())
         .collect();
-    assert_eq!(classes, ["failed", "failed", "success"]);
+    assert_eq!(classes, ["failed", "failed", "failed", "success"]);
     assert_eq!(
-        ends[2].fields["last_progress"], 3,
+        ends[3].fields["last_progress"], 4,
         "progress read through escape codes"
     );
     let backoffs: Vec<f64> = ev
@@ -297,10 +299,10 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         .filter(|e| e.event == "backoff")
         .map(|e| e.fields["seconds"].as_f64().unwrap())
         .collect();
-    assert_eq!(backoffs, [0.4, 0.6]);
+    assert_eq!(backoffs, [0.4, 0.6, 0.4]);
     // The gap between an attempt's end and the next start is the backoff.
     let starts: Vec<_> = ev.iter().filter(|e| e.event == "attempt_start").collect();
-    for i in 0..2 {
+    for i in 0..3 {
         let gap = starts[i + 1].time - ends[i].fields["end_time"].as_f64().unwrap();
         assert!(
             gap >= backoffs[i] - 0.01 && gap < backoffs[i] + 0.5,
@@ -309,7 +311,7 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         );
     }
     let end = ev.iter().find(|e| e.event == "launch_end").unwrap();
-    assert_eq!(end.fields["attempts"], 3);
+    assert_eq!(end.fields["attempts"], 4);
 }
 
 #[test]
@@ -533,7 +535,7 @@ fn dry_run_prints_the_pbs_and_slurm_argv() {
     .unwrap();
     let stdout = text(&out.stdout);
     let want = format!(
-        "argv: [\"srun\",\"--nodes=2\",\"--ntasks=8\",\"--ntasks-per-node=4\",\"--gpus-per-node=4\",\"--kill-on-bad-exit=1\",\"{KILN}\",\"launch\",\"--as-rank\",\"--\",\"python\",\"train.py\"]"
+        "argv: [\"srun\",\"--nodes=2\",\"--ntasks=8\",\"--ntasks-per-node=4\",\"--gpus-per-node=4\",\"--kill-on-bad-exit=1\",\"--overlap\",\"{KILN}\",\"launch\",\"--as-rank\",\"--\",\"python\",\"train.py\"]"
     );
     assert!(stdout.contains(&want), "{stdout}\nwant {want}");
 }

@@ -156,9 +156,9 @@ fn run_and_kill(np: usize, rd: &Path, shm: &Path, victim: usize) {
 const ROLLBACK_EVERY: u64 = 7;
 
 /// Like [`run_and_kill`] with `guards.snapshot_interval` = [`ROLLBACK_EVERY`], but every
-/// rank is killed, when every rank's newest snapshot is past the spike window's warm-up and
-/// between two of the guards' snapshots (the ranks are stopped while their stores are read).
-/// Returns that snapshot's step and data cursor.
+/// rank is killed, when every rank's newest snapshot is well into training (where a garbage
+/// batch stands out as a spike) and between two of the guards' snapshots (the ranks are
+/// stopped while their stores are read). Returns that snapshot's step and data cursor.
 fn kill_between_rollback_points(np: usize, rd: &Path, shm: &Path) -> (u64, u64) {
     let mut child = command(np, rd, shm)
         .arg("--set")
@@ -180,7 +180,7 @@ fn kill_between_rollback_points(np: usize, rd: &Path, shm: &Path) -> (u64, u64) 
         pids.iter().for_each(|&p| signal(p, libc::SIGSTOP));
         let newest: Vec<u64> = (0..np).map(|r| snapshot_steps(shm, r)[0]).collect();
         let s = newest[0];
-        if s > 60 && !s.is_multiple_of(ROLLBACK_EVERY) && newest.iter().all(|&n| n == s) {
+        if s > 400 && !s.is_multiple_of(ROLLBACK_EVERY) && newest.iter().all(|&n| n == s) {
             break s;
         }
         pids.iter().for_each(|&p| signal(p, libc::SIGCONT));
@@ -239,7 +239,7 @@ fn spike_after_resume_rolls_back_as_uninterrupted(np: usize, replaced: bool) {
     run(&reference, &tmp.path().join("shm-ref"));
     let to_step = |rd: &Path| {
         let r = events(rd, "rollback");
-        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!(r.len(), 1, "{}: {r:?}", rd.display());
         r[0]["to_step"].as_u64().unwrap()
     };
     assert_eq!(the_resume(&rd)["step"], step);

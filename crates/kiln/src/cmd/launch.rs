@@ -19,7 +19,7 @@ Usage:
 Launcher (chosen from the detected scheduler, see `kiln doctor`):
   PBS (PBS_JOBID)     mpiexec --envall -n NP -ppn PPN --hostfile $PBS_NODEFILE --cpu-bind depth -d D
   Slurm (SLURM_JOB_ID) srun --nodes --ntasks --ntasks-per-node [--gpus-per-node] [--cpu-bind]
-                       [--nodelist] --kill-on-bad-exit=1
+                       [--nodelist] --kill-on-bad-exit=1 --overlap
   none                ranks spawned locally (at most 4 per CPU, at least 8, unless
                       --oversubscribe); with --mpi: mpirun -np NP (-x forwards variables; as
                       root kiln sets OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
