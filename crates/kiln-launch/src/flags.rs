@@ -57,7 +57,8 @@ pub struct LaunchRequest {
     pub stall_timeout: Option<f64>,
     /// Startup watchdog: kill an attempt in which no rank reached a step S seconds after it
     /// started (a wire-up or launch that hangs); 0 turns it off [default: from a launch's
-    /// second attempt on, 10 x the slowest startup of its earlier attempts, at least 10 s].
+    /// second attempt on (from the first in a later job of a `kiln submit` chain), 10 x the
+    /// slowest startup of its (its chain's) earlier attempts, at least 10 s].
     #[arg(long, value_name = "S", help_heading = "Watchdogs")]
     pub startup_timeout: Option<f64>,
     /// Regex whose first capture group (or group `step`) is the step number.

@@ -546,6 +546,7 @@ impl<'a> Running<'a> {
         let setup = &self.setup;
         let health = health_of(&setup.scheduler.value);
         let planner = |hosts: &[kiln_topology::Host]| setup.plan_for(hosts);
+        let prior_startup = self.prior_startup();
         run_with_retries(RetryConfig {
             attempt,
             run_dir: self.dirs.run.clone(),
@@ -571,8 +572,16 @@ impl<'a> Running<'a> {
             events: &mut self.events,
             stop: &stop_requested,
             on_attempt_end,
+            prior_startup,
         })
         .map_err(|e| LaunchError::Io(e.to_string()))
+    }
+
+    /// For a later job of a chain (the same command again): the slowest startup its run
+    /// directory recorded.
+    fn prior_startup(&self) -> Option<f64> {
+        self.chain.as_ref().filter(|c| c.index > 1)?;
+        crate::stall::slowest_startup(&kiln_run::read_events(&self.dirs.run).ok()?)
     }
 
     /// Writes `launch_end` and, for a job of a chain, submits the next job when it should;

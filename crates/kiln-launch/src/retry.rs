@@ -119,6 +119,9 @@ pub struct RetryConfig<'a> {
     pub stop: &'a dyn Fn() -> Option<StopRequest>,
     /// Called with each finished attempt (for a one-line summary on stderr).
     pub on_attempt_end: &'a dyn Fn(u32, &AttemptOutcome, &Diagnosis),
+    /// The slowest startup of the earlier jobs of this job's chain, which ran the same
+    /// command: the startup watchdog then guards this job's first attempt too.
+    pub prior_startup: Option<f64>,
 }
 
 /// The result of the whole launch.
@@ -233,13 +236,19 @@ pub fn decide(
         h.no_progress_streak += 1;
     }
     let zero_step = !o.advanced();
-    let previous_zero = std::mem::replace(&mut h.previous_zero_step, zero_step);
-    let previous_signature = std::mem::replace(&mut h.previous_signature, signature.clone());
+    let node_failure = d.cause == "node-failure";
+    // A node that died says nothing about the program: it is no evidence of a
+    // deterministic failure for the attempt after it.
+    let evidence = !node_failure;
+    let previous_zero = std::mem::replace(&mut h.previous_zero_step, zero_step && evidence);
+    let previous_signature = std::mem::replace(
+        &mut h.previous_signature,
+        signature.clone().filter(|_| evidence),
+    );
     let previous_last_step = std::mem::replace(&mut h.previous_last_step, o.last_progress);
     if !o.classification.retryable() {
         return Finish;
     }
-    let node_failure = d.cause == "node-failure";
     if swap_hosts && !node_failure {
         if zero_step && previous_zero {
             return Stop {
@@ -585,6 +594,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         events,
         stop,
         on_attempt_end,
+        prior_startup,
     } = cfg;
     let mut r = Recovery {
         log: Log(events),
@@ -596,7 +606,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
     let mut history = History::default();
     let mut attempt: u32 = 0;
     // The slowest startup (attempt start to first advance) so far: the startup watchdog's.
-    let mut slowest_startup: Option<f64> = None;
+    let mut slowest_startup: Option<f64> = prior_startup;
     let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
         Ok(LaunchResult {
             last,
@@ -818,6 +828,21 @@ mod tests {
             ),
             Retry { .. }
         ));
+        // ... nor after one: a node that died at startup, then a start that hangs, is retried.
+        let mut h = History::default();
+        let zero = outcome(Classification::Failed, 137, false);
+        let hung = outcome(Classification::HungSilent, 124, false);
+        let died = decide(
+            &zero,
+            &diag("node-failure", &["n2"]),
+            None,
+            auto,
+            AT_ONCE,
+            &mut h,
+        );
+        assert!(matches!(died, Retry { .. }), "{died:?}");
+        let then = decide(&hung, &diag("hang", &[]), None, auto, AT_ONCE, &mut h);
+        assert!(matches!(then, Retry { .. }), "{then:?}");
         // The same error twice after a swap is the program's.
         let mut h = History::default();
         let sig = Some("ValueError: x".to_string());

@@ -39,6 +39,18 @@ pub fn startup_limit(slowest: Option<f64>) -> Option<Duration> {
     Some(Duration::from_secs_f64((STARTUP_FACTOR * s).min(1e9)).max(STARTUP_FLOOR))
 }
 
+/// The slowest startup (attempt start to first advance, seconds) among the attempts in
+/// `events` (a run directory's `attempt_end` events) that reached a step.
+pub fn slowest_startup(events: &[kiln_run::Event]) -> Option<f64> {
+    let num = |e: &kiln_run::Event, k: &str| e.fields.get(k).and_then(serde_json::Value::as_f64);
+    events
+        .iter()
+        .filter(|e| e.event == kiln_run::event::ATTEMPT_END)
+        .filter_map(|e| Some(num(e, "first_advance_time")? - num(e, "start_time")?))
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .reduce(f64::max)
+}
+
 /// Step-time samples kept per rank.
 pub const RECENT: usize = 32;
 
@@ -162,6 +174,36 @@ mod tests {
         assert_eq!(startup_limit(Some(f64::NAN)), None);
         assert_eq!(startup_limit(Some(-1.0)), None);
         assert!(startup_limit(Some(1e300)).is_some());
+    }
+
+    #[test]
+    fn the_slowest_startup_of_a_run_directory_counts_attempts_that_reached_a_step() {
+        let ev = |name: &str, fields: serde_json::Value| kiln_run::Event {
+            time: 0.0,
+            source: "launch".into(),
+            event: name.into(),
+            fields: fields.as_object().cloned().unwrap_or_default(),
+        };
+        let events = [
+            ev(
+                "attempt_end",
+                serde_json::json!({"start_time": 10.0, "first_advance_time": 12.5}),
+            ),
+            ev(
+                "attempt_end",
+                serde_json::json!({"start_time": 20.0, "first_advance_time": null}),
+            ),
+            ev(
+                "attempt_end",
+                serde_json::json!({"start_time": 30.0, "first_advance_time": 30.5}),
+            ),
+            ev(
+                "attempt_start",
+                serde_json::json!({"start_time": 0.0, "first_advance_time": 99.0}),
+            ),
+        ];
+        assert_eq!(slowest_startup(&events), Some(2.5));
+        assert_eq!(slowest_startup(&events[1..2]), None);
     }
 
     fn at(t0: Instant, s: f64) -> Instant {

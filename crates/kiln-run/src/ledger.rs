@@ -398,10 +398,18 @@ pub fn ledger(events: &[Event]) -> Ledger {
             Some((e.time, u(e, "step")?, stall))
         })
         .collect();
+    // Where each training start began: a resume's step, or 0 for a fresh start.
+    let fresh = |e: &Event| {
+        e.event == event::START
+            && e.source == crate::event::source::TRAIN
+            && e.fields.get("resumed_from").is_some_and(Value::is_null)
+    };
     let resumes: Vec<(f64, u64)> = events
         .iter()
-        .filter(|e| e.event == event::RESUME)
-        .filter_map(|e| Some((e.time, u(e, "step")?)))
+        .filter_map(|e| match e.event == event::RESUME {
+            true => Some((e.time, u(e, "step")?)),
+            false => fresh(e).then_some((e.time, 0)),
+        })
         .collect();
     let mut lost_steps = 0u64;
     let mut summaries = Vec::new();
@@ -433,7 +441,8 @@ pub fn ledger(events: &[Event]) -> Ledger {
         // Where the work of this attempt stops being kept: the save of the checkpoint the
         // next attempt resumed from (or, for the last attempt, its last save).
         let next_start = atts.get(i + 1).map(|n| n.start);
-        let resumed = next_start.map(|ns| resumes.iter().find(|r| r.0 >= ns).map_or(0, |r| r.1));
+        // None when training never started again (the run ended in failed starts).
+        let resumed = next_start.and_then(|ns| resumes.iter().find(|r| r.0 >= ns).map(|r| r.1));
         let kept_until = if success {
             a.end
         } else {
@@ -730,6 +739,31 @@ mod tests {
         assert_eq!(b.lost, 4.0);
         assert_eq!(b.productive, 0.0);
         assert_eq!(ledger(&[]).total, 0.0);
+    }
+
+    #[test]
+    fn steps_are_lost_only_to_a_start_that_began_again_behind_them() {
+        let end = |t0: f64, t1: f64, class: &str, last: u64| {
+            let f = json!({"start_time": t0, "end_time": t1, "first_advance_time": t0 + 1.0,
+                           "last_advance_time": t1 - 1.0, "classification": class,
+                           "last_progress": last, "start_step": 0});
+            ev(t1, "launch", "attempt_end", f)
+        };
+        let failed_start = |t0: f64, t1: f64| {
+            let f = json!({"start_time": t0, "end_time": t1, "classification": "failed"});
+            ev(t1, "launch", "attempt_end", f)
+        };
+        // The run ended in starts that failed: nothing was redone, so nothing counts as lost.
+        let ended = [end(0.0, 50.0, "walltime", 300), failed_start(51.0, 52.0)];
+        let l = ledger(&ended);
+        assert_eq!((l.lost_steps, l.attempts[0].lost_steps), (0, None));
+        // A fresh start after it (no checkpoint) redoes every step.
+        let mut fresh = ended.to_vec();
+        let start = json!({"step": 0, "resumed_from": null});
+        fresh.push(ev(53.5, "train", "start", start));
+        fresh.push(end(53.0, 60.0, "success", 400));
+        let l = ledger(&fresh);
+        assert_eq!((l.lost_steps, l.attempts[0].lost_steps), (300, Some(300)));
     }
 
     #[test]

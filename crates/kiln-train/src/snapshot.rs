@@ -359,13 +359,8 @@ impl Snapshotter {
         if floor.is_some_and(|p| step < p) {
             return Ok(None);
         }
-        let holders: Vec<usize> = (0..comm.size())
-            .zip(all_gather(comm, u64::from(mine == best[0])))
-            .filter(|(_, has)| *has == 1)
-            .map(|(r, _)| r)
-            .collect();
+        let (holders, peer_ranks) = split_ranks(comm, mine == best[0]);
         let source = holders.first().copied().unwrap_or(0);
-        let peer_ranks: Vec<usize> = (0..comm.size()).filter(|r| !holders.contains(r)).collect();
         let local = local.filter(|(_, c)| c.step == step);
         let got = if peer_ranks.is_empty() {
             local
@@ -409,12 +404,7 @@ impl Snapshotter {
             let same = c.step == step && checkpoint::lineage_of(&c.state) == Some(run_id);
             same.then(|| (persistent.to_path_buf(), c))
         });
-        let holders: Vec<usize> = (0..comm.size())
-            .zip(all_gather(comm, u64::from(local.is_some())))
-            .filter(|(_, has)| *has == 1)
-            .map(|(r, _)| r)
-            .collect();
-        let receivers: Vec<usize> = (0..comm.size()).filter(|r| !holders.contains(r)).collect();
+        let (holders, receivers) = split_ranks(comm, local.is_some());
         match holders.first() {
             None => Ok(None),
             Some(_) if receivers.is_empty() => Ok(local),
@@ -468,6 +458,12 @@ impl Snapshotter {
 }
 
 /// Every rank's `value` (one rank: just its own).
+/// The ranks for which `has` holds and those for which it does not (a collective).
+fn split_ranks(comm: &dyn Collective, has: bool) -> (Vec<usize>, Vec<usize>) {
+    let all = all_gather(comm, u64::from(has));
+    (0..comm.size()).partition(|&r| all[r] == 1)
+}
+
 fn all_gather(comm: &dyn Collective, value: u64) -> Vec<u64> {
     if comm.size() == 1 {
         vec![value]
