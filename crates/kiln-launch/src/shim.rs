@@ -221,6 +221,7 @@ fn watch_rank(
     on: &AtomicBool,
 ) {
     let mut last_live: Option<Instant> = None;
+    let mut forwarded = None;
     while on.load(Ordering::SeqCst) {
         if let Some((listener, bound)) = &beats
             && give_up_on_silence(dir, rank, pgid, listener, *bound)
@@ -231,7 +232,7 @@ fn watch_rank(
             std::thread::sleep(STOP_POLL);
             continue;
         };
-        forward_stop_request(dir, pgid);
+        forward_stop_request(dir, pgid, &mut forwarded);
         if last_live.is_none_or(|t| t.elapsed() >= LIVENESS_EVERY) {
             last_live = Some(Instant::now());
             if let Some((state, cpu)) = crate::groups::group_liveness(pgid) {
@@ -268,15 +269,20 @@ fn give_up_on_silence(
     true
 }
 
-/// Signals the program's group once kiln asked the ranks to stop (continuing it first if it
-/// was stopped, so that it can act on the signal).
-fn forward_stop_request(dir: &std::path::Path, pgid: i32) {
-    if STOP_FORWARDED.load(Ordering::SeqCst) {
-        return;
-    }
+/// Signals the program's group once kiln asked the ranks to stop, and again for each newer
+/// request (kiln's escalation to SIGKILL), continuing it so that it can act on the signal.
+fn forward_stop_request(
+    dir: &std::path::Path,
+    pgid: i32,
+    forwarded: &mut Option<kiln_run::StopRecord>,
+) {
     let Some(req) = kiln_run::read_stop_request(dir) else {
         return;
     };
+    if *forwarded == Some(req) {
+        return;
+    }
+    *forwarded = Some(req);
     STOP_FORWARDED.store(true, Ordering::SeqCst);
     let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
     let _ = killpg(Pid::from_raw(pgid), sig);

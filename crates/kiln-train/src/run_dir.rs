@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 pub enum RunDirError {
     /// Another process holds the lock.
     #[error(
-        "run directory {path} is in use by another trainer ({holder}); wait for it to finish, stop it, or use another --run-dir"
+        "run directory {path} is in use by another trainer ({holder}, for over 10 s); wait for it to finish, stop it, or use another --run-dir"
     )]
     Locked {
         /// The run directory.
@@ -44,6 +44,28 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunDirError + '_ {
     }
 }
 
+/// How long a trainer waits for the run directory's lock: a restarted attempt can start
+/// while the previous attempt's trainer is still being killed (its launcher ended, its
+/// process not yet), and must not take that for another run.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The exclusive lock of `file`, waiting up to `wait` for its holder to let go.
+fn lock_within(
+    mut file: File,
+    wait: std::time::Duration,
+) -> Result<Flock<File>, (File, nix::errno::Errno)> {
+    let until = std::time::Instant::now() + wait;
+    loop {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Err((f, nix::errno::Errno::EWOULDBLOCK)) if std::time::Instant::now() < until => {
+                file = f;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// A run directory held by this process (the writer rank of a run).
 #[derive(Debug)]
 pub struct RunDir {
@@ -52,9 +74,13 @@ pub struct RunDir {
 }
 
 impl RunDir {
-    /// Creates `path` if needed and takes its lock; fails at once, naming the holder, if
-    /// another process has it.
+    /// Creates `path` if needed and takes its lock; fails, naming the holder, if another
+    /// process still has it after [`LOCK_WAIT`].
     pub fn lock(path: &Path) -> Result<Self, RunDirError> {
+        Self::lock_waiting(path, LOCK_WAIT)
+    }
+
+    fn lock_waiting(path: &Path, wait: std::time::Duration) -> Result<Self, RunDirError> {
         std::fs::create_dir_all(path).map_err(io(path))?;
         let lock_path = path.join(layout::LOCK);
         let file = std::fs::OpenOptions::new()
@@ -65,7 +91,7 @@ impl RunDir {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&lock_path)
             .map_err(io(&lock_path))?;
-        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let mut lock = match lock_within(file, wait) {
             Ok(lock) => lock,
             Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
                 let mut holder = String::new();
@@ -127,14 +153,27 @@ mod tests {
     #[test]
     fn second_lock_names_the_holder_and_release_lets_the_next_in() {
         let dir = tempfile::tempdir().unwrap();
+        let short = std::time::Duration::from_millis(100);
         let first = RunDir::lock(dir.path()).unwrap();
-        let err = RunDir::lock(dir.path()).unwrap_err().to_string();
+        let err = RunDir::lock_waiting(dir.path(), short)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains(&format!("pid {}", std::process::id())),
             "{err}"
         );
         drop(first);
+        let second = RunDir::lock(dir.path()).unwrap();
+        // A holder that lets go while the next waits (the trainer of an attempt being
+        // killed) hands the lock over.
+        let t0 = std::time::Instant::now();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(second);
+        });
         RunDir::lock(dir.path()).unwrap();
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(300));
+        release.join().unwrap();
     }
 
     #[test]

@@ -37,13 +37,13 @@ impl Escalation {
         self.kill_at.is_some()
     }
 
-    /// Sends the scheduled SIGKILL once it is due.
-    pub(super) fn tick(&mut self, groups: &[Pid], now: Instant) {
-        if let Some(at) = self.kill_at
-            && now >= at
-        {
+    /// Sends the scheduled SIGKILL once it is due; whether it did.
+    pub(super) fn tick(&mut self, groups: &[Pid], now: Instant) -> bool {
+        let due = self.kill_at.is_some_and(|at| now >= at);
+        if due {
             kill_groups(groups, Signal::SIGKILL);
             self.kill_at = None;
         }
+        due
     }
 }

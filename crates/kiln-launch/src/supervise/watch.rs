@@ -92,7 +92,13 @@ impl Watch {
             self.read_progress_dir(a, now);
             let hung = self.liveness(a, now).or_else(|| self.watchdog(a, now));
             self.stop_ranks(a, hung, now);
-            self.kill.tick(&a.running.groups, now);
+            if self.kill.tick(&a.running.groups, now) {
+                // SIGKILL reached the launcher (srun, mpirun); ranks on other nodes, blocked
+                // in a collective and deaf to SIGTERM, would outlive it until the scheduler's
+                // own clean-up (Slurm's KillWait, 30 s by default) and hold the run
+                // directory's lock against the next attempt: their shims kill them now.
+                deliver_through_shims(a, Signal::SIGKILL);
+            }
             self.pending
                 .extend(a.running.exit_rx.recv_timeout(TICK).ok());
         }
@@ -238,14 +244,25 @@ impl Watch {
 /// is not signalled, because it would kill ranks that are still checkpointing. Otherwise the
 /// process groups get it.
 fn forward_stop(a: &Attempt<'_>, sig: Signal) {
+    if !deliver_through_shims(a, sig) {
+        kill_groups(&a.running.groups, sig);
+    }
+}
+
+/// Under a launcher whose ranks run the `--as-rank` shim, asks every shim to send `sig` to
+/// its rank (a newer request supersedes an older one); whether it could.
+fn deliver_through_shims(a: &Attempt<'_>, sig: Signal) -> bool {
     let shimmed = a.cfg.rank_shims && a.running.ranks.iter().all(Option::is_none);
-    if let (true, Some(dir)) = (shimmed, &a.cfg.progress_dir) {
-        match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time()) {
-            Ok(()) => return,
-            Err(e) => tracing::warn!("{e}: signalling the launcher instead"),
+    let (true, Some(dir)) = (shimmed, &a.cfg.progress_dir) else {
+        return false;
+    };
+    match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time()) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!("{e}: signalling the launcher instead");
+            false
         }
     }
-    kill_groups(&a.running.groups, sig);
 }
 
 /// The grace the others get after `v`: short when a rank was lost (see
