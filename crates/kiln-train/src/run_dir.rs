@@ -19,13 +19,16 @@ use std::path::{Path, PathBuf};
 pub enum RunDirError {
     /// Another process holds the lock.
     #[error(
-        "run directory {path} is in use by another trainer ({holder}, for over 10 s); wait for it to finish, stop it, or use another --run-dir"
+        "run directory {path} is in use by another trainer ({holder}, for over {} s); wait for it to finish, stop it, or use another --run-dir",
+        waited.as_secs_f64()
     )]
     Locked {
         /// The run directory.
         path: PathBuf,
         /// `pid <P> on <host>` as the holder wrote it.
         holder: String,
+        /// How long this process waited for it to let go.
+        waited: std::time::Duration,
     },
     /// Filesystem error on a file of the run directory.
     #[error("{path}: {source}")]
@@ -104,6 +107,7 @@ impl RunDir {
                     } else {
                         holder.to_string()
                     },
+                    waited: wait,
                 });
             }
             Err((_, errno)) => return Err(io(&lock_path)(std::io::Error::from(errno))),

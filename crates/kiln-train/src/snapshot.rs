@@ -343,13 +343,7 @@ impl Snapshotter {
         floor: Option<u64>,
         journal: &mut Journal,
     ) -> Result<Option<Recovered>, TrainError> {
-        let mut rejected = Vec::new();
-        let local = self.store.newest(run_id, |p, r| {
-            rejected.push((p.to_path_buf(), r.to_string()));
-        });
-        for (path, reason) in rejected {
-            reject(comm.rank(), &path, &reason, journal)?;
-        }
+        let local = reporting(comm.rank(), journal, |on| self.store.newest(run_id, on))?;
         let mine = local.as_ref().map_or(0, |(_, c)| c.step + 1);
         let mut best = [mine];
         comm.all_reduce_max_u64(&mut best);
@@ -392,13 +386,9 @@ impl Snapshotter {
         persistent: &Path,
         journal: &mut Journal,
     ) -> Result<Option<(PathBuf, Checkpoint)>, TrainError> {
-        let mut rejected = Vec::new();
-        let mine = self.store.verified(run_id, step, |p, r| {
-            rejected.push((p.to_path_buf(), r.to_string()));
-        });
-        for (path, reason) in rejected {
-            reject(comm.rank(), &path, &reason, journal)?;
-        }
+        let mine = reporting(comm.rank(), journal, |on| {
+            self.store.verified(run_id, step, on)
+        })?;
         let local = mine.or_else(|| {
             let c = checkpoint::load(persistent).ok()?;
             let same = c.step == step && checkpoint::lineage_of(&c.state) == Some(run_id);
@@ -458,6 +448,21 @@ impl Snapshotter {
 }
 
 /// Every rank's `value` (one rank: just its own).
+/// What `look` found in this rank's store, after reporting every snapshot it rejected (and
+/// deleted) on the way.
+fn reporting<T>(
+    rank: usize,
+    journal: &mut Journal,
+    look: impl FnOnce(&mut dyn FnMut(&Path, &str)) -> T,
+) -> Result<T, TrainError> {
+    let mut rejected = Vec::new();
+    let found = look(&mut |p: &Path, r: &str| rejected.push((p.to_path_buf(), r.to_string())));
+    for (path, reason) in rejected {
+        reject(rank, &path, &reason, journal)?;
+    }
+    Ok(found)
+}
+
 /// The ranks for which `has` holds and those for which it does not (a collective).
 fn split_ranks(comm: &dyn Collective, has: bool) -> (Vec<usize>, Vec<usize>) {
     let all = all_gather(comm, u64::from(has));
