@@ -125,9 +125,10 @@ pub struct LaunchRequest {
     #[arg(long, value_name = "FILE", help_heading = "Retries")]
     #[serde(serialize_with = "path_bytes")]
     pub quarantine_file: Option<PathBuf>,
-    /// Backoff between retries, BASE[,CAP] seconds: BASE, doubling with each attempt in a
-    /// row that got no further than the best before it, at most CAP [default: 5,60 = 5, 10,
-    /// 20, 40, 60, 60 ...]; an attempt that trained further starts again at BASE.
+    /// Backoff between retries, BASE[,CAP] seconds: BASE after an attempt that got no
+    /// further than the best before it, doubling with each such attempt in a row, at most CAP
+    /// [default: 5,60 = 5, 10, 20, 40, 60, 60 ...]; an attempt that trained further than any
+    /// before it is retried at once.
     #[arg(
         long,
         value_name = "BASE[,CAP]",

@@ -1,9 +1,10 @@
 //! The recovery loop, process and node scope: run attempts until success, a non-retryable
 //! ending, a deterministic failure, or the budget is spent. After a failed attempt, name the
 //! culprit host (see [`crate::culprit`]), swap it for a spare and quarantine it, or retry on
-//! the same hosts, with exponential backoff between attempts that make no new progress (one
-//! that trained further starts it again at its base). Every attempt and decision is
-//! recorded in events.jsonl.
+//! the same hosts. An attempt that trained further than any before it is retried at once (a
+//! fault after new progress is not a crash loop, and every second waited is lost to every
+//! rank); attempts in a row that got no further back off exponentially. Every attempt and
+//! decision is recorded in events.jsonl.
 
 use crate::classify::Classification;
 use crate::culprit::{Clues, Diagnosis, diagnose, error_signature};
@@ -19,7 +20,8 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Exponential backoff: `base`, doubling per retry, at most `cap`.
+/// Exponential backoff between attempts that make no new progress: `base`, doubling per such
+/// attempt in a row, at most `cap`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
     /// First delay.
@@ -62,9 +64,13 @@ impl Backoff {
         Ok(Self { base, cap })
     }
 
-    /// Delay before retry number `retry` (1-based).
-    pub fn delay(&self, retry: u32) -> Duration {
-        let factor = 2u32.saturating_pow(retry.saturating_sub(1).min(30));
+    /// Delay before the attempt after `streak` attempts in a row that got no further than
+    /// the best before them; none after one that trained further (`streak` 0).
+    pub fn delay(&self, streak: u32) -> Duration {
+        if streak == 0 {
+            return Duration::ZERO;
+        }
+        let factor = 2u32.saturating_pow(streak.saturating_sub(1).min(30));
         self.base.saturating_mul(factor).min(self.cap)
     }
 }
@@ -508,18 +514,18 @@ impl Recovery<'_> {
         );
     }
 
-    /// Waits the backoff before the next attempt, the `retry`th in a row without new
-    /// progress. Returns the outcome to end with when the walltime leaves no room for
+    /// Waits the backoff before the next attempt, after `streak` attempts in a row without
+    /// new progress. Returns the outcome to end with when the walltime leaves no room for
     /// another attempt or a stop signal arrives meanwhile.
     fn wait_backoff(
         &mut self,
-        (attempt, retry): (u32, u32),
+        (attempt, streak): (u32, u32),
         outcome: &AttemptOutcome,
         backoff: &Backoff,
         deadline: Option<Instant>,
         stop: &dyn Fn() -> Option<StopRequest>,
     ) -> Option<AttemptOutcome> {
-        let delay = backoff.delay(retry);
+        let delay = backoff.delay(streak);
         // No attempt can start after the walltime: stop now, resumable, instead of starting
         // one that would be killed at once.
         if deadline.is_some_and(|d| Instant::now() + delay >= d) {
@@ -538,11 +544,15 @@ impl Recovery<'_> {
             event::BACKOFF,
             json!({"attempt": attempt, "seconds": delay.as_secs_f64(), "after": outcome.classification.name()}),
         );
+        let when = if delay.is_zero() {
+            "at once: it trained further than any attempt before it".to_string()
+        } else {
+            format!("in {:.1} s", delay.as_secs_f64())
+        };
         eprintln!(
-            "kiln: attempt {attempt} ended {} (exit {}); retrying in {:.1} s",
+            "kiln: attempt {attempt} ended {} (exit {}); retrying {when}",
             outcome.classification.name(),
             outcome.exit_code,
-            delay.as_secs_f64()
         );
         // Sleep in small steps: a stop signal during backoff must end kiln promptly.
         let seen = stop().map_or(0, |s| s.count);
@@ -703,10 +713,8 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             last.exit_code = exit::NODES_EXHAUSTED;
             return end(last, attempt, Some(reason), r.swaps);
         }
-        // A fault after new progress is not a crash loop: back off from the base again.
-        let retry = history.no_progress_streak + 1;
         let waited = r.wait_backoff(
-            (attempt, retry),
+            (attempt, history.no_progress_streak),
             &outcome,
             &backoff,
             template.deadline,
@@ -725,8 +733,8 @@ mod tests {
     #[test]
     fn backoff_doubles_to_the_cap() {
         let b = Backoff::default();
-        let secs: Vec<u64> = (1..=6).map(|r| b.delay(r).as_secs()).collect();
-        assert_eq!(secs, [5, 10, 20, 40, 60, 60]);
+        let secs: Vec<u64> = (0..=6).map(|r| b.delay(r).as_secs()).collect();
+        assert_eq!(secs, [0, 5, 10, 20, 40, 60, 60]);
         let b = Backoff::parse("0.5,1.5").unwrap();
         assert_eq!(b.delay(3), Duration::from_millis(1500));
         assert_eq!(Backoff::parse("2").unwrap().cap, Duration::from_secs(24));

@@ -250,9 +250,10 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
     let rd = dir.path().join("run");
     let count = dir.path().join("count");
     let script = format!(
-        // Attempt 2 gets no further than attempt 1 (step 1): the backoff doubles; attempt 3
-        // trains further: it is back at the base.
-        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; p=$n; [ $n -eq 2 ] && p=1; printf 'attempt %s \\377\\376\\033[1mstep=%s\\033[0m\\n' $n $p; [ $n -ge 4 ]",
+        // Attempt 1 trains (to step 1): retried at once. Attempts 2 and 3 get no further: the
+        // base, then double. Attempt 4 trains further (step 4): at once; attempt 5 gets no
+        // further: back at the base. Attempt 6 succeeds.
+        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; p=$n; [ $n -le 3 ] && p=1; [ $n -eq 5 ] && p=4; printf 'attempt %s \\377\\376\\033[1mstep=%s\\033[0m\\n' $n $p; [ $n -ge 6 ]",
         c = s(&count)
     );
     let (out, _) = run(&[
@@ -271,7 +272,7 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     assert_eq!(
         std::fs::read_to_string(&count).unwrap().trim(),
-        "4",
+        "6",
         "no retry after success"
     );
     assert!(
@@ -289,9 +290,12 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         .iter()
         .map(|e| e.fields["classification"].as_str().unwrap())
         .collect();
-    assert_eq!(classes, ["failed", "failed", "failed", "success"]);
     assert_eq!(
-        ends[3].fields["last_progress"], 4,
+        classes,
+        ["failed", "failed", "failed", "failed", "failed", "success"]
+    );
+    assert_eq!(
+        ends[5].fields["last_progress"], 6,
         "progress read through escape codes"
     );
     let backoffs: Vec<f64> = ev
@@ -299,10 +303,10 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         .filter(|e| e.event == "backoff")
         .map(|e| e.fields["seconds"].as_f64().unwrap())
         .collect();
-    assert_eq!(backoffs, [0.4, 0.6, 0.4]);
+    assert_eq!(backoffs, [0.0, 0.4, 0.6, 0.0, 0.4]);
     // The gap between an attempt's end and the next start is the backoff.
     let starts: Vec<_> = ev.iter().filter(|e| e.event == "attempt_start").collect();
-    for i in 0..3 {
+    for i in 0..5 {
         let gap = starts[i + 1].time - ends[i].fields["end_time"].as_f64().unwrap();
         assert!(
             gap >= backoffs[i] - 0.01 && gap < backoffs[i] + 0.5,
@@ -311,7 +315,7 @@ fn retries_follow_the_backoff_stop_on_success_and_survive_invalid_utf8() {
         );
     }
     let end = ev.iter().find(|e| e.event == "launch_end").unwrap();
-    assert_eq!(end.fields["attempts"], 4);
+    assert_eq!(end.fields["attempts"], 6);
 }
 
 #[test]

@@ -158,7 +158,8 @@ const ROLLBACK_EVERY: u64 = 7;
 /// Like [`run_and_kill`] with `guards.snapshot_interval` = [`ROLLBACK_EVERY`], but every
 /// rank is killed, when every rank's newest snapshot is well into training (where a garbage
 /// batch stands out as a spike) and between two of the guards' snapshots (the ranks are
-/// stopped while their stores are read). Returns that snapshot's step and data cursor.
+/// stopped while their stores are read), at least three steps before the next one. Returns
+/// that snapshot's step and data cursor.
 fn kill_between_rollback_points(np: usize, rd: &Path, shm: &Path) -> (u64, u64) {
     let mut child = command(np, rd, shm)
         .arg("--set")
@@ -180,7 +181,10 @@ fn kill_between_rollback_points(np: usize, rd: &Path, shm: &Path) -> (u64, u64) 
         pids.iter().for_each(|&p| signal(p, libc::SIGSTOP));
         let newest: Vec<u64> = (0..np).map(|r| snapshot_steps(shm, r)[0]).collect();
         let s = newest[0];
-        if s > 400 && !s.is_multiple_of(ROLLBACK_EVERY) && newest.iter().all(|&n| n == s) {
+        // The spike two batches on must come before the next rollback point, or the runs
+        // roll back to that one and the restored point goes untested.
+        let between = (1..ROLLBACK_EVERY - 2).contains(&(s % ROLLBACK_EVERY));
+        if s > 400 && between && newest.iter().all(|&n| n == s) {
             break s;
         }
         pids.iter().for_each(|&p| signal(p, libc::SIGCONT));
