@@ -60,6 +60,13 @@ pub trait Collective: Send {
     fn describe(&self) -> String;
     /// Element-wise sum of `buf` over all ranks, written back into `buf`.
     fn all_reduce_sum_f32(&self, buf: &mut [f32]);
+    /// Element-wise sum of `send` over all ranks, written into `recv` (the same length).
+    /// Engines that reduce into a separate buffer anyway (MPI without `MPI_IN_PLACE`) write
+    /// `recv` directly, one copy less than [`Collective::all_reduce_sum_f32`].
+    fn all_reduce_sum_f32_into(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+        self.all_reduce_sum_f32(recv);
+    }
     /// Element-wise sum of `buf` over all ranks (f64), written back into `buf`.
     fn all_reduce_sum_f64(&self, buf: &mut [f64]);
     /// Element-wise maximum of `buf` over all ranks, written back into `buf`.
@@ -127,19 +134,24 @@ impl BucketedAllReduce {
         }
     }
 
-    /// Replaces `buf` with the mean over ranks (sum, then times 1/size: the same scaling on
-    /// every rank and every run).
-    pub fn mean(&self, comm: &dyn Collective, buf: &mut [f32]) {
+    /// The mean over ranks of `send` (sum, then times 1/size: the same scaling on every
+    /// rank and every run), in a new buffer that the engine reduces into directly: besides
+    /// the engine's own work, one pass over the data (the scaling).
+    pub fn mean(&self, comm: &dyn Collective, send: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; send.len()];
         if comm.size() == 1 {
-            return;
+            out.copy_from_slice(send);
+            return out;
         }
-        for chunk in buf.chunks_mut(self.bucket_elems) {
-            comm.all_reduce_sum_f32(chunk);
+        let buckets = send.chunks(self.bucket_elems);
+        for (s, r) in buckets.zip(out.chunks_mut(self.bucket_elems)) {
+            comm.all_reduce_sum_f32_into(s, r);
         }
         let inv = 1.0 / comm.size() as f32;
-        for v in buf.iter_mut() {
+        for v in out.iter_mut() {
             *v *= inv;
         }
+        out
     }
 }
 
@@ -229,9 +241,8 @@ mod tests {
         let env = kiln_topology::rank_env_from(|_| None).unwrap();
         let c = init(&env).unwrap();
         assert_eq!((c.rank(), c.size()), (0, 1));
-        let mut g = vec![1.0f32, -2.0, 3.5];
-        BucketedAllReduce::new(8).mean(c.as_ref(), &mut g);
-        assert_eq!(g, [1.0, -2.0, 3.5]);
+        let g = [1.0f32, -2.0, 3.5];
+        assert_eq!(BucketedAllReduce::new(8).mean(c.as_ref(), &g), g);
         assert_eq!(c.all_gather_u64(7), vec![7]);
         let sh = Sharded::new(5, 1, 8);
         assert_eq!(sh.range(0), 0..5);

@@ -2,7 +2,8 @@
 //!
 //! rsmpi has no in-place all-reduce (`MPI_IN_PLACE` is `(void*)1` in OpenMPI and `(void*)-1`
 //! in MPICH, and bindgen cannot see either), so each call reduces into a scratch buffer and
-//! copies back; with bucketed calls the scratch stays one bucket long.
+//! copies back; with bucketed calls the scratch stays one bucket long. The gradient path
+//! reduces into a buffer of its own instead (`all_reduce_sum_f32_into`), without that copy.
 //!
 //! Empty buffers are never handed to MPI: an empty `Vec<u8>`'s pointer is the dangling
 //! `0x1`, which OpenMPI takes for `MPI_IN_PLACE` and rejects (MPI_ERR_ARG). Every rank
@@ -66,6 +67,13 @@ impl Collective for Mpi {
         self.world
             .all_reduce_into(&*buf, &mut scratch[..], SystemOperation::sum());
         buf.copy_from_slice(&scratch);
+    }
+    fn all_reduce_sum_f32_into(&self, send: &[f32], recv: &mut [f32]) {
+        if send.is_empty() {
+            return;
+        }
+        self.world
+            .all_reduce_into(send, recv, SystemOperation::sum());
     }
     fn all_reduce_sum_f64(&self, buf: &mut [f64]) {
         if buf.is_empty() {

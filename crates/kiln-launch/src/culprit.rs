@@ -464,6 +464,7 @@ mod tests {
             signal: None,
             time,
             host: host.into(),
+            attempt: None,
         }
     }
 

@@ -522,6 +522,7 @@ impl<'a> Running<'a> {
             progress_regex: Some(t.regex),
             progress_dir: Some(self.dirs.progress.clone()),
             clear_progress_dir: self.dirs.own_progress,
+            attempt: None,
             grace: t.grace,
             deadline: t.walltime.map(|w| self.started + w),
             echo: true,

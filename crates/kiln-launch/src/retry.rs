@@ -643,6 +643,7 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         let mut cfg = template.clone();
         cfg.log_path = r.run_dir.join(&log_name);
         cfg.procs = plan.procs.clone();
+        cfg.attempt = Some(plan.attempt.clone());
         cfg.expected_ranks = Some(plan.sizes.np);
         if cfg.startup_auto {
             cfg.startup_timeout = crate::stall::startup_limit(slowest_startup);

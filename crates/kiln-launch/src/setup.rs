@@ -139,6 +139,8 @@ pub struct AttemptPlan {
     pub hostfile_to_write: Option<(PathBuf, String)>,
     /// The host names, in rank order (block distribution: `ppn` ranks per host).
     pub hosts: Vec<String>,
+    /// The attempt's token, exported to every rank as [`kiln_run::ATTEMPT_ENV`].
+    pub attempt: String,
 }
 
 /// Why a launch cannot be set up; the message says which flag or file to fix.
@@ -428,7 +430,8 @@ impl Setup {
         req.hosts = hosts.to_vec();
         req.hostfile = hostfile;
         req.explicit_hosts = p.user_hostfile || !all_hosts;
-        req.exports = self.exports(&names);
+        let attempt = attempt_token();
+        req.exports = self.exports(&names, &attempt);
         let mut procs = build_plan(&req)?;
         for proc in &mut procs {
             let device = proc.rank.and_then(|r| p.rank_devices.get(r)?.clone());
@@ -440,6 +443,7 @@ impl Setup {
             procs,
             hostfile_to_write,
             hosts: names,
+            attempt,
         })
     }
 
@@ -479,7 +483,7 @@ impl Setup {
     }
 
     /// The variables every rank of an attempt on the hosts `names` sees.
-    fn exports(&self, names: &[String]) -> Vec<(String, String)> {
+    fn exports(&self, names: &[String], attempt: &str) -> Vec<(String, String)> {
         let p = &self.planning;
         let master_addr = p
             .master_addr
@@ -496,6 +500,7 @@ impl Setup {
                 kiln_run::PROGRESS_DIR_ENV.to_string(),
                 p.progress_dir.display().to_string(),
             ),
+            (kiln_run::ATTEMPT_ENV.to_string(), attempt.to_string()),
         ];
         // Python block-buffers stdout into a pipe: a rank whose output kiln watches must
         // flush every line, or the silence watchdog sees nothing (ezpz does the same).
@@ -508,6 +513,18 @@ impl Setup {
         }
         exports
     }
+}
+
+/// A token no other attempt has: this process, the time, and a count of the attempts it
+/// planned.
+fn attempt_token() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PLANNED: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = PLANNED.fetch_add(1, Ordering::Relaxed);
+    format!("{:x}-{nanos:x}-{n}", std::process::id())
 }
 
 /// The kind `--accelerator` names; `None` for `auto`.

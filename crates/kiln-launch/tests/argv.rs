@@ -208,6 +208,8 @@ fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
         "-x",
         "KILN_PROGRESS_DIR",
         "-x",
+        "KILN_ATTEMPT",
+        "-x",
         "PYTHONUNBUFFERED",
         "--mca",
         "btl",
@@ -225,6 +227,17 @@ fn mpirun_without_scheduler_forwards_variables_and_consents_as_root() {
             .env
             .contains(&("MASTER_ADDR".into(), "127.0.0.1".into()))
     );
+    // Every attempt exports its own token (the shims' records carry it).
+    let token = |procs: &[kiln_launch::ProcSpec]| {
+        procs[0]
+            .env
+            .iter()
+            .find(|(k, _)| k == "KILN_ATTEMPT")
+            .map(|(_, v)| v.clone())
+            .expect("KILN_ATTEMPT exported")
+    };
+    let again = prepare(&o, &env(&[]), &no_gpu_tools, 2, true).unwrap();
+    assert_ne!(token(&s.procs), token(&again.procs));
 }
 
 #[test]

@@ -28,6 +28,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         ),
         progress_dir: None,
         clear_progress_dir: false,
+        attempt: None,
         grace: Duration::from_secs(1),
         deadline: None,
         echo: false,
@@ -190,4 +191,37 @@ fn in_a_tie_the_stopped_rank_is_the_culprit() {
     assert_eq!(o.classification, Classification::HungStalled);
     assert_eq!(o.culprits, [1], "{:?}", o.message);
     assert!(o.message.unwrap().contains("stopped"));
+}
+
+/// An earlier attempt's shim may write its rank's exit record just after the next attempt
+/// started (the soak saw it: srun killed, the shim still polling; the next attempt, started
+/// at once, read a SIGKILL it never got and ended). Records carry their attempt's token:
+/// another attempt's is ignored, this attempt's ends it.
+#[test]
+fn an_exit_record_of_another_attempt_does_not_end_this_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let record = |token: &str| {
+        format!(
+            "sleep 0.3; printf -- '- 9 %s.000 n1 {token}\\n' $(date +%s) > {d}/.x; mv {d}/.x {d}/exit-0; sleep 2; echo step=1"
+        )
+    };
+    let run = |token: &str| {
+        let mut cfg = config(dir.path(), vec![sh(&record(token), None)]);
+        cfg.progress_dir = Some(dir.path().to_path_buf());
+        cfg.heartbeat_timeout = Some(Duration::from_secs(1));
+        cfg.attempt = Some("new".into());
+        cfg.expected_ranks = Some(1);
+        run_attempt(&cfg, &no_stop).unwrap()
+    };
+    let o = run("old");
+    assert_eq!(o.classification, Classification::Success, "{:?}", o.message);
+    let o = run("new");
+    assert_eq!(
+        o.classification,
+        Classification::Signaled,
+        "{:?}",
+        o.message
+    );
+    assert_eq!(o.culprits, [0]);
 }

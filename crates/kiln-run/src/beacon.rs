@@ -33,6 +33,29 @@ pub struct Beacon {
 /// Variable that overrides the host name recorded in beacons and exit records.
 pub const HOST_ENV: &str = "KILN_HOST";
 
+/// Variable naming the attempt a rank belongs to: `kiln launch` sets a fresh token for every
+/// attempt, and the rank shim writes it into its exit, liveness and lost records. An earlier
+/// attempt's shim that outlives its launcher for a moment (srun killed, its rank's shim still
+/// polling) may write a record after the next attempt started; the token tells it apart.
+pub const ATTEMPT_ENV: &str = "KILN_ATTEMPT";
+
+/// This process's attempt token (`$KILN_ATTEMPT`, whitespace removed), if it has one.
+pub fn this_attempt() -> Option<&'static str> {
+    static ATTEMPT: OnceLock<Option<String>> = OnceLock::new();
+    ATTEMPT
+        .get_or_init(|| {
+            let v = std::env::var(ATTEMPT_ENV).ok()?;
+            let v: String = v.split_whitespace().collect();
+            (!v.is_empty()).then_some(v)
+        })
+        .as_deref()
+}
+
+/// ` <token>` for a record's last field, or nothing without a token.
+pub(crate) fn attempt_field() -> String {
+    this_attempt().map_or(String::new(), |a| format!(" {a}"))
+}
+
 /// The name of the host this process runs on, as the scheduler knows it: `$KILN_HOST`, else
 /// Slurm's `SLURMD_NODENAME` (several Slurm nodes may share one OS hostname), else the OS
 /// host name. Whitespace is replaced so the name stays one field of a beacon line.
@@ -123,6 +146,8 @@ pub struct ExitRecord {
     pub time: f64,
     /// The host it ran on.
     pub host: String,
+    /// The attempt token of its writer ([`ATTEMPT_ENV`]), if it had one.
+    pub attempt: Option<String>,
 }
 
 impl ExitRecord {
@@ -136,7 +161,7 @@ impl ExitRecord {
     }
 }
 
-/// Atomically writes `dir/exit-<rank>`: `<code|-> <signal|-> <time> <host>`.
+/// Atomically writes `dir/exit-<rank>`: `<code|-> <signal|-> <time> <host> [<attempt>]`.
 pub fn write_exit_record(
     dir: &Path,
     rank: usize,
@@ -151,10 +176,11 @@ pub fn write_exit_record(
     };
     let field = |v: Option<i32>| v.map_or("-".to_string(), |v| v.to_string());
     let line = format!(
-        "{} {} {time:.3} {}\n",
+        "{} {} {time:.3} {}{}\n",
         field(code),
         field(signal),
-        this_host()
+        this_host(),
+        attempt_field()
     );
     write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
@@ -178,6 +204,7 @@ fn parse_exit_record(rank: usize, text: &str) -> Option<ExitRecord> {
         signal,
         time,
         host,
+        attempt: it.next().map(str::to_string),
     })
 }
 
@@ -207,9 +234,11 @@ pub struct Liveness {
     pub time: f64,
     /// The host.
     pub host: String,
+    /// The attempt token of its writer ([`ATTEMPT_ENV`]), if it had one.
+    pub attempt: Option<String>,
 }
 
-/// Atomically writes `dir/live-<rank>`: `<state> <cpu_ticks> <time> <host>`.
+/// Atomically writes `dir/live-<rank>`: `<state> <cpu_ticks> <time> <host> [<attempt>]`.
 pub fn write_liveness(
     dir: &Path,
     rank: usize,
@@ -227,7 +256,11 @@ pub fn write_liveness(
     } else {
         '?'
     };
-    let line = format!("{state} {cpu_ticks} {time:.3} {}\n", this_host());
+    let line = format!(
+        "{state} {cpu_ticks} {time:.3} {}{}\n",
+        this_host(),
+        attempt_field()
+    );
     write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
 
@@ -247,6 +280,7 @@ pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
                 cpu_ticks,
                 time,
                 host,
+                attempt: it.next().map(str::to_string),
             })
         })
         .collect();
@@ -340,8 +374,16 @@ mod tests {
         write_exit_record(dir.path(), 0, None, Some(9), 6.0).unwrap();
         write_beacon(dir.path(), 0, 1, "train", 1.0).unwrap();
         std::fs::write(dir.path().join("exit-9"), "garbage").unwrap();
-        let r = read_exit_records(dir.path());
-        assert_eq!(r.len(), 2);
+        std::fs::write(dir.path().join("exit-3"), "- 9 8.000 n1 4d2-1a-0\n").unwrap();
+        let mut r = read_exit_records(dir.path());
+        assert_eq!(r.len(), 3);
+        let tagged = r.pop().unwrap();
+        assert_eq!(
+            (tagged.rank, tagged.attempt.as_deref()),
+            (3, Some("4d2-1a-0")),
+            "the writer's attempt token is read back"
+        );
+        assert_eq!(r[0].attempt, None, "no $KILN_ATTEMPT here: no token");
         assert_eq!((r[0].rank, r[0].shell_code()), (0, 137));
         assert_eq!(
             (r[1].rank, r[1].code, r[1].host.as_str()),

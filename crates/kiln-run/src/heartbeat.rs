@@ -102,9 +102,12 @@ pub struct LostRecord {
     pub time: f64,
     /// The host the rank ran on.
     pub host: String,
+    /// The attempt token of its writer ([`crate::ATTEMPT_ENV`]), if it had one.
+    pub attempt: Option<String>,
 }
 
-/// Atomically writes `dir/lost-<rank>` (host: [`crate::this_host`]).
+/// Atomically writes `dir/lost-<rank>`: `<silent_s> <time> <host> [<attempt>]` (host:
+/// [`crate::this_host`]).
 pub fn write_lost_record(
     dir: &Path,
     rank: usize,
@@ -117,7 +120,11 @@ pub fn write_lost_record(
         path: path.clone(),
         source,
     };
-    let line = format!("{silent_s:.3} {time:.3} {}\n", crate::this_host());
+    let line = format!(
+        "{silent_s:.3} {time:.3} {}{}\n",
+        crate::this_host(),
+        crate::beacon::attempt_field()
+    );
     crate::files::write_atomic(&path, line.as_bytes(), crate::files::Atomic::RECORD).map_err(io)
 }
 
@@ -132,6 +139,7 @@ pub fn read_lost_records(dir: &Path) -> Vec<LostRecord> {
                 silent_s: it.next()?.parse().ok()?,
                 time: it.next()?.parse().ok()?,
                 host: it.next()?.to_string(),
+                attempt: it.next().map(str::to_string),
             })
         })
         .collect();

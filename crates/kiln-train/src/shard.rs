@@ -103,26 +103,25 @@ impl ShardPlan {
         &self,
         comm: &dyn Collective,
         loss: f32,
-        grads: &[Tensor<1>],
+        grads: Vec<Tensor<1>>,
         device: &Device,
     ) -> (f32, Vec<Tensor<1>>, f32) {
-        let flat = flatten(grads);
+        let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
         let mine = self.flat.range(self.rank);
         let (loss, shard) = match self.mode {
             Shard::Gradients => {
                 let mut l = [loss];
                 comm.all_reduce_sum_f32(&mut l);
-                let shard = self.flat.reduce_scatter_mean(comm, &flat);
+                let shard = self.flat.reduce_scatter_mean(comm, &flatten(grads, &[]));
                 (l[0] / self.world as f32, shard[..mine.len()].to_vec())
             }
             _ => {
                 // The replicated run's all-reduce and norm, bit for bit: every rank has the
                 // whole averaged gradients here.
-                let mut all = flat;
-                all.push(loss);
-                kiln_dist::BucketedAllReduce::new(self.bucket).mean(comm, &mut all);
+                let reduce = kiln_dist::BucketedAllReduce::new(self.bucket);
+                let mut all = reduce.mean(comm, &flatten(grads, &[loss]));
                 let loss = all.pop().unwrap_or(f32::NAN);
-                let norm = crate::optim::global_norm(&unflatten(&all, grads, device));
+                let norm = crate::optim::global_norm(&split(&all, lengths, device));
                 let pieces = self.cut(&all[mine], device);
                 return (loss, pieces, norm);
             }
@@ -145,7 +144,7 @@ impl ShardPlan {
         params: &mut Vec<Tensor<1>>,
         device: &Device,
     ) {
-        let mut mine = flatten(pieces);
+        let mut mine = flatten(pieces.to_vec(), &[]);
         mine.resize(self.flat.shard, 0.0);
         let full = self.flat.all_gather(comm, &mine);
         *params = unflatten(&full, params, device);

@@ -13,7 +13,7 @@ use crate::model::Llama;
 use crate::optim::{self, Optimizer};
 use crate::session::Session;
 use crate::shard::ShardPlan;
-use crate::tensor::{flatten, int_tensor, unflatten};
+use crate::tensor::{flatten, int_tensor, split};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
 use std::ops::Range;
@@ -290,7 +290,7 @@ impl<'c> Step<'c> {
         let (loss, grads, norm, allreduce_s) = match &self.shard {
             Some(plan) => {
                 let t0 = Instant::now();
-                let (loss, pieces, norm) = plan.average(self.comm, loss, &grads, &session.device);
+                let (loss, pieces, norm) = plan.average(self.comm, loss, grads, &session.device);
                 (loss, pieces, norm, t0.elapsed().as_secs_f64())
             }
             None => {
@@ -320,11 +320,10 @@ impl<'c> Step<'c> {
             return (loss, grads, 0.0);
         }
         let t0 = Instant::now();
-        let mut flat = flatten(&grads);
-        flat.push(loss);
-        self.allreduce.mean(self.comm, &mut flat);
+        let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
+        let mut flat = self.allreduce.mean(self.comm, &flatten(grads, &[loss]));
         let loss = flat.pop().unwrap_or(f32::NAN);
-        let grads = unflatten(&flat, &grads, &session.device);
+        let grads = split(&flat, lengths, &session.device);
         (loss, grads, t0.elapsed().as_secs_f64())
     }
 

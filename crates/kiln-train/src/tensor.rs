@@ -66,12 +66,22 @@ impl DeviceTensor {
     }
 }
 
-/// All tensors' values, concatenated on the host (what the all-reduce works on).
-pub fn flatten(tensors: &[Tensor<1>]) -> Vec<f32> {
-    if tensors.is_empty() {
-        return Vec::new();
+/// All tensors' values, then `extra`, concatenated on the host (what the all-reduce works
+/// on) in one buffer allocated once. Each tensor is read where it lies and dropped once
+/// copied: a tensor held nowhere else (a gradient) is copied once, and never twice at the
+/// same time.
+pub fn flatten(tensors: Vec<Tensor<1>>, extra: &[f32]) -> Vec<f32> {
+    let n = tensors.iter().map(|t| t.dims()[0]).sum::<usize>() + extra.len();
+    let mut out = Vec::with_capacity(n);
+    for t in tensors {
+        let data = t.into_data();
+        match data.as_slice::<f32>() {
+            Ok(values) => out.extend_from_slice(values),
+            Err(_) => out.extend(data.convert::<f32>().iter::<f32>()),
+        }
     }
-    to_vec(&Tensor::cat(tensors.to_vec(), 0))
+    out.extend_from_slice(extra);
+    out
 }
 
 /// Cuts `flat` back into tensors shaped like `like`, on `device`.
@@ -143,10 +153,12 @@ mod tests {
             Tensor::<1>::from_floats([1.0, 2.0], &d),
             Tensor::<1>::from_floats([3.0], &d),
         ];
-        let flat = flatten(&ts);
+        let flat = flatten(ts.clone(), &[]);
         assert_eq!(flat, [1.0, 2.0, 3.0]);
         let back = unflatten(&flat, &ts, &d);
-        assert_eq!(flatten(&back), flat);
+        assert_eq!(flatten(back.clone(), &[4.0]), [1.0, 2.0, 3.0, 4.0]);
+        let half = vec![ts[0].clone().cast(FloatDType::BF16)];
+        assert_eq!(flatten(half, &[]), [1.0, 2.0], "bf16 widened");
         assert_ne!(params_checksum(&ts), params_checksum(&back[..1]));
     }
 }

@@ -315,6 +315,60 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     );
 }
 
+/// A stopped rank (its shim kills it once its heartbeat is silent) leaves its peer on another
+/// node blocked in the all-reduce, deaf to SIGTERM. kiln's SIGKILL after the grace reaches
+/// srun, but srun's death does not end the peer: Slurm would only kill it after `KillWait`
+/// (60 s here), and until then it holds the run directory's lock against the next attempt
+/// (whose trainer gives up after 10 s: the job fails, as it did without the escalation
+/// through the shims). The peer's shim must kill it: the job then recovers in one retry on
+/// the same hosts.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_peer_blocked_in_a_collective_is_killed_through_its_shim_not_left_to_slurm() {
+    let cluster = Cluster::start_with_kill_wait(3, 2, 60);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let steps = 900;
+    let command = rank_command(&dir, &run, steps);
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "2",
+            "--time",
+            "10:00",
+            "--launch-arg=--timeout=30",
+            "--launch-arg=--backoff=0.5",
+        ],
+        &command,
+    );
+    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
+        last_step(&run) >= 100
+    });
+    let pid = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
+    // SAFETY: kill(2) on a rank process this test's cluster started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let state = cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    assert_eq!(state, "COMPLETED", "{out}");
+    let ev = events(&run);
+    let ends = named(&ev, "attempt_end");
+    let classes: Vec<_> = ends.iter().map(|e| &e.fields["classification"]).collect();
+    assert_eq!(classes, ["no-heartbeat", "success"], "{out}");
+    assert_eq!(ends[0].fields["culprit_ranks"], serde_json::json!([1]));
+    assert_eq!(
+        ends[1].fields["hosts"], ends[0].fields["hosts"],
+        "same hosts"
+    );
+    let weights = std::fs::read(run.join("model.safetensors")).unwrap();
+    assert!(
+        weights == reference_weights(&dir, steps, 2),
+        "final weights differ from an uninterrupted run"
+    );
+}
+
 #[test]
 fn two_attempts_without_a_step_stop_the_loop_without_using_spares() {
     let cluster = Cluster::start(4, 2);

@@ -26,6 +26,10 @@ pub struct AttemptConfig {
     pub progress_dir: Option<PathBuf>,
     /// Remove stale beacons and exit records from `progress_dir` before starting.
     pub clear_progress_dir: bool,
+    /// This attempt's token, exported to its ranks as [`kiln_run::ATTEMPT_ENV`]: the rank
+    /// shims' records that carry another token are an earlier attempt's (`None`: records
+    /// are told apart by their time only).
+    pub attempt: Option<String>,
     /// Time between SIGTERM and SIGKILL.
     pub grace: Duration,
     /// Walltime: stop (SIGTERM, grace, SIGKILL) at this instant.

@@ -33,7 +33,7 @@ impl Watch {
     pub(super) fn outcome(mut self, a: &Attempt<'_>) -> AttemptOutcome {
         let end = Instant::now();
         let rank_exits = (a.cfg.progress_dir.as_deref())
-            .map(|dir| fresh_exit_records(dir, a.start_time))
+            .map(|dir| fresh_exit_records(dir, a.ours()))
             .unwrap_or_default();
         // The deciding status: the first failure, else the launcher/rank 0.
         let decide = self.first_failure.unwrap_or(0);

@@ -9,11 +9,33 @@ use kiln_run::{ExitRecord, read_exit_records};
 use std::path::Path;
 use std::time::Instant;
 
-/// The exit records in `dir` of this attempt (records older than its start are another's).
-pub(super) fn fresh_exit_records(dir: &Path, start_time: f64) -> Vec<ExitRecord> {
+/// Which of the ranks' records in the progress directory are this attempt's.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ours<'a> {
+    /// The attempt's token ([`kiln_run::ATTEMPT_ENV`]), exported to its ranks.
+    pub(super) token: Option<&'a str>,
+    /// When it started, Unix seconds.
+    pub(super) start_time: f64,
+}
+
+impl Ours<'_> {
+    /// Whether a record written at `time` by a writer with `token` is this attempt's: the
+    /// same token; without one on either side, written since the attempt started (1 s of
+    /// clock skew between hosts allowed). A token tells apart what time cannot: a record
+    /// an earlier attempt's shim wrote just after this attempt started.
+    pub(super) fn owns(&self, time: f64, token: Option<&str>) -> bool {
+        match (self.token, token) {
+            (Some(ours), Some(theirs)) => ours == theirs,
+            _ => time + 1.0 >= self.start_time,
+        }
+    }
+}
+
+/// The exit records in `dir` of this attempt.
+pub(super) fn fresh_exit_records(dir: &Path, ours: Ours<'_>) -> Vec<ExitRecord> {
     read_exit_records(dir)
         .into_iter()
-        .filter(|r| r.time + 1.0 >= start_time)
+        .filter(|r| ours.owns(r.time, r.attempt.as_deref()))
         .collect()
 }
 
@@ -73,9 +95,9 @@ pub(super) fn ranks_exit_code(cfg: &AttemptConfig, records: &[ExitRecord]) -> Op
 /// When a watchdog fires but every rank has already exited (it left an exit record), the
 /// ranks' exits decide, not the silence: a launcher can hang on a leftover process that
 /// holds its output after the ranks are done.
-pub(super) fn ranks_already_exited(cfg: &AttemptConfig) -> Option<Verdict> {
+pub(super) fn ranks_already_exited(cfg: &AttemptConfig, ours: Ours<'_>) -> Option<Verdict> {
     let n = cfg.expected_ranks?;
-    let records = read_exit_records(cfg.progress_dir.as_deref()?);
+    let records = fresh_exit_records(cfg.progress_dir.as_deref()?, ours);
     if n == 0 || !all_exited(n, &records) {
         return None;
     }
@@ -105,5 +127,39 @@ pub(super) fn describe(code: Option<i32>, signal: Option<i32>) -> String {
         (Some(c), _) => format!("exit code {c}"),
         (None, Some(s)) => format!("killed by signal {s}"),
         _ => "unknown status".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_is_ours_by_its_token_else_by_its_time() {
+        let ours = Ours {
+            token: Some("b"),
+            start_time: 100.0,
+        };
+        assert!(
+            ours.owns(50.0, Some("b")),
+            "our token, whatever the clocks say"
+        );
+        assert!(
+            !ours.owns(100.5, Some("a")),
+            "an earlier attempt's shim that wrote after we started"
+        );
+        assert!(
+            ours.owns(99.5, None),
+            "a writer without a token, since the start"
+        );
+        assert!(
+            !ours.owns(98.0, None),
+            "a writer without a token, long before"
+        );
+        let untagged = Ours {
+            token: None,
+            start_time: 100.0,
+        };
+        assert!(untagged.owns(100.5, Some("a")) && !untagged.owns(98.0, Some("a")));
     }
 }

@@ -5,7 +5,7 @@
 
 use super::cadence::{Cadence, LIVENESS_EVERY};
 use super::config::AttemptConfig;
-use super::exits::{describe, first_failed, fresh_exit_records};
+use super::exits::{Ours, describe, first_failed, fresh_exit_records};
 use super::outcome::Verdict;
 use super::spawn::Running;
 use crate::classify::{Classification, classify_code};
@@ -42,7 +42,7 @@ impl LiveRanks {
 
     /// Merges the shims' liveness records in `dir` and samples of the ranks kiln spawned
     /// itself (they have no shim to report them).
-    pub(super) fn sample(&mut self, dir: &Path, running: &Running, start_time: f64, now: Instant) {
+    pub(super) fn sample(&mut self, dir: &Path, running: &Running, ours: Ours<'_>, now: Instant) {
         let mut fresh = kiln_run::read_liveness(dir);
         for (pg, rank) in running.groups.iter().zip(&running.ranks) {
             if let (Some(rank), Some((state, cpu_ticks))) = (rank, group_liveness(pg.as_raw())) {
@@ -52,10 +52,14 @@ impl LiveRanks {
                     cpu_ticks,
                     time: unix_time(),
                     host: kiln_run::this_host().to_string(),
+                    attempt: None,
                 });
             }
         }
-        for l in fresh.into_iter().filter(|l| l.time + 1.0 >= start_time) {
+        for l in fresh
+            .into_iter()
+            .filter(|l| ours.owns(l.time, l.attempt.as_deref()))
+        {
             let entry = self.ranks.entry(l.rank).or_insert(Live {
                 state: l.state,
                 cpu_ticks: l.cpu_ticks,
@@ -78,7 +82,7 @@ impl LiveRanks {
         cfg: &AttemptConfig,
         running: &Running,
         statuses: &[Option<ExitStatus>],
-        start_time: f64,
+        ours: Ours<'_>,
         now: Instant,
     ) -> Option<Verdict> {
         let read_dir = self.records.due(now);
@@ -87,8 +91,7 @@ impl LiveRanks {
             return Some(v);
         }
         let dir = cfg.progress_dir.as_deref().filter(|_| read_dir)?;
-        lost_verdict(dir, bound, start_time, now)
-            .or_else(|| failed_rank_verdict(dir, start_time, now))
+        lost_verdict(dir, bound, ours, now).or_else(|| failed_rank_verdict(dir, ours, now))
     }
 }
 
@@ -117,20 +120,20 @@ fn silent_heartbeat(
 pub(super) fn lost_verdict(
     dir: &Path,
     bound: Duration,
-    start_time: f64,
+    ours: Ours<'_>,
     now: Instant,
 ) -> Option<Verdict> {
     let l = kiln_run::read_lost_records(dir)
         .into_iter()
-        .find(|l| l.time + 1.0 >= start_time)?;
+        .find(|l| ours.owns(l.time, l.attempt.as_deref()))?;
     let detect = l.silent_s + (unix_time() - l.time).max(0.0);
     Some(no_heartbeat(l.rank, &l.host, detect, bound, now))
 }
 
 /// A rank under a launcher that exited with a failure (its exit record) while the launcher
 /// still runs.
-fn failed_rank_verdict(dir: &Path, start_time: f64, now: Instant) -> Option<Verdict> {
-    let exits = fresh_exit_records(dir, start_time);
+fn failed_rank_verdict(dir: &Path, ours: Ours<'_>, now: Instant) -> Option<Verdict> {
+    let exits = fresh_exit_records(dir, ours);
     let r = first_failed(&exits)?;
     let code = r.shell_code();
     Some(Verdict {

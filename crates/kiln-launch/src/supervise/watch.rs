@@ -7,7 +7,7 @@ use super::beacons::Beacons;
 use super::cadence::TICK;
 use super::config::AttemptConfig;
 use super::escalation::Escalation;
-use super::exits::ranks_already_exited;
+use super::exits::{Ours, ranks_already_exited};
 use super::liveness::{LiveRanks, lost_verdict};
 use super::outcome::Verdict;
 use super::output::Shared;
@@ -32,6 +32,16 @@ pub(super) struct Attempt<'a> {
     /// The attempt's start, in both clocks.
     pub(super) start: Instant,
     pub(super) start_time: f64,
+}
+
+impl Attempt<'_> {
+    /// Which of the ranks' records are this attempt's.
+    pub(super) fn ours(&self) -> Ours<'_> {
+        Ours {
+            token: self.cfg.attempt.as_deref(),
+            start_time: self.start_time,
+        }
+    }
 }
 
 /// The supervision state of one attempt.
@@ -144,7 +154,7 @@ impl Watch {
         if self.verdict.is_none()
             && let (Some(dir), Some(bound)) = (&a.cfg.progress_dir, a.cfg.heartbeat_timeout)
         {
-            self.verdict = lost_verdict(dir, bound, a.start_time, now);
+            self.verdict = lost_verdict(dir, bound, a.ours(), now);
         }
     }
 
@@ -208,7 +218,7 @@ impl Watch {
         if advanced && let Ok(mut s) = a.shared.lock() {
             s.advanced(now);
         }
-        self.live.sample(dir, a.running, a.start_time, now);
+        self.live.sample(dir, a.running, a.ours(), now);
     }
 
     /// A rank that is gone or fell silent (see [`LiveRanks::verdict`]).
@@ -216,7 +226,7 @@ impl Watch {
         if !self.undecided() {
             return None;
         }
-        let v = (self.live).verdict(a.cfg, a.running, &self.statuses, a.start_time, now)?;
+        let v = (self.live).verdict(a.cfg, a.running, &self.statuses, a.ours(), now)?;
         announce(a.cfg, &v);
         Some(v)
     }
@@ -233,7 +243,7 @@ impl Watch {
             &self.steps,
             (a.start, now),
         )?;
-        let v = ranks_already_exited(a.cfg).unwrap_or(v);
+        let v = ranks_already_exited(a.cfg, a.ours()).unwrap_or(v);
         announce(a.cfg, &v);
         Some(v)
     }

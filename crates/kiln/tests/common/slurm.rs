@@ -67,6 +67,12 @@ fn sbin(tool: &str) -> PathBuf {
 impl Cluster {
     /// Starts `n` nodes of `cpus` CPUs each and waits until they are idle.
     pub fn start(n: usize, cpus: usize) -> Cluster {
+        Self::start_with_kill_wait(n, cpus, 5)
+    }
+
+    /// [`Cluster::start`] with Slurm's `KillWait` (how long a step's processes may outlive
+    /// their srun before slurmd kills them) set to `kill_wait` seconds.
+    pub fn start_with_kill_wait(n: usize, cpus: usize, kill_wait: u32) -> Cluster {
         for t in ["slurmctld", "slurmd", "sbatch", "srun", "scontrol"] {
             require(t);
         }
@@ -103,7 +109,7 @@ impl Cluster {
              SelectType=select/linear\n\
              ReturnToService=1\n\
              MinJobAge=600\n\
-             KillWait=5\n\
+             KillWait={kill_wait}\n\
              InactiveLimit=0\n\
              JobCompType=jobcomp/filetxt\n\
              JobCompLoc={d}/jobcomp.txt\n",
