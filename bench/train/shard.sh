@@ -9,18 +9,20 @@
 # moments 8P as its mode keeps them; PyTorch: counted from the tensors a rank holds).
 # Writes bench/train/shard-result.json and shard-result.md.
 #
-# Usage: bench/train/shard.sh [--steps N] [--ranks "1 2 4"] [--widths "1 4"]
+# Usage: bench/train/shard.sh [--steps N] [--ranks "1 2 4"] [--widths "1 4"] [--out PREFIX]
+# (PREFIX-result.json and PREFIX-result.md; default bench/train/shard, for a partial run elsewhere)
 # Needs torch in bench/.venv (see bench.sh). Run on a quiet machine; with more ranks than
 # cores both kiln and PyTorch are oversubscribed alike.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-steps=3 warmup=2 ranks="1 2 4" widths="1 4"
+steps=3 warmup=2 ranks="1 2 4" widths="1 4" out="$here/shard"
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps=$2; shift 2 ;;
     --ranks) ranks=$2; shift 2 ;;
     --widths) widths=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -100,7 +102,7 @@ for w in $widths; do
     done
   done
 done
-python3 - "$results" "$here/shard-result.json" "$here/shard-result.md" <<'PY'
+python3 - "$results" "$out-result.json" "$out-result.md" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 json.dump(rows, open(sys.argv[2], "w"), indent=1)

@@ -279,10 +279,10 @@ fn forward_stop_request(
     let Some(req) = kiln_run::read_stop_request(dir) else {
         return;
     };
-    if *forwarded == Some(req) {
+    if !req.addressed_to(kiln_run::this_attempt()) || forwarded.as_ref() == Some(&req) {
         return;
     }
-    *forwarded = Some(req);
+    *forwarded = Some(req.clone());
     STOP_FORWARDED.store(true, Ordering::SeqCst);
     let sig = Signal::try_from(req.signal).unwrap_or(Signal::SIGTERM);
     let _ = killpg(Pid::from_raw(pgid), sig);

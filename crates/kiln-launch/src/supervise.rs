@@ -49,7 +49,9 @@ pub fn run_attempt(
     if let (Some(dir), true) = (&cfg.progress_dir, cfg.clear_progress_dir) {
         kiln_run::clear_rank_files(dir);
     }
-    if let Some(dir) = &cfg.progress_dir {
+    // An addressed request stays: an earlier attempt's shim may not have read its SIGKILL
+    // yet, and this attempt's shims leave it alone (see `kiln_run::write_stop_request`).
+    if let (Some(dir), None) = (&cfg.progress_dir, &cfg.attempt) {
         kiln_run::clear_stop_request(dir);
     }
     let handled_stops = stop().map_or(0, |s| s.count);

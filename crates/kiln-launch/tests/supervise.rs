@@ -196,7 +196,7 @@ fn in_a_tie_the_stopped_rank_is_the_culprit() {
 /// An earlier attempt's shim may write its rank's exit record just after the next attempt
 /// started (the soak saw it: srun killed, the shim still polling; the next attempt, started
 /// at once, read a SIGKILL it never got and ended). Records carry their attempt's token:
-/// another attempt's is ignored, this attempt's ends it.
+/// another attempt's is ignored, this attempt's ends it; another attempt's stop request is kept.
 #[test]
 fn an_exit_record_of_another_attempt_does_not_end_this_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -214,8 +214,12 @@ fn an_exit_record_of_another_attempt_does_not_end_this_one() {
         cfg.expected_ranks = Some(1);
         run_attempt(&cfg, &no_stop).unwrap()
     };
+    // The previous attempt's SIGKILL request stays for its shims (see kiln_run's stop.rs).
+    kiln_run::write_stop_request(dir.path(), 9, kiln_run::unix_time(), Some("old")).unwrap();
     let o = run("old");
     assert_eq!(o.classification, Classification::Success, "{:?}", o.message);
+    let kept = kiln_run::read_stop_request(dir.path()).expect("the request was cleared");
+    assert_eq!(kept.attempt.as_deref(), Some("old"));
     let o = run("new");
     assert_eq!(
         o.classification,

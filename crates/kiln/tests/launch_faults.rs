@@ -384,3 +384,39 @@ fn deterministic_exit_codes_are_not_retried_and_replica_mismatch_is() {
         "{help}"
     );
 }
+
+/// kiln's stop request is addressed to one attempt: the previous attempt's SIGKILL stays in
+/// the progress directory for that attempt's shims (one may not have polled yet when the next
+/// attempt starts at once), and the next attempt's ranks leave it alone.
+#[test]
+fn the_rank_shim_acts_only_on_a_stop_request_addressed_to_its_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path();
+    let now = kiln_run::unix_time();
+    kiln_run::write_stop_request(progress, libc::SIGKILL, now, Some("old")).unwrap();
+    let shim = |attempt: &str| {
+        kiln(&[
+            "launch",
+            "--as-rank",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1; echo survived",
+        ])
+        .env("KILN_PROGRESS_DIR", progress)
+        .env("KILN_ATTEMPT", attempt)
+        .output()
+        .unwrap()
+    };
+    let out = shim("new");
+    assert!(
+        out.status.success() && text(&out.stdout).contains("survived"),
+        "another attempt's request was acted on: {}",
+        text(&out.stderr)
+    );
+    let out = shim("old");
+    assert!(!text(&out.stdout).contains("survived"), "its own was not");
+    let exits = kiln_run::read_exit_records(progress);
+    assert_eq!(exits[0].signal, Some(libc::SIGKILL), "{exits:?}");
+    assert_eq!(exits[0].attempt.as_deref(), Some("old"));
+}

@@ -266,7 +266,8 @@ fn deliver_through_shims(a: &Attempt<'_>, sig: Signal) -> bool {
     let (true, Some(dir)) = (shimmed, &a.cfg.progress_dir) else {
         return false;
     };
-    match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time()) {
+    let to = a.cfg.attempt.as_deref();
+    match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time(), to) {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!("{e}: signalling the launcher instead");
