@@ -178,6 +178,26 @@ fn last_step(run: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// Once job `id` saved step 100, SIGSTOPs rank 1's process and waits for the job to
+/// complete (asserted); returns the job's output and the run's events.
+fn stop_rank_1_until_completed(
+    cluster: &Cluster,
+    dir: &Path,
+    run: &Path,
+    id: &str,
+) -> (String, Vec<kiln_run::Event>) {
+    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
+        last_step(run) >= 100
+    });
+    let pid = common::slurm::rank_pid(dir, run, 1).expect("rank 1's process");
+    // SAFETY: kill(2) on a rank process this test's cluster started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let state = cluster.wait_job(id, Duration::from_secs(240));
+    let out = job_output(run);
+    assert_eq!(state, "COMPLETED", "{out}");
+    (out, events(run))
+}
+
 #[test]
 fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     let cluster = Cluster::start(4, 2);
@@ -280,18 +300,9 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
         ],
         &command,
     );
-    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
-        last_step(&run) >= 100
-    });
     // Rank 1 (on n2) is stopped: its heartbeats stop (the others' go on), so the liveness
     // watchdog, not the slower stall watchdog, ends the attempt and names it.
-    let pid = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
-    // SAFETY: kill(2) on a rank process this test's cluster started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
-    let state = cluster.wait_job(&id, Duration::from_secs(240));
-    let out = job_output(&run);
-    assert_eq!(state, "COMPLETED", "{out}");
-    let ev = events(&run);
+    let (out, ev) = stop_rank_1_until_completed(&cluster, &dir, &run, &id);
     let ends = named(&ev, "attempt_end");
     let hung = ends[0];
     assert_eq!(hung.fields["classification"], "no-heartbeat", "{out}");
@@ -344,16 +355,7 @@ fn a_peer_blocked_in_a_collective_is_killed_through_its_shim_not_left_to_slurm()
         ],
         &command,
     );
-    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
-        last_step(&run) >= 100
-    });
-    let pid = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
-    // SAFETY: kill(2) on a rank process this test's cluster started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
-    let state = cluster.wait_job(&id, Duration::from_secs(240));
-    let out = job_output(&run);
-    assert_eq!(state, "COMPLETED", "{out}");
-    let ev = events(&run);
+    let (out, ev) = stop_rank_1_until_completed(&cluster, &dir, &run, &id);
     let ends = named(&ev, "attempt_end");
     let classes: Vec<_> = ends.iter().map(|e| &e.fields["classification"]).collect();
     assert_eq!(classes, ["no-heartbeat", "success"], "{out}");
