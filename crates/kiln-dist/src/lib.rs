@@ -138,11 +138,10 @@ impl BucketedAllReduce {
     /// rank and every run), in a new buffer that the engine reduces into directly: besides
     /// the engine's own work, one pass over the data (the scaling).
     pub fn mean(&self, comm: &dyn Collective, send: &[f32]) -> Vec<f32> {
-        let mut out = vec![0.0f32; send.len()];
         if comm.size() == 1 {
-            out.copy_from_slice(send);
-            return out;
+            return send.to_vec();
         }
+        let mut out = vec![0.0f32; send.len()];
         let buckets = send.chunks(self.bucket_elems);
         for (s, r) in buckets.zip(out.chunks_mut(self.bucket_elems)) {
             comm.all_reduce_sum_f32_into(s, r);

@@ -136,16 +136,17 @@ impl ShardPlan {
     }
 
     /// Replaces `params` with the whole parameters gathered from every rank's updated
-    /// range (`pieces`, this rank's).
+    /// range (`pieces`, this rank's; taken, so that each is copied to the host once).
     pub fn gather(
         &self,
         comm: &dyn Collective,
-        pieces: &[Tensor<1>],
+        pieces: Vec<Tensor<1>>,
         params: &mut Vec<Tensor<1>>,
         device: &Device,
     ) {
-        let mut mine = flatten(pieces.to_vec(), &[]);
-        mine.resize(self.flat.shard, 0.0);
+        // The padding up to a whole shard goes in with the values: no second allocation.
+        let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
+        let mine = flatten(pieces, &vec![0.0; self.flat.shard.saturating_sub(have)]);
         let full = self.flat.all_gather(comm, &mine);
         *params = unflatten(&full, params, device);
     }

@@ -447,7 +447,6 @@ impl Snapshotter {
     }
 }
 
-/// Every rank's `value` (one rank: just its own).
 /// What `look` found in this rank's store, after reporting every snapshot it rejected (and
 /// deleted) on the way.
 fn reporting<T>(
@@ -469,6 +468,7 @@ fn split_ranks(comm: &dyn Collective, has: bool) -> (Vec<usize>, Vec<usize>) {
     (0..comm.size()).partition(|&r| all[r] == 1)
 }
 
+/// Every rank's `value` (one rank: just its own).
 fn all_gather(comm: &dyn Collective, value: u64) -> Vec<u64> {
     if comm.size() == 1 {
         vec![value]

@@ -230,7 +230,7 @@ impl<'c> Step<'c> {
             // This rank's range of each parameter, updated, then everyone's gathered.
             let mut pieces = plan.pieces(&session.params);
             optimizer.update_clipped(&mut pieces, g.grads, clip, lr, &self.frozen);
-            plan.gather(self.comm, &pieces, &mut session.params, &session.device);
+            plan.gather(self.comm, pieces, &mut session.params, &session.device);
             return Ok(());
         }
         optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
