@@ -23,8 +23,9 @@ pub fn become_subreaper() -> bool {
 /// After a rank was killed by a signal or fell silent, the others get at most this long
 /// between SIGTERM and SIGKILL: without it they cannot finish a collective (they wait in one,
 /// deaf to SIGTERM), so a longer grace only delays the next attempt. A save in flight is
-/// atomic: the previous checkpoint and snapshot stay.
-pub const LOST_RANK_GRACE: Duration = Duration::from_millis(250);
+/// atomic: the previous checkpoint and snapshot stay. 50 ms, not 0: a rank between
+/// collectives (a stand-in replica, a rank still loading) can still log its exit.
+pub const LOST_RANK_GRACE: Duration = Duration::from_millis(50);
 
 /// The grace the other ranks get when a rank ended the attempt: [`LOST_RANK_GRACE`] at most
 /// when it was `lost` (killed by a signal, or silent), else all of `grace` (a rank that

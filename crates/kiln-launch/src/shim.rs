@@ -207,8 +207,10 @@ fn exit_to_launcher(exit: RankExit, recorded: bool) -> RankExit {
 /// How often a rank's process state and CPU time are written for the supervisor.
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
 
-/// How often the shim looks for kiln's stop request.
-const STOP_POLL: Duration = Duration::from_millis(100);
+/// How often the shim looks for kiln's stop request and at its rank's heartbeat (one small
+/// file read: every 25 ms costs nothing next to a step, and a stop or a silence found 75 ms
+/// sooner is 75 ms less of every fault).
+const STOP_POLL: Duration = Duration::from_millis(25);
 
 /// While `on` holds: forwards kiln's stop request to the program's group (once) and writes
 /// `live-<rank>` every [`LIVENESS_EVERY`].
