@@ -1,6 +1,6 @@
 //! Collectives between the ranks of a job, behind one small trait ([`Collective`]), on the
 //! engine every HPC site already has: MPI (cargo feature `mpi`). One rank needs no engine
-//! ([`Solo`]). A GPU engine (NCCL through `cudarc`, its unique id broadcast over MPI) would be
+//! ([`Solo`]); tests run several ranks as threads of one process ([`Threads`]). A GPU engine (NCCL through `cudarc`, its unique id broadcast over MPI) would be
 //! one more implementation of the same trait.
 //!
 //! Determinism: a sum all-reduce is repeatable bit for bit for a fixed MPI library, rank
@@ -12,6 +12,9 @@
 
 mod solo;
 pub use solo::Solo;
+
+mod threads;
+pub use threads::Threads;
 
 #[cfg(feature = "mpi")]
 mod mpi_engine;

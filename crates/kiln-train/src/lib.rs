@@ -15,7 +15,9 @@
 //!   exact-resume state), [`metrics`] (what a run reports, and the [`Observer`]);
 //! - the step: [`step`] (the one training step every driver calls, and the batch layout
 //!   over ranks), [`shard`] (sharded data parallelism: a rank's range of the state and its
-//!   collectives), [`faults`] (the debug fault hooks, behind one seam the step calls);
+//!   collectives), [`stagewise`] (the forward and backward pass stage by stage, each stage's
+//!   weights gathered when used: the parameter-sharded pass), [`faults`] (the debug fault
+//!   hooks, behind one seam the step calls);
 //! - the components, each deciding its own cadence and restoring its own state: [`journal`]
 //!   (events, metrics and the observer), [`saver`] (checkpoints: when, and synchronous or
 //!   background writing), [`snapshot`] (the memory tier: node-local snapshots every few
@@ -44,6 +46,7 @@ pub mod saver;
 pub mod session;
 pub mod shard;
 pub mod snapshot;
+pub mod stagewise;
 pub mod startup;
 pub mod state;
 pub mod step;

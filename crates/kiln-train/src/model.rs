@@ -70,6 +70,19 @@ struct BlockParams {
     w_down: usize,
 }
 
+/// A stage of the forward pass: what a parameter-sharded step gathers at once
+/// ([`crate::stagewise`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The token embedding.
+    Embed,
+    /// Decoder block `l`.
+    Block(usize),
+    /// The final norm, the output head and the loss (with tied embeddings the head reads
+    /// the embedding's weights: see [`Llama::reads`]).
+    Head,
+}
+
 /// The model's structure (no tensors): which parameter plays which role.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -276,6 +289,43 @@ impl Llama {
         6.0 * non_embedding + 12.0 * (self.cfg.n_layers * self.cfg.d_model * seq_len) as f64
     }
 
+    /// The stages of the forward pass, in order.
+    pub fn stages(&self) -> Vec<Stage> {
+        let blocks = (0..self.blocks.len()).map(Stage::Block);
+        std::iter::once(Stage::Embed)
+            .chain(blocks)
+            .chain(std::iter::once(Stage::Head))
+            .collect()
+    }
+
+    /// The parameters stage `s` owns: consecutive indices into [`Llama::specs`]; the stages
+    /// own every parameter once.
+    pub fn owned(&self, s: Stage) -> std::ops::Range<usize> {
+        match s {
+            Stage::Embed => self.embed..self.embed + 1,
+            Stage::Block(l) => {
+                let first = self.blocks[l].attn_norm;
+                first..self.blocks[l].w_down + 1
+            }
+            Stage::Head => self.final_norm..self.specs.len(),
+        }
+    }
+
+    /// The stages whose parameters stage `s` reads: itself, and for the head with tied
+    /// embeddings the embedding too.
+    pub fn reads(&self, s: Stage) -> Vec<Stage> {
+        match (s, self.head) {
+            (Stage::Head, None) => vec![Stage::Head, Stage::Embed],
+            _ => vec![s],
+        }
+    }
+
+    /// The RoPE tables of sequences of `t` tokens, which every block takes.
+    pub fn rope(&self, t: usize, device: &Device) -> RopeTables {
+        let hd = self.cfg.d_model / self.cfg.n_heads;
+        RopeTables::new(t, hd, self.cfg.rope_theta, device)
+    }
+
     /// Fresh parameters drawn from `seed` (same values on every backend and thread count:
     /// they are generated on the host).
     pub fn init(&self, seed: u64, device: &Device) -> Vec<Tensor<1>> {
@@ -309,7 +359,7 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
-    // Not inlined (nor `hidden`, `attention`, `rms_norm`, `RopeTables::apply`): each stays a
+    // Not inlined (nor `hidden`, `block`, `attention`, `rms_norm`, `RopeTables::apply`): each stays a
     // frame of its own in profiles (bench/train/profile.sh), at no measurable cost.
     #[inline(never)]
     pub fn loss(
@@ -318,9 +368,46 @@ impl Llama {
         inputs: Tensor<2, Int>,
         targets: Tensor<2, Int>,
     ) -> Tensor<1> {
-        let [b, t] = inputs.dims();
+        self.head_loss(p, self.residual(p, inputs), targets)
+    }
+
+    /// The residual stream after the last block, `[batch, seq, d_model]`.
+    fn residual(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [_, t] = tokens.dims();
+        let rope = self.rope(t, &tokens.device());
+        let mut x = self.embed(p, tokens);
+        for l in 0..self.blocks.len() {
+            x = self.block(p, l, x, &rope);
+        }
+        x
+    }
+
+    /// The first stage: the embeddings of `tokens` `[batch, seq]`, `[batch, seq, d_model]`
+    /// in f32.
+    pub fn embed(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
+        embedding(self.mat(p, self.embed), tokens).cast(FloatDType::F32)
+    }
+
+    /// Block `l` on the residual stream `x` `[batch, seq, d_model]`.
+    #[inline(never)]
+    pub fn block(&self, p: &[Tensor<1>], l: usize, x: Tensor<3>, rope: &RopeTables) -> Tensor<3> {
+        let [b, t, _] = x.dims();
+        let (blk, eps) = (&self.blocks[l], self.cfg.norm_eps);
+        let h = rms_norm(x.clone(), self.weight_f32(p, blk.attn_norm), eps);
+        let x = x + self.attention(p, blk, h, rope, b, t);
+        let h = rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps);
+        let gate = self.mm(h.clone(), self.mat(p, blk.w_gate));
+        let up = self.mm(h, self.mat(p, blk.w_up));
+        x + self.mm(kernels::swiglu(gate, up), self.mat(p, blk.w_down))
+    }
+
+    /// The last stage: the mean next-token cross-entropy of the residual stream `x`
+    /// `[batch, seq, d_model]` predicting `targets` `[batch, seq]` (final norm, output head).
+    pub fn head_loss(&self, p: &[Tensor<1>], x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [b, t, d] = x.dims();
         let n = b * t;
-        let h = self.hidden(p, inputs).reshape([n, self.cfg.d_model]);
+        let h = rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps);
+        let h = h.reshape([n, d]);
         if self.compute == DType::F32 {
             // The fused output head + cross-entropy (the logits are never materialised
             // whole); it falls back to the composed ops off flex.
@@ -347,23 +434,8 @@ impl Llama {
     /// Final-norm hidden states `[batch, seq, d_model]`.
     #[inline(never)]
     fn hidden(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let device = tokens.device();
-        let cfg = &self.cfg;
-        let eps = cfg.norm_eps;
-        let hd = cfg.d_model / cfg.n_heads;
-        let rope = RopeTables::new(t, hd, cfg.rope_theta, &device);
-        let mut x = embedding(self.mat(p, self.embed), tokens).cast(FloatDType::F32);
-        for blk in &self.blocks {
-            let h = rms_norm(x.clone(), self.weight_f32(p, blk.attn_norm), eps);
-            let attn = self.attention(p, blk, h, &rope, b, t);
-            x = x + attn;
-            let h = rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps);
-            let gate = self.mm(h.clone(), self.mat(p, blk.w_gate));
-            let up = self.mm(h, self.mat(p, blk.w_up));
-            x = x + self.mm(kernels::swiglu(gate, up), self.mat(p, blk.w_down));
-        }
-        rms_norm(x, self.weight_f32(p, self.final_norm), eps)
+        let x = self.residual(p, tokens);
+        rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps)
     }
 
     /// Causal grouped-query attention. K/V are never repeated: the `groups` query heads that
@@ -430,7 +502,7 @@ fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
 }
 
 /// Rotate-half RoPE tables (the Llama / Hugging Face layout, not burn's interleaved one).
-struct RopeTables {
+pub struct RopeTables {
     cos: Tensor<2>,
     sin: Tensor<2>,
 }

@@ -16,7 +16,7 @@
 //! trains data-parallel over MPI on both nodes when built with `--features mpi` (without it,
 //! rank 0 is the real `kiln train` and rank 1 stands in for a replica, following rank 0's
 //! beacon). At the end the final weights are compared with an uninterrupted run of the same
-//! config (run beside it under `nice -n 19`, so mostly after it: the whole test takes about
+//! config (run beside it at the lowest priority, so mostly after it: the whole test takes about
 //! twice KILN_SOAK_MINUTES; `kiln launch --mpi --np 2` locally for data-parallel), and the
 //! ledger is printed: `kiln status`, then the per-cause ETTR table and the per-fault table
 //! (detection time, resume tier, work lost) in Markdown, ready for the README, also written
@@ -122,19 +122,24 @@ fn step_time(dir: &Path) -> f64 {
 }
 
 /// The uninterrupted run of `steps` the soak's final weights must equal, started now beside
-/// the soak under `nice -n 19`: it takes only the cycles the soak leaves, so on a small
+/// the soak at the lowest priority: it takes only the cycles the soak leaves, so on a small
 /// machine it does not slow the soak's restarts (spawn and MPI init took 4x longer beside a
-/// reference at the same priority: two busy-polling MPI ranks per core pair) and mostly runs
-/// after the soak.
+/// reference at the same priority: two more busy-polling MPI ranks on the same cores) and
+/// mostly runs after the soak. Lowest means its own session with its autogroup at nice 19:
+/// with the kernel's autogroups (the default), a plain `nice` only ranks the processes of
+/// one session, and the soak's ranks run in Slurm's sessions.
 fn reference_run(keep: &Path, steps: u64) -> std::thread::JoinHandle<Vec<u8>> {
     let r = keep.join("reference");
     std::thread::spawn(move || {
         let inner = uninterrupted(&r, train_args(&r, steps), ranks());
-        let mut c = Command::new("nice");
-        c.arg("-n")
-            .arg("19")
-            .arg(inner.get_program())
-            .args(inner.get_args());
+        let mut c = Command::new("setsid");
+        c.args([
+            "sh",
+            "-c",
+            "echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 \"$0\" \"$@\"",
+        ])
+        .arg(inner.get_program())
+        .args(inner.get_args());
         for (k, v) in inner.get_envs() {
             match v {
                 Some(v) => c.env(k, v),
