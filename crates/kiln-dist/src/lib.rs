@@ -1,7 +1,8 @@
 //! Collectives between the ranks of a job, behind one small trait ([`Collective`]), on the
 //! engine every HPC site already has: MPI (cargo feature `mpi`). One rank needs no engine
-//! ([`Solo`]); tests run several ranks as threads of one process ([`Threads`]). A GPU engine (NCCL through `cudarc`, its unique id broadcast over MPI) would be
-//! one more implementation of the same trait.
+//! ([`Solo`]); tests run several ranks as threads of one process ([`Threads`]). A GPU engine
+//! (NCCL through `cudarc`, its unique id broadcast over MPI) would be one more
+//! implementation of the same trait.
 //!
 //! Determinism: a sum all-reduce is repeatable bit for bit for a fixed MPI library, rank
 //! count, message size and reduction algorithm (measured: OpenMPI 4.1 picks its algorithm

@@ -359,8 +359,8 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
-    // Not inlined (nor `hidden`, `block`, `attention`, `rms_norm`, `RopeTables::apply`): each stays a
-    // frame of its own in profiles (bench/train/profile.sh), at no measurable cost.
+    // Not inlined (nor `hidden`, `block`, `attention`, `rms_norm`, `RopeTables::apply`): each
+    // stays a frame of its own in profiles (bench/train/profile.sh), at no measurable cost.
     #[inline(never)]
     pub fn loss(
         &self,

@@ -16,7 +16,7 @@
 //! Every stage computes what [`Llama::loss`] computes under autodiff, and the gradients come
 //! out the same bits (tested on one rank; over ranks the mean is a reduce-scatter's).
 
-use crate::model::{Llama, Stage};
+use crate::model::{Llama, RopeTables, Stage};
 use crate::tensor::{flatten, split};
 use burn::tensor::{Device, FloatDType, Gradients, Int, Tensor};
 use kiln_dist::{Collective, Sharded};
@@ -81,10 +81,12 @@ impl Placed {
             .collect()
     }
 
-    /// Empties every entry (the weights of a stage run without autodiff).
-    fn clear(&mut self) {
-        for t in &mut self.all {
-            *t = self.empty.clone();
+    /// Empties the entries stage `s` read (the weights of a stage run without autodiff).
+    fn clear(&mut self, model: &Llama, s: Stage) {
+        for read in model.reads(s) {
+            for i in model.owned(read) {
+                self.all[i] = self.empty.clone();
+            }
         }
     }
 }
@@ -102,17 +104,7 @@ pub fn loss_and_grads(
     let [_, t] = inputs.dims();
     let rope = model.rope(t, &device);
     let mut p = Placed::new(model, &device);
-    let layers = model.stages().len() - 2;
-    p.load(model, params, Stage::Embed, false);
-    let mut x = model.embed(&p.all, inputs.clone());
-    p.clear();
-    let mut kept = Vec::with_capacity(layers);
-    for l in 0..layers {
-        p.load(model, params, Stage::Block(l), false);
-        kept.push(x.clone());
-        x = model.block(&p.all, l, x, &rope);
-        p.clear();
-    }
+    let (x, kept) = forward(model, params, &mut p, inputs.clone(), &rope);
     let x = x.autodiff().require_grad();
     p.load(model, params, Stage::Head, true);
     let mut loss = model.head_loss(&p.all, x.clone(), targets.autodiff());
@@ -153,6 +145,29 @@ pub fn loss_and_grads(
     value
 }
 
+/// The forward pass up to the head, without autodiff: the last block's output and every
+/// block's input.
+fn forward(
+    model: &Llama,
+    params: &mut dyn StageParams,
+    p: &mut Placed,
+    inputs: Tensor<2, Int>,
+    rope: &RopeTables,
+) -> (Tensor<3>, Vec<Tensor<3>>) {
+    p.load(model, params, Stage::Embed, false);
+    let mut x = model.embed(&p.all, inputs);
+    p.clear(model, Stage::Embed);
+    let layers = model.config().n_layers;
+    let mut kept = Vec::with_capacity(layers);
+    for l in 0..layers {
+        p.load(model, params, Stage::Block(l), false);
+        kept.push(x.clone());
+        x = model.block(&p.all, l, x, rope);
+        p.clear(model, Stage::Block(l));
+    }
+    (x, kept)
+}
+
 /// The gradient `g` holds for the stage input `x` (zeros if the stage did not use it).
 fn input_grad(x: &Tensor<3>, g: &Gradients) -> Tensor<3> {
     x.grad(g).unwrap_or_else(|| x.clone().inner().zeros_like())
@@ -176,7 +191,8 @@ struct StageShard {
     lengths: Vec<usize>,
     /// This rank's piece of the flattened weights (`plan.shard` elements, padding included).
     weights: Vec<f32>,
-    /// This rank's piece of the gradients accumulated since the last [`ShardedStages::take_grads`].
+    /// This rank's piece of the gradients accumulated since the last
+    /// [`ShardedStages::take_grads`].
     grads: Vec<f32>,
 }
 
