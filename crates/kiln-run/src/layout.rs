@@ -19,21 +19,40 @@ pub const CHECKPOINT_OPTIMIZER: &str = "optimizer.safetensors";
 /// In a sharded run (`parallelism.shard`), the optimizer state written by rank `rank` of
 /// `ranks` in place of [`CHECKPOINT_OPTIMIZER`]: `optimizer-00001-of-00004.safetensors`.
 pub fn checkpoint_optimizer_shard(rank: usize, ranks: usize) -> String {
-    format!("{CHECKPOINT_OPTIMIZER_SHARD}{rank:05}-of-{ranks:05}.safetensors")
+    shard_file(CHECKPOINT_OPTIMIZER_SHARD, rank, ranks)
 }
 
 /// The `(rank, ranks)` of an optimizer shard file name, if it is one (canonical names only).
 pub fn parse_optimizer_shard(name: &str) -> Option<(usize, usize)> {
-    let rest = name
-        .strip_prefix(CHECKPOINT_OPTIMIZER_SHARD)?
-        .strip_suffix(".safetensors")?;
+    parse_shard_file(CHECKPOINT_OPTIMIZER_SHARD, name)
+}
+
+/// In a parameter-sharded run (`parallelism.shard = "parameters"`), the weights written by
+/// rank `rank` of `ranks` in place of [`CHECKPOINT_MODEL`]: `model-00001-of-00004.safetensors`.
+pub fn checkpoint_model_shard(rank: usize, ranks: usize) -> String {
+    shard_file(CHECKPOINT_MODEL_SHARD, rank, ranks)
+}
+
+/// The `(rank, ranks)` of a weights shard file name, if it is one (canonical names only).
+pub fn parse_model_shard(name: &str) -> Option<(usize, usize)> {
+    parse_shard_file(CHECKPOINT_MODEL_SHARD, name)
+}
+
+fn shard_file(prefix: &str, rank: usize, ranks: usize) -> String {
+    format!("{prefix}{rank:05}-of-{ranks:05}.safetensors")
+}
+
+fn parse_shard_file(prefix: &str, name: &str) -> Option<(usize, usize)> {
+    let rest = name.strip_prefix(prefix)?.strip_suffix(".safetensors")?;
     let (rank, ranks) = rest.split_once("-of-")?;
     let (rank, ranks): (usize, usize) = (rank.parse().ok()?, ranks.parse().ok()?);
-    (checkpoint_optimizer_shard(rank, ranks) == name && rank < ranks).then_some((rank, ranks))
+    (shard_file(prefix, rank, ranks) == name && rank < ranks).then_some((rank, ranks))
 }
 
 /// File-name prefix of [`checkpoint_optimizer_shard`].
 const CHECKPOINT_OPTIMIZER_SHARD: &str = "optimizer-";
+/// File-name prefix of [`checkpoint_model_shard`].
+const CHECKPOINT_MODEL_SHARD: &str = "model-";
 
 /// Where the ranks of a sharded run write their optimizer shards for step `step` (under
 /// [`CHECKPOINTS`]) before rank 0 moves them into the checkpoint it publishes.
@@ -202,8 +221,9 @@ pub fn entries() -> Vec<Entry> {
         train(
             &format!("{CHECKPOINTS}/{}/", checkpoint_dir("<N>")),
             "model.safetensors, optimizer.safetensors (sharded runs: one \
-             optimizer-<r>-of-<n>.safetensors per rank), state.json and manifest.json \
-             (checksums), published atomically",
+             optimizer-<r>-of-<n>.safetensors per rank, and with parameters sharded one \
+             model-<r>-of-<n>.safetensors per rank in place of model.safetensors), \
+             state.json and manifest.json (checksums), published atomically",
         ),
         train(
             &format!("{CHECKPOINTS}/{REJECTED}/"),
@@ -297,6 +317,17 @@ mod tests {
         ] {
             assert_eq!(parse_optimizer_shard(bad), None, "{bad}");
         }
+        assert_eq!(
+            checkpoint_model_shard(2, 3),
+            "model-00002-of-00003.safetensors"
+        );
+        assert_eq!(
+            parse_model_shard(&checkpoint_model_shard(2, 3)),
+            Some((2, 3))
+        );
+        assert_eq!(parse_model_shard("model.safetensors"), None);
+        assert_eq!(parse_model_shard(&checkpoint_optimizer_shard(0, 1)), None);
+        assert_eq!(parse_optimizer_shard(&checkpoint_model_shard(0, 1)), None);
         assert_eq!(parse_shard_staging(&checkpoint_shard_staging(40)), Some(40));
         assert_eq!(parse_shard_staging("step-40"), None);
         assert_eq!(parse_shard_staging(".shards-step-040"), None);

@@ -26,8 +26,15 @@
 //! `1/R` of AdamW's moments, so the weights + moments part is `4 P + 8 P / R`, the rollback
 //! snapshot likewise, and a checkpoint copies `4 P` of weights three times (host copy,
 //! serialised, final) on rank 0 and `8 P / R` twice (its shard, serialised) on every rank.
-//! When a run does not fit, the error says whether `parallelism.shard = "gradients"` would
-//! make it fit on these ranks, or on how many ranks it would.
+//! Parameters sharded too (`parallelism.shard = "parameters"`): weights, moments, the
+//! rollback snapshot and the frozen check's copy are all `1/R`; the step holds one stage's
+//! whole weights (the largest of the embedding, a block, the head: `S` parameters) with their
+//! autodiff copy and two copies of their gradients (`16 S`), this rank's accumulated
+//! gradients (`4 P / R`) and, as activations, every block's input (`4 N L d`) plus one
+//! block's and the head's; a checkpoint copies `24 P / R` (its shards, serialised), and the
+//! final weights, gathered to the writer rank, `8 P` (host copy, serialised).
+//! When a run does not fit, the error names the least sharding (`"gradients"`, then
+//! `"parameters"`) that would make it fit on these ranks, or the fewest ranks one would.
 //!
 //! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
 //! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
@@ -50,7 +57,7 @@
 //! | the same without snapshot and frozen check | 2.0 GiB | 1447 MiB |
 //! | bench model (16M params), batch 4 / 8 / 12 x 256 | 1.8 / 2.6 / 3.3 GiB | 1227 / 1223 / 1840 MiB |
 
-use crate::config::{Config, ConfigError, ModelConfig};
+use crate::config::{Config, ConfigError, ModelConfig, Shard};
 use kiln_run::host::{MemoryLimit, human_bytes};
 use std::path::Path;
 
@@ -173,23 +180,44 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     let per_token_layer = 24.0 * d + 5.0 * f + 6.0 * kv + 3.0 * scores;
     // Saved for backward in every layer, plus the gradients of one layer's scores and the
     // logits' softmax and gradient while the backward pass runs.
-    let activations = 4.0 * tokens * (layers * per_token_layer + 2.0 * scores + 3.5 * v + 2.0 * d);
+    let head = 2.0 * scores + 3.5 * v + 2.0 * d;
+    let activations = 4.0 * tokens * (layers * per_token_layer + head);
     // The held-out eval runs micro-batches of batch_size rows, forward only.
     let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
-    // Weights + moments, and what a checkpoint copies, on one rank (see the module docs).
-    let (state, checkpoint) = match config.parallelism.shard {
-        crate::config::Shard::None => (12.0, 32.0),
-        _ => {
-            let moments = 8.0 / ranks.max(1) as f64;
-            (4.0 + moments, 12.0 + 2.0 * moments)
+    let r = ranks.max(1) as f64;
+    // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
+    let replicated_step = 4.0 * p * (2.0 * shards + 1.0) + activations;
+    // Weights + moments and what a checkpoint copies, per parameter, and the step, on one
+    // rank (see the module docs).
+    let (state, checkpoint, step, activations) = match config.parallelism.shard {
+        Shard::None => (12.0, 32.0, replicated_step, activations),
+        Shard::Optimizer | Shard::Gradients => {
+            let moments = 8.0 / r;
+            (
+                4.0 + moments,
+                12.0 + 2.0 * moments,
+                replicated_step,
+                activations,
+            )
+        }
+        Shard::Parameters => {
+            // Every block's input kept, one block's activations (recomputed) and the head's.
+            let staged = 4.0 * tokens * (layers * d + per_token_layer + head);
+            // One stage's whole weights, their autodiff copy, gradients and flattened
+            // gradients; this rank's accumulated gradient pieces.
+            let step = 16.0 * largest_stage(m, vocab) + 4.0 * p / r + staged;
+            ((12.0 / r), (24.0 / r).max(8.0), step, staged)
         }
     };
     let snapshot = snapshot / 12.0 * state;
+    let frozen = match config.parallelism.shard {
+        Shard::Parameters => frozen / r,
+        _ => frozen,
+    };
     Estimate {
         params: p,
         resident: p * (state + snapshot + frozen),
-        // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
-        step: 4.0 * p * (2.0 * shards + 1.0) + activations,
+        step,
         activations,
         checkpoint: checkpoint * p,
         eval,
@@ -197,25 +225,50 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     }
 }
 
+/// Parameters of the largest stage (the embedding, a block, the head) of the Llama of
+/// `model`: what a parameter-sharded rank gathers at once.
+fn largest_stage(model: &ModelConfig, vocab: usize) -> f64 {
+    let one_layer = ModelConfig {
+        n_layers: 1,
+        tie_embeddings: true,
+        ..model.clone()
+    };
+    let d = model.d_model as f64;
+    let embed = vocab as f64 * d;
+    let block = param_count(&one_layer, vocab) - embed - d;
+    // The head's own matrix, or with tied embeddings the embedding it reads: as large.
+    let head = d + embed;
+    embed.max(block).max(head)
+}
+
 /// What sharding would do for a run that does not fit in `limit` bytes: `None` when it is
 /// already sharded or would not fit on any reasonable number of ranks.
 fn sharding_advice(config: &Config, vocab: usize, ranks: usize, limit: f64) -> Option<String> {
-    if config.parallelism.shard != crate::config::Shard::None {
-        return None;
-    }
-    let mut sharded = config.clone();
-    sharded.parallelism.shard = crate::config::Shard::Gradients;
-    let need = |r: usize| estimate_on(&sharded, vocab, r).need();
-    if ranks > 1 && need(ranks) <= limit {
+    // The modes that shard more than the config does.
+    let rest: &[Shard] = match config.parallelism.shard {
+        Shard::None | Shard::Optimizer => &[Shard::Gradients, Shard::Parameters],
+        Shard::Gradients => &[Shard::Parameters],
+        Shard::Parameters => return None,
+    };
+    let need = |mode: Shard, r: usize| {
+        let mut sharded = config.clone();
+        sharded.parallelism.shard = mode;
+        estimate_on(&sharded, vocab, r).need()
+    };
+    // The least sharding that fits on these ranks; else the fewest ranks any mode fits on.
+    if let Some(&mode) = rest.iter().find(|&&m| ranks > 1 && need(m, ranks) <= limit) {
         return Some(format!(
-            "; or set parallelism.shard = \"gradients\" (about {} a rank on these {ranks} ranks)",
-            human_bytes(need(ranks))
+            "; or set parallelism.shard = \"{}\" (about {} a rank on these {ranks} ranks)",
+            mode.name(),
+            human_bytes(need(mode, ranks))
         ));
     }
-    let fits = (ranks.max(1) + 1..=MAX_ADVISED_RANKS).find(|&r| need(r) <= limit)?;
+    let (fits, mode) = (ranks.max(1) + 1..=MAX_ADVISED_RANKS)
+        .find_map(|r| rest.iter().find(|&&m| need(m, r) <= limit).map(|&m| (r, m)))?;
     Some(format!(
-        "; or train it on {fits} ranks with parallelism.shard = \"gradients\" (about {} a rank)",
-        human_bytes(need(fits))
+        "; or train it on {fits} ranks with parallelism.shard = \"{}\" (about {} a rank)",
+        mode.name(),
+        human_bytes(need(mode, fits))
     ))
 }
 

@@ -5,7 +5,10 @@
 //! `<param>.<slot>@<first element>`, a contiguous piece of the flattened state), and rank 0
 //! moves them into the checkpoint it publishes, under one manifest. Loading assembles the
 //! whole state from the shards, so any rank count and any mode resumes it; a missing shard,
-//! or pieces that leave a gap, reject the checkpoint like a corrupt file.
+//! or pieces that leave a gap, reject the checkpoint like a corrupt file. With parameters
+//! sharded (`parallelism.shard = "parameters"`) the weights are shards too: no
+//! `model.safetensors`, but `model-<r>-of-<n>.safetensors` per rank (`<param>@<first
+//! element>`), assembled the same way, so eval and export read the checkpoint directly.
 //!
 //! Publishing is crash-safe: everything is written into a temporary directory, each file and
 //! the directory are fsynced, and only then is it renamed to `step-<N>` (rename is atomic).
@@ -238,17 +241,17 @@ pub struct ShardFile {
     pub entry: ManifestEntry,
 }
 
-/// Writes rank `rank` of `ranks`'s optimizer state pieces (`<param>.<slot>@<start>`) for step
-/// `step` into the staging directory under `root`, fsynced.
+/// Writes one rank's shard file `name` (its optimizer state pieces `<param>.<slot>@<start>`,
+/// or its weight pieces `<param>@<start>`) for step `step` into the staging directory under
+/// `root`, fsynced.
 pub fn write_shard(
     root: &Path,
     step: u64,
-    (rank, ranks): (usize, usize),
+    name: String,
     tensors: &[HostTensor],
 ) -> Result<ShardFile, CheckpointError> {
     let dir = root.join(layout::checkpoint_shard_staging(step));
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let name = layout::checkpoint_optimizer_shard(rank, ranks);
     let path = dir.join(&name);
     remove_tree(&path)?;
     let bytes = to_safetensors(tensors).map_err(|e| invalid(&path, e.to_string()))?;
@@ -300,13 +303,17 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
     let ser = |t: &[HostTensor], name: &str| {
         to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()))
     };
-    let model = ser(&ckpt.model, MODEL_FILE)?;
-    files.insert(
-        MODEL_FILE.to_string(),
-        write_synced(&tmp.join(MODEL_FILE), &model)?,
-    );
-    drop(model);
-    if ckpt.shards.is_empty() {
+    let sharded = |parse: fn(&str) -> Option<(usize, usize)>| {
+        ckpt.shards.iter().any(|f| parse(&f.name).is_some())
+    };
+    if !sharded(layout::parse_model_shard) {
+        let model = ser(&ckpt.model, MODEL_FILE)?;
+        files.insert(
+            MODEL_FILE.to_string(),
+            write_synced(&tmp.join(MODEL_FILE), &model)?,
+        );
+    }
+    if !sharded(layout::parse_optimizer_shard) {
         let opt = ser(&ckpt.optimizer, OPTIMIZER_FILE)?;
         files.insert(
             OPTIMIZER_FILE.to_string(),
@@ -436,47 +443,53 @@ fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let manifest: Manifest = serde_json::from_slice(&bytes)
         .map_err(|e| invalid(&path, format!("malformed manifest: {e}")))?;
     for name in manifest.files.keys() {
-        if !FILES.contains(&name.as_str()) && layout::parse_optimizer_shard(name).is_none() {
+        let shard = layout::parse_optimizer_shard(name).or(layout::parse_model_shard(name));
+        if !FILES.contains(&name.as_str()) && shard.is_none() {
             return Err(invalid(
                 &path,
                 format!(
-                    "manifest names {name:?}, which is not a file of a kiln checkpoint (only {} or optimizer-<r>-of-<n>.safetensors); refused",
+                    "manifest names {name:?}, which is not a file of a kiln checkpoint (only {}, optimizer-<r>-of-<n>.safetensors or model-<r>-of-<n>.safetensors); refused",
                     FILES.join(", ")
                 ),
             ));
         }
     }
-    for required in [MODEL_FILE, STATE_FILE] {
-        if !manifest.files.contains_key(required) {
-            return Err(invalid(&path, format!("manifest does not list {required}")));
-        }
+    if !manifest.files.contains_key(STATE_FILE) {
+        return Err(invalid(
+            &path,
+            format!("manifest does not list {STATE_FILE}"),
+        ));
     }
-    check_optimizer_files(&manifest, &path)?;
+    check_shard_set(&manifest, &path, MODEL_FILE, layout::parse_model_shard)?;
+    check_shard_set(
+        &manifest,
+        &path,
+        OPTIMIZER_FILE,
+        layout::parse_optimizer_shard,
+    )?;
     Ok(manifest)
 }
 
-/// The manifest lists the optimizer state once: `optimizer.safetensors`, or every shard
-/// `optimizer-<r>-of-<n>` of one `n`.
-fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), CheckpointError> {
-    let shards: Vec<(usize, usize)> = manifest
-        .files
-        .keys()
-        .filter_map(|n| layout::parse_optimizer_shard(n))
-        .collect();
-    let whole = manifest.files.contains_key(OPTIMIZER_FILE);
+/// The manifest lists the weights, and the optimizer state, once each: the whole file
+/// (`whole`), or every shard (names `parse` reads) of one rank count.
+fn check_shard_set(
+    manifest: &Manifest,
+    path: &Path,
+    whole: &str,
+    parse: fn(&str) -> Option<(usize, usize)>,
+) -> Result<(), CheckpointError> {
+    let shards: Vec<(usize, usize)> = manifest.files.keys().filter_map(|n| parse(n)).collect();
+    let has_whole = manifest.files.contains_key(whole);
     let Some(&(_, n)) = shards.first() else {
-        return match whole {
+        return match has_whole {
             true => Ok(()),
-            false => Err(invalid(
-                path,
-                format!("manifest does not list {OPTIMIZER_FILE}"),
-            )),
+            false => Err(invalid(path, format!("manifest does not list {whole}"))),
         };
     };
-    if whole {
+    if has_whole {
         return Err(invalid(
             path,
-            format!("manifest lists both {OPTIMIZER_FILE} and optimizer shards"),
+            format!("manifest lists both {whole} and shards of it"),
         ));
     }
     let missing: Vec<usize> = (0..n).filter(|&r| !shards.contains(&(r, n))).collect();
@@ -484,7 +497,7 @@ fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), Checkpo
         return Err(invalid(
             path,
             format!(
-                "manifest lists {} of the {n} optimizer shards (missing ranks {missing:?}, or shards of another rank count)",
+                "manifest lists {} of the {n} shards of {whole} (missing ranks {missing:?}, or shards of another rank count)",
                 shards.len()
             ),
         ));
@@ -492,14 +505,16 @@ fn check_optimizer_files(manifest: &Manifest, path: &Path) -> Result<(), Checkpo
     Ok(())
 }
 
-/// The optimizer state of a sharded checkpoint: every shard read and verified, and each
-/// tensor assembled from its pieces (`<name>@<start>`), which must tile it without a gap.
-fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, CheckpointError> {
+/// The tensors of a sharded checkpoint's shards (names `parse` reads): every shard read and
+/// verified, and each tensor assembled from its pieces (`<name>@<start>`), which must tile
+/// it without a gap.
+fn load_shards(
+    dir: &Path,
+    manifest: &Manifest,
+    parse: fn(&str) -> Option<(usize, usize)>,
+) -> Result<Vec<HostTensor>, CheckpointError> {
     let mut pieces: BTreeMap<String, Vec<(usize, Vec<f32>)>> = BTreeMap::new();
-    let names = manifest
-        .files
-        .keys()
-        .filter(|n| layout::parse_optimizer_shard(n).is_some());
+    let names = manifest.files.keys().filter(|n| parse(n).is_some());
     for name in names {
         let path = dir.join(name);
         for t in from_safetensors(&read_verified(dir, manifest, name)?, &path)? {
@@ -528,7 +543,7 @@ fn load_shards(dir: &Path, manifest: &Manifest) -> Result<Vec<HostTensor>, Check
                 return Err(invalid(
                     dir,
                     format!(
-                        "optimizer state {name} has a gap or overlap at element {} (its shards do not tile it)",
+                        "tensor {name} has a gap or overlap at element {} (its shards do not tile it)",
                         values.len()
                     ),
                 ));
@@ -576,17 +591,12 @@ fn parse_state(dir: &Path, bytes: &[u8]) -> Result<(u64, serde_json::Value), Che
 pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let manifest = read_manifest(dir)?;
     let (step, state) = parse_state(dir, &read_verified(dir, &manifest, STATE_FILE)?)?;
-    let model = from_safetensors(
-        &read_verified(dir, &manifest, MODEL_FILE)?,
-        &dir.join(MODEL_FILE),
-    )?;
-    let optimizer = match manifest.files.contains_key(OPTIMIZER_FILE) {
-        true => from_safetensors(
-            &read_verified(dir, &manifest, OPTIMIZER_FILE)?,
-            &dir.join(OPTIMIZER_FILE),
-        )?,
-        false => load_shards(dir, &manifest)?,
+    let whole_or_shards = |whole: &str, parse| match manifest.files.contains_key(whole) {
+        true => from_safetensors(&read_verified(dir, &manifest, whole)?, &dir.join(whole)),
+        false => load_shards(dir, &manifest, parse),
     };
+    let model = whole_or_shards(MODEL_FILE, layout::parse_model_shard)?;
+    let optimizer = whole_or_shards(OPTIMIZER_FILE, layout::parse_optimizer_shard)?;
     Ok(Checkpoint {
         step,
         model,

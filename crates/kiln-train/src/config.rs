@@ -576,6 +576,11 @@ pub enum Shard {
     /// Optimizer state and reduced gradients sharded (ZeRO-2): a reduce-scatter leaves each
     /// rank only its range of the averaged gradients, half the all-reduce's traffic.
     Gradients,
+    /// Parameters too (ZeRO-3, FSDP's full sharding): each rank keeps only its range of every
+    /// stage's weights (the embedding, each block, the head, cut separately); a stage's
+    /// weights are all-gathered when it runs and dropped after, in the forward pass and again
+    /// in the backward pass, whose gradients are reduce-scattered stage by stage.
+    Parameters,
 }
 
 impl Shard {
@@ -585,6 +590,7 @@ impl Shard {
             Self::None => "none",
             Self::Optimizer => "optimizer",
             Self::Gradients => "gradients",
+            Self::Parameters => "parameters",
         }
     }
 }

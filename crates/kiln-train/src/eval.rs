@@ -7,6 +7,7 @@ use crate::metrics::EvalMetrics;
 use crate::session::Session;
 use crate::synthetic::Synthetic;
 use crate::tensor::int_tensor;
+use burn::tensor::{Int, Tensor};
 
 /// The eval component of a run: its cadence and what it needs from the run.
 pub struct Evaluator {
@@ -38,6 +39,18 @@ impl Evaluator {
     pub fn run(&self, session: &Session, syn: &Synthetic, step: u64) -> EvalMetrics {
         synthetic(session, syn, step, self.samples, self.unigram)
     }
+
+    /// [`Evaluator::run`] with the model's logits computed by `logits` (a parameter-sharded
+    /// run's stage-by-stage forward pass).
+    pub fn run_with(
+        &self,
+        session: &Session,
+        syn: &Synthetic,
+        step: u64,
+        logits: &mut dyn FnMut(Tensor<2, Int>) -> Tensor<3>,
+    ) -> EvalMetrics {
+        scored(session, syn, (step, self.samples, self.unigram), logits)
+    }
 }
 
 /// Held-out loss and answer accuracy on the synthetic corpus (`samples` sequences).
@@ -47,6 +60,17 @@ pub fn synthetic(
     step: u64,
     samples: usize,
     unigram: Option<f64>,
+) -> EvalMetrics {
+    let logits = &mut |x| session.model.forward(&session.params, x);
+    scored(session, syn, (step, samples, unigram), logits)
+}
+
+/// [`synthetic`] with the logits of `logits`.
+fn scored(
+    session: &Session,
+    syn: &Synthetic,
+    (step, samples, unigram): (u64, usize, Option<f64>),
+    logits: &mut dyn FnMut(Tensor<2, Int>) -> Tensor<3>,
 ) -> EvalMetrics {
     let len = session.config.training.seq_len + 1;
     let batch = session.config.training.batch_size.max(1);
@@ -59,7 +83,7 @@ pub fn synthetic(
         idx += rows.len() as u64;
         let tokens: Vec<Vec<u32>> = rows.iter().map(|s| s.tokens.clone()).collect();
         let inputs = int_tensor(&tokens, len - 1, &session.device);
-        let logits = session.model.forward(&session.params, inputs); // [b, t, v]
+        let logits = logits(inputs); // [b, t, v]
         let [b, t, v] = logits.dims();
         let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
         let targets = int_tensor(&shifted, t, &session.device);

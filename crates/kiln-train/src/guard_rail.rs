@@ -19,8 +19,9 @@ use crate::journal::Journal;
 use crate::optim::Optimizer;
 use crate::session::Session;
 use crate::state::TrainState;
-use crate::tensor::unchanged_params;
+use crate::tensor::changed_params;
 use burn::tensor::Tensor;
+use kiln_dist::Collective;
 use kiln_run::event;
 use serde_json::json;
 
@@ -152,8 +153,15 @@ impl GuardRail {
         Ok(Verdict::Update)
     }
 
-    /// After an applied step: the high-water mark, the snapshot and the frozen check when due.
-    pub fn after_step(&mut self, live: &Live, journal: &mut Journal) -> Result<(), TrainError> {
+    /// After an applied step: the high-water mark, the snapshot and the frozen check when due
+    /// (`pieces_over`: the ranks whose pieces of the parameters make them whole, in a
+    /// parameter-sharded run; every rank calls this at the same steps).
+    pub fn after_step(
+        &mut self,
+        live: &Live,
+        pieces_over: Option<&dyn Collective>,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
         let step = live.state.step;
         if step > self.high_water {
             self.high_water = step;
@@ -162,8 +170,9 @@ impl GuardRail {
         if Every(self.cfg.snapshot_interval).due(step) {
             self.take_snapshot(live);
         }
-        if Every(self.cfg.frozen_check_interval).due(step) && journal.is_writer() {
-            self.check_frozen(live, journal)?;
+        let checks = journal.is_writer() || pieces_over.is_some();
+        if Every(self.cfg.frozen_check_interval).due(step) && checks {
+            self.check_frozen(live, pieces_over, journal)?;
         }
         Ok(())
     }
@@ -292,15 +301,31 @@ impl GuardRail {
     }
 
     /// Names parameter tensors that did not change over the check interval (an event, not a
-    /// stop: the writer rank checks, since every rank holds the same parameters).
-    fn check_frozen(&mut self, live: &Live, journal: &mut Journal) -> Result<(), TrainError> {
+    /// stop). Every rank holds the same parameters, so the writer rank checks; with
+    /// `pieces_over`, every rank holds its pieces only and a parameter is frozen when no
+    /// rank's piece of it changed.
+    fn check_frozen(
+        &mut self,
+        live: &Live,
+        pieces_over: Option<&dyn Collective>,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
         let (step, every) = (live.state.step, self.cfg.frozen_check_interval);
         let params = &live.session.params;
         if let Some(prev) = &self.last_frozen_check {
-            let unchanged = unchanged_params(params, prev);
-            if !unchanged.is_empty() {
-                let specs = live.session.model.specs();
-                let names: Vec<String> = unchanged.iter().map(|&i| specs[i].name.clone()).collect();
+            let mut changed: Vec<f64> = changed_params(params, prev)
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            if let Some(comm) = pieces_over {
+                comm.all_reduce_sum_f64(&mut changed);
+            }
+            let specs = live.session.model.specs();
+            let names: Vec<String> = (0..specs.len())
+                .filter(|&i| changed[i] == 0.0)
+                .map(|i| specs[i].name.clone())
+                .collect();
+            if !names.is_empty() && journal.is_writer() {
                 journal.emit(
                     event::FROZEN_PARAMS,
                     json!({"step": step, "since_step": step.saturating_sub(every), "params": names}),

@@ -351,15 +351,20 @@ impl Llama {
 
     /// Next-token logits `[batch, seq, vocab]` for `tokens` `[batch, seq]`.
     pub fn forward(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let h = self.hidden(p, tokens);
-        let d = self.cfg.d_model;
-        let x = h.reshape([b * t, d]);
-        self.mm(x, self.head_matrix(p)).reshape([b, t, self.vocab])
+        self.head_logits(p, self.residual(p, tokens))
+    }
+
+    /// The last stage without the loss: next-token logits `[batch, seq, vocab]` of the
+    /// residual stream `x` `[batch, seq, d_model]` (final norm, output head).
+    pub fn head_logits(&self, p: &[Tensor<1>], x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let h = rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps);
+        self.mm(h.reshape([b * t, d]), self.head_matrix(p))
+            .reshape([b, t, self.vocab])
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
-    // Not inlined (nor `hidden`, `block`, `attention`, `rms_norm`, `RopeTables::apply`): each
+    // Not inlined (nor `block`, `attention`, `rms_norm`, `RopeTables::apply`): each
     // stays a frame of its own in profiles (bench/train/profile.sh), at no measurable cost.
     #[inline(never)]
     pub fn loss(
@@ -429,13 +434,6 @@ impl Llama {
             Some(i) => self.mat(p, i),
             None => self.mat(p, self.embed).transpose(),
         }
-    }
-
-    /// Final-norm hidden states `[batch, seq, d_model]`.
-    #[inline(never)]
-    fn hidden(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
-        let x = self.residual(p, tokens);
-        rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps)
     }
 
     /// Causal grouped-query attention. K/V are never repeated: the `groups` query heads that

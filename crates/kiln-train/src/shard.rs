@@ -1,34 +1,51 @@
 //! Sharded data parallelism (`parallelism.shard`): which piece of the training state this
 //! rank keeps, and the collectives of a sharded step.
 //!
-//! The parameters, flattened in model order, are cut into one contiguous range per rank
-//! ([`kiln_dist::Sharded`]). A rank keeps AdamW's moments for its range only; after the
-//! backward pass the gradients are averaged over the ranks (all-reduced whole with
-//! `optimizer`, reduce-scattered to the range with `gradients`), the rank updates its range
-//! of the parameters, and an all-gather gives every rank the whole updated parameters. The
-//! update is element-wise, so each element is computed exactly as in a replicated run; what
-//! differs is the summation order of the gradient norm (per range, then over the ranks) and,
-//! with `gradients`, MPI's reduction order in the reduce-scatter: losses agree with a
-//! replicated run to float rounding, not bit for bit.
+//! The parameters are flattened in model order and cut into one contiguous range per rank
+//! ([`kiln_dist::Sharded`]): all of them together with `optimizer` and `gradients`, each
+//! stage's ([`Stage`]: the embedding, a block, the head) separately with `parameters`, so
+//! that a stage's weights are gathered by one all-gather. A rank keeps AdamW's moments for
+//! its range only; after the backward pass the gradients are averaged over the ranks
+//! (all-reduced whole with `optimizer`, reduce-scattered to the range with `gradients`, and
+//! with `parameters` reduce-scattered stage by stage inside the backward pass, see
+//! [`StageShards`]), the rank updates its range of the parameters, and, unless the
+//! parameters are sharded too, an all-gather gives every rank the whole updated parameters.
+//! The update is element-wise, so each element is computed exactly as in a replicated run;
+//! what differs is the summation order of the gradient norm (per range, then over the ranks)
+//! and, with `gradients` and `parameters`, MPI's reduction order in the reduce-scatter:
+//! losses agree with a replicated run to float rounding, not bit for bit.
 //!
-//! A sharded checkpoint has one optimizer file per rank, written by that rank in parallel
-//! ([`write_shard`]); rank 0 publishes them under one manifest (see [`crate::checkpoint`]).
+//! A sharded checkpoint has one optimizer file per rank (and with `parameters` one weights
+//! file per rank), written by that rank in parallel ([`ShardPlan::write_shards`]); rank 0
+//! publishes them under one manifest (see [`crate::checkpoint`]).
 
 use crate::checkpoint::{self, HostTensor, ShardFile};
 use crate::config::{Config, Shard};
 use crate::error::TrainError;
-use crate::model::ParamSpec;
+use crate::model::{Llama, ParamSpec, Stage};
+use crate::stagewise::StageParams;
 use crate::tensor::{DeviceTensor, flatten, split, unflatten};
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{Collective, Sharded};
+use kiln_run::layout;
 use std::ops::Range;
 use std::path::Path;
+use std::time::Instant;
+
+/// Parameters flattened and cut over the ranks together.
+#[derive(Debug, Clone)]
+struct Group {
+    /// Their indices in the model's parameters.
+    params: Range<usize>,
+    flat: Sharded,
+}
 
 /// This rank's part of a sharded run's state (see the module documentation).
 #[derive(Debug, Clone)]
 pub struct ShardPlan {
     mode: Shard,
-    flat: Sharded,
+    /// The whole model, or with `parameters` each stage in [`Llama::stages`] order.
+    groups: Vec<Group>,
     rank: usize,
     world: usize,
     /// Bytes per all-reduce bucket (`parallelism.bucket_mb`).
@@ -39,28 +56,37 @@ pub struct ShardPlan {
 
 impl ShardPlan {
     /// The plan of `cfg` for rank `rank` of `world`; `None` when nothing is sharded.
-    pub fn new(cfg: &Config, specs: &[ParamSpec], rank: usize, world: usize) -> Option<Self> {
+    pub fn new(cfg: &Config, model: &Llama, rank: usize, world: usize) -> Option<Self> {
         let mode = cfg.parallelism.shard;
         if mode == Shard::None {
             return None;
         }
-        let total = specs.iter().map(ParamSpec::numel).sum();
+        let specs = model.specs();
         let bucket = cfg.parallelism.bucket_mb.max(1) << 20;
-        let flat = Sharded::new(total, world, bucket);
-        let mine = flat.range(rank);
-        let mut at = 0;
-        let ranges = specs
-            .iter()
-            .map(|s| {
-                let (lo, hi) = (at.max(mine.start), (at + s.numel()).min(mine.end));
-                let r = (lo < hi).then(|| lo - at..hi - at);
-                at += s.numel();
-                r
+        let spans: Vec<Range<usize>> = match mode {
+            Shard::Parameters => model.stages().into_iter().map(|s| model.owned(s)).collect(),
+            _ => std::iter::once(0..specs.len()).collect(),
+        };
+        let mut ranges = vec![None; specs.len()];
+        let groups = spans
+            .into_iter()
+            .map(|params| {
+                let total = specs[params.clone()].iter().map(ParamSpec::numel).sum();
+                let flat = Sharded::new(total, world, bucket);
+                let mine = flat.range(rank);
+                let mut at = 0;
+                for i in params.clone() {
+                    let n = specs[i].numel();
+                    let (lo, hi) = (at.max(mine.start), (at + n).min(mine.end));
+                    ranges[i] = (lo < hi).then(|| lo - at..hi - at);
+                    at += n;
+                }
+                Group { params, flat }
             })
             .collect();
         Some(Self {
             mode,
-            flat,
+            groups,
             rank,
             world,
             bucket,
@@ -90,15 +116,23 @@ impl ShardPlan {
             .collect()
     }
 
-    /// `flat` (this rank's range of the flattened parameters) cut into pieces, as
+    /// The one group of the `optimizer` and `gradients` modes: the whole model.
+    fn whole_model(&self) -> &Sharded {
+        &self.groups[0].flat
+    }
+
+    /// `flat` (this rank's range of the flattened parameters of `group`) cut into pieces, as
     /// [`ShardPlan::pieces`] cuts whole tensors.
-    fn cut(&self, flat: &[f32], device: &Device) -> Vec<Tensor<1>> {
-        let lengths = self.ranges.iter().map(|r| r.as_ref().map_or(0, Range::len));
+    fn cut(&self, group: &Group, flat: &[f32], device: &Device) -> Vec<Tensor<1>> {
+        let lengths = self.ranges[group.params.clone()]
+            .iter()
+            .map(|r| r.as_ref().map_or(0, Range::len));
         split(flat, lengths, device)
     }
 
     /// The loss and this rank's range of the gradients, averaged over the ranks (as pieces,
-    /// see [`ShardPlan::pieces`]), and the global norm of the averaged gradients.
+    /// see [`ShardPlan::pieces`]), and the global norm of the averaged gradients. Not for
+    /// the `parameters` mode, whose gradients are averaged stage by stage ([`StageShards`]).
     pub fn average(
         &self,
         comm: &dyn Collective,
@@ -107,36 +141,44 @@ impl ShardPlan {
         device: &Device,
     ) -> (f32, Vec<Tensor<1>>, f32) {
         let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
-        let mine = self.flat.range(self.rank);
-        let (loss, shard) = match self.mode {
-            Shard::Gradients => {
-                let mut l = [loss];
-                comm.all_reduce_sum_f32(&mut l);
-                let shard = self.flat.reduce_scatter_mean(comm, &flatten(grads, &[]));
-                (l[0] / self.world as f32, shard[..mine.len()].to_vec())
-            }
-            _ => {
-                // The replicated run's all-reduce and norm, bit for bit: every rank has the
-                // whole averaged gradients here.
-                let reduce = kiln_dist::BucketedAllReduce::new(self.bucket);
-                let mut all = reduce.mean(comm, &flatten(grads, &[loss]));
-                let loss = all.pop().unwrap_or(f32::NAN);
-                let norm = crate::optim::global_norm(&split(&all, lengths, device));
-                let pieces = self.cut(&all[mine], device);
-                return (loss, pieces, norm);
-            }
-        };
-        let mut sq = [shard
+        let flat = self.whole_model();
+        let mine = flat.range(self.rank);
+        if self.mode != Shard::Gradients {
+            // The replicated run's all-reduce and norm, bit for bit: every rank has the
+            // whole averaged gradients here.
+            let reduce = kiln_dist::BucketedAllReduce::new(self.bucket);
+            let mut all = reduce.mean(comm, &flatten(grads, &[loss]));
+            let loss = all.pop().unwrap_or(f32::NAN);
+            let norm = crate::optim::global_norm(&split(&all, lengths, device));
+            return (loss, self.cut(&self.groups[0], &all[mine], device), norm);
+        }
+        let shard = flat.reduce_scatter_mean(comm, &flatten(grads, &[]));
+        let pieces = self.cut(&self.groups[0], &shard[..mine.len()], device);
+        let (loss, norm) = self.loss_and_norm(comm, loss, &pieces);
+        (loss, pieces, norm)
+    }
+
+    /// The mean of the ranks' losses and the global norm of gradients of which every rank
+    /// holds its own range (`pieces`).
+    pub fn loss_and_norm(
+        &self,
+        comm: &dyn Collective,
+        loss: f32,
+        pieces: &[Tensor<1>],
+    ) -> (f32, f32) {
+        let mut l = [loss];
+        comm.all_reduce_sum_f32(&mut l);
+        let mut sq = [flatten(pieces.to_vec(), &[])
             .iter()
             .map(|&g| f64::from(g) * f64::from(g))
             .sum::<f64>()];
         comm.all_reduce_sum_f64(&mut sq);
-        let pieces = self.cut(&shard, device);
-        (loss, pieces, sq[0].sqrt() as f32)
+        (l[0] / self.world as f32, sq[0].sqrt() as f32)
     }
 
     /// Replaces `params` with the whole parameters gathered from every rank's updated
-    /// range (`pieces`, this rank's; taken, so that each is copied to the host once).
+    /// range (`pieces`, this rank's; taken, so that each is copied to the host once). Not
+    /// for the `parameters` mode, which keeps its pieces.
     pub fn gather(
         &self,
         comm: &dyn Collective,
@@ -144,42 +186,208 @@ impl ShardPlan {
         params: &mut Vec<Tensor<1>>,
         device: &Device,
     ) {
-        // The padding up to a whole shard goes in with the values: no second allocation.
-        let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
-        let mine = flatten(pieces, &vec![0.0; self.flat.shard.saturating_sub(have)]);
-        let full = self.flat.all_gather(comm, &mine);
+        let full = self.all_gather(comm, self.whole_model(), pieces);
         *params = unflatten(&full, params, device);
     }
 
-    /// Writes this rank's optimizer pieces for the checkpoint of `step` into its staging
-    /// directory under `root`, and tells every rank every rank's file: on rank 0 the
-    /// shards to publish; an error when any rank failed (every rank gets it, so all stop).
-    pub fn write_shard(
+    /// Every rank's range of `group`, gathered (padding included), from this rank's pieces.
+    fn all_gather(
+        &self,
+        comm: &dyn Collective,
+        flat: &Sharded,
+        pieces: Vec<Tensor<1>>,
+    ) -> Vec<f32> {
+        // The padding up to a whole shard goes in with the values: no second allocation.
+        let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
+        let mine = flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)]);
+        flat.all_gather(comm, &mine)
+    }
+
+    /// Whether each rank keeps only its pieces of the parameters (`parameters`).
+    pub fn shards_parameters(&self) -> bool {
+        self.mode == Shard::Parameters
+    }
+
+    /// The whole parameters gathered from every rank's `pieces`, as host tensors (the final
+    /// weights of a parameter-sharded run); every rank calls it, and holds one stage's
+    /// whole weights at a time besides what it returns.
+    pub fn whole_host(
+        &self,
+        comm: &dyn Collective,
+        specs: &[ParamSpec],
+        pieces: &[Tensor<1>],
+    ) -> Vec<HostTensor> {
+        let mut out = Vec::with_capacity(specs.len());
+        for g in &self.groups {
+            let full = self.all_gather(comm, &g.flat, pieces[g.params.clone()].to_vec());
+            let mut at = 0;
+            for spec in &specs[g.params.clone()] {
+                let values = full[at..at + spec.numel()].to_vec();
+                at += spec.numel();
+                out.push(HostTensor::f32(
+                    spec.name.clone(),
+                    spec.shape.clone(),
+                    values,
+                ));
+            }
+        }
+        out
+    }
+
+    /// This rank's pieces of the weights, named `<param>@<first element>` (the empty ones
+    /// left out).
+    fn named_pieces(&self, specs: &[ParamSpec], pieces: &[Tensor<1>]) -> Vec<HostTensor> {
+        specs
+            .iter()
+            .zip(pieces)
+            .zip(&self.ranges)
+            .filter_map(|((spec, t), r)| {
+                let r = r.as_ref()?;
+                let piece = DeviceTensor {
+                    name: format!("{}@{}", spec.name, r.start),
+                    shape: vec![r.len()],
+                    tensor: t.clone(),
+                };
+                Some(piece.to_host())
+            })
+            .collect()
+    }
+
+    /// Writes this rank's shards for the checkpoint of `step` into its staging directory
+    /// under `root` (its optimizer pieces `state`; with `parameters` also its weight
+    /// `pieces`), and tells every rank every rank's files: on rank 0 the shards to publish;
+    /// an error when any rank failed (every rank gets it, so all stop).
+    pub fn write_shards(
         &self,
         comm: &dyn Collective,
         root: &Path,
         step: u64,
         state: &[DeviceTensor],
+        (specs, pieces): (&[ParamSpec], &[Tensor<1>]),
     ) -> Result<Vec<ShardFile>, TrainError> {
+        let (rank, ranks) = (self.rank, self.world);
         let host: Vec<HostTensor> = state.iter().map(DeviceTensor::to_host).collect();
-        let mine = checkpoint::write_shard(root, step, (self.rank, self.world), &host)
+        let mut files = vec![(layout::checkpoint_optimizer_shard(rank, ranks), host)];
+        if self.shards_parameters() {
+            let weights = self.named_pieces(specs, pieces);
+            files.push((layout::checkpoint_model_shard(rank, ranks), weights));
+        }
+        let mine: Result<Vec<ShardFile>, String> = files
+            .into_iter()
+            .map(|(name, t)| checkpoint::write_shard(root, step, name, &t))
+            .collect::<Result<_, _>>()
             .map_err(|e| e.to_string());
-        let mut all = Vec::with_capacity(self.world);
+        let mut all = Vec::with_capacity(self.world * 2);
         for r in 0..self.world {
             let mut bytes = match (r == self.rank, &mine) {
                 (true, m) => serde_json::to_vec(m).unwrap_or_default(),
                 (false, _) => Vec::new(),
             };
             crate::snapshot::broadcast_vec(comm, r, &mut bytes);
-            let got: Result<ShardFile, String> = serde_json::from_slice(&bytes)
+            let got: Result<Vec<ShardFile>, String> = serde_json::from_slice(&bytes)
                 .unwrap_or_else(|e| Err(format!("unreadable shard report of rank {r}: {e}")));
-            all.push(got.map_err(|e| {
+            all.extend(got.map_err(|e| {
                 TrainError::Parallel(format!(
-                    "rank {r} could not write its optimizer shard of step {step}: {e}"
+                    "rank {r} could not write its shards of step {step}: {e}"
                 ))
             })?);
         }
         Ok(all)
+    }
+}
+
+/// The [`StageParams`] of a parameter-sharded step: a stage's whole weights all-gathered
+/// from every rank's pieces (this rank's are `pieces`, [`ShardPlan::pieces`] of the whole),
+/// its gradients reduce-scattered (the mean over the ranks) and this rank's range of them
+/// accumulated until [`StageShards::take_grads`].
+pub struct StageShards<'a> {
+    plan: &'a ShardPlan,
+    model: &'a Llama,
+    comm: &'a dyn Collective,
+    pieces: &'a [Tensor<1>],
+    device: Device,
+    /// Per stage, this rank's range of the accumulated gradients (padding included).
+    grads: Vec<Vec<f32>>,
+    /// Seconds spent in the collectives.
+    comm_s: f64,
+}
+
+impl<'a> StageShards<'a> {
+    /// The stages of `model` cut by `plan` (a `parameters` plan), over `comm`'s ranks.
+    pub fn new(
+        plan: &'a ShardPlan,
+        model: &'a Llama,
+        comm: &'a dyn Collective,
+        pieces: &'a [Tensor<1>],
+        device: &Device,
+    ) -> Self {
+        Self {
+            grads: plan
+                .groups
+                .iter()
+                .map(|g| vec![0.0; g.flat.shard])
+                .collect(),
+            plan,
+            model,
+            comm,
+            pieces,
+            device: device.clone(),
+            comm_s: 0.0,
+        }
+    }
+
+    /// Seconds spent in the all-gathers and reduce-scatters so far.
+    pub fn comm_s(&self) -> f64 {
+        self.comm_s
+    }
+
+    /// The group of stage `s` (stages are numbered in [`Llama::stages`] order).
+    fn group(&self, s: Stage) -> usize {
+        match s {
+            Stage::Embed => 0,
+            Stage::Block(l) => 1 + l,
+            Stage::Head => self.plan.groups.len() - 1,
+        }
+    }
+
+    /// This rank's pieces of the gradients accumulated so far (as [`ShardPlan::pieces`]),
+    /// and zeros in their place.
+    pub fn take_grads(&mut self) -> Vec<Tensor<1>> {
+        let mut out = Vec::with_capacity(self.plan.ranges.len());
+        for (g, grads) in self.plan.groups.iter().zip(&mut self.grads) {
+            let mine = g.flat.range(self.plan.rank).len();
+            out.extend(self.plan.cut(g, &grads[..mine], &self.device));
+            grads.fill(0.0);
+        }
+        out
+    }
+}
+
+impl StageParams for StageShards<'_> {
+    fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
+        let g = &self.plan.groups[self.group(s)];
+        let t0 = Instant::now();
+        let full = self
+            .plan
+            .all_gather(self.comm, &g.flat, self.pieces[g.params.clone()].to_vec());
+        self.comm_s += t0.elapsed().as_secs_f64();
+        let lengths = self.model.specs()[g.params.clone()]
+            .iter()
+            .map(ParamSpec::numel);
+        split(&full, lengths, &self.device)
+    }
+
+    fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {
+        let i = self.group(s);
+        let flat = flatten(grads, &[]);
+        let t0 = Instant::now();
+        let mine = self.plan.groups[i]
+            .flat
+            .reduce_scatter_mean(self.comm, &flat);
+        self.comm_s += t0.elapsed().as_secs_f64();
+        for (a, g) in self.grads[i].iter_mut().zip(mine) {
+            *a += g;
+        }
     }
 }
 
@@ -191,12 +399,17 @@ mod tests {
     fn the_ranges_of_all_ranks_tile_every_parameter_once() {
         let mut cfg = Config::default();
         cfg.parallelism.shard = Shard::Gradients;
-        let specs = crate::model::Llama::new(&cfg.model, 300).specs().to_vec();
-        for world in 1..=5 {
+        let model = Llama::new(&cfg.model, 300);
+        let specs = model.specs();
+        for (mode, world) in [Shard::Gradients, Shard::Parameters]
+            .into_iter()
+            .flat_map(|m| (1..=5).map(move |w| (m, w)))
+        {
+            cfg.parallelism.shard = mode;
             for (i, spec) in specs.iter().enumerate() {
                 let mut covered: Vec<Range<usize>> = (0..world)
                     .filter_map(|r| {
-                        ShardPlan::new(&cfg, &specs, r, world).unwrap().ranges[i].clone()
+                        ShardPlan::new(&cfg, &model, r, world).unwrap().ranges[i].clone()
                     })
                     .collect();
                 covered.sort_by_key(|r| r.start);
@@ -209,6 +422,6 @@ mod tests {
             }
         }
         cfg.parallelism.shard = Shard::None;
-        assert!(ShardPlan::new(&cfg, &specs, 0, 2).is_none());
+        assert!(ShardPlan::new(&cfg, &model, 0, 2).is_none());
     }
 }

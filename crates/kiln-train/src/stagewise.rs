@@ -17,9 +17,7 @@
 //! out the same bits (tested on one rank; over ranks the mean is a reduce-scatter's).
 
 use crate::model::{Llama, RopeTables, Stage};
-use crate::tensor::{flatten, split};
 use burn::tensor::{Device, FloatDType, Gradients, Int, Tensor};
-use kiln_dist::{Collective, Sharded};
 
 /// Where the stages' whole weights come from and where their gradients go.
 pub trait StageParams {
@@ -104,7 +102,15 @@ pub fn loss_and_grads(
     let [_, t] = inputs.dims();
     let rope = model.rope(t, &device);
     let mut p = Placed::new(model, &device);
-    let (x, kept) = forward(model, params, &mut p, inputs.clone(), &rope);
+    let mut kept = Vec::with_capacity(model.config().n_layers);
+    let x = forward(
+        model,
+        params,
+        &mut p,
+        inputs.clone(),
+        &rope,
+        Some(&mut kept),
+    );
     let x = x.autodiff().require_grad();
     p.load(model, params, Stage::Head, true);
     let mut loss = model.head_loss(&p.all, x.clone(), targets.autodiff());
@@ -145,27 +151,39 @@ pub fn loss_and_grads(
     value
 }
 
-/// The forward pass up to the head, without autodiff: the last block's output and every
-/// block's input.
+/// Next-token logits `[batch, seq, vocab]` of `inputs` `[batch, seq]`, stage by stage
+/// without autodiff (eval of a parameter-sharded run).
+pub fn logits(model: &Llama, params: &mut dyn StageParams, inputs: Tensor<2, Int>) -> Tensor<3> {
+    let device = inputs.device();
+    let rope = model.rope(inputs.dims()[1], &device);
+    let mut p = Placed::new(model, &device);
+    let x = forward(model, params, &mut p, inputs, &rope, None);
+    p.load(model, params, Stage::Head, false);
+    model.head_logits(&p.all, x)
+}
+
+/// The forward pass up to the head, without autodiff: the last block's output; every
+/// block's input is pushed to `kept` when given.
 fn forward(
     model: &Llama,
     params: &mut dyn StageParams,
     p: &mut Placed,
     inputs: Tensor<2, Int>,
     rope: &RopeTables,
-) -> (Tensor<3>, Vec<Tensor<3>>) {
+    mut kept: Option<&mut Vec<Tensor<3>>>,
+) -> Tensor<3> {
     p.load(model, params, Stage::Embed, false);
     let mut x = model.embed(&p.all, inputs);
     p.clear(model, Stage::Embed);
-    let layers = model.config().n_layers;
-    let mut kept = Vec::with_capacity(layers);
-    for l in 0..layers {
+    for l in 0..model.config().n_layers {
         p.load(model, params, Stage::Block(l), false);
-        kept.push(x.clone());
+        if let Some(k) = kept.as_deref_mut() {
+            k.push(x.clone());
+        }
         x = model.block(&p.all, l, x, rope);
         p.clear(model, Stage::Block(l));
     }
-    (x, kept)
+    x
 }
 
 /// The gradient `g` holds for the stage input `x` (zeros if the stage did not use it).
@@ -173,111 +191,14 @@ fn input_grad(x: &Tensor<3>, g: &Gradients) -> Tensor<3> {
     x.grad(g).unwrap_or_else(|| x.clone().inner().zeros_like())
 }
 
-/// This rank's shard of every stage's parameters and of their accumulated gradients, over
-/// `comm`'s ranks: each stage's parameters, flattened, are cut into one contiguous piece per
-/// rank ([`Sharded`]); [`StageParams::gather`] all-gathers a stage, [`StageParams::reduce`]
-/// reduce-scatters its gradients (the mean over the ranks) and adds this rank's piece.
-pub struct ShardedStages<'c> {
-    comm: &'c dyn Collective,
-    device: Device,
-    /// In [`Llama::stages`] order.
-    stages: Vec<StageShard>,
-}
-
-/// One stage's plan and this rank's pieces.
-struct StageShard {
-    plan: Sharded,
-    /// Elements of each parameter the stage owns.
-    lengths: Vec<usize>,
-    /// This rank's piece of the flattened weights (`plan.shard` elements, padding included).
-    weights: Vec<f32>,
-    /// This rank's piece of the gradients accumulated since the last
-    /// [`ShardedStages::take_grads`].
-    grads: Vec<f32>,
-}
-
-impl<'c> ShardedStages<'c> {
-    /// This rank's shards of `params` (the whole parameters, in [`Llama::specs`] order).
-    pub fn new(
-        model: &Llama,
-        params: &[Tensor<1>],
-        comm: &'c dyn Collective,
-        bucket_bytes: usize,
-    ) -> Self {
-        let device = params
-            .first()
-            .map(Tensor::device)
-            .unwrap_or_else(Device::flex);
-        let stages = model
-            .stages()
-            .into_iter()
-            .map(|s| {
-                let owned = &params[model.owned(s)];
-                let lengths = owned.iter().map(|t| t.dims()[0]).collect();
-                let flat = flatten(owned.to_vec(), &[]);
-                let plan = Sharded::new(flat.len(), comm.size(), bucket_bytes);
-                let mut weights = flat[plan.range(comm.rank())].to_vec();
-                weights.resize(plan.shard, 0.0);
-                let grads = vec![0.0; plan.shard];
-                StageShard {
-                    plan,
-                    lengths,
-                    weights,
-                    grads,
-                }
-            })
-            .collect();
-        Self {
-            comm,
-            device,
-            stages,
-        }
-    }
-
-    /// The entry of stage `s` (stages are numbered in [`Llama::stages`] order).
-    fn of(&mut self, s: Stage) -> &mut StageShard {
-        let i = match s {
-            Stage::Embed => 0,
-            Stage::Block(l) => 1 + l,
-            Stage::Head => self.stages.len() - 1,
-        };
-        &mut self.stages[i]
-    }
-
-    /// This rank's piece of the accumulated gradients of every stage (in stage order,
-    /// padding included), and zeros in their place.
-    pub fn take_grads(&mut self) -> Vec<Vec<f32>> {
-        self.stages
-            .iter_mut()
-            .map(|e| std::mem::replace(&mut e.grads, vec![0.0; e.plan.shard]))
-            .collect()
-    }
-}
-
-impl StageParams for ShardedStages<'_> {
-    fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
-        let (comm, device) = (self.comm, self.device.clone());
-        let e = self.of(s);
-        let full = e.plan.all_gather(comm, &e.weights);
-        split(&full, e.lengths.iter().copied(), &device)
-    }
-
-    fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {
-        let comm = self.comm;
-        let e = self.of(s);
-        let mine = e.plan.reduce_scatter_mean(comm, &flatten(grads, &[]));
-        for (a, g) in e.grads.iter_mut().zip(mine) {
-            *a += g;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::shard::{ShardPlan, StageShards};
     use crate::tensor::to_vec;
     use burn::tensor::TensorData;
+    use kiln_dist::Collective;
 
     /// Whole parameters on one rank: what gather returns and reduce records.
     struct Whole {
@@ -403,12 +324,21 @@ mod tests {
         }
     }
 
+    /// A parameters plan of the tiny model for `rank` of `world`.
+    fn plan(model: &Llama, rank: usize, world: usize) -> ShardPlan {
+        let mut cfg = crate::config::Config::default();
+        cfg.parallelism.shard = crate::config::Shard::Parameters;
+        ShardPlan::new(&cfg, model, rank, world).unwrap()
+    }
+
     #[test]
     fn sharded_stages_on_one_rank_hand_back_the_weights_and_the_gradients() {
         let device = Device::flex();
         let model = Llama::new(&tiny(), 40);
         let params = model.init(3, &device);
-        let mut s = ShardedStages::new(&model, &params, &kiln_dist::Solo, 64);
+        let plan = plan(&model, 0, 1);
+        let pieces = plan.pieces(&params);
+        let mut s = StageShards::new(&plan, &model, &kiln_dist::Solo, &pieces, &device);
         for stage in model.stages() {
             let got = s.gather(stage);
             for (i, t) in model.owned(stage).zip(&got) {
@@ -417,15 +347,15 @@ mod tests {
             s.reduce(stage, got.clone());
             s.reduce(stage, got);
         }
-        let grads = s.take_grads();
-        for (stage, g) in model.stages().into_iter().zip(grads) {
-            let want: Vec<f32> = flatten(params[model.owned(stage)].to_vec(), &[])
-                .iter()
-                .map(|v| v * 2.0)
-                .collect();
-            assert_eq!(g, want, "{stage:?}: two reductions add up");
+        for (g, p) in s.take_grads().iter().zip(&params) {
+            let want: Vec<f32> = to_vec(p).iter().map(|v| v * 2.0).collect();
+            assert_eq!(to_vec(g), want, "two reductions add up");
         }
-        assert!(s.take_grads().iter().flatten().all(|v| *v == 0.0));
+        assert!(
+            s.take_grads()
+                .iter()
+                .all(|g| to_vec(g).iter().all(|v| *v == 0.0))
+        );
     }
 
     #[test]
@@ -449,26 +379,39 @@ mod tests {
                     .map(|comm| {
                         let (model, params, device) = (&model, &params, device.clone());
                         scope.spawn(move || {
-                            let mut s = ShardedStages::new(model, params, &comm, 64);
+                            let plan = plan(model, comm.rank(), world);
+                            let mine = plan.pieces(params);
+                            let mut s = StageShards::new(&plan, model, &comm, &mine, &device);
                             let (i, t) = batch(comm.rank(), &device);
                             loss_and_grads(model, &mut s, i, t, 1.0);
-                            s.take_grads()
+                            s.take_grads().iter().map(to_vec).collect()
                         })
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            // Each stage's gradient: the ranks' pieces in rank order, the padding cut off.
-            let mut got = Vec::new();
-            for (k, stage) in model.stages().into_iter().enumerate() {
-                let len: usize = model.owned(stage).map(|i| model.specs()[i].numel()).sum();
-                let whole_stage: Vec<f32> = pieces.iter().flat_map(|p| p[k].clone()).collect();
-                got.extend_from_slice(&whole_stage[..len]);
-            }
+            // Each parameter's gradient: the ranks' pieces in rank order.
+            let got: Vec<f32> = (0..params.len())
+                .flat_map(|i| pieces.iter().flat_map(move |p| p[i].clone()))
+                .collect();
             // The reference divides each rank's gradient by the rank count before summing,
             // the reduce-scatter after: f32 rounding (measured 0 on 2 ranks, 1.1e-7 on 3).
             let w = worst(&got, &mean);
             assert!(w < 1e-6, "{world} ranks: {w:e}");
         }
+    }
+
+    #[test]
+    fn sharded_logits_are_the_whole_model_logits() {
+        let device = Device::flex();
+        let model = Llama::new(&tiny(), 40);
+        let params = model.init(9, &device);
+        let (inputs, _) = batch(0, &device);
+        let want = to_vec(&model.forward(&params, inputs.clone()).reshape([-1]));
+        let plan = plan(&model, 0, 1);
+        let pieces = plan.pieces(&params);
+        let mut s = StageShards::new(&plan, &model, &kiln_dist::Solo, &pieces, &device);
+        let got = to_vec(&logits(&model, &mut s, inputs).reshape([-1]));
+        assert_eq!(got, want);
     }
 }

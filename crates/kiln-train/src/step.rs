@@ -12,7 +12,8 @@ use crate::faults::Faults;
 use crate::model::Llama;
 use crate::optim::{self, Optimizer};
 use crate::session::Session;
-use crate::shard::ShardPlan;
+use crate::shard::{ShardPlan, StageShards};
+use crate::stagewise;
 use crate::tensor::{flatten, int_tensor, split};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
@@ -179,7 +180,7 @@ impl<'c> Step<'c> {
             frozen: faults.frozen(session.model.specs()),
             faults,
             allreduce: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
-            shard: ShardPlan::new(cfg, session.model.specs(), comm.rank(), comm.size()),
+            shard: ShardPlan::new(cfg, &session.model, comm.rank(), comm.size()),
             comm,
         }
     }
@@ -226,6 +227,15 @@ impl<'c> Step<'c> {
         lr: f64,
     ) -> Result<(), TrainError> {
         let clip = optim::clip_coefficient(g.norm, self.max_grad_norm);
+        if self
+            .shard
+            .as_ref()
+            .is_some_and(ShardPlan::shards_parameters)
+        {
+            // The session holds this rank's pieces only: they are updated in place.
+            optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
+            return Ok(());
+        }
         if let Some(plan) = &self.shard {
             // This rank's range of each parameter, updated, then everyone's gathered.
             let mut pieces = plan.pieces(&session.params);
@@ -257,6 +267,7 @@ impl<'c> Step<'c> {
         sampled: Option<u64>,
     ) -> Result<Gradients, TrainError> {
         let (mut loss, mut grads) = (0.0f32, None::<Vec<Tensor<1>>>);
+        let mut staged = self.stage_shards(session);
         for micro in 0..self.layout.accum {
             let rows: Vec<Vec<u32>> = self
                 .layout
@@ -279,6 +290,10 @@ impl<'c> Step<'c> {
                 },
             };
             let scale = 1.0 / self.layout.accum as f64;
+            if let Some(stages) = staged.as_mut() {
+                loss += staged_loss(session, stages, &batch.rows, self.layout.seq, scale, labels)?;
+                continue;
+            }
             let (l, g) = self.micro_batch(session, &batch.rows, scale, labels);
             loss += l;
             grads = Some(match grads {
@@ -287,13 +302,20 @@ impl<'c> Step<'c> {
             });
         }
         let grads = grads.unwrap_or_default();
-        let (loss, grads, norm, allreduce_s) = match &self.shard {
-            Some(plan) => {
+        let (loss, grads, norm, allreduce_s) = match (&self.shard, staged) {
+            (Some(plan), Some(mut stages)) => {
+                let t0 = Instant::now();
+                let pieces = stages.take_grads();
+                let (loss, norm) = plan.loss_and_norm(self.comm, loss, &pieces);
+                let comm_s = stages.comm_s() + t0.elapsed().as_secs_f64();
+                (loss, pieces, norm, comm_s)
+            }
+            (Some(plan), None) => {
                 let t0 = Instant::now();
                 let (loss, pieces, norm) = plan.average(self.comm, loss, grads, &session.device);
                 (loss, pieces, norm, t0.elapsed().as_secs_f64())
             }
-            None => {
+            (None, _) => {
                 let (loss, grads, allreduce_s) = self.average(session, loss, grads);
                 let norm = optim::global_norm(&grads);
                 (loss, grads, norm, allreduce_s)
@@ -306,6 +328,19 @@ impl<'c> Step<'c> {
             norm,
             allreduce_s,
         })
+    }
+
+    /// The stage-by-stage pass over this rank's pieces of the parameters, in a
+    /// parameter-sharded run (`None` otherwise).
+    pub fn stage_shards<'s>(&'s self, session: &'s Session) -> Option<StageShards<'s>> {
+        let plan = self.shard.as_ref().filter(|p| p.shards_parameters())?;
+        Some(StageShards::new(
+            plan,
+            &session.model,
+            self.comm,
+            &session.params,
+            &session.device,
+        ))
     }
 
     /// The loss and gradients averaged over the ranks, in one flat host buffer (every
@@ -372,6 +407,37 @@ impl<'c> Step<'c> {
         }
         (loss, grads)
     }
+}
+
+/// Loss of the micro-batch `rows` times `scale` in a parameter-sharded run: stage by stage,
+/// each stage's gradients reduce-scattered into `stages` as the backward pass leaves it.
+fn staged_loss(
+    session: &Session,
+    stages: &mut StageShards,
+    rows: &[Vec<u32>],
+    seq: usize,
+    scale: f64,
+    labels: Labels,
+) -> Result<f32, TrainError> {
+    let Labels::Data { poison } = labels else {
+        // The config refuses SophiaG with sharding (its Hessian pass would come here).
+        return Err(TrainError::Parallel(
+            "sampled labels are not supported with parallelism.shard = \"parameters\"".into(),
+        ));
+    };
+    let inputs = int_tensor(rows, seq, &session.device);
+    let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
+    let targets = int_tensor(&shifted, seq, &session.device);
+    // A poisoned batch (a debug fault) makes the loss and every gradient NaN, as it does
+    // in the replicated step.
+    let scale = if poison { f64::NAN } else { scale };
+    Ok(stagewise::loss_and_grads(
+        &session.model,
+        stages,
+        inputs,
+        targets,
+        scale,
+    ))
 }
 
 /// Loss of one shard of a micro-batch times `scale`, and its gradients (f32).

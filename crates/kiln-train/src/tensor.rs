@@ -118,11 +118,13 @@ pub fn params_checksum(params: &[Tensor<1>]) -> u64 {
     u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]))
 }
 
-/// Indices of parameters identical to `prev` (one host read-back for all of them).
-pub fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> {
+/// Whether each parameter differs from `prev` (one host read-back for all of them); an empty
+/// tensor (a rank's piece of nothing, in a parameter-sharded run) has not changed.
+pub fn changed_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<bool> {
     let diffs: Vec<Tensor<1>> = params
         .iter()
         .zip(prev)
+        .filter(|(a, _)| a.dims()[0] > 0)
         .map(|(a, b)| {
             let (a, b) = (
                 a.clone().cast(FloatDType::F32),
@@ -131,14 +133,14 @@ pub fn unchanged_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<usize> 
             (a - b).abs().max()
         })
         .collect();
-    if diffs.is_empty() {
-        return Vec::new();
-    }
-    let d = to_vec(&Tensor::cat(diffs, 0));
-    d.iter()
-        .enumerate()
-        .filter(|(_, v)| **v == 0.0)
-        .map(|(i, _)| i)
+    let d = match diffs.is_empty() {
+        true => Vec::new(),
+        false => to_vec(&Tensor::cat(diffs, 0)),
+    };
+    let mut d = d.into_iter();
+    params
+        .iter()
+        .map(|a| a.dims()[0] > 0 && d.next().is_some_and(|v| v != 0.0))
         .collect()
 }
 

@@ -34,6 +34,7 @@ use crate::saver::{Checkpointer, Saver, Staged};
 use crate::session::{Session, sha256_hex};
 use crate::shard::ShardPlan;
 use crate::snapshot::{Recovered, Snapshotter, broadcast_vec};
+use crate::stagewise;
 use crate::startup::{Startup, phase};
 use crate::state::{TrainState, new_run_id};
 use crate::step::{At, BatchLayout, Step};
@@ -264,6 +265,8 @@ impl<'a> Trainer<'a> {
         };
         let tokens = layout.global_batch() * layout.seq as u64;
         let step = Step::new(&cfg, &session, layout, comm);
+        let mut session = session;
+        keep_pieces(&step, &mut session);
         let specs = session.model.specs();
         let optimizer = match step.shard() {
             Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, &session.device, plan.ranges()),
@@ -544,6 +547,7 @@ impl<'a> Trainer<'a> {
         st.global_batch = layout.global_batch();
         st.world_size = layout.world as u64;
         self.session.load_params(&ck.model, dir)?;
+        keep_pieces(&self.step, &mut self.session);
         let specs = self.session.model.specs();
         let tokens = layout.global_batch() * layout.seq as u64;
         let saved = (ck.optimizer.as_slice(), st.optimizer_step);
@@ -712,12 +716,14 @@ impl<'a> Trainer<'a> {
         let step = self.state.step;
         let logged = self.facts.log_every.due_or_last(step, self.facts.total);
         self.journal.step(m, logged)?;
+        let pieces_over = self.shards_parameters().then_some(self.comm);
         let live = Live {
             state: &mut self.state,
             session: &mut self.session,
             optimizer: &mut self.optimizer,
         };
-        self.guards.after_step(&live, &mut self.journal)?;
+        self.guards
+            .after_step(&live, pieces_over, &mut self.journal)?;
         if self.replicas.due(step) {
             self.check_replicas()?;
         }
@@ -730,6 +736,10 @@ impl<'a> Trainer<'a> {
     /// Compares a checksum of every rank's parameters; the ranks that differ from the
     /// majority are named and the run stops before their weights can be saved.
     fn check_replicas(&mut self) -> Result<(), TrainError> {
+        if self.shards_parameters() {
+            // Every rank holds a different piece of the parameters: no replicas to compare.
+            return Ok(());
+        }
         let Some(m) = ReplicaCheck::compare(self.comm, &self.session.params) else {
             return Ok(());
         };
@@ -745,17 +755,33 @@ impl<'a> Trainer<'a> {
     }
 
     /// Held-out eval on the writer rank (the others go on to the next step's all-reduce and
-    /// wait there).
+    /// wait there); with parameters sharded, on every rank, which gather each stage's
+    /// weights together (the observer's extra scores, which need the whole model, are left
+    /// out).
     fn evaluate(&mut self) -> Result<(), TrainError> {
-        if !self.journal.is_writer() {
+        let staged = self.step.stage_shards(&self.session);
+        if !self.journal.is_writer() && staged.is_none() {
             return Ok(());
         }
         let Some(syn) = self.data.synthetic.as_ref() else {
             return Ok(());
         };
         self.beacon(event::beacon_phase::EVAL);
-        let mut e = self.eval.run(&self.session, syn, self.state.step);
-        e.extra = self.journal.observer().extra_eval(&self.session);
+        let (session, step) = (&self.session, self.state.step);
+        let e = match staged {
+            Some(mut s) => {
+                let logits = &mut |x| stagewise::logits(&session.model, &mut s, x);
+                self.eval.run_with(session, syn, step, logits)
+            }
+            None => {
+                let mut e = self.eval.run(session, syn, step);
+                e.extra = self.journal.observer().extra_eval(session);
+                e
+            }
+        };
+        if !self.journal.is_writer() {
+            return Ok(());
+        }
         self.journal.eval(&e)?;
         self.last_eval = Some(e);
         Ok(())
@@ -791,27 +817,39 @@ impl<'a> Trainer<'a> {
         self.check_replicas()?;
         self.beacon(event::beacon_phase::CHECKPOINT);
         self.complete_state();
-        let shards = self.write_shard()?;
+        let shards = self.write_shards()?;
         let before_s = t0.elapsed().as_secs_f64();
         let (session, optimizer, state) = (&self.session, &self.optimizer, &self.state);
-        let staged = || Staged {
-            shards,
-            ..stage(session, optimizer, state)
+        let pieces = self.shards_parameters();
+        let staged = || {
+            let mut s = stage(session, optimizer, state);
+            if pieces {
+                s.model = Vec::new(); // in the shards
+            }
+            Staged { shards, ..s }
         };
         self.checkpoints
             .save(state.step, before_s, staged, &mut self.journal)
     }
 
-    /// In a sharded run, every rank writes its optimizer shard now (in parallel, on this
-    /// thread: the ranks then exchange what they wrote); rank 0 publishes them with its
-    /// checkpoint. Empty otherwise.
-    fn write_shard(&self) -> Result<Vec<ShardFile>, TrainError> {
+    /// In a sharded run, every rank writes its shards now (in parallel, on this thread: the
+    /// ranks then exchange what they wrote); rank 0 publishes them with its checkpoint.
+    /// Empty otherwise.
+    fn write_shards(&self) -> Result<Vec<ShardFile>, TrainError> {
         let Some(plan) = self.step.shard() else {
             return Ok(Vec::new());
         };
         let root = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
-        let state = self.optimizer.named_state(self.session.model.specs());
-        plan.write_shard(self.comm, &root, self.state.step, &state)
+        let specs = self.session.model.specs();
+        let state = self.optimizer.named_state(specs);
+        let weights = (specs, self.session.params.as_slice());
+        plan.write_shards(self.comm, &root, self.state.step, &state, weights)
+    }
+
+    /// Whether each rank holds only its pieces of the parameters
+    /// (`parallelism.shard = "parameters"`).
+    fn shards_parameters(&self) -> bool {
+        self.step.shard().is_some_and(ShardPlan::shards_parameters)
     }
 
     /// Snapshots the current state into this rank's memory tier (every rank, its own).
@@ -850,12 +888,18 @@ impl<'a> Trainer<'a> {
             self.checkpoint()?;
         }
         self.checkpoints.wait(&mut self.journal)?;
+        // With parameters sharded, every rank takes part in gathering the whole weights.
+        let (specs, params) = (self.session.model.specs(), &self.session.params);
+        let whole = self
+            .step
+            .shard()
+            .filter(|p| p.shards_parameters())
+            .map(|plan| plan.whole_host(self.comm, specs, params));
         if let Some(run) = self.journal.run_dir() {
-            let bytes = checkpoint::to_safetensors(&self.session.host_params()).map_err(|e| {
-                TrainError::Io {
-                    path: run.path().join(kiln_run::layout::FINAL_MODEL),
-                    source: std::io::Error::other(e.to_string()),
-                }
+            let host = whole.unwrap_or_else(|| self.session.host_params());
+            let bytes = checkpoint::to_safetensors(&host).map_err(|e| TrainError::Io {
+                path: run.path().join(kiln_run::layout::FINAL_MODEL),
+                source: std::io::Error::other(e.to_string()),
             })?;
             run.write_file(kiln_run::layout::FINAL_MODEL, &bytes)?;
         }
@@ -889,6 +933,13 @@ impl<'a> Trainer<'a> {
     /// The model and its parameters (for callers that inspect a finished run).
     pub fn session(&self) -> &Session {
         &self.session
+    }
+}
+
+/// With parameters sharded, `session` keeps only this rank's pieces of its parameters.
+fn keep_pieces(step: &Step, session: &mut Session) {
+    if let Some(plan) = step.shard().filter(|p| p.shards_parameters()) {
+        session.params = plan.pieces(&session.params);
     }
 }
 

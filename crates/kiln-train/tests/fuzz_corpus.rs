@@ -90,7 +90,15 @@ fn checkpoint_seeds_and_regressions() {
     };
     let root = dir.path().join("sharded");
     let shards = (0..2)
-        .map(|r| checkpoint::write_shard(&root, 7, (r, 2), &pieces(r)).unwrap())
+        .map(|r| {
+            checkpoint::write_shard(
+                &root,
+                7,
+                kiln_run::layout::checkpoint_optimizer_shard(r, 2),
+                &pieces(r),
+            )
+            .unwrap()
+        })
         .collect();
     let sharded = checkpoint::save(
         &root,

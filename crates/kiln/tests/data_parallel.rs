@@ -330,12 +330,14 @@ fn resume_resized(tmp: &Path, from: (usize, &[&str]), to: (usize, &[&str])) -> O
 
 const SHARD_OPTIMIZER: &str = "parallelism.shard=optimizer";
 const SHARD_GRADIENTS: &str = "parallelism.shard=gradients";
+const SHARD_PARAMETERS: &str = "parallelism.shard=parameters";
 
 /// Optimizer sharding makes the replicated run's calls and computes every element as it
 /// does: the same weights bit for bit. Gradient sharding reduce-scatters instead (another
 /// MPI reduction order) and sums the norm per range: equal losses to 1e-4 relative (float
 /// rounding of the sums), and its ranks still agree bit for bit (the replica check every 4
-/// steps would stop the run).
+/// steps would stop the run). Parameter sharding reduce-scatters stage by stage, with the
+/// same tolerance, and its held-out eval (stage by stage, every rank) agrees as closely.
 #[cfg(feature = "mpi")]
 #[test]
 fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
@@ -345,35 +347,60 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
         let rd = tmp.path().join(format!("optimizer-{np}"));
         assert_ok(&run(np, &rd, &[SHARD_OPTIMIZER]));
         assert_eq!(weights(&replicated), weights(&rd), "{np} ranks");
-        let rd = tmp.path().join(format!("gradients-{np}"));
-        assert_ok(&run(np, &rd, &[SHARD_GRADIENTS]));
-        let (a, b) = (step_lines(&replicated), step_lines(&rd));
-        assert_eq!(a.len(), b.len());
-        for (x, y) in a.iter().zip(&b) {
-            let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
-            assert!(
-                (lx - ly).abs() < 1e-4 * lx.abs(),
-                "{np} ranks, step {}: {lx} vs {ly}",
-                x["step"]
-            );
+        for (mode, set) in [
+            ("gradients", SHARD_GRADIENTS),
+            ("parameters", SHARD_PARAMETERS),
+        ] {
+            let rd = tmp.path().join(format!("{mode}-{np}"));
+            assert_ok(&run(np, &rd, &[set]));
+            let (a, b) = (step_lines(&replicated), step_lines(&rd));
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(&b) {
+                let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+                assert!(
+                    (lx - ly).abs() < 1e-4 * lx.abs(),
+                    "{mode}, {np} ranks, step {}: {lx} vs {ly}",
+                    x["step"]
+                );
+            }
+            let (ex, ey) = (eval_loss(&replicated), eval_loss(&rd));
+            assert!((ex - ey).abs() < 1e-4 * ex, "{mode} eval: {ex} vs {ey}");
+            check_shard_files(&rd.join("checkpoints/step-24"), np, mode == "parameters");
+            // Export reads the sharded checkpoint directly (its manifest verifies every shard).
+            let out = std::process::Command::new(common::KILN)
+                .arg("export")
+                .arg(rd.join("checkpoints/step-24"))
+                .args(["--to", "hf"])
+                .arg(tmp.path().join(format!("hf-{mode}-{np}")))
+                .output()
+                .unwrap();
+            assert_ok(&out);
         }
-        // One optimizer shard per rank, written by that rank, under one manifest.
-        let ckpt = rd.join("checkpoints/step-24");
-        assert!(!ckpt.join("optimizer.safetensors").exists());
-        for r in 0..np {
-            let name = format!("optimizer-{r:05}-of-{np:05}.safetensors");
-            assert!(ckpt.join(&name).exists(), "{name}");
-        }
-        // Export reads the sharded checkpoint directly (its manifest verifies every shard).
-        let out = std::process::Command::new(common::KILN)
-            .arg("export")
-            .arg(&ckpt)
-            .args(["--to", "hf"])
-            .arg(tmp.path().join(format!("hf-{np}")))
-            .output()
-            .unwrap();
-        assert_ok(&out);
     }
+}
+
+/// One optimizer shard per rank, written by that rank, under one manifest; with parameters
+/// sharded one weights shard per rank too, and no whole weights file.
+fn check_shard_files(ckpt: &Path, np: usize, weights_sharded: bool) {
+    assert!(!ckpt.join("optimizer.safetensors").exists());
+    assert_eq!(ckpt.join("model.safetensors").exists(), !weights_sharded);
+    for r in 0..np {
+        for (kind, expected) in [("optimizer", true), ("model", weights_sharded)] {
+            let name = format!("{kind}-{r:05}-of-{np:05}.safetensors");
+            assert_eq!(ckpt.join(&name).exists(), expected, "{name}");
+        }
+    }
+}
+
+/// The held-out loss of a run's last eval.
+fn eval_loss(rd: &Path) -> f64 {
+    std::fs::read_to_string(rd.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|m| m["eval_loss"].as_f64())
+        .last()
+        .unwrap_or_else(|| panic!("no eval in {}", rd.display()))
 }
 
 #[cfg(feature = "mpi")]
@@ -384,12 +411,22 @@ fn a_sharded_run_sigkilled_resumes_bit_identical() {
 
 #[cfg(feature = "mpi")]
 #[test]
+fn a_parameter_sharded_run_sigkilled_resumes_bit_identical() {
+    kill_one_rank_then_resume(&[SHARD_PARAMETERS]);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
 fn a_sharded_checkpoint_resumes_replicated_on_fewer_ranks_and_back() {
     for (from, to) in [
         ((3, SHARD_GRADIENTS), (2, "parallelism.shard=none")),
         ((3, SHARD_GRADIENTS), (1, "parallelism.shard=none")),
         ((1, "parallelism.shard=none"), (3, SHARD_GRADIENTS)),
         ((2, SHARD_OPTIMIZER), (3, SHARD_GRADIENTS)),
+        ((3, SHARD_PARAMETERS), (2, "parallelism.shard=none")),
+        ((3, SHARD_PARAMETERS), (1, "parallelism.shard=none")),
+        ((1, "parallelism.shard=none"), (3, SHARD_PARAMETERS)),
+        ((3, SHARD_GRADIENTS), (2, SHARD_PARAMETERS)),
     ] {
         let tmp = tempfile::tempdir().unwrap();
         resume_resized(tmp.path(), (from.0, &[from.1]), (to.0, &[to.1]));
@@ -421,8 +458,9 @@ fn a_missing_optimizer_shard_falls_back_to_the_previous_checkpoint() {
     assert_eq!(resume["step"], 4, "{resume}");
 }
 
-/// A model whose replicated state does not fit one rank's memory limit trains on 4
-/// sharded ranks under the same per-rank limit, and the refusal says so.
+/// A model whose replicated state does not fit one rank's memory limit, nor 4 ranks' with
+/// gradients sharded, trains on 4 ranks with parameters sharded under the same per-rank
+/// limit (its measured peak under it too), and each refusal names that mode.
 #[cfg(feature = "mpi")]
 #[test]
 fn a_model_refused_on_one_rank_trains_on_four_sharded_ranks_under_the_same_limit() {
@@ -436,21 +474,43 @@ fn a_model_refused_on_one_rank_trains_on_four_sharded_ranks_under_the_same_limit
         "training.steps=2",
         "checkpoint.interval=0",
     ];
-    let limit = "800M";
+    let limit = "600M";
     let one = common::train_cmd(&tmp.path().join("one"), &big)
         .env("KILN_MEMORY_LIMIT", limit)
         .output()
         .unwrap();
     assert_eq!(one.status.code(), Some(78), "{}", text(&one));
     let said = text(&one);
-    assert!(said.contains("parallelism.shard = \"gradients\""), "{said}");
-    let mut sets = big.to_vec();
-    sets.push(SHARD_GRADIENTS);
-    let four = launch(4, &tmp.path().join("four"), &sets)
-        .env("KILN_MEMORY_LIMIT", limit)
-        .output()
-        .unwrap();
+    assert!(
+        said.contains("parallelism.shard = \"parameters\""),
+        "{said}"
+    );
+    let on_four = |mode: &str, name: &str| {
+        let mut sets = big.to_vec();
+        sets.push(mode);
+        let rd = tmp.path().join(name);
+        let out = launch(4, &rd, &sets)
+            .env("KILN_MEMORY_LIMIT", limit)
+            .output()
+            .unwrap();
+        (out, rd)
+    };
+    let (gradients, _) = on_four(SHARD_GRADIENTS, "gradients");
+    assert_eq!(gradients.status.code(), Some(78), "{}", text(&gradients));
+    let said = text(&gradients);
+    assert!(
+        said.contains("parallelism.shard = \"parameters\""),
+        "{said}"
+    );
+    let (four, rd) = on_four(SHARD_PARAMETERS, "parameters");
     assert_ok(&four);
+    let peak = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "peak_memory")
+        .expect("peak memory");
+    for mib in peak["rank_mib"].as_array().unwrap() {
+        assert!(mib.as_f64().unwrap() < 600.0, "{peak}");
+    }
 }
 
 #[cfg(feature = "mpi")]
