@@ -129,7 +129,8 @@ impl Session {
     }
 
     /// Builds the model for trained weights: the vocabulary is read from the embedding's
-    /// shape, so no training data is needed (eval, export).
+    /// shape (or, for weights assembled from a parameter-sharded checkpoint, which are flat,
+    /// from its size over `model.d_model`), so no training data is needed (eval, export).
     pub fn from_weights(
         config: &Config,
         tensors: &[HostTensor],
@@ -137,14 +138,24 @@ impl Session {
     ) -> Result<Self, TrainError> {
         let probe = Llama::new(&config.model, 1);
         let embed_name = &probe.specs()[0].name;
-        let vocab = tensors
+        let mismatch = |reason: String| TrainError::ResumeMismatch {
+            path: origin.to_path_buf(),
+            reason,
+        };
+        let embed = tensors
             .iter()
             .find(|t| &t.name == embed_name)
-            .and_then(|t| t.shape.first().copied())
-            .ok_or_else(|| TrainError::ResumeMismatch {
-                path: origin.to_path_buf(),
-                reason: format!("tensor {embed_name} is missing"),
-            })?;
+            .ok_or_else(|| mismatch(format!("tensor {embed_name} is missing")))?;
+        let d = config.model.d_model.max(1);
+        let vocab = match embed.shape.as_slice() {
+            [n] if n % d == 0 => n / d,
+            [n] => {
+                return Err(mismatch(format!(
+                    "tensor {embed_name} has {n} elements, not a multiple of model.d_model = {d}"
+                )));
+            }
+            shape => shape.first().copied().unwrap_or(0),
+        };
         let mut s = Self::new(config, vocab)?;
         s.load_params(tensors, origin)?;
         Ok(s)
@@ -195,7 +206,9 @@ impl Session {
         Ok(())
     }
 
-    /// The tensors named `<param><suffix>` for every parameter, checked against its shape.
+    /// The tensors named `<param><suffix>` for every parameter, checked against its shape. A
+    /// flat tensor of the parameter's size is taken too: a parameter-sharded checkpoint
+    /// stores pieces, and the assembled weights have no shape but the model's.
     pub fn lookup(
         &self,
         tensors: &[HostTensor],
@@ -215,7 +228,7 @@ impl Session {
                         path: origin.to_path_buf(),
                         reason: format!("tensor {name} is missing"),
                     })?;
-                if t.shape != s.shape {
+                if t.shape != s.shape && t.shape != [s.numel()] {
                     return Err(TrainError::ResumeMismatch {
                         path: origin.to_path_buf(),
                         reason: format!(
