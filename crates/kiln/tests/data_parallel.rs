@@ -415,6 +415,35 @@ fn a_parameter_sharded_run_sigkilled_resumes_bit_identical() {
     kill_one_rank_then_resume(&[SHARD_PARAMETERS]);
 }
 
+/// With parameters sharded no rank holds a whole parameter (most ranks hold nothing of a
+/// norm's weight): the frozen check still names exactly the frozen ones, from every rank's
+/// pieces.
+#[cfg(feature = "mpi")]
+#[test]
+fn frozen_parameters_are_named_from_every_ranks_pieces() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rd = tmp.path().join("frozen");
+    let sets = [
+        SHARD_PARAMETERS,
+        "debug.freeze_params=post_attention_layernorm",
+        "guards.frozen_check_interval=4",
+        "training.steps=8",
+    ];
+    assert_ok(&run(3, &rd, &sets));
+    let frozen = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "frozen_params")
+        .expect("frozen_params event");
+    assert_eq!(
+        frozen["params"],
+        serde_json::json!([
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight"
+        ]),
+        "{frozen}"
+    );
+}
+
 #[cfg(feature = "mpi")]
 #[test]
 fn a_sharded_checkpoint_resumes_replicated_on_fewer_ranks_and_back() {
