@@ -2,8 +2,9 @@
 # Sharding benchmark, side by side in one run: the reference model of bench.sh (16M params,
 # batch 8 x 256 a rank) and one 4x its width (d_model 1536, ffn 4096: 176M params, batch 1 x 256
 # a rank), on 1, 2 and 4 ranks x 1 thread; kiln (kiln launch --mpi, OpenMPI) with
-# parallelism.shard = none / optimizer / gradients, and PyTorch (gloo, torchrun;
-# bench/train/shard_ref.py) with DDP / ZeroRedundancyOptimizer + DDP / FSDP2 fully_shard.
+# parallelism.shard = none / optimizer / gradients / parameters, and PyTorch (gloo, torchrun;
+# bench/train/shard_ref.py) with DDP / ZeroRedundancyOptimizer + DDP / FSDP2 fully_shard (the
+# peer of both gradient and parameter sharding: FSDP2 shards all three; it runs once).
 # For each: global tokens/s, the largest peak RSS of any rank (VmHWM; kiln's `peak_memory`
 # event), and the largest per-rank training state (kiln: weights 4P + gradients + AdamW
 # moments 8P as its mode keeps them; PyTorch: counted from the tensors a rank holds).
@@ -68,10 +69,11 @@ tok = sum(r["global_batch"] for r in rows) * 256
 ev = [json.loads(l) for l in open(f"{rd}/events.jsonl")]
 p = next(e["params"] for e in ev if e["event"] == "start")
 peak = max(next(e["rank_mib"] for e in ev if e["event"] == "peak_memory"))
-grads = {"none": 4 * p, "optimizer": 4 * p, "gradients": 4 * p / n}[mode]
+grads = {"none": 4 * p, "optimizer": 4 * p, "gradients": 4 * p / n, "parameters": 4 * p / n}[mode]
+weights = 4 * p / n if mode == "parameters" else 4 * p
 moments = 8 * p / (1 if mode == "none" else n)
 print(json.dumps(dict(peer="kiln", width=width, ranks=n, mode=mode, params=p, tokens_per_s=tok / t,
-                      peak_rss_mib=peak, state_mib=(4 * p + grads + moments) / 2**20)))
+                      peak_rss_mib=peak, state_mib=(weights + grads + moments) / 2**20)))
 PY
 }
 
@@ -93,12 +95,12 @@ print(json.dumps(dict(peer="pytorch", width=int(w), ranks=int(n), mode=mode,
 echo "steps=$steps (+$warmup warmup) ranks=[$ranks] widths=[$widths] load=$(cut -d' ' -f1-3 /proc/loadavg)"
 for w in $widths; do
   for n in $ranks; do
-    for pair in "none ddp" "optimizer zero" "gradients fsdp2"; do
+    for pair in "none ddp" "optimizer zero" "gradients fsdp2" "parameters -"; do
       set -- $pair
       if [ "$n" = 1 ] && [ "$1" != none ]; then continue; fi
       echo "width x$w, $n rank(s): kiln $1, pytorch $2" >&2
       run_kiln "$w" "$n" "$1"
-      run_torch "$w" "$n" "$2"
+      [ "$2" = - ] || run_torch "$w" "$n" "$2"
     done
   done
 done
@@ -106,7 +108,7 @@ python3 - "$results" "$out-result.json" "$out-result.md" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
-pair = {"none": "ddp", "optimizer": "zero", "gradients": "fsdp2"}
+pair = {"none": "ddp", "optimizer": "zero", "gradients": "fsdp2", "parameters": "fsdp2"}
 out = ["| width | ranks | kiln mode | kiln tok/s | PyTorch mode | PyTorch tok/s | ratio | kiln peak RSS / rank | PyTorch peak RSS / rank | kiln state / rank | PyTorch state / rank |",
        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 mib = lambda r, key: f"{r[key]:.0f} MiB" if r else "-"

@@ -268,33 +268,14 @@ impl<'c> Step<'c> {
     ) -> Result<Gradients, TrainError> {
         let (mut loss, mut grads) = (0.0f32, None::<Vec<Tensor<1>>>);
         let mut staged = self.stage_shards(session);
+        let scale = 1.0 / self.layout.accum as f64;
         for micro in 0..self.layout.accum {
-            let rows: Vec<Vec<u32>> = self
-                .layout
-                .rows(at.base, micro)
-                .map(|i| data.sample(i, self.layout.seq + 1))
-                .collect::<Result<_, _>>()
-                .map_err(|e| match e {
-                    SampleError::Corrupt(m) => TrainError::Data(m),
-                    SampleError::Read(m) => TrainError::DataRead(m),
-                })?;
-            let batch = self
-                .faults
-                .micro_batch(at.batch_no, rows, session.model.vocab());
-            let labels = match sampled {
-                Some(seed) => Labels::Sampled {
-                    seed: seed ^ (micro as u64).wrapping_mul(0xA24B_AED4_963E_E407),
-                },
-                None => Labels::Data {
-                    poison: batch.poison,
-                },
-            };
-            let scale = 1.0 / self.layout.accum as f64;
+            let (rows, labels) = self.micro_rows(session, data, at, micro, sampled)?;
             if let Some(stages) = staged.as_mut() {
-                loss += staged_loss(session, stages, &batch.rows, self.layout.seq, scale, labels)?;
+                loss += staged_loss(session, stages, &rows, self.layout.seq, scale, labels)?;
                 continue;
             }
-            let (l, g) = self.micro_batch(session, &batch.rows, scale, labels);
+            let (l, g) = self.micro_batch(session, &rows, scale, labels);
             loss += l;
             grads = Some(match grads {
                 None => g,
@@ -302,16 +283,15 @@ impl<'c> Step<'c> {
             });
         }
         let grads = grads.unwrap_or_default();
+        let t0 = Instant::now();
         let (loss, grads, norm, allreduce_s) = match (&self.shard, staged) {
             (Some(plan), Some(mut stages)) => {
-                let t0 = Instant::now();
                 let pieces = stages.take_grads();
                 let (loss, norm) = plan.loss_and_norm(self.comm, loss, &pieces);
                 let comm_s = stages.comm_s() + t0.elapsed().as_secs_f64();
                 (loss, pieces, norm, comm_s)
             }
             (Some(plan), None) => {
-                let t0 = Instant::now();
                 let (loss, pieces, norm) = plan.average(self.comm, loss, grads, &session.device);
                 (loss, pieces, norm, t0.elapsed().as_secs_f64())
             }
@@ -328,6 +308,39 @@ impl<'c> Step<'c> {
             norm,
             allreduce_s,
         })
+    }
+
+    /// The rows of this rank's micro-batch `micro` of the step at `at` (with the debug
+    /// faults applied) and what their loss is computed against.
+    fn micro_rows(
+        &self,
+        session: &Session,
+        data: &dyn TokenSource,
+        at: At,
+        micro: usize,
+        sampled: Option<u64>,
+    ) -> Result<(Vec<Vec<u32>>, Labels), TrainError> {
+        let rows: Vec<Vec<u32>> = self
+            .layout
+            .rows(at.base, micro)
+            .map(|i| data.sample(i, self.layout.seq + 1))
+            .collect::<Result<_, _>>()
+            .map_err(|e| match e {
+                SampleError::Corrupt(m) => TrainError::Data(m),
+                SampleError::Read(m) => TrainError::DataRead(m),
+            })?;
+        let batch = self
+            .faults
+            .micro_batch(at.batch_no, rows, session.model.vocab());
+        let labels = match sampled {
+            Some(seed) => Labels::Sampled {
+                seed: seed ^ (micro as u64).wrapping_mul(0xA24B_AED4_963E_E407),
+            },
+            None => Labels::Data {
+                poison: batch.poison,
+            },
+        };
+        Ok((batch.rows, labels))
     }
 
     /// The stage-by-stage pass over this rank's pieces of the parameters, in a

@@ -399,7 +399,7 @@ fn eval_loss(rd: &Path) -> f64 {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|m| m["eval_loss"].as_f64())
-        .last()
+        .next_back()
         .unwrap_or_else(|| panic!("no eval in {}", rd.display()))
 }
 
