@@ -34,7 +34,9 @@ kiln="$root/target/release/kiln"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-results="$work/rows.jsonl"
+# Rows land beside the results as they come, so a run cut short keeps what it measured.
+results="$out-rows.jsonl"
+: >"$results"
 
 model() { # $1 width
   local d=$((384 * $1)) f=$((1024 * $1)) b=8
@@ -57,7 +59,9 @@ run_kiln() { # $1 width $2 ranks $3 mode
   if [ "$2" = 1 ]; then
     "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") --set parallelism.shard=$3 >/dev/null
   else
-    "$kiln" launch --mpi --np "$2" --run-dir "$rd" -- \
+    # 4 ranks of the x4 model take 22 GB of this 24 GB machine: under that memory pressure a
+    # rank's heartbeat thread can starve past the default 1 s bound (seen at the final save).
+    "$kiln" launch --mpi --np "$2" --heartbeat-timeout 30 --run-dir "$rd" -- \
       "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") --set parallelism.shard=$3 >/dev/null
   fi
   python3 - "$rd" "$warmup" "$1" "$2" "$3" >>"$results" <<'PY'
@@ -75,6 +79,7 @@ moments = 8 * p / (1 if mode == "none" else n)
 print(json.dumps(dict(peer="kiln", width=width, ranks=n, mode=mode, params=p, tokens_per_s=tok / t,
                       peak_rss_mib=peak, state_mib=(weights + grads + moments) / 2**20)))
 PY
+  rm -rf "$rd" # its final checkpoint: 2 GB on the x4 model
 }
 
 run_torch() { # $1 width $2 ranks $3 mode

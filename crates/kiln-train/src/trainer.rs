@@ -936,10 +936,14 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// With parameters sharded, `session` keeps only this rank's pieces of its parameters.
+/// With parameters sharded, `session` keeps only this rank's pieces of its parameters,
+/// copied out (a slice may be a view that keeps the whole tensor alive).
 fn keep_pieces(step: &Step, session: &mut Session) {
     if let Some(plan) = step.shard().filter(|p| p.shards_parameters()) {
-        session.params = plan.pieces(&session.params);
+        let pieces = plan.pieces(&session.params);
+        let lengths: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
+        let flat = crate::tensor::flatten(pieces, &[]);
+        session.params = crate::tensor::split(&flat, lengths, &session.device);
     }
 }
 
