@@ -236,9 +236,10 @@ fn largest_stage(model: &ModelConfig, vocab: usize) -> f64 {
     let d = model.d_model as f64;
     let embed = vocab as f64 * d;
     let block = param_count(&one_layer, vocab) - embed - d;
-    // The head's own matrix, or with tied embeddings the embedding it reads: as large.
+    // The final norm and the head's own matrix, or with tied embeddings the embedding it
+    // reads: as large, and larger than the embedding stage.
     let head = d + embed;
-    embed.max(block).max(head)
+    block.max(head)
 }
 
 /// What sharding would do for a run that does not fit in `limit` bytes: `None` when it is

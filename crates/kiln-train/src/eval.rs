@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::metrics::EvalMetrics;
 use crate::session::Session;
 use crate::synthetic::Synthetic;
-use crate::tensor::int_tensor;
+use crate::tensor::{int_tensor, target_tensor};
 use burn::tensor::{Int, Tensor};
 
 /// The eval component of a run: its cadence and what it needs from the run.
@@ -85,8 +85,7 @@ fn scored(
         let inputs = int_tensor(&tokens, len - 1, &session.device);
         let logits = logits(inputs); // [b, t, v]
         let [b, t, v] = logits.dims();
-        let shifted: Vec<Vec<u32>> = tokens.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = int_tensor(&shifted, t, &session.device);
+        let targets = target_tensor(&tokens, t, &session.device);
         let logp = burn::tensor::activation::log_softmax(logits.clone().reshape([b * t, v]), 1);
         loss_sum += f64::from(
             logp.gather(1, targets.reshape([b * t, 1]))

@@ -6,7 +6,7 @@ use crate::checkpoint::HostTensor;
 use crate::config::Config;
 use crate::error::TrainError;
 use crate::model::{Llama, dtype_of};
-use crate::tensor::{DeviceTensor, int_tensor};
+use crate::tensor::{DeviceTensor, int_tensor, target_tensor};
 use burn::tensor::{Device, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 use std::path::Path;
@@ -249,10 +249,48 @@ impl Session {
     pub fn eval_loss(&self, rows: &[Vec<u32>]) -> f32 {
         let len = rows.first().map_or(0, Vec::len).saturating_sub(1);
         let inputs = int_tensor(rows, len, &self.device);
-        let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-        let targets = int_tensor(&shifted, len, &self.device);
+        let targets = target_tensor(rows, len, &self.device);
         self.model
             .loss(&self.params, inputs, targets)
             .into_scalar::<f32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Flat weights (assembled from a parameter-sharded checkpoint) give the vocabulary by
+    /// their size; a size that is not a whole number of rows is refused naming the tensor.
+    #[test]
+    fn a_flat_embedding_gives_the_vocabulary_or_a_clear_error() {
+        let cfg = Config::default();
+        let d = cfg.model.d_model;
+        let probe = Llama::new(&cfg.model, 40);
+        let params = probe.init(1, &Device::flex());
+        let flat: Vec<HostTensor> = probe
+            .specs()
+            .iter()
+            .zip(&params)
+            .map(|(s, t)| {
+                HostTensor::f32(s.name.clone(), vec![s.numel()], crate::tensor::to_vec(t))
+            })
+            .collect();
+        let s = Session::from_weights(&cfg, &flat, Path::new("ckpt")).unwrap();
+        assert_eq!(s.model.vocab(), 40);
+        let embed = &probe.specs()[0].name;
+        let bad = [HostTensor::f32(
+            embed.clone(),
+            vec![d * 40 + 1],
+            vec![0.0; d * 40 + 1],
+        )];
+        let err = Session::from_weights(&cfg, &bad, Path::new("ckpt"))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("ckpt") && err.contains("not a multiple of model.d_model"),
+            "{err}"
+        );
     }
 }

@@ -152,26 +152,17 @@ impl ShardPlan {
             let norm = crate::optim::global_norm(&split(&all, lengths, device));
             return (loss, self.cut(&self.groups[0], &all[mine], device), norm);
         }
-        let shard = flat.reduce_scatter_mean(comm, &flatten(grads, &[]));
-        let pieces = self.cut(&self.groups[0], &shard[..mine.len()], device);
-        let (loss, norm) = self.loss_and_norm(comm, loss, &pieces);
-        (loss, pieces, norm)
+        let shard = &flat.reduce_scatter_mean(comm, &flatten(grads, &[]))[..mine.len()];
+        let (loss, norm) = self.loss_and_norm(comm, loss, sum_of_squares(shard));
+        (loss, self.cut(&self.groups[0], shard, device), norm)
     }
 
     /// The mean of the ranks' losses and the global norm of gradients of which every rank
-    /// holds its own range (`pieces`).
-    pub fn loss_and_norm(
-        &self,
-        comm: &dyn Collective,
-        loss: f32,
-        pieces: &[Tensor<1>],
-    ) -> (f32, f32) {
+    /// holds its own range, whose sum of squares is `sq`.
+    pub fn loss_and_norm(&self, comm: &dyn Collective, loss: f32, sq: f64) -> (f32, f32) {
         let mut l = [loss];
         comm.all_reduce_sum_f32(&mut l);
-        let mut sq = [flatten(pieces.to_vec(), &[])
-            .iter()
-            .map(|&g| f64::from(g) * f64::from(g))
-            .sum::<f64>()];
+        let mut sq = [sq];
         comm.all_reduce_sum_f64(&mut sq);
         (l[0] / self.world as f32, sq[0].sqrt() as f32)
     }
@@ -296,6 +287,18 @@ impl ShardPlan {
     }
 }
 
+/// The sum of the squares of `values`, in f64.
+fn sum_of_squares(values: &[f32]) -> f64 {
+    sum_of_squares_from(0.0, values)
+}
+
+/// `acc` plus the squares of `values`, added in order.
+fn sum_of_squares_from(acc: f64, values: &[f32]) -> f64 {
+    values
+        .iter()
+        .fold(acc, |s, &g| s + f64::from(g) * f64::from(g))
+}
+
 /// The [`StageParams`] of a parameter-sharded step: a stage's whole weights all-gathered
 /// from every rank's pieces (this rank's are `pieces`, [`ShardPlan::pieces`] of the whole),
 /// its gradients reduce-scattered (the mean over the ranks) and this rank's range of them
@@ -350,16 +353,24 @@ impl<'a> StageShards<'a> {
         }
     }
 
-    /// This rank's pieces of the gradients accumulated so far (as [`ShardPlan::pieces`]),
-    /// and zeros in their place.
-    pub fn take_grads(&mut self) -> Vec<Tensor<1>> {
-        let mut out = Vec::with_capacity(self.plan.ranges.len());
-        for (g, grads) in self.plan.groups.iter().zip(&mut self.grads) {
-            let mine = g.flat.range(self.plan.rank).len();
-            out.extend(self.plan.cut(g, &grads[..mine], &self.device));
+    /// This rank's pieces of the gradients accumulated so far (as [`ShardPlan::pieces`])
+    /// and their sum of squares, and zeros in their place.
+    pub fn take_grads(&mut self) -> (Vec<Tensor<1>>, f64) {
+        let (plan, rank) = (self.plan, self.plan.rank);
+        let mine = |g: &Group| g.flat.range(rank).len();
+        // One running sum in model order, as over the whole range of the other modes.
+        let sq = plan
+            .groups
+            .iter()
+            .zip(&self.grads)
+            .map(|(g, grads)| &grads[..mine(g)])
+            .fold(0.0, sum_of_squares_from);
+        let mut out = Vec::with_capacity(plan.ranges.len());
+        for (g, grads) in plan.groups.iter().zip(&mut self.grads) {
+            out.extend(plan.cut(g, &grads[..mine(g)], &self.device));
             grads.fill(0.0);
         }
-        out
+        (out, sq)
     }
 }
 

@@ -347,15 +347,19 @@ mod tests {
             s.reduce(stage, got.clone());
             s.reduce(stage, got);
         }
-        for (g, p) in s.take_grads().iter().zip(&params) {
+        let (grads, sq) = s.take_grads();
+        let mut want_sq = 0.0f64;
+        for (g, p) in grads.iter().zip(&params) {
             let want: Vec<f32> = to_vec(p).iter().map(|v| v * 2.0).collect();
+            want_sq = want
+                .iter()
+                .fold(want_sq, |a, &v| a + f64::from(v) * f64::from(v));
             assert_eq!(to_vec(g), want, "two reductions add up");
         }
-        assert!(
-            s.take_grads()
-                .iter()
-                .all(|g| to_vec(g).iter().all(|v| *v == 0.0))
-        );
+        assert_eq!(sq, want_sq, "their sum of squares");
+        let (grads, sq) = s.take_grads();
+        assert!(grads.iter().all(|g| to_vec(g).iter().all(|v| *v == 0.0)));
+        assert_eq!(sq, 0.0);
     }
 
     #[test]
@@ -384,7 +388,7 @@ mod tests {
                             let mut s = StageShards::new(&plan, model, &comm, &mine, &device);
                             let (i, t) = batch(comm.rank(), &device);
                             loss_and_grads(model, &mut s, i, t, 1.0);
-                            s.take_grads().iter().map(to_vec).collect()
+                            s.take_grads().0.iter().map(to_vec).collect()
                         })
                     })
                     .collect();

@@ -14,7 +14,7 @@ use crate::optim::{self, Optimizer};
 use crate::session::Session;
 use crate::shard::{ShardPlan, StageShards};
 use crate::stagewise;
-use crate::tensor::{flatten, int_tensor, split};
+use crate::tensor::{flatten, int_tensor, split, target_tensor};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
 use std::ops::Range;
@@ -286,8 +286,8 @@ impl<'c> Step<'c> {
         let t0 = Instant::now();
         let (loss, grads, norm, allreduce_s) = match (&self.shard, staged) {
             (Some(plan), Some(mut stages)) => {
-                let pieces = stages.take_grads();
-                let (loss, norm) = plan.loss_and_norm(self.comm, loss, &pieces);
+                let (pieces, sq) = stages.take_grads();
+                let (loss, norm) = plan.loss_and_norm(self.comm, loss, sq);
                 let comm_s = stages.comm_s() + t0.elapsed().as_secs_f64();
                 (loss, pieces, norm, comm_s)
             }
@@ -439,8 +439,7 @@ fn staged_loss(
         ));
     };
     let inputs = int_tensor(rows, seq, &session.device);
-    let shifted: Vec<Vec<u32>> = rows.iter().map(|r| r[1..].to_vec()).collect();
-    let targets = int_tensor(&shifted, seq, &session.device);
+    let targets = target_tensor(rows, seq, &session.device);
     // A poisoned batch (a debug fault) makes the loss and every gradient NaN, as it does
     // in the replicated step.
     let scale = if poison { f64::NAN } else { scale };
@@ -471,8 +470,7 @@ fn shard_loss_and_grads(
         .collect();
     let (mut loss, poison) = match labels {
         Labels::Data { poison } => {
-            let shifted: Vec<Vec<u32>> = chunk.iter().map(|r| r[1..].to_vec()).collect();
-            let targets = int_tensor(&shifted, seq, &device);
+            let targets = target_tensor(chunk, seq, &device);
             (model.loss(&leaves, inputs, targets), poison && shard == 0)
         }
         Labels::Sampled { seed } => {

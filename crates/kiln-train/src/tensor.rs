@@ -32,9 +32,19 @@ pub fn on_host_threads(device: &Device) -> bool {
 
 /// Token ids `[rows, len]` as an Int tensor on `device`.
 pub fn int_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
+    tokens_from(rows, 0, len, device)
+}
+
+/// The next-token targets of `rows` (`[rows, len]`: each row's tokens from the second on,
+/// the first `len`), for the inputs [`int_tensor`] makes of the same rows.
+pub fn target_tensor(rows: &[Vec<u32>], len: usize, device: &Device) -> Tensor<2, Int> {
+    tokens_from(rows, 1, len, device)
+}
+
+fn tokens_from(rows: &[Vec<u32>], skip: usize, len: usize, device: &Device) -> Tensor<2, Int> {
     let flat: Vec<i64> = rows
         .iter()
-        .flat_map(|r| r.iter().take(len).map(|&t| i64::from(t)))
+        .flat_map(|r| r.iter().skip(skip).take(len).map(|&t| i64::from(t)))
         .collect();
     Tensor::from_data(TensorData::new(flat, [rows.len(), len]), device)
 }
