@@ -921,6 +921,64 @@ pub(crate) mod tests {
         assert!(rejected[0].1.contains("SHA-256"), "{}", rejected[0].1);
     }
 
+    /// A parameter-sharded checkpoint: both ranks' weight and optimizer pieces, assembled
+    /// on load; a lost weights shard, or the whole weights listed beside their shards, is
+    /// refused naming the file set.
+    #[test]
+    fn weight_shards_assemble_and_an_incomplete_set_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let piece = |name: &str, at: usize, v: &[f32]| {
+            HostTensor::f32(format!("{name}@{at}"), vec![v.len()], v.to_vec())
+        };
+        let shards: Vec<ShardFile> = (0..2)
+            .flat_map(|r| {
+                let (w, m) = (
+                    piece("w", r, &[r as f32 + 1.0]),
+                    piece("w.exp_avg", r, &[0.5]),
+                );
+                [
+                    write_shard(root, 9, layout::checkpoint_model_shard(r, 2), &[w]).unwrap(),
+                    write_shard(root, 9, layout::checkpoint_optimizer_shard(r, 2), &[m]).unwrap(),
+                ]
+            })
+            .collect();
+        let ck = Checkpoint {
+            model: Vec::new(),
+            optimizer: Vec::new(),
+            shards,
+            ..ckpt(9, "a")
+        };
+        let saved = save(root, &ck).unwrap();
+        assert!(!saved.join(MODEL_FILE).exists());
+        let back = load(&saved).unwrap();
+        assert_eq!(
+            back.model,
+            vec![HostTensor::f32("w".into(), vec![2], vec![1.0, 2.0])]
+        );
+        assert_eq!(back.optimizer[0].values, vec![0.5, 0.5]);
+        // The whole weights beside their shards.
+        let manifest_path = saved.join(MANIFEST_FILE);
+        let mut manifest = read_manifest(&saved).unwrap();
+        let entry = manifest.files[&layout::checkpoint_model_shard(0, 2)].clone();
+        manifest.files.insert(MODEL_FILE.into(), entry);
+        std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        let err = load(&saved).unwrap_err().to_string();
+        assert!(
+            err.contains("lists both model.safetensors and shards"),
+            "{err}"
+        );
+        // A lost weights shard.
+        manifest.files.remove(MODEL_FILE);
+        manifest.files.remove(&layout::checkpoint_model_shard(1, 2));
+        std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        let err = load(&saved).unwrap_err().to_string();
+        assert!(
+            err.contains("1 of the 2 shards of model.safetensors (missing ranks [1]"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn bf16_tensors_keep_their_dtype_and_other_dtypes_are_named() {
         let w = HostTensor {
