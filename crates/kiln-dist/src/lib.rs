@@ -24,11 +24,24 @@ pub use mpi_engine::Mpi;
 
 pub mod yeet;
 
+mod mesh;
+pub use mesh::Mesh;
+
 use kiln_topology::RankEnv;
 
 /// Errors setting up collectives.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
+    /// The ranks cannot be cut into equal replicas.
+    #[error(
+        "parallelism.dp_replicate = {replicas} does not divide the {ranks} ranks of this job into equal replicas; use a divisor of {ranks}"
+    )]
+    Replicas {
+        /// Replicas asked for.
+        replicas: usize,
+        /// Ranks of the job.
+        ranks: usize,
+    },
     /// More than one rank, but this kiln has no MPI.
     #[error(
         "WORLD_SIZE={0} but this kiln was built without MPI; rebuild with `cargo build --release --features mpi` (needs an MPI dev package and libclang-dev)"
@@ -95,6 +108,9 @@ pub trait Collective: Send {
     fn node_local_rank(&self) -> (usize, usize) {
         (0, 1)
     }
+    /// The ranks that pass the same `color`, as a job of their own, numbered in the order of
+    /// their `key` (MPI_Comm_split). Every rank calls it.
+    fn split(&self, color: usize, key: usize) -> Box<dyn Collective>;
 }
 
 /// The collective for this process: [`Solo`] for one rank, MPI for several (started by an MPI
@@ -170,6 +186,8 @@ pub struct Sharded {
     pub shard: usize,
     /// Elements of every shard that one call moves.
     chunk: usize,
+    /// Bytes of the buckets.
+    bucket_bytes: usize,
 }
 
 impl Sharded {
@@ -181,6 +199,7 @@ impl Sharded {
             len,
             shard,
             chunk: (bucket_bytes / 4 / ranks).max(1),
+            bucket_bytes,
         }
     }
 

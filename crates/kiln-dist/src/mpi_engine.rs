@@ -14,14 +14,16 @@ use mpi::collective::SystemOperation;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use std::cell::RefCell;
+use std::sync::Arc;
 
-/// MPI_COMM_WORLD of this process. Dropping it finalises MPI.
+/// A communicator of this process: MPI_COMM_WORLD, or a group split from it
+/// ([`Collective::split`]). MPI is finalised when the last of them is dropped.
 pub struct Mpi {
     // Field order matters: the communicators must be freed before the universe finalises.
     world: SimpleCommunicator,
     node: SimpleCommunicator,
     scratch_f32: RefCell<Vec<f32>>,
-    _universe: mpi::environment::Universe,
+    universe: Arc<mpi::environment::Universe>,
 }
 
 // SAFETY: kiln calls MPI from one thread at a time (the trainer's main thread; MPI is
@@ -35,13 +37,18 @@ impl Mpi {
         let (universe, _level) = mpi::initialize_with_threading(mpi::Threading::Funneled)
             .ok_or_else(|| DistError::Init("MPI was already initialised in this process".into()))?;
         let world = universe.world();
+        Ok(Self::on(world, Arc::new(universe)))
+    }
+
+    /// The engine on communicator `world` of `universe`.
+    fn on(world: SimpleCommunicator, universe: Arc<mpi::environment::Universe>) -> Self {
         let node = world.split_shared(world.rank());
-        Ok(Self {
+        Self {
             world,
             node,
             scratch_f32: RefCell::new(Vec::new()),
-            _universe: universe,
-        })
+            universe,
+        }
     }
 }
 
@@ -125,5 +132,13 @@ impl Collective for Mpi {
     }
     fn node_local_rank(&self) -> (usize, usize) {
         (self.node.rank() as usize, self.node.size() as usize)
+    }
+    fn split(&self, color: usize, key: usize) -> Box<dyn Collective> {
+        let color = mpi::topology::Color::with_value(color as i32);
+        // `None` only for MPI_UNDEFINED, which a color made from a value never is.
+        match self.world.split_by_color_with_key(color, key as i32) {
+            Some(group) => Box::new(Self::on(group, Arc::clone(&self.universe))),
+            None => self.abort(70),
+        }
     }
 }

@@ -19,7 +19,25 @@ pub struct Threads {
 
 struct Shared {
     slots: Mutex<Vec<Vec<u8>>>,
+    /// Where the first rank of each group a split makes leaves the group's exchange for
+    /// the others (indexed by that rank).
+    splits: Mutex<Vec<Option<Arc<Shared>>>>,
     barrier: Barrier,
+}
+
+impl Shared {
+    fn new(size: usize) -> Arc<Self> {
+        Arc::new(Shared {
+            slots: Mutex::new(vec![Vec::new(); size]),
+            splits: Mutex::new(vec![None; size]),
+            barrier: Barrier::new(size),
+        })
+    }
+}
+
+/// The value behind `m`, whether or not another thread panicked holding it.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Threads {
@@ -27,10 +45,7 @@ impl Threads {
     /// same collective calls in the same order, as under MPI, or the job deadlocks.
     pub fn job(size: usize) -> Vec<Threads> {
         let size = size.max(1);
-        let shared = Arc::new(Shared {
-            slots: Mutex::new(vec![Vec::new(); size]),
-            barrier: Barrier::new(size),
-        });
+        let shared = Shared::new(size);
         (0..size)
             .map(|rank| Threads {
                 rank,
@@ -42,15 +57,9 @@ impl Threads {
 
     /// Every rank's `mine`, in rank order.
     fn exchange(&self, mine: Vec<u8>) -> Vec<Vec<u8>> {
-        let lock = || {
-            self.shared
-                .slots
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-        };
-        lock()[self.rank] = mine;
+        lock(&self.shared.slots)[self.rank] = mine;
         self.shared.barrier.wait();
-        let all = lock().clone();
+        let all = lock(&self.shared.slots).clone();
         // Nobody writes the next call's values before everyone has read these.
         self.shared.barrier.wait();
         all
@@ -126,6 +135,31 @@ impl Collective for Threads {
     }
     fn abort(&self, code: i32) -> ! {
         std::process::exit(code)
+    }
+    fn split(&self, color: usize, key: usize) -> Box<dyn Collective> {
+        let all: Vec<[u64; 2]> = self
+            .gather(&[color as u64, key as u64])
+            .into_iter()
+            .map(|v| [v[0], v[1]])
+            .collect();
+        // This rank's group, in (key, rank) order, as MPI_Comm_split orders it.
+        let mut group: Vec<usize> = (0..self.size)
+            .filter(|&r| all[r][0] == color as u64)
+            .collect();
+        group.sort_by_key(|&r| (all[r][1], r));
+        let first = group.iter().copied().min().unwrap_or(self.rank);
+        if first == self.rank {
+            lock(&self.shared.splits)[first] = Some(Shared::new(group.len()));
+        }
+        self.shared.barrier.wait();
+        let shared = lock(&self.shared.splits)[first].clone();
+        // Nobody leaves a new group before every member has taken it.
+        self.shared.barrier.wait();
+        Box::new(Threads {
+            rank: group.iter().position(|&r| r == self.rank).unwrap_or(0),
+            size: group.len(),
+            shared: shared.unwrap_or_else(|| Shared::new(1)),
+        })
     }
 }
 

@@ -22,7 +22,8 @@
 //! | eval | `4 N (24 d + 5 f + 3 H T + 3 V)` | forward only, one layer live at a time |
 //! | memory snapshots | `12 P (K + 2)` less what the store holds | a training rank's memory tier when it is on a memory file system (tmpfs, `/dev/shm`): `checkpoint.snapshot_keep` = K copies of weights and moments, one more while the next is written, one at the guards' rollback point (none with `guards.snapshot_interval = 0`); snapshots already there are out of the available memory already |
 //!
-//! Sharded (`parallelism.shard`, on `R` ranks): each rank keeps the whole weights but only
+//! Sharded (`parallelism.shard`, over `R` ranks: the job's, or with `parallelism.dp_replicate`
+//! = D replicas the job's ranks / D of one replica): each rank keeps the whole weights but only
 //! `1/R` of AdamW's moments, so the weights + moments part is `4 P + 8 P / R`, the rollback
 //! snapshot likewise, and a checkpoint copies `4 P` of weights three times (host copy,
 //! serialised, final) on rank 0 and `8 P / R` twice (its shard, serialised) on every rank.
@@ -184,7 +185,8 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     let activations = 4.0 * tokens * (layers * per_token_layer + head);
     // The held-out eval runs micro-batches of batch_size rows, forward only.
     let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
-    let r = ranks.max(1) as f64;
+    // The state is cut over the ranks of one replica (`parallelism.dp_replicate`).
+    let r = (ranks / config.parallelism.dp_replicate.max(1)).max(1) as f64;
     // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
     let replicated_step = 4.0 * p * (2.0 * shards + 1.0) + activations;
     // Weights + moments and what a checkpoint copies, per parameter, and the step, on one
@@ -547,6 +549,17 @@ mod tests {
         );
         assert_eq!(no_guards.resident, 12.0 * base.params);
         assert!(base.need() > OVERHEAD);
+    }
+
+    /// With replicas the state is cut over one replica's ranks: 4 ranks as 2 replicas need
+    /// what 2 ranks of one replica do, more than 4 ranks of one.
+    #[test]
+    fn hybrid_sharding_cuts_the_state_over_one_replica() {
+        let sharded = config(&["parallelism.shard=parameters"]);
+        let hybrid = config(&["parallelism.shard=parameters", "parallelism.dp_replicate=2"]);
+        let need = |c: &Config, r: usize| estimate_on(c, 16, r).need();
+        assert_eq!(need(&hybrid, 4), need(&sharded, 2));
+        assert!(need(&hybrid, 4) > need(&sharded, 4));
     }
 
     #[test]

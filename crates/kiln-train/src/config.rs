@@ -549,6 +549,12 @@ pub struct ParallelismConfig {
     pub bucket_mb: usize,
     /// What the ranks shard instead of replicating (see [`Shard`]).
     pub shard: Shard,
+    /// Hybrid sharding (torchtitan's `dp_replicate`, HSDP): the ranks form this many equal
+    /// groups of consecutive ranks (replicas); the sharded state is cut over the ranks of
+    /// one group and replicated over the groups, so all-gathers stay inside a group (a node,
+    /// when a group fits one) and only the gradient average crosses groups. 1: one group of
+    /// every rank. Must divide the rank count; needs `shard` other than `"none"`.
+    pub dp_replicate: usize,
 }
 
 impl Default for ParallelismConfig {
@@ -556,6 +562,7 @@ impl Default for ParallelismConfig {
         Self {
             bucket_mb: 25,
             shard: Shard::None,
+            dp_replicate: 1,
         }
     }
 }
@@ -756,6 +763,7 @@ impl Config {
                 "0 (batch_size x grad_accum_steps x ranks) or an integer in [1, {MAX_SAMPLES}]"
             ),
         );
+        d.at_least("parallelism.dp_replicate", self.parallelism.dp_replicate, 1);
         d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
         d.at_least("checkpoint.snapshot_keep", self.checkpoint.snapshot_keep, 1);
         d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
@@ -817,6 +825,12 @@ impl Config {
                 d.rule(format!(
                     "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
                     o.lr * o.weight_decay
+                ));
+            }
+            if self.parallelism.shard == Shard::None && self.parallelism.dp_replicate > 1 {
+                d.rule(format!(
+                    "parallelism.dp_replicate = {} replicates a sharded state over groups of ranks; set parallelism.shard too (without sharding every rank is a replica already)",
+                    self.parallelism.dp_replicate
                 ));
             }
             if self.parallelism.shard != Shard::None {
@@ -1053,6 +1067,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("params"), "{err}");
+        let err = Config::load(None, &["parallelism.dp_replicate=2".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("parallelism.dp_replicate") && err.contains("parallelism.shard"),
+            "{err}"
+        );
+        let err = refused("parallelism.dp_replicate=0");
+        assert!(err.contains("parallelism.dp_replicate"), "{err}");
         let sharded = Config::load(None, &["parallelism.shard=optimizer".into()]).unwrap();
         assert_eq!(sharded.effective_checkpoint().snapshot_interval, 0);
         assert_eq!(

@@ -1,5 +1,6 @@
-//! The replica check: data-parallel ranks hold the same parameters, so a checksum of each
-//! rank's parameters, compared at `guards.replica_check_interval` and before every save,
+//! The replica check: data-parallel ranks hold the same parameters (with parameters sharded,
+//! the ranks holding the same shard in each replica hold the same pieces), so a checksum of
+//! each rank's parameters, compared at `guards.replica_check_interval` and before every save,
 //! names a silently corrupted or desynced rank before its weights are written.
 
 use crate::cadence::Every;
@@ -34,13 +35,25 @@ impl ReplicaCheck {
         self.every.due(step)
     }
 
-    /// Compares every rank's checksum (a collective: every rank calls it at the same step).
-    pub fn compare(comm: &dyn Collective, params: &[Tensor<1>]) -> Option<Mismatch> {
-        if comm.size() == 1 {
-            return None;
+    /// Compares the checksums of the ranks that hold the same values (a collective: every
+    /// rank calls it at the same step). The state is cut into `shards` pieces (1: whole on
+    /// every rank); the ranks holding piece `s` are `s`, `s + shards`, `s + 2 shards`, ...
+    /// (the replicas of a hybrid-sharded run, `parallelism.dp_replicate`). Every rank gets
+    /// every checksum, so all come to the same verdict.
+    pub fn compare(comm: &dyn Collective, params: &[Tensor<1>], shards: usize) -> Option<Mismatch> {
+        let shards = shards.max(1);
+        if comm.size() <= shards {
+            return None; // no two ranks hold the same piece
         }
         let sums = comm.all_gather_u64(params_checksum(params));
-        let ranks = minority_ranks(&sums);
+        let mut ranks: Vec<usize> = (0..shards)
+            .flat_map(|s| {
+                let holders: Vec<usize> = (s..sums.len()).step_by(shards).collect();
+                let values: Vec<u64> = holders.iter().map(|&r| sums[r]).collect();
+                minority_ranks(&values).into_iter().map(move |i| holders[i])
+            })
+            .collect();
+        ranks.sort_unstable();
         (!ranks.is_empty()).then(|| Mismatch {
             ranks,
             checksums: sums.iter().map(|s| format!("{s:016x}")).collect(),
@@ -66,7 +79,36 @@ pub fn minority_ranks(values: &[u64]) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::minority_ranks;
+    use super::{ReplicaCheck, minority_ranks};
+    use burn::tensor::{Device, Tensor};
+    use kiln_dist::Collective;
+
+    /// Four ranks as two replicas of two shards: rank `r` holds piece `r % 2`, and rank 3's
+    /// differs from rank 1's. Compared as replicas, rank 3 is named; compared as one
+    /// replica of four shards, nothing is compared.
+    #[test]
+    fn replicas_of_each_shard_are_compared_with_each_other() {
+        let verdicts: Vec<_> = std::thread::scope(|scope| {
+            let handles: Vec<_> = kiln_dist::Threads::job(4)
+                .into_iter()
+                .map(|comm| {
+                    scope.spawn(move || {
+                        let r = comm.rank();
+                        let bad = if r == 3 { 0.5 } else { 0.0 };
+                        let v = [(r % 2) as f32 + bad, 1.0];
+                        let piece = Tensor::<1>::from_floats(v, &Device::flex());
+                        let hybrid = ReplicaCheck::compare(&comm, std::slice::from_ref(&piece), 2);
+                        (hybrid, ReplicaCheck::compare(&comm, &[piece], 4))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (hybrid, unreplicated) in verdicts {
+            assert_eq!(hybrid.map(|m| m.ranks), Some(vec![3]));
+            assert!(unreplicated.is_none());
+        }
+    }
 
     #[test]
     fn the_minority_is_named() {

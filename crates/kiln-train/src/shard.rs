@@ -26,7 +26,7 @@ use crate::model::{Llama, ParamSpec, Stage};
 use crate::stagewise::StageParams;
 use crate::tensor::{DeviceTensor, flatten, split, unflatten};
 use burn::tensor::{Device, Tensor};
-use kiln_dist::{Collective, Sharded};
+use kiln_dist::{Collective, Mesh, Sharded};
 use kiln_run::layout;
 use std::ops::Range;
 use std::path::Path;
@@ -41,57 +41,58 @@ struct Group {
 }
 
 /// This rank's part of a sharded run's state (see the module documentation).
-#[derive(Debug, Clone)]
 pub struct ShardPlan {
     mode: Shard,
     /// The whole model, or with `parameters` each stage in [`Llama::stages`] order.
     groups: Vec<Group>,
+    /// This rank's shard: its rank among the ranks of its replica.
     rank: usize,
-    world: usize,
+    /// The ranks of a replica, over which the state is cut.
+    shards: usize,
     /// Bytes per all-reduce bucket (`parallelism.bucket_mb`).
     bucket: usize,
     /// The elements of each parameter in this rank's range (`None`: none).
     ranges: Vec<Option<Range<usize>>>,
+    /// The ranks this rank shards with, and those holding the same shard in the other
+    /// replicas (`parallelism.dp_replicate`).
+    mesh: Mesh,
 }
 
 impl ShardPlan {
-    /// The plan of `cfg` for rank `rank` of `world`; `None` when nothing is sharded.
-    pub fn new(cfg: &Config, model: &Llama, rank: usize, world: usize) -> Option<Self> {
+    /// The plan of `cfg` for this rank of `comm`; `None` when nothing is sharded, an error
+    /// when `parallelism.dp_replicate` does not divide the ranks. Every rank calls it.
+    pub fn new(
+        cfg: &Config,
+        model: &Llama,
+        comm: &dyn Collective,
+    ) -> Result<Option<Self>, TrainError> {
         let mode = cfg.parallelism.shard;
         if mode == Shard::None {
-            return None;
+            return Ok(None);
         }
-        let specs = model.specs();
+        let mesh = Mesh::new(comm, cfg.parallelism.dp_replicate)?;
+        let (rank, shards) = (mesh.shard().rank(), mesh.shard().size());
         let bucket = cfg.parallelism.bucket_mb.max(1) << 20;
-        let spans: Vec<Range<usize>> = match mode {
-            Shard::Parameters => model.stages().into_iter().map(|s| model.owned(s)).collect(),
-            _ => std::iter::once(0..specs.len()).collect(),
-        };
-        let mut ranges = vec![None; specs.len()];
-        let groups = spans
-            .into_iter()
-            .map(|params| {
-                let total = specs[params.clone()].iter().map(ParamSpec::numel).sum();
-                let flat = Sharded::new(total, world, bucket);
-                let mine = flat.range(rank);
-                let mut at = 0;
-                for i in params.clone() {
-                    let n = specs[i].numel();
-                    let (lo, hi) = (at.max(mine.start), (at + n).min(mine.end));
-                    ranges[i] = (lo < hi).then(|| lo - at..hi - at);
-                    at += n;
-                }
-                Group { params, flat }
-            })
-            .collect();
-        Some(Self {
+        let (groups, ranges) = cut(mode, model, rank, shards, bucket);
+        Ok(Some(Self {
             mode,
             groups,
             rank,
-            world,
+            shards,
             bucket,
             ranges,
-        })
+            mesh,
+        }))
+    }
+
+    /// The ranks this rank shards the state with (its replica).
+    pub fn shard_group(&self) -> &dyn Collective {
+        self.mesh.shard()
+    }
+
+    /// The ranks of a replica, over which the state is cut.
+    pub fn shards(&self) -> usize {
+        self.shards
     }
 
     /// The elements of each parameter whose optimizer state this rank keeps.
@@ -152,46 +153,36 @@ impl ShardPlan {
             let norm = crate::optim::global_norm(&split(&all, lengths, device));
             return (loss, self.cut(&self.groups[0], &all[mine], device), norm);
         }
-        let shard = &flat.reduce_scatter_mean(comm, &flatten(grads, &[]))[..mine.len()];
+        let shard = &self.mesh.reduce_scatter_mean(flat, &flatten(grads, &[]))[..mine.len()];
         let (loss, norm) = self.loss_and_norm(comm, loss, sum_of_squares(shard));
         (loss, self.cut(&self.groups[0], shard, device), norm)
     }
 
-    /// The mean of the ranks' losses and the global norm of gradients of which every rank
-    /// holds its own range, whose sum of squares is `sq`.
+    /// The mean of the ranks' losses (every rank of `comm`, the job) and the global norm of
+    /// gradients of which every rank of a replica holds its own range, whose sum of squares
+    /// is `sq` (the replicas hold the same ranges).
     pub fn loss_and_norm(&self, comm: &dyn Collective, loss: f32, sq: f64) -> (f32, f32) {
         let mut l = [loss];
         comm.all_reduce_sum_f32(&mut l);
         let mut sq = [sq];
-        comm.all_reduce_sum_f64(&mut sq);
-        (l[0] / self.world as f32, sq[0].sqrt() as f32)
+        self.mesh.shard().all_reduce_sum_f64(&mut sq);
+        (l[0] / comm.size() as f32, sq[0].sqrt() as f32)
     }
 
     /// Replaces `params` with the whole parameters gathered from every rank's updated
     /// range (`pieces`, this rank's; taken, so that each is copied to the host once). Not
     /// for the `parameters` mode, which keeps its pieces.
-    pub fn gather(
-        &self,
-        comm: &dyn Collective,
-        pieces: Vec<Tensor<1>>,
-        params: &mut Vec<Tensor<1>>,
-        device: &Device,
-    ) {
-        let full = self.all_gather(comm, self.whole_model(), pieces);
+    pub fn gather(&self, pieces: Vec<Tensor<1>>, params: &mut Vec<Tensor<1>>, device: &Device) {
+        let full = self.all_gather(self.whole_model(), pieces);
         *params = unflatten(&full, params, device);
     }
 
-    /// Every rank's range of `group`, gathered (padding included), from this rank's pieces.
-    fn all_gather(
-        &self,
-        comm: &dyn Collective,
-        flat: &Sharded,
-        pieces: Vec<Tensor<1>>,
-    ) -> Vec<f32> {
+    /// Every range of `flat` in this rank's replica, gathered, from this rank's pieces.
+    fn all_gather(&self, flat: &Sharded, pieces: Vec<Tensor<1>>) -> Vec<f32> {
         // The padding up to a whole shard goes in with the values: no second allocation.
         let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
         let mine = flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)]);
-        flat.all_gather(comm, &mine)
+        self.mesh.all_gather(flat, &mine)
     }
 
     /// Whether each rank keeps only its pieces of the parameters (`parameters`).
@@ -202,15 +193,10 @@ impl ShardPlan {
     /// The whole parameters gathered from every rank's `pieces`, as host tensors (the final
     /// weights of a parameter-sharded run); every rank calls it, and holds one stage's
     /// whole weights at a time besides what it returns.
-    pub fn whole_host(
-        &self,
-        comm: &dyn Collective,
-        specs: &[ParamSpec],
-        pieces: &[Tensor<1>],
-    ) -> Vec<HostTensor> {
+    pub fn whole_host(&self, specs: &[ParamSpec], pieces: &[Tensor<1>]) -> Vec<HostTensor> {
         let mut out = Vec::with_capacity(specs.len());
         for g in &self.groups {
-            let full = self.all_gather(comm, &g.flat, pieces[g.params.clone()].to_vec());
+            let full = self.all_gather(&g.flat, pieces[g.params.clone()].to_vec());
             let mut at = 0;
             for spec in &specs[g.params.clone()] {
                 let values = full[at..at + spec.numel()].to_vec();
@@ -246,8 +232,9 @@ impl ShardPlan {
 
     /// Writes this rank's shards for the checkpoint of `step` into its staging directory
     /// under `root` (its optimizer pieces `state`; with `parameters` also its weight
-    /// `pieces`), and tells every rank every rank's files: on rank 0 the shards to publish;
-    /// an error when any rank failed (every rank gets it, so all stop).
+    /// `pieces`), and tells every rank of `comm` (the job) every writer's files: on rank 0
+    /// the shards to publish; an error when any writer failed (every rank gets it, so all
+    /// stop). The ranks of the first replica write; the other replicas hold the same shards.
     pub fn write_shards(
         &self,
         comm: &dyn Collective,
@@ -256,10 +243,14 @@ impl ShardPlan {
         state: &[DeviceTensor],
         (specs, pieces): (&[ParamSpec], &[Tensor<1>]),
     ) -> Result<Vec<ShardFile>, TrainError> {
-        let (rank, ranks) = (self.rank, self.world);
-        let host: Vec<HostTensor> = state.iter().map(DeviceTensor::to_host).collect();
-        let mut files = vec![(layout::checkpoint_optimizer_shard(rank, ranks), host)];
-        if self.shards_parameters() {
+        let (rank, ranks) = (self.rank, self.shards);
+        let writes = self.mesh.replica().rank() == 0;
+        let mut files = Vec::new();
+        if writes {
+            let host: Vec<HostTensor> = state.iter().map(DeviceTensor::to_host).collect();
+            files.push((layout::checkpoint_optimizer_shard(rank, ranks), host));
+        }
+        if writes && self.shards_parameters() {
             let weights = self.named_pieces(specs, pieces);
             files.push((layout::checkpoint_model_shard(rank, ranks), weights));
         }
@@ -268,13 +259,13 @@ impl ShardPlan {
             .map(|(name, t)| checkpoint::write_shard(root, step, name, &t))
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string());
-        let mut all = Vec::with_capacity(self.world * 2);
-        for r in 0..self.world {
-            let mut bytes = match (r == self.rank, &mine) {
+        let mut all = Vec::with_capacity(self.shards * 2);
+        for r in 0..self.shards {
+            let mut bytes = match (writes && r == self.rank, &mine) {
                 (true, m) => serde_json::to_vec(m).unwrap_or_default(),
                 (false, _) => Vec::new(),
             };
-            crate::snapshot::broadcast_vec(comm, r, &mut bytes);
+            crate::snapshot::broadcast_vec(comm, self.mesh.job_rank(0, r), &mut bytes);
             let got: Result<Vec<ShardFile>, String> = serde_json::from_slice(&bytes)
                 .unwrap_or_else(|e| Err(format!("unreadable shard report of rank {r}: {e}")));
             all.extend(got.map_err(|e| {
@@ -285,6 +276,40 @@ impl ShardPlan {
         }
         Ok(all)
     }
+}
+
+/// The groups of `mode` over the parameters of `model`, cut into `shards` ranges, and the
+/// elements of each parameter in range `rank`.
+fn cut(
+    mode: Shard,
+    model: &Llama,
+    rank: usize,
+    shards: usize,
+    bucket: usize,
+) -> (Vec<Group>, Vec<Option<Range<usize>>>) {
+    let specs = model.specs();
+    let spans: Vec<Range<usize>> = match mode {
+        Shard::Parameters => model.stages().into_iter().map(|s| model.owned(s)).collect(),
+        _ => std::iter::once(0..specs.len()).collect(),
+    };
+    let mut ranges = vec![None; specs.len()];
+    let groups = spans
+        .into_iter()
+        .map(|params| {
+            let total = specs[params.clone()].iter().map(ParamSpec::numel).sum();
+            let flat = Sharded::new(total, shards, bucket);
+            let mine = flat.range(rank);
+            let mut at = 0;
+            for i in params.clone() {
+                let n = specs[i].numel();
+                let (lo, hi) = (at.max(mine.start), (at + n).min(mine.end));
+                ranges[i] = (lo < hi).then(|| lo - at..hi - at);
+                at += n;
+            }
+            Group { params, flat }
+        })
+        .collect();
+    (groups, ranges)
 }
 
 /// The sum of the squares of `values`, in f64.
@@ -306,7 +331,6 @@ fn sum_of_squares_from(acc: f64, values: &[f32]) -> f64 {
 pub struct StageShards<'a> {
     plan: &'a ShardPlan,
     model: &'a Llama,
-    comm: &'a dyn Collective,
     pieces: &'a [Tensor<1>],
     device: Device,
     /// Per stage, this rank's range of the accumulated gradients (padding included).
@@ -316,11 +340,10 @@ pub struct StageShards<'a> {
 }
 
 impl<'a> StageShards<'a> {
-    /// The stages of `model` cut by `plan` (a `parameters` plan), over `comm`'s ranks.
+    /// The stages of `model` cut by `plan` (a `parameters` plan).
     pub fn new(
         plan: &'a ShardPlan,
         model: &'a Llama,
-        comm: &'a dyn Collective,
         pieces: &'a [Tensor<1>],
         device: &Device,
     ) -> Self {
@@ -332,7 +355,6 @@ impl<'a> StageShards<'a> {
                 .collect(),
             plan,
             model,
-            comm,
             pieces,
             device: device.clone(),
             comm_s: 0.0,
@@ -380,7 +402,7 @@ impl StageParams for StageShards<'_> {
         let t0 = Instant::now();
         let full = self
             .plan
-            .all_gather(self.comm, &g.flat, self.pieces[g.params.clone()].to_vec());
+            .all_gather(&g.flat, self.pieces[g.params.clone()].to_vec());
         self.comm_s += t0.elapsed().as_secs_f64();
         let lengths = self.model.specs()[g.params.clone()]
             .iter()
@@ -392,9 +414,7 @@ impl StageParams for StageShards<'_> {
         let i = self.group(s);
         let flat = flatten(grads, &[]);
         let t0 = Instant::now();
-        let mine = self.plan.groups[i]
-            .flat
-            .reduce_scatter_mean(self.comm, &flat);
+        let mine = (self.plan.mesh).reduce_scatter_mean(&self.plan.groups[i].flat, &flat);
         self.comm_s += t0.elapsed().as_secs_f64();
         for (a, g) in self.grads[i].iter_mut().zip(mine) {
             *a += g;
@@ -416,12 +436,9 @@ mod tests {
             .into_iter()
             .flat_map(|m| (1..=5).map(move |w| (m, w)))
         {
-            cfg.parallelism.shard = mode;
             for (i, spec) in specs.iter().enumerate() {
                 let mut covered: Vec<Range<usize>> = (0..world)
-                    .filter_map(|r| {
-                        ShardPlan::new(&cfg, &model, r, world).unwrap().ranges[i].clone()
-                    })
+                    .filter_map(|r| cut(mode, &model, r, world, 1 << 20).1[i].clone())
                     .collect();
                 covered.sort_by_key(|r| r.start);
                 let mut next = 0;
@@ -433,6 +450,10 @@ mod tests {
             }
         }
         cfg.parallelism.shard = Shard::None;
-        assert!(ShardPlan::new(&cfg, &model, 0, 2).is_none());
+        assert!(
+            ShardPlan::new(&cfg, &model, &kiln_dist::Solo)
+                .unwrap()
+                .is_none()
+        );
     }
 }

@@ -324,11 +324,12 @@ mod tests {
         }
     }
 
-    /// A parameters plan of the tiny model for `rank` of `world`.
-    fn plan(model: &Llama, rank: usize, world: usize) -> ShardPlan {
+    /// A parameters plan of the tiny model for this rank of `comm`, over `replicas`.
+    fn plan(model: &Llama, comm: &dyn Collective, replicas: usize) -> ShardPlan {
         let mut cfg = crate::config::Config::default();
         cfg.parallelism.shard = crate::config::Shard::Parameters;
-        ShardPlan::new(&cfg, model, rank, world).unwrap()
+        cfg.parallelism.dp_replicate = replicas;
+        ShardPlan::new(&cfg, model, comm).unwrap().unwrap()
     }
 
     #[test]
@@ -336,9 +337,9 @@ mod tests {
         let device = Device::flex();
         let model = Llama::new(&tiny(), 40);
         let params = model.init(3, &device);
-        let plan = plan(&model, 0, 1);
+        let plan = plan(&model, &kiln_dist::Solo, 1);
         let pieces = plan.pieces(&params);
-        let mut s = StageShards::new(&plan, &model, &kiln_dist::Solo, &pieces, &device);
+        let mut s = StageShards::new(&plan, &model, &pieces, &device);
         for stage in model.stages() {
             let got = s.gather(stage);
             for (i, t) in model.owned(stage).zip(&got) {
@@ -367,7 +368,8 @@ mod tests {
         let device = Device::flex();
         let model = Llama::new(&tiny(), 40);
         let params = model.init(5, &device);
-        for world in [2usize, 3] {
+        // Hybrid too: 4 ranks as 2 replicas of 2 shards average over all 4.
+        for (world, replicas) in [(2usize, 1), (3, 1), (4, 2)] {
             let mut mean: Vec<f32> = Vec::new();
             for rank in 0..world {
                 let (i, t) = batch(rank, &device);
@@ -383,9 +385,9 @@ mod tests {
                     .map(|comm| {
                         let (model, params, device) = (&model, &params, device.clone());
                         scope.spawn(move || {
-                            let plan = plan(model, comm.rank(), world);
+                            let plan = plan(model, &comm, replicas);
                             let mine = plan.pieces(params);
-                            let mut s = StageShards::new(&plan, model, &comm, &mine, &device);
+                            let mut s = StageShards::new(&plan, model, &mine, &device);
                             let (i, t) = batch(comm.rank(), &device);
                             loss_and_grads(model, &mut s, i, t, 1.0);
                             s.take_grads().0.iter().map(to_vec).collect()
@@ -394,10 +396,15 @@ mod tests {
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            // Each parameter's gradient: the ranks' pieces in rank order.
+            // Each parameter's gradient: the pieces of a replica's ranks in rank order; the
+            // other replicas hold the same pieces.
+            let shards = world / replicas;
             let got: Vec<f32> = (0..params.len())
-                .flat_map(|i| pieces.iter().flat_map(move |p| p[i].clone()))
+                .flat_map(|i| pieces[..shards].iter().flat_map(move |p| p[i].clone()))
                 .collect();
+            for (r, p) in pieces.iter().enumerate() {
+                assert_eq!(p, &pieces[r % shards], "rank {r} and its replica");
+            }
             // The reference divides each rank's gradient by the rank count before summing,
             // the reduce-scatter after: f32 rounding (measured 0 on 2 ranks, 1.1e-7 on 3).
             let w = worst(&got, &mean);
@@ -412,9 +419,9 @@ mod tests {
         let params = model.init(9, &device);
         let (inputs, _) = batch(0, &device);
         let want = to_vec(&model.forward(&params, inputs.clone()).reshape([-1]));
-        let plan = plan(&model, 0, 1);
+        let plan = plan(&model, &kiln_dist::Solo, 1);
         let pieces = plan.pieces(&params);
-        let mut s = StageShards::new(&plan, &model, &kiln_dist::Solo, &pieces, &device);
+        let mut s = StageShards::new(&plan, &model, &pieces, &device);
         let got = to_vec(&logits(&model, &mut s, inputs).reshape([-1]));
         assert_eq!(got, want);
     }

@@ -157,19 +157,37 @@ impl Step<'static> {
     /// The step of `cfg` on one rank, outside a data-parallel job (lr-find, profiling).
     pub fn single(cfg: &Config, session: &Session) -> Result<Self, TrainError> {
         let layout = BatchLayout::new(&cfg.training, 0, 1).map_err(TrainError::Parallel)?;
-        let mut step = Self::new(cfg, session, layout, &kiln_dist::Solo);
-        step.shard = None; // one rank keeps everything, whatever the config shards
-        Ok(step)
+        // One rank keeps everything, whatever the config shards.
+        Ok(Self::with_plan(
+            cfg,
+            session,
+            layout,
+            &kiln_dist::Solo,
+            None,
+        ))
     }
 }
 
 impl<'c> Step<'c> {
-    /// The step of `cfg` for `session`'s model on `layout`, averaging over `comm`'s ranks.
+    /// The step of `cfg` for `session`'s model on `layout`, averaging over `comm`'s ranks
+    /// (every rank calls it); an error when the ranks cannot form the config's replicas.
     pub fn new(
         cfg: &Config,
         session: &Session,
         layout: BatchLayout,
         comm: &'c dyn Collective,
+    ) -> Result<Self, TrainError> {
+        let plan = ShardPlan::new(cfg, &session.model, comm)?;
+        Ok(Self::with_plan(cfg, session, layout, comm, plan))
+    }
+
+    /// The step of `cfg` with the sharding `shard`.
+    fn with_plan(
+        cfg: &Config,
+        session: &Session,
+        layout: BatchLayout,
+        comm: &'c dyn Collective,
+        shard: Option<ShardPlan>,
     ) -> Self {
         let faults = Faults::new(cfg);
         Self {
@@ -180,7 +198,7 @@ impl<'c> Step<'c> {
             frozen: faults.frozen(session.model.specs()),
             faults,
             allreduce: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
-            shard: ShardPlan::new(cfg, &session.model, comm.rank(), comm.size()),
+            shard,
             comm,
         }
     }
@@ -188,6 +206,12 @@ impl<'c> Step<'c> {
     /// What this rank keeps of a sharded run, if it is one.
     pub fn shard(&self) -> Option<&ShardPlan> {
         self.shard.as_ref()
+    }
+
+    /// The plan of a parameter-sharded run, whose ranks keep only their pieces of the
+    /// parameters (`parallelism.shard = "parameters"`).
+    pub fn parameter_shards(&self) -> Option<&ShardPlan> {
+        self.shard.as_ref().filter(|p| p.shards_parameters())
     }
 
     /// How the global batch is cut over the ranks.
@@ -227,11 +251,7 @@ impl<'c> Step<'c> {
         lr: f64,
     ) -> Result<(), TrainError> {
         let clip = optim::clip_coefficient(g.norm, self.max_grad_norm);
-        if self
-            .shard
-            .as_ref()
-            .is_some_and(ShardPlan::shards_parameters)
-        {
+        if self.parameter_shards().is_some() {
             // The session holds this rank's pieces only: they are updated in place.
             optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
             return Ok(());
@@ -240,7 +260,7 @@ impl<'c> Step<'c> {
             // This rank's range of each parameter, updated, then everyone's gathered.
             let mut pieces = plan.pieces(&session.params);
             optimizer.update_clipped(&mut pieces, g.grads, clip, lr, &self.frozen);
-            plan.gather(self.comm, pieces, &mut session.params, &session.device);
+            plan.gather(pieces, &mut session.params, &session.device);
             return Ok(());
         }
         optimizer.update_clipped(&mut session.params, g.grads, clip, lr, &self.frozen);
@@ -346,11 +366,10 @@ impl<'c> Step<'c> {
     /// The stage-by-stage pass over this rank's pieces of the parameters, in a
     /// parameter-sharded run (`None` otherwise).
     pub fn stage_shards<'s>(&'s self, session: &'s Session) -> Option<StageShards<'s>> {
-        let plan = self.shard.as_ref().filter(|p| p.shards_parameters())?;
+        let plan = self.parameter_shards()?;
         Some(StageShards::new(
             plan,
             &session.model,
-            self.comm,
             &session.params,
             &session.device,
         ))

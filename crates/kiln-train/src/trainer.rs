@@ -264,7 +264,7 @@ impl<'a> Trainer<'a> {
             }
         };
         let tokens = layout.global_batch() * layout.seq as u64;
-        let step = Step::new(&cfg, &session, layout, comm);
+        let step = Step::new(&cfg, &session, layout, comm)?;
         let mut session = session;
         keep_pieces(&step, &mut session);
         let specs = session.model.specs();
@@ -603,6 +603,8 @@ impl<'a> Trainer<'a> {
             "pid": std::process::id(), "host": kiln_run::host_name(), "ranks": layout.world,
             "global_batch": layout.global_batch(), "grad_accum_steps": layout.accum,
             "engine": self.comm.describe(), "run_id": self.state.run_id,
+            "shard": self.cfg.parallelism.shard.name(),
+            "shard_ranks": self.step.shard().map_or(1, ShardPlan::shards),
         });
         self.journal.emit(event::START, fields)?;
         let live = Live {
@@ -716,7 +718,7 @@ impl<'a> Trainer<'a> {
         let step = self.state.step;
         let logged = self.facts.log_every.due_or_last(step, self.facts.total);
         self.journal.step(m, logged)?;
-        let pieces_over = self.shards_parameters().then_some(self.comm);
+        let pieces_over = self.step.parameter_shards().map(ShardPlan::shard_group);
         let live = Live {
             state: &mut self.state,
             session: &mut self.session,
@@ -733,14 +735,13 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// Compares a checksum of every rank's parameters; the ranks that differ from the
-    /// majority are named and the run stops before their weights can be saved.
+    /// Compares a checksum of the parameters of the ranks that hold the same ones (every
+    /// rank; with parameters sharded, the ranks of each shard in the replicas); the ranks
+    /// that differ from the majority are named and the run stops before their weights can
+    /// be saved.
     fn check_replicas(&mut self) -> Result<(), TrainError> {
-        if self.shards_parameters() {
-            // Every rank holds a different piece of the parameters: no replicas to compare.
-            return Ok(());
-        }
-        let Some(m) = ReplicaCheck::compare(self.comm, &self.session.params) else {
+        let shards = self.step.parameter_shards().map_or(1, ShardPlan::shards);
+        let Some(m) = ReplicaCheck::compare(self.comm, &self.session.params, shards) else {
             return Ok(());
         };
         let step = self.state.step;
@@ -849,7 +850,7 @@ impl<'a> Trainer<'a> {
     /// Whether each rank holds only its pieces of the parameters
     /// (`parallelism.shard = "parameters"`).
     fn shards_parameters(&self) -> bool {
-        self.step.shard().is_some_and(ShardPlan::shards_parameters)
+        self.step.parameter_shards().is_some()
     }
 
     /// Snapshots the current state into this rank's memory tier (every rank, its own).
@@ -890,11 +891,7 @@ impl<'a> Trainer<'a> {
         self.checkpoints.wait(&mut self.journal)?;
         // With parameters sharded, every rank takes part in gathering the whole weights.
         let (specs, params) = (self.session.model.specs(), &self.session.params);
-        let whole = self
-            .step
-            .shard()
-            .filter(|p| p.shards_parameters())
-            .map(|plan| plan.whole_host(self.comm, specs, params));
+        let whole = (self.step.parameter_shards()).map(|plan| plan.whole_host(specs, params));
         if let Some(run) = self.journal.run_dir() {
             let host = whole.unwrap_or_else(|| self.session.host_params());
             let bytes = checkpoint::to_safetensors(&host).map_err(|e| TrainError::Io {
@@ -939,7 +936,7 @@ impl<'a> Trainer<'a> {
 /// With parameters sharded, `session` keeps only this rank's pieces of its parameters,
 /// copied out (a slice may be a view that keeps the whole tensor alive).
 fn keep_pieces(step: &Step, session: &mut Session) {
-    if let Some(plan) = step.shard().filter(|p| p.shards_parameters()) {
+    if let Some(plan) = step.parameter_shards() {
         let pieces = plan.pieces(&session.params);
         let lengths: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
         let flat = crate::tensor::flatten(pieces, &[]);

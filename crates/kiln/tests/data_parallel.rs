@@ -170,18 +170,18 @@ fn two_ranks_train_one_model_with_global_metrics_and_one_writer() {
 #[cfg(feature = "mpi")]
 #[test]
 fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
-    kill_one_rank_then_resume(&[]);
+    kill_one_rank_then_resume(2, &[]);
 }
 
-/// A 2-rank run of `sets`, rank 1 SIGKILLed after step 8's checkpoint, then the same command:
-/// it resumes once and ends with the weights of an uninterrupted run.
+/// An `np`-rank run of `sets`, rank 1 SIGKILLed after step 8's checkpoint, then the same
+/// command: it resumes once and ends with the weights of an uninterrupted run.
 #[cfg(feature = "mpi")]
-fn kill_one_rank_then_resume(sets: &[&str]) {
+fn kill_one_rank_then_resume(np: usize, sets: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("reference");
-    assert_ok(&run(2, &reference, sets));
+    assert_ok(&run(np, &reference, sets));
     let rd = tmp.path().join("killed");
-    let mut job = launch(2, &rd, sets)
+    let mut job = launch(np, &rd, sets)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -205,7 +205,7 @@ fn kill_one_rank_then_resume(sets: &[&str]) {
         !rd.join("model.safetensors").exists(),
         "the job did not finish"
     );
-    let out = run(2, &rd, sets);
+    let out = run(np, &rd, sets);
     assert_ok(&out);
     let resumed = events(&rd, "train")
         .into_iter()
@@ -406,13 +406,109 @@ fn eval_loss(rd: &Path) -> f64 {
 #[cfg(feature = "mpi")]
 #[test]
 fn a_sharded_run_sigkilled_resumes_bit_identical() {
-    kill_one_rank_then_resume(&[SHARD_GRADIENTS]);
+    kill_one_rank_then_resume(2, &[SHARD_GRADIENTS]);
 }
 
 #[cfg(feature = "mpi")]
 #[test]
 fn a_parameter_sharded_run_sigkilled_resumes_bit_identical() {
-    kill_one_rank_then_resume(&[SHARD_PARAMETERS]);
+    kill_one_rank_then_resume(2, &[SHARD_PARAMETERS]);
+}
+
+const TWO_REPLICAS: &str = "parallelism.dp_replicate=2";
+
+/// Hybrid sharding: 4 ranks as 2 replicas of 2 shards train like the replicated 4-rank run
+/// (losses and eval to 1e-4 relative: the reduce-scatter within a replica and then the
+/// all-reduce over the replicas sum in another order than one all-reduce), write one set of
+/// 2 shards (the first replica's), and the replicas of each shard agree bit for bit (the
+/// replica check every 4 steps compares them). A corrupted replica is named by its rank;
+/// replicas that do not divide the ranks are refused naming the key.
+#[cfg(feature = "mpi")]
+#[test]
+fn hybrid_sharding_trains_like_the_replicated_run_and_checks_its_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let replicated = reference(tmp.path(), 4);
+    for (mode, set) in [
+        ("gradients", SHARD_GRADIENTS),
+        ("parameters", SHARD_PARAMETERS),
+    ] {
+        let rd = tmp.path().join(format!("hybrid-{mode}"));
+        assert_ok(&run(4, &rd, &[set, TWO_REPLICAS]));
+        let (a, b) = (step_lines(&replicated), step_lines(&rd));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+            assert!(
+                (lx - ly).abs() < 1e-4 * lx.abs(),
+                "hybrid {mode}, step {}: {lx} vs {ly}",
+                x["step"]
+            );
+        }
+        let (ex, ey) = (eval_loss(&replicated), eval_loss(&rd));
+        assert!(
+            (ex - ey).abs() < 1e-4 * ex,
+            "hybrid {mode} eval: {ex} vs {ey}"
+        );
+        let start = events(&rd, "train")
+            .into_iter()
+            .find(|e| e["event"] == "start")
+            .unwrap();
+        assert_eq!(
+            (start["shard"].as_str(), start["shard_ranks"].as_u64()),
+            (Some(mode), Some(2))
+        );
+        let ckpt = rd.join("checkpoints/step-24");
+        check_shard_files(&ckpt, 2, mode == "parameters");
+        assert!(!ckpt.join("optimizer-00000-of-00004.safetensors").exists());
+    }
+    let rd = tmp.path().join("sdc");
+    let sdc = [
+        SHARD_PARAMETERS,
+        TWO_REPLICAS,
+        "debug.corrupt_replica_rank=3",
+        "debug.corrupt_replica_at_step=6",
+    ];
+    let out = run(4, &rd, &sdc);
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out));
+    let mismatch = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "replica_mismatch")
+        .expect("replica_mismatch event");
+    assert_eq!(mismatch["ranks"], serde_json::json!([3]), "{mismatch}");
+    assert_eq!(mismatch["step"], 8, "{mismatch}");
+    let out = run(
+        3,
+        &tmp.path().join("bad"),
+        &[SHARD_PARAMETERS, TWO_REPLICAS],
+    );
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("parallelism.dp_replicate = 2 does not divide the 3 ranks"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_hybrid_sharded_run_sigkilled_resumes_bit_identical() {
+    kill_one_rank_then_resume(4, &[SHARD_PARAMETERS, TWO_REPLICAS]);
+}
+
+/// A hybrid checkpoint (2 shards) resumes on 2 ranks with parameters sharded and on 3
+/// replicated, and a replicated one as hybrid: the same samples at every step.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_hybrid_checkpoint_resumes_on_other_ranks_and_modes() {
+    const HYBRID: &[&str] = &[SHARD_PARAMETERS, TWO_REPLICAS, "training.batch_size=1"];
+    for (from, to) in [
+        ((4, HYBRID), (2, &[SHARD_PARAMETERS][..])),
+        ((4, HYBRID), (3, &["parallelism.shard=none"][..])),
+        ((2, &[SHARD_GRADIENTS][..]), (4, HYBRID)),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        resume_resized(tmp.path(), from, to);
+    }
 }
 
 /// With parameters sharded no rank holds a whole parameter (most ranks hold nothing of a
