@@ -101,7 +101,8 @@ pub mod phase {
 }
 /// The effective config differs from the one of the resumed checkpoint.
 pub const CONFIG_CHANGED: &str = "config_changed";
-/// A step was skipped for a non-finite loss or gradient.
+/// A step was skipped for a non-finite loss or gradient (`params`: those whose gradient holds
+/// a NaN or an infinity).
 pub const NONFINITE_SKIP: &str = "nonfinite_skip";
 /// The trainer rolled back to an in-memory snapshot.
 pub const ROLLBACK: &str = "rollback";

@@ -16,10 +16,11 @@ use crate::config::GuardsConfig;
 use crate::error::TrainError;
 use crate::guards::{self, LossVerdict};
 use crate::journal::Journal;
+use crate::model::ParamSpec;
 use crate::optim::Optimizer;
 use crate::session::Session;
 use crate::state::TrainState;
-use crate::tensor::changed_params;
+use crate::tensor::{changed_params, nonfinite_tensors};
 use burn::tensor::Tensor;
 use kiln_dist::Collective;
 use kiln_run::event;
@@ -42,6 +43,18 @@ struct Snapshot {
     state: TrainState,
     params: Vec<Tensor<1>>,
     optimizer: Optimizer,
+}
+
+/// One step's global loss and gradient norm, and the averaged gradients they come from.
+pub struct Judged<'a> {
+    /// The loss, averaged over the ranks.
+    pub loss: f32,
+    /// The global norm of the averaged gradients.
+    pub norm: f32,
+    /// The averaged gradients (in a sharded run, this rank's pieces of them).
+    pub grads: &'a [Tensor<1>],
+    /// In a sharded run, the ranks whose pieces make the gradients whole.
+    pub pieces_over: Option<&'a dyn Collective>,
 }
 
 /// What the guards decided about one step.
@@ -106,17 +119,18 @@ impl GuardRail {
         }
     }
 
-    /// Judges one step's global `loss` and gradient `norm`; may roll `live` back.
+    /// Judges one step's global loss and gradient norm (`step`); may roll `live` back.
     /// `saved_at` (the newest checkpoint) is named when the guards give up.
     pub fn judge(
         &mut self,
-        (loss, norm): (f32, f32),
+        step: &Judged,
         live: &mut Live,
         journal: &mut Journal,
         saved_at: Option<u64>,
     ) -> Result<Verdict, TrainError> {
+        let (loss, norm) = (step.loss, step.norm);
         if !loss.is_finite() || !norm.is_finite() {
-            return self.nonfinite(loss, norm, live, journal, saved_at);
+            return self.nonfinite(step, live, journal, saved_at);
         }
         self.nonfinite_in_row = 0;
         if self.fresh && live.state.step == 0 {
@@ -177,10 +191,11 @@ impl GuardRail {
         Ok(())
     }
 
+    /// A step with a non-finite loss or gradient norm: skipped, with the parameters whose
+    /// gradients hold a NaN or an infinity named; rolled back after too many in a row.
     fn nonfinite(
         &mut self,
-        loss: f32,
-        norm: f32,
+        judged: &Judged,
         live: &mut Live,
         journal: &mut Journal,
         saved_at: Option<u64>,
@@ -189,13 +204,16 @@ impl GuardRail {
         self.nonfinite_in_row += 1;
         live.state.advance_data(1);
         let (step, in_row) = (live.state.step, self.nonfinite_in_row);
+        let (loss, norm) = (judged.loss.to_string(), judged.norm.to_string());
+        let names = nonfinite_names(live.session.model.specs(), judged);
         journal.emit(
             event::NONFINITE_SKIP,
-            json!({"step": step, "loss": loss.to_string(), "grad_norm": norm.to_string(), "in_row": in_row}),
+            json!({"step": step, "loss": loss, "grad_norm": norm, "in_row": in_row, "params": names}),
         )?;
         journal.note(&format!(
-            "step {}: non-finite loss/gradients, step skipped",
-            step + 1
+            "step {}: non-finite loss/gradients ({}), step skipped",
+            step + 1,
+            name_list(&names)
         ));
         if in_row >= self.cfg.max_nonfinite_in_row {
             self.rollback("nonfinite", 0, live, journal, saved_at)?;
@@ -339,5 +357,87 @@ impl GuardRail {
         }
         self.last_frozen_check = Some(params.clone());
         Ok(())
+    }
+}
+
+/// The parameters whose averaged gradient holds a NaN or an infinity (in a sharded run every
+/// rank of `judged.pieces_over` calls it, and their pieces are combined).
+fn nonfinite_names(specs: &[ParamSpec], judged: &Judged) -> Vec<String> {
+    let mut bad: Vec<f64> = nonfinite_tensors(judged.grads)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    if let Some(comm) = judged.pieces_over {
+        comm.all_reduce_sum_f64(&mut bad);
+    }
+    specs
+        .iter()
+        .zip(bad)
+        .filter(|(_, b)| *b > 0.0)
+        .map(|(s, _)| s.name.clone())
+        .collect()
+}
+
+/// `names` for a log line: the first few, and how many more.
+fn name_list(names: &[String]) -> String {
+    const SHOWN: usize = 4;
+    match names.len() {
+        0 => "no gradient holds one: the loss itself".into(),
+        n if n <= SHOWN => names.join(", "),
+        n => format!("{} and {} more", names[..SHOWN].join(", "), n - SHOWN),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::model::Llama;
+    use burn::tensor::Device;
+
+    /// Three ranks, each with its pieces of two parameters' gradients; rank 0 holds nothing
+    /// of the second, and only rank 2's piece of it is NaN: every rank names that one.
+    #[test]
+    fn non_finite_gradients_are_named_from_every_ranks_pieces() {
+        let specs = Llama::new(&ModelConfig::default(), 40).specs()[..2].to_vec();
+        let names: Vec<Vec<String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = kiln_dist::Threads::job(3)
+                .into_iter()
+                .map(|comm| {
+                    let specs = &specs;
+                    scope.spawn(move || {
+                        let d = Device::flex();
+                        let second: &[f32] = match comm.rank() {
+                            0 => &[],
+                            1 => &[1.0, 2.0],
+                            _ => &[3.0, f32::NAN],
+                        };
+                        let grads = [
+                            Tensor::<1>::from_floats([1.0, -1.0], &d),
+                            Tensor::<1>::from_floats(second, &d),
+                        ];
+                        let judged = Judged {
+                            loss: 1.0,
+                            norm: f32::NAN,
+                            grads: &grads,
+                            pieces_over: Some(&comm),
+                        };
+                        nonfinite_names(specs, &judged)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for n in names {
+            assert_eq!(n, [specs[1].name.clone()]);
+        }
+    }
+
+    #[test]
+    fn long_name_lists_are_cut_for_the_log() {
+        let names: Vec<String> = (0..6).map(|i| format!("p{i}")).collect();
+        assert_eq!(name_list(&names[..2]), "p0, p1");
+        assert_eq!(name_list(&names), "p0, p1, p2, p3 and 2 more");
+        assert!(name_list(&[]).contains("loss"));
     }
 }

@@ -154,6 +154,29 @@ pub fn changed_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<bool> {
         .collect()
 }
 
+/// Whether each tensor holds a NaN or an infinity (one host read-back for all of them): `x - x`
+/// is 0 for a finite `x` and NaN otherwise, so a tensor's sum of it is NaN exactly when one
+/// of its values is not finite. An empty tensor holds none.
+pub fn nonfinite_tensors(tensors: &[Tensor<1>]) -> Vec<bool> {
+    let sums: Vec<Tensor<1>> = tensors
+        .iter()
+        .filter(|t| t.dims()[0] > 0)
+        .map(|t| {
+            let t = t.clone().cast(FloatDType::F32);
+            (t.clone() - t).sum()
+        })
+        .collect();
+    let s = match sums.is_empty() {
+        true => Vec::new(),
+        false => to_vec(&Tensor::cat(sums, 0)),
+    };
+    let mut s = s.into_iter();
+    tensors
+        .iter()
+        .map(|t| t.dims()[0] > 0 && s.next().is_some_and(f32::is_nan))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +195,19 @@ mod tests {
         let half = vec![ts[0].clone().cast(FloatDType::BF16)];
         assert_eq!(flatten(half, &[]), [1.0, 2.0], "bf16 widened");
         assert_ne!(params_checksum(&ts), params_checksum(&back[..1]));
+    }
+
+    #[test]
+    fn non_finite_values_are_found_per_tensor() {
+        let d = Device::flex();
+        let ts = vec![
+            Tensor::<1>::from_floats([1.0, f32::MAX, -3.0], &d),
+            Tensor::<1>::from_floats([0.0, f32::NAN], &d),
+            Tensor::<1>::empty([0], &d),
+            Tensor::<1>::from_floats([f32::NEG_INFINITY], &d),
+            Tensor::<1>::from_floats([f32::INFINITY, 2.0], &d).cast(FloatDType::BF16),
+        ];
+        assert_eq!(nonfinite_tensors(&ts), [false, true, false, true, true]);
+        assert!(nonfinite_tensors(&[]).is_empty());
     }
 }

@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::data::TrainData;
 use crate::error::{TrainError, io};
 use crate::eval::Evaluator;
-use crate::guard_rail::{GuardRail, Live, Verdict};
+use crate::guard_rail::{GuardRail, Judged, Live, Verdict};
 use crate::journal::{Journal, Writer, path_text};
 use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
 use crate::optim::{self, Optimizer};
@@ -668,9 +668,15 @@ impl<'a> Trainer<'a> {
             session: &mut self.session,
             optimizer: &mut self.optimizer,
         };
+        let judged = Judged {
+            loss,
+            norm: grad_norm,
+            grads: &g.grads,
+            pieces_over: self.step.shard().map(ShardPlan::shard_group),
+        };
         if let Verdict::Discard =
             self.guards
-                .judge((loss, grad_norm), &mut live, &mut self.journal, saved_at)?
+                .judge(&judged, &mut live, &mut self.journal, saved_at)?
         {
             return Ok(None);
         }

@@ -512,20 +512,29 @@ fn a_hybrid_checkpoint_resumes_on_other_ranks_and_modes() {
 }
 
 /// With parameters sharded no rank holds a whole parameter (most ranks hold nothing of a
-/// norm's weight): the frozen check still names exactly the frozen ones, from every rank's
-/// pieces.
+/// norm's weight): the frozen check still names exactly the frozen ones, and a non-finite
+/// step every parameter whose gradient is NaN (all of them, from a NaN loss), from every
+/// rank's pieces.
 #[cfg(feature = "mpi")]
 #[test]
-fn frozen_parameters_are_named_from_every_ranks_pieces() {
+fn frozen_and_non_finite_parameters_are_named_from_every_ranks_pieces() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("frozen");
     let sets = [
         SHARD_PARAMETERS,
         "debug.freeze_params=post_attention_layernorm",
         "guards.frozen_check_interval=4",
+        "debug.nan_at_step=2",
         "training.steps=8",
     ];
     assert_ok(&run(3, &rd, &sets));
+    let skip = events(&rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "nonfinite_skip")
+        .expect("nonfinite_skip event");
+    let mut named: Vec<String> = serde_json::from_value(skip["params"].clone()).unwrap();
+    named.sort();
+    assert_eq!(named, common::tensor_names(&rd.join("model.safetensors")));
     let frozen = events(&rd, "train")
         .into_iter()
         .find(|e| e["event"] == "frozen_params")

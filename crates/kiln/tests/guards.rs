@@ -68,6 +68,11 @@ fn injected_nan_is_skipped_and_training_finishes() {
         .collect();
     assert_eq!(skips.len(), 1, "{ev:?}");
     assert_eq!(skips[0]["step"], 11);
+    // A NaN loss makes every gradient NaN: each parameter is named.
+    let mut named: Vec<String> = serde_json::from_value(skips[0]["params"].clone()).unwrap();
+    named.sort();
+    let all = common::tensor_names(&tmp.path().join("model.safetensors"));
+    assert_eq!(named, all);
     let losses = step_losses(tmp.path());
     assert_eq!(
         losses.last().unwrap().0,

@@ -148,3 +148,17 @@ pub fn trainer_pid(run_dir: &Path, rank: usize) -> Option<i32> {
     }
     None
 }
+
+/// The tensor names in a safetensors file, sorted (its header is a little-endian u64 length,
+/// then that many bytes of JSON keyed by tensor name).
+#[allow(dead_code)]
+pub fn tensor_names(path: &Path) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let mut names: Vec<String> = header.into_iter().map(|(k, _)| k).collect();
+    names.retain(|k| k != "__metadata__");
+    names.sort();
+    names
+}
