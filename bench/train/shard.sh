@@ -2,15 +2,18 @@
 # Sharding benchmark, side by side in one run: the reference model of bench.sh (16M params,
 # batch 8 x 256 a rank) and one 4x its width (d_model 1536, ffn 4096: 176M params, batch 1 x 256
 # a rank), on 1, 2 and 4 ranks x 1 thread; kiln (kiln launch --mpi, OpenMPI) with
-# parallelism.shard = none / optimizer / gradients / parameters, and PyTorch (gloo, torchrun;
+# parallelism.shard = none / optimizer / gradients / parameters, and "hybrid" (parameters with
+# parallelism.dp_replicate = 2, on 4 ranks), and PyTorch (gloo, torchrun;
 # bench/train/shard_ref.py) with DDP / ZeroRedundancyOptimizer + DDP / FSDP2 fully_shard (the
-# peer of both gradient and parameter sharding: FSDP2 shards all three; it runs once).
+# peer of both gradient and parameter sharding: FSDP2 shards all three; it runs once) / HSDP
+# (fully_shard on a 2 x ranks/2 mesh).
 # For each: global tokens/s, the largest peak RSS of any rank (VmHWM; kiln's `peak_memory`
 # event), and the largest per-rank training state (kiln: weights 4P + gradients + AdamW
 # moments 8P as its mode keeps them; PyTorch: counted from the tensors a rank holds).
 # Writes bench/train/shard-result.json and shard-result.md.
 #
-# Usage: bench/train/shard.sh [--steps N] [--ranks "1 2 4"] [--widths "1 4"] [--out PREFIX]
+# Usage: bench/train/shard.sh [--steps N] [--ranks "1 2 4"] [--widths "1 4"]
+#        [--modes "none optimizer gradients parameters hybrid"] [--out PREFIX]
 # (PREFIX-result.json and PREFIX-result.md; default bench/train/shard, for a partial run elsewhere)
 # Needs torch in bench/.venv (see bench.sh). Run on a quiet machine; with more ranks than
 # cores both kiln and PyTorch are oversubscribed alike.
@@ -18,11 +21,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 steps=3 warmup=2 ranks="1 2 4" widths="1 4" out="$here/shard"
+modes="none optimizer gradients parameters hybrid"
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps=$2; shift 2 ;;
     --ranks) ranks=$2; shift 2 ;;
     --widths) widths=$2; shift 2 ;;
+    --modes) modes=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -54,15 +59,16 @@ model() { # $1 width
 }
 
 run_kiln() { # $1 width $2 ranks $3 mode
-  local rd="$work/k-$1-$2-$3"
-  # shellcheck disable=SC2046
+  local rd="$work/k-$1-$2-$3" shard="--set parallelism.shard=$3"
+  [ "$3" != hybrid ] || shard="--set parallelism.shard=parameters --set parallelism.dp_replicate=2"
+  # shellcheck disable=SC2046,SC2086
   if [ "$2" = 1 ]; then
-    "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") --set parallelism.shard=$3 >/dev/null
+    "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") $shard >/dev/null
   else
     # 4 ranks of the x4 model take 22 GB of this 24 GB machine: under that memory pressure a
     # rank's heartbeat thread can starve past the default 1 s bound (seen at the final save).
     "$kiln" launch --mpi --np "$2" --heartbeat-timeout 30 --run-dir "$rd" -- \
-      "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") --set parallelism.shard=$3 >/dev/null
+      "$kiln" train --run-dir "$rd" --no-progress-bar $(model "$1") $shard >/dev/null
   fi
   python3 - "$rd" "$warmup" "$1" "$2" "$3" >>"$results" <<'PY'
 import json, sys
@@ -73,9 +79,10 @@ tok = sum(r["global_batch"] for r in rows) * 256
 ev = [json.loads(l) for l in open(f"{rd}/events.jsonl")]
 p = next(e["params"] for e in ev if e["event"] == "start")
 peak = max(next(e["rank_mib"] for e in ev if e["event"] == "peak_memory"))
-grads = {"none": 4 * p, "optimizer": 4 * p, "gradients": 4 * p / n, "parameters": 4 * p / n}[mode]
-weights = 4 * p / n if mode == "parameters" else 4 * p
-moments = 8 * p / (1 if mode == "none" else n)
+s = n // 2 if mode == "hybrid" else n  # the ranks the state is cut over
+grads = {"none": 4 * p, "optimizer": 4 * p}.get(mode, 4 * p / s)
+weights = 4 * p / s if mode in ("parameters", "hybrid") else 4 * p
+moments = 8 * p / (1 if mode == "none" else s)
 print(json.dumps(dict(peer="kiln", width=width, ranks=n, mode=mode, params=p, tokens_per_s=tok / t,
                       peak_rss_mib=peak, state_mib=(weights + grads + moments) / 2**20)))
 PY
@@ -100,9 +107,13 @@ print(json.dumps(dict(peer="pytorch", width=int(w), ranks=int(n), mode=mode,
 echo "steps=$steps (+$warmup warmup) ranks=[$ranks] widths=[$widths] load=$(cut -d' ' -f1-3 /proc/loadavg)"
 for w in $widths; do
   for n in $ranks; do
-    for pair in "none ddp" "optimizer zero" "gradients fsdp2" "parameters -"; do
+    for pair in "none ddp" "optimizer zero" "gradients fsdp2" "parameters -" "hybrid hsdp"; do
       set -- $pair
+      case " $modes " in *" $1 "*) ;; *) continue ;; esac
       if [ "$n" = 1 ] && [ "$1" != none ]; then continue; fi
+      if [ "$1" = hybrid ] && [ "$n" != 4 ]; then continue; fi
+      # Without the gradients row, the parameters row runs FSDP2 itself.
+      if [ "$1" = parameters ] && [[ " $modes " != *" gradients "* ]]; then set -- parameters fsdp2; fi
       echo "width x$w, $n rank(s): kiln $1, pytorch $2" >&2
       run_kiln "$w" "$n" "$1"
       [ "$2" = - ] || run_torch "$w" "$n" "$2"
@@ -113,7 +124,7 @@ python3 - "$results" "$out-result.json" "$out-result.md" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
-pair = {"none": "ddp", "optimizer": "zero", "gradients": "fsdp2", "parameters": "fsdp2"}
+pair = {"none": "ddp", "optimizer": "zero", "gradients": "fsdp2", "parameters": "fsdp2", "hybrid": "hsdp"}
 out = ["| width | ranks | kiln mode | kiln tok/s | PyTorch mode | PyTorch tok/s | ratio | kiln peak RSS / rank | PyTorch peak RSS / rank | kiln state / rank | PyTorch state / rank |",
        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 mib = lambda r, key: f"{r[key]:.0f} MiB" if r else "-"

@@ -6,7 +6,9 @@ its own batch of `--batch` x 256 tokens, in one of three modes:
   ddp    DistributedDataParallel, everything replicated (kiln's parallelism.shard = "none")
   zero   ZeroRedundancyOptimizer under DDP: AdamW state sharded (kiln's "optimizer")
   fsdp2  torch.distributed.fsdp.fully_shard per block and on the root: parameters,
-         gradients and optimizer state sharded (ZeRO-3; kiln has no such mode yet)
+         gradients and optimizer state sharded (ZeRO-3; kiln's "gradients" and "parameters")
+  hsdp   fully_shard on a 2-D mesh (2 replicas x ranks/2 shards): hybrid sharding (kiln's
+         "parameters" with parallelism.dp_replicate = 2)
 
 Start with torchrun:
 
@@ -61,15 +63,20 @@ def build(mode, model):
                                       lr=3e-4, weight_decay=0.1)
         return DDP(model), opt
     from torch.distributed.fsdp import fully_shard
+    mesh = None
+    if mode == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["ddp", "zero", "fsdp2"], default="ddp")
+    ap.add_argument("--mode", choices=["ddp", "zero", "fsdp2", "hsdp"], default="ddp")
     ap.add_argument("--width", type=int, default=1, help="d_model and ffn x this")
     ap.add_argument("--batch", type=int, default=R.BATCH)
     ap.add_argument("--threads", type=int, default=1)
