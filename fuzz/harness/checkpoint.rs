@@ -9,6 +9,11 @@
 //! the checksums and reach their parsers (and the shards' assembly); a non-empty one is
 //! written as it is.
 //!
+//! The partial reader of a sharded run (`verify`, `load_kept`) must agree with `load`: on a
+//! checkpoint `load` accepts, it verifies and gives the same tensors whole, and each
+//! tensor's elements 1..3 (or an error naming them when it has fewer); its errors name the
+//! checkpoint too.
+//!
 //! Manifest entries naming anything but the checkpoint's own files (`../x`, `/dev/zero`)
 //! must be refused without being opened (`regressions/checkpoint/manifest-*`).
 
@@ -83,7 +88,9 @@ pub fn run(data: &[u8]) {
     if let Err(e) = checkpoint::load_state(&ck) {
         assert!(e.to_string().contains("step-7"), "{e}");
     }
-    match checkpoint::load(&ck) {
+    let loaded = checkpoint::load(&ck);
+    partial_agrees(&ck, loaded.as_ref().ok());
+    match loaded {
         Ok(c) => {
             assert_eq!(c.state.get("step").and_then(|s| s.as_u64()), Some(c.step));
             for t in c.model.iter().chain(&c.optimizer) {
@@ -109,4 +116,44 @@ pub fn run(data: &[u8]) {
     let mut rejected = 0;
     let found = checkpoint::load_latest_valid(dir.path(), |_, _| rejected += 1);
     assert!(found.is_some() != (rejected == 1));
+}
+
+/// `verify` and `load_kept` on `ck` against `load`'s result `all` (see the module docs).
+fn partial_agrees(ck: &std::path::Path, all: Option<&checkpoint::Checkpoint>) {
+    let named = |e: checkpoint::CheckpointError| {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("step-7"),
+            "error does not name the checkpoint: {msg}"
+        );
+        msg
+    };
+    let verified = checkpoint::verify(ck).map_err(named);
+    let whole = checkpoint::load_kept(ck, &|_, _| None).map_err(named);
+    let part = checkpoint::load_kept(ck, &|_, _| Some(1..3)).map_err(named);
+    let Some(all) = all else {
+        return;
+    };
+    assert!(
+        verified.is_ok(),
+        "load accepts what verify refuses: {verified:?}"
+    );
+    let whole = whole.expect("load_kept refuses what load accepts");
+    assert_eq!(
+        (&whole.model, &whole.optimizer),
+        (&all.model, &all.optimizer)
+    );
+    match part {
+        Ok(p) => {
+            for (t, a) in p
+                .model
+                .iter()
+                .chain(&p.optimizer)
+                .zip(all.model.iter().chain(&all.optimizer))
+            {
+                assert_eq!(t.values, a.values[1..3], "tensor {}", t.name);
+            }
+        }
+        Err(msg) => assert!(msg.contains("elements 1..3"), "{msg}"),
+    }
 }

@@ -9,6 +9,7 @@ use crate::model::{Llama, dtype_of};
 use crate::tensor::{DeviceTensor, int_tensor, target_tensor};
 use burn::tensor::{Device, Tensor, TensorData};
 use sha2::{Digest, Sha256};
+use std::ops::Range;
 use std::path::Path;
 
 /// The model, its parameters and the device they live on.
@@ -197,52 +198,65 @@ impl Session {
     /// shape. They are stored in the master dtype (f32 weights into a bf16-master run are
     /// rounded; bf16 weights into an f32 run are widened exactly).
     pub fn load_params(&mut self, tensors: &[HostTensor], origin: &Path) -> Result<(), TrainError> {
-        let master = dtype_of(self.config.training.master_dtype);
-        self.params = self
-            .lookup(tensors, "", origin)?
-            .into_iter()
-            .map(|p| p.cast(master))
-            .collect();
+        self.params = self.lookup(tensors, origin, None)?;
         Ok(())
     }
 
-    /// The tensors named `<param><suffix>` for every parameter, checked against its shape. A
-    /// flat tensor of the parameter's size is taken too: a parameter-sharded checkpoint
-    /// stores pieces, and the assembled weights have no shape but the model's.
-    pub fn lookup(
+    /// Loads this rank's pieces of the weights of a parameter-sharded run (`ranges`, see
+    /// [`crate::shard::ShardPlan::ranges`]): whole tensors are cut, pieces read already cut
+    /// (a checkpoint read piecewise) are taken as they are.
+    pub fn load_pieces(
+        &mut self,
+        tensors: &[HostTensor],
+        ranges: &[Option<Range<usize>>],
+        origin: &Path,
+    ) -> Result<(), TrainError> {
+        self.params = self.lookup(tensors, origin, Some(ranges))?;
+        Ok(())
+    }
+
+    /// The tensor of every parameter, by name, in the master dtype, checked against its
+    /// shape (a flat tensor of its size is taken too: the weights assembled from a
+    /// parameter-sharded checkpoint have no other shape); with `ranges`, this rank's range
+    /// of each (from the whole tensor, or a piece of exactly that length).
+    fn lookup(
         &self,
         tensors: &[HostTensor],
-        suffix: &str,
         origin: &Path,
+        ranges: Option<&[Option<Range<usize>>]>,
     ) -> Result<Vec<Tensor<1>>, TrainError> {
         let by_name: std::collections::HashMap<&str, &HostTensor> =
             tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        self.model
-            .specs()
-            .iter()
-            .map(|s| {
-                let name = format!("{}{suffix}", s.name);
-                let t = by_name
-                    .get(name.as_str())
-                    .ok_or_else(|| TrainError::ResumeMismatch {
-                        path: origin.to_path_buf(),
-                        reason: format!("tensor {name} is missing"),
-                    })?;
-                if t.shape != s.shape && t.shape != [s.numel()] {
-                    return Err(TrainError::ResumeMismatch {
-                        path: origin.to_path_buf(),
-                        reason: format!(
-                            "tensor {name} has shape {:?}, the model needs {:?}",
-                            t.shape, s.shape
-                        ),
-                    });
+        let master = dtype_of(self.config.training.master_dtype);
+        let mismatch = |reason: String| TrainError::ResumeMismatch {
+            path: origin.to_path_buf(),
+            reason,
+        };
+        let specs = self.model.specs();
+        let mut out = Vec::with_capacity(specs.len());
+        for (i, s) in specs.iter().enumerate() {
+            let name = &s.name;
+            let t = by_name
+                .get(name.as_str())
+                .ok_or_else(|| mismatch(format!("tensor {name} is missing")))?;
+            let range = ranges.map_or(0..s.numel(), |r| r[i].clone().unwrap_or(0..0));
+            let whole =
+                (t.shape == s.shape || t.shape == [s.numel()]) && t.values.len() == s.numel();
+            let values = match (whole, ranges.is_some() && t.shape == [range.len()]) {
+                (true, _) => t.values[range].to_vec(),
+                (false, true) => t.values.clone(),
+                (false, false) => {
+                    return Err(mismatch(format!(
+                        "tensor {name} has shape {:?}, the model needs {:?}",
+                        t.shape, s.shape
+                    )));
                 }
-                Ok(Tensor::from_data(
-                    TensorData::new(t.values.clone(), [s.numel()]),
-                    &self.device,
-                ))
-            })
-            .collect()
+            };
+            let len = values.len();
+            let data = TensorData::new(values, [len]);
+            out.push(Tensor::<1>::from_data(data, &self.device).cast(master));
+        }
+        Ok(out)
     }
 
     /// Loss of one batch of `seq_len + 1`-token rows without gradients (for eval).

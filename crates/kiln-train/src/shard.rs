@@ -185,6 +185,33 @@ impl ShardPlan {
         self.mesh.all_gather(flat, &mine)
     }
 
+    /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
+    /// and, with `parameters`, of each weight; the other weights whole (see
+    /// [`checkpoint::load_kept`]: only those bytes are read, and the tensor files are not
+    /// hashed, which [`checkpoint::verify`] did on rank 0).
+    pub fn read_checkpoint(
+        &self,
+        dir: &Path,
+        specs: &[ParamSpec],
+    ) -> Result<checkpoint::Checkpoint, checkpoint::CheckpointError> {
+        let index: std::collections::HashMap<&str, usize> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
+        let keep = |part: checkpoint::Part, name: &str| {
+            let param = match part {
+                checkpoint::Part::Weights if !self.shards_parameters() => return None,
+                checkpoint::Part::Weights => name,
+                // `<param>.<slot>`
+                checkpoint::Part::Optimizer => name.rsplit_once('.')?.0,
+            };
+            let i = *index.get(param)?;
+            Some(self.ranges[i].clone().unwrap_or(0..0))
+        };
+        checkpoint::load_kept(dir, &keep)
+    }
+
     /// Whether each rank keeps only its pieces of the parameters (`parameters`).
     pub fn shards_parameters(&self) -> bool {
         self.mode == Shard::Parameters

@@ -32,6 +32,9 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// How a rank reads a persistent checkpoint (all of it, or in a sharded run its own pieces).
+pub type Read<'a> = &'a dyn Fn(&Path) -> Result<Checkpoint, CheckpointError>;
+
 /// One rank's memory snapshots: `step-<N>` directories in the checkpoint format.
 #[derive(Debug, Clone)]
 pub struct SnapshotStore {
@@ -375,22 +378,22 @@ impl Snapshotter {
     }
 
     /// The state of `step` of lineage `run_id` on every rank (the guards' rollback point):
-    /// this rank's memory snapshot of it, else the persistent checkpoint `persistent` when it
-    /// is that step's; a rank without either receives a holder's copy. `None` on every rank
-    /// when no rank holds it or a sent copy did not verify. A collective: every rank calls it.
+    /// this rank's memory snapshot of it, else the persistent checkpoint `persistent` (read
+    /// with `read`) when it is that step's; a rank without either receives a holder's copy.
+    /// `None` on every rank when no rank holds it or a sent copy did not verify. A
+    /// collective: every rank calls it.
     pub fn at_step(
         &mut self,
         comm: &dyn Collective,
-        run_id: &str,
-        step: u64,
-        persistent: &Path,
+        (run_id, step): (&str, u64),
+        (persistent, read): (&Path, Read),
         journal: &mut Journal,
     ) -> Result<Option<(PathBuf, Checkpoint)>, TrainError> {
         let mine = reporting(comm.rank(), journal, |on| {
             self.store.verified(run_id, step, on)
         })?;
         let local = mine.or_else(|| {
-            let c = checkpoint::load(persistent).ok()?;
+            let c = read(persistent).ok()?;
             let same = c.step == step && checkpoint::lineage_of(&c.state) == Some(run_id);
             same.then(|| (persistent.to_path_buf(), c))
         });

@@ -20,13 +20,14 @@
 
 use crate::checkpoint::ShardFile;
 use crate::checkpoint::{self, Checkpoint, CheckpointManager};
-use crate::config::Config;
+use crate::config::{Config, Shard};
 use crate::data::TrainData;
 use crate::error::{TrainError, io};
 use crate::eval::Evaluator;
 use crate::guard_rail::{GuardRail, Judged, Live, Verdict};
 use crate::journal::{Journal, Writer, path_text};
 use crate::metrics::{self, EvalMetrics, Observer, StepMetrics};
+use crate::model::ParamSpec;
 use crate::optim::{self, Optimizer};
 use crate::replicas::ReplicaCheck;
 use crate::run_dir::RunDir;
@@ -396,14 +397,17 @@ impl<'a> Trainer<'a> {
             self.restore_rollback_point(&r.ck)?;
             return self.restore(&r.dir, &r.ck, &from);
         }
+        let specs = self.session.model.specs();
         let loaded = match (chosen, persistent) {
-            (Some(c), _) => Some(c),
+            (Some(c), _) if self.step.shard().is_none() => Some(c),
+            // Rank 0 verified it without reading its tensors: this rank's pieces now.
+            (Some((dir, _)), _) => Some((dir.clone(), read_checkpoint(&self.step, specs, &dir)?)),
             (None, Some(step)) => {
                 let dir = self
                     .run_dir
                     .join(kiln_run::layout::CHECKPOINTS)
                     .join(checkpoint::dir_name(step));
-                Some((dir.clone(), checkpoint::load(&dir)?))
+                Some((dir.clone(), read_checkpoint(&self.step, specs, &dir)?))
             }
             (None, None) => None,
         };
@@ -429,12 +433,14 @@ impl<'a> Trainer<'a> {
             let run_id = checkpoint::lineage_of(&ck.state)
                 .unwrap_or(&self.state.run_id)
                 .to_string();
-            let persistent = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+            let persistent =
+                (self.run_dir.join(kiln_run::layout::CHECKPOINTS)).join(checkpoint::dir_name(at));
+            let (step, specs) = (&self.step, self.session.model.specs());
+            let read = |dir: &Path| read_checkpoint(step, specs, dir);
             let found = self.snapshots.at_step(
                 self.comm,
-                &run_id,
-                at,
-                &persistent.join(checkpoint::dir_name(at)),
+                (&run_id, at),
+                (&persistent, &read),
                 &mut self.journal,
             )?;
             let Some((dir, anchor)) = found else {
@@ -546,8 +552,10 @@ impl<'a> Trainer<'a> {
         }
         st.global_batch = layout.global_batch();
         st.world_size = layout.world as u64;
-        self.session.load_params(&ck.model, dir)?;
-        keep_pieces(&self.step, &mut self.session);
+        match self.step.parameter_shards() {
+            Some(plan) => self.session.load_pieces(&ck.model, plan.ranges(), dir)?,
+            None => self.session.load_params(&ck.model, dir)?,
+        }
         let specs = self.session.model.specs();
         let tokens = layout.global_batch() * layout.seq as u64;
         let saved = (ck.optimizer.as_slice(), st.optimizer_step);
@@ -950,6 +958,19 @@ fn keep_pieces(step: &Step, session: &mut Session) {
     }
 }
 
+/// Reads the checkpoint `dir` as this rank of `step`'s run keeps it: in a sharded run only
+/// its own pieces ([`ShardPlan::read_checkpoint`]), else all of it, verified.
+fn read_checkpoint(
+    step: &Step,
+    specs: &[ParamSpec],
+    dir: &Path,
+) -> Result<Checkpoint, checkpoint::CheckpointError> {
+    match step.shard() {
+        Some(plan) => plan.read_checkpoint(dir, specs),
+        None => checkpoint::load(dir),
+    }
+}
+
 /// A checkpoint of `state` staged from the live tensors (references, no copy). In a sharded
 /// run the optimizer state is in the shards the ranks wrote, not here.
 fn stage(session: &Session, optimizer: &Optimizer, state: &TrainState) -> Staged {
@@ -1005,11 +1026,18 @@ fn open_run_dir(opts: &TrainOptions) -> Result<Opened, TrainError> {
             json!({"path": path_text(&run.path().join(kiln_run::layout::METRICS)), "bytes_removed": cut}),
         )?;
     }
-    let mut opened = CheckpointManager::open(
+    // A sharded run's ranks read their own pieces once the plan exists: here the candidate
+    // is only verified, without holding its tensors.
+    let load = match cfg.parallelism.shard {
+        Shard::None => checkpoint::load,
+        _ => checkpoint::verify,
+    };
+    let mut opened = CheckpointManager::open_with(
         &run.path().join(kiln_run::layout::CHECKPOINTS),
         cfg.checkpoint.keep_latest_k,
         cfg.checkpoint.resume,
         &new_run_id(),
+        load,
     )?;
     // A restart before the first persistent checkpoint keeps the lineage its memory
     // snapshots carry; the lineage is recorded at every start.

@@ -365,17 +365,25 @@ impl Optimizer {
                     .get(name.as_str())
                     .ok_or_else(|| format!("optimizer tensor {name} is missing"))?;
                 let flat = found.shape == [spec.numel()];
-                if (found.shape != spec.shape && !flat) || found.values.len() != spec.numel() {
-                    return Err(format!(
-                        "optimizer tensor {name} has shape {:?}, the model needs {:?}",
-                        found.shape, spec.shape
-                    ));
-                }
+                let whole =
+                    (found.shape == spec.shape || flat) && found.values.len() == spec.numel();
                 let range = match ranges.as_ref().and_then(|r| r[i].clone()) {
                     Some(r) => r,
                     None => 0..spec.numel(),
                 };
-                let values = found.values[range.clone()].to_vec();
+                // A sharded optimizer takes its range of the whole tensor, or the piece a
+                // checkpoint read piecewise gave it (exactly that long).
+                let piece = ranges.is_some() && found.shape == [range.len()];
+                let values = match (whole, piece) {
+                    (true, _) => found.values[range.clone()].to_vec(),
+                    (false, true) => found.values.clone(),
+                    (false, false) => {
+                        return Err(format!(
+                            "optimizer tensor {name} has shape {:?}, the model needs {:?}",
+                            found.shape, spec.shape
+                        ));
+                    }
+                };
                 *t = Some(Tensor::from_data(
                     TensorData::new(values, [range.len()]),
                     device,

@@ -3,9 +3,12 @@
 //! A sharded run (`parallelism.shard`) has no `optimizer.safetensors`: each rank writes its
 //! own shard, `optimizer-<r>-of-<n>.safetensors`, in parallel (tensors named
 //! `<param>.<slot>@<first element>`, a contiguous piece of the flattened state), and rank 0
-//! moves them into the checkpoint it publishes, under one manifest. Loading assembles the
-//! whole state from the shards, so any rank count and any mode resumes it; a missing shard,
-//! or pieces that leave a gap, reject the checkpoint like a corrupt file. With parameters
+//! moves them into the checkpoint it publishes, under one manifest. [`load`] assembles the
+//! whole state from the shards (export, eval), so any rank count and any mode resumes it; a
+//! missing shard, or pieces that leave a gap, reject the checkpoint like a corrupt file. A
+//! sharded run never holds the whole state: rank 0 verifies every file in bounded chunks
+//! ([`verify`]) and each rank reads only its own elements of each tensor, whatever rank
+//! count or mode wrote it ([`load_kept`], in `partial.rs`). With parameters
 //! sharded (`parallelism.shard = "parameters"`) the weights are shards too: no
 //! `model.safetensors`, but `model-<r>-of-<n>.safetensors` per rank (`<param>@<first
 //! element>`), assembled the same way, so eval and export read the checkpoint directly.
@@ -23,6 +26,9 @@
 //! [`CheckpointManager`] owns a run's checkpoint directory: which checkpoint to resume from,
 //! moving rejected and foreign checkpoints aside (`checkpoints/rejected/`, never deleted), and
 //! retention that only ever deletes older checkpoints of this run's own lineage.
+
+mod partial;
+pub use partial::{Keep, Part, load_kept, verify};
 
 use kiln_run::layout;
 use serde::{Deserialize, Serialize};
@@ -378,9 +384,9 @@ pub fn list_steps(root: &Path) -> Vec<u64> {
     steps
 }
 
-/// Reads a file of a checkpoint: refuses links and anything but a regular file, and never
-/// reads more than `expect` bytes (the size the manifest declares, or a cap).
-fn read_bounded(path: &Path, expect: Option<u64>, cap: u64) -> Result<Vec<u8>, CheckpointError> {
+/// Opens a file of a checkpoint for reading, and its size: refuses links and anything but a
+/// regular file.
+fn open_regular(path: &Path) -> Result<(File, u64), CheckpointError> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         // O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: no links.
@@ -405,7 +411,13 @@ fn read_bounded(path: &Path, expect: Option<u64>, cap: u64) -> Result<Vec<u8>, C
             "is not a regular file (a device, FIFO or directory); refused",
         ));
     }
-    let size = meta.len();
+    Ok((file, meta.len()))
+}
+
+/// Reads a file of a checkpoint: refuses links and anything but a regular file, and never
+/// reads more than `expect` bytes (the size the manifest declares, or a cap).
+fn read_bounded(path: &Path, expect: Option<u64>, cap: u64) -> Result<Vec<u8>, CheckpointError> {
+    let (file, size) = open_regular(path)?;
     let limit = expect.unwrap_or(cap);
     if size > limit {
         return Err(invalid(
@@ -687,6 +699,18 @@ impl CheckpointManager {
         keep: usize,
         resume: bool,
         new_run_id: &str,
+    ) -> Result<Opened, CheckpointError> {
+        Self::open_with(root, keep, resume, new_run_id, load)
+    }
+
+    /// [`CheckpointManager::open`], reading the candidates with `load` ([`load`], or
+    /// [`verify`] for a sharded run whose ranks then read their own pieces).
+    pub fn open_with(
+        root: &Path,
+        keep: usize,
+        resume: bool,
+        new_run_id: &str,
+        load: fn(&Path) -> Result<Checkpoint, CheckpointError>,
     ) -> Result<Opened, CheckpointError> {
         let mut rejected = Vec::new();
         let mut chosen: Option<(PathBuf, Checkpoint)> = None;

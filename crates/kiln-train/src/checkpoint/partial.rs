@@ -1,0 +1,401 @@
+//! Reading a checkpoint without holding all of it, for the ranks of a sharded run: one rank
+//! verifies every file in bounded chunks ([`verify`]), and each rank then reads only its own
+//! elements of each tensor ([`load_kept`]): a file's safetensors header, then the byte
+//! ranges of the pieces it keeps. A rank's memory while resuming is its own share of the
+//! state, not the whole state, and its reads are its share of the files.
+//!
+//! The header is parsed with the `safetensors` crate's own `Metadata` (which checks that the
+//! tensors' byte ranges follow each other and match their shapes and dtypes); the crate has
+//! no reader for part of a file, so the ranges are read here with `pread`.
+
+use super::{
+    Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, OPTIMIZER_FILE, STATE_FILE,
+    StoredDtype, invalid, open_regular, parse_state, read_manifest, read_verified,
+};
+use kiln_run::layout;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// Which tensors of a checkpoint a name belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The weights (`model.safetensors` or its shards).
+    Weights,
+    /// The optimizer state (`optimizer.safetensors` or its shards).
+    Optimizer,
+}
+
+/// What a loader keeps of the tensor `name` of `part`: `None` all of it (with its shape),
+/// `Some(range)` those elements of it, flattened (a tensor of shape `[range.len()]`).
+pub type Keep<'a> = &'a dyn Fn(Part, &str) -> Option<Range<usize>>;
+
+/// Reads a shard file's name: its rank and the rank count.
+type ParseShard = fn(&str) -> Option<(usize, usize)>;
+
+/// Largest safetensors header read (the format's own limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Bytes hashed per read while verifying.
+const CHUNK: usize = 8 << 20;
+
+/// Verifies `dir` against its manifest without holding its tensors: every file's size and
+/// SHA-256, read in chunks of [`CHUNK`] bytes, and each tensor file's header. The checkpoint
+/// comes back with its step and state and no tensors (a sharded run then reads its own
+/// elements with [`load_kept`]).
+pub fn verify(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    let (step, state) = parse_state(dir, &read_verified(dir, &manifest, STATE_FILE)?)?;
+    for (name, entry) in &manifest.files {
+        if name == STATE_FILE {
+            continue;
+        }
+        let path = dir.join(name);
+        let (mut file, size) = open_regular(&path)?;
+        if size != entry.bytes {
+            return Err(invalid(
+                &path,
+                format!("size {size} != {} in manifest (torn write?)", entry.bytes),
+            ));
+        }
+        let mut hash = Sha256::new();
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = file
+                .read(&mut buf)
+                .map_err(|e| invalid(&path, format!("unreadable: {e}")))?;
+            if n == 0 {
+                break;
+            }
+            hash.update(&buf[..n]);
+        }
+        let sum = hex::encode(hash.finalize());
+        if sum != entry.sha256 {
+            return Err(invalid(
+                &path,
+                format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
+            ));
+        }
+        header(&file, size, &path)?;
+    }
+    Ok(Checkpoint {
+        step,
+        model: Vec::new(),
+        optimizer: Vec::new(),
+        state,
+        shards: Vec::new(),
+    })
+}
+
+/// Loads from `dir` only the elements of each tensor that `keep` asks for, reading only
+/// those bytes of its files (whole files or shards alike). The manifest and state are read
+/// and verified; the tensor files are checked against the manifest's sizes and their
+/// headers, not hashed ([`verify`] does that, on one rank). Pieces of a sharded tensor must
+/// tile it, as when the whole is loaded.
+pub fn load_kept(dir: &Path, keep: Keep) -> Result<Checkpoint, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    let (step, state) = parse_state(dir, &read_verified(dir, &manifest, STATE_FILE)?)?;
+    let model = read_part(dir, &manifest, Part::Weights, keep)?;
+    let optimizer = read_part(dir, &manifest, Part::Optimizer, keep)?;
+    Ok(Checkpoint {
+        step,
+        model,
+        optimizer,
+        state,
+        shards: Vec::new(),
+    })
+}
+
+/// One tensor being read: what is kept of it and where its pieces were.
+struct Reading {
+    dtype: StoredDtype,
+    /// The tensor's shape in a whole file (a sharded tensor's is its flat length).
+    shape: Vec<usize>,
+    kept: Option<Range<usize>>,
+    /// `(first element, elements)` of every piece, to check that they tile the tensor.
+    pieces: Vec<(usize, usize)>,
+    /// The kept elements read so far, by the first element of each run.
+    values: Vec<(usize, Vec<f32>)>,
+}
+
+/// The tensors of `part`, each cut to what `keep` asks.
+fn read_part(
+    dir: &Path,
+    manifest: &Manifest,
+    part: Part,
+    keep: Keep,
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    let (whole, parse): (&str, ParseShard) = match part {
+        Part::Weights => (MODEL_FILE, layout::parse_model_shard),
+        Part::Optimizer => (OPTIMIZER_FILE, layout::parse_optimizer_shard),
+    };
+    let sharded = !manifest.files.contains_key(whole);
+    let mut reading: BTreeMap<String, Reading> = BTreeMap::new();
+    let files = manifest.files.iter().filter(|(n, _)| match sharded {
+        true => parse(n).is_some(),
+        false => n.as_str() == whole,
+    });
+    for (name, entry) in files {
+        let path = dir.join(name);
+        let (file, size) = open_regular(&path)?;
+        if size != entry.bytes {
+            return Err(invalid(
+                &path,
+                format!("size {size} != {} in manifest (torn write?)", entry.bytes),
+            ));
+        }
+        let (start, meta) = header(&file, size, &path)?;
+        for (tname, info) in meta.tensors() {
+            let (base, at) = match sharded {
+                true => piece_of(&tname).ok_or_else(|| {
+                    invalid(
+                        &path,
+                        format!("tensor {tname} is not a shard piece (<name>@<first element>)"),
+                    )
+                })?,
+                false => (tname.clone(), 0),
+            };
+            let (dtype, width) = match info.dtype {
+                safetensors::Dtype::F32 => (StoredDtype::F32, 4),
+                safetensors::Dtype::BF16 => (StoredDtype::Bf16, 2),
+                other => {
+                    return Err(invalid(
+                        &path,
+                        format!("tensor {tname} has dtype {other:?}; kiln reads F32 and BF16"),
+                    ));
+                }
+            };
+            let numel: usize = info.shape.iter().product();
+            let r = reading.entry(base.clone()).or_insert_with(|| Reading {
+                dtype,
+                shape: info.shape.clone(),
+                kept: keep(part, &base),
+                pieces: Vec::new(),
+                values: Vec::new(),
+            });
+            r.pieces.push((at, numel));
+            let want = r.kept.clone().unwrap_or(0..usize::MAX);
+            // `at` comes from the file: no overflow whatever it says.
+            let (lo, hi) = (want.start.max(at), want.end.min(at.saturating_add(numel)));
+            if lo >= hi {
+                continue;
+            }
+            let offset = start + (info.data_offsets.0 + (lo - at) * width) as u64;
+            let mut bytes = vec![0u8; (hi - lo) * width];
+            file.read_exact_at(&mut bytes, offset)
+                .map_err(|e| invalid(&path, format!("unreadable: {e}")))?;
+            r.values.push((lo, decode(&bytes, dtype)));
+        }
+    }
+    reading
+        .into_iter()
+        .map(|(name, r)| assemble(dir, name, r))
+        .collect()
+}
+
+/// `<name>@<first element>` split.
+fn piece_of(name: &str) -> Option<(String, usize)> {
+    let (base, at) = name.rsplit_once('@')?;
+    Some((base.to_string(), at.parse().ok()?))
+}
+
+/// The tensor `name` from its pieces: they must tile it from element 0, and the kept
+/// range must lie inside it.
+fn assemble(dir: &Path, name: String, mut r: Reading) -> Result<HostTensor, CheckpointError> {
+    r.pieces.sort_unstable();
+    let mut len = 0;
+    for &(at, n) in &r.pieces {
+        if at != len {
+            return Err(invalid(
+                dir,
+                format!(
+                    "tensor {name} has a gap or overlap at element {len} (its shards do not tile it)"
+                ),
+            ));
+        }
+        len += n;
+    }
+    let (range, shape) = match (r.kept, r.pieces.len()) {
+        (None, 1) => (0..len, r.shape),
+        (None, _) => (0..len, vec![len]),
+        (Some(k), _) => (k.clone(), vec![k.len()]),
+    };
+    if range.end > len {
+        return Err(invalid(
+            dir,
+            format!(
+                "tensor {name} has {len} elements; this run needs elements {}..{} of it",
+                range.start, range.end
+            ),
+        ));
+    }
+    r.values.sort_unstable_by_key(|(at, _)| *at);
+    let mut values = Vec::with_capacity(range.len());
+    for (_, v) in r.values {
+        values.extend(v);
+    }
+    Ok(HostTensor {
+        name,
+        shape,
+        dtype: r.dtype,
+        values,
+    })
+}
+
+/// The header of the safetensors file `file` (`size` bytes): where its data starts and what
+/// it holds; an error unless the tensors' bytes end exactly at the end of the file.
+fn header(
+    file: &File,
+    size: u64,
+    path: &Path,
+) -> Result<(u64, safetensors::tensor::Metadata), CheckpointError> {
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0)
+        .map_err(|_| invalid(path, "shorter than a safetensors header"))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER || 8 + n > size {
+        return Err(invalid(
+            path,
+            format!("safetensors header of {n} bytes in a {size}-byte file"),
+        ));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact_at(&mut text, 8)
+        .map_err(|e| invalid(path, format!("unreadable: {e}")))?;
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&text)
+        .map_err(|e| invalid(path, format!("bad safetensors header: {e}")))?;
+    let end = meta
+        .tensors()
+        .values()
+        .map(|i| i.data_offsets.1 as u64)
+        .max()
+        .unwrap_or(0);
+    if 8 + n + end != size {
+        return Err(invalid(
+            path,
+            format!(
+                "its tensors end at byte {}, the file has {size}",
+                8 + n + end
+            ),
+        ));
+    }
+    Ok((8 + n, meta))
+}
+
+/// Little-endian `bytes` of `dtype` as f32 (bf16 widened exactly).
+fn decode(bytes: &[u8], dtype: StoredDtype) -> Vec<f32> {
+    match dtype {
+        StoredDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        StoredDtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| burn::tensor::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{ShardFile, load, save, tests::ckpt, write_shard};
+    use super::*;
+
+    /// A checkpoint of step 9 with weights `w` (10 elements) and their moments, in 3 shards
+    /// of 4, 4 and 2 elements (or whole, in `[2, 5]`), under `root`.
+    fn saved(root: &Path, sharded: bool) -> std::path::PathBuf {
+        let w: Vec<f32> = (0..10).map(|i| i as f32 * 0.5).collect();
+        let m: Vec<f32> = (0..10).map(|i| -(i as f32)).collect();
+        if !sharded {
+            let ck = Checkpoint {
+                model: vec![HostTensor::f32("w".into(), vec![2, 5], w)],
+                optimizer: vec![HostTensor::f32("w.exp_avg".into(), vec![10], m)],
+                ..ckpt(9, "a")
+            };
+            return save(root, &ck).unwrap();
+        }
+        let piece = |name: &str, v: &[f32], at: usize, n: usize| {
+            HostTensor::f32(format!("{name}@{at}"), vec![n], v[at..at + n].to_vec())
+        };
+        let shards: Vec<ShardFile> = [(0, 4), (4, 4), (8, 2)]
+            .into_iter()
+            .enumerate()
+            .flat_map(|(r, (at, n))| {
+                let (wp, mp) = (piece("w", &w, at, n), piece("w.exp_avg", &m, at, n));
+                [
+                    write_shard(root, 9, layout::checkpoint_model_shard(r, 3), &[wp]).unwrap(),
+                    write_shard(root, 9, layout::checkpoint_optimizer_shard(r, 3), &[mp]).unwrap(),
+                ]
+            })
+            .collect();
+        let ck = Checkpoint {
+            model: Vec::new(),
+            optimizer: Vec::new(),
+            shards,
+            ..ckpt(9, "a")
+        };
+        save(root, &ck).unwrap()
+    }
+
+    #[test]
+    fn a_rank_reads_only_its_elements_of_shards_and_whole_files_alike() {
+        for sharded in [true, false] {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = saved(tmp.path(), sharded);
+            let all = load(&dir).unwrap();
+            assert_eq!(verify(&dir).unwrap().step, 9);
+            // Across the shards' borders, none, and all.
+            for want in [3..9, 0..0, 0..10, 9..10] {
+                let keep = |_: Part, _: &str| Some(want.clone());
+                let got = load_kept(&dir, &keep).unwrap();
+                assert_eq!(got.step, 9);
+                for (g, a) in [
+                    (&got.model[0], &all.model[0]),
+                    (&got.optimizer[0], &all.optimizer[0]),
+                ] {
+                    assert_eq!(g.name, a.name);
+                    assert_eq!(g.shape, vec![want.len()]);
+                    assert_eq!(
+                        g.values,
+                        a.values[want.clone()],
+                        "{want:?} sharded {sharded}"
+                    );
+                }
+            }
+            let whole = |_: Part, _: &str| None;
+            let got = load_kept(&dir, &whole).unwrap();
+            assert_eq!((got.model, got.optimizer), (all.model, all.optimizer));
+            let beyond = |_: Part, _: &str| Some(5..11);
+            let err = load_kept(&dir, &beyond).unwrap_err().to_string();
+            assert!(
+                err.contains("has 10 elements; this run needs elements 5..11"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn verification_reads_every_byte_and_a_flipped_one_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = saved(tmp.path(), true);
+        let shard = dir.join(layout::checkpoint_optimizer_shard(2, 3));
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&shard, &bytes).unwrap();
+        let err = verify(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("SHA-256") && err.contains("optimizer-00002-of-00003"),
+            "{err}"
+        );
+        // A file cut short is refused by its size before any tensor is read.
+        std::fs::write(&shard, &bytes[..last]).unwrap();
+        let keep = |_: Part, _: &str| None;
+        let err = load_kept(&dir, &keep).unwrap_err().to_string();
+        assert!(err.contains("in manifest"), "{err}");
+    }
+}
