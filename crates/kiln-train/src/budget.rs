@@ -35,7 +35,8 @@
 //! block's and the head's; a checkpoint copies `24 P / R` (its shards, serialised), and the
 //! final weights, gathered to the writer rank, `8 P` (host copy, serialised).
 //! When a run does not fit, the error names the least sharding (`"gradients"`, then
-//! `"parameters"`) that would make it fit on these ranks, or the fewest ranks one would.
+//! `"parameters"`) that would make it fit on these ranks, or the fewest ranks one would, or
+//! with hybrid sharding the most replicas (`parallelism.dp_replicate`) that would.
 //!
 //! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
 //! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
@@ -244,9 +245,35 @@ fn largest_stage(model: &ModelConfig, vocab: usize) -> f64 {
     block.max(head)
 }
 
-/// What sharding would do for a run that does not fit in `limit` bytes: `None` when it is
-/// already sharded or would not fit on any reasonable number of ranks.
+/// What sharding would do for a run that does not fit in `limit` bytes: more of it
+/// ([`mode_advice`]), else fewer replicas ([`replica_advice`]); `None` when neither fits.
 fn sharding_advice(config: &Config, vocab: usize, ranks: usize, limit: f64) -> Option<String> {
+    mode_advice(config, vocab, ranks, limit).or_else(|| replica_advice(config, vocab, ranks, limit))
+}
+
+/// With hybrid sharding (`parallelism.dp_replicate` = D > 1), the most replicas below D that
+/// divide the ranks and fit: fewer replicas cut the state over more ranks.
+fn replica_advice(config: &Config, vocab: usize, ranks: usize, limit: f64) -> Option<String> {
+    let need = |d: usize| {
+        let mut fewer = config.clone();
+        fewer.parallelism.dp_replicate = d;
+        estimate_on(&fewer, vocab, ranks).need()
+    };
+    let replicas = config.parallelism.dp_replicate;
+    let d = (1..replicas)
+        .rev()
+        .find(|&d| ranks.is_multiple_of(d) && need(d) <= limit)?;
+    Some(format!(
+        "; or set parallelism.dp_replicate = {d} (the state cut over {} ranks: about {} a rank)",
+        ranks / d,
+        human_bytes(need(d))
+    ))
+}
+
+/// The least sharding mode beyond the config's that fits on these ranks, or the fewest ranks
+/// one would fit on: `None` when the config shards everything already or none fits on a
+/// reasonable number of ranks.
+fn mode_advice(config: &Config, vocab: usize, ranks: usize, limit: f64) -> Option<String> {
     // The modes that shard more than the config does.
     let rest: &[Shard] = match config.parallelism.shard {
         Shard::None | Shard::Optimizer => &[Shard::Gradients, Shard::Parameters],
@@ -552,7 +579,8 @@ mod tests {
     }
 
     /// With replicas the state is cut over one replica's ranks: 4 ranks as 2 replicas need
-    /// what 2 ranks of one replica do, more than 4 ranks of one.
+    /// what 2 ranks of one replica do, more than 4 ranks of one; a hybrid run that does not
+    /// fit is told the most replicas that would.
     #[test]
     fn hybrid_sharding_cuts_the_state_over_one_replica() {
         let sharded = config(&["parallelism.shard=parameters"]);
@@ -560,6 +588,15 @@ mod tests {
         let need = |c: &Config, r: usize| estimate_on(c, 16, r).need();
         assert_eq!(need(&hybrid, 4), need(&sharded, 2));
         assert!(need(&hybrid, 4) > need(&sharded, 4));
+        let four = config(&["parallelism.shard=parameters", "parallelism.dp_replicate=4"]);
+        let limit = need(&hybrid, 4);
+        assert!(need(&four, 4) > limit);
+        let advice = sharding_advice(&four, 16, 4, limit).unwrap();
+        assert!(
+            advice.contains("parallelism.dp_replicate = 2 (the state cut over 2 ranks"),
+            "{advice}"
+        );
+        assert_eq!(sharding_advice(&four, 16, 4, need(&sharded, 4) - 1.0), None);
     }
 
     #[test]
