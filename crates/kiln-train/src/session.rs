@@ -240,18 +240,14 @@ impl Session {
                 .get(name.as_str())
                 .ok_or_else(|| mismatch(format!("tensor {name} is missing")))?;
             let range = ranges.map_or(0..s.numel(), |r| r[i].clone().unwrap_or(0..0));
-            let whole =
-                (t.shape == s.shape || t.shape == [s.numel()]) && t.values.len() == s.numel();
-            let values = match (whole, ranges.is_some() && t.shape == [range.len()]) {
-                (true, _) => t.values[range].to_vec(),
-                (false, true) => t.values.clone(),
-                (false, false) => {
-                    return Err(mismatch(format!(
+            let values = t
+                .elements(&s.shape, range, ranges.is_some())
+                .ok_or_else(|| {
+                    mismatch(format!(
                         "tensor {name} has shape {:?}, the model needs {:?}",
                         t.shape, s.shape
-                    )));
-                }
-            };
+                    ))
+                })?;
             let len = values.len();
             let data = TensorData::new(values, [len]);
             out.push(Tensor::<1>::from_data(data, &self.device).cast(master));

@@ -128,52 +128,43 @@ pub fn params_checksum(params: &[Tensor<1>]) -> u64 {
     u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]))
 }
 
-/// Whether each parameter differs from `prev` (one host read-back for all of them); an empty
-/// tensor (a rank's piece of nothing, in a parameter-sharded run) has not changed.
+/// Whether each parameter differs from `prev` (its earlier copy: the same parameters, one
+/// host read-back for all of them); an empty tensor (a rank's piece of nothing, in a
+/// parameter-sharded run) has not changed.
 pub fn changed_params(params: &[Tensor<1>], prev: &[Tensor<1>]) -> Vec<bool> {
-    let diffs: Vec<Tensor<1>> = params
-        .iter()
-        .zip(prev)
-        .filter(|(a, _)| a.dims()[0] > 0)
-        .map(|(a, b)| {
-            let (a, b) = (
-                a.clone().cast(FloatDType::F32),
-                b.clone().cast(FloatDType::F32),
-            );
-            (a - b).abs().max()
-        })
-        .collect();
-    let d = match diffs.is_empty() {
-        true => Vec::new(),
-        false => to_vec(&Tensor::cat(diffs, 0)),
-    };
-    let mut d = d.into_iter();
-    params
-        .iter()
-        .map(|a| a.dims()[0] > 0 && d.next().is_some_and(|v| v != 0.0))
-        .collect()
+    per_tensor(
+        params,
+        |i, a| (a - prev[i].clone().cast(FloatDType::F32)).abs().max(),
+        |d| d != 0.0,
+    )
 }
 
 /// Whether each tensor holds a NaN or an infinity (one host read-back for all of them): `x - x`
 /// is 0 for a finite `x` and NaN otherwise, so a tensor's sum of it is NaN exactly when one
 /// of its values is not finite. An empty tensor holds none.
 pub fn nonfinite_tensors(tensors: &[Tensor<1>]) -> Vec<bool> {
-    let sums: Vec<Tensor<1>> = tensors
-        .iter()
-        .filter(|t| t.dims()[0] > 0)
-        .map(|t| {
-            let t = t.clone().cast(FloatDType::F32);
-            (t.clone() - t).sum()
-        })
+    per_tensor(tensors, |_, t| (t.clone() - t).sum(), f32::is_nan)
+}
+
+/// For each tensor, whether `test` holds for the one-element `reduce` of it (tensor `i`, in
+/// f32), the reductions of all of them read back to the host at once; false for an empty one.
+fn per_tensor(
+    tensors: &[Tensor<1>],
+    reduce: impl Fn(usize, Tensor<1>) -> Tensor<1>,
+    test: impl Fn(f32) -> bool,
+) -> Vec<bool> {
+    let scalars: Vec<Tensor<1>> = (tensors.iter().enumerate())
+        .filter(|(_, t)| t.dims()[0] > 0)
+        .map(|(i, t)| reduce(i, t.clone().cast(FloatDType::F32)))
         .collect();
-    let s = match sums.is_empty() {
+    let values = match scalars.is_empty() {
         true => Vec::new(),
-        false => to_vec(&Tensor::cat(sums, 0)),
+        false => to_vec(&Tensor::cat(scalars, 0)),
     };
-    let mut s = s.into_iter();
+    let mut values = values.into_iter();
     tensors
         .iter()
-        .map(|t| t.dims()[0] > 0 && s.next().is_some_and(f32::is_nan))
+        .map(|t| t.dims()[0] > 0 && values.next().is_some_and(&test))
         .collect()
 }
 

@@ -353,18 +353,7 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
         ] {
             let rd = tmp.path().join(format!("{mode}-{np}"));
             assert_ok(&run(np, &rd, &[set]));
-            let (a, b) = (step_lines(&replicated), step_lines(&rd));
-            assert_eq!(a.len(), b.len());
-            for (x, y) in a.iter().zip(&b) {
-                let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
-                assert!(
-                    (lx - ly).abs() < 1e-4 * lx.abs(),
-                    "{mode}, {np} ranks, step {}: {lx} vs {ly}",
-                    x["step"]
-                );
-            }
-            let (ex, ey) = (eval_loss(&replicated), eval_loss(&rd));
-            assert!((ex - ey).abs() < 1e-4 * ex, "{mode} eval: {ex} vs {ey}");
+            trains_like(&replicated, &rd, &format!("{mode}, {np} ranks"));
             check_shard_files(&rd.join("checkpoints/step-24"), np, mode == "parameters");
             // Export reads the sharded checkpoint directly (its manifest verifies every shard).
             let out = std::process::Command::new(common::KILN)
@@ -390,6 +379,23 @@ fn check_shard_files(ckpt: &Path, np: usize, weights_sharded: bool) {
             assert_eq!(ckpt.join(&name).exists(), expected, "{name}");
         }
     }
+}
+
+/// Run `rd` (`what`) has the steps of run `reference`, each loss and the last held-out loss
+/// within 1e-4 relative of its.
+fn trains_like(reference: &Path, rd: &Path, what: &str) {
+    let (a, b) = (step_lines(reference), step_lines(rd));
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(&b) {
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (lx - ly).abs() < 1e-4 * lx.abs(),
+            "{what}, step {}: {lx} vs {ly}",
+            x["step"]
+        );
+    }
+    let (ex, ey) = (eval_loss(reference), eval_loss(rd));
+    assert!((ex - ey).abs() < 1e-4 * ex, "{what} eval: {ex} vs {ey}");
 }
 
 /// The held-out loss of a run's last eval.
@@ -434,21 +440,7 @@ fn hybrid_sharding_trains_like_the_replicated_run_and_checks_its_replicas() {
     ] {
         let rd = tmp.path().join(format!("hybrid-{mode}"));
         assert_ok(&run(4, &rd, &[set, TWO_REPLICAS]));
-        let (a, b) = (step_lines(&replicated), step_lines(&rd));
-        assert_eq!(a.len(), b.len());
-        for (x, y) in a.iter().zip(&b) {
-            let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
-            assert!(
-                (lx - ly).abs() < 1e-4 * lx.abs(),
-                "hybrid {mode}, step {}: {lx} vs {ly}",
-                x["step"]
-            );
-        }
-        let (ex, ey) = (eval_loss(&replicated), eval_loss(&rd));
-        assert!(
-            (ex - ey).abs() < 1e-4 * ex,
-            "hybrid {mode} eval: {ex} vs {ey}"
-        );
+        trains_like(&replicated, &rd, &format!("hybrid {mode}"));
         let start = events(&rd, "train")
             .into_iter()
             .find(|e| e["event"] == "start")

@@ -123,6 +123,25 @@ impl HostTensor {
             values,
         }
     }
+
+    /// Elements `range` of this tensor, read as a tensor of shape `shape`: from the whole
+    /// tensor (that shape, or flat: the weights assembled from shards have no other), or,
+    /// where `pieces` allows it, from a piece of exactly `range.len()` elements (what
+    /// [`load_kept`] reads); `None` when it is neither.
+    pub fn elements(
+        &self,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+        pieces: bool,
+    ) -> Option<Vec<f32>> {
+        let numel: usize = shape.iter().product();
+        let whole = (self.shape == shape || self.shape == [numel]) && self.values.len() == numel;
+        match (whole, pieces && self.shape == [range.len()]) {
+            (true, _) => self.values.get(range).map(<[f32]>::to_vec),
+            (false, true) => Some(self.values.clone()),
+            (false, false) => None,
+        }
+    }
 }
 
 /// bf16 bits of `v`, rounded to nearest even (exact for values that are bf16 already).
@@ -166,30 +185,8 @@ pub fn from_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<HostTensor>, Ch
         safetensors::SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
-        let (dtype, values) = match view.dtype() {
-            safetensors::Dtype::F32 => (
-                StoredDtype::F32,
-                view.data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            safetensors::Dtype::BF16 => (
-                StoredDtype::Bf16,
-                view.data()
-                    .chunks_exact(2)
-                    .map(|c| {
-                        burn::tensor::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()
-                    })
-                    .collect(),
-            ),
-            other => {
-                return Err(invalid(
-                    path,
-                    format!("tensor {name} has dtype {other:?}; kiln reads F32 and BF16"),
-                ));
-            }
-        };
+        let dtype = stored_dtype(view.dtype(), &name, path)?;
+        let values = decode(view.data(), dtype);
         out.push(HostTensor {
             name,
             shape: view.shape().to_vec(),
@@ -199,6 +196,37 @@ pub fn from_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<HostTensor>, Ch
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// The [`StoredDtype`] of a safetensors dtype kiln reads (F32, BF16); any other is an error
+/// naming the tensor `name` of `path`.
+fn stored_dtype(
+    dtype: safetensors::Dtype,
+    name: &str,
+    path: &Path,
+) -> Result<StoredDtype, CheckpointError> {
+    match dtype {
+        safetensors::Dtype::F32 => Ok(StoredDtype::F32),
+        safetensors::Dtype::BF16 => Ok(StoredDtype::Bf16),
+        other => Err(invalid(
+            path,
+            format!("tensor {name} has dtype {other:?}; kiln reads F32 and BF16"),
+        )),
+    }
+}
+
+/// Little-endian values of `dtype` as f32 (bf16 widened exactly).
+fn decode(bytes: &[u8], dtype: StoredDtype) -> Vec<f32> {
+    match dtype {
+        StoredDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        StoredDtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| burn::tensor::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+    }
 }
 
 /// One file's entry in `manifest.json`.
@@ -919,6 +947,38 @@ pub(crate) mod tests {
         }
     }
 
+    /// A checkpoint of step 9 under `root` whose weights `w` and moments `w.exp_avg` (values
+    /// `w`, `m`) are in one shard per `(first element, elements)` of `cuts`, each written by
+    /// its rank; the path it is published at.
+    pub(crate) fn sharded_ckpt(
+        root: &Path,
+        w: &[f32],
+        m: &[f32],
+        cuts: &[(usize, usize)],
+    ) -> PathBuf {
+        let piece = |name: &str, v: &[f32], at: usize, n: usize| {
+            HostTensor::f32(format!("{name}@{at}"), vec![n], v[at..at + n].to_vec())
+        };
+        let ranks = cuts.len();
+        let shards: Vec<ShardFile> = (cuts.iter().enumerate())
+            .flat_map(|(r, &(at, n))| {
+                let (wp, mp) = (piece("w", w, at, n), piece("w.exp_avg", m, at, n));
+                [
+                    write_shard(root, 9, layout::checkpoint_model_shard(r, ranks), &[wp]).unwrap(),
+                    write_shard(root, 9, layout::checkpoint_optimizer_shard(r, ranks), &[mp])
+                        .unwrap(),
+                ]
+            })
+            .collect();
+        let ck = Checkpoint {
+            model: Vec::new(),
+            optimizer: Vec::new(),
+            shards,
+            ..ckpt(9, "a")
+        };
+        save(root, &ck).unwrap()
+    }
+
     fn flip_last_byte(f: &Path) {
         let mut bytes = std::fs::read(f).unwrap();
         let last = bytes.len() - 1;
@@ -952,28 +1012,7 @@ pub(crate) mod tests {
     fn weight_shards_assemble_and_an_incomplete_set_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        let piece = |name: &str, at: usize, v: &[f32]| {
-            HostTensor::f32(format!("{name}@{at}"), vec![v.len()], v.to_vec())
-        };
-        let shards: Vec<ShardFile> = (0..2)
-            .flat_map(|r| {
-                let (w, m) = (
-                    piece("w", r, &[r as f32 + 1.0]),
-                    piece("w.exp_avg", r, &[0.5]),
-                );
-                [
-                    write_shard(root, 9, layout::checkpoint_model_shard(r, 2), &[w]).unwrap(),
-                    write_shard(root, 9, layout::checkpoint_optimizer_shard(r, 2), &[m]).unwrap(),
-                ]
-            })
-            .collect();
-        let ck = Checkpoint {
-            model: Vec::new(),
-            optimizer: Vec::new(),
-            shards,
-            ..ckpt(9, "a")
-        };
-        let saved = save(root, &ck).unwrap();
+        let saved = sharded_ckpt(root, &[1.0, 2.0], &[0.5, 0.5], &[(0, 1), (1, 1)]);
         assert!(!saved.join(MODEL_FILE).exists());
         let back = load(&saved).unwrap();
         assert_eq!(

@@ -9,8 +9,9 @@
 //! no reader for part of a file, so the ranges are read here with `pread`.
 
 use super::{
-    Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, OPTIMIZER_FILE, STATE_FILE,
-    StoredDtype, invalid, open_regular, parse_state, read_manifest, read_verified,
+    Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE,
+    STATE_FILE, StoredDtype, decode, invalid, open_regular, parse_state, read_manifest,
+    read_verified, stored_dtype,
 };
 use kiln_run::layout;
 use sha2::{Digest, Sha256};
@@ -55,13 +56,7 @@ pub fn verify(dir: &Path) -> Result<Checkpoint, CheckpointError> {
             continue;
         }
         let path = dir.join(name);
-        let (mut file, size) = open_regular(&path)?;
-        if size != entry.bytes {
-            return Err(invalid(
-                &path,
-                format!("size {size} != {} in manifest (torn write?)", entry.bytes),
-            ));
-        }
+        let (mut file, size) = open_listed(&path, entry)?;
         let mut hash = Sha256::new();
         let mut buf = vec![0u8; CHUNK];
         loop {
@@ -110,6 +105,18 @@ pub fn load_kept(dir: &Path, keep: Keep) -> Result<Checkpoint, CheckpointError> 
     })
 }
 
+/// Opens the checkpoint file `path`, which must be the size its manifest `entry` says.
+fn open_listed(path: &Path, entry: &ManifestEntry) -> Result<(File, u64), CheckpointError> {
+    let (file, size) = open_regular(path)?;
+    if size != entry.bytes {
+        return Err(invalid(
+            path,
+            format!("size {size} != {} in manifest (torn write?)", entry.bytes),
+        ));
+    }
+    Ok((file, size))
+}
+
 /// One tensor being read: what is kept of it and where its pieces were.
 struct Reading {
     dtype: StoredDtype,
@@ -141,13 +148,7 @@ fn read_part(
     });
     for (name, entry) in files {
         let path = dir.join(name);
-        let (file, size) = open_regular(&path)?;
-        if size != entry.bytes {
-            return Err(invalid(
-                &path,
-                format!("size {size} != {} in manifest (torn write?)", entry.bytes),
-            ));
-        }
+        let (file, size) = open_listed(&path, entry)?;
         let (start, meta) = header(&file, size, &path)?;
         for (tname, info) in meta.tensors() {
             let (base, at) = match sharded {
@@ -159,16 +160,8 @@ fn read_part(
                 })?,
                 false => (tname.clone(), 0),
             };
-            let (dtype, width) = match info.dtype {
-                safetensors::Dtype::F32 => (StoredDtype::F32, 4),
-                safetensors::Dtype::BF16 => (StoredDtype::Bf16, 2),
-                other => {
-                    return Err(invalid(
-                        &path,
-                        format!("tensor {tname} has dtype {other:?}; kiln reads F32 and BF16"),
-                    ));
-                }
-            };
+            let dtype = stored_dtype(info.dtype, &tname, &path)?;
+            let width = info.dtype.size();
             let numel: usize = info.shape.iter().product();
             let r = reading.entry(base.clone()).or_insert_with(|| Reading {
                 dtype,
@@ -286,23 +279,10 @@ fn header(
     Ok((8 + n, meta))
 }
 
-/// Little-endian `bytes` of `dtype` as f32 (bf16 widened exactly).
-fn decode(bytes: &[u8], dtype: StoredDtype) -> Vec<f32> {
-    match dtype {
-        StoredDtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        StoredDtype::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| burn::tensor::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::{ShardFile, load, save, tests::ckpt, write_shard};
+    use super::super::tests::{ckpt, sharded_ckpt};
+    use super::super::{load, save};
     use super::*;
 
     /// A checkpoint of step 9 with weights `w` (10 elements) and their moments, in 3 shards
@@ -318,27 +298,7 @@ mod tests {
             };
             return save(root, &ck).unwrap();
         }
-        let piece = |name: &str, v: &[f32], at: usize, n: usize| {
-            HostTensor::f32(format!("{name}@{at}"), vec![n], v[at..at + n].to_vec())
-        };
-        let shards: Vec<ShardFile> = [(0, 4), (4, 4), (8, 2)]
-            .into_iter()
-            .enumerate()
-            .flat_map(|(r, (at, n))| {
-                let (wp, mp) = (piece("w", &w, at, n), piece("w.exp_avg", &m, at, n));
-                [
-                    write_shard(root, 9, layout::checkpoint_model_shard(r, 3), &[wp]).unwrap(),
-                    write_shard(root, 9, layout::checkpoint_optimizer_shard(r, 3), &[mp]).unwrap(),
-                ]
-            })
-            .collect();
-        let ck = Checkpoint {
-            model: Vec::new(),
-            optimizer: Vec::new(),
-            shards,
-            ..ckpt(9, "a")
-        };
-        save(root, &ck).unwrap()
+        sharded_ckpt(root, &w, &m, &[(0, 4), (4, 4), (8, 2)])
     }
 
     #[test]

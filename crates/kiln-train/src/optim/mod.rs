@@ -342,10 +342,11 @@ impl Optimizer {
         Ok(o)
     }
 
-    /// Restores the state from host tensors named `<param>.<slot>`, whole (a sharded
-    /// checkpoint's pieces are assembled when it is loaded, with a flat shape); every slot
-    /// this optimizer keeps must be there with its parameter's size (the error names the
-    /// first that is not). A sharded optimizer takes its range of each.
+    /// Restores the state from host tensors named `<param>.<slot>`, whole (or flat: a
+    /// sharded checkpoint assembled when it is loaded); every slot this optimizer keeps must
+    /// be there with its parameter's size (the error names the first that is not). A sharded
+    /// optimizer takes its range of each, or a piece of exactly that range (a checkpoint
+    /// read piecewise, [`crate::checkpoint::load_kept`]).
     pub fn load_host_state(
         &mut self,
         specs: &[ParamSpec],
@@ -364,26 +365,20 @@ impl Optimizer {
                 let found = by_name
                     .get(name.as_str())
                     .ok_or_else(|| format!("optimizer tensor {name} is missing"))?;
-                let flat = found.shape == [spec.numel()];
-                let whole =
-                    (found.shape == spec.shape || flat) && found.values.len() == spec.numel();
                 let range = match ranges.as_ref().and_then(|r| r[i].clone()) {
                     Some(r) => r,
                     None => 0..spec.numel(),
                 };
                 // A sharded optimizer takes its range of the whole tensor, or the piece a
                 // checkpoint read piecewise gave it (exactly that long).
-                let piece = ranges.is_some() && found.shape == [range.len()];
-                let values = match (whole, piece) {
-                    (true, _) => found.values[range.clone()].to_vec(),
-                    (false, true) => found.values.clone(),
-                    (false, false) => {
-                        return Err(format!(
+                let values = found
+                    .elements(&spec.shape, range.clone(), ranges.is_some())
+                    .ok_or_else(|| {
+                        format!(
                             "optimizer tensor {name} has shape {:?}, the model needs {:?}",
                             found.shape, spec.shape
-                        ));
-                    }
-                };
+                        )
+                    })?;
                 *t = Some(Tensor::from_data(
                     TensorData::new(values, [range.len()]),
                     device,
