@@ -100,8 +100,9 @@ fn owned(t: FlexTensor) -> FlexTensor {
     t
 }
 
-/// The fused update of one parameter, when the kernels cover its tensors (f32 on flex, not
-/// tracked by autodiff); `Err` hands the tensors back for the composed path.
+/// The fused update of one parameter, when the kernels cover its tensors (f32 on flex, or on a
+/// CubeCL device through `cube::adamw`; not tracked by autodiff); `Err` hands the tensors back
+/// for the composed path.
 #[allow(clippy::type_complexity)]
 pub fn update(
     p: Tensor<1>,
@@ -112,6 +113,11 @@ pub fn update(
 ) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>), Box<(Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)>> {
     // A tensor tracked by autodiff (or on another backend) does not convert to a flex
     // primitive; the probe converts a clone, dropped at once, so uniqueness is unaffected.
+    #[cfg(feature = "cube")]
+    let (p, g, m, v) = match super::cube::adamw::update(p, g, m, v, s) {
+        Ok(done) => return Ok(done),
+        Err(back) => *back,
+    };
     let covered = [&p, &g, &m, &v].into_iter().all(|t| {
         fusable(t) && t.dims() == p.dims() && (*t).clone().try_into_primitive::<Flex>().is_ok()
     });

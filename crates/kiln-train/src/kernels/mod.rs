@@ -9,9 +9,11 @@
 //! burn's own ops.
 //!
 //! Every kernel has a composed twin in [`composed`], built from burn tensor ops: it is the
-//! reference the tests compare values and gradients against, and the path taken on devices
-//! the kernels do not cover (GPU backends, dtypes other than f32), so the model code runs
-//! unchanged everywhere.
+//! reference the tests compare values and gradients against, and the path taken where no
+//! kernel covers a tensor (dtypes other than f32, and on CubeCL devices the ops `cube` does
+//! not have yet), so the model code runs unchanged everywhere. On CubeCL devices (CUDA,
+//! ROCm, Vulkan/wgpu, Metal, CubeCL's CPU runtime) the `cube` module's kernels, written once
+//! in CubeCL, take RMSNorm, SwiGLU, RoPE and causal attention.
 //!
 //! Determinism: work is cut into fixed-size blocks of rows whatever the thread count, and
 //! partial sums are combined in block order, so results are bit-identical for any number of
@@ -28,6 +30,8 @@ pub mod adamw;
 mod attention;
 pub mod composed;
 mod cross_entropy;
+#[cfg(feature = "cube")]
+mod cube;
 mod linear;
 mod math;
 mod matmul;
@@ -92,6 +96,10 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>
 
 /// RMSNorm over the last dimension (see [`KilnOps::kiln_rms_norm`]).
 pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&x) {
+        return cube::rms_norm(x, w, eps);
+    }
     if !fusable(&x) {
         return composed::rms_norm(x, w, eps);
     }
@@ -104,6 +112,10 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<
 
 /// `silu(gate) * up`.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&gate) {
+        return cube::swiglu(gate, up);
+    }
     if !fusable(&gate) {
         return composed::swiglu(gate, up);
     }
@@ -116,6 +128,10 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
 /// Rotate-half RoPE of the heads in `x` `[b, t, heads * hd]` with tables `cos`, `sin`
 /// `[t, hd]`, returned head-major: `[b, heads, t, hd]`.
 pub fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&x) {
+        return cube::rope(x, cos, sin, heads);
+    }
     if !fusable(&x) {
         return composed::rope(x, cos, sin, heads);
     }
@@ -137,6 +153,10 @@ pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
 
 /// Causal grouped-query attention (see [`KilnOps::kiln_causal_attention`]).
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&q) {
+        return cube::causal_attention(q, k, v, scale);
+    }
     if !fusable(&q) {
         return composed::causal_attention(q, k, v, scale);
     }
@@ -169,12 +189,15 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-/// Whether the fused kernels cover this tensor: f32 on the flex backend (with or without
+/// Whether the fused kernels are on (`training.fused_kernels`).
+fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Whether the fused CPU kernels cover this tensor: f32 on the flex backend (with or without
 /// autodiff), and kernels enabled.
 fn fusable<const D: usize>(t: &Tensor<D>) -> bool {
-    ENABLED.load(Ordering::Relaxed)
-        && t.dtype() == DType::F32
-        && crate::tensor::on_host_threads(&t.device())
+    enabled() && t.dtype() == DType::F32 && crate::tensor::on_host_threads(&t.device())
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,0 +1,204 @@
+//! kiln's fused kernels written once in CubeCL, so the same source runs on every CubeCL
+//! runtime: CUDA, ROCm, Vulkan/wgpu, Metal, and CubeCL's CPU runtime (the CI driver).
+//!
+//! Each operation is the same function as its CPU kernel and its composed twin
+//! ([`super::composed`]): a forward kernel, backward kernels, and one backward step registered
+//! with burn's autodiff (`Autodiff<CubeBackend, C>`), through a backend extension of its own
+//! (`DeviceOps`, on burn's `Cube` backend), as the CPU kernels register theirs on flex.
+//!
+//! What is covered: RMSNorm, SwiGLU, RoPE with the head transpose, and causal grouped-query
+//! attention that never materialises the `T x T` scores (forward saves the log-sum-exp per
+//! row; backward recomputes the probabilities from it), so its memory grows linearly with
+//! the sequence length; and the AdamW update with clipping, one kernel over a parameter's
+//! device buffers. The output head with cross-entropy, and the Muon and SophiaG updates, still
+//! take burn's generic ops on devices.
+//!
+//! Numerics: every kernel reads its element type and accumulates in f32, then writes its
+//! element type, so bf16 inputs keep f32 sums. Work is one unit per output row or element and
+//! every sum runs in a fixed order with no atomics, so results are deterministic on a device.
+//!
+//! Speed: these are the first, straightforward versions (one unit per row, no shared-memory
+//! tiles, no vectorised loads); they remove the extra passes and the `T x T` matrix, and the
+//! GPU issue's profiling decides what to tile first.
+
+pub(super) mod adamw;
+mod attention;
+mod norm;
+mod rope;
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
+use burn::tensor::{DType, Shape, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// The kernels on CubeCL devices. `CubeBackend` is burn's `Cube` backend as kiln builds it
+/// (without burn's fusion feature).
+#[backend_extension(Cube, Autodiff)]
+pub trait DeviceOps: Backend {
+    /// RMSNorm over the last dimension (see `KilnOps::kiln_rms_norm`).
+    fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+    /// `silu(gate) * up`.
+    fn device_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Rotate-half RoPE of `x` `[b, t, heads * hd]`, returned as `[b, heads, t, hd]`.
+    fn device_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self>;
+    /// Causal grouped-query attention (see `KilnOps::kiln_causal_attention`).
+    fn device_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self>;
+}
+
+/// Whether the CubeCL kernels cover this tensor: f32 on a CubeCL device, kernels enabled.
+/// (bf16 compiles and accumulates in f32, but no CI driver runs bf16, so it is not routed
+/// here until a GPU run has checked it.)
+pub(super) fn covers<const D: usize>(t: &Tensor<D>) -> bool {
+    super::enabled()
+        && t.dtype() == DType::F32
+        && matches!(
+            t.device().as_dispatch().clone().inner(),
+            DispatchDevice::Cube(_)
+        )
+}
+
+pub(super) fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::device_rms_norm(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        eps,
+    ))
+}
+
+pub(super) fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::device_swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
+    ))
+}
+
+pub(super) fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
+    Tensor::from_dispatch(Dispatch::device_rope(
+        x.into_dispatch(),
+        cos.into_dispatch(),
+        sin.into_dispatch(),
+        heads,
+    ))
+}
+
+pub(super) fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
+    Tensor::from_dispatch(Dispatch::device_causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        scale,
+    ))
+}
+
+// ---------------------------------------------------------------------------------------
+// CubeBackend: forward only.
+
+impl DeviceOps for CubeBackend {
+    fn device_rms_norm(x: CubeTensor, w: CubeTensor, eps: f64) -> CubeTensor {
+        norm::rms_norm_forward(x, w, eps).0
+    }
+
+    fn device_swiglu(gate: CubeTensor, up: CubeTensor) -> CubeTensor {
+        norm::swiglu_forward(gate, up)
+    }
+
+    fn device_rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor, heads: usize) -> CubeTensor {
+        rope::forward(x, cos, sin, heads)
+    }
+
+    fn device_causal_attention(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        scale: f64,
+    ) -> CubeTensor {
+        attention::forward(q, k, v, scale).0
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Autodiff over CubeBackend: forward plus one backward step per kernel.
+
+impl<C: CheckpointStrategy> DeviceOps for Autodiff<CubeBackend, C> {
+    fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        norm::rms_norm_autodiff::<C>(x, w, eps)
+    }
+
+    fn device_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        norm::swiglu_autodiff::<C>(gate, up)
+    }
+
+    fn device_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        rope::autodiff::<C>(x, cos, sin, heads)
+    }
+
+    fn device_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        attention::autodiff::<C>(q, k, v, scale)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers shared by the kernels' launchers.
+
+/// Units per cube for the one-unit-per-row and one-unit-per-element launches.
+const UNITS: u32 = 128;
+
+/// The dimensions of a device tensor.
+fn dims(t: &CubeTensor) -> Vec<usize> {
+    t.meta.shape().iter().copied().collect()
+}
+
+/// A new contiguous tensor of `shape` on `like`'s device, with `like`'s element type.
+fn empty_like(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        like.dtype,
+    )
+}
+
+/// `(cube count, cube dim)` for `n` units, one-dimensional.
+fn launch_1d(n: usize) -> (CubeCount, CubeDim) {
+    let cubes = n.div_ceil(UNITS as usize).max(1);
+    (
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(UNITS),
+    )
+}
+
+/// The storage type the kernels are compiled for.
+fn elem(t: &CubeTensor) -> ElemType {
+    dtype_to_storage_type(t.dtype)
+}
+
+/// Contiguous (the kernels index rows directly).
+fn dense(t: CubeTensor) -> CubeTensor {
+    into_contiguous(t)
+}
