@@ -2,7 +2,8 @@
 """kiln against PyTorch on one GPU, in one run: the reference model and a 1B-class Llama,
 bf16 compute on f32 master weights, AdamW, clip 1.0, same batch and sequence length.
 
-For each model it runs `kiln train` on `training.device=cuda`, then PyTorch eager (SDPA) and
+For each model it runs `kiln train` on `training.device=cuda` twice, with kiln's CubeCL kernels
+(`kiln`) and without them (`kiln-composed`: burn's generic ops), then PyTorch eager (SDPA) and
 torch.compile (torch_llama.py beside this file), and prints tokens/s, MFU against the GPU's
 dense bf16 peak, peak GPU memory (sampled from nvidia-smi for every process alike, plus
 PyTorch's own allocator peak) and kiln's ratio to each peer. Writes result.json to $OUT
@@ -73,19 +74,24 @@ def kiln_sets(model, batch, seq, steps):
     ]
 
 
-def run_kiln(kiln, model, steps, warmup):
+def run_kiln(kiln, model, steps, warmup, impl="kiln"):
+    """`kiln`: kiln's CubeCL kernels on; `kiln-composed`: `training.fused_kernels=false`
+    (burn's generic ops only), the before of the kernels' before/after."""
     _, _, _, _, _, _, batch, seq = MODELS[model]
+    sets = kiln_sets(model, batch, seq, steps + warmup)
+    if impl == "kiln-composed":
+        sets.append("training.fused_kernels=false")
     with tempfile.TemporaryDirectory() as rd:
         argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
-        for s in kiln_sets(model, batch, seq, steps + warmup):
+        for s in sets:
             argv += ["--set", s]
         rc, out, err, peak = run_sampled(argv)
         if rc != 0:
-            return {"impl": "kiln", "model": model, "error": f"exit {rc}: {err.strip()[-2000:]}"}
+            return {"impl": impl, "model": model, "error": f"exit {rc}: {err.strip()[-2000:]}"}
         rows = [json.loads(l) for l in open(os.path.join(rd, "metrics.jsonl")) if '"step_time_s"' in l]
     timed = rows[warmup:]
     dt = sum(r["step_time_s"] for r in timed) / len(timed)
-    return {"impl": "kiln", "model": model, "batch": batch, "seq": seq,
+    return {"impl": impl, "model": model, "batch": batch, "seq": seq,
             "tokens_per_s": batch * seq / dt, "step_ms": dt * 1e3, "loss": timed[-1]["loss"],
             "gpu_mem_mib": peak}
 
@@ -121,9 +127,9 @@ def main():
     print(f"GPU: {name} (dense bf16 peak {peak_flops(name) / 1e12:.0f} TFLOP/s)", flush=True)
     results = []
     for model in a.models.split(","):
-        for impl in ["kiln", "eager", "compile"]:
+        for impl in ["kiln", "kiln-composed", "eager", "compile"]:
             t = time.time()
-            r = (run_kiln(a.kiln, model, a.steps, a.warmup) if impl == "kiln"
+            r = (run_kiln(a.kiln, model, a.steps, a.warmup, impl) if impl.startswith("kiln")
                  else run_torch(impl, model, a.steps, a.warmup))
             if "tokens_per_s" in r:
                 r["seq"] = r.get("seq") or MODELS[model][7]

@@ -100,17 +100,15 @@ fn owned(t: FlexTensor) -> FlexTensor {
     t
 }
 
+/// A fused update's outcome: `(p, m, v)` after the step, or `(p, g, m, v)` handed back
+/// untouched for the composed path.
+pub type Fused =
+    Result<(Tensor<1>, Tensor<1>, Tensor<1>), Box<(Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)>>;
+
 /// The fused update of one parameter, when the kernels cover its tensors (f32 on flex, or on a
 /// CubeCL device through `cube::adamw`; not tracked by autodiff); `Err` hands the tensors back
 /// for the composed path.
-#[allow(clippy::type_complexity)]
-pub fn update(
-    p: Tensor<1>,
-    g: Tensor<1>,
-    m: Tensor<1>,
-    v: Tensor<1>,
-    s: &AdamWScalars,
-) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>), Box<(Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)>> {
+pub fn update(p: Tensor<1>, g: Tensor<1>, m: Tensor<1>, v: Tensor<1>, s: &AdamWScalars) -> Fused {
     // A tensor tracked by autodiff (or on another backend) does not convert to a flex
     // primitive; the probe converts a clone, dropped at once, so uniqueness is unaffected.
     #[cfg(feature = "cube")]

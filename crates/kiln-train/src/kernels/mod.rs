@@ -97,7 +97,7 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>
 /// RMSNorm over the last dimension (see [`KilnOps::kiln_rms_norm`]).
 pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
     #[cfg(feature = "cube")]
-    if cube::covers(&x) {
+    if cube::covers(&x, &[w.dtype()]) {
         return cube::rms_norm(x, w, eps);
     }
     if !fusable(&x) {
@@ -113,7 +113,7 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<
 /// `silu(gate) * up`.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "cube")]
-    if cube::covers(&gate) {
+    if cube::covers(&gate, &[up.dtype()]) {
         return cube::swiglu(gate, up);
     }
     if !fusable(&gate) {
@@ -129,7 +129,7 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
 /// `[t, hd]`, returned head-major: `[b, heads, t, hd]`.
 pub fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
     #[cfg(feature = "cube")]
-    if cube::covers(&x) {
+    if cube::covers(&x, &[cos.dtype(), sin.dtype()]) {
         return cube::rope(x, cos, sin, heads);
     }
     if !fusable(&x) {
@@ -154,7 +154,7 @@ pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
 /// Causal grouped-query attention (see [`KilnOps::kiln_causal_attention`]).
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
     #[cfg(feature = "cube")]
-    if cube::covers(&q) {
+    if cube::covers(&q, &[k.dtype(), v.dtype()]) {
         return cube::causal_attention(q, k, v, scale);
     }
     if !fusable(&q) {

@@ -5,7 +5,7 @@
 //! equal to the CPU's, only within rounding.
 
 use super::{dense, dims, elem, empty_like, launch_1d};
-use crate::kernels::adamw::AdamWScalars;
+use crate::kernels::adamw::{AdamWScalars, Fused};
 use burn::backend::Cube;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -55,23 +55,11 @@ pub(crate) fn update(
     m: burn::tensor::Tensor<1>,
     v: burn::tensor::Tensor<1>,
     s: &AdamWScalars,
-) -> Result<
-    (
-        burn::tensor::Tensor<1>,
-        burn::tensor::Tensor<1>,
-        burn::tensor::Tensor<1>,
-    ),
-    Box<(
-        burn::tensor::Tensor<1>,
-        burn::tensor::Tensor<1>,
-        burn::tensor::Tensor<1>,
-        burn::tensor::Tensor<1>,
-    )>,
-> {
+) -> Fused {
     // A tensor tracked by autodiff does not convert to a `Cube` primitive; the probe converts a
     // clone, dropped at once.
     let covered = [&p, &g, &m, &v].into_iter().all(|t| {
-        super::covers(t)
+        super::covers(t, &[p.dtype()])
             && t.dims() == p.dims()
             && (*t).clone().try_into_primitive::<Cube>().is_ok()
     });

@@ -238,7 +238,7 @@ pub(super) fn forward(
     let (q, k, v) = (dense(q), dense(k), dense(v));
     let d = Dims::of(&q, &k);
     let out = empty_like(&q, [d.b, d.t, d.kv * d.groups * d.hd]);
-    let lse = f32_tensor(&q, d.rows());
+    let lse = super::f32_vector(&q, d.rows());
     let (count, dim) = launch_1d(d.rows());
     attention_forward_kernel::launch(
         &q.client,
@@ -280,7 +280,7 @@ fn backward(dout: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor, CubeTens
         empty_like(&k, dims(&k)),
         empty_like(&v, dims(&v)),
     );
-    let delta = f32_tensor(&q, d.rows());
+    let delta = super::f32_vector(&q, d.rows());
     let (count, dim) = launch_1d(d.rows());
     attention_dq_kernel::launch(
         &q.client,
@@ -324,17 +324,6 @@ fn backward(dout: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor, CubeTens
         elem(&q),
     );
     (dq, dk, dv)
-}
-
-/// An f32 vector of `n` on `like`'s device (the per-row statistics stay f32 whatever the
-/// element type).
-fn f32_tensor(like: &CubeTensor, n: usize) -> CubeTensor {
-    burn_cubecl::ops::numeric::empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        [n].into(),
-        burn::tensor::DType::F32,
-    )
 }
 
 /// Attention recorded as one autodiff op.

@@ -61,12 +61,14 @@ pub trait DeviceOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// Whether the CubeCL kernels cover this tensor: f32 on a CubeCL device, kernels enabled.
-/// (bf16 compiles and accumulates in f32, but no CI driver runs bf16, so it is not routed
-/// here until a GPU run has checked it.)
-pub(super) fn covers<const D: usize>(t: &Tensor<D>) -> bool {
+/// Whether the CubeCL kernels cover an operation on `t` whose other inputs have the element
+/// types `others`: f32 or bf16 on a CubeCL device, every input the same type (a kernel is
+/// compiled for one), kernels enabled. (bf16 reads and writes bf16 and accumulates in f32;
+/// CubeCL's CPU runtime has no bf16, so CI checks the f32 instances and a GPU run the bf16.)
+pub(super) fn covers<const D: usize>(t: &Tensor<D>, others: &[DType]) -> bool {
     super::enabled()
-        && t.dtype() == DType::F32
+        && matches!(t.dtype(), DType::F32 | DType::BF16)
+        && others.iter().all(|d| *d == t.dtype())
         && matches!(
             t.device().as_dispatch().clone().inner(),
             DispatchDevice::Cube(_)
@@ -181,6 +183,17 @@ fn empty_like(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
         like.device.clone(),
         shape.into(),
         like.dtype,
+    )
+}
+
+/// An f32 vector of `n` on `like`'s device: per-row statistics (1/rms, log-sum-exp) stay f32
+/// whatever the element type.
+fn f32_vector(like: &CubeTensor, n: usize) -> CubeTensor {
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        [n].into(),
+        DType::F32,
     )
 }
 

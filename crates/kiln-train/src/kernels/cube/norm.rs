@@ -16,7 +16,7 @@ fn rms_norm_forward_kernel<F: Float>(
     x: &Tensor<F>,
     w: &Tensor<F>,
     y: &mut Tensor<F>,
-    inv: &mut Tensor<F>,
+    inv: &mut Tensor<f32>,
     rows: u32,
     width: u32,
     eps: f32,
@@ -34,7 +34,7 @@ fn rms_norm_forward_kernel<F: Float>(
         sum += v * v;
     }
     let ri = 1.0f32 / (sum / f32::cast_from(width) + eps).sqrt();
-    inv[r] = F::cast_from(ri);
+    inv[r] = ri;
     for i in 0..d {
         y[base + i] = F::cast_from(f32::cast_from(x[base + i]) * ri * f32::cast_from(w[i]));
     }
@@ -45,7 +45,7 @@ fn rms_norm_dx_kernel<F: Float>(
     dy: &Tensor<F>,
     x: &Tensor<F>,
     w: &Tensor<F>,
-    inv: &Tensor<F>,
+    inv: &Tensor<f32>,
     dx: &mut Tensor<F>,
     rows: u32,
     width: u32,
@@ -57,7 +57,7 @@ fn rms_norm_dx_kernel<F: Float>(
     }
     let d = width as usize;
     let base = r * d;
-    let ri = f32::cast_from(inv[r]);
+    let ri = inv[r];
     let mut dot = 0.0f32;
     for i in 0..d {
         dot += f32::cast_from(dy[base + i]) * f32::cast_from(w[i]) * f32::cast_from(x[base + i]);
@@ -73,7 +73,7 @@ fn rms_norm_dx_kernel<F: Float>(
 fn rms_norm_dw_kernel<F: Float>(
     dy: &Tensor<F>,
     x: &Tensor<F>,
-    inv: &Tensor<F>,
+    inv: &Tensor<f32>,
     dw: &mut Tensor<F>,
     rows: u32,
     width: u32,
@@ -87,7 +87,7 @@ fn rms_norm_dw_kernel<F: Float>(
     let mut sum = 0.0f32;
     for r in 0..rows as usize {
         let at = r * d + c;
-        sum += f32::cast_from(dy[at]) * f32::cast_from(x[at]) * f32::cast_from(inv[r]);
+        sum += f32::cast_from(dy[at]) * f32::cast_from(x[at]) * inv[r];
     }
     dw[c] = F::cast_from(sum);
 }
@@ -131,14 +131,14 @@ fn swiglu_backward_kernel<F: Float>(
     dup[i] = F::cast_from(d * g * s);
 }
 
-/// `(y, 1/rms per row)` for `x` `[.., d]` and `w` `[d]`.
+/// `(y, 1/rms per row in f32)` for `x` `[.., d]` and `w` `[d]`.
 pub(super) fn rms_norm_forward(x: CubeTensor, w: CubeTensor, eps: f64) -> (CubeTensor, CubeTensor) {
     let (x, w) = (dense(x), dense(w));
     let shape = dims(&x);
     let d = shape.last().copied().unwrap_or(1);
     let rows = shape.iter().product::<usize>() / d.max(1);
     let y = empty_like(&x, shape);
-    let inv = empty_like(&x, [rows]);
+    let inv = super::f32_vector(&x, rows);
     let (count, dim) = launch_1d(rows);
     rms_norm_forward_kernel::launch(
         &x.client,
