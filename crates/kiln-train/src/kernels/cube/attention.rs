@@ -61,6 +61,38 @@ fn dot<F: Float>(a: &Tensor<F>, a_at: usize, b: &Tensor<F>, b_at: usize, hd: usi
     s
 }
 
+/// Where one query row's data lie: its position, the starts of its `q` row, of its K/V head's
+/// keys and values (and the stride between value rows), and of its output row.
+#[derive(CubeType)]
+struct QueryRow {
+    p: usize,
+    qa: usize,
+    kb: usize,
+    vb: usize,
+    vrow: usize,
+    ob: usize,
+}
+
+/// Query row `u` of `[b, kv, groups * t]`: head `kv_index * groups + r / t`, position `r % t`.
+#[cube]
+fn query_row(u: usize, kv: u32, groups: u32, seq: u32, #[comptime] hd: usize) -> QueryRow {
+    let (nkv, g, t) = (kv as usize, groups as usize, seq as usize);
+    let r = u % (g * t);
+    let bk = u / (g * t);
+    let (kvi, b) = (bk % nkv, bk / nkv);
+    let p = r % t;
+    let head = kvi * g + r / t;
+    let vrow = nkv * hd;
+    QueryRow {
+        p,
+        qa: u * hd,
+        kb: bk * t * hd,
+        vb: b * t * vrow + kvi * hd,
+        vrow,
+        ob: (b * t + p) * nkv * g * hd + head * hd,
+    }
+}
+
 #[cube(launch)]
 fn attention_forward_kernel<F: Float>(
     q: &Tensor<F>,
@@ -80,16 +112,8 @@ fn attention_forward_kernel<F: Float>(
     if u >= rows as usize {
         terminate!();
     }
-    let (nkv, g, t) = (kv as usize, groups as usize, seq as usize);
-    let r = u % (g * t);
-    let bk = u / (g * t);
-    let (kvi, b) = (bk % nkv, bk / nkv);
-    let p = r % t;
-    let head = kvi * g + r / t;
-    let qa = u * hd;
-    let kb = bk * t * hd;
-    let vrow = nkv * hd;
-    let vb = b * t * vrow + kvi * hd;
+    let at = query_row(u, kv, groups, seq, hd);
+    let (p, qa, kb, vb, vrow) = (at.p, at.qa, at.kb, at.vb, at.vrow);
 
     // Key 0 is always visible: it starts the running max, so no infinity is needed.
     let mut m = dot::<F>(q, qa, k, kb, hd) * scale;
@@ -109,9 +133,8 @@ fn attention_forward_kernel<F: Float>(
         }
         m = m_new;
     }
-    let ob = (b * t + p) * nkv * g * hd + head * hd;
     for j in 0..hd {
-        out[ob + j] = F::cast_from(acc[j] / l);
+        out[at.ob + j] = F::cast_from(acc[j] / l);
     }
     lse[u] = m + l.ln();
 }
@@ -140,17 +163,8 @@ fn attention_dq_kernel<F: Float>(
     if u >= rows as usize {
         terminate!();
     }
-    let (nkv, g, t) = (kv as usize, groups as usize, seq as usize);
-    let r = u % (g * t);
-    let bk = u / (g * t);
-    let (kvi, b) = (bk % nkv, bk / nkv);
-    let p = r % t;
-    let head = kvi * g + r / t;
-    let qa = u * hd;
-    let kb = bk * t * hd;
-    let vrow = nkv * hd;
-    let vb = b * t * vrow + kvi * hd;
-    let ob = (b * t + p) * nkv * g * hd + head * hd;
+    let at = query_row(u, kv, groups, seq, hd);
+    let (p, qa, kb, vb, vrow, ob) = (at.p, at.qa, at.kb, at.vb, at.vrow, at.ob);
 
     let d = dot::<F>(dout, ob, out, ob, hd);
     delta[u] = d;

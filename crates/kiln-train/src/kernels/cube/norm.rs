@@ -255,15 +255,13 @@ pub(super) fn rms_norm_autodiff<C: CheckpointStrategy>(
         type State = (CubeTensor, CubeTensor, CubeTensor);
 
         fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let [node_x, node_w] = ops.parents;
             let dy = grads.consume::<CubeBackend>(&ops.node);
             let (x, w, inv) = ops.state;
             let (dx, dw) = rms_norm_backward(dy, &x, &w, &inv);
-            if let Some(node) = node_x {
-                grads.register::<CubeBackend>(node.id, dx);
-            }
-            if let Some(node) = node_w {
-                grads.register::<CubeBackend>(node.id, dw);
+            for (node, g) in ops.parents.into_iter().zip([dx, dw]) {
+                if let Some(node) = node {
+                    grads.register::<CubeBackend>(node.id, g);
+                }
             }
         }
     }
@@ -297,15 +295,13 @@ pub(super) fn swiglu_autodiff<C: CheckpointStrategy>(
         type State = (CubeTensor, CubeTensor);
 
         fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let [node_gate, node_up] = ops.parents;
             let dy = grads.consume::<CubeBackend>(&ops.node);
             let (gate, up) = ops.state;
             let (dgate, dup) = swiglu_backward(dy, &gate, &up);
-            if let Some(node) = node_gate {
-                grads.register::<CubeBackend>(node.id, dgate);
-            }
-            if let Some(node) = node_up {
-                grads.register::<CubeBackend>(node.id, dup);
+            for (node, g) in ops.parents.into_iter().zip([dgate, dup]) {
+                if let Some(node) = node {
+                    grads.register::<CubeBackend>(node.id, g);
+                }
             }
         }
     }
