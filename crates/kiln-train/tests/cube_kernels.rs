@@ -210,3 +210,32 @@ fn adamw_update_matches_the_formula() {
         assert!(d <= 1e-6, "adamw {name}: {d:e}");
     }
 }
+
+#[test]
+fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
+    use burn::tensor::Int;
+    // 37 rows, vocab 300: one chunk, or chunks of 128, 128 and 44 columns, with targets in
+    // each of them.
+    let (n, d, vocab) = (37, 16, 300);
+    let ids: Vec<i64> = (0..n).map(|i| ((i * 89 + 7) % vocab) as i64).collect();
+    for columns in [None, Some(128)] {
+        compare(
+            &format!("cross_entropy {columns:?}"),
+            &["loss", "dh", "dw"],
+            |fused| {
+                let h = leaf([n, d], 21);
+                let w = leaf([d, vocab], 22);
+                let targets =
+                    Tensor::<1, Int>::from_data(TensorData::new(ids.clone(), [n]), &h.device());
+                let loss = match (fused, columns) {
+                    (true, Some(c)) => {
+                        kernels::linear_cross_entropy_in_chunks(h.clone(), w.clone(), targets, c)
+                    }
+                    (true, None) => kernels::linear_cross_entropy(h.clone(), w.clone(), targets),
+                    (false, _) => composed::linear_cross_entropy(h.clone(), w.clone(), targets),
+                };
+                values_and_grads(loss, vec![grad_of(&h), grad_of(&w)])
+            },
+        );
+    }
+}

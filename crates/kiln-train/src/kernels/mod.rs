@@ -171,6 +171,10 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) ->
 /// Mean cross-entropy of `h @ w` against `targets` (see
 /// [`KilnOps::kiln_linear_cross_entropy`]), as a one-element tensor.
 pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&h, &[w.dtype()]) {
+        return cube::linear_cross_entropy(h, w, targets, None);
+    }
     if !fusable(&h) || !fusable(&w) {
         return composed::linear_cross_entropy(h, w, targets);
     }
@@ -179,6 +183,23 @@ pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>)
         w.into_dispatch(),
         targets.into_dispatch(),
     ))
+}
+
+/// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
+/// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
+/// [`linear_cross_entropy`]): for tests and tuning.
+pub fn linear_cross_entropy_in_chunks(
+    h: Tensor<2>,
+    w: Tensor<2>,
+    targets: Tensor<1, Int>,
+    columns: usize,
+) -> Tensor<1> {
+    #[cfg(feature = "cube")]
+    if cube::covers(&h, &[w.dtype()]) {
+        return cube::linear_cross_entropy(h, w, targets, Some(columns));
+    }
+    let _ = columns;
+    linear_cross_entropy(h, w, targets)
 }
 
 static ENABLED: AtomicBool = AtomicBool::new(true);

@@ -9,9 +9,11 @@
 //! What is covered: RMSNorm, SwiGLU, RoPE with the head transpose, and causal grouped-query
 //! attention that never materialises the `T x T` scores (forward saves the log-sum-exp per
 //! row; backward recomputes the probabilities from it), so its memory grows linearly with
-//! the sequence length; and the AdamW update with clipping, one kernel over a parameter's
-//! device buffers. The output head with cross-entropy, and the Muon and SophiaG updates, still
-//! take burn's generic ops on devices.
+//! the sequence length; the output head with cross-entropy, chunked over the vocabulary (burn's
+//! matmul per chunk, kernels for the running log-sum-exp and the logits' gradient), so the
+//! `[tokens, vocab]` logits are never whole; and the AdamW update with clipping, one kernel
+//! over a parameter's device buffers. The Muon and SophiaG updates still take burn's generic
+//! ops on devices.
 //!
 //! Numerics: every kernel reads its element type and accumulates in f32, then writes its
 //! element type, so bf16 inputs keep f32 sums. Work is one unit per output row or element and
@@ -23,14 +25,15 @@
 
 pub(super) mod adamw;
 mod attention;
+mod cross_entropy;
 mod norm;
 mod rope;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, Int, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
@@ -58,6 +61,13 @@ pub trait DeviceOps: Backend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         scale: f64,
+    ) -> FloatTensor<Self>;
+    /// Mean cross-entropy of `h @ w` against `targets`, `columns` logits columns at a time.
+    fn device_linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        columns: usize,
     ) -> FloatTensor<Self>;
 }
 
@@ -108,6 +118,24 @@ pub(super) fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: 
     ))
 }
 
+/// Mean cross-entropy of `h @ w` against `targets`, at most `columns` logits columns live at
+/// once (`None`: as many as [`cross_entropy::chunk_columns`] allows).
+pub(super) fn linear_cross_entropy(
+    h: Tensor<2>,
+    w: Tensor<2>,
+    targets: Tensor<1, Int>,
+    columns: Option<usize>,
+) -> Tensor<1> {
+    let (n, vocab) = (h.dims()[0], w.dims()[1]);
+    let columns = columns.unwrap_or_else(|| cross_entropy::chunk_columns(n, vocab));
+    Tensor::from_dispatch(Dispatch::device_linear_cross_entropy(
+        h.into_dispatch(),
+        w.into_dispatch(),
+        targets.into_dispatch(),
+        columns.max(1),
+    ))
+}
+
 // ---------------------------------------------------------------------------------------
 // CubeBackend: forward only.
 
@@ -131,6 +159,15 @@ impl DeviceOps for CubeBackend {
         scale: f64,
     ) -> CubeTensor {
         attention::forward(q, k, v, scale).0
+    }
+
+    fn device_linear_cross_entropy(
+        h: CubeTensor,
+        w: CubeTensor,
+        targets: CubeTensor,
+        columns: usize,
+    ) -> CubeTensor {
+        cross_entropy::forward(h, w, targets, columns).0
     }
 }
 
@@ -162,6 +199,15 @@ impl<C: CheckpointStrategy> DeviceOps for Autodiff<CubeBackend, C> {
         scale: f64,
     ) -> FloatTensor<Self> {
         attention::autodiff::<C>(q, k, v, scale)
+    }
+
+    fn device_linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        columns: usize,
+    ) -> FloatTensor<Self> {
+        cross_entropy::autodiff::<C>(h, w, targets, columns)
     }
 }
 
