@@ -112,6 +112,12 @@ pub const QUARANTINE: &str = "quarantine.jsonl";
 /// Plots (`kiln plot`, `kiln lr-find`).
 pub const PLOTS: &str = "plots";
 
+/// A rank's CubeCL cache on GPU devices (`device-cache-<R>.db`): its autotune decisions and
+/// compiled kernels, kept with the run so a resumed process runs the same kernels.
+pub fn device_cache(rank: impl Display) -> String {
+    format!("device-cache-{rank}.db")
+}
+
 /// A rank's progress beacon in the progress directory (see [`crate::write_beacon`]).
 pub fn beacon(rank: impl Display) -> String {
     format!("{BEACON_PREFIX}{rank}")
@@ -231,6 +237,11 @@ pub fn entries() -> Vec<Entry> {
              with a note; never deleted",
         ),
         train(FINAL_MODEL, "the final weights"),
+        train(
+            &device_cache("<R>"),
+            "GPU devices only: rank R's kernel choices (autotune) and compiled kernels, so a \
+             resumed process runs the same kernels (exact resume) without tuning again",
+        ),
         train(
             LOCK,
             "held (flock) by the one trainer writing the directory: its pid and host",

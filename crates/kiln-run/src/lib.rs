@@ -11,6 +11,7 @@
 //! | `checkpoints/step-<N>/`     | kiln train      | safetensors + `state.json` + `manifest.json`   |
 //! | `checkpoints/rejected/`     | kiln train      | checkpoints moved aside; never deleted         |
 //! | `model.safetensors`         | kiln train      | the final weights                              |
+//! | `device-cache-<R>.db`       | kiln train      | GPU devices: rank R's kernel choices, kernels  |
 //! | `train.lock`                | kiln train      | the one writer's lock (pid and host)           |
 //! | `run_id`                    | kiln train      | the run's lineage                              |
 //! | `attempt-<i>.log`           | kiln launch     | raw bytes of one attempt's output              |

@@ -98,6 +98,27 @@ pub fn tune_allocator() {
     }
 }
 
+/// On CubeCL devices, keeps this process's CubeCL cache (autotune decisions and compiled
+/// kernels) in the run directory, one file a rank ([`kiln_run::layout::device_cache`]), before
+/// the device is first used. Autotune times its candidate kernels and keeps the fastest; a
+/// resumed process that timed them afresh could pick another kernel with another summation
+/// order and leave the run it continues by a few bits. Reading the choices back makes resume
+/// exact by construction, and skips the tuning and compiling. A cache that cannot be written
+/// degrades to memory (CubeCL's behaviour). Nothing to do on flex.
+pub fn keep_device_cache(config: &Config, run_dir: &Path, rank: usize) {
+    #[cfg(feature = "cube")]
+    if !matches!(config.training.device.as_str(), "flex" | "cpu") {
+        use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+        // CubeCL's runtime config, loaded on first use, activates its own environment (and
+        // would undo the mount below if it loaded later): load it first.
+        let _ = CubeClRuntimeConfig::get();
+        cubecl::environment::load(run_dir.join(kiln_run::layout::device_cache(rank)));
+        tracing::debug!(path = %cubecl::environment::path().display(), "device cache");
+    }
+    #[cfg(not(feature = "cube"))]
+    let _ = (config, run_dir, rank);
+}
+
 /// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
 /// in a process takes effect; see [`crate::budget::start_threads`].
 pub fn set_threads(threads: usize) -> Result<(), TrainError> {

@@ -1008,6 +1008,7 @@ fn build(
         crate::budget::check_run(cfg, vocab, &store)?;
     }
     startup.mark(phase::DATA_OPEN);
+    crate::session::keep_device_cache(cfg, run_dir, comm.rank());
     let session = Session::new(cfg, vocab)?;
     Ok((layout, data, session))
 }

@@ -3,8 +3,8 @@
 //! code, with burn's generic ops on device tensors and CubeCL kernels compiled by LLVM,
 //! that `cuda`/`rocm` run), checked against flex: the same losses and gradient norms, a
 //! checkpoint moving between devices, and two MPI ranks (gradients staged through host
-//! memory). Exact resume after SIGKILL on that device is written but ignored (see the
-//! test).
+//! memory), and exact resume after SIGKILL on that device (with the kernel choices kept in
+//! the run directory).
 //!
 //! Slow by nature: on this runtime a process spends about a minute compiling its kernels
 //! (LLVM) and timing burn's autotune candidates before its first step, and a tiny-model
@@ -136,20 +136,28 @@ fn two_ranks_on_cubecl_cpu_match_one_flex_rank() {
     assert_close(&steps(&dp), &steps(&flex), 1e-3);
 }
 
-/// SIGKILL after the step-2 checkpoint, then the same command, should end with the same
-/// bytes as the uninterrupted run on this device, as it does on flex. Measured in earlier
-/// sessions: the final weights differed. On 2026-11-24 it passed 2 of 2 runs when run alone
-/// (`-- sigkill --include-ignored`). Still ignored: autotune times its kernel candidates
-/// afresh in every process (no persistent autotune cache was written on this runtime), so
-/// under load, as when this file's tests run side by side, a resumed process may pick another
-/// kernel with another summation order. Pinning the choices (a persistent autotune cache kept
-/// with the run) would make it exact by construction.
+/// SIGKILL after the step-2 checkpoint, then the same command, ends with the same bytes as
+/// the uninterrupted run on this device, as it does on flex. Autotune times candidate kernels
+/// and keeps the fastest, so two processes may pick kernels with different summation orders
+/// (this test failed under load for that reason); each rank's choices now persist in the run
+/// directory (`device-cache-<R>.db`) and a resumed process reads them back. The killed run
+/// starts from a copy of the uninterrupted run's cache, so the two compared runs use the same
+/// kernels from step 1, and the resume must keep them.
 #[test]
-#[ignore = "kernel choice is timed per process (see the doc comment); passes when run alone"]
 fn sigkill_and_resume_on_cubecl_cpu_is_bit_identical() {
     let tmp = tempfile::tempdir().unwrap();
     let (cube, killed) = (tmp.path().join("cube"), tmp.path().join("killed"));
     run(train(&cube, "cubecl-cpu", 4), "cubecl-cpu, 4 steps");
+    std::fs::create_dir_all(&killed).unwrap();
+    let caches: Vec<_> = std::fs::read_dir(&cube)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().starts_with("device-cache-0.db"))
+        .collect();
+    assert!(!caches.is_empty(), "no device cache in {}", cube.display());
+    for name in caches {
+        std::fs::copy(cube.join(&name), killed.join(&name)).unwrap();
+    }
     let mut child = common::spawn_until(train(&killed, "cubecl-cpu", 4), 3, Some(2));
     // SAFETY: kill(2) with a pid we own.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
