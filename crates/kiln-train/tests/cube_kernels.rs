@@ -7,33 +7,16 @@
 //! kernels). Built only with the `cubecl-cpu` feature.
 #![cfg(feature = "cubecl-cpu")]
 
+mod common;
+
 use burn::tensor::{Device, Tensor, TensorData};
+use common::{host, random, rel_diff};
 use kiln_train::kernels::{self, composed};
 
 const TOLERANCE: f32 = 2e-5;
 
 fn device() -> Device {
     kiln_train::session::parse_device("cubecl-cpu").unwrap()
-}
-
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .unwrap()
 }
 
 /// A tracked leaf of `shape` with values from `seed`, on the autodiff device.
@@ -44,16 +27,6 @@ fn leaf<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<D> {
         &device().autodiff(),
     )
     .require_grad()
-}
-
-/// Largest |a - b| relative to the largest |b|.
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
 }
 
 /// The output and the gradients of `sum(out * r)` (r fixed) with respect to `leaves`.
@@ -170,7 +143,7 @@ fn causal_attention_matches_composed() {
 
 #[test]
 fn adamw_update_matches_the_formula() {
-    use kiln_train::kernels::adamw::{AdamWScalars, update};
+    use kiln_train::kernels::{adamw::AdamWScalars, adamw_update as update};
     // 300 elements (two full cubes and a partial one), clipping and decay on.
     let n = 300;
     let (p, g, m, v) = (random(n, 11), random(n, 12), random(n, 13), random(n, 14));

@@ -3,30 +3,12 @@
 //! (`scripts/install-llvm.sh` provides the LLVM it links).
 #![cfg(feature = "cubecl-cpu")]
 
+mod common;
+
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Tensor, TensorData};
+use common::{host, random, rel_diff};
 use std::time::Instant;
-
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    // A small LCG: the values only need to be fixed and spread out.
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .unwrap()
-}
 
 /// `sum(softmax(x @ w) * r)`: forward value and the gradients of x and w.
 fn matmul_softmax(device: &Device, rows: usize, k: usize, cols: usize) -> Vec<Vec<f32>> {
@@ -45,16 +27,6 @@ fn matmul_softmax(device: &Device, rows: usize, k: usize, cols: usize) -> Vec<Ve
         host(&x.grad(&grads).unwrap()),
         host(&w.grad(&grads).unwrap()),
     ]
-}
-
-/// Largest |a - b| relative to the largest |b|.
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
 }
 
 #[test]

@@ -105,17 +105,11 @@ fn owned(t: FlexTensor) -> FlexTensor {
 pub type Fused =
     Result<(Tensor<1>, Tensor<1>, Tensor<1>), Box<(Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>)>>;
 
-/// The fused update of one parameter, when the kernels cover its tensors (f32 on flex, or on a
-/// CubeCL device through `cube::adamw`; not tracked by autodiff); `Err` hands the tensors back
-/// for the composed path.
+/// The fused update of one parameter on flex, when the kernels cover its tensors (f32, not
+/// tracked by autodiff); `Err` hands the tensors back. [`super::adamw_update`] routes here.
 pub fn update(p: Tensor<1>, g: Tensor<1>, m: Tensor<1>, v: Tensor<1>, s: &AdamWScalars) -> Fused {
     // A tensor tracked by autodiff (or on another backend) does not convert to a flex
     // primitive; the probe converts a clone, dropped at once, so uniqueness is unaffected.
-    #[cfg(feature = "cube")]
-    let (p, g, m, v) = match super::cube::adamw::update(p, g, m, v, s) {
-        Ok(done) => return Ok(done),
-        Err(back) => *back,
-    };
     let covered = [&p, &g, &m, &v].into_iter().all(|t| {
         fusable(t) && t.dims() == p.dims() && (*t).clone().try_into_primitive::<Flex>().is_ok()
     });

@@ -185,6 +185,23 @@ pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>)
     ))
 }
 
+/// The fused AdamW update of one parameter (with clipping): the CubeCL kernel on CubeCL
+/// devices, the CPU pass on flex; `Err` hands the tensors back for the composed update.
+pub fn adamw_update(
+    p: Tensor<1>,
+    g: Tensor<1>,
+    m: Tensor<1>,
+    v: Tensor<1>,
+    s: &adamw::AdamWScalars,
+) -> adamw::Fused {
+    #[cfg(feature = "cube")]
+    let (p, g, m, v) = match cube::adamw::update(p, g, m, v, s) {
+        Ok(done) => return Ok(done),
+        Err(back) => *back,
+    };
+    adamw::update(p, g, m, v, s)
+}
+
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
 /// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
 /// [`linear_cross_entropy`]): for tests and tuning.

@@ -153,7 +153,7 @@ impl AdamW {
             };
             // Likewise the parameter (a placeholder holds its slot meanwhile).
             let p = std::mem::replace(&mut params[i], Tensor::empty([0], &g.device()));
-            let (p, m, v) = match kernels::adamw::update(p, g, m, v, &s) {
+            let (p, m, v) = match kernels::adamw_update(p, g, m, v, &s) {
                 Ok(done) => done,
                 Err(back) => {
                     let (p, g, m, v) = *back;
