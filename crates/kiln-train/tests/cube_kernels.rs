@@ -185,6 +185,46 @@ fn adamw_update_matches_the_formula() {
 }
 
 #[test]
+fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
+    // Sizes for one pass (1, 63, 65), two (5000: 79 partials, then 2) and three (300 000:
+    // 4688, then 74, then 2), and an empty piece (a rank's share of nothing).
+    let sizes = [1usize, 63, 65, 0, 5000, 300_000];
+    let data: Vec<Vec<f32>> = (0..sizes.len())
+        .map(|i| random(sizes[i], 40 + i as u64))
+        .collect();
+    let tensors: Vec<Tensor<1>> = data
+        .iter()
+        .map(|x| Tensor::<1>::from_data(TensorData::new(x.clone(), [x.len()]), &device()))
+        .collect();
+    let want: f64 = data
+        .iter()
+        .flatten()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum();
+    let got = kernels::device_square_sum(&tensors).expect("f32 device tensors are covered");
+    let d = ((got - want) / want).abs();
+    eprintln!(
+        "square sum: relative difference {d:.2e} over {} values",
+        sizes.iter().sum::<usize>()
+    );
+    assert!(d <= 1e-6, "square sum {got} against {want}");
+    for _ in 0..3 {
+        let again = kernels::device_square_sum(&tensors).expect("covered");
+        assert_eq!(
+            again.to_bits(),
+            got.to_bits(),
+            "the sum changed between calls"
+        );
+    }
+    let norm = kiln_train::optim::global_norm(&tensors);
+    assert_eq!(
+        norm,
+        got.sqrt() as f32,
+        "global_norm takes the fixed-order sum on devices"
+    );
+}
+
+#[test]
 fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
     use burn::tensor::Int;
     // 37 rows, vocab 300: one chunk, or chunks of 128, 128 and 44 columns, with targets in

@@ -202,6 +202,21 @@ pub fn adamw_update(
     adamw::update(p, g, m, v, s)
 }
 
+/// The sum of squares of every element of `tensors` in an order fixed by their sizes alone,
+/// when they are on a CubeCL device (whose generic sum is autotuned and may use atomics, so its
+/// bits differ between ranks and processes); `None` elsewhere, where the caller's own sum is
+/// already deterministic. Not switched off by `training.fused_kernels`: it is for exactness,
+/// not speed.
+pub fn device_square_sum(tensors: &[Tensor<1>]) -> Option<f64> {
+    #[cfg(feature = "cube")]
+    return cube::square_sum::square_sum(tensors);
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = tensors;
+        None
+    }
+}
+
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
 /// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
 /// [`linear_cross_entropy`]): for tests and tuning.

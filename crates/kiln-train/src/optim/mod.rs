@@ -61,6 +61,9 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
     if grads.is_empty() {
         return 0.0;
     }
+    if let Some(square_sum) = crate::kernels::device_square_sum(grads) {
+        return square_sum.sqrt() as f32;
+    }
     // One tensor per rayon task on flex: it runs each element-wise op on one thread, and the
     // per-tensor results are the same whichever thread computes them (concatenated and
     // summed in parameter order below), so the norm keeps its bits. Elsewhere one thread

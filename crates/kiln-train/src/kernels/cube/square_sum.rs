@@ -1,0 +1,115 @@
+//! The sum of squares of a set of device tensors (the gradients' global norm) in an order
+//! fixed by the tensors' sizes alone.
+//!
+//! burn's device sum is autotuned: its candidates include a one-kernel sum with atomic adds
+//! (whose order changes from launch to launch) and cube counts picked by timing (which differ
+//! between processes). The clipping coefficient comes from this sum, so two data-parallel
+//! ranks holding the same all-reduced gradients could clip them by coefficients one ulp apart
+//! and drift apart (the replica check stops such a run), and a resumed run could differ from
+//! the uninterrupted one. Here each unit sums a fixed, strided slice of its tensor in f32, the
+//! partials are summed the same way until a few remain per tensor, and the host adds those in
+//! f64 in parameter order: the same bits on every rank, in every process, with no autotuning.
+
+use super::{elem, f32_vector, launch_1d};
+use burn::backend::Cube;
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// Elements each unit sums (at least; fewer units than this many per element are launched).
+const PER_UNIT: usize = 64;
+/// The most units one pass launches.
+const MAX_UNITS: usize = 1 << 16;
+
+/// Unit `u` of `units` sums `x[u], x[u + units], x[u + 2 units], ...` (their squares when
+/// `square`) in f32 into `out[u]`.
+#[cube(launch)]
+fn partial_sums_kernel<F: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<f32>,
+    n: u32,
+    units: u32,
+    #[comptime] square: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let u = ABSOLUTE_POS;
+    let (n, units) = (n as usize, units as usize);
+    if u >= units {
+        terminate!();
+    }
+    let steps = (n - u).div_ceil(units);
+    let mut acc = 0.0f32;
+    for s in 0..steps {
+        let v = f32::cast_from(x[u + s * units]);
+        if square {
+            acc += v * v;
+        } else {
+            acc += v;
+        }
+    }
+    out[u] = acc;
+}
+
+/// Units for a pass over `n` values.
+fn units_for(n: usize) -> usize {
+    n.div_ceil(PER_UNIT).clamp(1, MAX_UNITS)
+}
+
+/// One pass: `units_for(n)` partial sums of `x` (of its squares when `square`).
+fn pass(x: &CubeTensor, n: usize, square: bool) -> CubeTensor {
+    let units = units_for(n);
+    let out = f32_vector(x, units);
+    let (count, dim) = launch_1d(units);
+    partial_sums_kernel::launch(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        n as u32,
+        units as u32,
+        square,
+        elem(x),
+    );
+    out
+}
+
+/// At most `PER_UNIT` f32 partial sums of the squares of `x`'s `n` elements.
+fn partials(x: CubeTensor, n: usize) -> CubeTensor {
+    let mut sums = pass(&x, n, true);
+    let mut len = units_for(n);
+    while len > PER_UNIT {
+        sums = pass(&sums, len, false);
+        len = units_for(len);
+    }
+    sums
+}
+
+/// A burn tensor (cubecl's prelude names its own `Tensor`).
+type Host1 = burn::tensor::Tensor<1>;
+
+/// The sum of squares of every element of `tensors`, when all are f32 or bf16 tensors on a
+/// CubeCL device; `None` otherwise (nothing launched).
+pub(in crate::kernels) fn square_sum(tensors: &[Host1]) -> Option<f64> {
+    let on_device = |t: &Host1| {
+        matches!(t.dtype(), DType::F32 | DType::BF16)
+            && t.clone().try_into_primitive::<Cube>().is_ok()
+    };
+    if tensors.is_empty() || !tensors.iter().all(on_device) {
+        return None;
+    }
+    let pieces: Vec<Host1> = tensors
+        .iter()
+        .filter(|t| t.dims()[0] > 0)
+        .filter_map(|t| {
+            let prim = super::dense(t.clone().try_into_primitive::<Cube>().ok()?);
+            Some(Host1::from_primitive::<Cube>(partials(prim, t.dims()[0])))
+        })
+        .collect();
+    if pieces.is_empty() {
+        return Some(0.0);
+    }
+    // One read-back for every tensor's partials, added in parameter order.
+    let sums = Host1::cat(pieces, 0).into_data().try_to_vec::<f32>().ok()?;
+    Some(sums.iter().map(|&s| f64::from(s)).sum())
+}
