@@ -58,6 +58,10 @@ pub enum TrainError {
     /// A guard stopped the run.
     #[error("guard: {0}")]
     Guard(String),
+    /// A collective between the ranks' devices failed during training (NCCL): perhaps a peer
+    /// was lost, worth a retry.
+    #[error("device collective: {0}")]
+    Collective(String),
     /// Data-parallel replicas disagree on their parameters.
     #[error(
         "replica mismatch after step {step}: the parameters of rank(s) {ranks:?} differ from the other ranks' (silent data corruption or a desynced rank); stopped before saving them"
@@ -95,6 +99,7 @@ impl TrainError {
             | Self::Io { .. }
             | Self::Events(_)
             | Self::Checkpoint(_)
+            | Self::Collective(_)
             | Self::DataRead(_) => exit::FAILURE,
         }
     }

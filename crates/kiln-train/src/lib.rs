@@ -39,6 +39,7 @@ pub mod journal;
 pub mod kernels;
 pub mod metrics;
 pub mod model;
+pub mod nccl;
 pub mod optim;
 pub mod replicas;
 pub mod run_dir;

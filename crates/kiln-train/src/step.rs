@@ -10,6 +10,7 @@ use crate::data::{SampleError, TokenSource};
 use crate::error::TrainError;
 use crate::faults::Faults;
 use crate::model::Llama;
+use crate::nccl::Nccl;
 use crate::optim::{self, Optimizer};
 use crate::session::Session;
 use crate::shard::{ShardPlan, StageShards};
@@ -150,6 +151,8 @@ pub struct Step<'c> {
     allreduce: BucketedAllReduce,
     /// What this rank keeps of a sharded run (`parallelism.shard`).
     shard: Option<ShardPlan>,
+    /// The gradient average on the devices (CUDA: NCCL), else staged through host memory.
+    nccl: Option<Nccl>,
     comm: &'c dyn Collective,
 }
 
@@ -178,7 +181,15 @@ impl<'c> Step<'c> {
         comm: &'c dyn Collective,
     ) -> Result<Self, TrainError> {
         let plan = ShardPlan::new(cfg, &session.model, comm)?;
-        Ok(Self::with_plan(cfg, session, layout, comm, plan))
+        // The sharded modes' reduce-scatter and all-gather stay host-staged (see `nccl`).
+        let nccl = match plan.is_none() && comm.size() > 1 {
+            true => Nccl::join(comm, &session.device)?,
+            false => None,
+        };
+        Ok(Self {
+            nccl,
+            ..Self::with_plan(cfg, session, layout, comm, plan)
+        })
     }
 
     /// The step of `cfg` with the sharding `shard`.
@@ -199,6 +210,7 @@ impl<'c> Step<'c> {
             faults,
             allreduce: BucketedAllReduce::new(cfg.parallelism.bucket_mb.max(1) << 20),
             shard,
+            nccl: None,
             comm,
         }
     }
@@ -316,7 +328,7 @@ impl<'c> Step<'c> {
                 (loss, pieces, norm, t0.elapsed().as_secs_f64())
             }
             (None, _) => {
-                let (loss, grads, allreduce_s) = self.average(session, loss, grads);
+                let (loss, grads, allreduce_s) = self.average(session, loss, grads)?;
                 let norm = optim::global_norm(&grads);
                 (loss, grads, norm, allreduce_s)
             }
@@ -382,16 +394,22 @@ impl<'c> Step<'c> {
         session: &Session,
         loss: f32,
         grads: Vec<Tensor<1>>,
-    ) -> (f32, Vec<Tensor<1>>, f64) {
+    ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
         if self.comm.size() == 1 {
-            return (loss, grads, 0.0);
+            return Ok((loss, grads, 0.0));
         }
         let t0 = Instant::now();
+        if let Some(nccl) = &self.nccl {
+            let mut sum = [loss];
+            self.comm.all_reduce_sum_f32(&mut sum);
+            let loss = sum[0] * (1.0 / self.comm.size() as f32);
+            return Ok((loss, nccl.mean(grads)?, t0.elapsed().as_secs_f64()));
+        }
         let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
         let mut flat = self.allreduce.mean(self.comm, &flatten(grads, &[loss]));
         let loss = flat.pop().unwrap_or(f32::NAN);
         let grads = split(&flat, lengths, &session.device);
-        (loss, grads, t0.elapsed().as_secs_f64())
+        Ok((loss, grads, t0.elapsed().as_secs_f64()))
     }
 
     /// Mean loss of `rows` times `scale`, and its gradients, computed as `shards` pieces on

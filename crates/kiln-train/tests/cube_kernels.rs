@@ -252,3 +252,43 @@ fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
         );
     }
 }
+
+/// NCCL is for CUDA devices only: on this device the gradients stay host-staged.
+#[test]
+fn nccl_joins_only_on_cuda_devices() {
+    let joined = kiln_train::nccl::Nccl::join(&kiln_dist::Solo, &device());
+    assert!(matches!(joined, Ok(None)), "NCCL joined on cubecl-cpu");
+}
+
+/// With a CUDA GPU (skipped, reason printed, without one): NCCL joins a one-rank
+/// communicator, reduces gradients of several sizes in one flat device buffer and hands each
+/// back unchanged (the mean over one rank), views of the right lengths and values.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_on_one_cuda_rank_hands_the_gradients_back() {
+    let gpu = std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .is_ok_and(|o| o.status.success() && o.stdout.starts_with(b"GPU "));
+    if !gpu {
+        eprintln!("skipped: no CUDA GPU here (nvidia-smi -L)");
+        return;
+    }
+    let cuda = kiln_train::session::parse_device("cuda").unwrap();
+    let nccl = kiln_train::nccl::Nccl::join(&kiln_dist::Solo, &cuda)
+        .expect("NCCL joins")
+        .expect("a CUDA device joins NCCL");
+    let data: Vec<Vec<f32>> = [1usize, 300, 4097]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random(n, 70 + i as u64))
+        .collect();
+    let grads = data
+        .iter()
+        .map(|x| Tensor::<1>::from_data(TensorData::new(x.clone(), [x.len()]), &cuda))
+        .collect();
+    let back = nccl.mean(grads).expect("all-reduce");
+    for (got, want) in back.iter().zip(&data) {
+        assert_eq!(&host(got), want);
+    }
+}
