@@ -253,6 +253,53 @@ fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
     }
 }
 
+/// Muon's arithmetic on replicated state: the fixed-kernel matmul agrees with burn's
+/// autotuned one (shapes that fill no tile: 7x13 @ 13x5, and a transposed view as Newton-Schulz
+/// passes it), and the Frobenius norm stays on the device, equals the f64 formula and keeps
+/// its bits from call to call.
+#[test]
+fn replicated_matmul_and_frobenius_norm_match_burn() {
+    let on_device = |x: Vec<f32>, shape: [usize; 2]| {
+        Tensor::<2>::from_data(TensorData::new(x, shape), &device())
+    };
+    let a = on_device(random(7 * 13, 81), [7, 13]);
+    let b = on_device(random(13 * 5, 82), [13, 5]);
+    for (name, got, want) in [
+        (
+            "a @ b",
+            kernels::replicated_matmul(a.clone(), b.clone()),
+            a.clone().matmul(b.clone()),
+        ),
+        (
+            "a @ a^T",
+            kernels::replicated_matmul(a.clone(), a.clone().transpose()),
+            a.clone().matmul(a.clone().transpose()),
+        ),
+    ] {
+        let d = rel_diff(&host(&got), &host(&want));
+        eprintln!("replicated matmul {name}: relative difference {d:.2e}");
+        assert_eq!(got.dims(), want.dims());
+        assert!(d <= TOLERANCE, "{name}: {d:e}");
+    }
+    let x = random(7 * 13, 81);
+    let want = x
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt();
+    let norm = kernels::frobenius_norm(&a);
+    assert_eq!(norm.dims(), [1]);
+    let got = host(&norm)[0];
+    assert!(
+        ((f64::from(got) - want) / want).abs() <= 1e-6,
+        "{got} vs {want}"
+    );
+    assert_eq!(
+        host(&kernels::frobenius_norm(&a))[0].to_bits(),
+        got.to_bits()
+    );
+}
+
 /// NCCL is for CUDA devices only: on this device the gradients stay host-staged.
 #[test]
 fn nccl_joins_only_on_cuda_devices() {

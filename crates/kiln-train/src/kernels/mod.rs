@@ -217,6 +217,30 @@ pub fn device_square_sum(tensors: &[Tensor<1>]) -> Option<f64> {
     }
 }
 
+/// `a @ b` for arithmetic on replicated state (Muon's Newton-Schulz): on CubeCL devices by a
+/// kernel chosen from the device's properties, not by timing (burn's matmul there is
+/// autotuned per process, so two ranks could multiply the same matrices with different
+/// kernels and drift apart); burn's matmul elsewhere.
+pub fn replicated_matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
+    #[cfg(feature = "cube")]
+    if let Some(out) = cube::fixed_matmul::matmul_fixed(&a, &b) {
+        return out;
+    }
+    a.matmul(b)
+}
+
+/// The Frobenius norm of `x` as a one-element tensor on its device, with no read-back: on
+/// CubeCL devices the fixed-order sum of [`device_square_sum`], else burn's sum.
+pub fn frobenius_norm(x: &Tensor<2>) -> Tensor<1> {
+    #[cfg(feature = "cube")]
+    if let Some(s) =
+        cube::square_sum::on_device(&x.clone().reshape([x.dims().iter().product::<usize>()]))
+    {
+        return s.sqrt();
+    }
+    x.clone().powi_scalar(2).sum().sqrt()
+}
+
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
 /// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
 /// [`linear_cross_entropy`]): for tests and tuning.

@@ -12,9 +12,11 @@
 //! the sequence length; the output head with cross-entropy, chunked over the vocabulary (burn's
 //! matmul per chunk, kernels for the running log-sum-exp and the logits' gradient), so the
 //! `[tokens, vocab]` logits are never whole; and the AdamW update with clipping, one kernel
-//! over a parameter's device buffers; and the gradients' sum of squares for clipping, in a
-//! fixed order (burn's device sum may use atomics). The Muon and SophiaG updates still take
-//! burn's generic ops on devices.
+//! over a parameter's device buffers. For arithmetic on replicated state, where every rank
+//! must get the same bits: the gradients' sum of squares (clipping) and Muon's Frobenius
+//! norm in a fixed order (burn's device sum may use atomics), and a matmul whose kernel is
+//! not picked by timing (Muon's Newton-Schulz). The rest of Muon and SophiaG take burn's
+//! generic ops on devices.
 //!
 //! Numerics: every kernel reads its element type and accumulates in f32, then writes its
 //! element type, so bf16 inputs keep f32 sums. Work is one unit per output row or element and
@@ -27,6 +29,7 @@
 pub(super) mod adamw;
 mod attention;
 mod cross_entropy;
+pub(super) mod fixed_matmul;
 mod norm;
 mod rope;
 pub(super) mod square_sum;

@@ -55,9 +55,8 @@ fn units_for(n: usize) -> usize {
     n.div_ceil(PER_UNIT).clamp(1, MAX_UNITS)
 }
 
-/// One pass: `units_for(n)` partial sums of `x` (of its squares when `square`).
-fn pass(x: &CubeTensor, n: usize, square: bool) -> CubeTensor {
-    let units = units_for(n);
+/// One pass: `units` partial sums of `x`'s `n` values (of their squares when `square`).
+fn pass(x: &CubeTensor, n: usize, units: usize, square: bool) -> CubeTensor {
     let out = f32_vector(x, units);
     let (count, dim) = launch_1d(units);
     partial_sums_kernel::launch(
@@ -74,15 +73,29 @@ fn pass(x: &CubeTensor, n: usize, square: bool) -> CubeTensor {
     out
 }
 
-/// At most `PER_UNIT` f32 partial sums of the squares of `x`'s `n` elements.
-fn partials(x: CubeTensor, n: usize) -> CubeTensor {
-    let mut sums = pass(&x, n, true);
+/// At most `PER_UNIT` f32 partial sums of the squares of `x`'s `n` elements, and how many.
+fn partials(x: CubeTensor, n: usize) -> (CubeTensor, usize) {
     let mut len = units_for(n);
+    let mut sums = pass(&x, n, len, true);
     while len > PER_UNIT {
-        sums = pass(&sums, len, false);
-        len = units_for(len);
+        let next = units_for(len);
+        sums = pass(&sums, len, next, false);
+        len = next;
     }
-    sums
+    (sums, len)
+}
+
+/// The sum of squares of `x`'s elements as a one-element f32 tensor on its device, in the
+/// same fixed order, with no read-back (Muon's Frobenius norm); `None` when `x` is empty or
+/// not an f32 or bf16 tensor on a CubeCL device.
+pub(in crate::kernels) fn on_device(x: &Host1) -> Option<Host1> {
+    let n = x.dims()[0];
+    if !matches!(x.dtype(), DType::F32 | DType::BF16) || n == 0 {
+        return None;
+    }
+    let prim = super::dense(x.clone().try_into_primitive::<Cube>().ok()?);
+    let (sums, len) = partials(prim, n);
+    Some(Host1::from_primitive::<Cube>(pass(&sums, len, 1, false)))
 }
 
 /// A burn tensor (cubecl's prelude names its own `Tensor`).
@@ -103,7 +116,7 @@ pub(in crate::kernels) fn square_sum(tensors: &[Host1]) -> Option<f64> {
         .filter(|t| t.dims()[0] > 0)
         .filter_map(|t| {
             let prim = super::dense(t.clone().try_into_primitive::<Cube>().ok()?);
-            Some(Host1::from_primitive::<Cube>(partials(prim, t.dims()[0])))
+            Some(Host1::from_primitive::<Cube>(partials(prim, t.dims()[0]).0))
         })
         .collect();
     if pieces.is_empty() {
