@@ -58,6 +58,34 @@ impl Nccl {
     }
 }
 
+/// On a CUDA device, NCCL joined as a one-rank communicator reduces gradients of several
+/// sizes in one flat buffer and hands each back unchanged (the mean over one rank): the
+/// library opens, the communicator forms, the device addresses and the views are right.
+/// `Ok(None)` off CUDA devices; else the largest relative difference (0 when right).
+pub fn check_one_rank(device: &Device) -> Result<Option<f32>, TrainError> {
+    use crate::kernels::selfcheck::{host, random, rel_diff};
+    let Some(nccl) = Nccl::join(&kiln_dist::Solo, device)? else {
+        return Ok(None);
+    };
+    let data: Vec<Vec<f32>> = [1usize, 300, 4097]
+        .iter()
+        .zip(70..)
+        .map(|(&n, seed)| random(n, seed, burn::tensor::FloatDType::F32))
+        .collect();
+    let grads = data
+        .iter()
+        .map(|x| {
+            Tensor::<1>::from_data(burn::tensor::TensorData::new(x.clone(), [x.len()]), device)
+        })
+        .collect();
+    let back = nccl.mean(grads)?;
+    Ok(Some(
+        back.iter().zip(&data).fold(0.0f32, |worst, (got, want)| {
+            worst.max(rel_diff(&host(got), want))
+        }),
+    ))
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;

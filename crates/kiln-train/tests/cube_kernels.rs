@@ -1,17 +1,19 @@
 //! kiln's CubeCL kernels (src/kernels/cube) against their composed twins, values and
 //! gradients, on CubeCL's CPU runtime (device `cubecl-cpu`): the same kernel source the GPU
-//! runtimes compile. Shapes cover partial cubes (counts that are not multiples of the 128
-//! units a cube runs), grouped-query ratios 1 and 2, a sequence of one and sequence lengths
-//! that are multiples of nothing. Tolerance: 2e-5 of the largest reference value, for f32 sums
-//! taken in another order (the composed path reduces through burn's matmul and reduce
-//! kernels). Built only with the `cubecl-cpu` feature.
+//! runtimes compile, in f32 and bf16 (the comparisons are `kernels::selfcheck`'s, which
+//! `kiln doctor --device` runs on a GPU). Shapes cover partial cubes (counts that are not
+//! multiples of the 128 units a cube runs), grouped-query ratios 1, 2 and 3, a sequence of one
+//! and sequence lengths that are multiples of nothing. Tolerance, of the largest reference
+//! value: 2e-5 in f32, for sums taken in another order (the composed path reduces through
+//! burn's matmul and reduce kernels); 1e-2 in bf16, against the composed path in f32 on the
+//! same bf16 values (bf16's half ulp is 2e-3). Built only with the `cubecl-cpu` feature.
 #![cfg(feature = "cubecl-cpu")]
 
 mod common;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use common::{host, random, rel_diff};
-use kiln_train::kernels::{self, composed};
+use kiln_train::kernels::{self, selfcheck};
 
 const TOLERANCE: f32 = 2e-5;
 
@@ -19,126 +21,47 @@ fn device() -> Device {
     kiln_train::session::parse_device("cubecl-cpu").unwrap()
 }
 
-/// A tracked leaf of `shape` with values from `seed`, on the autodiff device.
-fn leaf<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<D> {
-    let n = shape.iter().product();
-    Tensor::<D>::from_data(
-        TensorData::new(random(n, seed), shape),
-        &device().autodiff(),
-    )
-    .require_grad()
-}
-
-/// The output and the gradients of `sum(out * r)` (r fixed) with respect to `leaves`.
-fn values_and_grads<const D: usize>(out: Tensor<D>, leaves: Vec<Grad>) -> Vec<Vec<f32>> {
-    let r = Tensor::<D>::from_data(
-        TensorData::new(random(out.shape().num_elements(), 99), out.shape()),
-        &out.device(),
-    );
-    let grads = (out.clone() * r).sum().backward();
-    let mut all = vec![host(&out)];
-    all.extend(leaves.iter().map(|g| g(&grads)));
-    all
-}
-
-/// Reads one leaf's gradient.
-type Grad = Box<dyn Fn(&burn::tensor::Gradients) -> Vec<f32>>;
-
-fn grad_of<const D: usize>(t: &Tensor<D>) -> Grad {
-    let t = t.clone();
-    Box::new(move |grads| host(&t.grad(grads).expect("leaf has a gradient")))
-}
-
-/// Compares the kernel run (`f(true)`) with the composed run (`f(false)`): output first, then
-/// each gradient, named by `parts`.
-fn compare(name: &str, parts: &[&str], f: impl Fn(bool) -> Vec<Vec<f32>>) {
-    let (got, want) = (f(true), f(false));
-    assert_eq!(got.len(), parts.len(), "{name}: parts");
-    for ((g, w), part) in got.iter().zip(&want).zip(parts) {
-        let d = rel_diff(g, w);
-        eprintln!(
-            "{name} {part}: relative difference {d:.2e} over {} values",
-            g.len()
-        );
-        assert!(d <= TOLERANCE, "{name} {part}: {d:e} > {TOLERANCE:e}");
+/// Runs `check` in f32 and in bf16 (CubeCL's CPU runtime runs the bf16 instances of the
+/// kernels too: LLVM has the type), prints every comparison and fails on any beyond its
+/// tolerance.
+fn assert_passes(check: fn(&Device, FloatDType) -> Vec<selfcheck::Check>) {
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        let checks = check(&device(), dtype);
+        assert!(!checks.is_empty());
+        for c in checks {
+            eprintln!(
+                "{dtype:?} {} {}: relative difference {:.2e} over {} values",
+                c.kernel, c.part, c.rel_diff, c.values
+            );
+            assert!(c.passed(), "{dtype:?}: {c:?}");
+            assert_eq!(c.tolerance, selfcheck::tolerance(dtype));
+        }
     }
 }
 
 #[test]
 fn rms_norm_matches_composed() {
-    // 3 x 5 rows of 24 and 130 rows of 7 (one cube and a bit for the per-row units).
-    for (shape, seed) in [([3, 5, 24], 1), ([2, 65, 7], 2)] {
-        compare(
-            &format!("rms_norm {shape:?}"),
-            &["y", "dx", "dw"],
-            |fused| {
-                let x = leaf(shape, seed);
-                let w = leaf([shape[2]], seed + 10);
-                let y = if fused {
-                    kernels::rms_norm(x.clone(), w.clone(), 1e-5)
-                } else {
-                    composed::rms_norm(x.clone(), w.clone(), 1e-5)
-                };
-                values_and_grads(y, vec![grad_of(&x), grad_of(&w)])
-            },
-        );
-    }
+    assert_passes(selfcheck::rms_norm);
 }
 
 #[test]
 fn swiglu_matches_composed() {
-    // 231 elements: one full cube and a partial one.
-    compare("swiglu", &["y", "dgate", "dup"], |fused| {
-        let (g, u) = (leaf([3, 7, 11], 3), leaf([3, 7, 11], 4));
-        let y = if fused {
-            kernels::swiglu(g.clone(), u.clone())
-        } else {
-            composed::swiglu(g.clone(), u.clone())
-        };
-        values_and_grads(y, vec![grad_of(&g), grad_of(&u)])
-    });
+    assert_passes(selfcheck::swiglu);
 }
 
 #[test]
 fn rope_matches_composed() {
-    let (b, t, heads, hd) = (2, 5, 3, 8);
-    compare("rope", &["y", "dx"], |fused| {
-        let x = leaf([b, t, heads * hd], 5);
-        let angles = |f: fn(f32) -> f32| {
-            let v: Vec<f32> = (0..t * hd)
-                .map(|i| f((i / hd) as f32 * 0.3 / (1 + i % (hd / 2)) as f32))
-                .collect();
-            Tensor::<2>::from_data(TensorData::new(v, [t, hd]), &x.device())
-        };
-        let (cos, sin) = (angles(f32::cos), angles(f32::sin));
-        let y = if fused {
-            kernels::rope(x.clone(), cos, sin, heads)
-        } else {
-            composed::rope(x.clone(), cos, sin, heads)
-        };
-        values_and_grads(y, vec![grad_of(&x)])
-    });
+    assert_passes(selfcheck::rope);
 }
 
 #[test]
 fn causal_attention_matches_composed() {
-    // (b, kv heads, groups, t, hd): grouped (2 query heads a K/V head) and not, a sequence of
-    // one, and a length that is a multiple of nothing.
-    for (b, kv, groups, t, hd) in [(2, 2, 2, 7, 8), (1, 3, 1, 13, 4), (2, 1, 3, 1, 8)] {
-        let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
-        compare(&name, &["out", "dq", "dk", "dv"], |fused| {
-            let q = leaf([b, kv, groups * t, hd], 6);
-            let k = leaf([b, kv, t, hd], 7);
-            let v = leaf([b, t, kv * hd], 8);
-            let scale = 1.0 / (hd as f64).sqrt();
-            let out = if fused {
-                kernels::causal_attention(q.clone(), k.clone(), v.clone(), scale)
-            } else {
-                composed::causal_attention(q.clone(), k.clone(), v.clone(), scale)
-            };
-            values_and_grads(out, vec![grad_of(&q), grad_of(&k), grad_of(&v)])
-        });
-    }
+    assert_passes(selfcheck::causal_attention);
+}
+
+#[test]
+fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
+    assert_passes(selfcheck::linear_cross_entropy);
 }
 
 #[test]
@@ -224,35 +147,6 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
     );
 }
 
-#[test]
-fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
-    use burn::tensor::Int;
-    // 37 rows, vocab 300: one chunk, or chunks of 128, 128 and 44 columns, with targets in
-    // each of them.
-    let (n, d, vocab) = (37, 16, 300);
-    let ids: Vec<i64> = (0..n).map(|i| ((i * 89 + 7) % vocab) as i64).collect();
-    for columns in [None, Some(128)] {
-        compare(
-            &format!("cross_entropy {columns:?}"),
-            &["loss", "dh", "dw"],
-            |fused| {
-                let h = leaf([n, d], 21);
-                let w = leaf([d, vocab], 22);
-                let targets =
-                    Tensor::<1, Int>::from_data(TensorData::new(ids.clone(), [n]), &h.device());
-                let loss = match (fused, columns) {
-                    (true, Some(c)) => {
-                        kernels::linear_cross_entropy_in_chunks(h.clone(), w.clone(), targets, c)
-                    }
-                    (true, None) => kernels::linear_cross_entropy(h.clone(), w.clone(), targets),
-                    (false, _) => composed::linear_cross_entropy(h.clone(), w.clone(), targets),
-                };
-                values_and_grads(loss, vec![grad_of(&h), grad_of(&w)])
-            },
-        );
-    }
-}
-
 /// Muon's arithmetic on replicated state: the fixed-kernel matmul agrees with burn's
 /// autotuned one (shapes that fill no tile: 7x13 @ 13x5, and a transposed view as Newton-Schulz
 /// passes it), and the Frobenius norm stays on the device, equals the f64 formula and keeps
@@ -308,8 +202,8 @@ fn nccl_joins_only_on_cuda_devices() {
 }
 
 /// With a CUDA GPU (skipped, reason printed, without one): NCCL joins a one-rank
-/// communicator, reduces gradients of several sizes in one flat device buffer and hands each
-/// back unchanged (the mean over one rank), views of the right lengths and values.
+/// communicator and hands gradients of several sizes back unchanged (`nccl::check_one_rank`,
+/// which `kiln doctor --device cuda` runs too).
 #[cfg(feature = "cuda")]
 #[test]
 fn nccl_on_one_cuda_rank_hands_the_gradients_back() {
@@ -322,20 +216,6 @@ fn nccl_on_one_cuda_rank_hands_the_gradients_back() {
         return;
     }
     let cuda = kiln_train::session::parse_device("cuda").unwrap();
-    let nccl = kiln_train::nccl::Nccl::join(&kiln_dist::Solo, &cuda)
-        .expect("NCCL joins")
-        .expect("a CUDA device joins NCCL");
-    let data: Vec<Vec<f32>> = [1usize, 300, 4097]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| random(n, 70 + i as u64))
-        .collect();
-    let grads = data
-        .iter()
-        .map(|x| Tensor::<1>::from_data(TensorData::new(x.clone(), [x.len()]), &cuda))
-        .collect();
-    let back = nccl.mean(grads).expect("all-reduce");
-    for (got, want) in back.iter().zip(&data) {
-        assert_eq!(&host(got), want);
-    }
+    let diff = kiln_train::nccl::check_one_rank(&cuda).expect("NCCL joins and reduces");
+    assert_eq!(diff, Some(0.0));
 }

@@ -37,6 +37,7 @@ mod math;
 mod matmul;
 mod rms_norm;
 mod rope;
+pub mod selfcheck;
 mod softmax;
 mod swiglu;
 

@@ -128,15 +128,23 @@ ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, ZE_AFFINITY_MASK, or nvidia-smi/rocm-
 this process's rank environment (from RANK, OMPI_COMM_WORLD_*, PMI_*, PALS_*, SLURM_*), the
 launchers found in PATH, and the launcher `kiln launch` would use.
 
+With --device, it also checks that device before a long run trusts it: each of kiln's fused
+kernels against its composed twin (values and every gradient; f32, and bf16 where the device
+has it), and on CUDA that NCCL opens, joins and reduces (one rank).
+
 Exit codes:
-  0  everything detected
-  1  something could not be detected (malformed hostfile or nodelist, bad rank variables);
-     the report says what")]
+  0  everything detected (and every device check passed)
+  1  something could not be detected (malformed hostfile or nodelist, bad rank variables), or a
+     device check failed; the report says what")]
 pub struct DoctorArgs {
     /// The flags that override detection, as `kiln launch` takes them (defined once, in
     /// kiln-launch).
     #[command(flatten)]
     pub topology: TopologyFlags,
+    /// Also check this device (as `training.device` names it: cuda, rocm, vulkan, wgpu, metal,
+    /// cubecl-cpu, flex): kiln's fused kernels against their composed twins, and NCCL on CUDA.
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<String>,
 }
 
 fn env_var(k: &str) -> Option<String> {
@@ -263,11 +271,53 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         let at = find_in_path(tool).map_or("not found".to_string(), |p| p.display().to_string());
         println!("{:<14} {at}", format!("{tool}:"));
     }
+    if let Some(name) = &args.device {
+        ok &= print_device_checks(name)?;
+    }
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `kiln doctor --device`: each kernel check (kiln_train::kernels::selfcheck) in f32 and, where
+/// the device has it, bf16, then NCCL's one-rank check; whether all passed.
+fn print_device_checks(name: &str) -> anyhow::Result<bool> {
+    let device = kiln_train::session::parse_device(name)?;
+    let mut ok = true;
+    for (dtype, checks) in kiln_train::kernels::selfcheck::run_each_type(&device) {
+        let Some(checks) = checks else {
+            println!("kernels {dtype}: skipped ({name} has no {dtype})");
+            continue;
+        };
+        println!("kernels {dtype} on {name} (relative difference to the composed twin):");
+        for c in checks {
+            let verdict = if c.passed() { "ok" } else { "FAIL" };
+            println!(
+                "  {:<34} {:<5} {:>9.2e} (tolerance {:.0e}, {} values) {verdict}",
+                c.kernel, c.part, c.rel_diff, c.tolerance, c.values
+            );
+            ok &= c.passed();
+        }
+    }
+    match kiln_train::nccl::check_one_rank(&device) {
+        Ok(None) => {
+            println!("nccl:          not used on {name} (gradients staged through host memory)")
+        }
+        Ok(Some(0.0)) => {
+            println!("nccl:          ok (one rank: joined, reduced, handed back)")
+        }
+        Ok(Some(d)) => {
+            ok = false;
+            println!("nccl:          FAIL (one rank changed the gradients by {d:.2e})");
+        }
+        Err(e) => {
+            ok = false;
+            println!("nccl:          ERROR {e}");
+        }
+    }
+    Ok(ok)
 }
 
 /// The scheduler, hosts, accelerators and launcher `kiln doctor` found, each with why.
