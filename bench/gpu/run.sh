@@ -22,6 +22,20 @@ if [ -z "${CUDA_PATH:-}" ]; then
     [ -f "$d/nvvm/libdevice/libdevice.10.bc" ] && { export CUDA_PATH=$d; break; }
   done
 fi
+# NCCL: cudarc opens libnccl.so; pip's nvidia-nccl (PyTorch's) ships libnccl.so.2 only.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null ||
+    dirname "$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')" 2>/dev/null || true)
+  if [ -n "$nccl" ] && [ -f "$nccl/libnccl.so.2" ]; then
+    lib=$(mktemp -d)
+    ln -s "$nccl/libnccl.so.2" "$lib/libnccl.so"
+    export LD_LIBRARY_PATH="$lib:$nccl:${LD_LIBRARY_PATH:-}"
+    echo "NCCL: $nccl/libnccl.so.2 (linked as libnccl.so)"
+  fi
+fi
 echo "CUDA_PATH=${CUDA_PATH:-unset}; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 "$kiln" --version
+# The kernels' f32 and bf16 instances against their composed twins on this GPU, and NCCL's
+# one-rank check (the libnccl.so link above): a failure is reported, the benchmark still runs.
+"$kiln" doctor --device cuda || echo "kiln doctor --device cuda: exit $? (see above)"
 python3 "$here/bench.py" --kiln "$kiln" "$@"

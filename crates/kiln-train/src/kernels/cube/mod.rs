@@ -79,7 +79,7 @@ pub trait DeviceOps: Backend {
 /// Whether the CubeCL kernels cover an operation on `t` whose other inputs have the element
 /// types `others`: f32 or bf16 on a CubeCL device, every input the same type (a kernel is
 /// compiled for one), kernels enabled. (bf16 reads and writes bf16 and accumulates in f32;
-/// CubeCL's CPU runtime has no bf16, so CI checks the f32 instances and a GPU run the bf16.)
+/// CI checks both instances on CubeCL's CPU runtime, `kiln doctor --device` on a GPU.)
 pub(super) fn covers<const D: usize>(t: &Tensor<D>, others: &[DType]) -> bool {
     super::enabled()
         && matches!(t.dtype(), DType::F32 | DType::BF16)
