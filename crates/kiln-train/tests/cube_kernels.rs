@@ -56,6 +56,9 @@ fn rope_matches_composed() {
 
 #[test]
 fn causal_attention_matches_composed() {
+    // Cubes of 4 rows (1 in training on this runtime): the cooperative tile loads, blocks
+    // crossing from one query head into the next, several blocks and tiles.
+    kernels::set_cpu_attention_block(4);
     assert_passes(selfcheck::causal_attention);
 }
 

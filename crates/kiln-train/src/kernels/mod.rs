@@ -242,6 +242,16 @@ pub fn frobenius_norm(x: &Tensor<2>) -> Tensor<1> {
     x.clone().powi_scalar(2).sum().sqrt()
 }
 
+/// Sets how many query (or key) rows one cube of the attention kernels takes on CubeCL's CPU
+/// runtime (default 1, where a cube barrier costs a spinning thread per unit; GPUs take 64):
+/// for tests of the kernels' cooperative shared-memory paths. No effect without `cube`.
+pub fn set_cpu_attention_block(rows: usize) {
+    #[cfg(feature = "cube")]
+    cube::attention::set_cpu_block(rows);
+    #[cfg(not(feature = "cube"))]
+    let _ = rows;
+}
+
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
 /// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
 /// [`linear_cross_entropy`]): for tests and tuning.

@@ -264,26 +264,33 @@ pub fn rope(device: &Device, dtype: FloatDType) -> Vec<Check> {
 }
 
 /// Causal attention, (batch, K/V heads, query heads a K/V head, length, head dim): grouped
-/// (2 query heads a K/V head) and not, a length that is a multiple of nothing, and a
-/// sequence of one with 3 query heads a K/V head.
+/// (2 query heads a K/V head) and not, a length that is a multiple of nothing, a sequence of
+/// one with 3 query heads a K/V head, and 70 positions: more than one block of query rows (a
+/// block crossing from one query head into the next) and three tiles of keys, the last
+/// partial.
 pub fn causal_attention(device: &Device, dtype: FloatDType) -> Vec<Check> {
-    [(2, 2, 2, 7, 8), (1, 3, 1, 13, 4), (2, 1, 3, 1, 8)]
-        .into_iter()
-        .flat_map(|(b, kv, groups, t, hd)| {
-            let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
-            compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
-                let q = r.leaf([b, kv, groups * t, hd], 6);
-                let k = r.leaf([b, kv, t, hd], 7);
-                let v = r.leaf([b, t, kv * hd], 8);
-                let scale = 1.0 / (hd as f64).sqrt();
-                let out = match r.fused {
-                    true => super::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-                    false => composed::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-                };
-                values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
-            })
+    [
+        (2, 2, 2, 7, 8),
+        (1, 3, 1, 13, 4),
+        (2, 1, 3, 1, 8),
+        (1, 2, 2, 70, 4),
+    ]
+    .into_iter()
+    .flat_map(|(b, kv, groups, t, hd)| {
+        let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
+        compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
+            let q = r.leaf([b, kv, groups * t, hd], 6);
+            let k = r.leaf([b, kv, t, hd], 7);
+            let v = r.leaf([b, t, kv * hd], 8);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let out = match r.fused {
+                true => super::causal_attention(q.clone(), k.clone(), v.clone(), scale),
+                false => composed::causal_attention(q.clone(), k.clone(), v.clone(), scale),
+            };
+            values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
         })
-        .collect()
+    })
+    .collect()
 }
 
 /// The output head with cross-entropy: 37 rows, vocabulary 300, in one chunk and in chunks

@@ -22,12 +22,12 @@
 //! element type, so bf16 inputs keep f32 sums. Work is one unit per output row or element and
 //! every sum runs in a fixed order with no atomics, so results are deterministic on a device.
 //!
-//! Speed: these are the first, straightforward versions (one unit per row, no shared-memory
-//! tiles, no vectorised loads); they remove the extra passes and the `T x T` matrix, and the
-//! GPU issue's profiling decides what to tile first.
+//! Speed: attention is tiled through shared memory (see `attention`); the others are one unit
+//! per row or element, without vectorised loads or tensor cores. They remove the extra passes
+//! and the `T x T` matrix; a GPU profile decides what to tune next.
 
 pub(super) mod adamw;
-mod attention;
+pub(super) mod attention;
 mod cross_entropy;
 pub(super) mod fixed_matmul;
 mod norm;
