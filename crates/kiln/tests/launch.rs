@@ -590,6 +590,34 @@ fn help_documents_flags_and_every_exit_classification() {
     );
 }
 
+/// `kiln doctor --device`: on flex every fused kernel agrees with its composed twin (f32;
+/// bf16 has no kernels there to check, said so, and NCCL is not used); an unknown device is
+/// a config error naming it, not a panic.
+#[test]
+fn doctor_checks_a_device_and_refuses_an_unknown_one() {
+    let out = kiln(&["doctor", "--device", "flex"]).output().unwrap();
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{report}{}", text(&out.stderr));
+    let checks: Vec<&str> = report
+        .lines()
+        .filter(|l| l.contains("(tolerance"))
+        .collect();
+    assert!(checks.len() >= 20, "{report}");
+    assert!(checks.iter().all(|l| l.ends_with(" ok")), "{report}");
+    assert!(report.contains("kernels bf16: skipped"), "{report}");
+    assert!(
+        report.contains("nccl:          not used on flex"),
+        "{report}"
+    );
+    let out = kiln(&["doctor", "--device", "nonsense"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("device \"nonsense\": unknown device"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn auto_retry_gives_up_when_attempts_stop_making_progress() {
     let dir = tempfile::tempdir().unwrap();

@@ -242,6 +242,18 @@ pub fn frobenius_norm(x: &Tensor<2>) -> Tensor<1> {
     x.clone().powi_scalar(2).sum().sqrt()
 }
 
+/// Whether kiln has bf16 kernels on `device`: its CubeCL kernels, where the device has bf16
+/// (flex's kernels cover f32 only; bf16 tensors there take the composed ops).
+pub fn has_bf16_kernels(device: &burn::tensor::Device) -> bool {
+    #[cfg(feature = "cube")]
+    return cube::on_cube_device(device) && device.supports_dtype(burn::tensor::FloatDType::BF16);
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
 /// Sets how many query (or key) rows one cube of the attention kernels takes on CubeCL's CPU
 /// runtime (default 1, where a cube barrier costs a spinning thread per unit; GPUs take 64):
 /// for tests of the kernels' cooperative shared-memory paths. No effect without `cube`.

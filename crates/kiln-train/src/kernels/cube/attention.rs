@@ -134,6 +134,32 @@ fn last_position(r0: usize, rows: usize, t: usize, #[comptime] block: usize) -> 
     p
 }
 
+/// This unit's query row in its cube's block of a K/V head's slice: the row `r` (a unit past
+/// the slice's end is not `active` and only helps load tiles), its index `u` among all query
+/// rows, its position `p`, and how many key tiles the block needs.
+#[derive(CubeType)]
+struct QueryBlock {
+    r: usize,
+    active: bool,
+    u: usize,
+    p: usize,
+    tiles: usize,
+}
+
+#[cube]
+fn query_block(groups: u32, seq: u32, #[comptime] block: usize) -> QueryBlock {
+    let (t, rows) = (seq as usize, (groups * seq) as usize);
+    let r0 = CUBE_POS_X as usize * block;
+    let r = r0 + UNIT_POS as usize;
+    QueryBlock {
+        r,
+        active: r < rows,
+        u: CUBE_POS_Y as usize * rows + r,
+        p: r % t,
+        tiles: last_position(r0, rows, t, block) / TILE + 1,
+    }
+}
+
 /// Loads keys and values `[k0, k0 + TILE)` of head `h` into `ks`, `vs` as f32, the cube's
 /// units together; rows past the sequence are left as they are (never read).
 #[cube]
@@ -209,22 +235,18 @@ fn attention_forward_kernel<F: Float>(
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
-    let (t, rows) = (seq as usize, (groups * seq) as usize);
-    let bk = CUBE_POS_Y as usize;
-    let h = head_of(bk, kv, seq, hd);
-    let r0 = CUBE_POS_X as usize * block;
-    let r = r0 + UNIT_POS as usize;
-    let active = r < rows;
-    let (u, p) = (bk * rows + r, r % t);
+    let t = seq as usize;
+    let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
+    let qb = query_block(groups, seq, block);
+    let (r, active, u, p) = (qb.r, qb.active, qb.u, qb.p);
     let qrow = load_row::<F>(q, u * hd, active, hd);
-    let tiles = last_position(r0, rows, t, block) / TILE + 1;
     let mut ks = Shared::<[f32]>::new_slice(comptime!(TILE * hd));
     let mut vs = Shared::<[f32]>::new_slice(comptime!(TILE * hd));
     // Key 0 is always visible: it starts the running max below.
     let mut m = 0.0f32;
     let mut l = 0.0f32;
     let mut acc = zeros(hd);
-    for tile in 0..tiles {
+    for tile in 0..qb.tiles {
         let k0 = tile * TILE;
         load_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, hd, block);
         sync_cube();
@@ -276,13 +298,10 @@ fn attention_dq_kernel<F: Float>(
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
-    let (t, rows) = (seq as usize, (groups * seq) as usize);
-    let bk = CUBE_POS_Y as usize;
-    let h = head_of(bk, kv, seq, hd);
-    let r0 = CUBE_POS_X as usize * block;
-    let r = r0 + UNIT_POS as usize;
-    let active = r < rows;
-    let (u, p) = (bk * rows + r, r % t);
+    let t = seq as usize;
+    let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
+    let qb = query_block(groups, seq, block);
+    let (r, active, u, p) = (qb.r, qb.active, qb.u, qb.p);
     let ob = out_row(&h, r, kv, groups, seq, hd);
     let qrow = load_row::<F>(q, u * hd, active, hd);
     let dorow = load_row::<F>(dout, ob, active, hd);
@@ -296,11 +315,10 @@ fn attention_dq_kernel<F: Float>(
         delta[u] = d;
         row_lse = lse[u];
     }
-    let tiles = last_position(r0, rows, t, block) / TILE + 1;
     let mut ks = Shared::<[f32]>::new_slice(comptime!(TILE * hd));
     let mut vs = Shared::<[f32]>::new_slice(comptime!(TILE * hd));
     let mut acc = zeros(hd);
-    for tile in 0..tiles {
+    for tile in 0..qb.tiles {
         let k0 = tile * TILE;
         load_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, hd, block);
         sync_cube();

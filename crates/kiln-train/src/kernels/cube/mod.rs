@@ -84,10 +84,15 @@ pub(super) fn covers<const D: usize>(t: &Tensor<D>, others: &[DType]) -> bool {
     super::enabled()
         && matches!(t.dtype(), DType::F32 | DType::BF16)
         && others.iter().all(|d| *d == t.dtype())
-        && matches!(
-            t.device().as_dispatch().clone().inner(),
-            DispatchDevice::Cube(_)
-        )
+        && on_cube_device(&t.device())
+}
+
+/// Whether `device` is a CubeCL device (where these kernels run).
+pub(super) fn on_cube_device(device: &burn::tensor::Device) -> bool {
+    matches!(
+        device.as_dispatch().clone().inner(),
+        DispatchDevice::Cube(_)
+    )
 }
 
 pub(super) fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {

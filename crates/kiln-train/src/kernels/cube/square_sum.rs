@@ -104,20 +104,23 @@ type Host1 = burn::tensor::Tensor<1>;
 /// The sum of squares of every element of `tensors`, when all are f32 or bf16 tensors on a
 /// CubeCL device; `None` otherwise (nothing launched).
 pub(in crate::kernels) fn square_sum(tensors: &[Host1]) -> Option<f64> {
-    let on_device = |t: &Host1| {
-        matches!(t.dtype(), DType::F32 | DType::BF16)
-            && t.clone().try_into_primitive::<Cube>().is_ok()
-    };
-    if tensors.is_empty() || !tensors.iter().all(on_device) {
+    // Every tensor converted once; one that is not a device tensor of those types: `None`.
+    let prims = tensors
+        .iter()
+        .map(|t| {
+            matches!(t.dtype(), DType::F32 | DType::BF16)
+                .then(|| t.clone().try_into_primitive::<Cube>().ok())
+                .flatten()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    if prims.is_empty() {
         return None;
     }
-    let pieces: Vec<Host1> = tensors
-        .iter()
-        .filter(|t| t.dims()[0] > 0)
-        .filter_map(|t| {
-            let prim = super::dense(t.clone().try_into_primitive::<Cube>().ok()?);
-            Some(Host1::from_primitive::<Cube>(partials(prim, t.dims()[0]).0))
-        })
+    let pieces: Vec<Host1> = prims
+        .into_iter()
+        .zip(tensors)
+        .filter(|(_, t)| t.dims()[0] > 0)
+        .map(|(prim, t)| Host1::from_primitive::<Cube>(partials(super::dense(prim), t.dims()[0]).0))
         .collect();
     if pieces.is_empty() {
         return Some(0.0);
