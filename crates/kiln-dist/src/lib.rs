@@ -27,6 +27,9 @@ pub mod yeet;
 mod mesh;
 pub use mesh::Mesh;
 
+mod flat;
+pub use flat::{BucketedAllReduce, Sharded};
+
 use kiln_topology::RankEnv;
 
 /// Errors setting up collectives.
@@ -138,122 +141,6 @@ pub fn init(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
     }
 }
 
-/// All-reduce of one long buffer in buckets of a fixed number of elements: bounded message
-/// sizes (as PyTorch DDP's 25 MB buckets), and the same calls on every run, which keeps the
-/// reduction repeatable.
-#[derive(Debug, Clone, Copy)]
-pub struct BucketedAllReduce {
-    bucket_elems: usize,
-}
-
-impl BucketedAllReduce {
-    /// Buckets of `bucket_bytes` bytes of f32 (at least one element).
-    pub fn new(bucket_bytes: usize) -> Self {
-        Self {
-            bucket_elems: (bucket_bytes / 4).max(1),
-        }
-    }
-
-    /// The mean over ranks of `send` (sum, then times 1/size: the same scaling on every
-    /// rank and every run), in a new buffer that the engine reduces into directly: besides
-    /// the engine's own work, one pass over the data (the scaling).
-    pub fn mean(&self, comm: &dyn Collective, send: &[f32]) -> Vec<f32> {
-        if comm.size() == 1 {
-            return send.to_vec();
-        }
-        let mut out = vec![0.0f32; send.len()];
-        let buckets = send.chunks(self.bucket_elems);
-        for (s, r) in buckets.zip(out.chunks_mut(self.bucket_elems)) {
-            comm.all_reduce_sum_f32_into(s, r);
-        }
-        let inv = 1.0 / comm.size() as f32;
-        for v in out.iter_mut() {
-            *v *= inv;
-        }
-        out
-    }
-}
-
-/// A flat buffer sharded over the ranks for sharded data parallelism: `len` elements, padded
-/// to `size` equal contiguous shards; rank `r` owns `[r * shard, (r + 1) * shard)`. The
-/// collectives move one bucket at a time, `bucket / size` elements of every shard per call,
-/// so message sizes stay bounded and a run and its resume make the same calls (repeatable).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sharded {
-    /// Elements of the (unpadded) buffer.
-    pub len: usize,
-    /// Elements per shard (the last one padded).
-    pub shard: usize,
-    /// Elements of every shard that one call moves.
-    chunk: usize,
-    /// Bytes of the buckets.
-    bucket_bytes: usize,
-}
-
-impl Sharded {
-    /// `len` elements over `ranks` ranks, moved in buckets of `bucket_bytes` bytes of f32.
-    pub fn new(len: usize, ranks: usize, bucket_bytes: usize) -> Self {
-        let ranks = ranks.max(1);
-        let shard = len.div_ceil(ranks);
-        Self {
-            len,
-            shard,
-            chunk: (bucket_bytes / 4 / ranks).max(1),
-            bucket_bytes,
-        }
-    }
-
-    /// The range of the flat buffer rank `rank` owns (its padding excluded).
-    pub fn range(&self, rank: usize) -> std::ops::Range<usize> {
-        let start = (rank * self.shard).min(self.len);
-        start..((rank + 1) * self.shard).min(self.len)
-    }
-
-    /// This rank's shard of the mean over ranks of `full` (`len` elements): bucketed
-    /// reduce-scatter, then times 1/size (the same scaling on every rank and every run).
-    /// Padding comes back as zeros past the buffer's end.
-    pub fn reduce_scatter_mean(&self, comm: &dyn Collective, full: &[f32]) -> Vec<f32> {
-        let n = comm.size();
-        let mut out = vec![0.0f32; self.shard];
-        let mut send = Vec::with_capacity(self.chunk * n);
-        for lo in (0..self.shard).step_by(self.chunk) {
-            let hi = (lo + self.chunk).min(self.shard);
-            send.clear();
-            for r in 0..n {
-                let (a, b) = (r * self.shard + lo, r * self.shard + hi);
-                let have = &full[a.min(self.len)..b.min(self.len)];
-                send.extend_from_slice(have);
-                send.resize(send.len() + (hi - lo) - have.len(), 0.0);
-            }
-            comm.reduce_scatter_sum_f32(&send, &mut out[lo..hi]);
-        }
-        let inv = 1.0 / n as f32;
-        for v in out.iter_mut() {
-            *v *= inv;
-        }
-        out
-    }
-
-    /// The whole buffer (`len` elements) from every rank's shard (`shard` elements each):
-    /// bucketed all-gather.
-    pub fn all_gather(&self, comm: &dyn Collective, mine: &[f32]) -> Vec<f32> {
-        let n = comm.size();
-        let mut full = vec![0.0f32; self.shard * n];
-        let mut recv = vec![0.0f32; self.chunk * n];
-        for lo in (0..self.shard).step_by(self.chunk) {
-            let hi = (lo + self.chunk).min(self.shard);
-            let w = hi - lo;
-            comm.all_gather_f32(&mine[lo..hi], &mut recv[..w * n]);
-            for r in 0..n {
-                let at = r * self.shard + lo;
-                full[at..at + w].copy_from_slice(&recv[r * w..(r + 1) * w]);
-            }
-        }
-        full.truncate(self.len);
-        full
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,7 +156,7 @@ mod tests {
         let sh = Sharded::new(5, 1, 8);
         assert_eq!(sh.range(0), 0..5);
         assert_eq!(
-            sh.reduce_scatter_mean(c.as_ref(), &[1.0, 2.0, 3.0, 4.0, 5.0]),
+            sh.reduce_scatter_mean(c.as_ref(), &mut [[1.0, 2.0, 3.0, 4.0, 5.0]]),
             [1.0, 2.0, 3.0, 4.0, 5.0]
         );
         assert_eq!(
@@ -279,23 +166,6 @@ mod tests {
         let mut m = [3u64, 9];
         c.all_reduce_max_u64(&mut m);
         assert_eq!(m, [3, 9]);
-    }
-
-    #[test]
-    fn shards_cover_the_buffer_once_whatever_the_rank_count() {
-        for len in [0usize, 1, 7, 100, 101] {
-            for ranks in 1..=5 {
-                let sh = Sharded::new(len, ranks, 12);
-                let mut next = 0;
-                for r in 0..ranks {
-                    let range = sh.range(r);
-                    assert_eq!(range.start, next, "len {len} ranks {ranks}");
-                    assert!(range.len() <= sh.shard);
-                    next = range.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
     }
 
     #[cfg(not(feature = "mpi"))]

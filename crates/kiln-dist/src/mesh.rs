@@ -45,17 +45,21 @@ impl Mesh {
         replica * self.shard.size() + shard
     }
 
-    /// This rank's shard of the mean over every rank of the job of `full`: the bucketed
-    /// reduce-scatter over the replica's ranks ([`Sharded::reduce_scatter_mean`]), then the
-    /// mean over the replicas of that shard (a bucketed all-reduce).
-    pub fn reduce_scatter_mean(&self, flat: &Sharded, full: &[f32]) -> Vec<f32> {
-        let mine = flat.reduce_scatter_mean(self.shard(), full);
-        BucketedAllReduce::new(flat.bucket_bytes).mean(self.replica(), &mine)
+    /// This rank's shard of the mean over every rank of the job of the concatenation of
+    /// `full` (only read): the bucketed reduce-scatter over the replica's ranks
+    /// ([`Sharded::reduce_scatter_mean`]), then the mean over the replicas of that shard (a
+    /// bucketed all-reduce).
+    pub fn reduce_scatter_mean<P: AsMut<[f32]>>(&self, flat: &Sharded, full: &mut [P]) -> Vec<f32> {
+        let mut mine = flat.reduce_scatter_mean(self.shard(), full);
+        BucketedAllReduce::new(flat.bucket_bytes)
+            .mean_in_place(self.replica(), &mut [&mut mine[..]]);
+        mine
     }
 
-    /// The whole buffer from the shards of this rank's replica ([`Sharded::all_gather`]).
-    pub fn all_gather(&self, flat: &Sharded, mine: &[f32]) -> Vec<f32> {
-        flat.all_gather(self.shard(), mine)
+    /// The whole buffer from the shards of this rank's replica, into the concatenation of
+    /// `full` ([`Sharded::all_gather_into`]).
+    pub fn all_gather_into<P: AsMut<[f32]>>(&self, flat: &Sharded, mine: &[f32], full: &mut [P]) {
+        flat.all_gather_into(self.shard(), mine, full)
     }
 }
 
@@ -89,8 +93,9 @@ mod tests {
                         assert_eq!(mesh.job_rank(r / 3, r % 3), r);
                         let flat = Sharded::new(len, 3, 8);
                         let full: Vec<f32> = (0..len).map(|i| (i * 6 + r) as f32).collect();
-                        let mine = mesh.reduce_scatter_mean(&flat, &full);
-                        let whole = mesh.all_gather(&flat, &mine);
+                        let mine = mesh.reduce_scatter_mean(&flat, &mut [full]);
+                        let mut whole = vec![0.0; len];
+                        mesh.all_gather_into(&flat, &mine, &mut [&mut whole[..]]);
                         let (s, p) = (mesh.shard(), mesh.replica());
                         (s.rank(), p.rank(), p.size(), mine, whole)
                     })

@@ -224,7 +224,7 @@ mod tests {
             let mut mine = full[sh.range(c.rank())].to_vec();
             mine.resize(sh.shard, 0.0);
             let back = sh.all_gather(c, &mine);
-            let mean = sh.reduce_scatter_mean(c, &full);
+            let mean = sh.reduce_scatter_mean(c, &mut [full.clone()]);
             (back, mean, sh.range(c.rank()))
         });
         for (back, mean, range) in out {

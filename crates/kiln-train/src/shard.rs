@@ -24,7 +24,7 @@ use crate::config::{Config, Shard};
 use crate::error::TrainError;
 use crate::model::{Llama, ParamSpec, Stage};
 use crate::stagewise::StageParams;
-use crate::tensor::{DeviceTensor, flatten, split, unflatten};
+use crate::tensor::{DeviceTensor, flatten, from_vec, into_vec, split};
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{Collective, Mesh, Sharded};
 use kiln_run::layout;
@@ -141,19 +141,18 @@ impl ShardPlan {
         grads: Vec<Tensor<1>>,
         device: &Device,
     ) -> (f32, Vec<Tensor<1>>, f32) {
-        let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
-        let flat = self.whole_model();
-        let mine = flat.range(self.rank);
         if self.mode != Shard::Gradients {
             // The replicated run's all-reduce and norm, bit for bit: every rank has the
             // whole averaged gradients here.
             let reduce = kiln_dist::BucketedAllReduce::new(self.bucket);
-            let mut all = reduce.mean(comm, &flatten(grads, &[loss]));
-            let loss = all.pop().unwrap_or(f32::NAN);
-            let norm = crate::optim::global_norm(&split(&all, lengths, device));
-            return (loss, self.cut(&self.groups[0], &all[mine], device), norm);
+            let (loss, grads) = crate::tensor::mean_over_ranks(&reduce, comm, loss, grads, device);
+            let norm = crate::optim::global_norm(&grads);
+            return (loss, self.pieces(&grads), norm);
         }
-        let shard = &self.mesh.reduce_scatter_mean(flat, &flatten(grads, &[]))[..mine.len()];
+        let flat = self.whole_model();
+        let mine = flat.range(self.rank).len();
+        let mut host: Vec<Vec<f32>> = grads.into_iter().map(into_vec).collect();
+        let shard = &self.mesh.reduce_scatter_mean(flat, &mut host)[..mine];
         let (loss, norm) = self.loss_and_norm(comm, loss, sum_of_squares(shard));
         (loss, self.cut(&self.groups[0], shard, device), norm)
     }
@@ -173,16 +172,38 @@ impl ShardPlan {
     /// range (`pieces`, this rank's; taken, so that each is copied to the host once). Not
     /// for the `parameters` mode, which keeps its pieces.
     pub fn gather(&self, pieces: Vec<Tensor<1>>, params: &mut Vec<Tensor<1>>, device: &Device) {
-        let full = self.all_gather(self.whole_model(), pieces);
-        *params = unflatten(&full, params, device);
+        let lengths = params.iter().map(|p| p.dims()[0]);
+        *params = self.all_gather(self.whole_model(), pieces, lengths, device);
     }
 
-    /// Every range of `flat` in this rank's replica, gathered, from this rank's pieces.
-    fn all_gather(&self, flat: &Sharded, pieces: Vec<Tensor<1>>) -> Vec<f32> {
+    /// The whole tensors of `flat` (of `lengths` elements) gathered from the ranges of every
+    /// rank of this rank's replica, of which `pieces` are this rank's.
+    fn all_gather(
+        &self,
+        flat: &Sharded,
+        pieces: Vec<Tensor<1>>,
+        lengths: impl Iterator<Item = usize>,
+        device: &Device,
+    ) -> Vec<Tensor<1>> {
+        self.all_gather_host(flat, pieces, lengths)
+            .into_iter()
+            .map(|v| from_vec(v, device))
+            .collect()
+    }
+
+    /// [`ShardPlan::all_gather`] into host vectors.
+    fn all_gather_host(
+        &self,
+        flat: &Sharded,
+        pieces: Vec<Tensor<1>>,
+        lengths: impl Iterator<Item = usize>,
+    ) -> Vec<Vec<f32>> {
         // The padding up to a whole shard goes in with the values: no second allocation.
         let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
         let mine = flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)]);
-        self.mesh.all_gather(flat, &mine)
+        let mut full: Vec<Vec<f32>> = lengths.map(|n| vec![0.0; n]).collect();
+        self.mesh.all_gather_into(flat, &mine, &mut full);
+        full
     }
 
     /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
@@ -223,11 +244,10 @@ impl ShardPlan {
     pub fn whole_host(&self, specs: &[ParamSpec], pieces: &[Tensor<1>]) -> Vec<HostTensor> {
         let mut out = Vec::with_capacity(specs.len());
         for g in &self.groups {
-            let full = self.all_gather(&g.flat, pieces[g.params.clone()].to_vec());
-            let mut at = 0;
-            for spec in &specs[g.params.clone()] {
-                let values = full[at..at + spec.numel()].to_vec();
-                at += spec.numel();
+            let specs = &specs[g.params.clone()];
+            let lengths = specs.iter().map(ParamSpec::numel);
+            let full = self.all_gather_host(&g.flat, pieces[g.params.clone()].to_vec(), lengths);
+            for (spec, values) in specs.iter().zip(full) {
                 out.push(HostTensor::f32(
                     spec.name.clone(),
                     spec.shape.clone(),
@@ -427,21 +447,20 @@ impl StageParams for StageShards<'_> {
     fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
         let g = &self.plan.groups[self.group(s)];
         let t0 = Instant::now();
-        let full = self
-            .plan
-            .all_gather(&g.flat, self.pieces[g.params.clone()].to_vec());
-        self.comm_s += t0.elapsed().as_secs_f64();
         let lengths = self.model.specs()[g.params.clone()]
             .iter()
             .map(ParamSpec::numel);
-        split(&full, lengths, &self.device)
+        let pieces = self.pieces[g.params.clone()].to_vec();
+        let whole = self.plan.all_gather(&g.flat, pieces, lengths, &self.device);
+        self.comm_s += t0.elapsed().as_secs_f64();
+        whole
     }
 
     fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {
         let i = self.group(s);
-        let flat = flatten(grads, &[]);
+        let mut host: Vec<Vec<f32>> = grads.into_iter().map(into_vec).collect();
         let t0 = Instant::now();
-        let mine = (self.plan.mesh).reduce_scatter_mean(&self.plan.groups[i].flat, &flat);
+        let mine = (self.plan.mesh).reduce_scatter_mean(&self.plan.groups[i].flat, &mut host);
         self.comm_s += t0.elapsed().as_secs_f64();
         for (a, g) in self.grads[i].iter_mut().zip(mine) {
             *a += g;

@@ -15,7 +15,7 @@ use crate::optim::{self, Optimizer};
 use crate::session::Session;
 use crate::shard::{ShardPlan, StageShards};
 use crate::stagewise;
-use crate::tensor::{flatten, int_tensor, split, target_tensor};
+use crate::tensor::{int_tensor, target_tensor};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
 use std::ops::Range;
@@ -405,10 +405,13 @@ impl<'c> Step<'c> {
             let loss = sum[0] * (1.0 / self.comm.size() as f32);
             return Ok((loss, nccl.mean(grads)?, t0.elapsed().as_secs_f64()));
         }
-        let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
-        let mut flat = self.allreduce.mean(self.comm, &flatten(grads, &[loss]));
-        let loss = flat.pop().unwrap_or(f32::NAN);
-        let grads = split(&flat, lengths, &session.device);
+        let (loss, grads) = crate::tensor::mean_over_ranks(
+            &self.allreduce,
+            self.comm,
+            loss,
+            grads,
+            &session.device,
+        );
         Ok((loss, grads, t0.elapsed().as_secs_f64()))
     }
 

@@ -4,11 +4,18 @@
 
 use crate::checkpoint::{HostTensor, StoredDtype};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use kiln_dist::{BucketedAllReduce, Collective};
 use sha2::{Digest, Sha256};
 
 /// Host copy of a flat tensor, widened to f32 whatever its dtype.
 pub fn to_vec(t: &Tensor<1>) -> Vec<f32> {
-    let data = t.clone().into_data();
+    into_vec(t.clone())
+}
+
+/// The values of `t` as f32, taken (on the host backend without a copy where `t` held the
+/// only reference to its buffer).
+pub fn into_vec(t: Tensor<1>) -> Vec<f32> {
+    let data = t.into_data();
     let data = if data.dtype() == DType::F32 {
         data
     } else {
@@ -94,9 +101,29 @@ pub fn flatten(tensors: Vec<Tensor<1>>, extra: &[f32]) -> Vec<f32> {
     out
 }
 
-/// Cuts `flat` back into tensors shaped like `like`, on `device`.
-pub fn unflatten(flat: &[f32], like: &[Tensor<1>], device: &Device) -> Vec<Tensor<1>> {
-    split(flat, like.iter().map(|t| t.dims()[0]), device)
+/// The mean over the ranks of `comm` of `loss` and `grads` (f32), as the bucketed
+/// all-reduce of their concatenation, gradients first (the same calls and bits), made on
+/// their host copies in place: no buffer as long as the model is built for it.
+pub fn mean_over_ranks(
+    reduce: &BucketedAllReduce,
+    comm: &dyn Collective,
+    loss: f32,
+    grads: Vec<Tensor<1>>,
+    device: &Device,
+) -> (f32, Vec<Tensor<1>>) {
+    let mut host: Vec<Vec<f32>> = grads.into_iter().map(into_vec).collect();
+    let mut loss = [loss];
+    let mut parts: Vec<&mut [f32]> = host.iter_mut().map(Vec::as_mut_slice).collect();
+    parts.push(&mut loss);
+    reduce.mean_in_place(comm, &mut parts);
+    let grads = host.into_iter().map(|g| from_vec(g, device)).collect();
+    (loss[0], grads)
+}
+
+/// A 1-d tensor of `values` on `device` (on the host backend, the vector's own buffer).
+pub fn from_vec(values: Vec<f32>, device: &Device) -> Tensor<1> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), device)
 }
 
 /// Cuts `flat` into consecutive tensors of `lengths` elements, on `device`.
@@ -111,7 +138,7 @@ pub fn split(
         .map(|n| {
             let part = flat[at..at + n].to_vec();
             at += n;
-            Tensor::from_data(TensorData::new(part, [n]), device)
+            from_vec(part, device)
         })
         .collect()
 }
@@ -181,11 +208,14 @@ mod tests {
         ];
         let flat = flatten(ts.clone(), &[]);
         assert_eq!(flat, [1.0, 2.0, 3.0]);
-        let back = unflatten(&flat, &ts, &d);
+        let back = split(&flat, [2, 1], &d);
         assert_eq!(flatten(back.clone(), &[4.0]), [1.0, 2.0, 3.0, 4.0]);
         let half = vec![ts[0].clone().cast(FloatDType::BF16)];
         assert_eq!(flatten(half, &[]), [1.0, 2.0], "bf16 widened");
         assert_ne!(params_checksum(&ts), params_checksum(&back[..1]));
+        let taken = into_vec(ts[0].clone().cast(FloatDType::BF16));
+        assert_eq!(taken, [1.0, 2.0], "bf16 taken widened");
+        assert_eq!(to_vec(&from_vec(vec![5.0, 6.0], &d)), [5.0, 6.0]);
     }
 
     #[test]
