@@ -30,6 +30,9 @@ pub use mesh::Mesh;
 mod flat;
 pub use flat::{BucketedAllReduce, Sharded};
 
+mod background;
+pub use background::{Background, Pending};
+
 use kiln_topology::RankEnv;
 
 /// Errors setting up collectives.
@@ -114,6 +117,11 @@ pub trait Collective: Send {
     /// The ranks that pass the same `color`, as a job of their own, numbered in the order of
     /// their `key` (MPI_Comm_split). Every rank calls it.
     fn split(&self, color: usize, key: usize) -> Box<dyn Collective>;
+    /// Whether a communicator split from this one may make calls on another thread while
+    /// this one makes its own (MPI_THREAD_MULTIPLE): what [`Background`] needs.
+    fn concurrent(&self) -> bool {
+        false
+    }
 }
 
 /// The collective for this process: [`Solo`] for one rank, MPI for several (started by an MPI

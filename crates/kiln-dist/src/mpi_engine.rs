@@ -23,30 +23,41 @@ pub struct Mpi {
     world: SimpleCommunicator,
     node: SimpleCommunicator,
     scratch_f32: RefCell<Vec<f32>>,
+    /// Whether the library runs calls of several threads at once (MPI_THREAD_MULTIPLE).
+    multiple: bool,
     universe: Arc<mpi::environment::Universe>,
 }
 
-// SAFETY: kiln calls MPI from one thread at a time (the trainer's main thread; MPI is
-// initialised with MPI_THREAD_FUNNELED semantics); `Send` lets the owner move it between
-// threads, which MPI allows for the thread that made the calls as long as calls do not overlap.
+// SAFETY: one communicator is used by one thread at a time (the trainer's main thread, or
+// the one thread of a `Background`); `Send` lets its owner move it to that thread. Two
+// threads use two communicators at once only when the library granted
+// MPI_THREAD_MULTIPLE (`concurrent`).
 unsafe impl Send for Mpi {}
 
 impl Mpi {
-    /// Initialises MPI (once per process).
+    /// Initialises MPI (once per process), asking for MPI_THREAD_MULTIPLE so that sharded
+    /// runs can gather the next stage's weights on a second thread; a library that grants
+    /// less still works, without that overlap.
     pub fn init() -> Result<Self, DistError> {
-        let (universe, _level) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or_else(|| DistError::Init("MPI was already initialised in this process".into()))?;
         let world = universe.world();
-        Ok(Self::on(world, Arc::new(universe)))
+        let multiple = level == mpi::Threading::Multiple;
+        Ok(Self::on(world, multiple, Arc::new(universe)))
     }
 
     /// The engine on communicator `world` of `universe`.
-    fn on(world: SimpleCommunicator, universe: Arc<mpi::environment::Universe>) -> Self {
+    fn on(
+        world: SimpleCommunicator,
+        multiple: bool,
+        universe: Arc<mpi::environment::Universe>,
+    ) -> Self {
         let node = world.split_shared(world.rank());
         Self {
             world,
             node,
             scratch_f32: RefCell::new(Vec::new()),
+            multiple,
             universe,
         }
     }
@@ -62,7 +73,8 @@ impl Collective for Mpi {
     fn describe(&self) -> String {
         let lib = mpi::environment::library_version().unwrap_or_default();
         let first = lib.lines().next().unwrap_or("").trim().to_string();
-        format!("mpi ({first})")
+        let threads = if self.multiple { "" } else { ", one thread" };
+        format!("mpi ({first}{threads})")
     }
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
         if buf.is_empty() {
@@ -137,8 +149,11 @@ impl Collective for Mpi {
         let color = mpi::topology::Color::with_value(color as i32);
         // `None` only for MPI_UNDEFINED, which a color made from a value never is.
         match self.world.split_by_color_with_key(color, key as i32) {
-            Some(group) => Box::new(Self::on(group, Arc::clone(&self.universe))),
+            Some(group) => Box::new(Self::on(group, self.multiple, Arc::clone(&self.universe))),
             None => self.abort(70),
         }
+    }
+    fn concurrent(&self) -> bool {
+        self.multiple
     }
 }

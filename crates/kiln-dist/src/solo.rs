@@ -36,4 +36,7 @@ impl Collective for Solo {
     fn split(&self, _color: usize, _key: usize) -> Box<dyn Collective> {
         Box::new(Solo)
     }
+    fn concurrent(&self) -> bool {
+        true
+    }
 }

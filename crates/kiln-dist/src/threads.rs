@@ -161,6 +161,9 @@ impl Collective for Threads {
             shared: shared.unwrap_or_else(|| Shared::new(1)),
         })
     }
+    fn concurrent(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -30,7 +30,8 @@
 //! Parameters sharded too (`parallelism.shard = "parameters"`): weights, moments, the
 //! rollback snapshot and the frozen check's copy are all `1/R`; the step holds one stage's
 //! whole weights (the largest of the embedding, a block, the head: `S` parameters) with their
-//! autodiff copy and two copies of their gradients (`16 S`), this rank's accumulated
+//! autodiff copy and two copies of their gradients (`16 S`; `20 S` with
+//! `parallelism.prefetch`, which holds the next stage's weights too), this rank's accumulated
 //! gradients (`4 P / R`) and, as activations, every block's input (`4 N L d`) plus one
 //! block's and the head's; a checkpoint copies `24 P / R` (its shards, serialised), and the
 //! final weights, gathered to the writer rank, `8 P` (host copy, serialised).
@@ -207,8 +208,14 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
             // Every block's input kept, one block's activations (recomputed) and the head's.
             let staged = 4.0 * tokens * (layers * d + per_token_layer + head);
             // One stage's whole weights, their autodiff copy, gradients and flattened
-            // gradients; this rank's accumulated gradient pieces.
-            let step = 16.0 * largest_stage(m, vocab) + 4.0 * p / r + staged;
+            // gradients (and the next stage's weights when they are fetched ahead); this
+            // rank's accumulated gradient pieces.
+            let stages = if config.parallelism.prefetch {
+                20.0
+            } else {
+                16.0
+            };
+            let step = stages * largest_stage(m, vocab) + 4.0 * p / r + staged;
             ((12.0 / r), (24.0 / r).max(8.0), step, staged)
         }
     };

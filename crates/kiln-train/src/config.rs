@@ -555,6 +555,14 @@ pub struct ParallelismConfig {
     /// when a group fits one) and only the gradient average crosses groups. 1: one group of
     /// every rank. Must divide the rank count; needs `shard` other than `"none"`.
     pub dp_replicate: usize,
+    /// With `shard = "parameters"`: gather the next stage's weights on a second thread while
+    /// the current stage computes (FSDP's prefetch), holding two stages' whole weights at a
+    /// time instead of one. It pays where each rank has a core to spare for that thread
+    /// (compute on an accelerator, or fewer `training.threads` than cores); where compute
+    /// fills every core the thread only competes with it, hence off by default. Needs an
+    /// MPI library with MPI_THREAD_MULTIPLE (else the weights are gathered when needed);
+    /// `start` records whether it is on.
+    pub prefetch: bool,
 }
 
 impl Default for ParallelismConfig {
@@ -563,6 +571,7 @@ impl Default for ParallelismConfig {
             bucket_mb: 25,
             shard: Shard::None,
             dp_replicate: 1,
+            prefetch: false,
         }
     }
 }

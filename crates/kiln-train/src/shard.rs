@@ -26,8 +26,9 @@ use crate::model::{Llama, ParamSpec, Stage};
 use crate::stagewise::StageParams;
 use crate::tensor::{DeviceTensor, flatten, from_vec, into_vec, split};
 use burn::tensor::{Device, Tensor};
-use kiln_dist::{Collective, Mesh, Sharded};
+use kiln_dist::{Background, Collective, Mesh, Pending, Sharded};
 use kiln_run::layout;
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
@@ -56,6 +57,9 @@ pub struct ShardPlan {
     /// The ranks this rank shards with, and those holding the same shard in the other
     /// replicas (`parallelism.dp_replicate`).
     mesh: Mesh,
+    /// With `parameters` and `parallelism.prefetch`, where the next stage's weights are
+    /// gathered while the current one computes (`None`: gathered when needed).
+    background: Option<Background>,
 }
 
 impl ShardPlan {
@@ -74,6 +78,8 @@ impl ShardPlan {
         let (rank, shards) = (mesh.shard().rank(), mesh.shard().size());
         let bucket = cfg.parallelism.bucket_mb.max(1) << 20;
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
+        let ahead = mode == Shard::Parameters && cfg.parallelism.prefetch && shards > 1;
+        let background = ahead.then(|| Background::new(mesh.shard())).flatten();
         Ok(Some(Self {
             mode,
             groups,
@@ -82,6 +88,7 @@ impl ShardPlan {
             bucket,
             ranges,
             mesh,
+            background,
         }))
     }
 
@@ -103,6 +110,11 @@ impl ShardPlan {
     /// The mode.
     pub fn mode(&self) -> Shard {
         self.mode
+    }
+
+    /// Whether the next stage's weights are gathered while the current one computes.
+    pub fn prefetches(&self) -> bool {
+        self.background.is_some()
     }
 
     /// This rank's range of each tensor (an empty tensor where it has none).
@@ -198,12 +210,27 @@ impl ShardPlan {
         pieces: Vec<Tensor<1>>,
         lengths: impl Iterator<Item = usize>,
     ) -> Vec<Vec<f32>> {
-        // The padding up to a whole shard goes in with the values: no second allocation.
-        let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
-        let mine = flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)]);
+        let mine = padded(flat, pieces);
         let mut full: Vec<Vec<f32>> = lengths.map(|n| vec![0.0; n]).collect();
         self.mesh.all_gather_into(flat, &mine, &mut full);
         full
+    }
+
+    /// [`ShardPlan::all_gather_host`] started in the background (`None` without one): the
+    /// pieces are copied to the host here, the collective runs while the caller computes.
+    fn all_gather_later(
+        &self,
+        flat: &Sharded,
+        pieces: Vec<Tensor<1>>,
+        lengths: Vec<usize>,
+    ) -> Option<Pending<Vec<Vec<f32>>>> {
+        let background = self.background.as_ref()?;
+        let (flat, mine) = (*flat, padded(flat, pieces));
+        Some(background.start(move |comm| {
+            let mut full: Vec<Vec<f32>> = lengths.into_iter().map(|n| vec![0.0; n]).collect();
+            flat.all_gather_into(comm, &mine, &mut full);
+            full
+        }))
     }
 
     /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
@@ -359,6 +386,13 @@ fn cut(
     (groups, ranges)
 }
 
+/// This rank's `pieces` of `flat` on the host, padded to a whole shard (the padding goes in
+/// with the values: no second allocation).
+fn padded(flat: &Sharded, pieces: Vec<Tensor<1>>) -> Vec<f32> {
+    let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
+    flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)])
+}
+
 /// The sum of the squares of `values`, in f64.
 fn sum_of_squares(values: &[f32]) -> f64 {
     sum_of_squares_from(0.0, values)
@@ -382,8 +416,12 @@ pub struct StageShards<'a> {
     device: Device,
     /// Per stage, this rank's range of the accumulated gradients (padding included).
     grads: Vec<Vec<f32>>,
-    /// Seconds spent in the collectives.
+    /// Seconds spent in the collectives (waiting for them, when they run ahead).
     comm_s: f64,
+    /// The stages still expected after the one fetched ahead, next first.
+    order: VecDeque<Stage>,
+    /// The stage whose weights are being gathered ahead, and the gather.
+    ahead: Option<(Stage, Pending<Vec<Vec<f32>>>)>,
 }
 
 impl<'a> StageShards<'a> {
@@ -405,7 +443,43 @@ impl<'a> StageShards<'a> {
             pieces,
             device: device.clone(),
             comm_s: 0.0,
+            order: VecDeque::new(),
+            ahead: None,
         }
+    }
+
+    /// The whole weights of stage `s`, on the host: the gather started ahead, or one now.
+    fn gather_host(&mut self, s: Stage) -> Vec<Vec<f32>> {
+        let g = &self.plan.groups[self.group(s)];
+        let lengths = self.model.specs()[g.params.clone()]
+            .iter()
+            .map(ParamSpec::numel);
+        match self.ahead.take() {
+            Some((next, pending)) if next == s => pending.wait(),
+            other => {
+                // Not the stage expected: the gather started ahead still ran on every
+                // rank (the calls stay matched); this pass fetches nothing ahead any more.
+                drop(other.map(|(_, p)| p.wait()));
+                self.order.clear();
+                let pieces = self.pieces[g.params.clone()].to_vec();
+                self.plan.all_gather_host(&g.flat, pieces, lengths)
+            }
+        }
+    }
+
+    /// Starts gathering the next expected stage's weights in the background.
+    fn fetch_ahead(&mut self) {
+        let Some(next) = self.order.pop_front() else {
+            return;
+        };
+        let g = &self.plan.groups[self.group(next)];
+        let lengths = self.model.specs()[g.params.clone()]
+            .iter()
+            .map(ParamSpec::numel);
+        let pieces = self.pieces[g.params.clone()].to_vec();
+        self.ahead = (self.plan)
+            .all_gather_later(&g.flat, pieces, lengths.collect())
+            .map(|p| (next, p));
     }
 
     /// Seconds spent in the all-gathers and reduce-scatters so far.
@@ -445,15 +519,20 @@ impl<'a> StageShards<'a> {
 
 impl StageParams for StageShards<'_> {
     fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
-        let g = &self.plan.groups[self.group(s)];
         let t0 = Instant::now();
-        let lengths = self.model.specs()[g.params.clone()]
-            .iter()
-            .map(ParamSpec::numel);
-        let pieces = self.pieces[g.params.clone()].to_vec();
-        let whole = self.plan.all_gather(&g.flat, pieces, lengths, &self.device);
+        let host = self.gather_host(s);
         self.comm_s += t0.elapsed().as_secs_f64();
-        whole
+        self.fetch_ahead();
+        host.into_iter()
+            .map(|v| from_vec(v, &self.device))
+            .collect()
+    }
+
+    fn expect(&mut self, order: Vec<Stage>) {
+        if self.plan.prefetches() {
+            self.order = order.into();
+            self.fetch_ahead();
+        }
     }
 
     fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {

@@ -26,6 +26,24 @@ pub trait StageParams {
     /// The gradients (f32) of the parameters stage `s` owns, in order. Called once per
     /// stage and pass, last stage first.
     fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>);
+    /// The stages [`StageParams::gather`] will be asked for in this pass, in order, so that
+    /// each can be fetched while the one before computes. Default: nothing fetched ahead.
+    fn expect(&mut self, _order: Vec<Stage>) {}
+}
+
+/// The stages whose weights a pass gathers, in order: the forward pass (the embedding, the
+/// blocks, what the head reads) and with `backward` the blocks again, last first, and the
+/// embedding.
+fn gather_order(model: &Llama, backward: bool) -> Vec<Stage> {
+    let layers = model.config().n_layers;
+    let mut order = vec![Stage::Embed];
+    order.extend((0..layers).map(Stage::Block));
+    order.extend(model.reads(Stage::Head));
+    if backward {
+        order.extend((0..layers).rev().map(Stage::Block));
+        order.push(Stage::Embed);
+    }
+    order
 }
 
 /// The parameters one stage reads, placed at their indices in a list as long as the model's
@@ -102,6 +120,7 @@ pub fn loss_and_grads(
     let [_, t] = inputs.dims();
     let rope = model.rope(t, &device);
     let mut p = Placed::new(model, &device);
+    params.expect(gather_order(model, true));
     let mut kept = Vec::with_capacity(model.config().n_layers);
     let x = forward(
         model,
@@ -157,6 +176,7 @@ pub fn logits(model: &Llama, params: &mut dyn StageParams, inputs: Tensor<2, Int
     let device = inputs.device();
     let rope = model.rope(inputs.dims()[1], &device);
     let mut p = Placed::new(model, &device);
+    params.expect(gather_order(model, false));
     let x = forward(model, params, &mut p, inputs, &rope, None);
     p.load(model, params, Stage::Head, false);
     model.head_logits(&p.all, x)
@@ -324,11 +344,13 @@ mod tests {
         }
     }
 
-    /// A parameters plan of the tiny model for this rank of `comm`, over `replicas`.
-    fn plan(model: &Llama, comm: &dyn Collective, replicas: usize) -> ShardPlan {
+    /// A parameters plan of the tiny model for this rank of `comm`, over `replicas`,
+    /// fetching each stage ahead with `prefetch`.
+    fn plan(model: &Llama, comm: &dyn Collective, replicas: usize, prefetch: bool) -> ShardPlan {
         let mut cfg = crate::config::Config::default();
         cfg.parallelism.shard = crate::config::Shard::Parameters;
         cfg.parallelism.dp_replicate = replicas;
+        cfg.parallelism.prefetch = prefetch;
         ShardPlan::new(&cfg, model, comm).unwrap().unwrap()
     }
 
@@ -337,7 +359,7 @@ mod tests {
         let device = Device::flex();
         let model = Llama::new(&tiny(), 40);
         let params = model.init(3, &device);
-        let plan = plan(&model, &kiln_dist::Solo, 1);
+        let plan = plan(&model, &kiln_dist::Solo, 1, true);
         let pieces = plan.pieces(&params);
         let mut s = StageShards::new(&plan, &model, &pieces, &device);
         for stage in model.stages() {
@@ -379,23 +401,32 @@ mod tests {
                     *m += v / world as f32;
                 }
             }
-            let pieces: Vec<Vec<Vec<f32>>> = std::thread::scope(|scope| {
-                let handles: Vec<_> = kiln_dist::Threads::job(world)
-                    .into_iter()
-                    .map(|comm| {
-                        let (model, params, device) = (&model, &params, device.clone());
-                        scope.spawn(move || {
-                            let plan = plan(model, &comm, replicas);
-                            let mine = plan.pieces(params);
-                            let mut s = StageShards::new(&plan, model, &mine, &device);
-                            let (i, t) = batch(comm.rank(), &device);
-                            loss_and_grads(model, &mut s, i, t, 1.0);
-                            s.take_grads().0.iter().map(to_vec).collect()
+            let on_ranks = |prefetch: bool| -> Vec<Vec<Vec<f32>>> {
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = kiln_dist::Threads::job(world)
+                        .into_iter()
+                        .map(|comm| {
+                            let (model, params, device) = (&model, &params, device.clone());
+                            scope.spawn(move || {
+                                let plan = plan(model, &comm, replicas, prefetch);
+                                assert_eq!(plan.prefetches(), prefetch);
+                                let mine = plan.pieces(params);
+                                let mut s = StageShards::new(&plan, model, &mine, &device);
+                                let (i, t) = batch(comm.rank(), &device);
+                                loss_and_grads(model, &mut s, i, t, 1.0);
+                                s.take_grads().0.iter().map(to_vec).collect()
+                            })
                         })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                })
+            };
+            let pieces = on_ranks(true);
+            assert_eq!(
+                pieces,
+                on_ranks(false),
+                "{world} ranks: fetched ahead or not"
+            );
             // Each parameter's gradient: the pieces of a replica's ranks in rank order; the
             // other replicas hold the same pieces.
             let shards = world / replicas;
@@ -412,6 +443,31 @@ mod tests {
         }
     }
 
+    /// Fetching ahead follows the expected order; a stage asked for out of it still comes
+    /// whole (the gather started ahead is waited for and dropped on every rank alike).
+    #[test]
+    fn stages_asked_for_out_of_the_expected_order_still_come_whole() {
+        let device = Device::flex();
+        let model = Llama::new(&tiny(), 40);
+        let params = model.init(7, &device);
+        std::thread::scope(|scope| {
+            for comm in kiln_dist::Threads::job(2) {
+                let (model, params, device) = (&model, &params, device.clone());
+                scope.spawn(move || {
+                    let plan = plan(model, &comm, 1, true);
+                    let mine = plan.pieces(params);
+                    let mut s = StageShards::new(&plan, model, &mine, &device);
+                    s.expect(vec![Stage::Embed, Stage::Block(0), Stage::Block(1)]);
+                    for stage in [Stage::Embed, Stage::Block(1), Stage::Head, Stage::Block(0)] {
+                        for (i, t) in model.owned(stage).zip(s.gather(stage)) {
+                            assert_eq!(to_vec(&t), to_vec(&params[i]), "{stage:?}");
+                        }
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn sharded_logits_are_the_whole_model_logits() {
         let device = Device::flex();
@@ -419,7 +475,7 @@ mod tests {
         let params = model.init(9, &device);
         let (inputs, _) = batch(0, &device);
         let want = to_vec(&model.forward(&params, inputs.clone()).reshape([-1]));
-        let plan = plan(&model, &kiln_dist::Solo, 1);
+        let plan = plan(&model, &kiln_dist::Solo, 1, true);
         let pieces = plan.pieces(&params);
         let mut s = StageShards::new(&plan, &model, &pieces, &device);
         let got = to_vec(&logits(&model, &mut s, inputs).reshape([-1]));

@@ -613,6 +613,7 @@ impl<'a> Trainer<'a> {
             "engine": self.comm.describe(), "run_id": self.state.run_id,
             "shard": self.cfg.parallelism.shard.name(),
             "shard_ranks": self.step.shard().map_or(1, ShardPlan::shards),
+            "prefetch": self.step.shard().is_some_and(ShardPlan::prefetches),
         });
         self.journal.emit(event::START, fields)?;
         let live = Live {

@@ -355,6 +355,15 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
             assert_ok(&run(np, &rd, &[set]));
             trains_like(&replicated, &rd, &format!("{mode}, {np} ranks"));
             check_shard_files(&rd.join("checkpoints/step-24"), np, mode == "parameters");
+            if mode == "parameters" {
+                // Gathering each stage ahead on a second thread (Debian's OpenMPI grants
+                // MPI_THREAD_MULTIPLE) makes the same calls: the same weights, bit for bit.
+                assert!(!prefetch_of(&rd), "off by default");
+                let ahead = tmp.path().join(format!("{mode}-{np}-prefetch"));
+                assert_ok(&run(np, &ahead, &[set, "parallelism.prefetch=true"]));
+                assert!(prefetch_of(&ahead), "{np} ranks: MPI_THREAD_MULTIPLE");
+                assert_eq!(weights(&ahead), weights(&rd), "{np} ranks, prefetch or not");
+            }
             // Export reads the sharded checkpoint directly (its manifest verifies every shard).
             let out = std::process::Command::new(common::KILN)
                 .arg("export")
@@ -366,6 +375,14 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
             assert_ok(&out);
         }
     }
+}
+
+/// Whether run `rd` gathered each stage's weights ahead (its `start` event).
+fn prefetch_of(rd: &Path) -> bool {
+    let start = events(rd, "train")
+        .into_iter()
+        .find(|e| e["event"] == "start");
+    start.expect("a start event")["prefetch"] == true
 }
 
 /// One optimizer shard per rank, written by that rank, under one manifest; with parameters
