@@ -7,6 +7,12 @@
 //! The baseline file (JSON) keeps the effective config it was made with; a run with a
 //! different config is refused (the numbers would not be comparable) unless the caller asks
 //! to compare anyway. Memory is compared with a tolerance, never exactly.
+//!
+//! A baseline is per device. On flex it is bits. On a CubeCL device (`cubecl-cpu`, `cuda`,
+//! ...) burn picks some kernels per process by timing them (autotune), and candidates sum in
+//! different orders, so two runs of the same config may differ in the last bits: a baseline
+//! blessed there carries a relative `tolerance` (`kiln smoke --bless --tolerance 1e-3`),
+//! which catches a changed computation but not a changed summation order.
 
 use crate::{GatesError, io_err};
 use kiln_train::{Config, Observer, StepMetrics, TrainOptions};
@@ -67,6 +73,10 @@ pub struct SmokeRun {
     pub seconds: f64,
     /// Every step, in the order the trainer reported them.
     pub records: Vec<StepRecord>,
+    /// Relative tolerance of the comparison: 0 (the default) compares bits; set when blessed
+    /// on a device whose kernels are picked per process (see the module documentation).
+    #[serde(default)]
+    pub tolerance: f64,
 }
 
 /// The config a smoke run of `steps` steps uses: `base` with `training.steps = steps`.
@@ -141,7 +151,19 @@ pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<Smo
         peak_rss_mib: kiln_train::metrics::peak_rss_mib(),
         seconds: t0.elapsed().as_secs_f64(),
         records: rec.records,
+        tolerance: 0.0,
     })
+}
+
+/// Checks a comparison tolerance: 0 (bits) or a positive relative difference below 1.
+pub fn check_tolerance(tolerance: f64) -> Result<(), String> {
+    if (0.0..1.0).contains(&tolerance) {
+        Ok(())
+    } else {
+        Err(format!(
+            "tolerance {tolerance}: must be 0 (compare bits) or a relative difference in (0, 1), e.g. 1e-3"
+        ))
+    }
 }
 
 /// Writes a run as a baseline file (pretty JSON, one record per line block).
@@ -176,6 +198,13 @@ pub fn load(path: &Path) -> Result<SmokeRun, GatesError> {
                 "format {:?}, this kiln reads {FORMAT:?}; re-create it with `kiln smoke --bless`",
                 run.format
             ),
+        });
+    }
+    if let Err(message) = check_tolerance(run.tolerance) {
+        return Err(GatesError::Parse {
+            path: path.to_path_buf(),
+            line: 0,
+            message,
         });
     }
     if run.steps == 0 {
@@ -344,7 +373,7 @@ pub fn compare(
             ("grad_norm", &b.grad_norm_bits, &r.grad_norm_bits),
         ] {
             let (bb, rb) = (parse_bits(bb).unwrap_or(0), parse_bits(rb).unwrap_or(0));
-            if bb != rb {
+            if differs(bb, rb, baseline.tolerance) {
                 differing += 1;
                 if first.is_none() {
                     first = Some((b.step, quantity, bb, rb));
@@ -377,6 +406,17 @@ pub fn compare(
     Verdict::Identical
 }
 
+/// Whether the f32 values of bits `b` (baseline) and `r` differ: in any bit, or with a
+/// tolerance by more than `tolerance` times `|b|` (a NaN on either side differs unless both
+/// have the same bits).
+fn differs(b: u32, r: u32, tolerance: f64) -> bool {
+    if b == r {
+        return false;
+    }
+    let (b, r) = (f64::from(f32::from_bits(b)), f64::from(f32::from_bits(r)));
+    tolerance == 0.0 || !((r - b).abs() <= tolerance * b.abs())
+}
+
 /// A human-readable report of a verdict (several lines; the first says pass or FAIL).
 pub fn report(
     verdict: &Verdict,
@@ -398,6 +438,12 @@ pub fn report(
         String::new()
     };
     match verdict {
+        Verdict::Identical if baseline.tolerance > 0.0 => format!(
+            "smoke: PASS: {} steps within {:e} (relative) of {bp} (loss and grad_norm); {mem}; {:.1}s",
+            run.records.len(),
+            baseline.tolerance,
+            run.seconds
+        ),
         Verdict::Identical => format!(
             "smoke: PASS: {} steps bit-identical to {bp} (loss and grad_norm); {mem}; {:.1}s",
             run.records.len(),
@@ -423,8 +469,12 @@ pub fn report(
             differing_values,
         } => {
             let (bf, rf) = (f32::from_bits(*b), f32::from_bits(*r));
+            let by = match baseline.tolerance {
+                0.0 => String::new(),
+                t => format!(" by more than {t:e} (relative)"),
+            };
             format!(
-                "smoke: FAIL: numerics differ from {bp}\n  first differing step: {step} ({quantity})\n  baseline: {bf:e} ({b:#010x})\n  this run: {rf:e} ({r:#010x})\n  difference: {} ULPs ({:+e})\n  {differing_values} of {} recorded values differ; {mem}{cpu_note}\n  if the change is intended, re-bless with `kiln smoke --bless --baseline {bp}` and commit the file",
+                "smoke: FAIL: numerics differ from {bp}{by}\n  first differing step: {step} ({quantity})\n  baseline: {bf:e} ({b:#010x})\n  this run: {rf:e} ({r:#010x})\n  difference: {} ULPs ({:+e})\n  {differing_values} of {} recorded values differ; {mem}{cpu_note}\n  if the change is intended, re-bless with `kiln smoke --bless --baseline {bp}` and commit the file",
                 ulp_distance(*b, *r),
                 f64::from(rf) - f64::from(bf),
                 2 * baseline.records.len().min(run.records.len()),
@@ -495,6 +545,7 @@ mod tests {
             config: "[training]\nsteps = 2\n".into(),
             peak_rss_mib: 100.0,
             seconds: 1.0,
+            tolerance: 0.0,
             records: values
                 .iter()
                 .enumerate()
@@ -518,6 +569,30 @@ mod tests {
             compare(&a, &c, true, 0.25),
             Verdict::MemoryGrew { .. }
         ));
+        // With a tolerance, a difference within it passes and one beyond it fails.
+        let mut tolerant = a.clone();
+        tolerant.tolerance = 1e-6;
+        assert_eq!(compare(&tolerant, &b, true, 0.25), Verdict::Identical);
+        let text = report(&Verdict::Identical, &tolerant, &b, Path::new("b"));
+        assert!(text.contains("within 1e-6 (relative)"), "{text}");
+        tolerant.tolerance = 1e-9;
+        let v = compare(&tolerant, &b, true, 0.25);
+        assert!(
+            matches!(v, Verdict::NumericsDiffer { step: 2, .. }),
+            "{v:?}"
+        );
+        let text = report(&v, &tolerant, &b, Path::new("b"));
+        assert!(text.contains("by more than 1e-9 (relative)"), "{text}");
+        let nan = fake(&[(2.0, 1.0), (f32::NAN, 0.5)]);
+        tolerant.tolerance = 0.5;
+        assert!(matches!(
+            compare(&tolerant, &nan, true, 0.25),
+            Verdict::NumericsDiffer { .. }
+        ));
+        assert!(check_tolerance(0.0).is_ok() && check_tolerance(1e-3).is_ok());
+        for bad in [-1e-3, 1.0, f64::NAN, f64::INFINITY] {
+            assert!(check_tolerance(bad).is_err(), "{bad}");
+        }
         let mut d = a.clone();
         d.config = "[training]\nsteps = 3\n".into();
         let text = report(&compare(&a, &d, true, 0.25), &a, &d, Path::new("b"));

@@ -53,6 +53,16 @@ pub struct SmokeArgs {
     /// disables the memory check.
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true)]
     pub mem_tolerance: f64,
+    /// With --bless: the relative difference the baseline allows each value, for a device
+    /// whose kernels burn picks per process by timing (CubeCL devices: `cubecl-cpu`, `cuda`,
+    /// ...), where runs may differ in the last bits. 0 (the default) compares bits, as on flex.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        requires = "bless",
+        allow_negative_numbers = true
+    )]
+    pub tolerance: f64,
     /// Print every step's values as they are computed.
     #[arg(long, short)]
     pub verbose: bool,
@@ -198,6 +208,7 @@ pub struct PlotArgs {
 /// `kiln smoke`.
 pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     smoke::check_mem_tolerance(a.mem_tolerance)?;
+    smoke::check_tolerance(a.tolerance).map_err(|e| anyhow::anyhow!("--{e}"))?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
     let baseline = if a.bless && !a.baseline.exists() {
         None
@@ -247,8 +258,9 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
             );
         }
     };
-    let run = smoke::run(&config, &mut progress).context("smoke run")?;
+    let mut run = smoke::run(&config, &mut progress).context("smoke run")?;
     if a.bless {
+        run.tolerance = a.tolerance;
         smoke::save(&run, &a.baseline)?;
         println!(
             "smoke: blessed {} ({} steps, last loss {}, peak memory {:.1} MiB, {:.1}s)",
