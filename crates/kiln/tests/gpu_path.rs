@@ -19,11 +19,18 @@ use std::time::Instant;
 
 mod common;
 
-/// A tiny run: batch 4, no eval, checkpoints every 2 steps.
+/// A tiny run: batch 4, no eval, checkpoints every 2 steps; the guards that read the device
+/// state (the rollback snapshot, the frozen-parameter check, the replica check) and the
+/// memory-tier snapshots every 2 steps, so that each runs on device tensors (none of them
+/// changes the numbers).
 const SETS: &[&str] = &[
     "training.batch_size=4",
     "training.threads=2",
     "checkpoint.interval=2",
+    "checkpoint.snapshot_interval=2",
+    "guards.snapshot_interval=2",
+    "guards.frozen_check_interval=2",
+    "guards.replica_check_interval=2",
     "eval.interval=0",
     "eval.samples=4",
     "lr_scheduler.warmup_steps=2",
@@ -90,6 +97,22 @@ fn assert_close(got: &[(u64, f64, f64, f64)], want: &[(u64, f64, f64, f64)], tol
     }
 }
 
+/// The tensors of a safetensors file: name -> (dtype, shape).
+fn safetensors_header(path: &Path) -> Vec<(String, String, String)> {
+    let bytes = bytes(path);
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let v: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut out: Vec<_> = v
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, t)| (k.clone(), t["dtype"].to_string(), t["shape"].to_string()))
+        .collect();
+    out.sort();
+    out
+}
+
 fn bytes(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -110,6 +133,26 @@ fn trains_like_flex_and_resumes_a_flex_checkpoint() {
     let cube_steps = steps(&cube);
     eprintln!("cubecl-cpu steps (step, loss, grad norm, s): {cube_steps:?}");
     assert_close(&cube_steps, &steps(&flex), 1e-3);
+    // The checkpoint written from device tensors exports like flex's: the same tensors.
+    let exported: Vec<_> = [&flex, &cube]
+        .into_iter()
+        .map(|rd| {
+            let out = rd.join("hf");
+            let o = Command::new(common::KILN)
+                .arg("export")
+                .arg(rd.join("checkpoints/step-4"))
+                .args(["--to", "hf"])
+                .arg(&out)
+                .output()
+                .unwrap();
+            assert_ok(&o, "kiln export");
+            safetensors_header(&out.join("model.safetensors"))
+        })
+        .collect();
+    assert_eq!(
+        exported[0], exported[1],
+        "exported tensors: names, dtypes, shapes"
+    );
     run(train(&moved, "flex", 2), "flex, 2 steps");
     run(
         train(&moved, "cubecl-cpu", 4),
@@ -188,6 +231,30 @@ fn sigkill_and_resume_on_cubecl_cpu_is_bit_identical() {
             "{file} differs after SIGKILL + resume on cubecl-cpu"
         );
     }
+}
+
+/// The smoke gate has a baseline per device: 10 steps of the tiny model on `cubecl-cpu`
+/// against `gates/smoke-cubecl-cpu.json`, blessed there with a relative tolerance of 1e-4
+/// (burn's autotune picks kernels per process, so two runs may differ in the last bits; two
+/// runs here came out bit-identical, and flex differs from it by 1 ulp). flex's baselines
+/// compare bits. (The default smoke model took 310 s for 10 steps on this runtime.)
+#[test]
+fn smoke_passes_against_the_devices_own_baseline() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut cmd = common::kiln_cmd(&["smoke", "--baseline", "gates/smoke-cubecl-cpu.json"]);
+    cmd.current_dir(root);
+    for set in common::TINY_MODEL
+        .iter()
+        .chain(&["training.batch_size=4", "training.device=cubecl-cpu"])
+    {
+        cmd.args(["--set", set]);
+    }
+    let t = Instant::now();
+    let out = cmd.output().unwrap();
+    assert_ok(&out, "kiln smoke on cubecl-cpu");
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text} ({:.1} s)", t.elapsed().as_secs_f64());
+    assert!(text.contains("smoke: PASS: 10 steps within 1e-4"), "{text}");
 }
 
 /// The CUDA GPUs this machine has (`nvidia-smi -L`), 0 without a driver.
