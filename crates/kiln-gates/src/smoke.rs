@@ -414,7 +414,8 @@ fn differs(b: u32, r: u32, tolerance: f64) -> bool {
         return false;
     }
     let (b, r) = (f64::from(f32::from_bits(b)), f64::from(f32::from_bits(r)));
-    tolerance == 0.0 || !((r - b).abs() <= tolerance * b.abs())
+    let within = (r - b).abs() <= tolerance * b.abs(); // false when either is NaN
+    tolerance == 0.0 || !within
 }
 
 /// A human-readable report of a verdict (several lines; the first says pass or FAIL).
