@@ -17,7 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let floats = arg("--floats", 11_282_816);
     let bucket_mb = arg("--bucket-mb", 25);
     let reps = arg("--reps", 20).max(1);
-    let comm = kiln_dist::Mpi::init()?;
+    let comm = kiln_dist::Mpi::init(false)?;
     let comm: &dyn kiln_dist::Collective = &comm;
     let buckets = kiln_dist::BucketedAllReduce::new(bucket_mb << 20);
     let mut buf: Vec<f32> = (0..floats).map(|i| (i % 1000) as f32 * 1e-3).collect();

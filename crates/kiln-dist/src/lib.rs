@@ -126,13 +126,16 @@ pub trait Collective: Send {
 
 /// The collective for this process: [`Solo`] for one rank, MPI for several (started by an MPI
 /// launcher). Checks that MPI's view of the job matches the launcher's rank variables.
-pub fn init(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
+/// `concurrent`: ask MPI for MPI_THREAD_MULTIPLE (for [`Background`]); only when it is
+/// needed: asked for in every run, one CI run had a rank segfault at start over Open MPI
+/// 4.1's TCP transport (a Slurm test; not reproduced, cause not established).
+pub fn init(env: &RankEnv, concurrent: bool) -> Result<Box<dyn Collective>, DistError> {
     if env.world_size <= 1 {
         return Ok(Box::new(Solo));
     }
     #[cfg(feature = "mpi")]
     {
-        let mpi = Mpi::init()?;
+        let mpi = Mpi::init(concurrent)?;
         if mpi.rank() != env.rank || mpi.size() != env.world_size {
             return Err(DistError::Mismatch {
                 env_rank: env.rank,
@@ -145,6 +148,7 @@ pub fn init(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
     }
     #[cfg(not(feature = "mpi"))]
     {
+        let _ = concurrent;
         Err(DistError::NoEngine(env.world_size))
     }
 }
@@ -156,7 +160,7 @@ mod tests {
     #[test]
     fn solo_is_the_identity_and_one_rank_needs_no_engine() {
         let env = kiln_topology::rank_env_from(|_| None).unwrap();
-        let c = init(&env).unwrap();
+        let c = init(&env, false).unwrap();
         assert_eq!((c.rank(), c.size()), (0, 1));
         let g = [1.0f32, -2.0, 3.5];
         assert_eq!(BucketedAllReduce::new(8).mean(c.as_ref(), &g), g);
@@ -181,7 +185,7 @@ mod tests {
     fn several_ranks_without_mpi_is_a_clear_error() {
         let mut env = kiln_topology::rank_env_from(|_| None).unwrap();
         env.world_size = 2;
-        let err = init(&env).err().unwrap().to_string();
+        let err = init(&env, false).err().unwrap().to_string();
         assert!(err.contains("--features mpi"), "{err}");
     }
 }

@@ -35,11 +35,15 @@ pub struct Mpi {
 unsafe impl Send for Mpi {}
 
 impl Mpi {
-    /// Initialises MPI (once per process), asking for MPI_THREAD_MULTIPLE so that sharded
-    /// runs can gather the next stage's weights on a second thread; a library that grants
-    /// less still works, without that overlap.
-    pub fn init() -> Result<Self, DistError> {
-        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+    /// Initialises MPI (once per process); with `multiple`, asking for MPI_THREAD_MULTIPLE
+    /// so that sharded runs can gather the next stage's weights on a second thread (a
+    /// library that grants less still works, without that overlap), else funneled.
+    pub fn init(multiple: bool) -> Result<Self, DistError> {
+        let level = match multiple {
+            true => mpi::Threading::Multiple,
+            false => mpi::Threading::Funneled,
+        };
+        let (universe, level) = mpi::initialize_with_threading(level)
             .ok_or_else(|| DistError::Init("MPI was already initialised in this process".into()))?;
         let world = universe.world();
         let multiple = level == mpi::Threading::Multiple;

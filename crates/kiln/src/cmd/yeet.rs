@@ -40,7 +40,7 @@ pub struct YeetArgs {
 /// `kiln yeet`.
 pub fn run(args: YeetArgs) -> anyhow::Result<ExitCode> {
     let env = kiln_topology::RankEnv::from_process_env()?;
-    let comm = kiln_dist::init(&env)?;
+    let comm = kiln_dist::init(&env, false)?;
     let rank0 = comm.rank() == 0;
     let bar = (rank0 && std::io::stderr().is_terminal()).then(|| {
         let bar = indicatif::ProgressBar::new_spinner();
