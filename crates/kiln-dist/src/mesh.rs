@@ -55,12 +55,6 @@ impl Mesh {
             .mean_in_place(self.replica(), &mut [&mut mine[..]]);
         mine
     }
-
-    /// The whole buffer from the shards of this rank's replica, into the concatenation of
-    /// `full` ([`Sharded::all_gather_into`]).
-    pub fn all_gather_into<P: AsMut<[f32]>>(&self, flat: &Sharded, mine: &[f32], full: &mut [P]) {
-        flat.all_gather_into(self.shard(), mine, full)
-    }
 }
 
 #[cfg(test)]
@@ -95,7 +89,7 @@ mod tests {
                         let full: Vec<f32> = (0..len).map(|i| (i * 6 + r) as f32).collect();
                         let mine = mesh.reduce_scatter_mean(&flat, &mut [full]);
                         let mut whole = vec![0.0; len];
-                        mesh.all_gather_into(&flat, &mine, &mut [&mut whole[..]]);
+                        flat.all_gather_into(mesh.shard(), &mine, &mut [&mut whole[..]]);
                         let (s, p) = (mesh.shard(), mesh.replica());
                         (s.rank(), p.rank(), p.size(), mine, whole)
                     })

@@ -565,6 +565,14 @@ pub struct ParallelismConfig {
     pub prefetch: bool,
 }
 
+impl ParallelismConfig {
+    /// Whether a run gathers each stage's weights ahead (`prefetch` with `shard =
+    /// "parameters"`; the other modes gather nothing stage by stage).
+    pub fn prefetches(&self) -> bool {
+        self.prefetch && self.shard == Shard::Parameters
+    }
+}
+
 impl Default for ParallelismConfig {
     fn default() -> Self {
         Self {

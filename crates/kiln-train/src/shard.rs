@@ -78,7 +78,7 @@ impl ShardPlan {
         let (rank, shards) = (mesh.shard().rank(), mesh.shard().size());
         let bucket = cfg.parallelism.bucket_mb.max(1) << 20;
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
-        let ahead = mode == Shard::Parameters && cfg.parallelism.prefetch && shards > 1;
+        let ahead = cfg.parallelism.prefetches() && shards > 1;
         let background = ahead.then(|| Background::new(mesh.shard())).flatten();
         Ok(Some(Self {
             mode,
@@ -210,10 +210,7 @@ impl ShardPlan {
         pieces: Vec<Tensor<1>>,
         lengths: impl Iterator<Item = usize>,
     ) -> Vec<Vec<f32>> {
-        let mine = padded(flat, pieces);
-        let mut full: Vec<Vec<f32>> = lengths.map(|n| vec![0.0; n]).collect();
-        self.mesh.all_gather_into(flat, &mine, &mut full);
-        full
+        gathered(flat, self.mesh.shard(), &padded(flat, pieces), lengths)
     }
 
     /// [`ShardPlan::all_gather_host`] started in the background (`None` without one): the
@@ -226,11 +223,7 @@ impl ShardPlan {
     ) -> Option<Pending<Vec<Vec<f32>>>> {
         let background = self.background.as_ref()?;
         let (flat, mine) = (*flat, padded(flat, pieces));
-        Some(background.start(move |comm| {
-            let mut full: Vec<Vec<f32>> = lengths.into_iter().map(|n| vec![0.0; n]).collect();
-            flat.all_gather_into(comm, &mine, &mut full);
-            full
-        }))
+        Some(background.start(move |comm| gathered(&flat, comm, &mine, lengths.into_iter())))
     }
 
     /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
@@ -386,6 +379,19 @@ fn cut(
     (groups, ranges)
 }
 
+/// The whole tensors of `flat` (of `lengths` elements) all-gathered over `comm` from every
+/// rank's padded shard (this rank's is `mine`).
+fn gathered(
+    flat: &Sharded,
+    comm: &dyn Collective,
+    mine: &[f32],
+    lengths: impl Iterator<Item = usize>,
+) -> Vec<Vec<f32>> {
+    let mut full: Vec<Vec<f32>> = lengths.map(|n| vec![0.0; n]).collect();
+    flat.all_gather_into(comm, mine, &mut full);
+    full
+}
+
 /// This rank's `pieces` of `flat` on the host, padded to a whole shard (the padding goes in
 /// with the values: no second allocation).
 fn padded(flat: &Sharded, pieces: Vec<Tensor<1>>) -> Vec<f32> {
@@ -450,10 +456,6 @@ impl<'a> StageShards<'a> {
 
     /// The whole weights of stage `s`, on the host: the gather started ahead, or one now.
     fn gather_host(&mut self, s: Stage) -> Vec<Vec<f32>> {
-        let g = &self.plan.groups[self.group(s)];
-        let lengths = self.model.specs()[g.params.clone()]
-            .iter()
-            .map(ParamSpec::numel);
         match self.ahead.take() {
             Some((next, pending)) if next == s => pending.wait(),
             other => {
@@ -461,8 +463,9 @@ impl<'a> StageShards<'a> {
                 // rank (the calls stay matched); this pass fetches nothing ahead any more.
                 drop(other.map(|(_, p)| p.wait()));
                 self.order.clear();
-                let pieces = self.pieces[g.params.clone()].to_vec();
-                self.plan.all_gather_host(&g.flat, pieces, lengths)
+                let (flat, pieces, lengths) = self.stage_pieces(s);
+                self.plan
+                    .all_gather_host(&flat, pieces, lengths.into_iter())
             }
         }
     }
@@ -472,14 +475,19 @@ impl<'a> StageShards<'a> {
         let Some(next) = self.order.pop_front() else {
             return;
         };
-        let g = &self.plan.groups[self.group(next)];
-        let lengths = self.model.specs()[g.params.clone()]
-            .iter()
-            .map(ParamSpec::numel);
-        let pieces = self.pieces[g.params.clone()].to_vec();
+        let (flat, pieces, lengths) = self.stage_pieces(next);
         self.ahead = (self.plan)
-            .all_gather_later(&g.flat, pieces, lengths.collect())
+            .all_gather_later(&flat, pieces, lengths)
             .map(|p| (next, p));
+    }
+
+    /// What gathering stage `s` takes: its group's cut, this rank's pieces of its
+    /// parameters, and their whole lengths.
+    fn stage_pieces(&self, s: Stage) -> (Sharded, Vec<Tensor<1>>, Vec<usize>) {
+        let g = &self.plan.groups[self.group(s)];
+        let specs = &self.model.specs()[g.params.clone()];
+        let lengths = specs.iter().map(ParamSpec::numel).collect();
+        (g.flat, self.pieces[g.params.clone()].to_vec(), lengths)
     }
 
     /// Seconds spent in the all-gathers and reduce-scatters so far.

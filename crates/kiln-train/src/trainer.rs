@@ -187,9 +187,7 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     let mut startup = Startup::begin();
     let rank_env = kiln_topology::RankEnv::from_process_env()
         .map_err(|e| TrainError::Parallel(format!("rank environment: {e}")))?;
-    let par = &opts.config.parallelism;
-    let concurrent = par.prefetch && par.shard == Shard::Parameters;
-    let comm = kiln_dist::init(&rank_env, concurrent)?;
+    let comm = kiln_dist::init(&rank_env, opts.config.parallelism.prefetches())?;
     let comm = comm.as_ref();
     startup.mark(phase::MPI_INIT);
     let mut trainer = Trainer::starting(opts, comm, observer, startup).inspect_err(|e| {
