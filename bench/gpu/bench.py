@@ -2,22 +2,34 @@
 """kiln against PyTorch on one GPU, in one run: the reference model and a 1B-class Llama,
 bf16 compute on f32 master weights, AdamW, clip 1.0, same batch and sequence length.
 
-For each model it runs `kiln train` on `training.device=cuda` twice, with kiln's CubeCL kernels
+For each model it runs `kiln train` on `training.device=cuda` with kiln's CubeCL kernels
 (`kiln`) and without them (`kiln-composed`: burn's generic ops), then PyTorch eager (SDPA) and
 torch.compile (torch_llama.py beside this file), and prints tokens/s, MFU against the GPU's
 dense bf16 peak, peak GPU memory (sampled from nvidia-smi for every process alike, plus
-PyTorch's own allocator peak) and kiln's ratio to each peer. Writes result.json to $OUT
-(the device tool's output folder) or beside this file.
+PyTorch's own allocator peak), kiln's start-up (kernel compilation and autotuning, before its
+first step) and kiln's ratio to each peer. Writes result.json to $OUT (the device tool's output
+folder) or beside this file, and keeps every run's log and run directory under --work.
 
-Usage: python3 bench/gpu/bench.py [--kiln PATH] [--models ref,1b] [--steps N] [--warmup N]
+A lent GPU comes for minutes, so the runs go in order of value (--plan) under one deadline
+(--deadline): each run gets at most --cap seconds and what is left of the deadline, a run cut
+short still reports the steps it finished, and the runs that no longer fit are listed as
+skipped. With --profile, the 1B model is profiled after its timed runs: kiln's kernels through
+CubeCL's profiling logger (device time of every launch, in a rerun that reads the first run's
+autotune and kernel cache, so no tuning is timed) and PyTorch eager's through torch.profiler,
+each written as a per-kernel table.
+
+Usage: python3 bench/gpu/bench.py [--kiln PATH] [--plan model:impl,...] [--steps N]
+                                   [--warmup N] [--deadline S] [--cap S] [--profile]
 On the GPU machine this is what bench/gpu/run.sh calls, after unpacking the carried binary.
 """
 import argparse
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -25,9 +37,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from torch_llama import MODELS, peak_flops  # noqa: E402
 
+# What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
+DEFAULT_PLAN = ("ref:kiln,ref:eager,1b:kiln,1b:eager,1b:compile,ref:compile,"
+                "ref:kiln-composed,1b-8k:kiln,1b-8k:eager,1b:kiln-composed")
+# Steps of the short rows (the 8192-token row is there for its memory).
+SHORT = {"1b-8k": (4, 2)}
 
-def gpu_memory_sampler(pid_root):
-    """Polls nvidia-smi for the GPU memory of `pid_root`'s processes; returns (stop, peak)."""
+
+def gpu_memory_sampler(pid):
+    """Polls nvidia-smi for the GPU memory of process `pid`; returns (stop, peak MiB)."""
     peak = [0.0]
     done = threading.Event()
 
@@ -39,7 +57,7 @@ def gpu_memory_sampler(pid_root):
                      "--format=csv,noheader,nounits"],
                     capture_output=True, text=True, timeout=10).stdout
                 used = sum(float(m) for p, m in (l.split(",") for l in out.strip().splitlines() if "," in l)
-                           if int(p) in pid_root())
+                           if int(p) == pid)
                 peak[0] = max(peak[0], used)
             except (OSError, ValueError, subprocess.SubprocessError):
                 pass
@@ -50,23 +68,39 @@ def gpu_memory_sampler(pid_root):
     return (lambda: (done.set(), t.join())), peak
 
 
-def run_sampled(argv, **kw):
-    """Runs argv, sampling its GPU memory; returns (CompletedProcess-like, peak MiB)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-    stop, peak = gpu_memory_sampler(lambda: {proc.pid})
-    out, err = proc.communicate()
-    stop()
-    return proc.returncode, out, err, peak[0]
+def run_sampled(argv, log, timeout, **kw):
+    """Runs argv (stdout and stderr to the file `log`) for at most `timeout` seconds, sampling
+    its GPU memory; returns (exit code or None when cut short, peak MiB)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, **kw)
+        stop, peak = gpu_memory_sampler(proc.pid)
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        stop()
+    return rc, peak[0]
 
 
-def kiln_sets(model, batch, seq, steps):
+def tail(path, n=1500):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:].strip()
+    except OSError:
+        return ""
+
+
+def kiln_sets(model, batch, seq, steps, device="cuda"):
     vocab, d, layers, nh, nkv, ffn, _, _ = MODELS[model]
     return [
         f"model.vocab_size={vocab}", f"model.d_model={d}", f"model.n_layers={layers}",
         f"model.n_heads={nh}", f"model.n_kv_heads={nkv}", f"model.ffn_hidden={ffn}",
         "model.tie_embeddings=false", "model.scale_residual_init=false",
         f"training.batch_size={batch}", f"training.seq_len={seq}", f"training.steps={steps}",
-        "training.device=cuda", "training.dtype=bf16", "training.master_dtype=f32",
+        f"training.device={device}", "training.dtype=bf16", "training.master_dtype=f32",
         "optimizer.lr=3e-4", "optimizer.weight_decay=0.1", "optimizer.max_grad_norm=1.0",
         "lr_scheduler.kind=constant", "lr_scheduler.warmup_steps=0",
         "checkpoint.interval=0", "eval.interval=0", "eval.samples=0",
@@ -74,82 +108,210 @@ def kiln_sets(model, batch, seq, steps):
     ]
 
 
-def run_kiln(kiln, model, steps, warmup, impl="kiln"):
+def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     """`kiln`: kiln's CubeCL kernels on; `kiln-composed`: `training.fused_kernels=false`
-    (burn's generic ops only), the before of the kernels' before/after."""
+    (burn's generic ops only), the before of the kernels' before/after. The run directory
+    stays under `work` (its CubeCL cache is what a profiled rerun reads)."""
     _, _, _, _, _, _, batch, seq = MODELS[model]
-    sets = kiln_sets(model, batch, seq, steps + warmup)
+    sets = kiln_sets(model, batch, seq, steps + warmup, device)
     if impl == "kiln-composed":
         sets.append("training.fused_kernels=false")
-    with tempfile.TemporaryDirectory() as rd:
-        argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
-        for s in sets:
-            argv += ["--set", s]
-        rc, out, err, peak = run_sampled(argv)
-        if rc != 0:
-            return {"impl": impl, "model": model, "error": f"exit {rc}: {err.strip()[-2000:]}"}
-        rows = [json.loads(l) for l in open(os.path.join(rd, "metrics.jsonl")) if '"step_time_s"' in l]
-    timed = rows[warmup:]
-    dt = sum(r["step_time_s"] for r in timed) / len(timed)
-    return {"impl": impl, "model": model, "batch": batch, "seq": seq,
-            "tokens_per_s": batch * seq / dt, "step_ms": dt * 1e3, "loss": timed[-1]["loss"],
-            "gpu_mem_mib": peak}
+    rd = os.path.join(work, f"{model}-{impl}")
+    os.makedirs(rd, exist_ok=True)
+    argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
+    for s in sets:
+        argv += ["--set", s]
+    t = time.time()
+    rc, peak = run_sampled(argv, rd + ".log", timeout)
+    wall = time.time() - t
+    rows = []
+    metrics = os.path.join(rd, "metrics.jsonl")
+    if os.path.exists(metrics):
+        rows = [json.loads(l) for l in open(metrics) if '"step_time_s"' in l]
+    r = {"impl": impl, "model": model, "batch": batch, "seq": seq, "gpu_mem_mib": peak,
+         "steps_done": len(rows), "run_dir": rd}
+    if rows:
+        # Start-up: everything before the first step ends, less that step's own time.
+        r["first_step_s"] = rows[0]["step_time_s"]
+        r["startup_s"] = wall - sum(x["step_time_s"] for x in rows)
+    timed = rows[warmup:] if len(rows) > warmup else rows[1:]
+    if rc != 0 and not timed:
+        why = "cut short" if rc is None else f"exit {rc}"
+        return {**r, "error": f"{why} after {wall:.0f} s, {len(rows)} steps: {tail(rd + '.log')}"}
+    if rc is None:
+        r["note"] = f"cut short at {timeout:.0f} s: {len(timed)} timed steps"
+    dt = sum(x["step_time_s"] for x in timed) / len(timed)
+    return {**r, "tokens_per_s": batch * seq / dt, "step_ms": dt * 1e3, "loss": timed[-1]["loss"]}
 
 
-def run_torch(variant, model, steps, warmup):
+def run_torch(variant, model, steps, warmup, work, timeout, profile=None):
     argv = [sys.executable, os.path.join(HERE, "torch_llama.py"), "--model", model,
             "--variant", variant, "--steps", str(steps), "--warmup", str(warmup)]
-    rc, out, err, peak = run_sampled(argv)
+    if profile:
+        argv += ["--profile", profile]
+    log = os.path.join(work, f"{model}-torch-{variant}.log")
+    rc, peak = run_sampled(argv, log, timeout)
     if rc != 0:
-        return {"impl": f"torch-{variant}", "model": model, "error": f"exit {rc}: {err.strip()[-2000:]}"}
-    r = json.loads(out.strip().splitlines()[-1])
+        why = "cut short" if rc is None else f"exit {rc}"
+        return {"impl": f"torch-{variant}", "model": model, "error": f"{why}: {tail(log)}"}
+    lines = [l for l in open(log) if l.startswith("{")]
+    r = json.loads(lines[-1])
     r["gpu_mem_mib"] = peak
     return r
+
+
+CUBECL_PROFILE_TOML = """# Written by bench/gpu/bench.py: CubeCL's profiling logger, the device time of every launch.
+[profiling.logger]
+level = "basic"
+file = "{log}"
+append = false
+"""
+
+
+def profile_kiln(kiln, model, first, work, timeout, steps=3):
+    """Reruns `model` for `steps` steps with CubeCL's profiling logger on (from a cubecl.toml
+    in its working directory), reading the autotune and kernel cache of the first run `first`
+    so that nothing is tuned or compiled, and sums the device time of every launch by kernel."""
+    wd = os.path.join(work, f"{model}-kiln-profile")
+    os.makedirs(wd, exist_ok=True)
+    log = os.path.join(wd, "cubecl-profile.log")
+    with open(os.path.join(wd, "cubecl.toml"), "w") as f:
+        f.write(CUBECL_PROFILE_TOML.format(log=log))
+    rd = os.path.join(wd, "run")
+    os.makedirs(rd, exist_ok=True)
+    for name in os.listdir(first):
+        if name.startswith("device-cache"):
+            shutil.copy(os.path.join(first, name), rd)
+    _, _, _, _, _, _, batch, seq = MODELS[model]
+    argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
+    for s in kiln_sets(model, batch, seq, steps):
+        argv += ["--set", s]
+    rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd)
+    return kernel_table(log, steps, os.path.join(work, f"{model}-kiln-kernels.txt"), rc)
+
+
+LAUNCH = re.compile(r"^\| ([0-9.]+)(ns|µs|us|ms|s)\s+\| (.+)$")
+UNIT = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def kernel_table(log, steps, out, rc):
+    """Sums CubeCL's per-launch lines (`| 1.2ms | name`) by kernel: ms per step, launches per
+    step, share. Kernel names are cut at their first generic argument list."""
+    by = {}
+    try:
+        for line in open(log, errors="replace"):
+            m = LAUNCH.match(line.rstrip())
+            if not m:
+                continue
+            name = m.group(3).strip()
+            ms = float(m.group(1)) * UNIT[m.group(2)]
+            n, t = by.get(name, (0, 0.0))
+            by[name] = (n + 1, t + ms)
+    except OSError as e:
+        return {"error": f"no profile log ({e}); kiln exit {rc}"}
+    total = sum(t for _, t in by.values())
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])
+    with open(out, "w") as f:
+        f.write(f"# kiln CubeCL kernels, {steps} steps (profiled: each launch waited on); "
+                f"ms per step (share of kernel time); kiln exit {rc}\n")
+        f.write(f"total {total / steps:.2f} ms per step, {sum(n for n, _ in by.values()) // max(steps, 1)} launches per step\n")
+        for name, (n, t) in rows[:50]:
+            f.write(f"{t / steps:9.3f} ms {n // steps:6d}x {100 * t / max(total, 1e-9):5.1f}%  {name[:160]}\n")
+    return {"kernel_ms_per_step": total / steps, "table": out, "kernels": len(by)}
 
 
 def mfu(r, name):
     vocab, d, layers, nh, nkv, ffn, _, _ = MODELS[r["model"]]
     hd = d // nh
+    # torchtitan's count, as torch_llama.py: 6 x parameters without the embedding (a lookup),
+    # plus attention's 12 * L * d * T.
     params = layers * (2 * d + d * d + 2 * d * nkv * hd + d * d + 3 * d * ffn) + d + d * vocab
     flops = 6 * params + 12 * layers * d * r["seq"]
     return flops * r["tokens_per_s"] / peak_flops(name)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--kiln", default=os.path.join(HERE, "carry", "kiln"))
-    ap.add_argument("--models", default="ref,1b")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
-    a = ap.parse_args()
-    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip().splitlines()[0]
-    print(f"GPU: {name} (dense bf16 peak {peak_flops(name) / 1e12:.0f} TFLOP/s)", flush=True)
-    results = []
-    for model in a.models.split(","):
-        for impl in ["kiln", "kiln-composed", "eager", "compile"]:
-            t = time.time()
-            r = (run_kiln(a.kiln, model, a.steps, a.warmup, impl) if impl.startswith("kiln")
-                 else run_torch(impl, model, a.steps, a.warmup))
-            if "tokens_per_s" in r:
-                r["seq"] = r.get("seq") or MODELS[model][7]
-                r["mfu"] = mfu(r, name)
-            r["wall_s"] = time.time() - t
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    print(f"\n{'model':6} {'impl':14} {'tokens/s':>12} {'step ms':>9} {'MFU':>6} {'GPU MiB':>9} {'kiln/this':>9}")
+def print_table(results):
+    print(f"\n{'model':6} {'impl':14} {'tokens/s':>10} {'step ms':>9} {'MFU':>6} {'GPU MiB':>8} "
+          f"{'start s':>7} {'kiln/this':>9}")
     for r in results:
-        if "error" in r:
-            print(f"{r['model']:6} {r['impl']:14} error: {r['error'][:200]}")
+        if "tokens_per_s" not in r:
+            if "error" in r or "skipped" in r:
+                print(f"{r['model']:6} {r['impl']:14} {r.get('skipped') or 'error: ' + r['error'][:300]}")
             continue
         k = next((x for x in results if x["model"] == r["model"] and x["impl"] == "kiln"
                   and "tokens_per_s" in x), None)
         ratio = f"{k['tokens_per_s'] / r['tokens_per_s']:.3f}" if k else "-"
-        print(f"{r['model']:6} {r['impl']:14} {r['tokens_per_s']:12.0f} {r['step_ms']:9.1f} "
-              f"{100 * r['mfu']:5.1f}% {r['gpu_mem_mib']:9.0f} {ratio:>9}")
+        start = f"{r['startup_s']:.0f}" if "startup_s" in r else "-"
+        print(f"{r['model']:6} {r['impl']:14} {r['tokens_per_s']:10.0f} {r['step_ms']:9.1f} "
+              f"{100 * r['mfu']:5.1f}% {r['gpu_mem_mib']:8.0f} {start:>7} {ratio:>9}"
+              + (f"  ({r['note']})" if "note" in r else ""))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kiln", default=os.path.join(HERE, "carry", "kiln"))
+    ap.add_argument("--plan", default=DEFAULT_PLAN, help="model:impl,... in order")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds for all runs")
+    ap.add_argument("--cap", type=float, default=240, help="seconds for any one run")
+    ap.add_argument("--device", default="cuda", help="kiln's device (flex: tries the harness on a CPU)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel tables of the 1B model")
+    ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kiln-gpu-bench"))
+    a = ap.parse_args()
+    start = time.time()
+    os.makedirs(a.work, exist_ok=True)
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip().splitlines()[0]
+    print(f"GPU: {name} (dense bf16 peak {peak_flops(name) / 1e12:.0f} TFLOP/s)", flush=True)
     out = os.environ.get("OUT") or HERE
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump({"gpu": name, "results": results}, f, indent=1)
+    results = []
+
+    def left():
+        return a.deadline - (time.time() - start)
+
+    def save():
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"gpu": name, "results": results}, f, indent=1)
+
+    for item in a.plan.split(","):
+        model, impl = item.split(":")
+        steps, warmup = SHORT.get(model, (a.steps, a.warmup))
+        budget = min(a.cap, left())
+        if budget < 20:
+            results.append({"impl": impl, "model": model, "skipped": "skipped: past the deadline"})
+            continue
+        t = time.time()
+        if impl.startswith("kiln"):
+            r = run_kiln(a.kiln, model, steps, warmup, impl, a.work, budget, a.device)
+        else:
+            r = run_torch(impl, model, steps, warmup, a.work, budget)
+        if "tokens_per_s" in r:
+            r["seq"] = r.get("seq") or MODELS[model][7]
+            r["mfu"] = mfu(r, name)
+        r["wall_s"] = time.time() - t
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        save()
+
+    if a.profile:
+        first = next((r for r in results if r["model"] == "1b" and r["impl"] == "kiln"
+                      and r.get("steps_done")), None)
+        if first and left() > 30:
+            p = profile_kiln(a.kiln, "1b", first["run_dir"], a.work, min(a.cap, left()))
+            results.append({"impl": "kiln-profile", "model": "1b", **p})
+            print(json.dumps(results[-1]), flush=True)
+        if left() > 30:
+            table = os.path.join(a.work, "1b-torch-kernels.txt")
+            r = run_torch("eager", "1b", 3, 2, a.work, min(a.cap, left()), profile=table)
+            results.append({"impl": "torch-profile", "model": "1b", "table": table,
+                            **({"error": r["error"]} if "error" in r else {})})
+        for r in results[-2:]:
+            if os.path.exists(r.get("table", "")):
+                print(open(r["table"]).read())
+        save()
+    print_table(results)
+    save()
 
 
 if __name__ == "__main__":

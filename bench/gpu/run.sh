@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): unpacks the carried kiln, sets what the CUDA runtime needs,
 # and runs bench.py (kiln vs PyTorch eager and torch.compile, reference and 1B-class models).
-# Results: stdout, and result.json in $OUT (or bench/gpu/).
+# Results: stdout, and result.json in $OUT (or bench/gpu/), with every run's log, the doctor's
+# report and the per-kernel tables (with --profile) in $OUT/logs.tgz.
+#
+# Usage: bench/gpu/run.sh [bench.py options]; KILN_DOCTOR_TIMEOUT (150 s) bounds the doctor.
 #
 # What a GPU host needs for kiln's CUDA build, beside the NVIDIA driver (CUDA 13 for the
 # default CUDARC_CUDA_VERSION=13000): libdevice.10.bc, found through CUDA_PATH (a CUDA toolkit
@@ -22,10 +25,17 @@ if [ -z "${CUDA_PATH:-}" ]; then
     [ -f "$d/nvvm/libdevice/libdevice.10.bc" ] && { export CUDA_PATH=$d; break; }
   done
 fi
+if [ -z "${CUDA_PATH:-}" ]; then # pip's CUDA packages (nvidia-cuda-nvcc) ship libdevice too
+  bc=$(find / -xdev -path '*nvvm/libdevice/libdevice.10.bc' -print -quit 2>/dev/null || true)
+  [ -n "$bc" ] && export CUDA_PATH=$(dirname "$(dirname "$(dirname "$bc")")")
+fi
 # NCCL: cudarc opens libnccl.so; pip's nvidia-nccl (PyTorch's) ships libnccl.so.2 only.
 if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
   nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null ||
     dirname "$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')" 2>/dev/null || true)
+  # CUDA 13 wheels may lay their libraries out elsewhere (nvidia/cu13/lib): look for the file.
+  [ -f "$nccl/libnccl.so.2" ] ||
+    nccl=$(dirname "$(find / -xdev -name libnccl.so.2 -print -quit 2>/dev/null)" 2>/dev/null || true)
   if [ -n "$nccl" ] && [ -f "$nccl/libnccl.so.2" ]; then
     lib=$(mktemp -d)
     ln -s "$nccl/libnccl.so.2" "$lib/libnccl.so"
@@ -35,7 +45,14 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
 fi
 echo "CUDA_PATH=${CUDA_PATH:-unset}; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 "$kiln" --version
+out=${OUT:-$here}
+work=$(mktemp -d)
+# Logs, reports and kernel tables (not the run directories' caches and checkpoints) to $OUT.
+trap 'tar -C "$work" -czf "$out/logs.tgz" --exclude="*.db" --exclude="checkpoints" . 2>/dev/null || true' EXIT
 # The kernels' f32 and bf16 instances against their composed twins on this GPU, and NCCL's
 # one-rank check (the libnccl.so link above): a failure is reported, the benchmark still runs.
-"$kiln" doctor --device cuda || echo "kiln doctor --device cuda: exit $? (see above)"
-python3 "$here/bench.py" --kiln "$kiln" "$@"
+set +e
+timeout -k 5 "${KILN_DOCTOR_TIMEOUT:-150}" "$kiln" doctor --device cuda 2>&1 | tee "$work/doctor.log"
+echo "kiln doctor --device cuda: exit ${PIPESTATUS[0]}"
+set -e
+python3 "$here/bench.py" --kiln "$kiln" --work "$work" "$@"

@@ -12,6 +12,7 @@ Usage: torch_llama.py --model ref|1b --variant eager|compile [--batch B] [--seq 
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -24,6 +25,9 @@ MODELS = {
     "ref": (8192, 384, 6, 6, 2, 1024, 8, 256),
     # A 1B-class Llama (issue 18): 1.1B parameters.
     "1b": (32000, 2048, 16, 16, 4, 5632, 4, 2048),
+    # The same model at sequence length 8192, one sequence a step (issue 19: activation memory
+    # must let 8192 fit where PyTorch with SDPA fits).
+    "1b-8k": (32000, 2048, 16, 16, 4, 5632, 1, 8192),
 }
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name; MFU is measured against it.
@@ -98,6 +102,9 @@ def main():
     ap.add_argument("--seq", type=int)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile", metavar="PATH",
+                    help="after the timed steps, profile 3 more and write PyTorch's per-kernel "
+                         "table (CUDA time per step) to PATH")
     a = ap.parse_args()
     vocab, d, layers, nh, nkv, ffn, batch, seq = MODELS[a.model]
     batch, seq = a.batch or batch, a.seq or seq
@@ -134,6 +141,11 @@ def main():
     # torchtitan's count: 6 x parameters (embedding excluded: a lookup) + attention 12*L*d*T.
     flops_per_token = 6 * (params - vocab * d) + 12 * layers * d * seq
     name = torch.cuda.get_device_name()
+    if a.profile:
+        try:
+            write_profile(a.profile, step, 3)
+        except Exception as e:  # the figures above stand without the profile
+            print(f"torch_llama: profile failed: {e!r}", file=sys.stderr)
     print(json.dumps({
         "impl": f"torch-{a.variant}", "model": a.model, "params": params, "batch": batch,
         "seq": seq, "device": name, "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
@@ -142,6 +154,29 @@ def main():
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
         "torch": torch.__version__,
     }))
+
+
+def write_profile(path, step, steps):
+    """PyTorch's profiler over `steps` steps: the CUDA kernels by total device time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    def dev(e):
+        t = getattr(e, "self_device_time_total", None)
+        return e.self_cuda_time_total if t is None else t
+
+    rows = [e for e in prof.key_averages() if dev(e) > 0 and "CUDA" in str(e.device_type)]
+    rows.sort(key=dev, reverse=True)
+    total = sum(dev(e) for e in rows) or 1.0
+    with open(path, "w") as f:
+        f.write(f"# PyTorch CUDA kernels, {steps} steps; ms per step (share of kernel time)\n")
+        f.write(f"total {total / 1e3 / steps:.2f} ms per step\n")
+        for e in rows[:40]:
+            f.write(f"{dev(e) / 1e3 / steps:9.3f} ms {e.count // steps:6d}x "
+                    f"{100 * dev(e) / total:5.1f}%  {e.key[:120]}\n")
 
 
 if __name__ == "__main__":
