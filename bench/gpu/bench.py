@@ -13,13 +13,13 @@ folder) or beside this file, and keeps every run's log and run directory under -
 A lent GPU comes for minutes, so the runs go in order of value (--plan) under one deadline
 (--deadline): each run gets at most --cap seconds and what is left of the deadline, a run cut
 short still reports the steps it finished, and the runs that no longer fit are listed as
-skipped. With --profile, the 1B model is profiled after its timed runs: kiln's kernels through
-CubeCL's profiling logger (device time of every launch, in a rerun that reads the first run's
-autotune and kernel cache, so no tuning is timed) and PyTorch eager's through torch.profiler,
-each written as a per-kernel table.
+skipped. `kiln-profile` and `eager-profile` write per-kernel tables: kiln's kernels through
+CubeCL's profiling logger (device time of every launch, in a rerun that reads the model's
+`kiln` run's autotune and kernel cache, so no tuning is timed) and PyTorch eager's through
+torch.profiler.
 
 Usage: python3 bench/gpu/bench.py [--kiln PATH] [--plan model:impl,...] [--steps N]
-                                   [--warmup N] [--deadline S] [--cap S] [--profile]
+                                   [--warmup N] [--deadline S] [--cap S] [--device D]
 On the GPU machine this is what bench/gpu/run.sh calls, after unpacking the carried binary.
 """
 import argparse
@@ -38,8 +38,9 @@ sys.path.insert(0, HERE)
 from torch_llama import MODELS, peak_flops  # noqa: E402
 
 # What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
-DEFAULT_PLAN = ("ref:kiln,ref:eager,1b:kiln,1b:eager,1b:compile,ref:compile,"
-                "ref:kiln-composed,1b-8k:kiln,1b-8k:eager,1b:kiln-composed")
+DEFAULT_PLAN = ("ref:kiln,ref:eager,1b:kiln,1b:eager,1b:compile,1b:kiln-profile,"
+                "1b:eager-profile,ref:compile,1b-8k:kiln,1b-8k:eager,ref:kiln-composed,"
+                "1b:kiln-composed")
 # Steps of the short rows (the 8192-token row is there for its memory).
 SHORT = {"1b-8k": (4, 2)}
 
@@ -117,7 +118,8 @@ def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     if impl == "kiln-composed":
         sets.append("training.fused_kernels=false")
     rd = os.path.join(work, f"{model}-{impl}")
-    os.makedirs(rd, exist_ok=True)
+    shutil.rmtree(rd, ignore_errors=True)
+    os.makedirs(rd)
     argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
     for s in sets:
         argv += ["--set", s]
@@ -168,10 +170,15 @@ append = false
 """
 
 
-def profile_kiln(kiln, model, first, work, timeout, steps=3):
+def profile_kiln(kiln, model, results, work, timeout, steps=3):
     """Reruns `model` for `steps` steps with CubeCL's profiling logger on (from a cubecl.toml
-    in its working directory), reading the autotune and kernel cache of the first run `first`
-    so that nothing is tuned or compiled, and sums the device time of every launch by kernel."""
+    in its working directory), reading the autotune and kernel cache of its earlier `kiln` run
+    in `results` so that nothing is tuned or compiled, and sums the device time of every
+    launch by kernel."""
+    first = next((r["run_dir"] for r in results if r["model"] == model and r["impl"] == "kiln"
+                  and r.get("steps_done")), None)
+    if first is None:
+        return {"error": f"no kiln run of {model} to read the kernel cache of"}
     wd = os.path.join(work, f"{model}-kiln-profile")
     os.makedirs(wd, exist_ok=True)
     log = os.path.join(wd, "cubecl-profile.log")
@@ -256,7 +263,6 @@ def main():
     ap.add_argument("--deadline", type=float, default=3600, help="seconds for all runs")
     ap.add_argument("--cap", type=float, default=240, help="seconds for any one run")
     ap.add_argument("--device", default="cuda", help="kiln's device (flex: tries the harness on a CPU)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel tables of the 1B model")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kiln-gpu-bench"))
     a = ap.parse_args()
     start = time.time()
@@ -282,7 +288,14 @@ def main():
             results.append({"impl": impl, "model": model, "skipped": "skipped: past the deadline"})
             continue
         t = time.time()
-        if impl.startswith("kiln"):
+        if impl == "kiln-profile":
+            r = {"impl": impl, "model": model, **profile_kiln(a.kiln, model, results, a.work, budget)}
+        elif impl == "eager-profile":
+            table = os.path.join(a.work, f"{model}-torch-kernels.txt")
+            r = run_torch("eager", model, 3, 2, a.work, budget, profile=table)
+            r = {"impl": impl, "model": model, "table": table,
+                 **({"error": r["error"]} if "error" in r else {})}
+        elif impl.startswith("kiln"):
             r = run_kiln(a.kiln, model, steps, warmup, impl, a.work, budget, a.device)
         else:
             r = run_torch(impl, model, steps, warmup, a.work, budget)
@@ -292,23 +305,8 @@ def main():
         r["wall_s"] = time.time() - t
         results.append(r)
         print(json.dumps(r), flush=True)
-        save()
-
-    if a.profile:
-        first = next((r for r in results if r["model"] == "1b" and r["impl"] == "kiln"
-                      and r.get("steps_done")), None)
-        if first and left() > 30:
-            p = profile_kiln(a.kiln, "1b", first["run_dir"], a.work, min(a.cap, left()))
-            results.append({"impl": "kiln-profile", "model": "1b", **p})
-            print(json.dumps(results[-1]), flush=True)
-        if left() > 30:
-            table = os.path.join(a.work, "1b-torch-kernels.txt")
-            r = run_torch("eager", "1b", 3, 2, a.work, min(a.cap, left()), profile=table)
-            results.append({"impl": "torch-profile", "model": "1b", "table": table,
-                            **({"error": r["error"]} if "error" in r else {})})
-        for r in results[-2:]:
-            if os.path.exists(r.get("table", "")):
-                print(open(r["table"]).read())
+        if os.path.exists(r.get("table", "")):
+            print(open(r["table"]).read(), flush=True)
         save()
     print_table(results)
     save()
