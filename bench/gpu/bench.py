@@ -104,7 +104,8 @@ def kiln_sets(model, batch, seq, steps, device="cuda"):
         f"training.device={device}", "training.dtype=bf16", "training.master_dtype=f32",
         "optimizer.lr=3e-4", "optimizer.weight_decay=0.1", "optimizer.max_grad_norm=1.0",
         "lr_scheduler.kind=constant", "lr_scheduler.warmup_steps=0",
-        "checkpoint.interval=0", "eval.interval=0", "eval.samples=0",
+        "checkpoint.interval=0", "checkpoint.snapshot_interval=0", "eval.interval=0",
+        "eval.samples=0",
         "guards.frozen_check_interval=0", "guards.snapshot_interval=0",
     ]
 

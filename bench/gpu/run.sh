@@ -4,7 +4,9 @@
 # Results: stdout, and result.json in $OUT (or bench/gpu/), with every run's log, the doctor's
 # report and the per-kernel tables (with --profile) in $OUT/logs.tgz.
 #
-# Usage: bench/gpu/run.sh [bench.py options]; KILN_DOCTOR_TIMEOUT (150 s) bounds the doctor.
+# Usage: bench/gpu/run.sh [bench.py options]
+#   KILN_DOCTOR=first|last|off   when `kiln doctor --device cuda` runs (first)
+#   KILN_DOCTOR_TIMEOUT=S        its bound (150 s; it compiles every kernel twice, ~100 s)
 #
 # What a GPU host needs for kiln's CUDA build, beside the NVIDIA driver (CUDA 13 for the
 # default CUDARC_CUDA_VERSION=13000): libdevice.10.bc, found through CUDA_PATH (a CUDA toolkit
@@ -48,11 +50,15 @@ echo "CUDA_PATH=${CUDA_PATH:-unset}; $(nvidia-smi --query-gpu=name,driver_versio
 out=${OUT:-$here}
 work=$(mktemp -d)
 # Logs, reports and kernel tables (not the run directories' caches and checkpoints) to $OUT.
-trap 'tar -C "$work" -czf "$out/logs.tgz" --exclude="*.db" --exclude="checkpoints" . 2>/dev/null || true' EXIT
+trap '(cd "$work" && find . -type f \( -name "*.log" -o -name "*.txt" -o -name "*.jsonl" -o -name "*.json" \) -size -20M -print0 | tar --null -T - -czf "$out/logs.tgz") 2>/dev/null || true' EXIT
 # The kernels' f32 and bf16 instances against their composed twins on this GPU, and NCCL's
 # one-rank check (the libnccl.so link above): a failure is reported, the benchmark still runs.
+doctor() {
+  timeout -k 5 "${KILN_DOCTOR_TIMEOUT:-150}" "$kiln" doctor --device cuda 2>&1 | tee "$work/doctor.log"
+  echo "kiln doctor --device cuda: exit ${PIPESTATUS[0]}"
+}
 set +e
-timeout -k 5 "${KILN_DOCTOR_TIMEOUT:-150}" "$kiln" doctor --device cuda 2>&1 | tee "$work/doctor.log"
-echo "kiln doctor --device cuda: exit ${PIPESTATUS[0]}"
-set -e
+[ "${KILN_DOCTOR:-first}" = first ] && doctor
 python3 "$here/bench.py" --kiln "$kiln" --work "$work" "$@"
+[ "${KILN_DOCTOR:-first}" = last ] && doctor
+true

@@ -41,7 +41,10 @@
 //!
 //! The need is the always-live parts plus the largest of (step, checkpoint, eval), times
 //! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
-//! program itself. When the snapshots are what does not fit, the error names
+//! program itself. On an accelerator (`training.device` a GPU) the weights, moments, step and
+//! eval are in the device's memory, so the host's need is the checkpoint's host copies,
+//! the snapshots and the overhead; the device's own memory is not estimated yet (seen on an
+//! H200: a 1B-class run refused for needing 177 GiB of host memory it would never use). When the snapshots are what does not fit, the error names
 //! `checkpoint.snapshot_keep`, `checkpoint.snapshot_dir` and `checkpoint.snapshot_interval`.
 //!
 //! Calibrated against the peak resident memory (VmHWM) of 2-step runs with a checkpoint and
@@ -87,15 +90,30 @@ pub struct Estimate {
     /// Memory snapshots still to be written to a memory file system (see [`snapshot_bytes`];
     /// 0 outside a training rank's check).
     pub snapshots: f64,
+    /// Whether the weights, moments, step and eval live in an accelerator's memory (a GPU
+    /// device): then only the checkpoint's host copies and the snapshots are host memory.
+    pub on_accelerator: bool,
 }
 
 impl Estimate {
-    /// Bytes needed, safety factor and overhead included.
+    /// Host bytes needed, safety factor and overhead included.
     pub fn need(&self) -> f64 {
-        (self.resident + self.step.max(self.checkpoint).max(self.eval)) * SAFETY
-            + self.snapshots
-            + OVERHEAD
+        let live = if self.on_accelerator {
+            self.checkpoint
+        } else {
+            self.resident + self.step.max(self.checkpoint).max(self.eval)
+        };
+        live * SAFETY + self.snapshots + OVERHEAD
     }
+}
+
+/// Whether `device` (a `training.device` name) keeps its tensors in an accelerator's own
+/// memory rather than this process's: every device but flex and CubeCL's CPU runtime.
+pub fn on_accelerator(device: &str) -> bool {
+    !matches!(
+        device.split(':').next().unwrap_or(device),
+        "flex" | "cpu" | "cubecl-cpu"
+    )
 }
 
 /// The RAM the memory tier of a training rank whose snapshots go to `store` adds:
@@ -232,6 +250,7 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
         checkpoint: checkpoint * p,
         eval,
         snapshots: 0.0,
+        on_accelerator: on_accelerator(&t.device),
     }
 }
 
@@ -588,6 +607,27 @@ mod tests {
     /// With replicas the state is cut over one replica's ranks: 4 ranks as 2 replicas need
     /// what 2 ranks of one replica do, more than 4 ranks of one; a hybrid run that does not
     /// fit is told the most replicas that would.
+    #[test]
+    fn on_an_accelerator_only_the_host_copies_count() {
+        let long = &["training.seq_len=2048", "training.batch_size=4"][..];
+        let host = estimate(&config(long), 32000);
+        let mut gpu = config(long);
+        for device in ["cuda", "cuda:1", "rocm:0", "vulkan"] {
+            gpu.training.device = device.into();
+            let on_gpu = estimate(&gpu, 32000);
+            assert!(on_gpu.on_accelerator, "{device}");
+            // The same parts; the activations, weights and moments are device memory.
+            assert_eq!(on_gpu.activations, host.activations);
+            let want = on_gpu.checkpoint * SAFETY + OVERHEAD;
+            assert!((on_gpu.need() - want).abs() < 1.0, "{device}");
+            assert!(on_gpu.need() < host.need() / 2.0);
+        }
+        for device in ["flex", "cpu", "cubecl-cpu"] {
+            gpu.training.device = device.into();
+            assert_eq!(estimate(&gpu, 32000).need(), host.need(), "{device}");
+        }
+    }
+
     #[test]
     fn hybrid_sharding_cuts_the_state_over_one_replica() {
         let sharded = config(&["parallelism.shard=parameters"]);

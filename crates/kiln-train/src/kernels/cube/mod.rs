@@ -41,7 +41,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extensi
 use burn::tensor::{DType, Int, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -233,8 +233,14 @@ fn dims(t: &CubeTensor) -> Vec<usize> {
 }
 
 /// A new contiguous tensor of `shape` on `like`'s device, with `like`'s element type.
+///
+/// Contiguous, not CubeCL's default layout: on CUDA that default pads each row to an
+/// alignment (a pitched layout), and the kernels write row `r` at `r * width`. Seen on an H200:
+/// with the default layout every kernel output whose row was not a multiple of the alignment
+/// read back as other rows' values or uninitialised memory (`kiln doctor --device cuda`);
+/// CubeCL's CPU runtime never pads, so CI could not see it.
 fn empty_like(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
-    empty_device_dtype(
+    empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         shape.into(),
@@ -245,7 +251,7 @@ fn empty_like(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
 /// An f32 vector of `n` on `like`'s device: per-row statistics (1/rms, log-sum-exp) stay f32
 /// whatever the element type.
 fn f32_vector(like: &CubeTensor, n: usize) -> CubeTensor {
-    empty_device_dtype(
+    empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         [n].into(),
