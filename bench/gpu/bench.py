@@ -38,9 +38,13 @@ sys.path.insert(0, HERE)
 from torch_llama import MODELS, peak_flops  # noqa: E402
 
 # What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
-DEFAULT_PLAN = ("ref:kiln,ref:eager,1b:kiln,1b:eager,1b:compile,1b:kiln-profile,"
-                "1b:eager-profile,ref:compile,1b-8k:kiln,1b-8k:eager,ref:kiln-composed,"
-                "1b:kiln-composed")
+DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-nvrtc,1b-8k:kiln,1b-8k:eager,1b:kiln-nvrtc-profile,"
+                "1b:kiln-profile,ref:kiln,ref:eager,1b:compile,1b:eager-profile,ref:compile,"
+                "ref:kiln-composed,1b:kiln-composed")
+# The environment of each kiln variant: `kiln-nvrtc` compiles CubeCL's kernels through CUDA C++
+# and NVRTC instead of LLVM's NVPTX backend (patches/cubecl-cuda: only that backend advertises
+# TMA and asynchronous copies, which burn's fastest matmuls need).
+KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"}}
 # Steps of the short rows (the 8192-token row is there for its memory).
 SHORT = {"1b-8k": (4, 2)}
 
@@ -112,8 +116,9 @@ def kiln_sets(model, batch, seq, steps, device="cuda"):
 
 def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     """`kiln`: kiln's CubeCL kernels on; `kiln-composed`: `training.fused_kernels=false`
-    (burn's generic ops only), the before of the kernels' before/after. The run directory
-    stays under `work` (its CubeCL cache is what a profiled rerun reads)."""
+    (burn's generic ops only), the before of the kernels' before/after; `kiln-nvrtc`: as `kiln`,
+    compiled through NVRTC (`KILN_ENV`). The run directory stays under `work` (its CubeCL
+    cache is what a profiled rerun reads)."""
     _, _, _, _, _, _, batch, seq = MODELS[model]
     sets = kiln_sets(model, batch, seq, steps + warmup, device)
     if impl == "kiln-composed":
@@ -125,7 +130,7 @@ def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     for s in sets:
         argv += ["--set", s]
     t = time.time()
-    rc, peak = run_sampled(argv, rd + ".log", timeout)
+    rc, peak = run_sampled(argv, rd + ".log", timeout, env={**os.environ, **KILN_ENV.get(impl, {})})
     wall = time.time() - t
     rows = []
     metrics = os.path.join(rd, "metrics.jsonl")
@@ -171,16 +176,17 @@ append = false
 """
 
 
-def profile_kiln(kiln, model, results, work, timeout, steps=3):
-    """Reruns `model` for `steps` steps with CubeCL's profiling logger on (from a cubecl.toml
-    in its working directory), reading the autotune and kernel cache of its earlier `kiln` run
-    in `results` so that nothing is tuned or compiled, and sums the device time of every
-    launch by kernel."""
-    first = next((r["run_dir"] for r in results if r["model"] == model and r["impl"] == "kiln"
+def profile_kiln(kiln, model, impl, results, work, timeout, device="cuda", steps=4):
+    """Reruns `model` as `impl` (`kiln`, `kiln-nvrtc`) for `steps` steps with CubeCL's
+    profiling logger on (from a cubecl.toml in its working directory), reading the autotune
+    and kernel cache of its earlier run in `results` so that nothing is tuned or compiled, and
+    sums the device time of every launch by kernel over the steps after the first (which loads
+    the kernels into the driver)."""
+    first = next((r["run_dir"] for r in results if r["model"] == model and r["impl"] == impl
                   and r.get("steps_done")), None)
     if first is None:
-        return {"error": f"no kiln run of {model} to read the kernel cache of"}
-    wd = os.path.join(work, f"{model}-kiln-profile")
+        return {"error": f"no {impl} run of {model} to read the kernel cache of"}
+    wd = os.path.join(work, f"{model}-{impl}-profile")
     os.makedirs(wd, exist_ok=True)
     log = os.path.join(wd, "cubecl-profile.log")
     with open(os.path.join(wd, "cubecl.toml"), "w") as f:
@@ -192,10 +198,11 @@ def profile_kiln(kiln, model, results, work, timeout, steps=3):
             shutil.copy(os.path.join(first, name), rd)
     _, _, _, _, _, _, batch, seq = MODELS[model]
     argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
-    for s in kiln_sets(model, batch, seq, steps):
+    for s in kiln_sets(model, batch, seq, steps, device):
         argv += ["--set", s]
-    rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd)
-    return kernel_table(log, steps, os.path.join(work, f"{model}-kiln-kernels.txt"), rc)
+    rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd,
+                        env={**os.environ, **KILN_ENV.get(impl, {})})
+    return kernel_table(log, steps, os.path.join(work, f"{model}-{impl}-kernels.txt"), rc)
 
 
 LAUNCH = re.compile(r"^\| ([0-9.]+)(ns|µs|us|ms|s)\s+\| (.+)$")
@@ -203,28 +210,30 @@ UNIT = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def kernel_table(log, steps, out, rc):
-    """Sums CubeCL's per-launch lines (`| 1.2ms | name`) by kernel: ms per step, launches per
-    step, share. Kernel names are cut at their first generic argument list."""
-    by = {}
+    """Sums CubeCL's per-launch lines (`| 1.2ms | name`) by kernel over the steps after the
+    first (every step launches the same kernels, so the lines split evenly): ms per step,
+    launches per step, share."""
     try:
-        for line in open(log, errors="replace"):
-            m = LAUNCH.match(line.rstrip())
-            if not m:
-                continue
-            name = m.group(3).strip()
-            ms = float(m.group(1)) * UNIT[m.group(2)]
-            n, t = by.get(name, (0, 0.0))
-            by[name] = (n + 1, t + ms)
+        launches = [(float(m.group(1)) * UNIT[m.group(2)], m.group(3).strip())
+                    for m in map(LAUNCH.match, (l.rstrip() for l in open(log, errors="replace")))
+                    if m]
     except OSError as e:
         return {"error": f"no profile log ({e}); kiln exit {rc}"}
+    if steps > 1 and len(launches) % steps == 0:
+        launches, steps = launches[len(launches) // steps:], steps - 1
+    by = {}
+    for ms, name in launches:
+        n, t = by.get(name, (0, 0.0))
+        by[name] = (n + 1, t + ms)
     total = sum(t for _, t in by.values())
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])
     with open(out, "w") as f:
-        f.write(f"# kiln CubeCL kernels, {steps} steps (profiled: each launch waited on); "
+        f.write(f"# kiln CubeCL kernels, {steps} steps after the first (each launch waited on); "
                 f"ms per step (share of kernel time); kiln exit {rc}\n")
         f.write(f"total {total / steps:.2f} ms per step, {sum(n for n, _ in by.values()) // max(steps, 1)} launches per step\n")
         for name, (n, t) in rows[:50]:
-            f.write(f"{t / steps:9.3f} ms {n // steps:6d}x {100 * t / max(total, 1e-9):5.1f}%  {name[:160]}\n")
+            short = name if len(name) <= 110 else name[:60] + " ... " + name[-45:]
+            f.write(f"{t / steps:9.3f} ms {n // steps:6d}x {100 * t / max(total, 1e-9):5.1f}%  {short}\n")
     return {"kernel_ms_per_step": total / steps, "table": out, "kernels": len(by)}
 
 
@@ -266,6 +275,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="kiln's device (flex: tries the harness on a CPU)")
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kiln-gpu-bench"))
     a = ap.parse_args()
+    a.kiln = os.path.abspath(a.kiln)  # the profiled reruns run in a directory of their own
     start = time.time()
     os.makedirs(a.work, exist_ok=True)
     name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -289,8 +299,10 @@ def main():
             results.append({"impl": impl, "model": model, "skipped": "skipped: past the deadline"})
             continue
         t = time.time()
-        if impl == "kiln-profile":
-            r = {"impl": impl, "model": model, **profile_kiln(a.kiln, model, results, a.work, budget)}
+        if impl.startswith("kiln") and impl.endswith("-profile"):
+            base = impl[: -len("-profile")]
+            r = {"impl": impl, "model": model,
+                 **profile_kiln(a.kiln, model, base, results, a.work, budget, a.device)}
         elif impl == "eager-profile":
             table = os.path.join(a.work, f"{model}-torch-kernels.txt")
             r = run_torch("eager", model, 3, 2, a.work, budget, profile=table)

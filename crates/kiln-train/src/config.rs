@@ -327,7 +327,9 @@ pub struct TrainingConfig {
     /// the core count, so numerics are the same on every machine; changing it changes the
     /// last bits (f32 summation order).
     pub compute_shards: usize,
-    /// Peak FLOP/s of the device, for the MFU estimate; 0 = a rough guess for the device.
+    /// Peak FLOP/s of the device (one rank's), for the MFU estimate; 0 = a guess: the host's
+    /// threads at 80 GFLOP/s, a CUDA GPU's bf16 peak by its name (half in f32); the MFU reads
+    /// 0 on other accelerators until this is set.
     pub peak_flops: f64,
     /// Use kiln's fused CPU kernels (RMSNorm, SwiGLU, RoPE, causal softmax, output head +
     /// cross-entropy) on the flex backend; false computes the same functions from burn's

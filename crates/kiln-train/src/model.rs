@@ -415,9 +415,15 @@ impl Llama {
         let h = h.reshape([n, d]);
         if self.compute == DType::F32 {
             // The fused output head + cross-entropy (the logits are never materialised
-            // whole); it falls back to the composed ops off flex.
+            // whole); it falls back to the composed ops where no kernel covers it.
             let w = self.head_matrix(p).cast(FloatDType::F32);
             return kernels::linear_cross_entropy(h, w, targets.reshape([n]));
+        }
+        if kernels::fuses_mixed(&h.device()) {
+            // The same kernel in the compute dtype: its matmuls in bf16, its sums and the loss
+            // in f32.
+            let w = self.head_matrix(p).cast(self.compute);
+            return kernels::linear_cross_entropy(h.cast(self.compute), w, targets.reshape([n]));
         }
         let logits = self.mm(h, self.head_matrix(p));
         let logp = log_softmax(logits, 1);
@@ -477,7 +483,9 @@ impl Llama {
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = if self.compute == DType::F32 {
+        let y = if self.compute == DType::F32 || kernels::fuses_mixed(&q.device()) {
+            // In f32 (mixed precision too, on devices with kiln's kernels: the activations are
+            // f32 and the kernel never holds the T x T scores).
             kernels::causal_attention(q, k, v, scale)
         } else {
             // Mixed precision: the two attention matmuls in the compute dtype, the softmax

@@ -53,7 +53,9 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
     match kind {
         "flex" | "cpu" => Ok(Device::flex()),
         #[cfg(feature = "cuda")]
-        "cuda" => Ok(Device::cuda(index)),
+        "cuda" => cuda_present(index)
+            .map(|()| Device::cuda(index))
+            .map_err(|why| TrainError::Device(name.into(), why)),
         #[cfg(feature = "rocm")]
         "rocm" => Ok(Device::rocm(index)),
         #[cfg(feature = "vulkan")]
@@ -74,6 +76,95 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
             "unknown device; use flex, cuda:N, rocm:N, vulkan, wgpu, metal or cubecl-cpu".into(),
         )),
     }
+}
+
+/// A guess of the dense peak FLOP/s of the device `name` (a `training.device`) in the compute
+/// type `dtype`, for the MFU estimate when `training.peak_flops` is 0. The host (flex,
+/// CubeCL's CPU runtime): 80 GFLOP/s a thread of `threads` (32 f32 FLOP a cycle, two AVX2 FMA
+/// units, at 2.5 GHz). CUDA GPUs by name: the bf16 tensor-core peak, half of it in f32 (burn's
+/// f32 matmul takes TF32 there). `None` for other accelerators: kiln does not know their peak.
+pub fn guess_peak_flops(
+    name: &str,
+    dtype: crate::config::Precision,
+    threads: usize,
+) -> Option<f64> {
+    let kind = name.split(':').next().unwrap_or(name);
+    if !crate::budget::on_accelerator(kind) {
+        return Some(threads as f64 * 80e9);
+    }
+    let bf16 = gpu_bf16_peak(name)?;
+    Some(match dtype {
+        crate::config::Precision::Bf16 => bf16,
+        crate::config::Precision::F32 => bf16 / 2.0,
+    })
+}
+
+/// Dense bf16 tensor-core peaks (FLOP/s, with f32 accumulation) of data-centre GPUs, matched in
+/// order against the device's name (the first that it contains).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const GPU_BF16_PEAKS: &[(&str, f64)] = &[
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+];
+
+/// The bf16 peak of the CUDA device `name` (`cuda`, `cuda:N`), by its name from the driver.
+fn gpu_bf16_peak(name: &str) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let Some(("cuda", index)) = name.split_once(':').or(Some((name, "0"))) {
+        use cudarc::driver::result;
+        let ordinal = index.parse::<i32>().ok()?;
+        // SAFETY: only probes for the library (dlopen), calls nothing in it.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return None;
+        }
+        result::init().ok()?;
+        let gpu = result::device::get_name(result::device::get(ordinal).ok()?).ok()?;
+        return bf16_peak_of(&gpu);
+    }
+    let _ = name;
+    None
+}
+
+/// The bf16 peak of the GPU the driver calls `gpu` ([`GPU_BF16_PEAKS`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn bf16_peak_of(gpu: &str) -> Option<f64> {
+    GPU_BF16_PEAKS
+        .iter()
+        .find(|(model, _)| gpu.contains(model))
+        .map(|&(_, peak)| peak)
+}
+
+/// Whether CUDA GPU `index` is there, asked of the driver before CubeCL opens it (CubeCL
+/// panics in its device thread when the driver or the GPU is missing).
+#[cfg(feature = "cuda")]
+fn cuda_present(index: usize) -> Result<(), String> {
+    use cudarc::driver::result;
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into());
+    // SAFETY: only probes for the library (dlopen), calls nothing in it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(
+            "the CUDA driver library (libcuda.so) was not found: is this a GPU host with \
+                    NVIDIA's driver installed?"
+                .into(),
+        );
+    }
+    result::init().map_err(|e| {
+        format!("the CUDA driver (libcuda) did not start: {e:?}; is this a GPU host?")
+    })?;
+    let count = result::device::get_count().map_err(|e| format!("CUDA device count: {e:?}"))?;
+    if index >= count.max(0) as usize {
+        return Err(format!(
+            "the driver sees {count} CUDA GPU(s) (CUDA_VISIBLE_DEVICES={visible}), so there is no GPU {index}"
+        ));
+    }
+    Ok(())
 }
 
 /// Keeps freed tensor memory in the process for reuse instead of returning it to the kernel
@@ -290,6 +381,24 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host's guess counts threads; an accelerator kiln cannot name has no guess (its MFU
+    /// reads 0 rather than a figure against the host's peak, as it did on an H200).
+    #[test]
+    fn peak_flops_are_guessed_for_the_host_and_named_gpus_only() {
+        use crate::config::Precision;
+        for host in ["flex", "cpu", "cubecl-cpu"] {
+            assert_eq!(guess_peak_flops(host, Precision::F32, 2), Some(160e9));
+        }
+        for gpu in ["rocm:0", "vulkan", "wgpu", "metal"] {
+            assert_eq!(guess_peak_flops(gpu, Precision::Bf16, 2), None, "{gpu}");
+        }
+        assert_eq!(bf16_peak_of("NVIDIA H100 PCIe"), Some(756e12));
+        assert_eq!(bf16_peak_of("NVIDIA H100 80GB HBM3"), Some(989e12));
+        assert_eq!(bf16_peak_of("NVIDIA H200"), Some(989e12));
+        assert_eq!(bf16_peak_of("NVIDIA GH200 480GB"), Some(989e12));
+        assert_eq!(bf16_peak_of("NVIDIA GeForce GTX 1080"), None);
+    }
 
     /// Flat weights (assembled from a parameter-sharded checkpoint) give the vocabulary by
     /// their size; a size that is not a whole number of rows is refused naming the tensor.

@@ -131,16 +131,17 @@ struct RunFacts {
 
 impl RunFacts {
     fn new(cfg: &Config, session: &Session) -> Self {
+        let threads = if cfg.training.threads > 0 {
+            cfg.training.threads
+        } else {
+            rayon::current_num_threads()
+        };
+        // 0 when nothing says: the MFU then reads 0 (see `guess_peak_flops`).
         let peak_flops = if cfg.training.peak_flops > 0.0 {
             cfg.training.peak_flops
         } else {
-            // A rough CPU peak: 32 f32 FLOP/cycle (two AVX2 FMA units) at 2.5 GHz per thread.
-            let threads = if cfg.training.threads > 0 {
-                cfg.training.threads
-            } else {
-                rayon::current_num_threads()
-            };
-            threads as f64 * 80e9
+            crate::session::guess_peak_flops(&cfg.training.device, cfg.training.dtype, threads)
+                .unwrap_or(0.0)
         };
         Self {
             total: cfg.training.steps,
@@ -718,7 +719,11 @@ impl<'a> Trainer<'a> {
             lr,
             tokens_per_s: tps,
             step_time_s: dt,
-            mfu: tps * self.facts.flops_per_token / (self.facts.peak_flops * layout.world as f64),
+            mfu: if self.facts.peak_flops > 0.0 {
+                tps * self.facts.flops_per_token / (self.facts.peak_flops * layout.world as f64)
+            } else {
+                0.0
+            },
             rss_mib: metrics::rss_mib(),
             tokens_seen: self.state.tokens_seen,
             first_sample: at.base,

@@ -254,6 +254,15 @@ pub fn has_bf16_kernels(device: &burn::tensor::Device) -> bool {
     }
 }
 
+/// Whether the mixed-precision model (bf16 matmuls on f32 activations) takes kiln's kernels
+/// for attention and the output head on `device`: kernels on and kiln's CubeCL kernels there
+/// (which take bf16). Then attention never holds the `T x T` scores and the head never the
+/// whole logits, so activation memory grows linearly with the sequence. Elsewhere (flex, whose
+/// kernels are f32 only) the model composes both, their matmuls in the compute dtype.
+pub fn fuses_mixed(device: &burn::tensor::Device) -> bool {
+    enabled() && has_bf16_kernels(device)
+}
+
 /// Sets how many query (or key) rows one cube of the attention kernels takes on CubeCL's CPU
 /// runtime (default 1, where a cube barrier costs a spinning thread per unit; GPUs take 64):
 /// for tests of the kernels' cooperative shared-memory paths. No effect without `cube`.

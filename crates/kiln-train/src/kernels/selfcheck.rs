@@ -149,7 +149,8 @@ impl Run<'_> {
 
 /// The output and the gradients of `sum(out * r)` (r fixed) with respect to `leaves`.
 fn values_and_grads<const D: usize>(run: &Run, out: Tensor<D>, leaves: &[Leaf]) -> Vec<Vec<f32>> {
-    let r = run.input(out.dims(), 99);
+    // In the output's own type (the head's loss is f32 whatever its inputs' type).
+    let r = run.input(out.dims(), 99).cast(out.dtype());
     let grads = (out.clone() * r).sum().backward();
     let mut all = vec![host(&out)];
     all.extend(leaves.iter().map(|leaf| leaf(&grads)));

@@ -132,7 +132,8 @@ fn chunks(vocab: usize, cols: usize) -> impl Iterator<Item = std::ops::Range<usi
         .map(move |c| c..(c + cols).min(vocab))
 }
 
-/// `(mean loss [1], log-sum-exp per row)` for `h` `[n, d]`, `w` `[d, vocab]`, `targets` `[n]`.
+/// `(mean loss [1] in f32, log-sum-exp per row)` for `h` `[n, d]`, `w` `[d, vocab]`,
+/// `targets` `[n]`.
 pub(super) fn forward(
     h: CubeTensor,
     w: CubeTensor,
@@ -176,9 +177,8 @@ pub(super) fn forward(
         per_row.clone().into_tensor_arg(),
         n as u32,
     );
-    let loss = CubeBackend::float_mean(per_row);
-    let loss = CubeBackend::float_cast(loss, FloatDType::from(h.dtype));
-    (loss, lse)
+    // In f32 whatever the inputs' type: a bf16 loss would keep three significant digits.
+    (CubeBackend::float_mean(per_row), lse)
 }
 
 /// The saved state: `h`, `w`, `targets` (contiguous), log-sum-exp per row, chunk columns.

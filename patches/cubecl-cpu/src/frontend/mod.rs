@@ -1,0 +1,2 @@
+mod unaligned_vector;
+pub use unaligned_vector::*;
