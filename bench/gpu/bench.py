@@ -39,12 +39,14 @@ from torch_llama import MODELS, peak_flops  # noqa: E402
 
 # What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
 DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-nvrtc,1b-8k:kiln,1b-8k:eager,1b:kiln-nvrtc-profile,"
-                "1b:kiln-profile,ref:kiln,ref:eager,1b:compile,1b:eager-profile,ref:compile,"
-                "ref:kiln-composed,1b:kiln-composed")
+                "1b:kiln-profile,ref:kiln,ref:eager,1b:compile,1b:kiln-nvrtc-full,"
+                "1b:eager-profile,ref:compile,ref:kiln-composed,1b:kiln-composed")
 # The environment of each kiln variant: `kiln-nvrtc` compiles CubeCL's kernels through CUDA C++
 # and NVRTC instead of LLVM's NVPTX backend (patches/cubecl-cuda: only that backend advertises
 # TMA and asynchronous copies, which burn's fastest matmuls need).
-KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"}}
+# `kiln-nvrtc-full`: that with CubeCL's most thorough autotune (more matmul candidates timed).
+KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"},
+            "kiln-nvrtc-full": {"CUBECL_CUDA_BACKEND": "cpp", "CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).
 SHORT = {"1b-8k": (4, 2)}
 

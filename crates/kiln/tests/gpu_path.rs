@@ -301,3 +301,40 @@ fn two_ranks_on_cuda_average_over_nccl_and_match_one_rank() {
     assert!(log.contains("over NCCL"), "NCCL was not used:\n{log}");
     assert_close(&steps(&dp), &steps(&one), 1e-3);
 }
+
+/// The README's default run (`kiln train`: 500 steps of the default model on the built-in
+/// copy task) on the device reaches flex's bar: every held-out answer right and the held-out
+/// loss far under the unigram baseline (flex: accuracy 1.000, loss 1.044 against 2.48, for
+/// seeds 1234, 1, 2 and 3 alike). 6-7 minutes on 2 cores.
+///
+/// Not in CI's default run: the copy task is learnt in a sudden transition (flex's seeds at
+/// step 250-400), and a device run's trajectory depends on which kernels autotune timed
+/// fastest in that process (same choices: the same bits, checked for 147 steps under load).
+/// A standalone run here reached 1.000 and 1.0438 at step 500; one inside this suite, picking
+/// other kernels under load, had not made the transition by step 500 (0.103, 1.224). Run it
+/// with `-- --ignored the_default_run`.
+#[test]
+#[ignore = "6-7 minutes, and the transition's step varies with autotune's picks: see the doc"]
+fn the_default_run_learns_its_task_on_the_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("default");
+    let mut cmd = Command::new(common::KILN);
+    cmd.arg("train")
+        .arg("--run-dir")
+        .arg(&dir)
+        .arg("--no-progress-bar")
+        .args(["--set", "training.device=cubecl-cpu"]);
+    run(cmd, "the default run on cubecl-cpu");
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m.get("eval_loss").is_some())
+        .collect();
+    let last = evals.last().expect("the default run evaluates");
+    let (loss, unigram) = (last["eval_loss"].as_f64(), last["unigram_loss"].as_f64());
+    let accuracy = last["eval_accuracy"].as_f64();
+    eprintln!("held-out loss {loss:?} (unigram {unigram:?}), answer accuracy {accuracy:?}");
+    assert_eq!(accuracy, Some(1.0), "{last}");
+    assert!(loss.unwrap() < 0.5 * unigram.unwrap(), "{last}");
+}
