@@ -2,7 +2,7 @@
 # Each optimizer trains the default model (the README's `kiln train`, 500 steps) to the
 # default AdamW run's bar: answer_accuracy >= 0.99 on held-out numbers. Too long for the test
 # suite (3 default runs: ~4 min on a quiet 2-core machine, 30 min on a busy one), so a script.
-# LRs: AdamW and Muon (adjust_lr = match_rms_adamw) share the default 3e-3; SophiaG's clipped
+# LRs: AdamW and Muon (adjust_lr = match_rms_adamw) share the default 1e-3; SophiaG's clipped
 # sign-like update moves every coordinate by up to lr, so it needs ~10x less (3e-4; at 3e-3 it
 # plateaus, at 1e-3 it reaches 0.19).
 #
@@ -14,7 +14,7 @@ out=$(mktemp -d)
 (cd "$root" && cargo build --release -q -p kiln)
 kiln="$root/target/release/kiln"
 fail=0
-for spec in adamw:3e-3 muon:3e-3 sophiag:3e-4; do
+for spec in adamw:1e-3 muon:1e-3 sophiag:3e-4; do
   kind=${spec%%:*} lr=${spec#*:}
   rm -rf "$out/$kind"
   line=$("$kiln" train --run-dir "$out/$kind" --no-progress-bar \

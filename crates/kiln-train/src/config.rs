@@ -186,7 +186,11 @@ impl Default for OptimizerConfig {
     fn default() -> Self {
         Self {
             kind: OptimizerKind::Adamw,
-            lr: 3e-3,
+            // 1e-3, not 3e-3: the default run learns its copy task in a sudden transition, and
+            // at 3e-3 that came late or not at all for some seeds (flex, 21 seeds: one ended at
+            // accuracy 0.175, two at 0.991; on devices, whose sums round differently, seed
+            // 1234 twice ended near 0.1). At 1e-3 every seed measured made it (README).
+            lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,

@@ -40,6 +40,11 @@ fn assert_passes(check: fn(&Device, FloatDType) -> Vec<selfcheck::Check>) {
 }
 
 #[test]
+fn linear_matches_composed() {
+    assert_passes(selfcheck::linear);
+}
+
+#[test]
 fn rms_norm_matches_composed() {
     assert_passes(selfcheck::rms_norm);
 }

@@ -235,9 +235,10 @@ fn sigkill_and_resume_on_cubecl_cpu_is_bit_identical() {
 
 /// The smoke gate has a baseline per device: 10 steps of the tiny model on `cubecl-cpu`
 /// against `gates/smoke-cubecl-cpu.json`, blessed there with a relative tolerance of 1e-4
-/// (burn's autotune picks kernels per process, so two runs may differ in the last bits; two
-/// runs here came out bit-identical, and flex differs from it by 1 ulp). flex's baselines
-/// compare bits. (The default smoke model took 310 s for 10 steps on this runtime.)
+/// (CubeCL compiles for the host's CPU features and tiles its CPU GEMM by the core count, and
+/// burn autotunes reductions per process, so another machine may differ in the last bits;
+/// flex differs from this runtime by about 1 ulp). flex's baselines compare bits. (The
+/// default smoke model took 310 s for 10 steps on this runtime.)
 #[test]
 fn smoke_passes_against_the_devices_own_baseline() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -303,39 +304,42 @@ fn two_ranks_on_cuda_average_over_nccl_and_match_one_rank() {
 }
 
 /// The README's default run (`kiln train`: 500 steps of the default model on the built-in
-/// copy task) on the device reaches flex's bar: every held-out answer right and the held-out
-/// loss far under the unigram baseline (flex: accuracy 1.000, loss 1.044 against 2.48, for
-/// seeds 1234, 1, 2 and 3 alike). 6-7 minutes on 2 cores.
+/// copy task) on the device reaches flex's bar (`common::assert_learnt_the_copy_task`; flex's
+/// own run is `tests/train.rs`). About 5 minutes on 2 cores.
 ///
-/// Not in CI's default run. On CubeCL's CPU runtime a process's bits follow the kernels
-/// autotune timed fastest in it, and here two pick-sets came up (7 short runs of the same
-/// command: 5 one way, 2 the other, differing from step 4). The copy task is learnt in a sudden
-/// transition (flex: seeds 1234, 1, 2, 3 between steps 250 and 400, all 1.000), and for seed
-/// 1234 the commoner pick-set has not made it by step 500 (accuracy 0.103, held-out 1.2236,
-/// twice to the last digit), while the other reaches 1.000 and 1.0438; seeds 1 and 2 reach
-/// 1.000 (1.0447, 1.0443). Run it with `-- --ignored the_default_run`.
+/// And no matrix product of the training step is autotuned on this runtime (CubeCL's decision
+/// log, `cubecl.toml` in the working directory, holds no matmul): before, two candidates were
+/// close in time for these shapes and fresh processes of one command came out with two
+/// pick-sets (5:2 in 7 runs, different bits from step 4). The projections and the output head
+/// now take a kernel fixed in advance there (`kernels/cube/fixed_matmul.rs`), so the run has
+/// the same bits every time on a machine. (At the old default LR of 3e-3 the task was learnt
+/// late or not at all for some seeds, on flex too, and seed 1234 on this device did not learn
+/// it by step 500 with two of three kernel choices: see `OptimizerConfig::default`.)
 #[test]
-#[ignore = "6-7 minutes, and its outcome follows autotune's picks (3 of 4 device runs learn): see the doc"]
 fn the_default_run_learns_its_task_on_the_device() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("default");
-    let mut cmd = Command::new(common::KILN);
-    cmd.arg("train")
-        .arg("--run-dir")
-        .arg(&dir)
-        .arg("--no-progress-bar")
-        .args(["--set", "training.device=cubecl-cpu"]);
+    let decisions = tmp.path().join("autotune.jsonl");
+    let config = format!(
+        "[autotune.decisions]\nfile = {:?}\n",
+        decisions.display().to_string()
+    );
+    std::fs::write(tmp.path().join("cubecl.toml"), config).unwrap();
+    let cmd = common::default_run(&dir, tmp.path(), &["training.device=cubecl-cpu"]);
     run(cmd, "the default run on cubecl-cpu");
-    let evals: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap_or_default()
+    common::assert_learnt_the_copy_task(&dir);
+    // Each line a decision with its key: a matmul's key has its problem `definition`.
+    let log = std::fs::read_to_string(&decisions).expect("CubeCL wrote its decision log");
+    let tuned: Vec<&str> = log
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m.get("eval_loss").is_some())
+        .filter(|l| l.contains("\"definition\""))
         .collect();
-    let last = evals.last().expect("the default run evaluates");
-    let (loss, unigram) = (last["eval_loss"].as_f64(), last["unigram_loss"].as_f64());
-    let accuracy = last["eval_accuracy"].as_f64();
-    eprintln!("held-out loss {loss:?} (unigram {unigram:?}), answer accuracy {accuracy:?}");
-    assert_eq!(accuracy, Some(1.0), "{last}");
-    assert!(loss.unwrap() < 0.5 * unigram.unwrap(), "{last}");
+    assert!(
+        log.lines().count() > 0,
+        "no autotune decisions logged at all"
+    );
+    assert!(
+        tuned.is_empty(),
+        "matmuls autotuned on cubecl-cpu: {tuned:?}"
+    );
 }

@@ -72,6 +72,23 @@ fn reference(tmp: &Path) -> PathBuf {
     dir
 }
 
+/// The README's default run learns its task on flex (about 30 s on 2 cores): the bar the
+/// device's run (`tests/gpu_path.rs`) is held to.
+#[test]
+fn the_default_run_learns_its_task() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("default");
+    let out = common::default_run(&dir, tmp.path(), &[])
+        .output()
+        .expect("spawn kiln");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    common::assert_learnt_the_copy_task(&dir);
+}
+
 #[test]
 fn sigkill_at_any_point_then_resume_is_bit_identical() {
     let tmp = tempfile::tempdir().unwrap();

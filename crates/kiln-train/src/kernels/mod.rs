@@ -89,6 +89,11 @@ pub trait KilnOps: Backend {
 /// `x @ w (+ bias)`, as burn's `linear` (`w` is `[in, out]`); the kernel covers the
 /// bias-free case.
 pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
+    // Not switched off by `training.fused_kernels` on devices: it is for exact bits, not speed.
+    #[cfg(feature = "cube")]
+    if bias.is_none() && cube::on_cube_device(&x.device()) && x.dtype() == w.dtype() {
+        return cube::linear(x, w);
+    }
     if bias.is_some() || !fusable(&x) || !fusable(&w) {
         return burn::tensor::module::linear(x, w, bias);
     }

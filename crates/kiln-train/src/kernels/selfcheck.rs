@@ -46,6 +46,7 @@ pub fn tolerance(dtype: FloatDType) -> f32 {
 /// Every kernel's checks on `device` in `dtype`.
 pub fn run(device: &Device, dtype: FloatDType) -> Vec<Check> {
     [
+        linear,
         rms_norm,
         swiglu,
         rope,
@@ -204,6 +205,25 @@ fn compare(
                 },
                 tolerance: tolerance(dtype),
             }
+        })
+        .collect()
+}
+
+/// The bias-free projection: 74 rows of 70 into 45 (partial tiles every way), and 3 rows of
+/// 9 into 130 (a sequence of one; more outputs than a cube's 128 units).
+pub fn linear(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    [([2, 37, 70], 45, 31), ([3, 1, 9], 130, 32)]
+        .into_iter()
+        .flat_map(|(shape, out, seed)| {
+            let name = format!("linear {shape:?} x {out}");
+            compare(device, dtype, name, &["y", "dx", "dw"], |r| {
+                let (x, w) = (r.leaf(shape, seed), r.leaf([shape[2], out], seed + 10));
+                let y = match r.fused {
+                    true => super::linear(x.clone(), w.clone(), None),
+                    false => burn::tensor::module::linear(x.clone(), w.clone(), None),
+                };
+                values_and_grads(r, y, &[grad_of(&x), grad_of(&w)])
+            })
         })
         .collect()
 }

@@ -7,6 +7,7 @@
 //! turns them into `(softmax - onehot) * dloss / n`, and two matmuls add that chunk's share
 //! of `dh` and give its columns of `dw`.
 
+use super::fixed_matmul::product;
 use super::{dense, dims, elem, f32_vector, launch_1d};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
@@ -144,10 +145,7 @@ pub(super) fn forward(
     let ([n, d], vocab) = ([dims(&h)[0], dims(&h)[1]], dims(&w)[1]);
     let (m, l, picked) = (f32_vector(&h, n), f32_vector(&h, n), f32_vector(&h, n));
     for range in chunks(vocab, cols) {
-        let logits = dense(CubeBackend::float_matmul(
-            h.clone(),
-            columns(&w, d, range.clone()),
-        ));
+        let logits = dense(product(h.clone(), columns(&w, d, range.clone())));
         let (count, dim) = launch_1d(n);
         fold_kernel::launch(
             &h.client,
@@ -193,7 +191,7 @@ fn backward(dloss: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor) {
     let mut dw = Vec::new();
     for range in chunks(vocab, cols) {
         let wc = columns(&w, d, range.clone());
-        let g = dense(CubeBackend::float_matmul(h.clone(), wc.clone()));
+        let g = dense(product(h.clone(), wc.clone()));
         let total = n * range.len();
         let (count, dim) = launch_1d(total);
         grad_kernel::launch(
@@ -210,15 +208,12 @@ fn backward(dloss: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor) {
             1.0 / n.max(1) as f32,
             [elem(&g), elem(&targets)],
         );
-        let part = CubeBackend::float_matmul(g.clone(), CubeBackend::float_transpose(wc));
+        let part = product(g.clone(), CubeBackend::float_transpose(wc));
         dh = Some(match dh {
             Some(acc) => CubeBackend::float_add(acc, part),
             None => part,
         });
-        dw.push(CubeBackend::float_matmul(
-            CubeBackend::float_transpose(h.clone()),
-            g,
-        ));
+        dw.push(product(CubeBackend::float_transpose(h.clone()), g));
     }
     let dh = dh.unwrap_or_else(|| CubeBackend::float_mul_scalar(h.clone(), 0.0.into()));
     (dh, CubeBackend::float_cat(dw, 1))

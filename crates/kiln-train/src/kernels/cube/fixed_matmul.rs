@@ -1,25 +1,47 @@
-//! A matrix product whose kernel is chosen without timing, for arithmetic on replicated state.
+//! Matrix products whose kernel is not chosen by timing where the bits must not depend on it.
 //!
 //! burn's matmul on CubeCL devices is autotuned: each process times the candidate kernels and
-//! keeps the fastest, and candidates split the inner sum differently. Two data-parallel ranks
-//! orthogonalising the same all-reduced momentum (Muon's Newton-Schulz) could therefore take
-//! different kernels and come out an ulp apart, and they did: a two-rank Muon run on
-//! `cubecl-cpu` stopped on a replica mismatch after step 1. Here the kernel is CubeCL's
-//! default strategy, picked from the device's properties alone, so every rank with the same
-//! GPU runs the same one.
+//! keeps the fastest, and candidates split the inner sum differently. Two things follow.
+//!
+//! - Two data-parallel ranks orthogonalising the same all-reduced momentum (Muon's
+//!   Newton-Schulz) could take different kernels and come out an ulp apart, and they did: a
+//!   two-rank Muon run on `cubecl-cpu` stopped on a replica mismatch after step 1.
+//!   [`matmul_fixed`] takes CubeCL's default strategy there, picked from the device's
+//!   properties alone, so every rank with the same GPU runs the same one.
+//! - On CubeCL's CPU runtime (CI's driver for the GPU code path) two candidates are close in
+//!   time for the default model's shapes (`cpu_gemm_a0.5` and `gemm_cpu_general`), so fresh
+//!   processes of one command came out with two pick-sets, 5:2 in 7 runs, and different bits
+//!   from step 4: the default run learnt its task with one and not with the other by step 500.
+//!   [`product`], which the model's projections and the output head use, runs CubeCL's CPU GEMM
+//!   there, whatever the timings: a fresh run has the same bits every time on a machine. On
+//!   GPUs it stays autotuned (speed; a resumed process reads its picks back from the run's
+//!   device cache, so resume stays exact).
 
-use super::dense;
+use super::{dense, dims, elem, empty_like};
 use burn::backend::Cube;
+use burn::backend::ops::FloatTensorOps;
+use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
+use burn_cubecl::tensor::CubeTensor;
+use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+use cubek::matmul::multi_level::Strategy as Routine;
+use cubek::matmul::routine::BlueprintStrategy;
+use cubek::matmul::strategy::Strategy;
+use cubek::matmul::tiled::{Strategy as Tiled, cpu_gemm::CpuGemmStrategy};
+use cubek::std::InputBinding;
 
 /// A burn tensor (cubecl's prelude names its own `Tensor`).
 type Host2 = burn::tensor::Tensor<2>;
 
 /// `a @ b` by CubeCL's default strategy when both are on a CubeCL device; `None` otherwise,
-/// or when that strategy cannot run the shapes (reported once).
+/// or when that strategy cannot run the shapes (reported once). On CubeCL's CPU runtime,
+/// where that strategy is a generic fallback (minutes a step), [`product`]'s CPU GEMM.
 pub(in crate::kernels) fn matmul_fixed(a: &Host2, b: &Host2) -> Option<Host2> {
     let pa = dense(a.clone().try_into_primitive::<Cube>().ok()?);
     let pb = dense(b.clone().try_into_primitive::<Cube>().ok()?);
+    if on_cpu_runtime(&pa) {
+        return Some(Host2::from_primitive::<Cube>(product(pa, pb)));
+    }
     let dtype = pa.dtype;
     match matmul(pa, pb, None, MatmulStrategy::Cube, dtype) {
         Ok(out) => Some(Host2::from_primitive::<Cube>(out)),
@@ -34,4 +56,56 @@ pub(in crate::kernels) fn matmul_fixed(a: &Host2, b: &Host2) -> Option<Host2> {
             None
         }
     }
+}
+
+/// `a @ b` (`[.., m, k] @ [.., k, n]`, same element type): on CubeCL's CPU runtime by a kernel
+/// fixed in advance (CubeCL's CPU GEMM, or its general GEMM for shapes that one refuses),
+/// elsewhere burn's autotuned matmul.
+pub(super) fn product(a: CubeTensor, b: CubeTensor) -> CubeTensor {
+    if on_cpu_runtime(&a) {
+        let cpu_gemm = Tiled::CpuGemm(BlueprintStrategy::Inferred(CpuGemmStrategy::default()));
+        let general = Routine::Gemm(BlueprintStrategy::Inferred(Default::default()));
+        for strategy in [Strategy::from(cpu_gemm), Strategy::from(general)] {
+            if let Some(out) = launch(&strategy, &a, &b) {
+                return out;
+            }
+        }
+    }
+    CubeBackend::float_matmul(a, b)
+}
+
+/// Whether `t` lives on CubeCL's CPU runtime (the only runtime that reports CPU cores).
+fn on_cpu_runtime(t: &CubeTensor) -> bool {
+    t.client.properties().hardware.num_cpu_cores.is_some()
+}
+
+/// `a @ b` by `strategy` into a new contiguous tensor; `None` when the strategy refuses the
+/// problem (its checks run before anything is launched).
+fn launch(strategy: &Strategy, a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
+    let (da, db) = (dims(a), dims(b));
+    let (rank, batch) = (da.len(), da.len().max(db.len()));
+    let mut shape: Vec<usize> = (0..batch - 2)
+        .map(|i| {
+            let at = |d: &[usize]| (i + d.len()).checked_sub(batch).map_or(1, |j| d[j]);
+            at(&da).max(at(&db))
+        })
+        .collect();
+    shape.extend([da[rank - 2], db[db.len() - 1]]);
+    let out = empty_like(a, shape);
+    let storage = elem(a);
+    let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems {
+        lhs: storage,
+        rhs: elem(b),
+        out: storage,
+    });
+    cubek::matmul::launch::launch_ref(
+        strategy,
+        &a.client,
+        InputBinding::new(a.clone().binding(), storage),
+        InputBinding::new(b.clone().binding(), elem(b)),
+        out.clone().binding(),
+        &mut dtypes,
+    )
+    .ok()
+    .map(|()| out)
 }

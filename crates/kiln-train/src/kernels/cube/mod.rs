@@ -30,6 +30,7 @@ pub(super) mod adamw;
 pub(super) mod attention;
 mod cross_entropy;
 pub(super) mod fixed_matmul;
+mod linear;
 mod norm;
 mod rope;
 pub(super) mod square_sum;
@@ -49,6 +50,9 @@ use cubecl::prelude::*;
 /// (without burn's fusion feature).
 #[backend_extension(Cube, Autodiff)]
 pub trait DeviceOps: Backend {
+    /// `x @ w` (see `KilnOps::kiln_linear`), by a kernel fixed in advance on CubeCL's CPU
+    /// runtime (`fixed_matmul::product`).
+    fn device_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
     /// RMSNorm over the last dimension (see `KilnOps::kiln_rms_norm`).
     fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
     /// `silu(gate) * up`.
@@ -93,6 +97,13 @@ pub(super) fn on_cube_device(device: &burn::tensor::Device) -> bool {
         device.as_dispatch().clone().inner(),
         DispatchDevice::Cube(_)
     )
+}
+
+pub(super) fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::device_linear(
+        x.into_dispatch(),
+        w.into_dispatch(),
+    ))
 }
 
 pub(super) fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
@@ -150,6 +161,10 @@ pub(super) fn linear_cross_entropy(
 // CubeBackend: forward only.
 
 impl DeviceOps for CubeBackend {
+    fn device_linear(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+        linear::forward(x, w)
+    }
+
     fn device_rms_norm(x: CubeTensor, w: CubeTensor, eps: f64) -> CubeTensor {
         norm::rms_norm_forward(x, w, eps).0
     }
@@ -185,6 +200,10 @@ impl DeviceOps for CubeBackend {
 // Autodiff over CubeBackend: forward plus one backward step per kernel.
 
 impl<C: CheckpointStrategy> DeviceOps for Autodiff<CubeBackend, C> {
+    fn device_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        linear::autodiff::<C>(x, w)
+    }
+
     fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         norm::rms_norm_autodiff::<C>(x, w, eps)
     }
