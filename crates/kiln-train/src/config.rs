@@ -1207,7 +1207,7 @@ mod tests {
                 "debug.spike_scale = NaN: must be a finite number",
             ),
             (
-                "optimizer.weight_decay=400",
+                "optimizer.weight_decay=1200",
                 "optimizer.lr x optimizer.weight_decay = 1.2",
             ),
             (

@@ -177,22 +177,73 @@ fn bf16_compute_on_f32_masters_trains_like_flex() {
     assert_close(&steps(&cube), &steps(&flex), 1e-3);
 }
 
+/// `kiln launch --mpi --np 2 -- kiln train` on cubecl-cpu for `steps` steps, each rank on half
+/// of the tiny run's batch.
+fn two_ranks(dir: &Path, steps: u64) -> Command {
+    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "2", "--timeout", "600"]);
+    cmd.arg("--run-dir").arg(dir).args(["--", common::KILN]);
+    cmd.args(train(dir, "cubecl-cpu", steps).get_args());
+    cmd.args(["--set", "training.batch_size=2"]);
+    cmd
+}
+
 /// Two MPI ranks on cubecl-cpu (gradients averaged through host memory), each on half of the
 /// flex rank's batch (2 rows each: the same 4 samples a step), train the model one flex rank
 /// trains: the same losses and gradient norms to float rounding. (Each rank once ran the
 /// whole batch of 4, a global batch of 8 against flex's 4: the losses agreed but the
 /// step-1 gradient norm was 0.797 against 1.005, the mean over twice the samples.)
+///
+/// And as on flex's data-parallel tests: rank 1 SIGKILLed after the step-2 checkpoint, then
+/// the same command, resumes once and ends with the uninterrupted run's weights, to the byte.
 #[test]
-fn two_ranks_on_cubecl_cpu_match_one_flex_rank() {
+fn two_ranks_on_cubecl_cpu_match_one_flex_rank_and_resume_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let (flex, dp) = (tmp.path().join("flex"), tmp.path().join("dp"));
-    run(train(&flex, "flex", 4), "flex, 4 steps");
-    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "2", "--timeout", "600"]);
-    cmd.arg("--run-dir").arg(&dp).args(["--", common::KILN]);
-    cmd.args(train(&dp, "cubecl-cpu", 4).get_args());
-    cmd.args(["--set", "training.batch_size=2"]);
-    run(cmd, "2 MPI ranks on cubecl-cpu, 4 steps");
+    let (flex, dp, killed) = (
+        tmp.path().join("flex"),
+        tmp.path().join("dp"),
+        tmp.path().join("killed"),
+    );
+    run(train(&flex, "flex", 6), "flex, 6 steps");
+    run(two_ranks(&dp, 6), "2 MPI ranks on cubecl-cpu, 6 steps");
     assert_close(&steps(&dp), &steps(&flex), 1e-3);
+
+    let mut job = two_ranks(&killed, 6)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln launch");
+    let t0 = Instant::now();
+    while !killed.join("checkpoints/step-2/manifest.json").exists() {
+        assert!(
+            job.try_wait().unwrap().is_none(),
+            "the job ended before step 2's checkpoint"
+        );
+        assert!(t0.elapsed().as_secs() < 600, "step 2 never saved");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = common::trainer_pid(&killed, 1).expect("rank 1's pid");
+    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    assert!(
+        !job.wait().unwrap().success(),
+        "a killed rank fails the attempt"
+    );
+    assert!(
+        !killed.join("model.safetensors").exists(),
+        "the job finished before the kill"
+    );
+    run(two_ranks(&killed, 6), "2 MPI ranks on cubecl-cpu, resumed");
+    let resumes = std::fs::read_to_string(killed.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["source"] == "train" && e["event"] == "resume")
+        .count();
+    assert_eq!(resumes, 1, "one resume");
+    assert!(
+        bytes(&dp.join("model.safetensors")) == bytes(&killed.join("model.safetensors")),
+        "2 ranks on cubecl-cpu: the weights differ after SIGKILL + resume"
+    );
 }
 
 /// SIGKILL after the step-2 checkpoint, then the same command, ends with the same bytes as
