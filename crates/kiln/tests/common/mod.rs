@@ -187,8 +187,7 @@ pub fn assert_learnt_the_copy_task(dir: &Path) -> serde_json::Value {
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m.get("eval_loss").is_some())
-        .last()
+        .rfind(|m| m.get("eval_loss").is_some())
         .expect("the default run evaluates");
     let (loss, accuracy) = (last["eval_loss"].as_f64(), last["eval_accuracy"].as_f64());
     eprintln!("held-out loss {loss:?}, answer accuracy {accuracy:?}");
