@@ -15,8 +15,10 @@
 //! over a parameter's device buffers. For arithmetic on replicated state, where every rank
 //! must get the same bits: the gradients' sum of squares (clipping) and Muon's Frobenius
 //! norm in a fixed order (burn's device sum may use atomics), and a matmul whose kernel is
-//! not picked by timing (Muon's Newton-Schulz). The rest of Muon and SophiaG take burn's
-//! generic ops on devices.
+//! not picked by timing (Muon's Newton-Schulz). The bias-free projection is one autodiff op
+//! whose products (and the head's) take a kernel fixed in advance on CubeCL's CPU runtime, so a
+//! run there has the same bits every time (`fixed_matmul`). The rest of Muon and SophiaG take
+//! burn's generic ops on devices.
 //!
 //! Numerics: every kernel reads its element type and accumulates in f32, then writes its
 //! element type, so bf16 inputs keep f32 sums. Work is one unit per output row or element and
