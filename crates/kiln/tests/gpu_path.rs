@@ -233,11 +233,10 @@ fn two_ranks_on_cubecl_cpu_match_one_flex_rank_and_resume_exactly() {
         "the job finished before the kill"
     );
     run(two_ranks(&killed, 6), "2 MPI ranks on cubecl-cpu, resumed");
-    let resumes = std::fs::read_to_string(killed.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["source"] == "train" && e["event"] == "resume")
+    let resumes = kiln_run::read_events(&killed)
+        .expect("events.jsonl")
+        .into_iter()
+        .filter(|e| e.source == "train" && e.event == "resume")
         .count();
     assert_eq!(resumes, 1, "one resume");
     assert!(

@@ -17,9 +17,9 @@
 //!   GPUs it stays autotuned (speed; a resumed process reads its picks back from the run's
 //!   device cache, so resume stays exact).
 
-use super::{dense, dims, elem, empty_like};
-use burn::backend::Cube;
+use super::{dense, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
+use burn::backend::{Cube, calculate_matmul_output};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
@@ -82,15 +82,7 @@ fn on_cpu_runtime(t: &CubeTensor) -> bool {
 /// `a @ b` by `strategy` into a new contiguous tensor; `None` when the strategy refuses the
 /// problem (its checks run before anything is launched).
 fn launch(strategy: &Strategy, a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
-    let (da, db) = (dims(a), dims(b));
-    let (rank, batch) = (da.len(), da.len().max(db.len()));
-    let mut shape: Vec<usize> = (0..batch - 2)
-        .map(|i| {
-            let at = |d: &[usize]| (i + d.len()).checked_sub(batch).map_or(1, |j| d[j]);
-            at(&da).max(at(&db))
-        })
-        .collect();
-    shape.extend([da[rank - 2], db[db.len() - 1]]);
+    let shape = calculate_matmul_output(a.meta.shape(), b.meta.shape()).ok()?;
     let out = empty_like(a, shape);
     let storage = elem(a);
     let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems {

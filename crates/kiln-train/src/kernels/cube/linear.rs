@@ -27,12 +27,16 @@ fn rows(x: CubeTensor) -> CubeTensor {
 
 /// `x @ w` for `x` `[.., in]` and `w` `[in, out]`: `[.., out]`.
 pub(super) fn forward(x: CubeTensor, w: CubeTensor) -> CubeTensor {
-    let mut shape = dims(&x);
-    let out = dims(&w)[1];
-    if let Some(last) = shape.last_mut() {
-        *last = out;
+    let shape = dims(&x);
+    project(rows(x), w, shape)
+}
+
+/// `x2 @ w` for `x2` (`x` as [`rows`]) reshaped to `x`'s leading dimensions `x_shape`.
+fn project(x2: CubeTensor, w: CubeTensor, mut x_shape: Vec<usize>) -> CubeTensor {
+    if let Some(last) = x_shape.last_mut() {
+        *last = dims(&w)[1];
     }
-    CubeBackend::float_reshape(product(rows(x), w), shape.into())
+    CubeBackend::float_reshape(product(x2, w), x_shape.into())
 }
 
 /// The projection recorded as one autodiff op.
@@ -71,10 +75,10 @@ pub(super) fn autodiff<C: CheckpointStrategy>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (xp, wp) = (x.primitive().clone(), w.primitive().clone());
-            let shape = dims(&xp);
-            let y = forward(xp.clone(), wp.clone());
-            prep.finish((rows(xp), wp, shape), y)
+            let (x2, wp) = (rows(x.primitive().clone()), w.primitive().clone());
+            let shape = dims(x.primitive());
+            let y = project(x2.clone(), wp.clone(), shape.clone());
+            prep.finish((x2, wp, shape), y)
         }
         OpsKind::UnTracked(prep) => {
             prep.finish(forward(x.primitive().clone(), w.primitive().clone()))
