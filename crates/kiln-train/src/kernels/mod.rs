@@ -278,6 +278,16 @@ pub fn set_cpu_attention_block(rows: usize) {
     let _ = rows;
 }
 
+/// Sets how many query positions a chunk of attention by products takes (`cube::attention_mm`,
+/// GPUs' path), and takes that path on CubeCL's CPU runtime too; 0 restores the default (by
+/// memory, GPUs only): for tests of that path. No effect without `cube`.
+pub fn set_attention_product_chunk(positions: usize) {
+    #[cfg(feature = "cube")]
+    cube::attention_mm::set_chunk(positions);
+    #[cfg(not(feature = "cube"))]
+    let _ = positions;
+}
+
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
 /// kernel chunks the vocabulary by a budget (CubeCL devices; elsewhere the same as
 /// [`linear_cross_entropy`]): for tests and tuning.

@@ -99,12 +99,15 @@ pub fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
 }
 
 /// Largest |a - b| relative to the largest |b| (NaN when they differ in length or `a` holds
-/// a NaN).
+/// a NaN). A reference that is exactly zero everywhere (attention's `dq` over a sequence of one:
+/// a softmax over one key has no gradient) is compared in absolute terms, on the unit scale of
+/// the checks' random inputs: relative to zero, any rounding would be infinitely wrong.
 pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     if a.len() != b.len() {
         return f32::NAN;
     }
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    let largest = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = if largest == 0.0 { 1.0 } else { largest };
     let worst = a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
         let d = (x - y).abs();
         if d.is_nan() || m.is_nan() {

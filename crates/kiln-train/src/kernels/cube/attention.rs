@@ -430,6 +430,9 @@ pub(super) fn forward(
     v: CubeTensor,
     scale: f64,
 ) -> (CubeTensor, CubeTensor) {
+    if super::attention_mm::applies(&q) {
+        return super::attention_mm::forward(q, k, v, scale);
+    }
     let (q, k, v) = (dense(q), dense(k), dense(v));
     let d = Dims::of(&q, &k);
     let out = empty_like(&q, [d.b, d.t, d.kv * d.groups * d.hd]);
@@ -469,6 +472,9 @@ type Saved = (
 /// `(dq, dk, dv)` for the upstream gradient `dout`.
 fn backward(dout: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (q, k, v, out, lse, scale) = saved;
+    if super::attention_mm::applies(&q) {
+        return super::attention_mm::backward(dout, q, k, v, out, lse, scale);
+    }
     let dout = dense(dout);
     let d = Dims::of(&q, &k);
     let (dq, dk, dv) = (

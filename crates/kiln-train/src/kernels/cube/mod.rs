@@ -30,6 +30,7 @@
 
 pub(super) mod adamw;
 pub(super) mod attention;
+pub(super) mod attention_mm;
 mod cross_entropy;
 pub(super) mod fixed_matmul;
 mod linear;
