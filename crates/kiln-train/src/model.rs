@@ -483,10 +483,14 @@ impl Llama {
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = if self.compute == DType::F32 || kernels::fuses_mixed(&q.device()) {
-            // In f32 (mixed precision too, on devices with kiln's kernels: the activations are
-            // f32 and the kernel never holds the T x T scores).
+        let y = if self.compute == DType::F32 {
             kernels::causal_attention(q, k, v, scale)
+        } else if kernels::fuses_mixed(&q.device()) {
+            // Mixed precision on devices with kiln's kernels: in the compute dtype, as the head
+            // (on GPUs its products on tensor cores; the softmax and every sum in f32), never
+            // holding the T x T scores. In f32 the products took TF32 or scalar paths.
+            let c = self.compute;
+            kernels::causal_attention(q.cast(c), k.cast(c), v.cast(c), scale).cast(FloatDType::F32)
         } else {
             // Mixed precision: the two attention matmuls in the compute dtype, the softmax
             // in f32.
