@@ -1,5 +1,7 @@
 //! Causal grouped-query attention in CubeCL, flash-style: the `T x T` scores and
-//! probabilities are never stored. Forward runs one unit per query row with an online softmax
+//! probabilities are never stored. These row kernels run on CubeCL's CPU runtime; GPUs take
+//! the same function by matrix products (`attention_mm`, chosen in [`forward`] and
+//! `backward`): computed a scalar at a time, these took 2.24 s of a 2.47 s step on an H200. Forward runs one unit per query row with an online softmax
 //! and saves the row's log-sum-exp; backward recomputes each probability from it, one unit per
 //! query row for `dq` (and the row's `D = dO . O`), then one unit per key row for `dk` and
 //! `dv`, summing over the query rows of every head in its group. Memory beyond the inputs and
@@ -43,18 +45,18 @@ pub(in crate::kernels) fn set_cpu_block(rows: usize) {
 /// Rows of the other side a shared-memory tile holds.
 const TILE: usize = 32;
 
-/// The sizes every attention kernel takes.
+/// The sizes every attention kernel takes (and `attention_mm`).
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    kv: usize,
-    groups: usize,
-    t: usize,
-    hd: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) kv: usize,
+    pub(super) groups: usize,
+    pub(super) t: usize,
+    pub(super) hd: usize,
 }
 
 impl Dims {
-    fn of(q: &CubeTensor, k: &CubeTensor) -> Self {
+    pub(super) fn of(q: &CubeTensor, k: &CubeTensor) -> Self {
         let (qd, kd) = (dims(q), dims(k));
         let t = kd[2].max(1);
         Dims {

@@ -21,6 +21,8 @@
 //! Layouts as `attention`'s: `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp per query row `[b, kv, groups, t]`.
 
+use super::attention::Dims;
+use super::norm::{cube_max, cube_sum, launch_rows, row_units};
 use super::{dense, dims, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{FloatDType, Slice};
@@ -51,44 +53,6 @@ pub(in crate::kernels) fn set_chunk(positions: usize) {
 /// [`set_chunk`] says so.
 pub(super) fn applies(t: &CubeTensor) -> bool {
     CHUNK.load(Ordering::Relaxed) > 0 || !matches!(t.device, cubecl::Device::Cpu(_))
-}
-
-/// The sum of every unit's `value` over the cube, in a fixed tree; every unit gets it.
-#[cube]
-fn cube_sum(partial: &mut Shared<[f32]>, value: f32) -> f32 {
-    let u = UNIT_POS as usize;
-    partial[u] = value;
-    sync_cube();
-    let mut s = CUBE_DIM as usize / 2;
-    while s > 0 {
-        if u < s {
-            partial[u] += partial[u + s];
-        }
-        sync_cube();
-        s /= 2;
-    }
-    let total = partial[0];
-    sync_cube();
-    total
-}
-
-/// The largest of every unit's `value` over the cube; every unit gets it.
-#[cube]
-fn cube_max(partial: &mut Shared<[f32]>, value: f32) -> f32 {
-    let u = UNIT_POS as usize;
-    partial[u] = value;
-    sync_cube();
-    let mut s = CUBE_DIM as usize / 2;
-    while s > 0 {
-        if u < s {
-            partial[u] = f32::max(partial[u], partial[u + s]);
-        }
-        sync_cube();
-        s /= 2;
-    }
-    let top = partial[0];
-    sync_cube();
-    top
 }
 
 /// A row of a chunk: its query position, and its index among all query rows
@@ -204,47 +168,7 @@ fn score_grads_kernel<F: Float>(
     }
 }
 
-/// Units a cube of the row kernels takes (a power of two): one on CubeCL's CPU runtime, where
-/// a barrier costs a spinning thread a unit.
-fn row_units(t: &CubeTensor) -> usize {
-    match t.device {
-        cubecl::Device::Cpu(_) => 1,
-        _ => 256,
-    }
-}
-
-/// `(cube count, cube dim)`: one cube of `units` a row.
-fn launch_rows(rows: usize, units: usize) -> (CubeCount, CubeDim) {
-    let x = rows.clamp(1, 65_535);
-    (
-        CubeCount::Static(x as u32, rows.div_ceil(x).max(1) as u32, 1),
-        CubeDim::new_1d(units as u32),
-    )
-}
-
-/// The sizes, as `attention`'s kernels take them.
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    kv: usize,
-    groups: usize,
-    t: usize,
-    hd: usize,
-}
-
 impl Dims {
-    fn of(q: &CubeTensor, k: &CubeTensor) -> Self {
-        let (qd, kd) = (dims(q), dims(k));
-        let t = kd[2].max(1);
-        Dims {
-            b: qd[0],
-            kv: qd[1],
-            groups: qd[2] / t,
-            t,
-            hd: qd[3],
-        }
-    }
-
     /// Query positions a chunk takes.
     fn chunk(&self) -> usize {
         let set = CHUNK.load(Ordering::Relaxed);
