@@ -77,12 +77,9 @@ fn text(out: &Output) -> String {
 }
 
 fn events(rd: &Path, source: &str) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(rd.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["source"] == source)
-        .collect()
+    let mut all = common::events(rd);
+    all.retain(|e| e["source"] == source);
+    all
 }
 
 fn step_lines(rd: &Path) -> Vec<serde_json::Value> {

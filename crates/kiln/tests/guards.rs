@@ -6,6 +6,8 @@ use std::process::Output;
 
 mod common;
 
+use common::events;
+
 /// Settings on top of the tiny model: a high LR, and guards that react within a short run.
 const TINY: &[&str] = &[
     "training.batch_size=8",
@@ -27,14 +29,6 @@ fn train(run_dir: &Path, extra: &[&str]) -> Output {
     common::train_cmd(run_dir, &sets)
         .output()
         .expect("spawn kiln")
-}
-
-fn events(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 fn step_losses(run_dir: &Path) -> Vec<(u64, f64)> {

@@ -9,6 +9,8 @@ use std::process::Child;
 
 mod common;
 
+use common::events;
+
 const SHORT: &[&str] = &[
     "training.batch_size=4",
     "training.steps=24",
@@ -43,14 +45,6 @@ fn run_to_end(dir: &Path, extra: &[&str]) -> std::process::Output {
 /// before it (written in the background).
 fn spawn_until_step(dir: &Path, extra: &[&str], n: u64) -> Child {
     common::spawn_until(common::train_cmd(dir, &sets(extra)), n, Some(n / 4 * 4))
-}
-
-fn events(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 /// Names and dtypes of the tensors of a safetensors file.

@@ -81,12 +81,9 @@ fn weights(rd: &Path) -> Vec<u8> {
 }
 
 fn events(rd: &Path, name: &str) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(rd.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["event"] == name)
-        .collect()
+    let mut all = common::events(rd);
+    all.retain(|e| e["event"] == name);
+    all
 }
 
 /// Rank `rank`'s snapshot directory under the snapshot dir `shm` (one run per `shm`).

@@ -7,7 +7,9 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 mod common;
+
 use common::KILN;
+use common::events;
 
 /// Settings on top of the tiny model: short runs with frequent checkpoints.
 const TINY: &[&str] = &[
@@ -47,14 +49,6 @@ fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) with a pid we own.
     let rc = unsafe { libc::kill(child.id() as i32, sig) };
     assert_eq!(rc, 0, "kill failed");
-}
-
-fn events(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 fn final_files(run_dir: &Path) -> (Vec<u8>, Vec<u8>, Vec<u8>) {

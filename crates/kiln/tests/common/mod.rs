@@ -166,6 +166,16 @@ pub fn tensor_names(path: &Path) -> Vec<String> {
     names
 }
 
+/// The run's events (`events.jsonl`), each line as JSON; lines that do not parse (a line
+/// being written) are skipped, and a run without the file has none.
+pub fn events(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 /// The README's default run (`kiln train` with no config: 500 steps of the default model on
 /// the built-in copy task) in `dir`, with `sets` on top (the device), from `cwd`.
 pub fn default_run(dir: &Path, cwd: &Path, sets: &[&str]) -> Command {
