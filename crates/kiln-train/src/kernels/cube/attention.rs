@@ -22,7 +22,7 @@
 //! K/V head stacked along the sequence, so row `r` is head `kv * groups + r / t` at position
 //! `r % t`), `k` `[b, kv, t, hd]`, `v` `[b, t, kv * hd]`, output `[b, t, heads * hd]`.
 
-use super::{dense, dims, elem, empty_like};
+use super::{Dims, dense, dims, elem, empty_like};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -45,33 +45,7 @@ pub(in crate::kernels) fn set_cpu_block(rows: usize) {
 /// Rows of the other side a shared-memory tile holds.
 const TILE: usize = 32;
 
-/// The sizes every attention kernel takes (and `attention_mm`).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Dims {
-    pub(super) b: usize,
-    pub(super) kv: usize,
-    pub(super) groups: usize,
-    pub(super) t: usize,
-    pub(super) hd: usize,
-}
-
 impl Dims {
-    pub(super) fn of(q: &CubeTensor, k: &CubeTensor) -> Self {
-        let (qd, kd) = (dims(q), dims(k));
-        let t = kd[2].max(1);
-        Dims {
-            b: qd[0],
-            kv: qd[1],
-            groups: qd[2] / t,
-            t,
-            hd: qd[3],
-        }
-    }
-
-    fn rows(&self) -> usize {
-        self.b * self.kv * self.groups * self.t
-    }
-
     /// Cubes of `block` units for `per_head` rows of every K/V head of every batch row.
     fn launch(&self, per_head: usize, block: usize) -> (CubeCount, CubeDim) {
         let blocks = per_head.div_ceil(block).max(1) as u32;

@@ -21,9 +21,8 @@
 //! Layouts as `attention`'s: `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp per query row `[b, kv, groups, t]`.
 
-use super::attention::Dims;
 use super::norm::{cube_max, cube_sum, launch_rows, row_units};
-use super::{dense, dims, elem, empty_like};
+use super::{Dims, dense, dims, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{FloatDType, Slice};
 use burn::tensor::DType;
@@ -172,7 +171,7 @@ impl Dims {
     /// Query positions a chunk takes.
     fn chunk(&self) -> usize {
         let set = CHUNK.load(Ordering::Relaxed);
-        let per_position = self.b * self.kv * self.groups * self.t * 4;
+        let per_position = self.rows() * 4;
         let by_memory = (CHUNK_BYTES / per_position.max(1)).max(16);
         (if set > 0 { set } else { by_memory }).clamp(1, self.t)
     }
@@ -241,7 +240,7 @@ pub(super) fn forward(
     let d = Dims::of(&q, &k);
     let q5 = B::float_reshape(q.clone(), d.heads5().into());
     let vh = heads_of_v(dense(v), &d);
-    let lse = super::f32_vector(&q, d.b * d.kv * d.groups * d.t);
+    let lse = super::f32_vector(&q, d.rows());
     let mut out5 = empty_like(&q, d.heads5());
     let units = row_units(&q);
     let c = d.chunk();
@@ -288,7 +287,7 @@ fn row_deltas(dout5: &CubeTensor, out: CubeTensor, d: &Dims) -> CubeTensor {
     let o5 = heads_of_out(out, d);
     let prod = B::float_mul(f32s(dout5.clone()), f32s(o5));
     let sums = B::float_sum_dim(prod, 4);
-    dense(B::float_reshape(sums, [d.b * d.kv * d.groups * d.t].into()))
+    dense(B::float_reshape(sums, [d.rows()].into()))
 }
 
 /// `(dq, dk, dv)` for the upstream gradient `dout`, from the saved inputs, output and
