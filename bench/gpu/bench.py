@@ -45,7 +45,9 @@ DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-nvrtc,1b-8k:kiln,1b-8k:eager,1b:kiln-n
 # and NVRTC instead of LLVM's NVPTX backend (patches/cubecl-cuda: only that backend advertises
 # TMA and asynchronous copies, which burn's fastest matmuls need).
 # `kiln-nvrtc-full`: that with CubeCL's most thorough autotune (more matmul candidates timed).
+# `kiln-cubecl`: matrix products on CubeCL's matmul instead of cuBLAS (the before of that change).
 KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"},
+            "kiln-cubecl": {"KILN_CUDA_GEMM": "cubecl"},
             "kiln-nvrtc-full": {"CUBECL_CUDA_BACKEND": "cpp", "CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).
 SHORT = {"1b-8k": (4, 2)}

@@ -36,6 +36,13 @@ fi
 for d in "${CUDA_PATH:-/usr/local/cuda}/lib64" "${CUDA_PATH:-/usr/local/cuda}/lib"; do
   ls "$d"/libnvrtc.so* >/dev/null 2>&1 && { export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; }
 done
+# cuBLAS (kiln's matrix products on CUDA): cudarc opens libcublas.so or libcublas.so.13, which
+# a CUDA toolkit keeps in lib64 and PyTorch's wheels (nvidia-cublas) in site-packages.
+cublas=$(ls "${CUDA_PATH:-/usr/local/cuda}"/lib64/libcublas.so.13 2>/dev/null ||
+  ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
+[ -n "$cublas" ] || cublas=$(find / -xdev -name 'libcublas.so.13' -print -quit 2>/dev/null || true)
+[ -n "$cublas" ] && export LD_LIBRARY_PATH="$(dirname "$cublas"):${LD_LIBRARY_PATH:-}"
+echo "cuBLAS: ${cublas:-not found (kiln's products fall back to CubeCL's matmul)}"
 # NCCL: cudarc opens libnccl.so; pip's nvidia-nccl (PyTorch's) ships libnccl.so.2 only.
 if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
   nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null ||

@@ -28,6 +28,8 @@
 
 pub mod adamw;
 mod attention;
+#[cfg(any(test, feature = "cuda"))]
+mod blas;
 pub mod composed;
 mod cross_entropy;
 #[cfg(feature = "cube")]

@@ -1364,6 +1364,11 @@ impl ServerStorage for CudaServer {
         // whatever was there before.
         self.streams.ensure_written([&binding].into_iter())?;
         let mut command = self.command(stream_id, [&binding].into_iter())?;
-        Ok(command.managed_resource(binding)?)
+        // kiln patch: the resource names the stream this command resolved the binding on
+        // (the caller's, after any wait for the stream that wrote it).
+        let stream = command.stream().sys;
+        let mut resource = command.managed_resource(binding)?;
+        resource.resource_mut().stream = stream;
+        Ok(resource)
     }
 }

@@ -182,9 +182,13 @@ impl Dims {
     }
 }
 
-/// `a @ b` written in `out` (f32 for scores and summed gradients), through burn's autotuned
-/// matmul; burn's plain matmul and a cast if that cannot write `out` from these inputs.
+/// `a @ b` written in `out` (f32 for scores and summed gradients): cuBLAS on CUDA, elsewhere
+/// burn's autotuned matmul, or burn's plain matmul and a cast if that cannot write `out` from
+/// these inputs.
 fn product(a: CubeTensor, b: CubeTensor, out: DType) -> CubeTensor {
+    if let Some(y) = super::fixed_matmul::vendor(&a, &b, out) {
+        return y;
+    }
     match matmul(a.clone(), b.clone(), None, MatmulStrategy::default(), out) {
         Ok(y) => y,
         Err(_) => B::float_cast(B::float_matmul(a, b), FloatDType::from(out)),

@@ -20,6 +20,7 @@
 use super::{dense, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{Cube, calculate_matmul_output};
+use burn::tensor::DType;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
@@ -43,6 +44,10 @@ pub(in crate::kernels) fn matmul_fixed(a: &Host2, b: &Host2) -> Option<Host2> {
         return Some(Host2::from_primitive::<Cube>(product(pa, pb)));
     }
     let dtype = pa.dtype;
+    // cuBLAS picks its kernel by heuristics, not timing: the same on every rank's GPU too.
+    if let Some(out) = vendor(&pa, &pb, dtype) {
+        return Some(Host2::from_primitive::<Cube>(out));
+    }
     match matmul(pa, pb, None, MatmulStrategy::Cube, dtype) {
         Ok(out) => Some(Host2::from_primitive::<Cube>(out)),
         Err(e) => {
@@ -59,8 +64,8 @@ pub(in crate::kernels) fn matmul_fixed(a: &Host2, b: &Host2) -> Option<Host2> {
 }
 
 /// `a @ b` (`[.., m, k] @ [.., k, n]`, same element type): on CubeCL's CPU runtime by a kernel
-/// fixed in advance (CubeCL's CPU GEMM, or its general GEMM for shapes that one refuses),
-/// elsewhere burn's autotuned matmul.
+/// fixed in advance (CubeCL's CPU GEMM, or its general GEMM for shapes that one refuses), on
+/// CUDA by cuBLAS ([`vendor`]), elsewhere burn's autotuned matmul.
 pub(super) fn product(a: CubeTensor, b: CubeTensor) -> CubeTensor {
     if on_cpu_runtime(&a) {
         let cpu_gemm = Tiled::CpuGemm(BlueprintStrategy::Inferred(CpuGemmStrategy::default()));
@@ -71,7 +76,22 @@ pub(super) fn product(a: CubeTensor, b: CubeTensor) -> CubeTensor {
             }
         }
     }
+    if let Some(out) = vendor(&a, &b, a.dtype) {
+        return out;
+    }
     CubeBackend::float_matmul(a, b)
+}
+
+/// `a @ b` written in `out` (f32, or the inputs' type) by the GPU vendor's BLAS where kiln
+/// has it (cuBLAS on CUDA, [`super::cublas`]); `None` elsewhere.
+pub(super) fn vendor(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<CubeTensor> {
+    #[cfg(feature = "cuda")]
+    return super::cublas::product(a, b, out);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, b, out);
+        None
+    }
 }
 
 /// Whether `t` lives on CubeCL's CPU runtime (the only runtime that reports CPU cores).

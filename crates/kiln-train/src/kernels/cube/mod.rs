@@ -34,6 +34,8 @@ pub(super) mod adamw;
 pub(super) mod attention;
 pub(super) mod attention_mm;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cublas;
 pub(super) mod fixed_matmul;
 mod linear;
 mod norm;

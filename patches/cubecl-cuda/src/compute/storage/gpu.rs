@@ -40,12 +40,22 @@ pub struct GpuResource {
     pub binding: *mut std::ffi::c_void,
     /// The size of the resource.
     pub size: u64,
+    /// kiln patch: the stream of the command that resolved this resource (set by
+    /// `CudaServer::get_resource`; null from the storage), on which work of another library
+    /// on this buffer (cuBLAS) is ordered after the kernels launched before it and before
+    /// those launched after, as a kernel launch is.
+    pub stream: cudarc::driver::sys::CUstream,
 }
 
 impl GpuResource {
     /// Creates a new [`GpuResource`].
     pub fn new(ptr: u64, binding: *mut std::ffi::c_void, size: u64) -> Self {
-        Self { ptr, binding, size }
+        Self {
+            ptr,
+            binding,
+            size,
+            stream: std::ptr::null_mut(),
+        }
     }
 }
 
