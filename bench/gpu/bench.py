@@ -204,27 +204,43 @@ def profile_kiln(kiln, model, impl, results, work, timeout, device="cuda", steps
     argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
     for s in kiln_sets(model, batch, seq, steps, device):
         argv += ["--set", s]
+    # kiln's cuBLAS products, each waited on and timed, in the same format (cube/cublas.rs).
+    blas = os.path.join(wd, "cublas-profile.log")
+    if os.path.exists(blas):
+        os.remove(blas)
     rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd,
-                        env={**os.environ, **KILN_ENV.get(impl, {})})
-    return kernel_table(log, steps, os.path.join(work, f"{model}-{impl}-kernels.txt"), rc)
+                        env={**os.environ, **KILN_ENV.get(impl, {}), "KILN_CUBLAS_PROFILE": blas})
+    return kernel_table([log, blas], steps, os.path.join(work, f"{model}-{impl}-kernels.txt"), rc)
 
 
 LAUNCH = re.compile(r"^\| ([0-9.]+)(ns|µs|us|ms|s)\s+\| (.+)$")
 UNIT = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def kernel_table(log, steps, out, rc):
-    """Sums CubeCL's per-launch lines (`| 1.2ms | name`) by kernel over the steps after the
-    first (every step launches the same kernels, so the lines split evenly): ms per step,
-    launches per step, share."""
-    try:
-        launches = [(float(m.group(1)) * UNIT[m.group(2)], m.group(3).strip())
-                    for m in map(LAUNCH.match, (l.rstrip() for l in open(log, errors="replace")))
-                    if m]
-    except OSError as e:
-        return {"error": f"no profile log ({e}); kiln exit {rc}"}
+def read_launches(log, steps):
+    """One log's launches (`| 1.2ms | name`) over the steps after the first (every step
+    launches the same kernels, so the lines split evenly), and how many steps that is."""
+    launches = [(float(m.group(1)) * UNIT[m.group(2)], m.group(3).strip())
+                for m in map(LAUNCH.match, (l.rstrip() for l in open(log, errors="replace")))
+                if m]
     if steps > 1 and len(launches) % steps == 0:
-        launches, steps = launches[len(launches) // steps:], steps - 1
+        return launches[len(launches) // steps:], steps - 1
+    return launches, steps
+
+
+def kernel_table(logs, steps, out, rc):
+    """Sums the per-launch lines of `logs` (CubeCL's profiling logger, kiln's cuBLAS log) by
+    kernel: ms per step, launches per step, share."""
+    launches, counted = [], steps
+    for log in logs:
+        if not os.path.exists(log) and log != logs[0]:
+            continue
+        try:
+            got, counted = read_launches(log, steps)
+        except OSError as e:
+            return {"error": f"no profile log ({e}); kiln exit {rc}"}
+        launches += got
+    steps = counted
     by = {}
     for ms, name in launches:
         n, t = by.get(name, (0, 0.0))
@@ -232,7 +248,7 @@ def kernel_table(log, steps, out, rc):
     total = sum(t for _, t in by.values())
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])
     with open(out, "w") as f:
-        f.write(f"# kiln CubeCL kernels, {steps} steps after the first (each launch waited on); "
+        f.write(f"# kiln's kernels (CubeCL's and cuBLAS's), {steps} steps after the first (each launch waited on); "
                 f"ms per step (share of kernel time); kiln exit {rc}\n")
         f.write(f"total {total / steps:.2f} ms per step, {sum(n for n, _ in by.values()) // max(steps, 1)} launches per step\n")
         for name, (n, t) in rows[:50]:

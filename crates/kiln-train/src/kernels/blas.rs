@@ -31,6 +31,8 @@ pub(crate) struct Gemm {
     pub stride_b: usize,
     pub ldc: usize,
     pub stride_c: usize,
+    /// The row-major output's shape: the broadcast batch, then `[m, n]`.
+    pub out_shape: Vec<usize>,
 }
 
 /// A matrix's last two dimensions as BLAS reads them: transposed or not, and its leading
@@ -107,7 +109,14 @@ pub(crate) fn plan(
     }
     let (trans_b, ldb) = operand(m, k, a_strides[r - 2], a_strides[r - 1])?;
     let (trans_a, lda) = operand(k, n, b_strides[r - 2], b_strides[r - 1])?;
+    let mut out_shape: Vec<usize> = a_batch
+        .iter()
+        .zip(b_batch)
+        .map(|(x, y)| *x.max(y))
+        .collect();
+    out_shape.extend([m, n]);
     let gemm = Gemm {
+        out_shape,
         batch,
         m: n,
         n: m,
@@ -241,6 +250,10 @@ mod tests {
             )
         });
         assert_eq!(reference_gemm(&g, &b.data, &a.data), product(a, b), "{g:?}");
+        let r = a.shape.len();
+        let batch = (0..r - 2).map(|d| a.shape[d].max(b.shape[d]));
+        let want: Vec<usize> = batch.chain([a.shape[r - 2], b.shape[r - 1]]).collect();
+        assert_eq!(g.out_shape, want, "{g:?}");
     }
 
     #[test]

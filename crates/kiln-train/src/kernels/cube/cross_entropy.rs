@@ -1,6 +1,6 @@
 //! The output head with cross-entropy on CubeCL devices, chunked over the vocabulary: the
 //! `[n, vocab]` logits are never whole. Forward: for each chunk of columns, burn's matmul
-//! (tensor cores where the device has them) gives that chunk's logits, and a kernel (one unit
+//! (tensor cores where the device has them) gives that chunk's logits, and a kernel (one cube
 //! per row) folds them into the row's running max and sum of exponentials and picks the
 //! target's logit; the loss is the mean of `log-sum-exp - target logit`, and the log-sum-exp
 //! per row is saved. Backward recomputes each chunk's logits, a kernel (one unit per element)
@@ -8,6 +8,7 @@
 //! of `dh` and give its columns of `dw`.
 
 use super::fixed_matmul::product;
+use super::norm::{cube_max, cube_sum, launch_rows, row_units};
 use super::{dense, dims, elem, f32_vector, launch_1d};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
@@ -30,7 +31,9 @@ pub(super) fn chunk_columns(n: usize, vocab: usize) -> usize {
 }
 
 /// Folds one chunk of logits `[n, cols]` (columns `first_col..`) into each row's running
-/// max `m` and sum `l` (`l = sum exp(logit - m)`), and records the target's logit.
+/// max `m` and sum `l` (`l = sum exp(logit - m)`), and records the target's logit. One cube a
+/// row, its units striding over the columns (coalesced reads), their partial max and sum
+/// combined in a fixed tree; with one unit (CubeCL's CPU runtime) the row's columns in order.
 #[cube(launch)]
 fn fold_kernel<F: Float, I: Numeric>(
     logits: &Tensor<F>,
@@ -41,34 +44,44 @@ fn fold_kernel<F: Float, I: Numeric>(
     rows: u32,
     cols: u32,
     first_col: u32,
+    #[comptime] units: usize,
     #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
-    let r = ABSOLUTE_POS;
+    let r = CUBE_POS;
     if r >= rows as usize {
         terminate!();
     }
-    let c = cols as usize;
+    let (c, u) = (cols as usize, UNIT_POS as usize);
     let base = r * c;
-    let mut mx = f32::cast_from(logits[base]);
-    for j in 1..c {
+    let mut partial = Shared::<[f32]>::new_slice(units);
+    let mut mx = f32::new(-3.0e38);
+    let mut j = u;
+    while j < c {
         mx = f32::max(mx, f32::cast_from(logits[base + j]));
+        j += units;
     }
+    let mx = cube_max(&mut partial, mx);
     let mut sum = 0.0f32;
-    for j in 0..c {
+    let mut j = u;
+    while j < c {
         sum += (f32::cast_from(logits[base + j]) - mx).exp();
+        j += units;
     }
-    if first_col == 0 {
-        m[r] = mx;
-        l[r] = sum;
-    } else {
-        let m_new = f32::max(m[r], mx);
-        l[r] = l[r] * (m[r] - m_new).exp() + sum * (mx - m_new).exp();
-        m[r] = m_new;
-    }
-    let t = u32::cast_from(targets[r]) as usize;
-    let start = first_col as usize;
-    if t >= start && t < start + c {
-        target_logit[r] = f32::cast_from(logits[base + t - start]);
+    let sum = cube_sum(&mut partial, sum);
+    if u == 0 {
+        if first_col == 0 {
+            m[r] = mx;
+            l[r] = sum;
+        } else {
+            let m_new = f32::max(m[r], mx);
+            l[r] = l[r] * (m[r] - m_new).exp() + sum * (mx - m_new).exp();
+            m[r] = m_new;
+        }
+        let t = u32::cast_from(targets[r]) as usize;
+        let start = first_col as usize;
+        if t >= start && t < start + c {
+            target_logit[r] = f32::cast_from(logits[base + t - start]);
+        }
     }
 }
 
@@ -146,7 +159,8 @@ pub(super) fn forward(
     let (m, l, picked) = (f32_vector(&h, n), f32_vector(&h, n), f32_vector(&h, n));
     for range in chunks(vocab, cols) {
         let logits = dense(product(h.clone(), columns(&w, d, range.clone())));
-        let (count, dim) = launch_1d(n);
+        let units = row_units(&logits);
+        let (count, dim) = launch_rows(n, units);
         fold_kernel::launch(
             &h.client,
             count,
@@ -159,6 +173,7 @@ pub(super) fn forward(
             n as u32,
             range.len() as u32,
             range.start as u32,
+            units,
             [elem(&logits), elem(&targets)],
         );
     }
