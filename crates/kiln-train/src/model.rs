@@ -247,7 +247,23 @@ impl Llama {
 
     /// `x @ w` in the compute dtype, returned in f32.
     fn mm<const D: usize>(&self, x: Tensor<D>, w: Tensor<2>) -> Tensor<D> {
-        kernels::linear(x.cast(self.compute), w.cast(self.compute), None).cast(FloatDType::F32)
+        self.mm_to(x, w, DType::F32)
+    }
+
+    /// `x @ w` in the compute dtype, returned in `out` (one op on devices: the casts inside).
+    fn mm_to<const D: usize>(&self, x: Tensor<D>, w: Tensor<2>, out: DType) -> Tensor<D> {
+        kernels::mixed_linear(x, w, self.compute, out)
+    }
+
+    /// The dtype attention's q, k and v take from their projections: the compute dtype where
+    /// kiln's kernels take mixed precision (projections write it, RoPE and attention read it,
+    /// no casts between), else f32.
+    fn qkv_dtype(&self, device: &Device) -> DType {
+        if self.compute != DType::F32 && kernels::fuses_mixed(device) {
+            self.compute
+        } else {
+            DType::F32
+        }
     }
 
     /// A batched matmul in the compute dtype, returned in f32.
@@ -323,7 +339,7 @@ impl Llama {
     /// The RoPE tables of sequences of `t` tokens, which every block takes.
     pub fn rope(&self, t: usize, device: &Device) -> RopeTables {
         let hd = self.cfg.d_model / self.cfg.n_heads;
-        RopeTables::new(t, hd, self.cfg.rope_theta, device)
+        RopeTables::new(t, hd, self.cfg.rope_theta, device, self.qkv_dtype(device))
     }
 
     /// Fresh parameters drawn from `seed` (same values on every backend and thread count:
@@ -460,19 +476,20 @@ impl Llama {
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let hd = cfg.d_model / nh;
         let groups = nh / nkv;
+        let qkv = self.qkv_dtype(&h.device());
         let q = self
-            .mm(h.clone(), self.mat(p, blk.wq))
+            .mm_to(h.clone(), self.mat(p, blk.wq), qkv)
             .reshape([b, t, nh, hd]);
         let k = self
-            .mm(h.clone(), self.mat(p, blk.wk))
+            .mm_to(h.clone(), self.mat(p, blk.wk), qkv)
             .reshape([b, t, nkv, hd]);
         // V stays in the projection's [b, t, kv * hd] layout: the attention kernel reads it
         // (and writes its result as [b, t, heads * hd]) through strided views, no copies.
-        let v = self.mm(h, self.mat(p, blk.wv));
+        let v = self.mm_to(h, self.mat(p, blk.wv), qkv);
         let (q, k) = match (blk.q_norm, blk.k_norm) {
             (Some(qn), Some(kn)) => (
-                rms_norm(q, self.weight_f32(p, qn), cfg.norm_eps),
-                rms_norm(k, self.weight_f32(p, kn), cfg.norm_eps),
+                rms_norm(q, p[qn].clone().cast(qkv), cfg.norm_eps),
+                rms_norm(k, p[kn].clone().cast(qkv), cfg.norm_eps),
             ),
             _ => (q, k),
         };
@@ -483,14 +500,12 @@ impl Llama {
         // one group are adjacent and the reshape below needs no copy of K or V.
         let q = q.reshape([b, nkv, groups * t, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = if self.compute == DType::F32 {
+        let y = if self.compute == DType::F32 || qkv != DType::F32 {
+            // f32, or mixed precision on devices with kiln's kernels: q, k, v in the compute
+            // dtype, as the head (on GPUs its products on tensor cores; the softmax and every
+            // sum in f32), never holding the T x T scores; the output projection takes `y` in
+            // that dtype.
             kernels::causal_attention(q, k, v, scale)
-        } else if kernels::fuses_mixed(&q.device()) {
-            // Mixed precision on devices with kiln's kernels: in the compute dtype, as the head
-            // (on GPUs its products on tensor cores; the softmax and every sum in f32), never
-            // holding the T x T scores. In f32 the products took TF32 or scalar paths.
-            let c = self.compute;
-            kernels::causal_attention(q.cast(c), k.cast(c), v.cast(c), scale).cast(FloatDType::F32)
         } else {
             // Mixed precision: the two attention matmuls in the compute dtype, the softmax
             // in f32.
@@ -518,7 +533,9 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
-    fn new(t: usize, hd: usize, theta: f64, device: &Device) -> Self {
+    /// The tables of `t` positions for heads of `hd`, computed in f32 and stored in `dtype`
+    /// (that of the q and k they rotate).
+    fn new(t: usize, hd: usize, theta: f64, device: &Device, dtype: DType) -> Self {
         let half = hd / 2;
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
@@ -534,8 +551,8 @@ impl RopeTables {
             }
         }
         Self {
-            cos: Tensor::from_data(TensorData::new(cos, [t, hd]), device),
-            sin: Tensor::from_data(TensorData::new(sin, [t, hd]), device),
+            cos: Tensor::<2>::from_data(TensorData::new(cos, [t, hd]), device).cast(dtype),
+            sin: Tensor::<2>::from_data(TensorData::new(sin, [t, hd]), device).cast(dtype),
         }
     }
 

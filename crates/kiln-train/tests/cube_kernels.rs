@@ -45,6 +45,45 @@ fn linear_matches_composed() {
 }
 
 #[test]
+fn mixed_linear_matches_composed() {
+    assert_passes(selfcheck::mixed_linear);
+}
+
+/// Without a vendor BLAS (CubeCL's CPU runtime, and GPUs other than CUDA) mixed precision's
+/// projection is the casts that were around the projection before it was one op, in the same
+/// order: the same bits, values and gradients, for f32 and bf16 outputs.
+#[test]
+fn mixed_linear_is_the_casts_around_linear_bit_for_bit() {
+    let dev = device();
+    let leaf = |shape: [usize; 3], seed| {
+        let data = TensorData::new(random(shape.iter().product(), seed), shape);
+        Tensor::<3>::from_data(data, &dev.clone().autodiff()).require_grad()
+    };
+    for out in [FloatDType::F32, FloatDType::BF16] {
+        let run = |fused: bool| {
+            let (x, w) = (leaf([2, 37, 70], 5), leaf([1, 70, 45], 6));
+            let w2 = w.clone().reshape([70, 45]);
+            let bf = FloatDType::BF16;
+            let y = match fused {
+                true => kernels::mixed_linear(x.clone(), w2, bf.into(), out.into()),
+                false => kernels::linear(x.clone().cast(bf), w2.cast(bf), None).cast(out),
+            };
+            let r =
+                Tensor::<3>::from_data(TensorData::new(random(2 * 37 * 45, 7), [2, 37, 45]), &dev);
+            let grads = (y.clone().cast(FloatDType::F32) * r).sum().backward();
+            let (gx, gw) = (
+                x.grad(&grads).map(|g| host(&g)),
+                w.grad(&grads).map(|g| host(&g)),
+            );
+            (host(&y), gx.unwrap_or_default(), gw.unwrap_or_default())
+        };
+        let (fused, composed) = (run(true), run(false));
+        assert!(!fused.1.is_empty() && !fused.2.is_empty());
+        assert_eq!(fused, composed, "{out:?}");
+    }
+}
+
+#[test]
 fn rms_norm_matches_composed() {
     assert_passes(selfcheck::rms_norm);
 }

@@ -137,6 +137,30 @@ pub(crate) fn plan(
     ints.into_iter().all(fits).then_some(gemm)
 }
 
+impl Gemm {
+    /// This product written into an existing tensor `c` of the output's shape (strides in
+    /// elements), as `c = beta c + a b` (a prefix slice of an accumulator: attention's `dk`
+    /// summed over chunks), instead of a new contiguous one. `None` when `c`'s matrices are
+    /// not row-major (unit column step, rows at least a row apart), its batch does not collapse
+    /// to one stride, or two products of the batch would overlap.
+    pub(crate) fn into_view(mut self, c_shape: &[usize], c_strides: &[usize]) -> Option<Gemm> {
+        let r = c_shape.len();
+        if c_shape != self.out_shape.as_slice() || c_strides.len() != r {
+            return None;
+        }
+        let (m, n) = (c_shape[r - 2], c_shape[r - 1]);
+        let (row, col) = (c_strides[r - 2], c_strides[r - 1]);
+        if !(col == 1 || n == 1) || !(m == 1 || row >= n) {
+            return None;
+        }
+        self.ldc = if m == 1 { n } else { row };
+        self.stride_c = batch_stride(&c_shape[..r - 2], &c_strides[..r - 2])?;
+        let span = (m - 1) * self.ldc + n;
+        let apart = self.batch == 1 || self.stride_c >= span;
+        (apart && self.ldc <= i32::MAX as usize).then_some(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +170,12 @@ mod tests {
     /// `C = op(A) op(B)`), on host slices.
     fn reference_gemm(g: &Gemm, a: &[f64], b: &[f64]) -> Vec<f64> {
         let mut c = vec![0.0; g.batch * g.stride_c];
+        reference_gemm_into(g, a, b, &mut c, 0.0);
+        c
+    }
+
+    /// `c = beta c + op(A) op(B)`, batch by batch, over BLAS's view of `c`.
+    fn reference_gemm_into(g: &Gemm, a: &[f64], b: &[f64], c: &mut [f64], beta: f64) {
         for p in 0..g.batch {
             for i in 0..g.m {
                 for j in 0..g.n {
@@ -163,11 +193,11 @@ mod tests {
                         };
                         s += a[p * g.stride_a + ea] * b[p * g.stride_b + eb];
                     }
-                    c[p * g.stride_c + i + j * g.ldc] = s;
+                    let at = p * g.stride_c + i + j * g.ldc;
+                    c[at] = beta * c[at] + s;
                 }
             }
         }
-        c
     }
 
     /// A strided view over a buffer: the element at `index` is `data[sum(index * strides)]`.
@@ -302,6 +332,46 @@ mod tests {
         assert!(plan(&[4, 5], &[5, 1], &[6, 2], &[2, 1]).is_none());
         assert!(plan(&[2, 4, 5], &[20, 5, 1], &[3, 5, 2], &[10, 2, 1]).is_none());
         assert!(plan(&[0, 5], &[5, 1], &[5, 2], &[2, 1]).is_none());
+    }
+
+    #[test]
+    fn accumulates_into_a_prefix_of_a_larger_tensor() {
+        // dk [2, 3, 10, 4] += ds^T [2, 3, 6, 5] @ q [2, 3, 5, 4] over its first 6 positions:
+        // the view's rows are 4 apart, its batch 40 apart, the rest of dk untouched.
+        let ds = View::new(&[2, 3, 5, 6], &[0, 1, 2, 3], 0, 1);
+        let ds_t = View {
+            shape: vec![2, 3, 6, 5],
+            strides: vec![ds.strides[0], ds.strides[1], ds.strides[3], ds.strides[2]],
+            data: ds.data.clone(),
+        };
+        let q = View::new(&[2, 3, 5, 4], &[0, 1, 2, 3], 0, 2);
+        let g = plan(&ds_t.shape, &ds_t.strides, &q.shape, &q.strides).unwrap();
+        let g = g.into_view(&[2, 3, 6, 4], &[120, 40, 4, 1]).unwrap();
+        let mut dk: Vec<f64> = (0..240).map(|i| i as f64).collect();
+        reference_gemm_into(&g, &q.data, &ds_t.data, &mut dk, 1.0);
+        let sum = product(&ds_t, &q);
+        for (i, got) in dk.iter().enumerate() {
+            let (bk, pos, col) = (i / 40, (i % 40) / 4, i % 4);
+            let want = if pos < 6 {
+                i as f64 + sum[bk * 24 + pos * 4 + col]
+            } else {
+                i as f64
+            };
+            assert_eq!(*got, want, "element {i}");
+        }
+        // Not a view BLAS can write: transposed, overlapping rows, overlapping batches.
+        let g = plan(&ds_t.shape, &ds_t.strides, &q.shape, &q.strides).unwrap();
+        assert!(
+            g.clone()
+                .into_view(&[2, 3, 6, 4], &[120, 40, 1, 6])
+                .is_none()
+        );
+        assert!(
+            g.clone()
+                .into_view(&[2, 3, 6, 4], &[120, 40, 3, 1])
+                .is_none()
+        );
+        assert!(g.into_view(&[2, 3, 6, 4], &[60, 20, 4, 1]).is_none());
     }
 
     proptest! {

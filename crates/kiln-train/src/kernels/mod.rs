@@ -102,6 +102,25 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>
     Tensor::from_dispatch(Dispatch::kiln_linear(x.into_dispatch(), w.into_dispatch()))
 }
 
+/// Mixed precision's projection: `x @ w` with both in the compute dtype `compute`, the result
+/// in `out`. On CubeCL devices one op (the casts inside it, the product written in `out` by
+/// the device's BLAS where it can: `cube::linear`); elsewhere the casts around [`linear`].
+/// With `compute` f32 and `out` f32 it is [`linear`].
+pub fn mixed_linear<const D: usize>(
+    x: Tensor<D>,
+    w: Tensor<2>,
+    compute: DType,
+    out: DType,
+) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    if cube::on_cube_device(&x.device()) {
+        return cube::mixed_linear(x, w, compute, out);
+    }
+    let compute_float = burn::tensor::FloatDType::from(compute);
+    linear(x.cast(compute_float), w.cast(compute_float), None)
+        .cast(burn::tensor::FloatDType::from(out))
+}
+
 /// RMSNorm over the last dimension (see [`KilnOps::kiln_rms_norm`]).
 pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
     #[cfg(feature = "cube")]

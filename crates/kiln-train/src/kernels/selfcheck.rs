@@ -9,7 +9,7 @@
 //! the composed path in f32 on the same values, so the difference is the kernel's own rounding.
 
 use super::composed;
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData, bf16};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData, bf16};
 
 /// One compared output or gradient.
 #[derive(Debug, Clone)]
@@ -47,10 +47,12 @@ pub fn tolerance(dtype: FloatDType) -> f32 {
 pub fn run(device: &Device, dtype: FloatDType) -> Vec<Check> {
     [
         linear,
+        mixed_linear,
         rms_norm,
         swiglu,
         rope,
         causal_attention,
+        causal_attention_in_chunks,
         linear_cross_entropy,
     ]
     .iter()
@@ -231,6 +233,28 @@ pub fn linear(device: &Device, dtype: FloatDType) -> Vec<Check> {
         .collect()
 }
 
+/// Mixed precision's projection (`super::mixed_linear`) at [`linear`]'s shapes: `x` and `w` in
+/// f32 (master weights, the residual stream) holding values of the check's type, the product
+/// in that type written in f32, the gradients in f32.
+pub fn mixed_linear(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    [([2, 37, 70], 45, 33), ([3, 1, 9], 130, 34)]
+        .into_iter()
+        .flat_map(|(shape, out, seed)| {
+            let name = format!("mixed_linear {shape:?} x {out}");
+            compare(device, dtype, name, &["y", "dx", "dw"], |r| {
+                let x = r.input(shape, seed).cast(FloatDType::F32);
+                let w = r.input([shape[2], out], seed + 10).cast(FloatDType::F32);
+                let (x, w) = (x.detach().require_grad(), w.detach().require_grad());
+                let y = match r.fused {
+                    true => super::mixed_linear(x.clone(), w.clone(), r.dtype.into(), DType::F32),
+                    false => burn::tensor::module::linear(x.clone(), w.clone(), None),
+                };
+                values_and_grads(r, y, &[grad_of(&x), grad_of(&w)])
+            })
+        })
+        .collect()
+}
+
 /// RMSNorm: 3 x 5 rows of 24, and 130 rows of 7 (one cube and a bit for per-row units).
 pub fn rms_norm(device: &Device, dtype: FloatDType) -> Vec<Check> {
     [([3, 5, 24], 1), ([2, 65, 7], 2)]
@@ -321,6 +345,28 @@ pub fn causal_attention(device: &Device, dtype: FloatDType) -> Vec<Check> {
         })
     })
     .collect()
+}
+
+/// [`causal_attention`] by products in chunks of 3 positions, on GPUs (where attention goes
+/// by products): the chunk loop a long sequence takes (the shorter shapes fit one chunk
+/// there), its `dk` and `dv` summed over chunks. Nothing elsewhere: CubeCL's CPU runtime keeps
+/// its row kernels (its tests set the chunks themselves).
+pub fn causal_attention_in_chunks(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    #[cfg(feature = "cube")]
+    if super::cube::on_gpu(device) {
+        super::set_attention_product_chunk(3);
+        let checks = causal_attention(device, dtype);
+        super::set_attention_product_chunk(0);
+        return checks
+            .into_iter()
+            .map(|c| Check {
+                kernel: format!("{} in chunks of 3", c.kernel),
+                ..c
+            })
+            .collect();
+    }
+    let _ = (device, dtype);
+    Vec::new()
 }
 
 /// The output head with cross-entropy: 37 rows, vocabulary 300, in one chunk and in chunks

@@ -208,6 +208,25 @@ fn prefix(x: &CubeTensor, p1: usize) -> CubeTensor {
     B::float_slice(x.clone(), &[full, full, Slice::from(0..p1), full])
 }
 
+/// Adds `a @ b` (`[b, kv, p1, hd]`, in f32) to the first `p1` positions of `acc`
+/// (`[b, kv, t, hd]`, f32): in place by the vendor's BLAS where it can (no product tensor,
+/// add or copy), else a product and [`add_prefix`].
+fn add_product(acc: CubeTensor, a: CubeTensor, b: CubeTensor, p1: usize) -> CubeTensor {
+    if super::fixed_matmul::accumulate(&a, &b, &prefix_view(&acc, p1)) {
+        return acc;
+    }
+    add_prefix(acc, product(a, b, DType::F32), p1)
+}
+
+/// The first `p1` positions of `acc` (`[b, kv, t, hd]`, contiguous) as a view of its buffer,
+/// never a copy (burn's slice copies when the cut is not at an aligned offset), for products
+/// that add into it in place.
+fn prefix_view(acc: &CubeTensor, p1: usize) -> CubeTensor {
+    let mut view = acc.clone();
+    view.meta.shape[2] = p1;
+    view
+}
+
 /// Adds `part` (`[b, kv, p1, hd]`) to the first `p1` positions of `acc` (`[b, kv, t, hd]`).
 fn add_prefix(acc: CubeTensor, part: CubeTensor, p1: usize) -> CubeTensor {
     let full = Slice::full();
@@ -353,8 +372,8 @@ pub(super) fn backward(
         let at = [full, full, full, Slice::from(p0..p1), full];
         let dqc5 = B::float_reshape(dqc, [d.b, d.kv, d.groups, p1 - p0, d.hd].into());
         dq5 = B::float_slice_assign(dq5, &at, dqc5);
-        dk = add_prefix(dk, product(B::float_transpose(ds), qc, DType::F32), p1);
-        dv = add_prefix(dv, product(B::float_transpose(p), doc, DType::F32), p1);
+        dk = add_product(dk, B::float_transpose(ds), qc, p1);
+        dv = add_product(dv, B::float_transpose(p), doc, p1);
     }
     let cast = |x: CubeTensor| B::float_cast(x, FloatDType::from(dtype));
     let dq = B::float_reshape(dq5, dims(&q).into());

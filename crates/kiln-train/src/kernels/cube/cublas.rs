@@ -54,14 +54,44 @@ pub(super) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<Cube
     )?;
     let shape = g.out_shape.clone();
     let c = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), shape.into(), out);
-    match launch(&g, a, b, &c, ty, data_type(out)?, device.index) {
-        Ok(()) => Some(c),
+    let called = launch(&g, a, b, &c, ty, data_type(out)?, 0.0, device.index);
+    went_through(called).then_some(c)
+}
+
+/// `c += a @ b` in place, for `c` a view cuBLAS can write ([`Gemm::into_view`]: a prefix of
+/// an accumulator) of f32 or the inputs' type; `None` (nothing done) where it cannot.
+pub(super) fn accumulate(a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> Option<()> {
+    let cubecl::Device::Cuda(device) = &a.device else {
+        return None;
+    };
+    let ty = data_type(a.dtype)?;
+    if b.dtype != a.dtype || (c.dtype != a.dtype && c.dtype != DType::F32) || !enabled() {
+        return None;
+    }
+    if a.meta.is_tiled() || b.meta.is_tiled() || c.meta.is_tiled() {
+        return None;
+    }
+    let g = plan(
+        a.meta.shape(),
+        a.meta.strides(),
+        b.meta.shape(),
+        b.meta.strides(),
+    )?;
+    let g = g.into_view(c.meta.shape(), c.meta.strides())?;
+    let called = launch(&g, a, b, c, ty, data_type(c.dtype)?, 1.0, device.index);
+    went_through(called).then_some(())
+}
+
+/// Whether the call went through; a refusal is said once (the caller takes CubeCL's matmul).
+fn went_through(called: Result<(), String>) -> bool {
+    match called {
+        Ok(()) => true,
         Err(e) => {
             static ONCE: std::sync::Once = std::sync::Once::new();
             ONCE.call_once(
                 || tracing::warn!(error = %e, "cuBLAS refused a product; CubeCL's matmul takes it"),
             );
-            None
+            false
         }
     }
 }
@@ -135,7 +165,8 @@ fn handle(ordinal: usize) -> Result<sys::cublasHandle_t, String> {
     })
 }
 
-/// Runs `g` on `a`, `b` into `c` on CubeCL's stream for this thread.
+/// Runs `g` on `a`, `b` into `c` (`c = beta c + a b`) on CubeCL's stream for this thread.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     g: &Gemm,
     a: &CubeTensor,
@@ -143,6 +174,7 @@ fn launch(
     c: &CubeTensor,
     ty: sys::cudaDataType,
     out: sys::cudaDataType,
+    beta: f32,
     ordinal: usize,
 ) -> Result<(), String> {
     let resolve = |t: &CubeTensor| {
@@ -161,7 +193,7 @@ fn launch(
         wait(stream);
         (log, std::time::Instant::now())
     });
-    let (one, zero) = (1.0f32, 0.0f32);
+    let one = 1.0f32;
     let op = |t: bool| {
         if t {
             sys::cublasOperation_t::CUBLAS_OP_T
@@ -193,7 +225,7 @@ fn launch(
             ty,
             int(g.ldb),
             g.stride_b as i64,
-            &zero as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
             rc.resource().ptr as *mut c_void,
             out,
             int(g.ldc),

@@ -19,7 +19,7 @@
 
 use super::{dense, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
-use burn::backend::{Cube, calculate_matmul_output};
+use burn::backend::{Cube, FloatDType, calculate_matmul_output};
 use burn::tensor::DType;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
@@ -80,6 +80,27 @@ pub(super) fn product(a: CubeTensor, b: CubeTensor) -> CubeTensor {
         return out;
     }
     CubeBackend::float_matmul(a, b)
+}
+
+/// `a @ b` written in `out`: the vendor's BLAS where it can write `out` from these inputs
+/// (cuBLAS: bf16 in, f32 out, nothing rounded to bf16 between), else [`product`] and a cast.
+pub(super) fn product_into(a: CubeTensor, b: CubeTensor, out: DType) -> CubeTensor {
+    if let Some(c) = vendor(&a, &b, out) {
+        return c;
+    }
+    CubeBackend::float_cast(product(a, b), FloatDType::from(out))
+}
+
+/// `c += a @ b` in place by the vendor's BLAS (`c` a view it can write: a prefix of an
+/// accumulator); false, with nothing done, where it cannot (the caller adds a product).
+pub(super) fn accumulate(a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> bool {
+    #[cfg(feature = "cuda")]
+    return super::cublas::accumulate(a, b, c).is_some();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, b, c);
+        false
+    }
 }
 
 /// `a @ b` written in `out` (f32, or the inputs' type) by the GPU vendor's BLAS where kiln

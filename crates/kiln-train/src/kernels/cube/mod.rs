@@ -60,6 +60,14 @@ pub trait DeviceOps: Backend {
     /// `x @ w` (see `KilnOps::kiln_linear`), by a kernel fixed in advance on CubeCL's CPU
     /// runtime (`fixed_matmul::product`).
     fn device_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `x @ w` with both cast to `compute`, written in `out` (mixed precision's projection,
+    /// `linear::mixed_autodiff`).
+    fn device_mixed_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        compute: DType,
+        out: DType,
+    ) -> FloatTensor<Self>;
     /// RMSNorm over the last dimension (see `KilnOps::kiln_rms_norm`).
     fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
     /// `silu(gate) * up`.
@@ -106,10 +114,32 @@ pub(super) fn on_cube_device(device: &burn::tensor::Device) -> bool {
     )
 }
 
+/// Whether `device` is a CubeCL GPU (not CubeCL's CPU runtime).
+pub(super) fn on_gpu(device: &burn::tensor::Device) -> bool {
+    matches!(
+        device.as_dispatch().clone().inner(),
+        DispatchDevice::Cube(d) if !matches!(d, cubecl::Device::Cpu(_))
+    )
+}
+
 pub(super) fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>) -> Tensor<D> {
     Tensor::from_dispatch(Dispatch::device_linear(
         x.into_dispatch(),
         w.into_dispatch(),
+    ))
+}
+
+pub(super) fn mixed_linear<const D: usize>(
+    x: Tensor<D>,
+    w: Tensor<2>,
+    compute: DType,
+    out: DType,
+) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::device_mixed_linear(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        compute,
+        out,
     ))
 }
 
@@ -172,6 +202,10 @@ impl DeviceOps for CubeBackend {
         linear::forward(x, w)
     }
 
+    fn device_mixed_linear(x: CubeTensor, w: CubeTensor, compute: DType, out: DType) -> CubeTensor {
+        linear::mixed_forward(x, w, compute, out)
+    }
+
     fn device_rms_norm(x: CubeTensor, w: CubeTensor, eps: f64) -> CubeTensor {
         norm::rms_norm_forward(x, w, eps).0
     }
@@ -209,6 +243,15 @@ impl DeviceOps for CubeBackend {
 impl<C: CheckpointStrategy> DeviceOps for Autodiff<CubeBackend, C> {
     fn device_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
         linear::autodiff::<C>(x, w)
+    }
+
+    fn device_mixed_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        compute: DType,
+        out: DType,
+    ) -> FloatTensor<Self> {
+        linear::mixed_autodiff::<C>(x, w, compute, out)
     }
 
     fn device_rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
