@@ -218,43 +218,52 @@ UNIT = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def read_launches(log, steps):
-    """One log's launches (`| 1.2ms | name`) over the steps after the first (every step
-    launches the same kernels, so the lines split evenly), and how many steps that is."""
+    """One log's launches (`| 1.2ms | name`) per step: the last `steps - 1` steps, found as
+    the period of the names' sequence (every step after the first launches the same kernels in
+    the same order; the first also compiles, loads and tunes), else all of them over `steps`.
+    Returns {name: (launches, ms)} per step."""
     launches = [(float(m.group(1)) * UNIT[m.group(2)], m.group(3).strip())
                 for m in map(LAUNCH.match, (l.rstrip() for l in open(log, errors="replace")))
                 if m]
-    if steps > 1 and len(launches) % steps == 0:
-        return launches[len(launches) // steps:], steps - 1
-    return launches, steps
+    names, reps = [l[1] for l in launches], max(steps - 1, 1)
+    # A step is at most len/steps launches (the first is the longest) and more than half that;
+    # shorter periods (one layer's kernels) repeat inside a step.
+    per = next((n for n in range(len(names) // max(steps, 1), len(names) // (2 * max(steps, 1)), -1)
+                if n > 0 and all(names[-n:] == names[len(names) - (k + 1) * n:len(names) - k * n]
+                       for k in range(1, reps))), None)
+    if per is None or steps < 2:
+        per, reps = len(launches) // max(steps, 1), max(steps, 1)
+        window = launches
+    else:
+        window = launches[-per * reps:]
+    by = {}
+    for ms, name in window:
+        n, t = by.get(name, (0, 0.0))
+        by[name] = (n + 1 / reps, t + ms / reps)
+    return by
 
 
 def kernel_table(logs, steps, out, rc):
     """Sums the per-launch lines of `logs` (CubeCL's profiling logger, kiln's cuBLAS log) by
-    kernel: ms per step, launches per step, share."""
-    launches, counted = [], steps
+    kernel, per step: ms, launches, share."""
+    by = {}
     for log in logs:
         if not os.path.exists(log) and log != logs[0]:
             continue
         try:
-            got, counted = read_launches(log, steps)
+            by.update(read_launches(log, steps))
         except OSError as e:
             return {"error": f"no profile log ({e}); kiln exit {rc}"}
-        launches += got
-    steps = counted
-    by = {}
-    for ms, name in launches:
-        n, t = by.get(name, (0, 0.0))
-        by[name] = (n + 1, t + ms)
     total = sum(t for _, t in by.values())
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])
     with open(out, "w") as f:
-        f.write(f"# kiln's kernels (CubeCL's and cuBLAS's), {steps} steps after the first (each launch waited on); "
-                f"ms per step (share of kernel time); kiln exit {rc}\n")
-        f.write(f"total {total / steps:.2f} ms per step, {sum(n for n, _ in by.values()) // max(steps, 1)} launches per step\n")
+        f.write(f"# kiln's kernels (CubeCL's and cuBLAS's), per step after the first (each launch "
+                f"waited on); ms per step (share of kernel time); kiln exit {rc}\n")
+        f.write(f"total {total:.2f} ms per step, {round(sum(n for n, _ in by.values()))} launches per step\n")
         for name, (n, t) in rows[:50]:
             short = name if len(name) <= 110 else name[:60] + " ... " + name[-45:]
-            f.write(f"{t / steps:9.3f} ms {n // steps:6d}x {100 * t / max(total, 1e-9):5.1f}%  {short}\n")
-    return {"kernel_ms_per_step": total / steps, "table": out, "kernels": len(by)}
+            f.write(f"{t:9.3f} ms {round(n):6d}x {100 * t / max(total, 1e-9):5.1f}%  {short}\n")
+    return {"kernel_ms_per_step": total, "table": out, "kernels": len(by)}
 
 
 def mfu(r, name):

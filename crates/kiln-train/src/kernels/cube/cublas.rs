@@ -36,50 +36,38 @@ type Server = <CudaRuntime as Runtime>::Server;
 /// on a CUDA device, of one float type, and one strided-batched call covers their layouts;
 /// `None` otherwise (the caller takes CubeCL's matmul).
 pub(super) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<CubeTensor> {
-    let cubecl::Device::Cuda(device) = &a.device else {
-        return None;
-    };
-    let ty = data_type(a.dtype)?;
-    if b.dtype != a.dtype || (out != a.dtype && out != DType::F32) || !enabled() {
-        return None;
-    }
-    if a.meta.is_tiled() || b.meta.is_tiled() {
-        return None;
-    }
-    let g = plan(
-        a.meta.shape(),
-        a.meta.strides(),
-        b.meta.shape(),
-        b.meta.strides(),
-    )?;
+    let (g, ordinal) = prepare(a, b, out)?;
     let shape = g.out_shape.clone();
     let c = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), shape.into(), out);
-    let called = launch(&g, a, b, &c, ty, data_type(out)?, 0.0, device.index);
-    went_through(called).then_some(c)
+    went_through(launch(&g, a, b, &c, 0.0, ordinal)).then_some(c)
 }
 
 /// `c += a @ b` in place, for `c` a view cuBLAS can write ([`Gemm::into_view`]: a prefix of
 /// an accumulator) of f32 or the inputs' type; `None` (nothing done) where it cannot.
 pub(super) fn accumulate(a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> Option<()> {
+    if c.meta.is_tiled() {
+        return None;
+    }
+    let (g, ordinal) = prepare(a, b, c.dtype)?;
+    let g = g.into_view(c.meta.shape(), c.meta.strides())?;
+    went_through(launch(&g, a, b, c, 1.0, ordinal)).then_some(())
+}
+
+/// The call for `a @ b` written in `out` and the CUDA device's ordinal, where cuBLAS takes it:
+/// a CUDA device, cuBLAS on, one float type in, f32 or that type out, one strided-batched
+/// call for the layouts.
+fn prepare(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<(Gemm, usize)> {
     let cubecl::Device::Cuda(device) = &a.device else {
         return None;
     };
-    let ty = data_type(a.dtype)?;
-    if b.dtype != a.dtype || (c.dtype != a.dtype && c.dtype != DType::F32) || !enabled() {
+    data_type(a.dtype)?;
+    let types = b.dtype == a.dtype && (out == a.dtype || out == DType::F32);
+    if !types || !enabled() || a.meta.is_tiled() || b.meta.is_tiled() {
         return None;
     }
-    if a.meta.is_tiled() || b.meta.is_tiled() || c.meta.is_tiled() {
-        return None;
-    }
-    let g = plan(
-        a.meta.shape(),
-        a.meta.strides(),
-        b.meta.shape(),
-        b.meta.strides(),
-    )?;
-    let g = g.into_view(c.meta.shape(), c.meta.strides())?;
-    let called = launch(&g, a, b, c, ty, data_type(c.dtype)?, 1.0, device.index);
-    went_through(called).then_some(())
+    let (ma, mb) = (&a.meta, &b.meta);
+    let g = plan(ma.shape(), ma.strides(), mb.shape(), mb.strides())?;
+    Some((g, device.index))
 }
 
 /// Whether the call went through; a refusal is said once (the caller takes CubeCL's matmul).
@@ -166,17 +154,18 @@ fn handle(ordinal: usize) -> Result<sys::cublasHandle_t, String> {
 }
 
 /// Runs `g` on `a`, `b` into `c` (`c = beta c + a b`) on CubeCL's stream for this thread.
-#[allow(clippy::too_many_arguments)]
 fn launch(
     g: &Gemm,
     a: &CubeTensor,
     b: &CubeTensor,
     c: &CubeTensor,
-    ty: sys::cudaDataType,
-    out: sys::cudaDataType,
     beta: f32,
     ordinal: usize,
 ) -> Result<(), String> {
+    let types = (data_type(a.dtype), data_type(c.dtype));
+    let (Some(ty), Some(out)) = types else {
+        return Err(format!("types {:?} and {:?}", a.dtype, c.dtype));
+    };
     let resolve = |t: &CubeTensor| {
         t.client
             .get_resource::<Server>(t.handle.clone())
@@ -189,24 +178,50 @@ fn launch(
         return Err("the CUDA server reported no stream (an unpatched cubecl-cuda)".into());
     }
     let h = handle(ordinal)?;
+    let ptrs = [rb.resource().ptr, ra.resource().ptr, rc.resource().ptr];
     let timed = profile_log().map(|log| {
         wait(stream);
         (log, std::time::Instant::now())
     });
-    let one = 1.0f32;
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    let int = |v: usize| v as i32;
     // SAFETY: the pointers are live device buffers of `ty` (`out` for `c`) that `plan` sized
     // from the tensors' shapes and strides (every element it addresses lies in its tensor),
     // kept in place by the resources held to the end of this function; the call is queued on
     // the stream CubeCL orders its own launches on, so no kernel reuses them before it runs.
-    let called = unsafe {
+    let called = unsafe { gemm(h, stream, g, ptrs, [ty, out], beta) };
+    if let Some((log, t0)) = timed {
+        wait(stream);
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        if let Ok(mut f) = log.lock() {
+            let what = format!("{:?} {}x{}x{} x{}", ty, g.m, g.n, g.k, g.batch);
+            let _ = writeln!(f, "| {us:.3}us | cuBLAS gemm {what}");
+        }
+    }
+    called
+}
+
+/// cuBLAS's strided-batched GEMM for `g` on `stream`: `C = beta C + op(A) op(B)` with `A`, `B`,
+/// `C` at the device addresses `ptrs`, of the types `[A and B, C]`, f32 accumulation.
+///
+/// # Safety
+///
+/// `ptrs` must be live device buffers of those types holding every element `g` addresses, not
+/// reused before the call has run on `stream`.
+unsafe fn gemm(
+    h: sys::cublasHandle_t,
+    stream: cudarc::driver::sys::CUstream,
+    g: &Gemm,
+    [pa, pb, pc]: [u64; 3],
+    [ty, out]: [sys::cudaDataType; 2],
+    beta: f32,
+) -> Result<(), String> {
+    let one = 1.0f32;
+    let op = |t: bool| match t {
+        true => sys::cublasOperation_t::CUBLAS_OP_T,
+        false => sys::cublasOperation_t::CUBLAS_OP_N,
+    };
+    let int = |v: usize| v as i32;
+    // SAFETY: the caller's contract.
+    unsafe {
         blas::set_stream(h, stream as sys::cudaStream_t)
             .map_err(|e| format!("cublasSetStream: {e}"))?;
         blas::gemm_strided_batched_ex(
@@ -217,16 +232,16 @@ fn launch(
             int(g.n),
             int(g.k),
             &one as *const f32 as *const c_void,
-            rb.resource().ptr as *const c_void,
+            pa as *const c_void,
             ty,
             int(g.lda),
             g.stride_a as i64,
-            ra.resource().ptr as *const c_void,
+            pb as *const c_void,
             ty,
             int(g.ldb),
             g.stride_b as i64,
             &beta as *const f32 as *const c_void,
-            rc.resource().ptr as *mut c_void,
+            pc as *mut c_void,
             out,
             int(g.ldc),
             g.stride_c as i64,
@@ -235,16 +250,7 @@ fn launch(
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
         .map_err(|e| format!("cublasGemmStridedBatchedEx: {e}"))
-    };
-    if let Some((log, t0)) = timed {
-        wait(stream);
-        let us = t0.elapsed().as_secs_f64() * 1e6;
-        if let Ok(mut f) = log.lock() {
-            let what = format!("{:?} {}x{}x{} x{}", ty, g.m, g.n, g.k, g.batch);
-            let _ = writeln!(f, "| {us:.3}us | cuBLAS gemm {what}");
-        }
     }
-    called
 }
 
 /// With `KILN_CUBLAS_PROFILE=<file>` (bench/gpu's profiled runs, beside CubeCL's profiling
