@@ -11,7 +11,8 @@
 //! reports with each buffer it resolves, after any wait for the stream that wrote it), so it
 //! is ordered after the kernels launched before it and before those launched after, with no
 //! host synchronisation: to CubeCL's queue it is one more launch. Operands are read through
-//! their strides ([`super::super::blas::plan`]); the output is a new contiguous tensor.
+//! their strides ([`super::super::blas::plan`]); the output is a new contiguous tensor, or
+//! (attention's `dk`, `dv` over chunks) a prefix of an accumulator that the product adds into.
 //!
 //! `KILN_CUDA_GEMM=cubecl` turns it off (CubeCL's matmul everywhere, for comparison); without
 //! `libcublas.so.<CUDA major>` it is off, said once. f32 products are exact f32 (cuBLAS's
@@ -133,6 +134,7 @@ thread_local! {
     static HANDLE: RefCell<Option<Handle>> = const { RefCell::new(None) };
 }
 
+/// This thread's handle (one device a process: the first call's `ordinal`).
 fn handle(ordinal: usize) -> Result<sys::cublasHandle_t, String> {
     HANDLE.with(|h| {
         if let Some(h) = h.borrow().as_ref() {
