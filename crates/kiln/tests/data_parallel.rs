@@ -184,19 +184,7 @@ fn kill_one_rank_then_resume(np: usize, sets: &[&str]) {
         .spawn()
         .unwrap();
     wait_for_step(&rd, 10, &mut job);
-    // Checkpoints are written in the background: kill only once step 8's is published.
-    let t0 = Instant::now();
-    while !rd.join("checkpoints/step-8/manifest.json").exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "step 8 never saved"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pid = common::trainer_pid(&rd, 1).expect("rank 1's pid");
-    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let status = job.wait().unwrap();
+    let status = common::kill_rank_after_checkpoint(&rd, 8, 1, &mut job, Duration::from_secs(120));
     assert_ne!(status.code(), Some(0), "a killed rank fails the attempt");
     assert!(
         !rd.join("model.safetensors").exists(),

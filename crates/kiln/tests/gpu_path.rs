@@ -212,22 +212,9 @@ fn two_ranks_on_cubecl_cpu_match_one_flex_rank_and_resume_exactly() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn kiln launch");
-    let t0 = Instant::now();
-    while !killed.join("checkpoints/step-2/manifest.json").exists() {
-        assert!(
-            job.try_wait().unwrap().is_none(),
-            "the job ended before step 2's checkpoint"
-        );
-        assert!(t0.elapsed().as_secs() < 600, "step 2 never saved");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let pid = common::trainer_pid(&killed, 1).expect("rank 1's pid");
-    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    assert!(
-        !job.wait().unwrap().success(),
-        "a killed rank fails the attempt"
-    );
+    let limit = std::time::Duration::from_secs(600);
+    let status = common::kill_rank_after_checkpoint(&killed, 2, 1, &mut job, limit);
+    assert!(!status.success(), "a killed rank fails the attempt");
     assert!(
         !killed.join("model.safetensors").exists(),
         "the job finished before the kill"

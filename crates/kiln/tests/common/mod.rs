@@ -126,6 +126,32 @@ pub fn wait_for_file_text(path: &Path, needle: &str, child: &mut std::process::C
     panic!("{needle:?} never appeared in {}", path.display());
 }
 
+/// Waits (up to `limit`) until the checkpoint of `step` is published in `run_dir` (its
+/// manifest on disk: checkpoints are written in the background, so a step's metrics come
+/// first), then SIGKILLs rank `rank`'s trainer (by its PID, a process this test started) and
+/// returns the job's exit status. Panics if the job ends before the checkpoint.
+pub fn kill_rank_after_checkpoint(
+    run_dir: &Path,
+    step: u64,
+    rank: usize,
+    job: &mut std::process::Child,
+    limit: std::time::Duration,
+) -> std::process::ExitStatus {
+    let manifest = run_dir.join(format!("checkpoints/step-{step}/manifest.json"));
+    let t0 = std::time::Instant::now();
+    while !manifest.exists() {
+        if let Ok(Some(st)) = job.try_wait() {
+            panic!("the job ended ({st}) before step {step}'s checkpoint");
+        }
+        assert!(t0.elapsed() < limit, "step {step} never saved");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = trainer_pid(run_dir, rank).expect("the rank's pid");
+    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    job.wait().expect("wait for the job")
+}
+
 /// The PID of rank `rank`'s `kiln train` writing run directory `run_dir`: found by its
 /// command line (`train` and the run directory, not the `launch` shim around it) and the
 /// RANK that `kiln launch --as-rank` set in its environment.
