@@ -114,6 +114,14 @@ fn causal_attention_matches_composed() {
         assert_passes(selfcheck::causal_attention);
     }
     kernels::set_attention_product_chunk(0);
+    // Then the flash kernels (GPUs' path under `KILN_ATTENTION=flash`) by their unit-by-unit
+    // tile products: 16 query rows against 32 keys (forward, dq) and 32 keys against 16 query
+    // rows (dk, dv), 4 units a cube: several blocks and tiles at 70 positions, the last of
+    // each partial, head dimensions padded to 16.
+    eprintln!("flash attention, 16 x 32 tiles");
+    kernels::set_cpu_flash_attention(16, 32, 4);
+    assert_passes(selfcheck::causal_attention);
+    kernels::set_cpu_flash_attention(0, 0, 1);
 }
 
 #[test]

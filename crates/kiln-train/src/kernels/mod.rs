@@ -299,6 +299,18 @@ pub fn set_cpu_attention_block(rows: usize) {
     let _ = rows;
 }
 
+/// Takes the flash attention kernels (`cube::flash`, GPUs' path under `KILN_ATTENTION=flash`)
+/// on CubeCL's CPU runtime too, by their unit-by-unit tile products: cubes of `rows` query
+/// rows against tiles of `cols` keys, `units` units a cube (sizes rounded up to 16; 0 rows
+/// restores the default, the row kernels there). For tests of that path. No effect without
+/// `cube`.
+pub fn set_cpu_flash_attention(rows: usize, cols: usize, units: usize) {
+    #[cfg(feature = "cube")]
+    cube::flash::set_cpu(rows, cols, units);
+    #[cfg(not(feature = "cube"))]
+    let _ = (rows, cols, units);
+}
+
 /// Sets how many query positions a chunk of attention by products takes (`cube::attention_mm`,
 /// GPUs' path), and takes that path on CubeCL's CPU runtime too; 0 restores the default (by
 /// memory, GPUs only): for tests of that path. No effect without `cube`.

@@ -67,17 +67,17 @@ fn block_for(t: &CubeTensor) -> usize {
 /// Where one K/V head's data lie: the start of its keys in `k`, of its values in `v` and the
 /// stride between value rows, its batch row and its index among the K/V heads.
 #[derive(CubeType)]
-struct Head {
-    kb: usize,
-    vb: usize,
-    vrow: usize,
+pub(super) struct Head {
+    pub(super) kb: usize,
+    pub(super) vb: usize,
+    pub(super) vrow: usize,
     b: usize,
     kvi: usize,
 }
 
 /// K/V head `bk` (of `[b, kv]`).
 #[cube]
-fn head_of(bk: usize, kv: u32, seq: u32, #[comptime] hd: usize) -> Head {
+pub(super) fn head_of(bk: usize, kv: u32, seq: u32, #[comptime] hd: usize) -> Head {
     let (nkv, t) = (kv as usize, seq as usize);
     let (kvi, b) = (bk % nkv, bk / nkv);
     let vrow = nkv * hd;
@@ -92,7 +92,7 @@ fn head_of(bk: usize, kv: u32, seq: u32, #[comptime] hd: usize) -> Head {
 
 /// The start of the output row (and `dO` row) of query row `r` of head `h`'s slice.
 #[cube]
-fn out_row(h: &Head, r: usize, kv: u32, groups: u32, seq: u32, #[comptime] hd: usize) -> usize {
+pub(super) fn out_row(h: &Head, r: usize, kv: u32, groups: u32, seq: u32, #[comptime] hd: usize) -> usize {
     let (g, t) = (groups as usize, seq as usize);
     let head = h.kvi * g + r / t;
     (h.b * t + r % t) * (kv as usize) * g * hd + head * hd
@@ -406,11 +406,14 @@ pub(super) fn forward(
     v: CubeTensor,
     scale: f64,
 ) -> (CubeTensor, CubeTensor) {
+    let d = Dims::of(&q, &k);
+    if let Some([tiling, _, _]) = super::flash::tilings(&q, &d) {
+        return super::flash::forward(q, k, v, scale, tiling);
+    }
     if super::attention_mm::applies(&q) {
         return super::attention_mm::forward(q, k, v, scale);
     }
     let (q, k, v) = (dense(q), dense(k), dense(v));
-    let d = Dims::of(&q, &k);
     let out = empty_like(&q, [d.b, d.t, d.kv * d.groups * d.hd]);
     let lse = super::f32_vector(&q, d.rows());
     let block = block_for(&q);
@@ -448,6 +451,9 @@ type Saved = (
 /// `(dq, dk, dv)` for the upstream gradient `dout`.
 fn backward(dout: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (q, k, v, out, lse, scale) = saved;
+    if let Some([_, cq, ckv]) = super::flash::tilings(&q, &Dims::of(&q, &k)) {
+        return super::flash::backward(dout, (q, k, v, out, lse), scale, cq, ckv);
+    }
     if super::attention_mm::applies(&q) {
         return super::attention_mm::backward(dout, q, k, v, out, lse, scale);
     }

@@ -36,6 +36,7 @@
 pub(super) mod adamw;
 pub(super) mod attention;
 pub(super) mod attention_mm;
+pub(super) mod flash;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cublas;
