@@ -121,6 +121,10 @@ fn causal_attention_matches_composed() {
     eprintln!("flash attention, 16 x 32 tiles");
     kernels::set_cpu_flash_attention(16, 32, 4);
     assert_passes(selfcheck::causal_attention);
+    // And at head dimensions 64 and 128 (several fragments of 16 along them on GPUs), in the
+    // GPUs' tiling: 64 query rows against 64 keys.
+    kernels::set_cpu_flash_attention(64, 64, 4);
+    assert_passes(selfcheck::causal_attention_wide);
     kernels::set_cpu_flash_attention(0, 0, 1);
 }
 

@@ -53,6 +53,7 @@ pub fn run(device: &Device, dtype: FloatDType) -> Vec<Check> {
         rope,
         causal_attention,
         causal_attention_in_chunks,
+        causal_attention_flash,
         linear_cross_entropy,
     ]
     .iter()
@@ -323,28 +324,66 @@ pub fn rope(device: &Device, dtype: FloatDType) -> Vec<Check> {
 /// block crossing from one query head into the next) and three tiles of keys, the last
 /// partial.
 pub fn causal_attention(device: &Device, dtype: FloatDType) -> Vec<Check> {
-    [
-        (2, 2, 2, 7, 8),
-        (1, 3, 1, 13, 4),
-        (2, 1, 3, 1, 8),
-        (1, 2, 2, 70, 4),
-    ]
-    .into_iter()
-    .flat_map(|(b, kv, groups, t, hd)| {
-        let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
-        compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
-            let q = r.leaf([b, kv, groups * t, hd], 6);
-            let k = r.leaf([b, kv, t, hd], 7);
-            let v = r.leaf([b, t, kv * hd], 8);
-            let scale = 1.0 / (hd as f64).sqrt();
-            let out = match r.fused {
-                true => super::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-                false => composed::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-            };
-            values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
+    attention_checks(
+        device,
+        dtype,
+        &[(2, 2, 2, 7, 8), (1, 3, 1, 13, 4), (2, 1, 3, 1, 8), (1, 2, 2, 70, 4)],
+    )
+}
+
+/// Causal attention at the head dimensions of real models (64 and 128) and lengths past one
+/// 64-row block (150, and 80 with 4 query heads a K/V head): the flash kernels' many-fragment
+/// products and partial blocks and tiles.
+pub fn causal_attention_wide(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    attention_checks(device, dtype, &[(1, 2, 2, 150, 128), (1, 1, 4, 80, 64)])
+}
+
+/// Attention at each `(b, kv, groups, t, hd)` against the composed attention.
+fn attention_checks(
+    device: &Device,
+    dtype: FloatDType,
+    shapes: &[(usize, usize, usize, usize, usize)],
+) -> Vec<Check> {
+    shapes
+        .iter()
+        .flat_map(|&(b, kv, groups, t, hd)| {
+            let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
+            compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
+                let q = r.leaf([b, kv, groups * t, hd], 6);
+                let k = r.leaf([b, kv, t, hd], 7);
+                let v = r.leaf([b, t, kv * hd], 8);
+                let scale = 1.0 / (hd as f64).sqrt();
+                let out = match r.fused {
+                    true => super::causal_attention(q.clone(), k.clone(), v.clone(), scale),
+                    false => composed::causal_attention(q.clone(), k.clone(), v.clone(), scale),
+                };
+                values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
+            })
         })
-    })
-    .collect()
+        .collect()
+}
+
+/// [`causal_attention`] and [`causal_attention_wide`] by the flash kernels on GPUs in bf16
+/// and f16 (their tile products on the tensor cores, which take those types only; elsewhere
+/// attention takes its default path, and CubeCL's CPU runtime runs these kernels' unit-by-unit
+/// products only in its tests, which set that themselves).
+pub fn causal_attention_flash(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    #[cfg(feature = "cube")]
+    if super::cube::on_gpu(device) && matches!(dtype, FloatDType::BF16 | FloatDType::F16) {
+        super::cube::flash::set_gpu(true);
+        let mut checks = causal_attention(device, dtype);
+        checks.extend(causal_attention_wide(device, dtype));
+        super::cube::flash::set_gpu(false);
+        return checks
+            .into_iter()
+            .map(|c| Check {
+                kernel: format!("{} flash", c.kernel),
+                ..c
+            })
+            .collect();
+    }
+    let _ = (device, dtype);
+    Vec::new()
 }
 
 /// [`causal_attention`] by products in chunks of 3 positions, on GPUs (where attention goes

@@ -42,6 +42,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The side of a tensor-core fragment (16 x 16 x 16).
 const FRAG: usize = 16;
+/// Bytes the tiles in shared memory are aligned to: fragment loads and stores take 32-byte
+/// aligned addresses (fragment offsets in a tile are multiples of 16 elements).
+const ALIGN: usize = 128;
 
 /// How a kernel's cube cuts its work: `rows` rows of its own side (query rows, or keys for
 /// `dk`/`dv`) against tiles of `cols` rows of the other side, `units` units (`plane` a
@@ -272,12 +275,12 @@ fn flash_forward_kernel<F: Float>(
     let (br, bc) = (c.rows, c.cols);
     let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
     let qb = query_block(groups, seq, br);
-    let mut qs = Shared::<[F]>::new_slice(comptime!(br * hdp));
-    let mut ks = Shared::<[F]>::new_slice(comptime!(bc * hdp));
-    let mut vs = Shared::<[F]>::new_slice(comptime!(bc * hdp));
-    let mut ss = Shared::<[f32]>::new_slice(comptime!(br * bc));
-    let mut ps = Shared::<[F]>::new_slice(comptime!(br * bc));
-    let mut os = Shared::<[f32]>::new_slice(comptime!(br * hdp));
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
+    let mut ps = Shared::<[F]>::new_aligned_slice(comptime!(br * bc), ALIGN);
+    let mut os = Shared::<[f32]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
     let mut ms = Shared::<[f32]>::new_slice(br);
     let mut ls = Shared::<[f32]>::new_slice(br);
     stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
@@ -386,14 +389,14 @@ fn flash_dq_kernel<F: Float>(
     let qb = query_block(groups, seq, br);
     let orow = out_row(&h, qb.r0, kv, groups, seq, hd);
     let ostride = (kv * groups) as usize * hd;
-    let mut qs = Shared::<[F]>::new_slice(comptime!(br * hdp));
-    let mut dos = Shared::<[F]>::new_slice(comptime!(br * hdp));
-    let mut ks = Shared::<[F]>::new_slice(comptime!(bc * hdp));
-    let mut vs = Shared::<[F]>::new_slice(comptime!(bc * hdp));
-    let mut ss = Shared::<[f32]>::new_slice(comptime!(br * bc));
-    let mut dps = Shared::<[f32]>::new_slice(comptime!(br * bc));
-    let mut dss = Shared::<[F]>::new_slice(comptime!(br * bc));
-    let mut dqs = Shared::<[f32]>::new_slice(comptime!(br * hdp));
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
+    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
+    let mut dps = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
+    let mut dss = Shared::<[F]>::new_aligned_slice(comptime!(br * bc), ALIGN);
+    let mut dqs = Shared::<[f32]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(br);
     let mut ds = Shared::<[f32]>::new_slice(br);
     stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
@@ -495,16 +498,16 @@ fn flash_dkv_kernel<F: Float>(
     let key0 = CUBE_POS_X as usize * bk;
     let keys = usize::min(bk, t - key0);
     let ostride = (kv * groups) as usize * hd;
-    let mut ks = Shared::<[F]>::new_slice(comptime!(bk * hdp));
-    let mut vs = Shared::<[F]>::new_slice(comptime!(bk * hdp));
-    let mut qs = Shared::<[F]>::new_slice(comptime!(bq * hdp));
-    let mut dos = Shared::<[F]>::new_slice(comptime!(bq * hdp));
-    let mut sts = Shared::<[f32]>::new_slice(comptime!(bk * bq));
-    let mut dpts = Shared::<[f32]>::new_slice(comptime!(bk * bq));
-    let mut pts = Shared::<[F]>::new_slice(comptime!(bk * bq));
-    let mut dsts = Shared::<[F]>::new_slice(comptime!(bk * bq));
-    let mut dks = Shared::<[f32]>::new_slice(comptime!(bk * hdp));
-    let mut dvs = Shared::<[f32]>::new_slice(comptime!(bk * hdp));
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(bq * hdp), ALIGN);
+    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(bq * hdp), ALIGN);
+    let mut sts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
+    let mut dpts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
+    let mut pts = Shared::<[F]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
+    let mut dsts = Shared::<[F]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
+    let mut dks = Shared::<[f32]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
+    let mut dvs = Shared::<[f32]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(bq);
     let mut ds = Shared::<[f32]>::new_slice(bq);
     stage::<F>(k, &mut ks, h.kb + key0 * hd, hd, keys, bk, c);
@@ -599,11 +602,21 @@ pub(in crate::kernels) fn set_cpu(rows: usize, cols: usize, units: usize) {
     CPU_UNITS.store(units.max(1), Ordering::Relaxed);
 }
 
-/// Whether `KILN_ATTENTION=flash` asks for these kernels on GPUs (read once; the default is
-/// attention by products until the kernels' speed is measured there).
+/// Set by [`set_gpu`]: these kernels on GPUs whatever `KILN_ATTENTION` says.
+static ON_GPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Takes these kernels on GPUs (where they can run) whatever `KILN_ATTENTION` says, or not:
+/// for `kiln doctor`'s check of their tensor-core path.
+pub(in crate::kernels) fn set_gpu(on: bool) {
+    ON_GPU.store(on, Ordering::Relaxed);
+}
+
+/// Whether these kernels are asked for on GPUs: by [`set_gpu`], or by `KILN_ATTENTION=flash`
+/// (read once; the default is attention by products until the kernels' speed is measured).
 fn asked_on_gpu() -> bool {
     static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(|| std::env::var("KILN_ATTENTION").is_ok_and(|v| v == "flash"))
+    ON_GPU.load(Ordering::Relaxed)
+        || *ASKED.get_or_init(|| std::env::var("KILN_ATTENTION").is_ok_and(|v| v == "flash"))
 }
 
 /// Whether the device of `q` multiplies 16 x 16 x 16 fragments of its element type into f32.
@@ -672,7 +685,7 @@ fn shared_bytes(t: &[Tiling; 3], size: usize) -> usize {
     let dkv_bytes = (2 * dkv.rows + 2 * dkv.cols) * dkv.hdp * size
         + dkv.rows * dkv.cols * (8 + 2 * size)
         + 2 * dkv.rows * dkv.hdp * 4;
-    forward.max(dq_bytes).max(dkv_bytes) + 1024
+    forward.max(dq_bytes).max(dkv_bytes) + 16 * ALIGN
 }
 
 /// `(cube count, cube dim)` for blocks of `rows` of `per_head` rows of every K/V head.
