@@ -38,7 +38,8 @@ sys.path.insert(0, HERE)
 from torch_llama import MODELS, peak_flops  # noqa: E402
 
 # What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
-DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-nvrtc,1b-8k:kiln,1b-8k:eager,1b:kiln-nvrtc-profile,"
+DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-flash,1b-8k:kiln-flash,1b-8k:eager,1b:kiln-flash-profile,"
+                "1b:kiln-nvrtc,1b-8k:kiln,1b:kiln-nvrtc-profile,"
                 "1b:kiln-profile,ref:kiln,ref:eager,1b:compile,1b:kiln-nvrtc-full,"
                 "1b:eager-profile,ref:compile,ref:kiln-composed,1b:kiln-composed")
 # The environment of each kiln variant: `kiln-nvrtc` compiles CubeCL's kernels through CUDA C++
@@ -46,7 +47,9 @@ DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-nvrtc,1b-8k:kiln,1b-8k:eager,1b:kiln-n
 # TMA and asynchronous copies, which burn's fastest matmuls need).
 # `kiln-nvrtc-full`: that with CubeCL's most thorough autotune (more matmul candidates timed).
 # `kiln-cubecl`: matrix products on CubeCL's matmul instead of cuBLAS (the before of that change).
+# `kiln-flash`: attention by the flash kernels (kernels/cube/flash.rs) instead of by products.
 KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"},
+            "kiln-flash": {"KILN_ATTENTION": "flash"},
             "kiln-cubecl": {"KILN_CUDA_GEMM": "cubecl"},
             "kiln-nvrtc-full": {"CUBECL_CUDA_BACKEND": "cpp", "CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).

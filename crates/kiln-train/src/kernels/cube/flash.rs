@@ -49,7 +49,11 @@ const ALIGN: usize = 128;
 /// How a kernel's cube cuts its work: `rows` rows of its own side (query rows, or keys for
 /// `dk`/`dv`) against tiles of `cols` rows of the other side, `units` units (`plane` a
 /// plane), the head dimension `hd` padded to `hdp`, tile products on the tensor cores when
-/// `mma`.
+/// `mma`. Rows of the tiles in shared memory lie `ldh` elements apart (`[rows, hd]` tiles of
+/// the element type), `ldo` (their f32 accumulators), `lds` (f32 scores `[rows, cols]`) and
+/// `ldp` (probabilities and score gradients in the element type): each padded past its width
+/// by 16 bytes or more, so that the rows of a fragment do not all start in one bank of shared
+/// memory.
 #[derive(Copy, Clone, Debug, Hash, PartialEq, Eq)]
 pub(super) struct Tiling {
     rows: usize,
@@ -58,13 +62,64 @@ pub(super) struct Tiling {
     plane: usize,
     hd: usize,
     hdp: usize,
+    ldh: usize,
+    ldo: usize,
+    lds: usize,
+    ldp: usize,
     mma: bool,
+}
+
+impl Tiling {
+    fn new(rows: usize, cols: usize, units: usize, plane: usize, hd: usize, mma: bool) -> Self {
+        let hdp = hd.next_multiple_of(FRAG);
+        Tiling {
+            rows,
+            cols,
+            units,
+            plane,
+            hd,
+            hdp,
+            ldh: hdp + 8,
+            ldo: hdp + 4,
+            lds: cols + 4,
+            ldp: cols + 8,
+            mma,
+        }
+    }
+
+    /// Bytes of shared memory the kernel `kind` takes with elements of `size` bytes.
+    fn shared_bytes(&self, kind: Kernel, size: usize) -> usize {
+        let (r, c) = (self.rows, self.cols);
+        let (f32s, elems) = match kind {
+            Kernel::Forward => (
+                r * (self.lds + self.ldo),
+                (r + 2 * c) * self.ldh + r * self.ldp,
+            ),
+            Kernel::Dq => (
+                r * (2 * self.lds + self.ldo),
+                (2 * r + 2 * c) * self.ldh + r * self.ldp,
+            ),
+            Kernel::Dkv => (
+                2 * r * (self.lds + self.ldo),
+                (2 * r + 2 * c) * self.ldh + 2 * r * self.ldp,
+            ),
+        };
+        f32s * 4 + elems * size + 8 * (r + c) + 16 * ALIGN
+    }
+}
+
+/// The three kernels, for [`Tiling::shared_bytes`].
+#[derive(Copy, Clone, Debug)]
+enum Kernel {
+    Forward,
+    Dq,
+    Dkv,
 }
 
 /// One product of a tile: `acc [m x n] (+)= a [m x k] . b [k x n]`, each operand a whole
 /// shared-memory buffer: `a` row-major with leading dimension `lda` (column-major, i.e. the
 /// transpose of a row-major buffer, when `a_cols`), `b` likewise, `acc` f32 row-major with
-/// leading dimension `n`, zeroed first when `fresh`.
+/// leading dimension `ldc`, zeroed first when `fresh`.
 #[derive(Copy, Clone, Debug, Hash, PartialEq, Eq)]
 struct Product {
     m: usize,
@@ -74,6 +129,7 @@ struct Product {
     a_cols: bool,
     ldb: usize,
     b_cols: bool,
+    ldc: usize,
     fresh: bool,
 }
 
@@ -105,9 +161,9 @@ fn tile_product<F: Float>(
                 s += f32::cast_from(x) * f32::cast_from(y);
             }
             if comptime!(!p.fresh) {
-                s += acc[idx];
+                s += acc[r * p.ldc + col];
             }
-            acc[idx] = s;
+            acc[r * p.ldc + col] = s;
             idx += c.units;
         }
     }
@@ -137,12 +193,12 @@ fn fragment_product<F: Float>(
     let (span_a, span_b, span_c) = comptime!((
         (FRAG - 1) * p.lda + FRAG,
         (FRAG - 1) * p.ldb + FRAG,
-        (FRAG - 1) * p.n + FRAG
+        (FRAG - 1) * p.ldc + FRAG
     ));
     let mut f = UNIT_POS as usize / c.plane;
     while f < comptime!(fm * fn_) {
         let (i, j) = (f / fn_, f % fn_);
-        let at_c = i * FRAG * p.n + j * FRAG;
+        let at_c = i * FRAG * p.ldc + j * FRAG;
         let mut out = cmma::Matrix::<f32>::from_value(
             cmma::MatrixIdent::Accumulator,
             FRAG,
@@ -155,7 +211,7 @@ fn fragment_product<F: Float>(
             cmma::load_with_layout(
                 &mut out,
                 &acc[at_c..at_c + span_c],
-                p.n as u32,
+                p.ldc as u32,
                 cmma::MatrixLayout::RowMajor,
             );
         }
@@ -191,15 +247,47 @@ fn fragment_product<F: Float>(
         cmma::store(
             &mut acc[at_c..at_c + span_c],
             &out,
-            p.n as u32,
+            p.ldc as u32,
             cmma::MatrixLayout::RowMajor,
         );
         f += planes;
     }
 }
 
+/// `a [rows x hd] . b^T` into `acc [rows x cols]` (f32, fresh): scores, or `dP`, of a tile.
+fn against(c: Tiling, rows: usize, cols: usize) -> Product {
+    Product {
+        m: rows,
+        n: cols,
+        k: c.hdp,
+        lda: c.ldh,
+        a_cols: false,
+        ldb: c.ldh,
+        b_cols: true,
+        ldc: c.lds,
+        fresh: true,
+    }
+}
+
+/// `acc [rows x hd] += a [rows x cols] . b [cols x hd]`: `a` probabilities or score
+/// gradients (leading dimension `ldp`), `b` a staged tile.
+fn back(c: Tiling, rows: usize, cols: usize) -> Product {
+    Product {
+        m: rows,
+        n: c.hdp,
+        k: cols,
+        lda: c.ldp,
+        a_cols: false,
+        ldb: c.ldh,
+        b_cols: false,
+        ldc: c.ldo,
+        fresh: false,
+    }
+}
+
 /// Stages `rows` rows of a head (`valid` of them real, from `base` with `stride` between
-/// rows, `hd` wide) into `dst` `[rows, hdp]`, zero past the real rows and columns.
+/// rows, `hd` wide) into `dst` `[rows, hdp]` (rows `ldh` apart), zero past the real rows and
+/// columns.
 #[cube]
 fn stage<F: Float>(
     src: &Tensor<F>,
@@ -217,7 +305,7 @@ fn stage<F: Float>(
         if r < valid && j < c.hd {
             x = src[base + r * stride + j];
         }
-        dst[idx] = x;
+        dst[r * c.ldh + j] = x;
         idx += c.units;
     }
 }
@@ -232,7 +320,7 @@ fn fill(dst: &mut Shared<[f32]>, value: f32, #[comptime] n: usize, #[comptime] c
     }
 }
 
-/// This cube's block of query rows: head `gi` of the group, positions `[p0, p0 + valid)`,
+/// This cube's block of query rows: a head of the group, positions `[p0, p0 + valid)`,
 /// the block's first row among the K/V head's slice (`r0`) and among all query rows (`u0`).
 #[derive(CubeType)]
 struct QueryBlock {
@@ -246,13 +334,68 @@ struct QueryBlock {
 fn query_block(groups: u32, seq: u32, #[comptime] rows: usize) -> QueryBlock {
     let t = seq as usize;
     let blocks = t.div_ceil(rows);
-    let (gi, p0) = (CUBE_POS_X as usize / blocks, (CUBE_POS_X as usize % blocks) * rows);
+    // The last blocks of a head (the most keys to walk) first, so the longest cubes start
+    // early and the short ones fill in behind them.
+    let gi = CUBE_POS_X as usize / blocks;
+    let p0 = (blocks - 1 - CUBE_POS_X as usize % blocks) * rows;
     let r0 = gi * t + p0;
     QueryBlock {
         p0,
         valid: usize::min(rows, t - p0),
         r0,
         u0: CUBE_POS_Y as usize * (groups as usize) * t + r0,
+    }
+}
+
+/// One unit a row of the block: the new running max and sum over the tile's scores `ss` from
+/// key `k0` (keys past the row's position masked), `P` into `ps`, and the output accumulator's
+/// row rescaled by the change of max. Each unit walks its row from its own column on (the
+/// columns rotated by the row), so that the units of a plane read different banks.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn online_softmax<F: Float>(
+    ss: &Shared<[f32]>,
+    ps: &mut Shared<[F]>,
+    os: &mut Shared<[f32]>,
+    ms: &mut Shared<[f32]>,
+    ls: &mut Shared<[f32]>,
+    qb: &QueryBlock,
+    k0: usize,
+    scale: f32,
+    #[comptime] c: Tiling,
+) {
+    let (bc, hdp) = (c.cols, c.hdp);
+    let mut row = UNIT_POS as usize;
+    while row < c.rows {
+        let pos = qb.p0 + row;
+        let live = row < qb.valid;
+        let mut mx = ms[row];
+        for i in 0..bc {
+            let col = (i + row) % bc;
+            if live && k0 + col <= pos {
+                mx = f32::max(mx, ss[row * c.lds + col] * scale);
+            }
+        }
+        let keep = (ms[row] - mx).exp();
+        let mut l = ls[row] * keep;
+        for i in 0..bc {
+            let col = (i + row) % bc;
+            let mut e = 0.0f32;
+            if live && k0 + col <= pos {
+                e = (ss[row * c.lds + col] * scale - mx).exp();
+            }
+            l += e;
+            ps[row * c.ldp + col] = F::cast_from(e);
+        }
+        if live {
+            ms[row] = mx;
+            ls[row] = l;
+            for i in 0..hdp {
+                let j = (i + row) % hdp;
+                os[row * c.ldo + j] *= keep;
+            }
+        }
+        row += c.units;
     }
 }
 
@@ -271,20 +414,20 @@ fn flash_forward_kernel<F: Float>(
     #[comptime] c: Tiling,
     #[define(F)] _dtype: ElemType,
 ) {
-    let (t, hd, hdp) = (seq as usize, c.hd, c.hdp);
+    let (t, hd) = (seq as usize, c.hd);
     let (br, bc) = (c.rows, c.cols);
     let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
     let qb = query_block(groups, seq, br);
-    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
-    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
-    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
-    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
-    let mut ps = Shared::<[F]>::new_aligned_slice(comptime!(br * bc), ALIGN);
-    let mut os = Shared::<[f32]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldh), ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.lds), ALIGN);
+    let mut ps = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldp), ALIGN);
+    let mut os = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.ldo), ALIGN);
     let mut ms = Shared::<[f32]>::new_slice(br);
     let mut ls = Shared::<[f32]>::new_slice(br);
     stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
-    fill(&mut os, 0.0f32, comptime!(br * hdp), c);
+    fill(&mut os, 0.0f32, comptime!(br * c.ldo), c);
     fill(&mut ms, -3.0e38f32, br, c);
     fill(&mut ls, 0.0f32, br, c);
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
@@ -294,66 +437,18 @@ fn flash_forward_kernel<F: Float>(
         stage::<F>(k, &mut ks, h.kb + k0 * hd, hd, keys, bc, c);
         stage::<F>(v, &mut vs, h.vb + k0 * h.vrow, h.vrow, keys, bc, c);
         sync_cube();
-        let scores = comptime!(Product {
-            m: br,
-            n: bc,
-            k: hdp,
-            lda: hdp,
-            a_cols: false,
-            ldb: hdp,
-            b_cols: true,
-            fresh: true,
-        });
-        tile_product::<F>(&qs, &ks, &mut ss, scores, c);
+        tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         sync_cube();
-        // One unit a row: the new running max and sum, `P`, and the output row rescaled.
-        let mut row = UNIT_POS as usize;
-        while row < br {
-            let pos = qb.p0 + row;
-            let mut mx = ms[row];
-            for col in 0..bc {
-                if row < qb.valid && k0 + col <= pos {
-                    mx = f32::max(mx, ss[row * bc + col] * scale);
-                }
-            }
-            let keep = (ms[row] - mx).exp();
-            let mut l = ls[row] * keep;
-            for col in 0..bc {
-                let mut e = 0.0f32;
-                if row < qb.valid && k0 + col <= pos {
-                    e = (ss[row * bc + col] * scale - mx).exp();
-                }
-                l += e;
-                ps[row * bc + col] = F::cast_from(e);
-            }
-            if row < qb.valid {
-                ms[row] = mx;
-                ls[row] = l;
-                for j in 0..hdp {
-                    os[row * hdp + j] *= keep;
-                }
-            }
-            row += c.units;
-        }
+        online_softmax::<F>(&ss, &mut ps, &mut os, &mut ms, &mut ls, &qb, k0, scale, c);
         sync_cube();
-        let values = comptime!(Product {
-            m: br,
-            n: hdp,
-            k: bc,
-            lda: bc,
-            a_cols: false,
-            ldb: hdp,
-            b_cols: false,
-            fresh: false,
-        });
-        tile_product::<F>(&ps, &vs, &mut os, values, c);
+        tile_product::<F>(&ps, &vs, &mut os, comptime!(back(c, br, bc)), c);
         sync_cube();
     }
     let mut idx = UNIT_POS as usize;
     while idx < qb.valid * hd {
         let (row, j) = (idx / hd, idx % hd);
         let at = out_row(&h, qb.r0 + row, kv, groups, seq, hd);
-        out[at + j] = F::cast_from(os[row * hdp + j] / ls[row]);
+        out[at + j] = F::cast_from(os[row * c.ldo + j] / ls[row]);
         idx += c.units;
     }
     let mut row = UNIT_POS as usize;
@@ -383,25 +478,25 @@ fn flash_dq_kernel<F: Float>(
     #[comptime] c: Tiling,
     #[define(F)] _dtype: ElemType,
 ) {
-    let (t, hd, hdp) = (seq as usize, c.hd, c.hdp);
+    let (t, hd) = (seq as usize, c.hd);
     let (br, bc) = (c.rows, c.cols);
     let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
     let qb = query_block(groups, seq, br);
     let orow = out_row(&h, qb.r0, kv, groups, seq, hd);
     let ostride = (kv * groups) as usize * hd;
-    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
-    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
-    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
-    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * hdp), ALIGN);
-    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
-    let mut dps = Shared::<[f32]>::new_aligned_slice(comptime!(br * bc), ALIGN);
-    let mut dss = Shared::<[F]>::new_aligned_slice(comptime!(br * bc), ALIGN);
-    let mut dqs = Shared::<[f32]>::new_aligned_slice(comptime!(br * hdp), ALIGN);
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldh), ALIGN);
+    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldh), ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.lds), ALIGN);
+    let mut dps = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.lds), ALIGN);
+    let mut dss = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldp), ALIGN);
+    let mut dqs = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.ldo), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(br);
     let mut ds = Shared::<[f32]>::new_slice(br);
     stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
     stage::<F>(dout, &mut dos, orow, ostride, qb.valid, br, c);
-    fill(&mut dqs, 0.0f32, comptime!(br * hdp), c);
+    fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
     let mut row = UNIT_POS as usize;
     while row < br {
         let mut d = 0.0f32;
@@ -425,48 +520,28 @@ fn flash_dq_kernel<F: Float>(
         stage::<F>(k, &mut ks, h.kb + k0 * hd, hd, keys, bc, c);
         stage::<F>(v, &mut vs, h.vb + k0 * h.vrow, h.vrow, keys, bc, c);
         sync_cube();
-        let against = comptime!(Product {
-            m: br,
-            n: bc,
-            k: hdp,
-            lda: hdp,
-            a_cols: false,
-            ldb: hdp,
-            b_cols: true,
-            fresh: true,
-        });
-        tile_product::<F>(&qs, &ks, &mut ss, against, c);
-        tile_product::<F>(&dos, &vs, &mut dps, against, c);
+        tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
+        tile_product::<F>(&dos, &vs, &mut dps, comptime!(against(c, br, bc)), c);
         sync_cube();
         let mut idx = UNIT_POS as usize;
         while idx < comptime!(br * bc) {
             let (row, col) = (idx / bc, idx % bc);
             let mut g = 0.0f32;
             if row < qb.valid && k0 + col <= qb.p0 + row {
-                let p = (ss[idx] * scale - ls[row]).exp();
-                g = p * (dps[idx] - ds[row]) * scale;
+                let p = (ss[row * c.lds + col] * scale - ls[row]).exp();
+                g = p * (dps[row * c.lds + col] - ds[row]) * scale;
             }
-            dss[idx] = F::cast_from(g);
+            dss[row * c.ldp + col] = F::cast_from(g);
             idx += c.units;
         }
         sync_cube();
-        let keys_product = comptime!(Product {
-            m: br,
-            n: hdp,
-            k: bc,
-            lda: bc,
-            a_cols: false,
-            ldb: hdp,
-            b_cols: false,
-            fresh: false,
-        });
-        tile_product::<F>(&dss, &ks, &mut dqs, keys_product, c);
+        tile_product::<F>(&dss, &ks, &mut dqs, comptime!(back(c, br, bc)), c);
         sync_cube();
     }
     let mut idx = UNIT_POS as usize;
     while idx < qb.valid * hd {
         let (row, j) = (idx / hd, idx % hd);
-        dq[(qb.u0 + row) * hd + j] = F::cast_from(dqs[row * hdp + j]);
+        dq[(qb.u0 + row) * hd + j] = F::cast_from(dqs[row * c.ldo + j]);
         idx += c.units;
     }
 }
@@ -491,49 +566,29 @@ fn flash_dkv_kernel<F: Float>(
     #[comptime] c: Tiling,
     #[define(F)] _dtype: ElemType,
 ) {
-    let (g, t, hd, hdp) = (groups as usize, seq as usize, c.hd, c.hdp);
+    let (g, t, hd) = (groups as usize, seq as usize, c.hd);
     let (bk, bq) = (c.rows, c.cols);
     let head = CUBE_POS_Y as usize;
     let h = head_of(head, kv, seq, hd);
     let key0 = CUBE_POS_X as usize * bk;
     let keys = usize::min(bk, t - key0);
     let ostride = (kv * groups) as usize * hd;
-    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
-    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
-    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(bq * hdp), ALIGN);
-    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(bq * hdp), ALIGN);
-    let mut sts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
-    let mut dpts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
-    let mut pts = Shared::<[F]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
-    let mut dsts = Shared::<[F]>::new_aligned_slice(comptime!(bk * bq), ALIGN);
-    let mut dks = Shared::<[f32]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
-    let mut dvs = Shared::<[f32]>::new_aligned_slice(comptime!(bk * hdp), ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
+    let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(bq * c.ldh), ALIGN);
+    let mut dos = Shared::<[F]>::new_aligned_slice(comptime!(bq * c.ldh), ALIGN);
+    let mut sts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.lds), ALIGN);
+    let mut dpts = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.lds), ALIGN);
+    let mut pts = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldp), ALIGN);
+    let mut dsts = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldp), ALIGN);
+    let mut dks = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.ldo), ALIGN);
+    let mut dvs = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.ldo), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(bq);
     let mut ds = Shared::<[f32]>::new_slice(bq);
     stage::<F>(k, &mut ks, h.kb + key0 * hd, hd, keys, bk, c);
     stage::<F>(v, &mut vs, h.vb + key0 * h.vrow, h.vrow, keys, bk, c);
-    fill(&mut dks, 0.0f32, comptime!(bk * hdp), c);
-    fill(&mut dvs, 0.0f32, comptime!(bk * hdp), c);
-    let against = comptime!(Product {
-        m: bk,
-        n: bq,
-        k: hdp,
-        lda: hdp,
-        a_cols: false,
-        ldb: hdp,
-        b_cols: true,
-        fresh: true,
-    });
-    let back = comptime!(Product {
-        m: bk,
-        n: hdp,
-        k: bq,
-        lda: bq,
-        a_cols: false,
-        ldb: hdp,
-        b_cols: false,
-        fresh: false,
-    });
+    fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
+    fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
     for gi in 0..g {
         for tile in key0 / bq..t.div_ceil(bq) {
             let p0 = tile * bq;
@@ -555,8 +610,8 @@ fn flash_dkv_kernel<F: Float>(
                 i += c.units;
             }
             sync_cube();
-            tile_product::<F>(&ks, &qs, &mut sts, against, c);
-            tile_product::<F>(&vs, &dos, &mut dpts, against, c);
+            tile_product::<F>(&ks, &qs, &mut sts, comptime!(against(c, bk, bq)), c);
+            tile_product::<F>(&vs, &dos, &mut dpts, comptime!(against(c, bk, bq)), c);
             sync_cube();
             let mut idx = UNIT_POS as usize;
             while idx < comptime!(bk * bq) {
@@ -564,24 +619,24 @@ fn flash_dkv_kernel<F: Float>(
                 let mut p = 0.0f32;
                 let mut gr = 0.0f32;
                 if kr < keys && col < valid && key0 + kr <= p0 + col {
-                    p = (sts[idx] * scale - ls[col]).exp();
-                    gr = p * (dpts[idx] - ds[col]) * scale;
+                    p = (sts[kr * c.lds + col] * scale - ls[col]).exp();
+                    gr = p * (dpts[kr * c.lds + col] - ds[col]) * scale;
                 }
-                pts[idx] = F::cast_from(p);
-                dsts[idx] = F::cast_from(gr);
+                pts[kr * c.ldp + col] = F::cast_from(p);
+                dsts[kr * c.ldp + col] = F::cast_from(gr);
                 idx += c.units;
             }
             sync_cube();
-            tile_product::<F>(&pts, &dos, &mut dvs, back, c);
-            tile_product::<F>(&dsts, &qs, &mut dks, back, c);
+            tile_product::<F>(&pts, &dos, &mut dvs, comptime!(back(c, bk, bq)), c);
+            tile_product::<F>(&dsts, &qs, &mut dks, comptime!(back(c, bk, bq)), c);
             sync_cube();
         }
     }
     let mut idx = UNIT_POS as usize;
     while idx < keys * hd {
         let (kr, j) = (idx / hd, idx % hd);
-        dk[h.kb + (key0 + kr) * hd + j] = F::cast_from(dks[kr * hdp + j]);
-        dv[h.vb + (key0 + kr) * h.vrow + j] = F::cast_from(dvs[kr * hdp + j]);
+        dk[h.kb + (key0 + kr) * hd + j] = F::cast_from(dks[kr * c.ldo + j]);
+        dv[h.vb + (key0 + kr) * h.vrow + j] = F::cast_from(dvs[kr * c.ldo + j]);
         idx += c.units;
     }
 }
@@ -640,21 +695,11 @@ fn has_fragments(q: &CubeTensor) -> bool {
 /// only when asked, with fragments of the element type, one plane of 32 units, and the
 /// shared memory each kernel needs.
 pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
-    let hdp = d.hd.next_multiple_of(FRAG);
-    let tiling = |rows, cols, units, plane, mma| Tiling {
-        rows,
-        cols,
-        units,
-        plane,
-        hd: d.hd,
-        hdp,
-        mma,
-    };
     if matches!(q.device, cubecl::Device::Cpu(_)) {
         let (rows, cols) = (CPU_ROWS.load(Ordering::Relaxed), CPU_COLS.load(Ordering::Relaxed));
         let units = CPU_UNITS.load(Ordering::Relaxed);
-        let c = tiling(rows, cols, units, 1, false);
-        let dkv = tiling(cols, rows, units, 1, false);
+        let c = Tiling::new(rows, cols, units, 1, d.hd, false);
+        let dkv = Tiling::new(cols, rows, units, 1, d.hd, false);
         return (rows > 0).then_some([c, c, dkv]);
     }
     let hw = &q.client.properties().hardware;
@@ -665,27 +710,17 @@ pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
     // Four planes a cube: 64 query rows against 64 keys forward; 64 rows against 32 keys for
     // `dq` and 32 keys against 32 rows for `dk`/`dv` (their shared memory holds more tiles).
     let tiles = [
-        tiling(64, 64, 128, 32, true),
-        tiling(64, 32, 128, 32, true),
-        tiling(32, 32, 128, 32, true),
+        Tiling::new(64, 64, 128, 32, d.hd, true),
+        Tiling::new(64, 32, 128, 32, d.hd, true),
+        Tiling::new(32, 32, 128, 32, d.hd, true),
     ];
-    let bytes = shared_bytes(&tiles, q.dtype.size());
-    (bytes <= hw.max_shared_memory_size).then_some(tiles)
-}
-
-/// The most shared memory one of the three kernels takes, elements of `size` bytes.
-fn shared_bytes(t: &[Tiling; 3], size: usize) -> usize {
-    let [f, dq, dkv] = t;
-    let forward = (f.rows + 2 * f.cols) * f.hdp * size
-        + f.rows * f.cols * (4 + size)
-        + f.rows * f.hdp * 4;
-    let dq_bytes = (2 * dq.rows + 2 * dq.cols) * dq.hdp * size
-        + dq.rows * dq.cols * (8 + size)
-        + dq.rows * dq.hdp * 4;
-    let dkv_bytes = (2 * dkv.rows + 2 * dkv.cols) * dkv.hdp * size
-        + dkv.rows * dkv.cols * (8 + 2 * size)
-        + 2 * dkv.rows * dkv.hdp * 4;
-    forward.max(dq_bytes).max(dkv_bytes) + 16 * ALIGN
+    let size = q.dtype.size();
+    let kinds = [Kernel::Forward, Kernel::Dq, Kernel::Dkv];
+    let fits = tiles
+        .iter()
+        .zip(kinds)
+        .all(|(t, kind)| t.shared_bytes(kind, size) <= hw.max_shared_memory_size);
+    fits.then_some(tiles)
 }
 
 /// `(cube count, cube dim)` for blocks of `rows` of `per_head` rows of every K/V head.

@@ -31,7 +31,10 @@
 //! (`cublas`), elsewhere burn's. On an H200 (1B-class, bf16) the step is 151 ms against
 //! PyTorch eager's 120; attention by products (its f32 chunk scores written and read by the
 //! products and two row kernels) is about 50 ms of it, against about 9 ms of PyTorch's flash
-//! attention (`bench/gpu/results/h200.md`).
+//! attention (`bench/gpu/results/h200.md`). `KILN_ATTENTION=flash` takes the flash kernels
+//! instead (`flash`: tiled, the tiles' products on tensor-core fragments, nothing of the scores
+//! in global memory); they are checked on CubeCL's CPU runtime by their unit-by-unit products
+//! and by `kiln doctor` on a GPU, and stay opt-in until their speed is measured there.
 
 pub(super) mod adamw;
 pub(super) mod attention;
