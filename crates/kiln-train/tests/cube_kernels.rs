@@ -288,3 +288,95 @@ fn nccl_on_one_cuda_rank_hands_the_gradients_back() {
     let diff = kiln_train::nccl::check_one_rank(&cuda).expect("NCCL joins and reduces");
     assert_eq!(diff, Some(0.0));
 }
+
+/// The flash attention kernels compile for an H100/H200 (`sm_90`) through the backend CubeCL's
+/// CUDA runtime uses, and ptxas assembles them, all without a device: their tile products are
+/// tensor-core instructions (`wmma.mma.sync` on bf16 fragments accumulating in f32), loaded
+/// from and stored to shared memory, what CubeCL's CPU runtime (no matrix instructions) cannot
+/// run. Whether they compute the right values on a GPU is `kiln doctor --device cuda`'s check.
+///
+/// The compiler links libdevice (the math functions) from `CUDA_PATH`, read in the process, so
+/// this test runs [`flash_ptx_with_libdevice`] in a child process of this test binary with
+/// `CUDA_PATH` set to the tools of scripts/install-cuda-tools.sh (no GPU, no CUDA toolkit).
+#[cfg(feature = "cuda")]
+#[test]
+fn flash_attention_kernels_assemble_for_sm90_with_tensor_core_products() {
+    let tools = match std::env::var_os("KILN_CUDA_TOOLS_DIR") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| {
+                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache")
+                });
+            cache.join("kiln/nvidia-cuda-nvcc-cu12-12.8.93")
+        }
+    }
+    .join("nvidia/cuda_nvcc");
+    assert!(
+        tools.join("nvvm/libdevice/libdevice.10.bc").is_file() && tools.join("bin/ptxas").is_file(),
+        "no libdevice/ptxas under {}: run scripts/install-cuda-tools.sh",
+        tools.display()
+    );
+    let out = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "flash_ptx_with_libdevice",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("CUDA_PATH", &tools)
+        .env("KILN_PTX_OUT", out.path())
+        .status()
+        .unwrap();
+    assert!(status.success(), "the child test failed: {status}");
+    // The child wrote and assembled all six kernels.
+    assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 12);
+}
+
+/// Run by [`flash_attention_kernels_assemble_for_sm90_with_tensor_core_products`] with
+/// `CUDA_PATH` and `KILN_PTX_OUT` set.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "run by flash_attention_kernels_assemble_for_sm90_with_tensor_core_products"]
+fn flash_ptx_with_libdevice() {
+    let cuda = std::path::PathBuf::from(std::env::var_os("CUDA_PATH").unwrap());
+    let out = std::path::PathBuf::from(std::env::var_os("KILN_PTX_OUT").unwrap());
+    for hd in [64, 128] {
+        let ptx = kernels::flash_attention_ptx(hd, FloatDType::BF16, 90).unwrap();
+        for (name, code) in ["forward", "dq", "dkv"].iter().zip(&ptx) {
+            let mma = code.matches("wmma.mma.sync").count();
+            assert!(
+                mma > 0,
+                "{name} at hd {hd}: no tensor-core products\n{code}"
+            );
+            assert!(code.contains("wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32"));
+            assert!(code.contains("wmma.load.a.sync") && code.contains("wmma.store.d.sync"));
+            assert!(code.contains(".shared"), "{name}: tiles in shared memory");
+            let file = out.join(format!("{name}-hd{hd}.ptx"));
+            std::fs::write(&file, code).unwrap();
+            let cubin = out.join(format!("{name}-hd{hd}.cubin"));
+            let asm = std::process::Command::new(cuda.join("bin/ptxas"))
+                .args(["-arch=sm_90a", "-v", "-o"])
+                .arg(&cubin)
+                .arg(&file)
+                .output()
+                .unwrap();
+            let report = String::from_utf8_lossy(&asm.stderr);
+            assert!(
+                asm.status.success(),
+                "ptxas refused {name} at hd {hd}:\n{report}"
+            );
+            let usage: Vec<&str> = report
+                .lines()
+                .filter(|l| l.contains("Used") || l.contains("spill"))
+                .collect();
+            eprintln!(
+                "hd {hd} {name}: {mma} wmma.mma.sync in PTX; ptxas: {}",
+                usage.join("; ")
+            );
+        }
+    }
+    assert!(kernels::flash_attention_ptx(64, FloatDType::F32, 90).is_err());
+}

@@ -35,18 +35,31 @@ use rayon::prelude::*;
 /// Query rows per block of work.
 const ROWS: usize = 64;
 
-/// Shapes: `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v` `[b, t, kv * hd]`,
-/// output `[b, t, kv * groups * hd]`.
+/// The sizes of causal attention, from `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`
+/// (`v` `[b, t, kv * hd]`, output `[b, t, kv * groups * hd]`): one home for the CPU kernel
+/// here and the device kernels (`cube::attention`, `attention_mm`, `flash`).
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    kv: usize,
-    groups: usize,
-    t: usize,
-    hd: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) kv: usize,
+    pub(super) groups: usize,
+    pub(super) t: usize,
+    pub(super) hd: usize,
 }
 
 impl Dims {
+    /// From the shapes of `q` and `k` (a sequence of at least one).
+    pub(super) fn from_shapes(q: &[usize], k: &[usize]) -> Self {
+        let t = k.get(2).copied().unwrap_or(0).max(1);
+        Self {
+            b: q[0],
+            kv: q[1],
+            groups: q[2] / t,
+            t,
+            hd: q[3],
+        }
+    }
+
     fn of(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Self {
         let [b, kv, gt, hd]: [usize; 4] = dims(q).try_into().expect("attention: q must be 4-D");
         let kd = dims(k);
@@ -57,18 +70,18 @@ impl Dims {
             dims(q)
         );
         assert_eq!(dims(v), [b, t, kv * hd], "attention: v does not match k");
-        Self {
-            b,
-            kv,
-            groups: gt / t,
-            t,
-            hd,
-        }
+        Self::from_shapes(&dims(q), &kd)
     }
 
     /// Query heads.
     fn heads(&self) -> usize {
         self.kv * self.groups
+    }
+
+    /// Query rows of every head: `b * kv * groups * t` (one log-sum-exp each).
+    #[cfg_attr(not(feature = "cube"), allow(dead_code))]
+    pub(super) fn rows(&self) -> usize {
+        self.b * self.heads() * self.t
     }
 
     /// The blocks of query rows: (batch, kv head, group, first position, rows).

@@ -311,6 +311,29 @@ pub fn set_cpu_flash_attention(rows: usize, cols: usize, units: usize) {
     let _ = (rows, cols, units);
 }
 
+/// The PTX of the flash attention kernels (forward, `dq`, `dk`/`dv`) for `sm_{arch}` at head
+/// dimension `hd` in `dtype` (bf16 or f16), compiled without a device by the backend CubeCL's
+/// CUDA runtime uses, with the tilings a GPU gets: for a test, on machines with no GPU, that
+/// they compile and that their tile products are tensor-core instructions.
+#[cfg(feature = "cuda")]
+pub fn flash_attention_ptx(
+    hd: usize,
+    dtype: burn::tensor::FloatDType,
+    arch: u32,
+) -> Result<[String; 3], String> {
+    use cubecl::ir::{ElemType, FloatKind};
+    let elem = match dtype {
+        burn::tensor::FloatDType::BF16 => ElemType::Float(FloatKind::BF16),
+        burn::tensor::FloatDType::F16 => ElemType::Float(FloatKind::F16),
+        other => {
+            return Err(format!(
+                "the flash kernels' fragments take bf16 or f16, not {other:?}"
+            ));
+        }
+    };
+    cube::flash::ptx(hd, elem, arch)
+}
+
 /// Sets how many query positions a chunk of attention by products takes (`cube::attention_mm`,
 /// GPUs' path), and takes that path on CubeCL's CPU runtime too; 0 restores the default (by
 /// memory, GPUs only): for tests of that path. No effect without `cube`.

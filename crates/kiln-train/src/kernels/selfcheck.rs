@@ -327,7 +327,12 @@ pub fn causal_attention(device: &Device, dtype: FloatDType) -> Vec<Check> {
     attention_checks(
         device,
         dtype,
-        &[(2, 2, 2, 7, 8), (1, 3, 1, 13, 4), (2, 1, 3, 1, 8), (1, 2, 2, 70, 4)],
+        &[
+            (2, 2, 2, 7, 8),
+            (1, 3, 1, 13, 4),
+            (2, 1, 3, 1, 8),
+            (1, 2, 2, 70, 4),
+        ],
     )
 }
 

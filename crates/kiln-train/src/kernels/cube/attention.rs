@@ -22,7 +22,7 @@
 //! K/V head stacked along the sequence, so row `r` is head `kv * groups + r / t` at position
 //! `r % t`), `k` `[b, kv, t, hd]`, `v` `[b, t, kv * hd]`, output `[b, t, heads * hd]`.
 
-use super::{Dims, dense, dims, elem, empty_like};
+use super::{Dims, attention_dims, dense, dims, elem, empty_like};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -92,7 +92,14 @@ pub(super) fn head_of(bk: usize, kv: u32, seq: u32, #[comptime] hd: usize) -> He
 
 /// The start of the output row (and `dO` row) of query row `r` of head `h`'s slice.
 #[cube]
-pub(super) fn out_row(h: &Head, r: usize, kv: u32, groups: u32, seq: u32, #[comptime] hd: usize) -> usize {
+pub(super) fn out_row(
+    h: &Head,
+    r: usize,
+    kv: u32,
+    groups: u32,
+    seq: u32,
+    #[comptime] hd: usize,
+) -> usize {
     let (g, t) = (groups as usize, seq as usize);
     let head = h.kvi * g + r / t;
     (h.b * t + r % t) * (kv as usize) * g * hd + head * hd
@@ -406,7 +413,7 @@ pub(super) fn forward(
     v: CubeTensor,
     scale: f64,
 ) -> (CubeTensor, CubeTensor) {
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     if let Some([tiling, _, _]) = super::flash::tilings(&q, &d) {
         return super::flash::forward(q, k, v, scale, tiling);
     }
@@ -451,14 +458,14 @@ type Saved = (
 /// `(dq, dk, dv)` for the upstream gradient `dout`.
 fn backward(dout: CubeTensor, saved: Saved) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (q, k, v, out, lse, scale) = saved;
-    if let Some([_, cq, ckv]) = super::flash::tilings(&q, &Dims::of(&q, &k)) {
+    if let Some([_, cq, ckv]) = super::flash::tilings(&q, &attention_dims(&q, &k)) {
         return super::flash::backward(dout, (q, k, v, out, lse), scale, cq, ckv);
     }
     if super::attention_mm::applies(&q) {
         return super::attention_mm::backward(dout, q, k, v, out, lse, scale);
     }
     let dout = dense(dout);
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     let (dq, dk, dv) = (
         empty_like(&q, dims(&q)),
         empty_like(&k, dims(&k)),

@@ -22,7 +22,7 @@
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp per query row `[b, kv, groups, t]`.
 
 use super::norm::{cube_max, cube_sum, launch_rows, row_units};
-use super::{Dims, dense, dims, elem, empty_like};
+use super::{Dims, attention_dims, dense, dims, elem, empty_like};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{FloatDType, Slice};
 use burn::tensor::DType;
@@ -260,7 +260,7 @@ pub(super) fn forward(
     scale: f64,
 ) -> (CubeTensor, CubeTensor) {
     let (q, k) = (dense(q), dense(k));
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     let q5 = B::float_reshape(q.clone(), d.heads5().into());
     let vh = heads_of_v(dense(v), &d);
     let lse = super::f32_vector(&q, d.rows());
@@ -324,7 +324,7 @@ pub(super) fn backward(
     lse: CubeTensor,
     scale: f64,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     let dtype = q.dtype;
     let q5 = B::float_reshape(q.clone(), d.heads5().into());
     let vh = heads_of_v(v, &d);

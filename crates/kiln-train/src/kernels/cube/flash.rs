@@ -25,15 +25,16 @@
 //! 16 x 16 output fragment, the planes of a cube taking turns) or unit by unit, the same
 //! product over the same shared-memory operands: CubeCL's CPU runtime has no matrix
 //! instructions, so there (and in f32) the kernels run unit by unit, and the kernel tests
-//! check everything but the fragment instructions against the composed attention; `kiln
-//! doctor` checks the `mma` path on a GPU. Head dimensions that are not a multiple of 16 are
-//! padded with zeros in shared memory.
+//! check everything but the fragment instructions against the composed attention; a test
+//! compiles the `mma` path to PTX for sm_90 with CubeCL's own backend and assembles it with
+//! ptxas, no GPU needed (tensor-core products, no spills); `kiln doctor` checks its values on a
+//! GPU. Head dimensions that are not a multiple of 16 are padded with zeros in shared memory.
 //!
 //! Layouts (as `attention`'s): `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp and `D` per query row.
 
 use super::attention::{head_of, out_row};
-use super::{Dims, dense, dims, elem, empty_like};
+use super::{Dims, attention_dims, dense, dims, elem, empty_like};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
 use cubecl::ir::{ElemType, FloatKind};
@@ -696,15 +697,17 @@ fn has_fragments(q: &CubeTensor) -> bool {
 /// shared memory each kernel needs.
 pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
     if matches!(q.device, cubecl::Device::Cpu(_)) {
-        let (rows, cols) = (CPU_ROWS.load(Ordering::Relaxed), CPU_COLS.load(Ordering::Relaxed));
+        let (rows, cols) = (
+            CPU_ROWS.load(Ordering::Relaxed),
+            CPU_COLS.load(Ordering::Relaxed),
+        );
         let units = CPU_UNITS.load(Ordering::Relaxed);
         let c = Tiling::new(rows, cols, units, 1, d.hd, false);
         let dkv = Tiling::new(cols, rows, units, 1, d.hd, false);
         return (rows > 0).then_some([c, c, dkv]);
     }
     let hw = &q.client.properties().hardware;
-    if !asked_on_gpu() || !has_fragments(q) || hw.plane_size_max != 32 || hw.plane_size_min != 32
-    {
+    if !asked_on_gpu() || !has_fragments(q) || hw.plane_size_max != 32 || hw.plane_size_min != 32 {
         return None;
     }
     // Four planes a cube: 64 query rows against 64 keys forward; 64 rows against 32 keys for
@@ -740,7 +743,7 @@ pub(super) fn forward(
     c: Tiling,
 ) -> (CubeTensor, CubeTensor) {
     let (q, k, v) = (dense(q), dense(k), dense(v));
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     let out = empty_like(&q, [d.b, d.t, d.kv * d.groups * d.hd]);
     let lse = super::f32_vector(&q, d.rows());
     let (count, dim) = launch(&d, d.groups * d.t.div_ceil(c.rows), &c);
@@ -774,7 +777,7 @@ pub(super) fn backward(
     ckv: Tiling,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (dout, out) = (dense(dout), dense(out));
-    let d = Dims::of(&q, &k);
+    let d = attention_dims(&q, &k);
     let (dq, dk, dv) = (
         empty_like(&q, dims(&q)),
         empty_like(&k, dims(&k)),
@@ -822,4 +825,160 @@ pub(super) fn backward(
         elem(&q),
     );
     (dq, dk, dv)
+}
+
+/// The PTX of the forward, `dq` and `dk`/`dv` kernels for `sm_{arch}` at head dimension `hd`
+/// in `dtype` (bf16 or f16), compiled here without a device by the backend CubeCL's CUDA
+/// runtime compiles them with (LLVM's NVPTX), in the tilings a GPU gets: for a test that the
+/// tile products lower to tensor-core instructions and the kernels compile at all, on a
+/// machine with no GPU, and for reading.
+#[cfg(feature = "cuda")]
+pub(in crate::kernels) fn ptx(
+    hd: usize,
+    dtype: ElemType,
+    arch: u32,
+) -> Result<[String; 3], String> {
+    use cubecl::Compiler;
+    use cubecl::ir::{
+        AddressType, DeviceIdentity, DeviceProperties, HardwareProperties, MemoryDeviceProperties,
+        features::Features, nvidia::SmArch,
+    };
+    use cubecl::prelude::{CubeDim, ExecutionMode, KernelSettings, TargetProperties};
+    use cubecl_llvm::nvptx::ptx_version::PtxVersion;
+    use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
+    use cubecl_runtime::kernel::CubeKernel;
+    use std::sync::Arc;
+
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: 32,
+        max_shared_memory_size: 232_448,
+        max_cube_count: (u32::MAX, u16::MAX as u32, u16::MAX as u32),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: None,
+        num_tensor_cores: None,
+        min_tensor_cores_dim: None,
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        max_vector_size: cubecl::ir::VectorSize::MAX,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    let mut props = DeviceProperties::new(
+        Features::default(),
+        MemoryDeviceProperties::new(u64::MAX, 256),
+        hardware,
+        cubecl::profile::TimingMethod::Device,
+        DeviceIdentity {
+            name: "offline".to_string(),
+            fingerprint: "offline".to_string(),
+            physical: None,
+        },
+    );
+    let f32 = ElemType::Float(FloatKind::F32);
+    props.features.matmul.cmma.insert(MmaConfig {
+        a_type: dtype.into(),
+        b_type: dtype.into(),
+        cd_type: f32.into(),
+        m: FRAG as u32,
+        n: FRAG as u32,
+        k: FRAG as u32,
+    });
+    let (props, target) = (Arc::new(props), Arc::new(TargetProperties::default()));
+    let tiles = [
+        Tiling::new(64, 64, 128, 32, hd, true),
+        Tiling::new(64, 32, 128, 32, hd, true),
+        Tiling::new(32, 32, 128, 32, hd, true),
+    ];
+    let settings = |c: &Tiling| {
+        KernelSettings::new(
+            *CubeDim::new_1d(c.units as u32),
+            ExecutionMode::Checked,
+            AddressType::U32,
+        )
+    };
+    let tensor = || cubecl::prelude::TensorCompilationArg {
+        meta: cubecl::prelude::TensorMetaCompilationArg { len: (), rank: () },
+        buffer: cubecl::prelude::BufferCompilationArg { inplace: None },
+    };
+    let compile = |kernel: &dyn CubeKernel| -> Result<String, String> {
+        let mut compiler = PlironCompiler {
+            target: LlvmTarget::Nvptx,
+        };
+        let options = PlironOptions {
+            sm_arch: Some(SmArch::new(arch, false)),
+            // PTX 8.7 (CUDA 12.8's), which the pinned ptxas (scripts/install-cuda-tools.sh)
+            // reads; the runtime emits its driver's version, with the same instructions.
+            ptx_version: PtxVersion::for_driver(12080),
+            ..Default::default()
+        };
+        match compiler.compile(kernel.define(), &options) {
+            Ok(PlironArtifact::NvptxCode(module)) => {
+                // SAFETY: the module's PTX is NUL-terminated.
+                let ptx = unsafe { std::ffi::CStr::from_ptr(module.ptx.as_ptr()) };
+                Ok(ptx.to_string_lossy().into_owned())
+            }
+            Ok(_) => Err("the NVPTX target produced no PTX".into()),
+            Err(e) => Err(format!("{e:?}")),
+        }
+    };
+    let [cf, cq, ckv] = tiles;
+    let forward = flash_forward_kernel::FlashForwardKernel::new(
+        settings(&cf),
+        props.clone(),
+        target.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        (),
+        (),
+        cf,
+        dtype,
+    );
+    let dq = flash_dq_kernel::FlashDqKernel::new(
+        settings(&cq),
+        props.clone(),
+        target.clone(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        (),
+        (),
+        cq,
+        dtype,
+    );
+    let dkv = flash_dkv_kernel::FlashDkvKernel::new(
+        settings(&ckv),
+        props,
+        target,
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        tensor(),
+        (),
+        (),
+        (),
+        (),
+        ckv,
+        dtype,
+    );
+    Ok([compile(&forward)?, compile(&dq)?, compile(&dkv)?])
 }

@@ -37,13 +37,15 @@
 //! and by `kiln doctor` on a GPU, and stay opt-in until their speed is measured there.
 
 pub(super) mod adamw;
+use super::attention::Dims;
+
 pub(super) mod attention;
 pub(super) mod attention_mm;
-pub(super) mod flash;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cublas;
 pub(super) mod fixed_matmul;
+pub(super) mod flash;
 mod linear;
 mod norm;
 mod rope;
@@ -300,34 +302,9 @@ impl<C: CheckpointStrategy> DeviceOps for Autodiff<CubeBackend, C> {
 // ---------------------------------------------------------------------------------------
 // Helpers shared by the kernels' launchers.
 
-/// The sizes of causal attention, as its kernels (`attention`) and its products
-/// (`attention_mm`) take them from `q` `[b, kv, groups * t, hd]` and `k` `[b, kv, t, hd]`.
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    kv: usize,
-    groups: usize,
-    t: usize,
-    hd: usize,
-}
-
-impl Dims {
-    fn of(q: &CubeTensor, k: &CubeTensor) -> Self {
-        let (qd, kd) = (dims(q), dims(k));
-        let t = kd[2].max(1);
-        Dims {
-            b: qd[0],
-            kv: qd[1],
-            groups: qd[2] / t,
-            t,
-            hd: qd[3],
-        }
-    }
-
-    /// Query rows of every head: `b * kv * groups * t` (one log-sum-exp each).
-    fn rows(&self) -> usize {
-        self.b * self.kv * self.groups * self.t
-    }
+/// The sizes of causal attention (`super::attention::Dims`) of device tensors `q` and `k`.
+fn attention_dims(q: &CubeTensor, k: &CubeTensor) -> Dims {
+    Dims::from_shapes(&dims(q), &dims(k))
 }
 
 /// Units per cube for the one-unit-per-row and one-unit-per-element launches.
