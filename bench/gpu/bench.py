@@ -50,6 +50,11 @@ DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-flash,1b-8k:kiln-flash,1b-8k:eager,1b:
 # `kiln-flash`: attention by the flash kernels (kernels/cube/flash.rs) instead of by products.
 KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"},
             "kiln-flash": {"KILN_ATTENTION": "flash"},
+            # Other tilings of the flash kernels (rows x cols x planes: forward, dq, dk/dv).
+            "kiln-flash-2p": {"KILN_ATTENTION": "flash",
+                              "KILN_FLASH_TILING": "32x64x2,32x32x2,32x32x2"},
+            "kiln-flash-8p": {"KILN_ATTENTION": "flash",
+                              "KILN_FLASH_TILING": "128x64x8,128x32x8,64x32x4"},
             "kiln-cubecl": {"KILN_CUDA_GEMM": "cubecl"},
             "kiln-nvrtc-full": {"CUBECL_CUDA_BACKEND": "cpp", "CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).

@@ -505,3 +505,62 @@ fn scalar(t: &FlexTensor) -> f32 {
 
 #[cfg(test)]
 mod tests;
+
+/// `RxCxP,RxCxP,RxCxP` as three `(rows, cols, planes)`: the flash attention kernels' tilings
+/// (`KILN_FLASH_TILING`, read by `cube::flash`), parsed here so that CI's default build tests it.
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+fn parse_flash_tiling(text: &str) -> Result<[(usize, usize, usize); 3], String> {
+    let shapes = text
+        .split(',')
+        .map(|part| {
+            let n: Vec<usize> = part
+                .trim()
+                .split('x')
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|e| format!("{part:?}: {e}"))
+                })
+                .collect::<Result<_, _>>()?;
+            let [rows, cols, planes] = n[..] else {
+                return Err(format!("{part:?} is not ROWSxCOLSxPLANES"));
+            };
+            let size = |v: usize| v > 0 && v <= 256 && v % 16 == 0;
+            if !size(rows) || !size(cols) || !(1..=16).contains(&planes) {
+                return Err(format!(
+                    "{part:?}: sizes are multiples of 16 up to 256, planes 1 to 16"
+                ));
+            }
+            Ok((rows, cols, planes))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    shapes
+        .try_into()
+        .map_err(|v: Vec<_>| format!("three tilings (forward, dq, dk/dv), not {}", v.len()))
+}
+
+#[cfg(test)]
+mod flash_tiling_tests {
+    use super::parse_flash_tiling as parse_tiling;
+
+    #[test]
+    fn tilings_parse_and_bad_ones_are_refused() {
+        assert_eq!(
+            parse_tiling("64x64x4, 64x32x4,32x32x2"),
+            Ok([(64, 64, 4), (64, 32, 4), (32, 32, 2)])
+        );
+        for bad in [
+            "",
+            "64x64x4",
+            "64x64x4,64x32x4",
+            "64x64x4,64x32x4,32x32x4,16x16x1",
+            "64x64,64x32x4,32x32x4",
+            "60x64x4,64x32x4,32x32x4",
+            "64x64x0,64x32x4,32x32x4",
+            "512x64x4,64x32x4,32x32x4",
+            "64x64xa,64x32x4,32x32x4",
+        ] {
+            assert!(parse_tiling(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -710,13 +710,9 @@ pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
     if !asked_on_gpu() || !has_fragments(q) || hw.plane_size_max != 32 || hw.plane_size_min != 32 {
         return None;
     }
-    // Four planes a cube: 64 query rows against 64 keys forward; 64 rows against 32 keys for
-    // `dq` and 32 keys against 32 rows for `dk`/`dv` (their shared memory holds more tiles).
-    let tiles = [
-        Tiling::new(64, 64, 128, 32, d.hd, true),
-        Tiling::new(64, 32, 128, 32, d.hd, true),
-        Tiling::new(32, 32, 128, 32, d.hd, true),
-    ];
+    let shapes = gpu_shapes();
+    let tiles =
+        shapes.map(|(rows, cols, planes)| Tiling::new(rows, cols, planes * 32, 32, d.hd, true));
     let size = q.dtype.size();
     let kinds = [Kernel::Forward, Kernel::Dq, Kernel::Dkv];
     let fits = tiles
@@ -724,6 +720,29 @@ pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
         .zip(kinds)
         .all(|(t, kind)| t.shared_bytes(kind, size) <= hw.max_shared_memory_size);
     fits.then_some(tiles)
+}
+
+/// The GPU tilings, `(rows, cols, planes)` for the forward, `dq` and `dk`/`dv` kernels: by
+/// default four planes a cube, 64 query rows against 64 keys forward, 64 rows against 32 keys
+/// for `dq` and 32 keys against 32 rows for `dk`/`dv` (their shared memory holds more tiles).
+/// `KILN_FLASH_TILING=RxCxP,RxCxP,RxCxP` sets them (read once), for tuning on a GPU without a
+/// rebuild; a value that does not parse, or sizes that are not multiples of 16 up to 256 with 1
+/// to 16 planes, is said once and the default kept.
+fn gpu_shapes() -> [(usize, usize, usize); 3] {
+    const DEFAULT: [(usize, usize, usize); 3] = [(64, 64, 4), (64, 32, 4), (32, 32, 4)];
+    static SHAPES: std::sync::OnceLock<[(usize, usize, usize); 3]> = std::sync::OnceLock::new();
+    *SHAPES.get_or_init(|| {
+        let Ok(text) = std::env::var("KILN_FLASH_TILING") else {
+            return DEFAULT;
+        };
+        match crate::kernels::parse_flash_tiling(&text) {
+            Ok(shapes) => shapes,
+            Err(why) => {
+                tracing::warn!("KILN_FLASH_TILING={text:?}: {why}; keeping {DEFAULT:?}");
+                DEFAULT
+            }
+        }
+    })
 }
 
 /// `(cube count, cube dim)` for blocks of `rows` of `per_head` rows of every K/V head.
