@@ -525,7 +525,7 @@ fn parse_flash_tiling(text: &str) -> Result<[(usize, usize, usize); 3], String> 
             let [rows, cols, planes] = n[..] else {
                 return Err(format!("{part:?} is not ROWSxCOLSxPLANES"));
             };
-            let size = |v: usize| v > 0 && v <= 256 && v % 16 == 0;
+            let size = |v: usize| v > 0 && v <= 256 && v.is_multiple_of(16);
             if !size(rows) || !size(cols) || !(1..=16).contains(&planes) {
                 return Err(format!(
                     "{part:?}: sizes are multiples of 16 up to 256, planes 1 to 16"

@@ -681,9 +681,9 @@ fn has_fragments(q: &CubeTensor) -> bool {
     let half = matches!(e, ElemType::Float(FloatKind::BF16 | FloatKind::F16));
     let f32 = ElemType::Float(FloatKind::F32);
     let config = MmaConfig {
-        a_type: e.into(),
-        b_type: e.into(),
-        cd_type: f32.into(),
+        a_type: e,
+        b_type: e,
+        cd_type: f32,
         m: FRAG as u32,
         n: FRAG as u32,
         k: FRAG as u32,
@@ -899,9 +899,9 @@ pub(in crate::kernels) fn ptx(
     );
     let f32 = ElemType::Float(FloatKind::F32);
     props.features.matmul.cmma.insert(MmaConfig {
-        a_type: dtype.into(),
-        b_type: dtype.into(),
-        cd_type: f32.into(),
+        a_type: dtype,
+        b_type: dtype,
+        cd_type: f32,
         m: FRAG as u32,
         n: FRAG as u32,
         k: FRAG as u32,
