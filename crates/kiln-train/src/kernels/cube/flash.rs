@@ -33,7 +33,7 @@
 //! Layouts (as `attention`'s): `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp and `D` per query row.
 
-use super::attention::{head_of, out_row};
+use super::attention::{Head, head_of, out_row};
 use super::{Dims, attention_dims, dense, dims, elem, empty_like};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
@@ -311,6 +311,26 @@ fn stage<F: Float>(
     }
 }
 
+/// Stages keys and values `[k0, k0 + rows)` of K/V head `h` (those before `t` real) into `ks`
+/// and `vs`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_kv<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    ks: &mut Shared<[F]>,
+    vs: &mut Shared<[F]>,
+    h: &Head,
+    k0: usize,
+    t: usize,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) {
+    let keys = usize::min(rows, t - k0);
+    stage::<F>(k, ks, h.kb + k0 * c.hd, c.hd, keys, rows, c);
+    stage::<F>(v, vs, h.vb + k0 * h.vrow, h.vrow, keys, rows, c);
+}
+
 /// Sets `n` values of `dst` to `value`, the cube's units together.
 #[cube]
 fn fill(dst: &mut Shared<[f32]>, value: f32, #[comptime] n: usize, #[comptime] c: Tiling) {
@@ -434,9 +454,7 @@ fn flash_forward_kernel<F: Float>(
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
-        let keys = usize::min(bc, t - k0);
-        stage::<F>(k, &mut ks, h.kb + k0 * hd, hd, keys, bc, c);
-        stage::<F>(v, &mut vs, h.vb + k0 * h.vrow, h.vrow, keys, bc, c);
+        stage_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, bc, c);
         sync_cube();
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         sync_cube();
@@ -517,9 +535,7 @@ fn flash_dq_kernel<F: Float>(
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
-        let keys = usize::min(bc, t - k0);
-        stage::<F>(k, &mut ks, h.kb + k0 * hd, hd, keys, bc, c);
-        stage::<F>(v, &mut vs, h.vb + k0 * h.vrow, h.vrow, keys, bc, c);
+        stage_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, bc, c);
         sync_cube();
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         tile_product::<F>(&dos, &vs, &mut dps, comptime!(against(c, br, bc)), c);
@@ -586,8 +602,7 @@ fn flash_dkv_kernel<F: Float>(
     let mut dvs = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.ldo), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(bq);
     let mut ds = Shared::<[f32]>::new_slice(bq);
-    stage::<F>(k, &mut ks, h.kb + key0 * hd, hd, keys, bk, c);
-    stage::<F>(v, &mut vs, h.vb + key0 * h.vrow, h.vrow, keys, bk, c);
+    stage_kv::<F>(k, v, &mut ks, &mut vs, &h, key0, t, bk, c);
     fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
     fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
     for gi in 0..g {
