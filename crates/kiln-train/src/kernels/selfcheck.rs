@@ -379,16 +379,22 @@ pub fn causal_attention_flash(device: &Device, dtype: FloatDType) -> Vec<Check> 
         let mut checks = causal_attention(device, dtype);
         checks.extend(causal_attention_wide(device, dtype));
         super::cube::flash::set_gpu(false);
-        return checks
-            .into_iter()
-            .map(|c| Check {
-                kernel: format!("{} flash", c.kernel),
-                ..c
-            })
-            .collect();
+        return named(checks, "flash");
     }
     let _ = (device, dtype);
     Vec::new()
+}
+
+/// `checks` with `how` after each kernel's name (the same check on another path).
+#[cfg(feature = "cube")]
+fn named(checks: Vec<Check>, how: &str) -> Vec<Check> {
+    checks
+        .into_iter()
+        .map(|c| Check {
+            kernel: format!("{} {how}", c.kernel),
+            ..c
+        })
+        .collect()
 }
 
 /// [`causal_attention`] by products in chunks of 3 positions, on GPUs (where attention goes
@@ -401,13 +407,7 @@ pub fn causal_attention_in_chunks(device: &Device, dtype: FloatDType) -> Vec<Che
         super::set_attention_product_chunk(3);
         let checks = causal_attention(device, dtype);
         super::set_attention_product_chunk(0);
-        return checks
-            .into_iter()
-            .map(|c| Check {
-                kernel: format!("{} in chunks of 3", c.kernel),
-                ..c
-            })
-            .collect();
+        return named(checks, "in chunks of 3");
     }
     let _ = (device, dtype);
     Vec::new()

@@ -33,7 +33,7 @@
 //! Layouts (as `attention`'s): `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp and `D` per query row.
 
-use super::attention::{Head, head_of, out_row};
+use super::heads::{Head, head_of, out_row};
 use super::{Dims, attention_dims, dense, dims, elem, empty_like};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
@@ -690,20 +690,29 @@ fn asked_on_gpu() -> bool {
         || *ASKED.get_or_init(|| std::env::var("KILN_ATTENTION").is_ok_and(|v| v == "flash"))
 }
 
+/// The fragment product the kernels use: 16 x 16 x 16, `e` operands, f32 accumulator.
+fn fragment_config(e: ElemType) -> MmaConfig {
+    MmaConfig {
+        a_type: e,
+        b_type: e,
+        cd_type: ElemType::Float(FloatKind::F32),
+        m: FRAG as u32,
+        n: FRAG as u32,
+        k: FRAG as u32,
+    }
+}
+
 /// Whether the device of `q` multiplies 16 x 16 x 16 fragments of its element type into f32.
 fn has_fragments(q: &CubeTensor) -> bool {
     let e = elem(q);
     let half = matches!(e, ElemType::Float(FloatKind::BF16 | FloatKind::F16));
-    let f32 = ElemType::Float(FloatKind::F32);
-    let config = MmaConfig {
-        a_type: e,
-        b_type: e,
-        cd_type: f32,
-        m: FRAG as u32,
-        n: FRAG as u32,
-        k: FRAG as u32,
-    };
-    half && q.client.properties().features.matmul.cmma.contains(&config)
+    half && q
+        .client
+        .properties()
+        .features
+        .matmul
+        .cmma
+        .contains(&fragment_config(e))
 }
 
 /// The tilings of the forward, `dq` and `dk`/`dv` kernels for `q` and `d`, or `None` where
@@ -725,9 +734,7 @@ pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
     if !asked_on_gpu() || !has_fragments(q) || hw.plane_size_max != 32 || hw.plane_size_min != 32 {
         return None;
     }
-    let shapes = gpu_shapes();
-    let tiles =
-        shapes.map(|(rows, cols, planes)| Tiling::new(rows, cols, planes * 32, 32, d.hd, true));
+    let tiles = gpu_tilings(d.hd);
     let size = q.dtype.size();
     let kinds = [Kernel::Forward, Kernel::Dq, Kernel::Dkv];
     let fits = tiles
@@ -735,6 +742,11 @@ pub(super) fn tilings(q: &CubeTensor, d: &Dims) -> Option<[Tiling; 3]> {
         .zip(kinds)
         .all(|(t, kind)| t.shared_bytes(kind, size) <= hw.max_shared_memory_size);
     fits.then_some(tiles)
+}
+
+/// The GPU tilings of the three kernels at head dimension `hd` ([`gpu_shapes`], planes of 32).
+fn gpu_tilings(hd: usize) -> [Tiling; 3] {
+    gpu_shapes().map(|(rows, cols, planes)| Tiling::new(rows, cols, planes * 32, 32, hd, true))
 }
 
 /// The GPU tilings, `(rows, cols, planes)` for the forward, `dq` and `dk`/`dv` kernels: by
@@ -760,7 +772,7 @@ fn gpu_shapes() -> [(usize, usize, usize); 3] {
     })
 }
 
-/// `(cube count, cube dim)` for blocks of `rows` of `per_head` rows of every K/V head.
+/// `(cube count, cube dim)` for `per_head_blocks` cubes for every K/V head.
 fn launch(d: &Dims, per_head_blocks: usize, c: &Tiling) -> (CubeCount, CubeDim) {
     (
         CubeCount::Static(per_head_blocks.max(1) as u32, (d.b * d.kv) as u32, 1),
@@ -802,7 +814,6 @@ pub(super) fn forward(
 
 /// `(dq, dk, dv)` for the upstream gradient `dout`, as `attention`'s backward, with the
 /// `dq` kernel's and the `dk`/`dv` kernel's tilings.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     dout: CubeTensor,
     (q, k, v, out, lse): (CubeTensor, CubeTensor, CubeTensor, CubeTensor, CubeTensor),
@@ -912,21 +923,9 @@ pub(in crate::kernels) fn ptx(
             physical: None,
         },
     );
-    let f32 = ElemType::Float(FloatKind::F32);
-    props.features.matmul.cmma.insert(MmaConfig {
-        a_type: dtype,
-        b_type: dtype,
-        cd_type: f32,
-        m: FRAG as u32,
-        n: FRAG as u32,
-        k: FRAG as u32,
-    });
+    props.features.matmul.cmma.insert(fragment_config(dtype));
     let (props, target) = (Arc::new(props), Arc::new(TargetProperties::default()));
-    let tiles = [
-        Tiling::new(64, 64, 128, 32, hd, true),
-        Tiling::new(64, 32, 128, 32, hd, true),
-        Tiling::new(32, 32, 128, 32, hd, true),
-    ];
+    let tiles = gpu_tilings(hd);
     let settings = |c: &Tiling| {
         KernelSettings::new(
             *CubeDim::new_1d(c.units as u32),

@@ -37,8 +37,6 @@
 //! and by `kiln doctor` on a GPU, and stay opt-in until their speed is measured there.
 
 pub(super) mod adamw;
-use super::attention::Dims;
-
 pub(super) mod attention;
 pub(super) mod attention_mm;
 mod cross_entropy;
@@ -46,11 +44,13 @@ mod cross_entropy;
 mod cublas;
 pub(super) mod fixed_matmul;
 pub(super) mod flash;
+mod heads;
 mod linear;
 mod norm;
 mod rope;
 pub(super) mod square_sum;
 
+use super::attention::Dims;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{FloatTensor, IntTensor};
