@@ -121,6 +121,15 @@ fn causal_attention_matches_composed() {
     eprintln!("flash attention, 16 x 32 tiles");
     kernels::set_cpu_flash_attention(16, 32, 4);
     assert_passes(selfcheck::causal_attention);
+    assert_passes(selfcheck::causal_attention_rising);
+    // 3 units: a cube's vector loads of a tile not a multiple of its units (the last round's
+    // guard). 32 units: each forward softmax row cut in 2 parts (16 rows), as the GPUs' 128
+    // units cut their 64 rows; scores rising past the rescale gap.
+    for units in [3, 32] {
+        eprintln!("flash attention, 16 x 32 tiles, {units} units");
+        kernels::set_cpu_flash_attention(16, 32, units);
+        assert_passes(selfcheck::causal_attention_rising);
+    }
     // And at head dimensions 64 and 128 (several fragments of 16 along them on GPUs), in the
     // GPUs' tiling: 64 query rows against 64 keys.
     kernels::set_cpu_flash_attention(64, 64, 4);

@@ -52,6 +52,7 @@ pub fn run(device: &Device, dtype: FloatDType) -> Vec<Check> {
         swiglu,
         rope,
         causal_attention,
+        causal_attention_rising,
         causal_attention_in_chunks,
         causal_attention_flash,
         linear_cross_entropy,
@@ -343,6 +344,20 @@ pub fn causal_attention_wide(device: &Device, dtype: FloatDType) -> Vec<Check> {
     attention_checks(device, dtype, &[(1, 2, 2, 150, 128), (1, 1, 4, 80, 64)])
 }
 
+/// Causal attention whose scores rise along the sequence: queries times 4 and keys times 1, 2,
+/// 4 and 8 by blocks of 32 positions (powers of two, exact in every type), so a row's running
+/// max rises by more than the flash forward's rescale gap from one tile of keys to the next
+/// (the scores reach about 30): the pass that rescales the output accumulator, which inputs
+/// on the unit scale never take. At 100 positions, head dimension 8 (CPU's tiles) and 150,
+/// 64 (GPUs').
+pub fn causal_attention_rising(device: &Device, dtype: FloatDType) -> Vec<Check> {
+    let shapes = [(1, 2, 2, 100, 8), (1, 1, 2, 150, 64)];
+    shapes
+        .iter()
+        .flat_map(|&shape| attention_check(device, dtype, shape, true))
+        .collect()
+}
+
 /// Attention at each `(b, kv, groups, t, hd)` against the composed attention.
 fn attention_checks(
     device: &Device,
@@ -351,21 +366,43 @@ fn attention_checks(
 ) -> Vec<Check> {
     shapes
         .iter()
-        .flat_map(|&(b, kv, groups, t, hd)| {
-            let name = format!("attention b{b} kv{kv} g{groups} t{t} hd{hd}");
-            compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
-                let q = r.leaf([b, kv, groups * t, hd], 6);
-                let k = r.leaf([b, kv, t, hd], 7);
-                let v = r.leaf([b, t, kv * hd], 8);
-                let scale = 1.0 / (hd as f64).sqrt();
-                let out = match r.fused {
-                    true => super::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-                    false => composed::causal_attention(q.clone(), k.clone(), v.clone(), scale),
-                };
-                values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
-            })
-        })
+        .flat_map(|&shape| attention_check(device, dtype, shape, false))
         .collect()
+}
+
+/// Attention at `(b, kv, groups, t, hd)` against the composed attention, with scores rising
+/// along the sequence when `rising` ([`causal_attention_rising`]).
+fn attention_check(
+    device: &Device,
+    dtype: FloatDType,
+    (b, kv, groups, t, hd): (usize, usize, usize, usize, usize),
+    rising: bool,
+) -> Vec<Check> {
+    let how = if rising { " rising" } else { "" };
+    let name = format!("attention{how} b{b} kv{kv} g{groups} t{t} hd{hd}");
+    compare(device, dtype, name, &["out", "dq", "dk", "dv"], |r| {
+        let q = r.leaf([b, kv, groups * t, hd], 6);
+        let k = r.leaf([b, kv, t, hd], 7);
+        let v = r.leaf([b, t, kv * hd], 8);
+        let (qa, ka) = match rising {
+            true => {
+                let ramp: Vec<f32> = (0..t).map(|p| (1 << (p / 32).min(3)) as f32).collect();
+                let ramp = Tensor::<4>::from_data(
+                    TensorData::new(ramp, [1, 1, t, 1]),
+                    &r.device.clone().autodiff(),
+                )
+                .cast(r.compute_dtype());
+                (q.clone() * 4.0, k.clone() * ramp)
+            }
+            false => (q.clone(), k.clone()),
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = match r.fused {
+            true => super::causal_attention(qa, ka, v.clone(), scale),
+            false => composed::causal_attention(qa, ka, v.clone(), scale),
+        };
+        values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
+    })
 }
 
 /// [`causal_attention`] and [`causal_attention_wide`] by the flash kernels on GPUs in bf16
@@ -378,6 +415,7 @@ pub fn causal_attention_flash(device: &Device, dtype: FloatDType) -> Vec<Check> 
         super::cube::flash::set_gpu(true);
         let mut checks = causal_attention(device, dtype);
         checks.extend(causal_attention_wide(device, dtype));
+        checks.extend(causal_attention_rising(device, dtype));
         super::cube::flash::set_gpu(false);
         return named(checks, "flash");
     }

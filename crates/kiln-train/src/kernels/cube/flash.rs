@@ -41,6 +41,10 @@ use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// The most iterations of a per-unit loop that are unrolled (GPUs' tilings: their loads all
+/// issued at once, their indices constant); CubeCL's CPU runtime's few units a cube would
+/// unroll hundreds.
+const UNROLL: usize = 32;
 /// The side of a tensor-core fragment (16 x 16 x 16).
 const FRAG: usize = 16;
 /// Bytes the tiles in shared memory are aligned to: fragment loads and stores take 32-byte
@@ -88,12 +92,19 @@ impl Tiling {
         }
     }
 
+    /// Units a row of the forward kernel's softmax takes ([`online_softmax`]): all of the
+    /// cube's where they divide the rows and the parts divide the tile's columns.
+    fn parts(&self) -> usize {
+        let p = (self.units / self.rows).max(1);
+        if self.cols.is_multiple_of(p) { p } else { 1 }
+    }
+
     /// Bytes of shared memory the kernel `kind` takes with elements of `size` bytes.
     fn shared_bytes(&self, kind: Kernel, size: usize) -> usize {
         let (r, c) = (self.rows, self.cols);
         let (f32s, elems) = match kind {
             Kernel::Forward => (
-                r * (self.lds + self.ldo),
+                r * (self.lds + self.ldo + 3 * self.parts() + 1) + 1,
                 (r + 2 * c) * self.ldh + r * self.ldp,
             ),
             Kernel::Dq => (
@@ -286,49 +297,150 @@ fn back(c: Tiling, rows: usize, cols: usize) -> Product {
     }
 }
 
-/// Stages `rows` rows of a head (`valid` of them real, from `base` with `stride` between
-/// rows, `hd` wide) into `dst` `[rows, hdp]` (rows `ldh` apart), zero past the real rows and
-/// columns.
-#[cube]
-fn stage<F: Float>(
-    src: &Tensor<F>,
-    dst: &mut Shared<[F]>,
+/// Where a tile's rows come from: `valid` real rows from element `base` of a tensor, `stride`
+/// elements between rows.
+#[derive(CubeType, Clone, Copy)]
+struct Rows {
     base: usize,
     stride: usize,
     valid: usize,
-    #[comptime] rows: usize,
-    #[comptime] c: Tiling,
-) {
-    let mut idx = UNIT_POS as usize;
-    while idx < comptime!(rows * c.hdp) {
-        let (r, j) = (idx / c.hdp, idx % c.hdp);
-        let mut x = F::from_int(0);
-        if r < valid && j < c.hd {
-            x = src[base + r * stride + j];
-        }
-        dst[r * c.ldh + j] = x;
-        idx += c.units;
+}
+
+#[cube]
+fn rows_at(base: usize, stride: usize, valid: usize) -> Rows {
+    Rows {
+        base,
+        stride,
+        valid,
     }
 }
 
-/// Stages keys and values `[k0, k0 + rows)` of K/V head `h` (those before `t` real) into `ks`
-/// and `vs`.
+/// The vectors of one tile this unit stages: `rows` rows of `hd` elements as vectors of `n`,
+/// handed out to the cube's units in turn.
+fn vectors_per_unit(c: Tiling, rows: usize, n: usize) -> usize {
+    (rows * c.hd / n).div_ceil(c.units)
+}
+
+/// The `i`-th vector this unit stages of a `rows`-row tile: `(row, vector in the row, live)`,
+/// not live past the tile's last vector (where the units do not divide them: then it names the
+/// tile's first vector).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_kv<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    ks: &mut Shared<[F]>,
-    vs: &mut Shared<[F]>,
-    h: &Head,
-    k0: usize,
-    t: usize,
+fn vector_at(
+    i: usize,
+    #[comptime] rows: usize,
+    #[comptime] n: usize,
+    #[comptime] c: Tiling,
+) -> (usize, usize, bool) {
+    let per_row = comptime!(c.hd / n);
+    let total = comptime!(rows * per_row);
+    let idx = UNIT_POS as usize + i * c.units;
+    let mut live = true;
+    if comptime!(total % c.units != 0) {
+        live = idx < total;
+    }
+    let at = select(live, idx, 0);
+    (at / per_row, at % per_row, live)
+}
+
+/// Loads this unit's vectors of a `rows`-row tile from `src` into `regs`, all of them issued
+/// before any is used (unrolled, without branches: rows past the real ones read the last real
+/// row and hold zero), so that a tile costs one memory latency and the loads of the next tile
+/// can be in flight while the cube computes on this one. (The first version loaded and stored
+/// one element at a time: by its SASS, about 32 memory latencies a tile.)
+#[cube]
+fn fetch<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    regs: &mut Array<Vector<F, N>>,
+    at: &Rows,
     #[comptime] rows: usize,
     #[comptime] c: Tiling,
 ) {
-    let keys = usize::min(rows, t - k0);
-    stage::<F>(k, ks, h.kb + k0 * c.hd, c.hd, keys, rows, c);
-    stage::<F>(v, vs, h.vb + k0 * h.vrow, h.vrow, keys, rows, c);
+    let n = src.vector_size();
+    let last = at.valid - 1;
+    let zero = Vector::<F, N>::new(F::from_int(0));
+    let count = comptime!(vectors_per_unit(c, rows, n));
+    #[unroll(count <= UNROLL)]
+    for i in 0..count {
+        let (r, j, _live) = vector_at(i, rows, n, c);
+        let x = src[(at.base + usize::min(r, last) * at.stride) / n + j];
+        regs[i] = select(r < at.valid, x, zero);
+    }
+}
+
+/// Stores what [`fetch`] loaded into the tile `dst` `[rows, hdp]` (rows `ldh` apart), and
+/// zeros in the columns past `hd`.
+#[cube]
+fn put<F: Float, N: Size>(
+    regs: &Array<Vector<F, N>>,
+    dst: &mut Shared<[F]>,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) {
+    let n = regs.vector_size();
+    let count = comptime!(vectors_per_unit(c, rows, n));
+    #[unroll(count <= UNROLL)]
+    for i in 0..count {
+        let (r, j, live) = vector_at(i, rows, n, c);
+        if live {
+            let x = regs[i];
+            #[unroll]
+            for e in 0..n {
+                dst[r * c.ldh + j * n + e] = x.extract(e);
+            }
+        }
+    }
+    if comptime!(c.hdp > c.hd) {
+        let pad = comptime!(c.hdp - c.hd);
+        let mut idx = UNIT_POS as usize;
+        while idx < comptime!(rows * pad) {
+            dst[(idx / pad) * c.ldh + c.hd + idx % pad] = F::from_int(0);
+            idx += c.units;
+        }
+    }
+}
+
+/// Registers for one tile's vectors of a unit (see [`fetch`]).
+#[cube]
+fn tile_registers<F: Float, N: Size>(
+    like: &Tensor<Vector<F, N>>,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) -> Array<Vector<F, N>> {
+    let n = like.vector_size();
+    Array::<Vector<F, N>>::new(comptime!(vectors_per_unit(c, rows, n)))
+}
+
+/// Stages `rows` rows of a head from `src` (as `at` says) into `dst`: [`fetch`], then [`put`].
+#[cube]
+fn stage<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut Shared<[F]>,
+    at: &Rows,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) {
+    let mut regs = tile_registers::<F, N>(src, rows, c);
+    fetch::<F, N>(src, &mut regs, at, rows, c);
+    put::<F, N>(&regs, dst, rows, c);
+}
+
+/// Where keys (`true`) or values of K/V head `h` from key `k0` lie, `rows` of them (those
+/// before `t` real).
+#[cube]
+fn kv_rows(
+    h: &Head,
+    k0: usize,
+    t: usize,
+    #[comptime] keys: bool,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) -> Rows {
+    let valid = usize::min(rows, t - k0);
+    if comptime!(keys) {
+        rows_at(h.kb + k0 * c.hd, c.hd, valid)
+    } else {
+        rows_at(h.vb + k0 * h.vrow, h.vrow, valid)
+    }
 }
 
 /// Sets `n` values of `dst` to `value`, the cube's units together.
@@ -368,65 +480,162 @@ fn query_block(groups: u32, seq: u32, #[comptime] rows: usize) -> QueryBlock {
     }
 }
 
-/// One unit a row of the block: the new running max and sum over the tile's scores `ss` from
-/// key `k0` (keys past the row's position masked), `P` into `ps`, and the output accumulator's
-/// row rescaled by the change of max. Each unit walks its row from its own column on (the
-/// columns rotated by the row), so that the units of a plane read different banks.
+/// How far (in the scaled scores' natural-log units) a row's running max may rise before
+/// the row's output accumulator is rescaled. Below it the row keeps its old max, so a tile's
+/// probabilities stay below e^8 (finite in bf16 and in the f32 sums, and the same function:
+/// the sum is taken against the same max), and the usual tile, no row rescaled, skips the
+/// pass over the accumulator (as FlashAttention-4 does).
+const RESCALE_GAP: f32 = 8.0;
+
+/// The block's running max and sum over the tile's scores `ss` from key `k0` (keys past a
+/// row's position masked), `P` into `ps`, and the output accumulator's rows rescaled where
+/// their max rose by more than [`RESCALE_GAP`]. Each row is cut in `parts` (a unit each, all
+/// the cube's units busy): a pass for the parts' maxes (`red`), then each part exponentiates
+/// its columns against the row's max and keeps its own running max and sum (`ms`, `ls`,
+/// `[rows, parts]`, every part of a row the same max); `keeps` and `flag` carry the rescale to
+/// the accumulator pass. Each unit walks its columns from its own offset on (rotated by the
+/// row), so that the units of a plane read different banks.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn online_softmax<F: Float>(
     ss: &Shared<[f32]>,
     ps: &mut Shared<[F]>,
     os: &mut Shared<[f32]>,
-    ms: &mut Shared<[f32]>,
-    ls: &mut Shared<[f32]>,
+    st: &mut RowStats,
     qb: &QueryBlock,
     k0: usize,
     scale: f32,
     #[comptime] c: Tiling,
 ) {
-    let (bc, hdp) = (c.cols, c.hdp);
-    let mut row = UNIT_POS as usize;
-    while row < c.rows {
-        let pos = qb.p0 + row;
+    let parts = comptime!(c.parts());
+    let span = comptime!(c.cols / parts);
+    if UNIT_POS == 0 {
+        st.flag[0] = 0.0f32;
+    }
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(c.rows * parts) {
+        let (row, part) = (idx / parts, idx % parts);
         let live = row < qb.valid;
-        let mut mx = ms[row];
-        for i in 0..bc {
-            let col = (i + row) % bc;
-            if live && k0 + col <= pos {
+        let mut mx = f32::new(-3.0e38);
+        #[unroll(span <= UNROLL)]
+        for i in 0..span {
+            let col = part * span + (i + row) % span;
+            if live && k0 + col <= qb.p0 + row {
                 mx = f32::max(mx, ss[row * c.lds + col] * scale);
             }
         }
-        let keep = (ms[row] - mx).exp();
-        let mut l = ls[row] * keep;
-        for i in 0..bc {
-            let col = (i + row) % bc;
+        st.red[idx] = mx;
+        idx += c.units;
+    }
+    sync_cube();
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(c.rows * parts) {
+        let (row, part) = (idx / parts, idx % parts);
+        let live = row < qb.valid;
+        let mut top = f32::new(-3.0e38);
+        for p in 0..parts {
+            top = f32::max(top, st.red[row * parts + p]);
+        }
+        let old = st.ms[idx];
+        let mut mx = old;
+        let mut keep = 1.0f32;
+        if top > old + RESCALE_GAP {
+            mx = top;
+            keep = (old - top).exp();
+        }
+        let mut l = st.ls[idx] * keep;
+        for i in 0..span {
+            let col = part * span + (i + row) % span;
             let mut e = 0.0f32;
-            if live && k0 + col <= pos {
+            if live && k0 + col <= qb.p0 + row {
                 e = (ss[row * c.lds + col] * scale - mx).exp();
             }
             l += e;
             ps[row * c.ldp + col] = F::cast_from(e);
         }
-        if live {
-            ms[row] = mx;
-            ls[row] = l;
-            for i in 0..hdp {
-                let j = (i + row) % hdp;
-                os[row * c.ldo + j] *= keep;
+        st.ms[idx] = mx;
+        st.ls[idx] = l;
+        if part == 0 {
+            st.keeps[row] = keep;
+            // A row with no key yet has a zero accumulator: nothing to rescale.
+            if keep < 1.0f32 && old > -1.0e38f32 {
+                st.flag[0] = 1.0f32;
             }
         }
-        row += c.units;
+        idx += c.units;
+    }
+    sync_cube();
+    if st.flag[0] > 0.0f32 {
+        let mut idx = UNIT_POS as usize;
+        while idx < comptime!(c.rows * c.hdp) {
+            let row = idx / c.hdp;
+            os[row * c.ldo + idx % c.hdp] *= st.keeps[row];
+            idx += c.units;
+        }
+    }
+}
+
+/// The forward kernel's per-row state in shared memory: running max and sum per part of a
+/// row (`[rows, parts]`), the parts' maxes of the current tile, each row's rescale factor,
+/// and whether any row is rescaled this tile.
+#[derive(CubeType)]
+struct RowStats {
+    ms: Shared<[f32]>,
+    ls: Shared<[f32]>,
+    red: Shared<[f32]>,
+    keeps: Shared<[f32]>,
+    flag: Shared<[f32]>,
+}
+
+#[cube]
+fn row_stats(#[comptime] c: Tiling) -> RowStats {
+    let n = comptime!(c.rows * c.parts());
+    let mut st = RowStats {
+        ms: Shared::<[f32]>::new_slice(n),
+        ls: Shared::<[f32]>::new_slice(n),
+        red: Shared::<[f32]>::new_slice(n),
+        keeps: Shared::<[f32]>::new_slice(c.rows),
+        flag: Shared::<[f32]>::new_slice(1usize),
+    };
+    fill(&mut st.ms, -3.0e38f32, n, c);
+    fill(&mut st.ls, 0.0f32, n, c);
+    st
+}
+
+/// Writes `valid` rows of the f32 tile `src` (rows `ldo` apart, `hd` wide) into `dst` from
+/// element `base`, `stride` elements between rows, a vector at a time.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn unstage<F: Float, N: Size>(
+    src: &Shared<[f32]>,
+    dst: &mut Tensor<Vector<F, N>>,
+    base: usize,
+    stride: usize,
+    valid: usize,
+    #[comptime] c: Tiling,
+) {
+    let n = dst.vector_size();
+    let per_row = comptime!(c.hd / n);
+    let mut idx = UNIT_POS as usize;
+    while idx < valid * per_row {
+        let (r, j) = (idx / per_row, idx % per_row);
+        let mut x = Vector::<F, N>::new(F::from_int(0));
+        #[unroll]
+        for e in 0..n {
+            x.insert(e, F::cast_from(src[r * c.ldo + j * n + e]));
+        }
+        dst[(base + r * stride) / n + j] = x;
+        idx += c.units;
     }
 }
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn flash_forward_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    out: &mut Tensor<F>,
+fn flash_forward_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
     lse: &mut Tensor<f32>,
     kv: u32,
     groups: u32,
@@ -445,51 +654,73 @@ fn flash_forward_kernel<F: Float>(
     let mut ss = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.lds), ALIGN);
     let mut ps = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldp), ALIGN);
     let mut os = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.ldo), ALIGN);
-    let mut ms = Shared::<[f32]>::new_slice(br);
-    let mut ls = Shared::<[f32]>::new_slice(br);
-    stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
+    let mut st = row_stats(c);
+    let (mut kr, mut vr) = (
+        tile_registers::<F, N>(k, bc, c),
+        tile_registers::<F, N>(v, bc, c),
+    );
+    fetch::<F, N>(k, &mut kr, &kv_rows(&h, 0, t, true, bc, c), bc, c);
+    fetch::<F, N>(v, &mut vr, &kv_rows(&h, 0, t, false, bc, c), bc, c);
+    stage::<F, N>(q, &mut qs, &rows_at(qb.u0 * hd, hd, qb.valid), br, c);
     fill(&mut os, 0.0f32, comptime!(br * c.ldo), c);
-    fill(&mut ms, -3.0e38f32, br, c);
-    fill(&mut ls, 0.0f32, br, c);
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
-        stage_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, bc, c);
+        put::<F, N>(&kr, &mut ks, bc, c);
+        put::<F, N>(&vr, &mut vs, bc, c);
         sync_cube();
+        // The next tile's keys and values in flight while the cube works on this one.
+        if tile + 1 < tiles {
+            fetch::<F, N>(k, &mut kr, &kv_rows(&h, k0 + bc, t, true, bc, c), bc, c);
+            fetch::<F, N>(v, &mut vr, &kv_rows(&h, k0 + bc, t, false, bc, c), bc, c);
+        }
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         sync_cube();
-        online_softmax::<F>(&ss, &mut ps, &mut os, &mut ms, &mut ls, &qb, k0, scale, c);
+        online_softmax::<F>(&ss, &mut ps, &mut os, &mut st, &qb, k0, scale, c);
         sync_cube();
         tile_product::<F>(&ps, &vs, &mut os, comptime!(back(c, br, bc)), c);
         sync_cube();
     }
-    let mut idx = UNIT_POS as usize;
-    while idx < qb.valid * hd {
-        let (row, j) = (idx / hd, idx % hd);
-        let at = out_row(&h, qb.r0 + row, kv, groups, seq, hd);
-        out[at + j] = F::cast_from(os[row * c.ldo + j] / ls[row]);
-        idx += c.units;
-    }
+    // Each row's sum over its parts; the output rows divided by it, then written.
+    let parts = comptime!(c.parts());
     let mut row = UNIT_POS as usize;
-    while row < qb.valid {
-        lse[qb.u0 + row] = ms[row] + ls[row].ln();
+    while row < br {
+        let mut l = 0.0f32;
+        for p in 0..parts {
+            l += st.ls[row * parts + p];
+        }
+        st.keeps[row] = 1.0f32 / l;
+        if row < qb.valid {
+            lse[qb.u0 + row] = st.ms[row * parts] + l.ln();
+        }
         row += c.units;
     }
+    sync_cube();
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(br * c.hdp) {
+        let row = idx / c.hdp;
+        os[row * c.ldo + idx % c.hdp] *= st.keeps[row];
+        idx += c.units;
+    }
+    sync_cube();
+    let orow = out_row(&h, qb.r0, kv, groups, seq, hd);
+    let ostride = (kv * groups) as usize * hd;
+    unstage::<F, N>(&os, out, orow, ostride, qb.valid, c);
 }
 
 /// `dq = scale * sum_k P (dP - D) k` for a block of query rows, and `D = dO . O` per row
 /// (saved for the `dk`/`dv` kernel).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn flash_dq_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    out: &Tensor<F>,
-    dout: &Tensor<F>,
+fn flash_dq_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    out: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &mut Tensor<f32>,
-    dq: &mut Tensor<F>,
+    dq: &mut Tensor<Vector<F, N>>,
     kv: u32,
     groups: u32,
     seq: u32,
@@ -513,18 +744,27 @@ fn flash_dq_kernel<F: Float>(
     let mut dqs = Shared::<[f32]>::new_aligned_slice(comptime!(br * c.ldo), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(br);
     let mut ds = Shared::<[f32]>::new_slice(br);
-    stage::<F>(q, &mut qs, qb.u0 * hd, hd, qb.valid, br, c);
-    stage::<F>(dout, &mut dos, orow, ostride, qb.valid, br, c);
+    let (mut kr, mut vr) = (
+        tile_registers::<F, N>(k, bc, c),
+        tile_registers::<F, N>(v, bc, c),
+    );
+    fetch::<F, N>(k, &mut kr, &kv_rows(&h, 0, t, true, bc, c), bc, c);
+    fetch::<F, N>(v, &mut vr, &kv_rows(&h, 0, t, false, bc, c), bc, c);
+    let (mut qr, mut dor) = (
+        tile_registers::<F, N>(q, br, c),
+        tile_registers::<F, N>(dout, br, c),
+    );
+    fetch::<F, N>(q, &mut qr, &rows_at(qb.u0 * hd, hd, qb.valid), br, c);
+    fetch::<F, N>(dout, &mut dor, &rows_at(orow, ostride, qb.valid), br, c);
+    put::<F, N>(&qr, &mut qs, br, c);
+    put::<F, N>(&dor, &mut dos, br, c);
     fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
     let mut row = UNIT_POS as usize;
     while row < br {
         let mut d = 0.0f32;
         let mut l = 0.0f32;
         if row < qb.valid {
-            let at = orow + row * ostride;
-            for j in 0..hd {
-                d += f32::cast_from(dout[at + j]) * f32::cast_from(out[at + j]);
-            }
+            d = dot_row::<F, N>(dout, out, orow + row * ostride, c);
             delta[qb.u0 + row] = d;
             l = lse[qb.u0 + row];
         }
@@ -535,47 +775,73 @@ fn flash_dq_kernel<F: Float>(
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
-        stage_kv::<F>(k, v, &mut ks, &mut vs, &h, k0, t, bc, c);
+        put::<F, N>(&kr, &mut ks, bc, c);
+        put::<F, N>(&vr, &mut vs, bc, c);
         sync_cube();
+        if tile + 1 < tiles {
+            fetch::<F, N>(k, &mut kr, &kv_rows(&h, k0 + bc, t, true, bc, c), bc, c);
+            fetch::<F, N>(v, &mut vr, &kv_rows(&h, k0 + bc, t, false, bc, c), bc, c);
+        }
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         tile_product::<F>(&dos, &vs, &mut dps, comptime!(against(c, br, bc)), c);
         sync_cube();
-        let mut idx = UNIT_POS as usize;
-        while idx < comptime!(br * bc) {
-            let (row, col) = (idx / bc, idx % bc);
-            let mut g = 0.0f32;
-            if row < qb.valid && k0 + col <= qb.p0 + row {
-                let p = (ss[row * c.lds + col] * scale - ls[row]).exp();
-                g = p * (dps[row * c.lds + col] - ds[row]) * scale;
+        let count = comptime!((br * bc).div_ceil(c.units));
+        #[unroll(count <= UNROLL)]
+        for i in 0..count {
+            let idx = UNIT_POS as usize + i * c.units;
+            if idx < comptime!(br * bc) {
+                let (row, col) = (idx / bc, idx % bc);
+                let mut g = 0.0f32;
+                if row < qb.valid && k0 + col <= qb.p0 + row {
+                    let p = (ss[row * c.lds + col] * scale - ls[row]).exp();
+                    g = p * (dps[row * c.lds + col] - ds[row]) * scale;
+                }
+                dss[row * c.ldp + col] = F::cast_from(g);
             }
-            dss[row * c.ldp + col] = F::cast_from(g);
-            idx += c.units;
         }
         sync_cube();
         tile_product::<F>(&dss, &ks, &mut dqs, comptime!(back(c, br, bc)), c);
         sync_cube();
     }
-    let mut idx = UNIT_POS as usize;
-    while idx < qb.valid * hd {
-        let (row, j) = (idx / hd, idx % hd);
-        dq[(qb.u0 + row) * hd + j] = F::cast_from(dqs[row * c.ldo + j]);
-        idx += c.units;
+    unstage::<F, N>(&dqs, dq, qb.u0 * hd, hd, qb.valid, c);
+}
+
+/// `a . b` over the `hd` elements of the row at element `at` of both, in f32, its vector
+/// loads unrolled.
+#[cube]
+fn dot_row<F: Float, N: Size>(
+    a: &Tensor<Vector<F, N>>,
+    b: &Tensor<Vector<F, N>>,
+    at: usize,
+    #[comptime] c: Tiling,
+) -> f32 {
+    let n = a.vector_size();
+    let mut d = 0.0f32;
+    let count = comptime!(c.hd / n);
+    #[unroll(count <= UNROLL)]
+    for j in 0..count {
+        let (x, y) = (a[at / n + j], b[at / n + j]);
+        #[unroll]
+        for e in 0..n {
+            d += f32::cast_from(x.extract(e)) * f32::cast_from(y.extract(e));
+        }
     }
+    d
 }
 
 /// `dv = sum_r P^T dO` and `dk = scale * sum_r (P (dP - D))^T q` for a block of keys, over
 /// the query rows of every head in the group at or after the block's first key.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn flash_dkv_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
+fn flash_dkv_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<Vector<F, N>>,
+    dv: &mut Tensor<Vector<F, N>>,
     kv: u32,
     groups: u32,
     seq: u32,
@@ -589,7 +855,6 @@ fn flash_dkv_kernel<F: Float>(
     let h = head_of(head, kv, seq, hd);
     let key0 = CUBE_POS_X as usize * bk;
     let keys = usize::min(bk, t - key0);
-    let ostride = (kv * groups) as usize * hd;
     let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
     let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
     let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(bq * c.ldh), ALIGN);
@@ -602,35 +867,68 @@ fn flash_dkv_kernel<F: Float>(
     let mut dvs = Shared::<[f32]>::new_aligned_slice(comptime!(bk * c.ldo), ALIGN);
     let mut ls = Shared::<[f32]>::new_slice(bq);
     let mut ds = Shared::<[f32]>::new_slice(bq);
-    stage_kv::<F>(k, v, &mut ks, &mut vs, &h, key0, t, bk, c);
+    stage::<F, N>(k, &mut ks, &kv_rows(&h, key0, t, true, bk, c), bk, c);
+    stage::<F, N>(v, &mut vs, &kv_rows(&h, key0, t, false, bk, c), bk, c);
     fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
     fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
-    for gi in 0..g {
-        for tile in key0 / bq..t.div_ceil(bq) {
-            let p0 = tile * bq;
-            let valid = usize::min(bq, t - p0);
-            let u0 = head * g * t + gi * t + p0;
-            stage::<F>(q, &mut qs, u0 * hd, hd, valid, bq, c);
-            let orow = out_row(&h, gi * t + p0, kv, groups, seq, hd);
-            stage::<F>(dout, &mut dos, orow, ostride, valid, bq, c);
+    // One step a tile of query rows of a head of the group, the next step's rows, their
+    // log-sum-exp and `D` in flight while the cube works on this one's.
+    let first = key0 / bq;
+    let per_head = t.div_ceil(bq) - first;
+    let steps = g * per_head;
+    let (mut qr, mut dor) = (
+        tile_registers::<F, N>(q, bq, c),
+        tile_registers::<F, N>(dout, bq, c),
+    );
+    let mut tile = first;
+    let first_at = query_tile(&h, head, tile, kv, groups, seq, bq, c);
+    fetch::<F, N>(q, &mut qr, &first_at.q, bq, c);
+    fetch::<F, N>(dout, &mut dor, &first_at.dout, bq, c);
+    let (mut l, mut d) = row_stat(lse, delta, &first_at);
+    for step in 0..steps {
+        let at = query_tile(&h, head, tile, kv, groups, seq, bq, c);
+        let (p0, valid) = (at.p0, at.q.valid);
+        put::<F, N>(&qr, &mut qs, bq, c);
+        put::<F, N>(&dor, &mut dos, bq, c);
+        if comptime!(c.units >= bq) {
+            if UNIT_POS < bq as u32 {
+                ls[UNIT_POS as usize] = l;
+                ds[UNIT_POS as usize] = d;
+            }
+        } else {
+            // Fewer units than rows (CubeCL's CPU runtime in tests): read them here.
             let mut i = UNIT_POS as usize;
             while i < bq {
-                let mut l = 0.0f32;
-                let mut d = 0.0f32;
+                let mut li = 0.0f32;
+                let mut di = 0.0f32;
                 if i < valid {
-                    l = lse[u0 + i];
-                    d = delta[u0 + i];
+                    li = lse[at.u0 + i];
+                    di = delta[at.u0 + i];
                 }
-                ls[i] = l;
-                ds[i] = d;
+                ls[i] = li;
+                ds[i] = di;
                 i += c.units;
             }
-            sync_cube();
-            tile_product::<F>(&ks, &qs, &mut sts, comptime!(against(c, bk, bq)), c);
-            tile_product::<F>(&vs, &dos, &mut dpts, comptime!(against(c, bk, bq)), c);
-            sync_cube();
-            let mut idx = UNIT_POS as usize;
-            while idx < comptime!(bk * bq) {
+        }
+        sync_cube();
+        if step + 1 < steps {
+            let next = step + 1;
+            tile = (next / per_head) * t.div_ceil(bq) + first + next % per_head;
+            let ahead = query_tile(&h, head, tile, kv, groups, seq, bq, c);
+            fetch::<F, N>(q, &mut qr, &ahead.q, bq, c);
+            fetch::<F, N>(dout, &mut dor, &ahead.dout, bq, c);
+            let (nl, nd) = row_stat(lse, delta, &ahead);
+            l = nl;
+            d = nd;
+        }
+        tile_product::<F>(&ks, &qs, &mut sts, comptime!(against(c, bk, bq)), c);
+        tile_product::<F>(&vs, &dos, &mut dpts, comptime!(against(c, bk, bq)), c);
+        sync_cube();
+        let count = comptime!((bk * bq).div_ceil(c.units));
+        #[unroll(count <= UNROLL)]
+        for i in 0..count {
+            let idx = UNIT_POS as usize + i * c.units;
+            if idx < comptime!(bk * bq) {
                 let (kr, col) = (idx / bq, idx % bq);
                 let mut p = 0.0f32;
                 let mut gr = 0.0f32;
@@ -640,21 +938,67 @@ fn flash_dkv_kernel<F: Float>(
                 }
                 pts[kr * c.ldp + col] = F::cast_from(p);
                 dsts[kr * c.ldp + col] = F::cast_from(gr);
-                idx += c.units;
             }
-            sync_cube();
-            tile_product::<F>(&pts, &dos, &mut dvs, comptime!(back(c, bk, bq)), c);
-            tile_product::<F>(&dsts, &qs, &mut dks, comptime!(back(c, bk, bq)), c);
-            sync_cube();
         }
+        sync_cube();
+        tile_product::<F>(&pts, &dos, &mut dvs, comptime!(back(c, bk, bq)), c);
+        tile_product::<F>(&dsts, &qs, &mut dks, comptime!(back(c, bk, bq)), c);
+        sync_cube();
     }
-    let mut idx = UNIT_POS as usize;
-    while idx < keys * hd {
-        let (kr, j) = (idx / hd, idx % hd);
-        dk[h.kb + (key0 + kr) * hd + j] = F::cast_from(dks[kr * c.ldo + j]);
-        dv[h.vb + (key0 + kr) * h.vrow + j] = F::cast_from(dvs[kr * c.ldo + j]);
-        idx += c.units;
+    unstage::<F, N>(&dks, dk, h.kb + key0 * hd, hd, keys, c);
+    unstage::<F, N>(&dvs, dv, h.vb + key0 * h.vrow, h.vrow, keys, c);
+}
+
+/// A tile of `rows` query rows for the `dk`/`dv` kernel: where its rows of `q` and of `dO`
+/// lie, its first position, and its first row among all query rows.
+#[derive(CubeType, Clone, Copy)]
+struct QueryTile {
+    q: Rows,
+    dout: Rows,
+    p0: usize,
+    u0: usize,
+}
+
+/// Query tile `tile` (counted over the group's heads, `t.div_ceil(rows)` a head) of K/V head
+/// `head` (`h`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_tile(
+    h: &Head,
+    head: usize,
+    tile: usize,
+    kv: u32,
+    groups: u32,
+    seq: u32,
+    #[comptime] rows: usize,
+    #[comptime] c: Tiling,
+) -> QueryTile {
+    let (g, t, hd) = (groups as usize, seq as usize, c.hd);
+    let per_head = t.div_ceil(rows);
+    let (gi, p0) = (tile / per_head, (tile % per_head) * rows);
+    let valid = usize::min(rows, t - p0);
+    let u0 = head * g * t + gi * t + p0;
+    let orow = out_row(h, gi * t + p0, kv, groups, seq, hd);
+    QueryTile {
+        q: rows_at(u0 * hd, hd, valid),
+        dout: rows_at(orow, (kv * groups) as usize * hd, valid),
+        p0,
+        u0,
     }
+}
+
+/// This unit's row's log-sum-exp and `D` of the query tile `at` (unit `i` row `i`; zero past
+/// its real rows).
+#[cube]
+fn row_stat(lse: &Tensor<f32>, delta: &Tensor<f32>, at: &QueryTile) -> (f32, f32) {
+    let i = UNIT_POS as usize;
+    let mut l = 0.0f32;
+    let mut d = 0.0f32;
+    if i < at.q.valid {
+        l = lse[at.u0 + i];
+        d = delta[at.u0 + i];
+    }
+    (l, d)
 }
 
 /// The tiling set by [`set_cpu`] for CubeCL's CPU runtime: rows 0 is off (the row kernels
@@ -780,6 +1124,24 @@ fn launch(d: &Dims, per_head_blocks: usize, c: &Tiling) -> (CubeCount, CubeDim) 
     )
 }
 
+/// The vector width (elements) the kernels read and write their `[.., hd]` tensors by: the
+/// widest of the device's IO widths that divides the head dimension and every tensor's start.
+fn vector_width(hd: usize, tensors: &[&CubeTensor]) -> usize {
+    let size = tensors[0].dtype.size();
+    tensors[0]
+        .client
+        .io_optimized_vector_sizes(size)
+        .find(|&n| {
+            hd.is_multiple_of(n)
+                && tensors.iter().all(|t| {
+                    t.handle
+                        .offset_start
+                        .is_none_or(|at| at.is_multiple_of((n * size) as u64))
+                })
+        })
+        .unwrap_or(1)
+}
+
 /// `(output, log-sum-exp per query row)`, as `attention::forward`.
 pub(super) fn forward(
     q: CubeTensor,
@@ -793,10 +1155,12 @@ pub(super) fn forward(
     let out = empty_like(&q, [d.b, d.t, d.kv * d.groups * d.hd]);
     let lse = super::f32_vector(&q, d.rows());
     let (count, dim) = launch(&d, d.groups * d.t.div_ceil(c.rows), &c);
+    let width = vector_width(d.hd, &[&q, &k, &v, &out]);
     flash_forward_kernel::launch(
         &q.client,
         count,
         dim,
+        width,
         q.clone().into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
@@ -830,10 +1194,12 @@ pub(super) fn backward(
     );
     let delta = super::f32_vector(&q, d.rows());
     let (count, dim) = launch(&d, d.groups * d.t.div_ceil(cq.rows), &cq);
+    let width = vector_width(d.hd, &[&q, &k, &v, &out, &dout, &dq, &dk, &dv]);
     flash_dq_kernel::launch(
         &q.client,
         count,
         dim,
+        width,
         q.clone().into_tensor_arg(),
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
@@ -854,6 +1220,7 @@ pub(super) fn backward(
         &q.client,
         count,
         dim,
+        width,
         q.clone().into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
@@ -972,6 +1339,7 @@ pub(in crate::kernels) fn ptx(
         (),
         (),
         (),
+        8,
         cf,
         dtype,
     );
@@ -991,6 +1359,7 @@ pub(in crate::kernels) fn ptx(
         (),
         (),
         (),
+        8,
         cq,
         dtype,
     );
@@ -1010,6 +1379,7 @@ pub(in crate::kernels) fn ptx(
         (),
         (),
         (),
+        8,
         ckv,
         dtype,
     );
