@@ -98,6 +98,26 @@ fn rope_matches_composed() {
     assert_passes(selfcheck::rope);
 }
 
+/// The flash kernels' tensor-core path splits each tile product's output fragments among the
+/// planes of a cube: every fragment once, in the GPU tilings and in ones `KILN_FLASH_TILING`
+/// may set (sides of 16 to 64, 2 to 8 planes, head dimensions not a multiple of 64).
+#[test]
+fn flash_fragments_are_each_computed_by_one_plane() {
+    for (rows, cols, planes) in [
+        (64, 64, 4),
+        (64, 32, 4),
+        (32, 32, 4),
+        (64, 64, 8),
+        (16, 16, 2),
+        (48, 32, 4),
+        (16, 48, 8),
+    ] {
+        for hd in [64, 128, 80] {
+            kernels::check_flash_fragment_slots(rows, cols, planes, hd).unwrap();
+        }
+    }
+}
+
 #[test]
 fn causal_attention_matches_composed() {
     // Cubes of 4 rows (1 in training on this runtime): the cooperative tile loads, blocks

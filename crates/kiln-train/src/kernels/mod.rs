@@ -334,6 +334,25 @@ pub fn flash_attention_ptx(
     cube::flash::ptx(hd, elem, arch)
 }
 
+/// Checks the flash kernels' split of each tile product's output fragments among the planes
+/// of a cube (`rows x cols` tiles, `planes` planes, head dimension `hd`): every fragment
+/// computed once, by the slot whose operands it takes. The tensor-core path's bookkeeping,
+/// which CubeCL's CPU runtime cannot run. No effect without `cube`.
+pub fn check_flash_fragment_slots(
+    rows: usize,
+    cols: usize,
+    planes: usize,
+    hd: usize,
+) -> Result<(), String> {
+    #[cfg(feature = "cube")]
+    return cube::flash::check_slots(rows, cols, planes, hd);
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = (rows, cols, planes, hd);
+        Ok(())
+    }
+}
+
 /// Sets how many query positions a chunk of attention by products takes (`cube::attention_mm`,
 /// GPUs' path), and takes that path on CubeCL's CPU runtime too; 0 restores the default (by
 /// memory, GPUs only): for tests of that path. No effect without `cube`.

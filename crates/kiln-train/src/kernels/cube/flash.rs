@@ -145,7 +145,8 @@ struct Product {
     fresh: bool,
 }
 
-/// `acc (+)= a . b` as `p` says, by the cube's units together (see the module's note).
+/// `acc (+)= a . b` as `p` says, by the cube's units together (see the module's note), the
+/// accumulator in shared memory.
 #[cube]
 fn tile_product<F: Float>(
     a: &Shared<[F]>,
@@ -155,114 +156,280 @@ fn tile_product<F: Float>(
     #[comptime] c: Tiling,
 ) {
     if comptime!(c.mma) {
-        fragment_product::<F>(a, b, acc, p, c);
-    } else {
-        let mut idx = UNIT_POS as usize;
-        while idx < comptime!(p.m * p.n) {
-            let (r, col) = (idx / p.n, idx % p.n);
-            let mut s = 0.0f32;
-            for kk in 0..p.k {
-                let mut x = a[r * p.lda + kk];
-                if comptime!(p.a_cols) {
-                    x = a[kk * p.lda + r];
-                }
-                let mut y = b[kk * p.ldb + col];
-                if comptime!(p.b_cols) {
-                    y = b[col * p.ldb + kk];
-                }
-                s += f32::cast_from(x) * f32::cast_from(y);
-            }
-            if comptime!(!p.fresh) {
-                s += acc[r * p.ldc + col];
-            }
-            acc[r * p.ldc + col] = s;
-            idx += c.units;
+        let mut frags = accumulators(p, c);
+        if comptime!(!p.fresh) {
+            load_fragments(&mut frags, acc, p, c);
         }
+        fragment_product::<F>(a, b, &mut frags, p, c);
+        store_fragments(&mut frags, acc, p, c);
+    } else {
+        unit_product::<F>(a, b, acc, p, c);
     }
 }
 
-/// [`tile_product`] on the tensor cores: plane `i` of the cube computes output fragments
-/// `i`, `i + planes`, ..., each over `k / 16` fragment products.
+/// `acc += a . b` into accumulators that stay with the cube across its loop: on the tensor
+/// cores this plane's output fragments `frags` (registers: no trip through shared memory per
+/// tile), unit by unit the shared tile `acc`.
 #[cube]
-fn fragment_product<F: Float>(
+fn accumulate<F: Float>(
+    a: &Shared<[F]>,
+    b: &Shared<[F]>,
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    acc: &mut Shared<[f32]>,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
+    if comptime!(c.mma) {
+        fragment_product::<F>(a, b, frags, p, c);
+    } else {
+        unit_product::<F>(a, b, acc, p, c);
+    }
+}
+
+/// [`tile_product`] unit by unit: each unit an output element at a time.
+#[cube]
+fn unit_product<F: Float>(
     a: &Shared<[F]>,
     b: &Shared<[F]>,
     acc: &mut Shared<[f32]>,
     #[comptime] p: Product,
     #[comptime] c: Tiling,
 ) {
-    let planes = comptime!(c.units / c.plane);
-    let (fm, fn_, fk) = comptime!((p.m / FRAG, p.n / FRAG, p.k / FRAG));
-    let layout_a = comptime!(match p.a_cols {
-        true => cmma::MatrixLayout::ColMajor,
-        false => cmma::MatrixLayout::RowMajor,
-    });
-    let layout_b = comptime!(match p.b_cols {
-        true => cmma::MatrixLayout::ColMajor,
-        false => cmma::MatrixLayout::RowMajor,
-    });
-    // The extent one fragment spans in a buffer of leading dimension `ld`.
-    let (span_a, span_b, span_c) = comptime!((
-        (FRAG - 1) * p.lda + FRAG,
-        (FRAG - 1) * p.ldb + FRAG,
-        (FRAG - 1) * p.ldc + FRAG
-    ));
-    let mut f = UNIT_POS as usize / c.plane;
-    while f < comptime!(fm * fn_) {
-        let (i, j) = (f / fn_, f % fn_);
-        let at_c = i * FRAG * p.ldc + j * FRAG;
-        let mut out = cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            FRAG,
-            FRAG,
-            FRAG,
-            cmma::MatrixLayout::Undefined,
-            0.0f32,
-        );
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(p.m * p.n) {
+        let (r, col) = (idx / p.n, idx % p.n);
+        let mut s = 0.0f32;
+        for kk in 0..p.k {
+            let mut x = a[r * p.lda + kk];
+            if comptime!(p.a_cols) {
+                x = a[kk * p.lda + r];
+            }
+            let mut y = b[kk * p.ldb + col];
+            if comptime!(p.b_cols) {
+                y = b[col * p.ldb + kk];
+            }
+            s += f32::cast_from(x) * f32::cast_from(y);
+        }
         if comptime!(!p.fresh) {
-            cmma::load_with_layout(
-                &mut out,
-                &acc[at_c..at_c + span_c],
+            s += acc[r * p.ldc + col];
+        }
+        acc[r * p.ldc + col] = s;
+        idx += c.units;
+    }
+}
+
+/// How the planes of a cube share the `fm x fn` output fragments of a product. In a grid
+/// (`grid`), each plane owns `rows x cols` of them: every fragment row and the columns
+/// `plane, plane + planes, ...` (`by_cols`), or the rows `plane, plane + planes, ...` and
+/// every column; so that a plane loads `rows + cols` operand fragments a step along `k` for
+/// `rows * cols` products, against two a product. Where the planes divide neither side,
+/// plane `i` takes fragments `i, i + planes, ...` (`count` slots, the last maybe empty).
+#[derive(Copy, Clone, Debug, Hash, PartialEq, Eq)]
+struct Split {
+    grid: bool,
+    by_cols: bool,
+    rows: usize,
+    cols: usize,
+    count: usize,
+}
+
+impl Split {
+    fn of(p: Product, c: Tiling) -> Self {
+        let planes = c.units / c.plane;
+        let (fm, fn_) = (p.m / FRAG, p.n / FRAG);
+        let (cols_split, rows_split) = (fn_.is_multiple_of(planes), fm.is_multiple_of(planes));
+        let by_cols = cols_split && (!rows_split || fm + fn_ / planes <= fm / planes + fn_);
+        let (rows, cols) = match (by_cols, rows_split) {
+            (true, _) => (fm, fn_ / planes),
+            (false, true) => (fm / planes, fn_),
+            (false, false) => (0, 0),
+        };
+        Split {
+            grid: by_cols || rows_split,
+            by_cols,
+            rows,
+            cols,
+            count: (fm * fn_).div_ceil(planes),
+        }
+    }
+}
+
+/// Fragment slot `q` of this plane in a product split as `s`: `(fragment row, fragment column,
+/// whether the slot holds a fragment)`.
+#[cube]
+fn slot(
+    q: usize,
+    #[comptime] s: Split,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) -> (usize, usize, bool) {
+    let planes = comptime!(c.units / c.plane);
+    let plane = UNIT_POS as usize / c.plane;
+    let fn_ = comptime!(p.n / FRAG);
+    if comptime!(s.grid) {
+        let (qi, qj) = (q / s.cols, q % s.cols);
+        if comptime!(s.by_cols) {
+            (qi, plane + qj * planes, true)
+        } else {
+            (plane + qi * planes, qj, true)
+        }
+    } else {
+        let f = plane + q * planes;
+        (f / fn_, f % fn_, f < comptime!(p.m / FRAG * fn_))
+    }
+}
+
+/// Zeroed output fragments for this plane's slots of `p` (none unit by unit).
+#[cube]
+fn accumulators(#[comptime] p: Product, #[comptime] c: Tiling) -> Sequence<cmma::Matrix<f32>> {
+    let mut frags = Sequence::new();
+    if comptime!(c.mma) {
+        #[unroll]
+        for _ in 0..comptime!(Split::of(p, c).count) {
+            frags.push(cmma::Matrix::<f32>::from_value(
+                cmma::MatrixIdent::Accumulator,
+                FRAG,
+                FRAG,
+                FRAG,
+                cmma::MatrixLayout::Undefined,
+                0.0f32,
+            ));
+        }
+    }
+    frags
+}
+
+/// Writes this plane's fragments of `p` into the f32 tile `acc` (rows `ldc` apart).
+#[cube]
+fn store_fragments(
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    acc: &mut Shared<[f32]>,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
+    let s = comptime!(Split::of(p, c));
+    let span = comptime!((FRAG - 1) * p.ldc + FRAG);
+    #[unroll]
+    for q in 0..s.count {
+        let (i, j, live) = slot(q, s, p, c);
+        if live {
+            let at = i * FRAG * p.ldc + j * FRAG;
+            cmma::store(
+                &mut acc[at..at + span],
+                frags.index(q),
                 p.ldc as u32,
                 cmma::MatrixLayout::RowMajor,
             );
         }
-        for kk in 0..fk {
-            let mut at_a = i * FRAG * p.lda + kk * FRAG;
-            if comptime!(p.a_cols) {
-                at_a = kk * FRAG * p.lda + i * FRAG;
-            }
-            let mut at_b = kk * FRAG * p.ldb + j * FRAG;
-            if comptime!(p.b_cols) {
-                at_b = j * FRAG * p.ldb + kk * FRAG;
-            }
-            let fa = cmma::Matrix::<F>::from_slice(
-                cmma::MatrixIdent::A,
-                FRAG,
-                FRAG,
-                FRAG,
-                layout_a,
-                &a[at_a..at_a + span_a],
-                p.lda as u32,
+    }
+}
+
+/// Reads this plane's fragments of `p` from the f32 tile `acc` (rows `ldc` apart).
+#[cube]
+fn load_fragments(
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    acc: &mut Shared<[f32]>,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
+    let s = comptime!(Split::of(p, c));
+    let span = comptime!((FRAG - 1) * p.ldc + FRAG);
+    #[unroll]
+    for q in 0..s.count {
+        let (i, j, live) = slot(q, s, p, c);
+        if live {
+            let at = i * FRAG * p.ldc + j * FRAG;
+            cmma::load_with_layout(
+                frags.index_mut(q),
+                &acc[at..at + span],
+                p.ldc as u32,
+                cmma::MatrixLayout::RowMajor,
             );
-            let fb = cmma::Matrix::<F>::from_slice(
-                cmma::MatrixIdent::B,
-                FRAG,
-                FRAG,
-                FRAG,
-                layout_b,
-                &b[at_b..at_b + span_b],
-                p.ldb as u32,
-            );
-            cmma::execute(&fa, &fb, &out, &out);
         }
-        cmma::store(
-            &mut acc[at_c..at_c + span_c],
-            &out,
-            p.ldc as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        f += planes;
+    }
+}
+
+/// Operand fragment `(i, kk)` of `a` (`A`) or `(kk, j)` of `b` (`B`) of `p`.
+#[cube]
+fn operand<F: Float>(
+    src: &Shared<[F]>,
+    outer: usize,
+    kk: usize,
+    #[comptime] is_a: bool,
+    #[comptime] p: Product,
+) -> cmma::Matrix<F> {
+    let (ld, cols) = comptime!(match is_a {
+        true => (p.lda, p.a_cols),
+        false => (p.ldb, p.b_cols),
+    });
+    let layout = comptime!(match cols {
+        true => cmma::MatrixLayout::ColMajor,
+        false => cmma::MatrixLayout::RowMajor,
+    });
+    let ident = comptime!(match is_a {
+        true => cmma::MatrixIdent::A,
+        false => cmma::MatrixIdent::B,
+    });
+    // A fragment `(i, kk)` starts at row i, column kk of a row-major `a`; `B` `(kk, j)` at row
+    // kk, column j; a transposed (`cols`) operand swaps them.
+    let (row, col) = match comptime!(is_a != cols) {
+        true => (outer, kk),
+        false => (kk, outer),
+    };
+    let at = row * FRAG * ld + col * FRAG;
+    let span = comptime!((FRAG - 1) * ld + FRAG);
+    cmma::Matrix::<F>::from_slice(
+        ident,
+        FRAG,
+        FRAG,
+        FRAG,
+        layout,
+        &src[at..at + span],
+        ld as u32,
+    )
+}
+
+/// `frags += a . b` on the tensor cores over this plane's slots of `p` (see [`Split`]).
+#[cube]
+fn fragment_product<F: Float>(
+    a: &Shared<[F]>,
+    b: &Shared<[F]>,
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
+    let s = comptime!(Split::of(p, c));
+    for kk in 0..comptime!(p.k / FRAG) {
+        if comptime!(s.grid) {
+            let mut fa = Sequence::<cmma::Matrix<F>>::new();
+            #[unroll]
+            for qi in 0..s.rows {
+                let (i, _j, _live) = slot(qi * s.cols, s, p, c);
+                fa.push(operand::<F>(a, i, kk, true, p));
+            }
+            let mut fb = Sequence::<cmma::Matrix<F>>::new();
+            #[unroll]
+            for qj in 0..s.cols {
+                let (_i, j, _live) = slot(qj, s, p, c);
+                fb.push(operand::<F>(b, j, kk, false, p));
+            }
+            #[unroll]
+            for q in 0..s.count {
+                let out = frags.index(q);
+                cmma::execute(fa.index(q / s.cols), fb.index(q % s.cols), out, out);
+            }
+        } else {
+            #[unroll]
+            for q in 0..s.count {
+                let (i, j, live) = slot(q, s, p, c);
+                if live {
+                    let fa = operand::<F>(a, i, kk, true, p);
+                    let fb = operand::<F>(b, j, kk, false, p);
+                    let out = frags.index(q);
+                    cmma::execute(&fa, &fb, out, out);
+                }
+            }
+        }
     }
 }
 
@@ -500,7 +667,6 @@ const RESCALE_GAP: f32 = 8.0;
 fn online_softmax<F: Float>(
     ss: &Shared<[f32]>,
     ps: &mut Shared<[F]>,
-    os: &mut Shared<[f32]>,
     st: &mut RowStats,
     qb: &QueryBlock,
     k0: usize,
@@ -564,14 +730,42 @@ fn online_softmax<F: Float>(
         }
         idx += c.units;
     }
-    sync_cube();
+}
+
+/// Rescales the rows of the output accumulator by `st.keeps` where [`online_softmax`] said
+/// some row's max rose (`st.flag`, read by every unit after a sync: the branch is the
+/// cube's). On the tensor cores the accumulator is the planes' fragments: through `os` and
+/// back.
+#[cube]
+fn rescale(
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    os: &mut Shared<[f32]>,
+    st: &RowStats,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
     if st.flag[0] > 0.0f32 {
-        let mut idx = UNIT_POS as usize;
-        while idx < comptime!(c.rows * c.hdp) {
-            let row = idx / c.hdp;
-            os[row * c.ldo + idx % c.hdp] *= st.keeps[row];
-            idx += c.units;
+        if comptime!(c.mma) {
+            store_fragments(frags, os, p, c);
+            sync_cube();
         }
+        scale_rows(os, &st.keeps, c);
+        sync_cube();
+        if comptime!(c.mma) {
+            load_fragments(frags, os, p, c);
+        }
+    }
+}
+
+/// Multiplies row `r` of the `[rows, hdp]` f32 tile `os` by `by[r]`, the cube's units
+/// together.
+#[cube]
+fn scale_rows(os: &mut Shared<[f32]>, by: &Shared<[f32]>, #[comptime] c: Tiling) {
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(c.rows * c.hdp) {
+        let row = idx / c.hdp;
+        os[row * c.ldo + idx % c.hdp] *= by[row];
+        idx += c.units;
     }
 }
 
@@ -663,6 +857,8 @@ fn flash_forward_kernel<F: Float, N: Size>(
     fetch::<F, N>(v, &mut vr, &kv_rows(&h, 0, t, false, bc, c), bc, c);
     stage::<F, N>(q, &mut qs, &rows_at(qb.u0 * hd, hd, qb.valid), br, c);
     fill(&mut os, 0.0f32, comptime!(br * c.ldo), c);
+    let pv = comptime!(back(c, br, bc));
+    let mut oacc = accumulators(pv, c);
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
@@ -676,12 +872,16 @@ fn flash_forward_kernel<F: Float, N: Size>(
         }
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         sync_cube();
-        online_softmax::<F>(&ss, &mut ps, &mut os, &mut st, &qb, k0, scale, c);
+        online_softmax::<F>(&ss, &mut ps, &mut st, &qb, k0, scale, c);
         sync_cube();
-        tile_product::<F>(&ps, &vs, &mut os, comptime!(back(c, br, bc)), c);
+        rescale(&mut oacc, &mut os, &st, pv, c);
+        accumulate::<F>(&ps, &vs, &mut oacc, &mut os, pv, c);
         sync_cube();
     }
     // Each row's sum over its parts; the output rows divided by it, then written.
+    if comptime!(c.mma) {
+        store_fragments(&mut oacc, &mut os, pv, c);
+    }
     let parts = comptime!(c.parts());
     let mut row = UNIT_POS as usize;
     while row < br {
@@ -696,12 +896,7 @@ fn flash_forward_kernel<F: Float, N: Size>(
         row += c.units;
     }
     sync_cube();
-    let mut idx = UNIT_POS as usize;
-    while idx < comptime!(br * c.hdp) {
-        let row = idx / c.hdp;
-        os[row * c.ldo + idx % c.hdp] *= st.keeps[row];
-        idx += c.units;
-    }
+    scale_rows(&mut os, &st.keeps, c);
     sync_cube();
     let orow = out_row(&h, qb.r0, kv, groups, seq, hd);
     let ostride = (kv * groups) as usize * hd;
@@ -759,6 +954,8 @@ fn flash_dq_kernel<F: Float, N: Size>(
     put::<F, N>(&qr, &mut qs, br, c);
     put::<F, N>(&dor, &mut dos, br, c);
     fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
+    let dsk = comptime!(back(c, br, bc));
+    let mut dqacc = accumulators(dsk, c);
     let mut row = UNIT_POS as usize;
     while row < br {
         let mut d = 0.0f32;
@@ -800,7 +997,11 @@ fn flash_dq_kernel<F: Float, N: Size>(
             }
         }
         sync_cube();
-        tile_product::<F>(&dss, &ks, &mut dqs, comptime!(back(c, br, bc)), c);
+        accumulate::<F>(&dss, &ks, &mut dqacc, &mut dqs, dsk, c);
+        sync_cube();
+    }
+    if comptime!(c.mma) {
+        store_fragments(&mut dqacc, &mut dqs, dsk, c);
         sync_cube();
     }
     unstage::<F, N>(&dqs, dq, qb.u0 * hd, hd, qb.valid, c);
@@ -871,6 +1072,8 @@ fn flash_dkv_kernel<F: Float, N: Size>(
     stage::<F, N>(v, &mut vs, &kv_rows(&h, key0, t, false, bk, c), bk, c);
     fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
     fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
+    let grad = comptime!(back(c, bk, bq));
+    let (mut dkacc, mut dvacc) = (accumulators(grad, c), accumulators(grad, c));
     // One step a tile of query rows of a head of the group, the next step's rows, their
     // log-sum-exp and `D` in flight while the cube works on this one's.
     let first = key0 / bq;
@@ -941,8 +1144,13 @@ fn flash_dkv_kernel<F: Float, N: Size>(
             }
         }
         sync_cube();
-        tile_product::<F>(&pts, &dos, &mut dvs, comptime!(back(c, bk, bq)), c);
-        tile_product::<F>(&dsts, &qs, &mut dks, comptime!(back(c, bk, bq)), c);
+        accumulate::<F>(&pts, &dos, &mut dvacc, &mut dvs, grad, c);
+        accumulate::<F>(&dsts, &qs, &mut dkacc, &mut dks, grad, c);
+        sync_cube();
+    }
+    if comptime!(c.mma) {
+        store_fragments(&mut dkacc, &mut dks, grad, c);
+        store_fragments(&mut dvacc, &mut dvs, grad, c);
         sync_cube();
     }
     unstage::<F, N>(&dks, dk, h.kb + key0 * hd, hd, keys, c);
@@ -1384,4 +1592,57 @@ pub(in crate::kernels) fn ptx(
         dtype,
     );
     Ok([compile(&forward)?, compile(&dq)?, compile(&dkv)?])
+}
+
+/// [`slot`] on the host: the same arithmetic, for plane `plane`.
+fn slot_on_host(q: usize, plane: usize, s: Split, p: Product, c: Tiling) -> Option<(usize, usize)> {
+    let planes = c.units / c.plane;
+    let fn_ = p.n / FRAG;
+    if s.grid {
+        let (qi, qj) = (q / s.cols, q % s.cols);
+        Some(match s.by_cols {
+            true => (qi, plane + qj * planes),
+            false => (plane + qi * planes, qj),
+        })
+    } else {
+        let f = plane + q * planes;
+        (f < p.m / FRAG * fn_).then_some((f / fn_, f % fn_))
+    }
+}
+
+/// Checks that in every product of the tiling `(rows, cols, planes)` at head dimension `hd`
+/// each output fragment is some plane's slot exactly once, and that a grid's operand fragments
+/// are its slots' (the `A` of slot `qi * cols`, the `B` of slot `qj`): the tensor-core path's
+/// bookkeeping, which CubeCL's CPU runtime (no fragments) cannot run.
+pub(in crate::kernels) fn check_slots(
+    rows: usize,
+    cols: usize,
+    planes: usize,
+    hd: usize,
+) -> Result<(), String> {
+    let c = Tiling::new(rows, cols, planes * 32, 32, hd, true);
+    for p in [against(c, rows, cols), back(c, rows, cols)] {
+        let s = Split::of(p, c);
+        let (fm, fn_) = (p.m / FRAG, p.n / FRAG);
+        let mut seen = vec![0; fm * fn_];
+        for plane in 0..planes {
+            for q in 0..s.count {
+                let Some((i, j)) = slot_on_host(q, plane, s, p, c) else {
+                    continue;
+                };
+                seen[i * fn_ + j] += 1;
+                let a = slot_on_host(q / s.cols.max(1) * s.cols, plane, s, p, c);
+                let b = slot_on_host(q % s.cols.max(1), plane, s, p, c);
+                if s.grid && (a.map(|x| x.0), b.map(|x| x.1)) != (Some(i), Some(j)) {
+                    return Err(format!(
+                        "{p:?} {s:?}: slot {q} of plane {plane} takes other operands"
+                    ));
+                }
+            }
+        }
+        if seen.iter().any(|&n| n != 1) {
+            return Err(format!("{p:?} {s:?}: fragments computed {seen:?} times"));
+        }
+    }
+    Ok(())
 }
