@@ -710,14 +710,19 @@ fn online_softmax<F: Float>(
             keep = (old - top).exp();
         }
         let mut l = st.ls[idx] * keep;
-        for i in 0..span {
-            let col = part * span + (i + row) % span;
-            let mut e = 0.0f32;
-            if live && k0 + col <= qb.p0 + row {
-                e = (ss[row * c.lds + col] * scale - mx).exp();
+        // Four columns a round, unrolled: their loads and exponentials overlap.
+        let step = comptime!(if span.is_multiple_of(4) { 4 } else { 1 });
+        for i0 in 0..comptime!(span / step) {
+            #[unroll]
+            for u in 0..step {
+                let col = part * span + (i0 * step + u + row) % span;
+                let mut e = 0.0f32;
+                if live && k0 + col <= qb.p0 + row {
+                    e = (ss[row * c.lds + col] * scale - mx).exp();
+                }
+                l += e;
+                ps[row * c.ldp + col] = F::cast_from(e);
             }
-            l += e;
-            ps[row * c.ldp + col] = F::cast_from(e);
         }
         st.ms[idx] = mx;
         st.ls[idx] = l;
