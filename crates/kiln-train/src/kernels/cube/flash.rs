@@ -11,8 +11,8 @@
 //! scores, probabilities and running sums of the tile in shared memory:
 //!
 //! - forward: a cube per block of query rows of one head, walking the key tiles up to the
-//!   block's last position with an online softmax (running max and sum per row, the output
-//!   accumulator rescaled by each new max); saves the row's log-sum-exp;
+//!   block's last position with an online softmax (running max and sum per row); saves the
+//!   row's log-sum-exp;
 //! - `dq`: a cube per block of query rows: recomputes each probability from the log-sum-exp,
 //!   `dS = P (dP - D) scale`, `dq += dS k`; it also writes `D = dO . O` per row;
 //! - `dk`, `dv`: a cube per block of keys, walking the query rows of every head in its group
@@ -21,14 +21,30 @@
 //! No atomics: each output is summed by one cube in a fixed order. `P` and `dS` enter their
 //! second products in the element type, as flash attention's do.
 //!
-//! The tile products ([`tile_product`]) run either on the tensor cores (`mma`, a plane per
-//! 16 x 16 output fragment, the planes of a cube taking turns) or unit by unit, the same
+//! Where the time goes, and what is done about it (read off the SASS, `cuobjdump` on the
+//! cubin ptxas makes of the PTX test's kernels; no GPU here has timed them):
+//!
+//! - Staging: each tile is read as 16-byte vectors (`fetch`), a fixed number per unit,
+//!   unrolled and without branches, all in flight at once, and the next tile's keys and
+//!   values (`dk`/`dv`: query rows, `dO`, log-sum-exp and `D`) are loaded while the cube
+//!   computes on this one; `put` stores them into shared memory. The first version loaded and
+//!   stored one 2-byte element at a time, about 32 memory latencies a tile.
+//! - Products: each plane owns a grid of output fragments ([`Split`]), so a step along `k`
+//!   loads each operand fragment once for all the products that take it; the accumulating
+//!   products (the forward's output, `dq`, `dk`, `dv`) keep their fragments in registers
+//!   across the cube's whole loop, not through shared memory every tile.
+//! - Softmax: every unit of the cube takes part (a row cut in parts), and a row's output is
+//!   rescaled only when its max rises by more than [`RESCALE_GAP`] (FlashAttention-4's
+//!   conditional rescale): most tiles skip the pass over the accumulator.
+//!
+//! The tile products run either on the tensor cores (`mma`) or unit by unit, the same
 //! product over the same shared-memory operands: CubeCL's CPU runtime has no matrix
 //! instructions, so there (and in f32) the kernels run unit by unit, and the kernel tests
-//! check everything but the fragment instructions against the composed attention; a test
-//! compiles the `mma` path to PTX for sm_90 with CubeCL's own backend and assembles it with
-//! ptxas, no GPU needed (tensor-core products, no spills); `kiln doctor` checks its values on a
-//! GPU. Head dimensions that are not a multiple of 16 are padded with zeros in shared memory.
+//! check everything but the fragment instructions against the composed attention (the planes'
+//! split of the fragments is checked on the host); a test compiles the `mma` path to PTX for
+//! sm_90 with CubeCL's own backend and assembles it with ptxas, no GPU needed (tensor-core
+//! products, no spills); `kiln doctor` checks its values on a GPU. Head dimensions that are
+//! not a multiple of 16 are padded with zeros in shared memory.
 //!
 //! Layouts (as `attention`'s): `q` `[b, kv, groups * t, hd]`, `k` `[b, kv, t, hd]`, `v`
 //! `[b, t, kv * hd]`, output `[b, t, heads * hd]`, log-sum-exp and `D` per query row.
