@@ -636,30 +636,38 @@ fn fill(dst: &mut Shared<[f32]>, value: f32, #[comptime] n: usize, #[comptime] c
     }
 }
 
-/// This cube's block of query rows: a head of the group, positions `[p0, p0 + valid)`,
-/// the block's first row among the K/V head's slice (`r0`) and among all query rows (`u0`).
+/// This cube's block of query rows: K/V head `bk` (of `[b, kv]`), a head of its group,
+/// positions `[p0, p0 + valid)`, the block's first row among the K/V head's slice (`r0`) and
+/// among all query rows (`u0`).
 #[derive(CubeType)]
 struct QueryBlock {
+    bk: usize,
     p0: usize,
     valid: usize,
     r0: usize,
     u0: usize,
 }
 
+/// The block of query rows of this cube. Cubes are handed out longest first over all heads
+/// (a block's work grows with its position): every head's last block, then every head's one
+/// before, so that the long cubes start in the first wave and the short ones fill in behind
+/// them, rather than the last head's long cubes starting at the end of the launch.
 #[cube]
 fn query_block(groups: u32, seq: u32, #[comptime] rows: usize) -> QueryBlock {
-    let t = seq as usize;
+    let (g, t) = (groups as usize, seq as usize);
     let blocks = t.div_ceil(rows);
-    // The last blocks of a head (the most keys to walk) first, so the longest cubes start
-    // early and the short ones fill in behind them.
-    let gi = CUBE_POS_X as usize / blocks;
-    let p0 = (blocks - 1 - CUBE_POS_X as usize % blocks) * rows;
+    let heads = CUBE_COUNT as usize / blocks;
+    let id = CUBE_POS as usize;
+    let (rank, qh) = (id / heads, id % heads);
+    let (bk, gi) = (qh / g, qh % g);
+    let p0 = (blocks - 1 - rank) * rows;
     let r0 = gi * t + p0;
     QueryBlock {
+        bk,
         p0,
         valid: usize::min(rows, t - p0),
         r0,
-        u0: CUBE_POS_Y as usize * (groups as usize) * t + r0,
+        u0: bk * g * t + r0,
     }
 }
 
@@ -861,8 +869,8 @@ fn flash_forward_kernel<F: Float, N: Size>(
 ) {
     let (t, hd) = (seq as usize, c.hd);
     let (br, bc) = (c.rows, c.cols);
-    let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
     let qb = query_block(groups, seq, br);
+    let h = head_of(qb.bk, kv, seq, hd);
     let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldh), ALIGN);
     let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
     let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bc * c.ldh), ALIGN);
@@ -946,8 +954,8 @@ fn flash_dq_kernel<F: Float, N: Size>(
 ) {
     let (t, hd) = (seq as usize, c.hd);
     let (br, bc) = (c.rows, c.cols);
-    let h = head_of(CUBE_POS_Y as usize, kv, seq, hd);
     let qb = query_block(groups, seq, br);
+    let h = head_of(qb.bk, kv, seq, hd);
     let orow = out_row(&h, qb.r0, kv, groups, seq, hd);
     let ostride = (kv * groups) as usize * hd;
     let mut qs = Shared::<[F]>::new_aligned_slice(comptime!(br * c.ldh), ALIGN);
@@ -1073,9 +1081,12 @@ fn flash_dkv_kernel<F: Float, N: Size>(
 ) {
     let (g, t, hd) = (groups as usize, seq as usize, c.hd);
     let (bk, bq) = (c.rows, c.cols);
-    let head = CUBE_POS_Y as usize;
+    // Key blocks longest first over all K/V heads (block 0, the most query rows after it, of
+    // every head first), as `query_block` hands out query blocks.
+    let kv_heads = CUBE_COUNT as usize / t.div_ceil(bk);
+    let (rank, head) = (CUBE_POS as usize / kv_heads, CUBE_POS as usize % kv_heads);
     let h = head_of(head, kv, seq, hd);
-    let key0 = CUBE_POS_X as usize * bk;
+    let key0 = rank * bk;
     let keys = usize::min(bk, t - key0);
     let mut ks = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
     let mut vs = Shared::<[F]>::new_aligned_slice(comptime!(bk * c.ldh), ALIGN);
