@@ -656,8 +656,8 @@ struct QueryBlock {
 fn query_block(groups: u32, seq: u32, #[comptime] rows: usize) -> QueryBlock {
     let (g, t) = (groups as usize, seq as usize);
     let blocks = t.div_ceil(rows);
-    let heads = CUBE_COUNT as usize / blocks;
-    let id = CUBE_POS as usize;
+    let heads = CUBE_COUNT / blocks;
+    let id = CUBE_POS;
     let (rank, qh) = (id / heads, id % heads);
     let (bk, gi) = (qh / g, qh % g);
     let p0 = (blocks - 1 - rank) * rows;
@@ -1083,8 +1083,8 @@ fn flash_dkv_kernel<F: Float, N: Size>(
     let (bk, bq) = (c.rows, c.cols);
     // Key blocks longest first over all K/V heads (block 0, the most query rows after it, of
     // every head first), as `query_block` hands out query blocks.
-    let kv_heads = CUBE_COUNT as usize / t.div_ceil(bk);
-    let (rank, head) = (CUBE_POS as usize / kv_heads, CUBE_POS as usize % kv_heads);
+    let kv_heads = CUBE_COUNT / t.div_ceil(bk);
+    let (rank, head) = (CUBE_POS / kv_heads, CUBE_POS % kv_heads);
     let h = head_of(head, kv, seq, hd);
     let key0 = rank * bk;
     let keys = usize::min(bk, t - key0);
