@@ -323,21 +323,7 @@ fn store_fragments(
     #[comptime] p: Product,
     #[comptime] c: Tiling,
 ) {
-    let s = comptime!(Split::of(p, c));
-    let span = comptime!((FRAG - 1) * p.ldc + FRAG);
-    #[unroll]
-    for q in 0..s.count {
-        let (i, j, live) = slot(q, s, p, c);
-        if live {
-            let at = i * FRAG * p.ldc + j * FRAG;
-            cmma::store(
-                &mut acc[at..at + span],
-                frags.index(q),
-                p.ldc as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
-        }
-    }
+    move_fragments(frags, acc, true, p, c);
 }
 
 /// Reads this plane's fragments of `p` from the f32 tile `acc` (rows `ldc` apart).
@@ -348,6 +334,18 @@ fn load_fragments(
     #[comptime] p: Product,
     #[comptime] c: Tiling,
 ) {
+    move_fragments(frags, acc, false, p, c);
+}
+
+/// [`store_fragments`] (`store`) or [`load_fragments`].
+#[cube]
+fn move_fragments(
+    frags: &mut Sequence<cmma::Matrix<f32>>,
+    acc: &mut Shared<[f32]>,
+    #[comptime] store: bool,
+    #[comptime] p: Product,
+    #[comptime] c: Tiling,
+) {
     let s = comptime!(Split::of(p, c));
     let span = comptime!((FRAG - 1) * p.ldc + FRAG);
     #[unroll]
@@ -355,12 +353,18 @@ fn load_fragments(
         let (i, j, live) = slot(q, s, p, c);
         if live {
             let at = i * FRAG * p.ldc + j * FRAG;
-            cmma::load_with_layout(
-                frags.index_mut(q),
-                &acc[at..at + span],
-                p.ldc as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
+            let layout = cmma::MatrixLayout::RowMajor;
+            if comptime!(store) {
+                cmma::store(
+                    &mut acc[at..at + span],
+                    frags.index(q),
+                    p.ldc as u32,
+                    layout,
+                );
+            } else {
+                let tile = &acc[at..at + span];
+                cmma::load_with_layout(frags.index_mut(q), tile, p.ldc as u32, layout);
+            }
         }
     }
 }
@@ -985,19 +989,9 @@ fn flash_dq_kernel<F: Float, N: Size>(
     fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
     let dsk = comptime!(back(c, br, bc));
     let mut dqacc = accumulators(dsk, c);
-    let mut row = UNIT_POS as usize;
-    while row < br {
-        let mut d = 0.0f32;
-        let mut l = 0.0f32;
-        if row < qb.valid {
-            d = dot_row::<F, N>(dout, out, orow + row * ostride, c);
-            delta[qb.u0 + row] = d;
-            l = lse[qb.u0 + row];
-        }
-        ds[row] = d;
-        ls[row] = l;
-        row += c.units;
-    }
+    row_deltas::<F, N>(
+        dout, out, lse, delta, &mut ls, &mut ds, &qb, orow, ostride, c,
+    );
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
     for tile in 0..tiles {
         let k0 = tile * bc;
@@ -1011,20 +1005,7 @@ fn flash_dq_kernel<F: Float, N: Size>(
         tile_product::<F>(&qs, &ks, &mut ss, comptime!(against(c, br, bc)), c);
         tile_product::<F>(&dos, &vs, &mut dps, comptime!(against(c, br, bc)), c);
         sync_cube();
-        let count = comptime!((br * bc).div_ceil(c.units));
-        #[unroll(count <= UNROLL)]
-        for i in 0..count {
-            let idx = UNIT_POS as usize + i * c.units;
-            if idx < comptime!(br * bc) {
-                let (row, col) = (idx / bc, idx % bc);
-                let mut g = 0.0f32;
-                if row < qb.valid && k0 + col <= qb.p0 + row {
-                    let p = (ss[row * c.lds + col] * scale - ls[row]).exp();
-                    g = p * (dps[row * c.lds + col] - ds[row]) * scale;
-                }
-                dss[row * c.ldp + col] = F::cast_from(g);
-            }
-        }
+        query_grads::<F>(&ss, &dps, &ls, &ds, &mut dss, &qb, k0, scale, c);
         sync_cube();
         accumulate::<F>(&dss, &ks, &mut dqacc, &mut dqs, dsk, c);
         sync_cube();
@@ -1125,26 +1106,7 @@ fn flash_dkv_kernel<F: Float, N: Size>(
         let (p0, valid) = (at.p0, at.q.valid);
         put::<F, N>(&qr, &mut qs, bq, c);
         put::<F, N>(&dor, &mut dos, bq, c);
-        if comptime!(c.units >= bq) {
-            if UNIT_POS < bq as u32 {
-                ls[UNIT_POS as usize] = l;
-                ds[UNIT_POS as usize] = d;
-            }
-        } else {
-            // Fewer units than rows (CubeCL's CPU runtime in tests): read them here.
-            let mut i = UNIT_POS as usize;
-            while i < bq {
-                let mut li = 0.0f32;
-                let mut di = 0.0f32;
-                if i < valid {
-                    li = lse[at.u0 + i];
-                    di = delta[at.u0 + i];
-                }
-                ls[i] = li;
-                ds[i] = di;
-                i += c.units;
-            }
-        }
+        put_row_stats(lse, delta, &mut ls, &mut ds, l, d, &at, c);
         sync_cube();
         if step + 1 < steps {
             let next = step + 1;
@@ -1159,22 +1121,9 @@ fn flash_dkv_kernel<F: Float, N: Size>(
         tile_product::<F>(&ks, &qs, &mut sts, comptime!(against(c, bk, bq)), c);
         tile_product::<F>(&vs, &dos, &mut dpts, comptime!(against(c, bk, bq)), c);
         sync_cube();
-        let count = comptime!((bk * bq).div_ceil(c.units));
-        #[unroll(count <= UNROLL)]
-        for i in 0..count {
-            let idx = UNIT_POS as usize + i * c.units;
-            if idx < comptime!(bk * bq) {
-                let (kr, col) = (idx / bq, idx % bq);
-                let mut p = 0.0f32;
-                let mut gr = 0.0f32;
-                if kr < keys && col < valid && key0 + kr <= p0 + col {
-                    p = (sts[kr * c.lds + col] * scale - ls[col]).exp();
-                    gr = p * (dpts[kr * c.lds + col] - ds[col]) * scale;
-                }
-                pts[kr * c.ldp + col] = F::cast_from(p);
-                dsts[kr * c.ldp + col] = F::cast_from(gr);
-            }
-        }
+        key_grads::<F>(
+            &sts, &dpts, &ls, &ds, &mut pts, &mut dsts, key0, keys, p0, valid, scale, c,
+        );
         sync_cube();
         accumulate::<F>(&pts, &dos, &mut dvacc, &mut dvs, grad, c);
         accumulate::<F>(&dsts, &qs, &mut dkacc, &mut dks, grad, c);
@@ -1187,6 +1136,146 @@ fn flash_dkv_kernel<F: Float, N: Size>(
     }
     unstage::<F, N>(&dks, dk, h.kb + key0 * hd, hd, keys, c);
     unstage::<F, N>(&dvs, dv, h.vb + key0 * h.vrow, h.vrow, keys, c);
+}
+
+/// `D = dO . O` of each real row of the query block `qb` (its `dO` and `O` rows from element
+/// `orow`, `ostride` apart), written to `delta` and kept in `ds` with each row's log-sum-exp in
+/// `ls` (zero past the real rows).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn row_deltas<F: Float, N: Size>(
+    dout: &Tensor<Vector<F, N>>,
+    out: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &mut Tensor<f32>,
+    ls: &mut Shared<[f32]>,
+    ds: &mut Shared<[f32]>,
+    qb: &QueryBlock,
+    orow: usize,
+    ostride: usize,
+    #[comptime] c: Tiling,
+) {
+    let mut row = UNIT_POS as usize;
+    while row < c.rows {
+        let mut d = 0.0f32;
+        let mut l = 0.0f32;
+        if row < qb.valid {
+            d = dot_row::<F, N>(dout, out, orow + row * ostride, c);
+            delta[qb.u0 + row] = d;
+            l = lse[qb.u0 + row];
+        }
+        ds[row] = d;
+        ls[row] = l;
+        row += c.units;
+    }
+}
+
+/// `dS = P (dP - D) scale` of the `dq` kernel's tile (query rows of `qb` against keys from
+/// `k0`), `P` recomputed from the scores `ss` and the rows' log-sum-exp `ls`; zero where a key
+/// is past the row's position.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_grads<F: Float>(
+    ss: &Shared<[f32]>,
+    dps: &Shared<[f32]>,
+    ls: &Shared<[f32]>,
+    ds: &Shared<[f32]>,
+    dss: &mut Shared<[F]>,
+    qb: &QueryBlock,
+    k0: usize,
+    scale: f32,
+    #[comptime] c: Tiling,
+) {
+    let (br, bc) = (c.rows, c.cols);
+    let count = comptime!((br * bc).div_ceil(c.units));
+    #[unroll(count <= UNROLL)]
+    for i in 0..count {
+        let idx = UNIT_POS as usize + i * c.units;
+        if idx < comptime!(br * bc) {
+            let (row, col) = (idx / bc, idx % bc);
+            let mut g = 0.0f32;
+            if row < qb.valid && k0 + col <= qb.p0 + row {
+                let p = (ss[row * c.lds + col] * scale - ls[row]).exp();
+                g = p * (dps[row * c.lds + col] - ds[row]) * scale;
+            }
+            dss[row * c.ldp + col] = F::cast_from(g);
+        }
+    }
+}
+
+/// `P^T` and `dS^T` of the `dk`/`dv` kernel's tile (its `keys` keys from `key0` against the
+/// `valid` query rows from position `p0`), from the transposed scores `sts` and `dP^T`
+/// `dpts`; zero where a key is past the query's position or either is past the real ones.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn key_grads<F: Float>(
+    sts: &Shared<[f32]>,
+    dpts: &Shared<[f32]>,
+    ls: &Shared<[f32]>,
+    ds: &Shared<[f32]>,
+    pts: &mut Shared<[F]>,
+    dsts: &mut Shared<[F]>,
+    key0: usize,
+    keys: usize,
+    p0: usize,
+    valid: usize,
+    scale: f32,
+    #[comptime] c: Tiling,
+) {
+    let (bk, bq) = (c.rows, c.cols);
+    let count = comptime!((bk * bq).div_ceil(c.units));
+    #[unroll(count <= UNROLL)]
+    for i in 0..count {
+        let idx = UNIT_POS as usize + i * c.units;
+        if idx < comptime!(bk * bq) {
+            let (kr, col) = (idx / bq, idx % bq);
+            let mut p = 0.0f32;
+            let mut gr = 0.0f32;
+            if kr < keys && col < valid && key0 + kr <= p0 + col {
+                p = (sts[kr * c.lds + col] * scale - ls[col]).exp();
+                gr = p * (dpts[kr * c.lds + col] - ds[col]) * scale;
+            }
+            pts[kr * c.ldp + col] = F::cast_from(p);
+            dsts[kr * c.ldp + col] = F::cast_from(gr);
+        }
+    }
+}
+
+/// The query tile `at`'s log-sum-exp and `D` into `ls` and `ds` (`c.cols` rows): from this
+/// unit's prefetched `l` and `d` (unit `i` row `i`) where the units cover the rows, else read
+/// here (CubeCL's CPU runtime in tests: fewer units than rows).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn put_row_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    ls: &mut Shared<[f32]>,
+    ds: &mut Shared<[f32]>,
+    l: f32,
+    d: f32,
+    at: &QueryTile,
+    #[comptime] c: Tiling,
+) {
+    let bq = c.cols;
+    if comptime!(c.units >= bq) {
+        if UNIT_POS < bq as u32 {
+            ls[UNIT_POS as usize] = l;
+            ds[UNIT_POS as usize] = d;
+        }
+    } else {
+        let mut i = UNIT_POS as usize;
+        while i < bq {
+            let mut li = 0.0f32;
+            let mut di = 0.0f32;
+            if i < at.q.valid {
+                li = lse[at.u0 + i];
+                di = delta[at.u0 + i];
+            }
+            ls[i] = li;
+            ds[i] = di;
+            i += c.units;
+        }
+    }
 }
 
 /// A tile of `rows` query rows for the `dk`/`dv` kernel: where its rows of `q` and of `dO`
