@@ -235,13 +235,17 @@ fn non_utf8_rank_variables_are_errors_naming_them() {
 fn buffered_python_output_reaches_the_watchdog_line_by_line() {
     let dir = tempfile::tempdir().unwrap();
     let rd = dir.path().join("run");
-    let program = "import time\nfor i in range(1,11):\n print(f\"step={i}\"); time.sleep(0.5)";
+    // Twelve lines half a second apart against a 3 s watchdog: block-buffered, nothing would
+    // come before the program's end (6 s) and the watchdog would stop it; line by line, a
+    // loaded 2-core CI machine has 2.5 s of slack for the interpreter's start (with 2 s and
+    // ten lines, a parallel test run once stopped it there).
+    let program = "import time\nfor i in range(1,13):\n print(f\"step={i}\"); time.sleep(0.5)";
     let out = kiln(&[
         "launch",
         "--np",
         "1",
         "--timeout",
-        "2",
+        "3",
         "--run-dir",
         &s(&rd),
         "--",
@@ -254,7 +258,7 @@ fn buffered_python_output_reaches_the_watchdog_line_by_line() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let end = &attempt_ends(&rd)[0];
     assert_eq!(end["classification"], "success");
-    assert_eq!(end["last_progress"], 10);
+    assert_eq!(end["last_progress"], 12);
     // A program sees a terminal on stdout (line-buffered by the C library), the log keeps the
     // bytes unchanged (no \r\n), and PYTHONUNBUFFERED=1 is set for launchers without a pty.
     let rd = dir.path().join("tty");
