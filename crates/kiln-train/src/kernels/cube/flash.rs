@@ -889,7 +889,11 @@ fn flash_forward_kernel<F: Float, N: Size>(
     fetch::<F, N>(k, &mut kr, &kv_rows(&h, 0, t, true, bc, c), bc, c);
     fetch::<F, N>(v, &mut vr, &kv_rows(&h, 0, t, false, bc, c), bc, c);
     stage::<F, N>(q, &mut qs, &rows_at(qb.u0 * hd, hd, qb.valid), br, c);
-    fill(&mut os, 0.0f32, comptime!(br * c.ldo), c);
+    // Unit by unit the output accumulates in `os`; on the tensor cores `os` is written from
+    // the fragments before it is read.
+    if comptime!(!c.mma) {
+        fill(&mut os, 0.0f32, comptime!(br * c.ldo), c);
+    }
     let pv = comptime!(back(c, br, bc));
     let mut oacc = accumulators(pv, c);
     let tiles = (qb.p0 + qb.valid - 1) / bc + 1;
@@ -986,7 +990,9 @@ fn flash_dq_kernel<F: Float, N: Size>(
     fetch::<F, N>(dout, &mut dor, &rows_at(orow, ostride, qb.valid), br, c);
     put::<F, N>(&qr, &mut qs, br, c);
     put::<F, N>(&dor, &mut dos, br, c);
-    fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
+    if comptime!(!c.mma) {
+        fill(&mut dqs, 0.0f32, comptime!(br * c.ldo), c);
+    }
     let dsk = comptime!(back(c, br, bc));
     let mut dqacc = accumulators(dsk, c);
     row_deltas::<F, N>(
@@ -1083,8 +1089,10 @@ fn flash_dkv_kernel<F: Float, N: Size>(
     let mut ds = Shared::<[f32]>::new_slice(bq);
     stage::<F, N>(k, &mut ks, &kv_rows(&h, key0, t, true, bk, c), bk, c);
     stage::<F, N>(v, &mut vs, &kv_rows(&h, key0, t, false, bk, c), bk, c);
-    fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
-    fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
+    if comptime!(!c.mma) {
+        fill(&mut dks, 0.0f32, comptime!(bk * c.ldo), c);
+        fill(&mut dvs, 0.0f32, comptime!(bk * c.ldo), c);
+    }
     let grad = comptime!(back(c, bk, bq));
     let (mut dkacc, mut dvacc) = (accumulators(grad, c), accumulators(grad, c));
     // One step a tile of query rows of a head of the group, the next step's rows, their
