@@ -57,7 +57,7 @@ pub enum YeetError {
         /// SHA-256 rank 0 computed.
         want: String,
     },
-    /// Some nodes failed (reported by rank 0).
+    /// Some nodes failed (reported by every rank).
     #[error("{failed} of {writers} nodes failed; see their messages above")]
     Nodes {
         /// Writers that failed.
@@ -249,10 +249,14 @@ pub fn yeet(
     let writers = comm.all_gather_u64(u64::from(writer));
     let failed = failed.iter().sum::<u64>() as usize;
     let writers = writers.iter().sum::<u64>() as usize;
-    result?;
-    if failed > 0 {
+    // Every rank returns how the job fared, a failed writer too (its own cause is printed
+    // above): the first rank to exit is the one the launcher reports before it stops the
+    // others, and a failed writer that returned only its own error could exit before rank 0
+    // said "1 of 3 nodes failed". A sole writer's own error is the whole story.
+    if failed > 0 && (writers > 1 || result.is_ok()) {
         return Err(YeetError::Nodes { failed, writers });
     }
+    result?;
     Ok(YeetReport {
         path: target,
         bytes: sent,
