@@ -1,0 +1,1 @@
+//! Feature unification for CI's two builds; no code. See `Cargo.toml`.
