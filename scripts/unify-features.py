@@ -74,7 +74,9 @@ def candidates(one, two):
             alias = name if len(versions[name]) == 1 else f"{name}-{ver.replace('.', '_')}"
             pkg = "" if alias == name else f'package = "{name}", '
             feats = ", ".join(f'"{f}"' for f in sorted(a | b))
-            found.append((side, f'{alias} = {{ {pkg}version = "={ver}", '
+            # A caret requirement, not `=`: `cargo update` may still move the crate (and
+            # --check then asks for a rerun), where an exact pin would hold it back unseen.
+            found.append((side, f'{alias} = {{ {pkg}version = "{ver}", '
                                 f"default-features = false, features = [{feats}] }}"))
     return found
 
