@@ -53,6 +53,56 @@ fn mpirun_starts_two_ranks_that_see_rank_and_world_size() {
     assert_eq!(start.fields["launcher"], "mpirun");
 }
 
+/// A rank that exits with a code ends the attempt with that code, and mpirun, which is
+/// already aborting the job itself, is left to finish: kiln sent it SIGTERM mid-abort, and
+/// OpenMPI's mpirun segfaulted in `PMIx_Finalize` on every such failure (3 of 3 runs), its
+/// backtrace in the user's log. The shims stop the other ranks instead.
+#[test]
+fn a_rank_that_exits_with_a_code_leaves_mpirun_to_abort_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args([
+        "launch",
+        "--mpi",
+        "--np",
+        "2",
+        "--timeout",
+        "60",
+        "--run-dir",
+    ])
+    .arg(&rd)
+    .args([
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30",
+    ]);
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "KILN_PROGRESS_DIR",
+    ] {
+        cmd.env_remove(v);
+    }
+    let t0 = std::time::Instant::now();
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(text.contains("rank 1 on"), "{text}");
+    assert!(!text.contains("Segmentation fault"), "{text}");
+    assert!(
+        t0.elapsed().as_secs() < 25,
+        "rank 0 was not stopped: {text}"
+    );
+}
+
 /// A hostfile in kiln's documented `host:N` form was parsed by kiln but handed raw to
 /// OpenMPI, which cannot read it (exit 255, classed retryable). The launcher gets a file in
 /// its own syntax (`host slots=N`), whatever syntax the user wrote.

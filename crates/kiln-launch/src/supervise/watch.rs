@@ -117,10 +117,25 @@ impl Watch {
     /// Ends the attempt for `verdict`, if there is one: SIGTERM now, SIGKILL after the grace.
     /// After a lost rank (silent, or killed by a signal) the others are likely blocked in a
     /// collective and ignore SIGTERM: they get at most a short grace.
+    ///
+    /// After a rank *exited with a code*, a launcher such as mpirun is already ending the job
+    /// on its own, and OpenMPI's mpirun segfaults (in `PMIx_Finalize`) when a SIGTERM reaches
+    /// it mid-abort: every rank failure printed its backtrace. There the ranks' shims deliver
+    /// the SIGTERM and the launcher is left alone until the SIGKILL after the grace.
     fn stop_ranks(&mut self, a: &Attempt<'_>, verdict: Option<Verdict>, now: Instant) {
         if let Some(v) = verdict {
-            let grace = verdict_grace(a.cfg, &v);
-            self.kill.terminate_within(&a.running.groups, now, grace);
+            let exited = matches!(
+                v.classification,
+                Classification::Failed
+                    | Classification::Deterministic
+                    | Classification::ReplicaMismatch
+            );
+            if exited && deliver_through_shims(a, Signal::SIGTERM) {
+                self.kill.arm(now);
+            } else {
+                let grace = verdict_grace(a.cfg, &v);
+                self.kill.terminate_within(&a.running.groups, now, grace);
+            }
             self.verdict = Some(v);
         }
     }
