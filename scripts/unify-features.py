@@ -92,8 +92,11 @@ def main():
     old = HACK.read_text()
     start, stop = old.index(BEGIN), old.index(END) + len(END)
 
+    def generated(entries):
+        return old[:start] + section(entries) + old[stop:]
+
     def write(entries):
-        HACK.write_text(old[:start] + section(entries) + old[stop:])
+        HACK.write_text(generated(entries))
 
     try:
         # The builds as they are without the list: what this file adds must not feed back.
@@ -110,10 +113,11 @@ def main():
                 keep.append(entry)
         write(keep)
         grown = sorted(tree(BUILDS[0]).keys() - first.keys())
-        assert len(grown) <= MAX_NEW * len(keep), f"the entries together grow the first build: {grown}"
-        text = HACK.read_text()
     finally:
         HACK.write_text(old)
+    if len(grown) > MAX_NEW * len(keep):
+        sys.exit(f"{HACK}: the entries together grow the first build by {grown}")
+    text = generated(keep)
     if "--check" in sys.argv:
         if text != old:
             print(f"{HACK} is out of date: run scripts/unify-features.py", file=sys.stderr)

@@ -72,6 +72,20 @@ impl Classification {
         }
     }
 
+    /// Whether a process that exited with a code is classed so ([`classify_code`]'s classes),
+    /// not a watchdog, a stop, the walltime or a signal.
+    pub fn from_exit_code(self) -> bool {
+        matches!(
+            self,
+            Classification::Success
+                | Classification::Failed
+                | Classification::Deterministic
+                | Classification::ReplicaMismatch
+                | Classification::NotFound
+                | Classification::Preempted
+        )
+    }
+
     /// Whether another attempt may help. Never after success; not when the program does not
     /// exist or failed deterministically, the walltime is over, or a person asked kiln to stop.
     pub fn retryable(self) -> bool {
@@ -303,6 +317,31 @@ pub fn classify_exit(code: Option<i32>, signal: Option<i32>) -> Classification {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_code_maps_to_a_class_said_to_come_from_an_exit_code() {
+        for code in 0..=255 {
+            assert!(
+                classify_code(code, false).from_exit_code(),
+                "exit code {code}"
+            );
+        }
+        let others = Classification::ALL
+            .into_iter()
+            .filter(|c| !c.from_exit_code())
+            .collect::<Vec<_>>();
+        assert_eq!(
+            others,
+            [
+                Classification::HungSilent,
+                Classification::HungStalled,
+                Classification::NoHeartbeat,
+                Classification::Signaled,
+                Classification::Walltime,
+                Classification::Interrupted,
+            ]
+        );
+    }
 
     #[test]
     fn codes_map_to_classes_with_the_retry_meaning_of_kiln_run() {
