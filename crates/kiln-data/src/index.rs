@@ -78,6 +78,115 @@ pub fn total_tokens(idx: &IndexFile) -> Result<u64> {
     sums.into_iter().sum()
 }
 
+/// Where one dataset's prefix tables are cached, and what a cache file must hold to be them.
+struct PrefixCache<'a> {
+    ds: &'a IndexedDataset,
+    path: std::path::PathBuf,
+    key: Key,
+    /// The dataset's file stem, for progress and log lines.
+    stem: String,
+    seqs: u64,
+    groups: u64,
+    /// The shuffle's key (seed and content).
+    shuffle_key: u64,
+}
+
+/// A cache file's `(tokens per epoch, epochs)`, when it is this dataset's.
+type Held = Option<(u64, u64)>;
+
+impl PrefixCache<'_> {
+    /// The cache file and what it holds (`None` when it is missing or another dataset's).
+    fn read(&self) -> Result<(Option<CacheFile>, Held)> {
+        let file = cache::open(&self.path, &self.key)?;
+        let held = file.as_ref().and_then(|f| self.held(f));
+        Ok((file, held))
+    }
+
+    fn held(&self, f: &CacheFile) -> Held {
+        let p = f.payload();
+        if p.len() < 8 * HEAD_WORDS {
+            return None;
+        }
+        let [tokens, s, g, e] = [0, 1, 2, 3].map(|i| cache::word(p, i));
+        let words = HEAD_WORDS as u64 + e.checked_mul(g + 1)?;
+        (s == self.seqs && g == self.groups && p.len() as u64 == 8 * words).then_some((tokens, e))
+    }
+
+    /// Writes the cache with the epochs that `samples` samples of `seq_len` tokens need, those
+    /// of `file` (holding `held`) kept.
+    fn extend(
+        &self,
+        file: Option<&CacheFile>,
+        held: Held,
+        seq_len: u64,
+        samples: u64,
+    ) -> Result<()> {
+        let tokens = match held {
+            Some((t, _)) => t,
+            None => total_tokens(self.ds.index())?,
+        };
+        if tokens == 0 && samples > 0 {
+            return Err(DataError::format(
+                self.ds.prefix(),
+                "dataset has no tokens but the blend draws samples from it; give it weight 0 and list it after the datasets with positive weights (ties go to the first listed), or remove it",
+            ));
+        }
+        let have = held.map_or(0, |(_, e)| e);
+        let want = epochs_needed(tokens, seq_len, samples).max(have);
+        let bytes = 8.0 * (HEAD_WORDS as f64 + want as f64 * (self.groups + 1) as f64);
+        let what = format!(
+            "the sample index of {} ({want} epochs of {tokens} tokens for {samples} samples of {seq_len} tokens)",
+            self.ds.prefix().display()
+        );
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        cache::ensure_room(&what, bytes, bytes, dir, cache::FIX_SAMPLES)?;
+        let mut payload: Vec<u8> =
+            Vec::with_capacity(8 * (HEAD_WORDS + (want * (self.groups + 1)) as usize));
+        for w in [tokens, self.seqs, self.groups, want] {
+            payload.extend_from_slice(&w.to_le_bytes());
+        }
+        if let Some(f) = file
+            && have > 0
+        {
+            payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
+        }
+        self.append_epochs(&mut payload, tokens, have..want)?;
+        cache::write(&self.path, &self.key, &[&payload])
+    }
+
+    /// Builds the prefix tables of `epochs` onto `payload`.
+    fn append_epochs(
+        &self,
+        payload: &mut Vec<u8>,
+        tokens: u64,
+        epochs: std::ops::Range<u64>,
+    ) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let count = epochs.end - epochs.start;
+        let bar = crate::progress::bar(count * self.seqs, &format!("index {}", self.stem));
+        for e in epochs {
+            let prefix = build_epoch(self.ds.index(), self.shuffle_key, e, &bar)?;
+            if prefix.last() != Some(&tokens) {
+                return Err(DataError::format(
+                    self.ds.index().path(),
+                    "sequence lengths changed while the index was being built",
+                ));
+            }
+            for w in prefix {
+                payload.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        bar.finish_and_clear();
+        tracing::info!(
+            dataset = %self.ds.prefix().display(),
+            epochs = count,
+            elapsed_s = t0.elapsed().as_secs_f64(),
+            "dataset index built"
+        );
+        Ok(())
+    }
+}
+
 impl DatasetIndex {
     /// Open (building or extending the cache as needed) the index of `ds` serving `samples`
     /// samples of `seq_len + 1` tokens. `fingerprint` identifies the dataset's content.
@@ -101,107 +210,39 @@ impl DatasetIndex {
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "dataset".into());
-        let path = cache_dir.join(key.file_name(&stem));
-        let shuffle_key = derive_key(&[seed, crate::fingerprint::digest_u64(fingerprint)]);
         let seqs = ds.len() as u64;
-        let groups = seqs.div_ceil(GROUP);
-
-        let usable = |f: &CacheFile| -> Option<(u64, u64)> {
-            let p = f.payload();
-            if p.len() < 8 * HEAD_WORDS {
-                return None;
-            }
-            let (tokens, s, g, e) = (
-                cache::word(p, 0),
-                cache::word(p, 1),
-                cache::word(p, 2),
-                cache::word(p, 3),
-            );
-            let words = HEAD_WORDS as u64 + e.checked_mul(g + 1)?;
-            (s == seqs && g == groups && p.len() as u64 == 8 * words).then_some((tokens, e))
+        let c = PrefixCache {
+            ds: &ds,
+            path: cache_dir.join(key.file_name(&stem)),
+            key,
+            stem,
+            seqs,
+            groups: seqs.div_ceil(GROUP),
+            shuffle_key: derive_key(&[seed, crate::fingerprint::digest_u64(fingerprint)]),
         };
-        let mut file = cache::open(&path, &key)?;
-        let mut state = file.as_ref().and_then(usable);
-        let enough = |state: Option<(u64, u64)>| {
-            state.is_some_and(|(tokens, e)| e >= epochs_needed(tokens, seq_len, samples))
+        let enough = |held: Held| {
+            held.is_some_and(|(tokens, e)| e >= epochs_needed(tokens, seq_len, samples))
         };
-        if !enough(state) {
-            let _lock = cache::lock(&path)?;
-            file = cache::open(&path, &key)?;
-            state = file.as_ref().and_then(usable);
-            if !enough(state) {
-                let tokens = match state {
-                    Some((t, _)) => t,
-                    None => total_tokens(ds.index())?,
-                };
-                if tokens == 0 && samples > 0 {
-                    return Err(DataError::format(
-                        ds.prefix(),
-                        "dataset has no tokens but the blend draws samples from it; give it weight 0 and list it after the datasets with positive weights (ties go to the first listed), or remove it",
-                    ));
-                }
-                let have = state.map_or(0, |(_, e)| e);
-                let want = epochs_needed(tokens, seq_len, samples).max(have);
-                let bytes = 8.0 * (HEAD_WORDS as f64 + want as f64 * (groups + 1) as f64);
-                cache::ensure_room(
-                    &format!(
-                        "the sample index of {} ({want} epochs of {tokens} tokens for {samples} samples of {seq_len} tokens)",
-                        ds.prefix().display()
-                    ),
-                    bytes,
-                    bytes,
-                    cache_dir,
-                    cache::FIX_SAMPLES,
-                )?;
-                let mut payload: Vec<u8> =
-                    Vec::with_capacity(8 * (HEAD_WORDS + (want * (groups + 1)) as usize));
-                for w in [tokens, seqs, groups, want] {
-                    payload.extend_from_slice(&w.to_le_bytes());
-                }
-                if let Some(f) = &file
-                    && have > 0
-                {
-                    payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
-                }
-                let t0 = std::time::Instant::now();
-                let bar = crate::progress::bar((want - have) * seqs, &format!("index {stem}"));
-                for e in have..want {
-                    let prefix = build_epoch(ds.index(), shuffle_key, e, &bar)?;
-                    if prefix.last() != Some(&tokens) {
-                        return Err(DataError::format(
-                            ds.index().path(),
-                            "sequence lengths changed while the index was being built",
-                        ));
-                    }
-                    for w in prefix {
-                        payload.extend_from_slice(&w.to_le_bytes());
-                    }
-                }
-                bar.finish_and_clear();
-                tracing::info!(
-                    dataset = %ds.prefix().display(),
-                    epochs = want - have,
-                    elapsed_s = t0.elapsed().as_secs_f64(),
-                    "dataset index built"
-                );
-                cache::write(&path, &key, &[&payload])?;
-                file = cache::open(&path, &key)?;
-                state = file.as_ref().and_then(usable);
+        let (mut file, mut held) = c.read()?;
+        if !enough(held) {
+            let _lock = cache::lock(&c.path)?;
+            (file, held) = c.read()?;
+            if !enough(held) {
+                c.extend(file.as_ref(), held, seq_len, samples)?;
+                (file, held) = c.read()?;
             }
         }
-        let (file, (tokens, epochs)) = match (file, state) {
-            (Some(f), Some(s)) => (f, s),
-            _ => {
-                return Err(DataError::format(
-                    &path,
-                    "index cache unreadable right after it was written",
-                ));
-            }
+        let (Some(file), Some((tokens, epochs))) = (file, held) else {
+            return Err(DataError::format(
+                &c.path,
+                "index cache unreadable right after it was written",
+            ));
         };
+        let (key, groups) = (c.shuffle_key, c.groups);
         Ok(DatasetIndex {
             ds,
             file,
-            key: shuffle_key,
+            key,
             seqs,
             tokens_per_epoch: tokens,
             groups,

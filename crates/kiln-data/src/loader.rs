@@ -122,6 +122,82 @@ pub struct BlendedLoader {
     vocab: Option<usize>,
 }
 
+impl LoaderConfig {
+    /// The sequence length and the sample count within what a loader can address.
+    fn check_ranges(&self) -> Result<()> {
+        if self.seq_len == 0 || self.seq_len > MAX_SEQ_LEN {
+            return Err(DataError::Invalid(format!(
+                "seq_len {} is out of range: it must be in [1, {MAX_SEQ_LEN}]",
+                self.seq_len
+            )));
+        }
+        if self.total_samples == 0 || self.total_samples > MAX_SAMPLES {
+            return Err(DataError::Invalid(format!(
+                "{} samples is out of range: the sample count must be in [1, {MAX_SAMPLES}]",
+                self.total_samples
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks the shards of `prefixes` against the manifest of the corpus list `list` (an error
+/// without one when `cfg.require_manifest`, else a warning).
+fn verify_shards(list: &Path, cfg: &LoaderConfig, prefixes: &[PathBuf]) -> Result<()> {
+    let mpath = cfg
+        .manifest
+        .clone()
+        .unwrap_or_else(|| manifest::default_path(list));
+    if mpath.exists() {
+        return Manifest::read(&mpath)?.verify(&mpath, prefixes, cfg.verify);
+    }
+    if cfg.require_manifest {
+        return Err(DataError::Io {
+            path: mpath,
+            error: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no manifest; pin the shards with `kiln data manifest`",
+            ),
+        });
+    }
+    tracing::warn!(manifest = %mpath.display(), "no shard manifest; shards are not checked for changes (pin them with `kiln data manifest`)");
+    Ok(())
+}
+
+/// Opens the dataset of list entry `e` and its sample index for at most `bound` samples; an
+/// error names the entry's line of `list`.
+fn open_index(
+    list: &Path,
+    e: &crate::corpus::CorpusEntry,
+    bound: u64,
+    cfg: &LoaderConfig,
+) -> Result<DatasetIndex> {
+    let at_line = |err: DataError| DataError::ListLine {
+        path: list.to_path_buf(),
+        line: e.line,
+        reason: err.to_string(),
+    };
+    let ds = IndexedDataset::open(&e.prefix).map_err(at_line)?;
+    index_checked_cached(&ds, &cfg.cache_dir).map_err(at_line)?;
+    let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
+    let seq_len = cfg.seq_len as u64;
+    DatasetIndex::open(ds, &fp, cfg.seed, seq_len, bound, &cfg.cache_dir).map_err(at_line)
+}
+
+/// The vocabulary size: the tokenizer's when one is given, else the largest that the
+/// datasets' tokenizer sidecars name (`None` without any).
+fn vocab(cfg: &LoaderConfig, datasets: &[LoadedDataset]) -> Result<Option<usize>> {
+    Ok(match &cfg.tokenizer {
+        Some(t) => Some(crate::tokenize::load(t)?.get_vocab_size(true)),
+        None => datasets
+            .iter()
+            .filter_map(|d| {
+                crate::tokenize::read_sidecar(d.index.dataset().prefix()).map(|s| s.vocab_size)
+            })
+            .max(),
+    })
+}
+
 impl BlendedLoader {
     /// Open from a corpus-list file (lines `weight prefix [corpus]`, `#` comments; relative
     /// prefixes resolve against the list file's directory), checking shards against the
@@ -129,43 +205,13 @@ impl BlendedLoader {
     /// from every rank at once: ranks that find the cache cold wait for the first builder and
     /// share its files.
     pub fn open(list: &Path, cfg: &LoaderConfig) -> Result<BlendedLoader> {
-        if cfg.seq_len == 0 || cfg.seq_len > MAX_SEQ_LEN {
-            return Err(DataError::Invalid(format!(
-                "seq_len {} is out of range: it must be in [1, {MAX_SEQ_LEN}]",
-                cfg.seq_len
-            )));
-        }
-        if cfg.total_samples == 0 || cfg.total_samples > MAX_SAMPLES {
-            return Err(DataError::Invalid(format!(
-                "{} samples is out of range: the sample count must be in [1, {MAX_SAMPLES}]",
-                cfg.total_samples
-            )));
-        }
+        cfg.check_ranges()?;
         let corpus = CorpusList::read(list)?;
         let prefixes: Vec<PathBuf> = corpus.entries.iter().map(|e| e.prefix.clone()).collect();
-
         if cfg.verify != Verify::Off {
-            let mpath = cfg
-                .manifest
-                .clone()
-                .unwrap_or_else(|| manifest::default_path(list));
-            if mpath.exists() {
-                Manifest::read(&mpath)?.verify(&mpath, &prefixes, cfg.verify)?;
-            } else if cfg.require_manifest {
-                return Err(DataError::Io {
-                    path: mpath,
-                    error: std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        "no manifest; pin the shards with `kiln data manifest`",
-                    ),
-                });
-            } else {
-                tracing::warn!(manifest = %mpath.display(), "no shard manifest; shards are not checked for changes (pin them with `kiln data manifest`)");
-            }
+            verify_shards(list, cfg, &prefixes)?;
         }
-
         std::fs::create_dir_all(&cfg.cache_dir).map_err(|e| DataError::io(&cfg.cache_dir, e))?;
-
         let weights: Vec<(String, f64)> = corpus
             .entries
             .iter()
@@ -177,75 +223,37 @@ impl BlendedLoader {
         };
         let table: Vec<String> = corpus.entries.iter().map(|e| e.key.clone()).collect();
         let bounds = crate::blend::sample_bounds(&schedule, &table, cfg.total_samples)?;
-
-        let at_line = |line: usize, err: DataError| DataError::ListLine {
-            path: list.to_path_buf(),
-            line,
-            reason: err.to_string(),
-        };
         // The blend is one sequential pass; the dataset indices are parallel work sized by an
         // upper bound of each dataset's share, so both run at once.
         let (blend, opened) = rayon::join(
             || Blend::build(&schedule, &table, cfg.total_samples, &cfg.cache_dir),
-            || -> Vec<Result<(DatasetIndex, &crate::corpus::CorpusEntry)>> {
-                corpus
-                    .entries
-                    .par_iter()
-                    .zip(bounds.par_iter())
-                    .map(|(e, &bound)| {
-                        let ds =
-                            IndexedDataset::open(&e.prefix).map_err(|err| at_line(e.line, err))?;
-                        index_checked_cached(&ds, &cfg.cache_dir)
-                            .map_err(|err| at_line(e.line, err))?;
-                        let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
-                        let index = DatasetIndex::open(
-                            ds,
-                            &fp,
-                            cfg.seed,
-                            cfg.seq_len as u64,
-                            bound,
-                            &cfg.cache_dir,
-                        )
-                        .map_err(|err| at_line(e.line, err))?;
-                        Ok((index, e))
-                    })
+            || -> Vec<Result<DatasetIndex>> {
+                let entries = corpus.entries.par_iter().zip(bounds.par_iter());
+                entries
+                    .map(|(e, &bound)| open_index(list, e, bound, cfg))
                     .collect()
             },
         );
         let blend = blend?;
-        let totals = blend.totals();
-        let opened: Vec<Result<LoadedDataset>> = opened
-            .into_iter()
-            .zip(totals)
-            .map(|(r, samples)| {
-                r.map(|(index, e)| LoadedDataset {
+        let datasets = (opened.into_iter().zip(&corpus.entries).zip(blend.totals()))
+            .map(|((index, e), samples)| {
+                Ok(LoadedDataset {
                     key: e.key.clone(),
                     corpus: e.corpus.clone(),
                     weight: e.weight,
                     samples,
                     line: e.line,
-                    index,
+                    index: index?,
                 })
             })
-            .collect();
-        let datasets = opened.into_iter().collect::<Result<Vec<_>>>()?;
-
-        let vocab = match &cfg.tokenizer {
-            Some(t) => Some(crate::tokenize::load(t)?.get_vocab_size(true)),
-            None => datasets
-                .iter()
-                .filter_map(|d| {
-                    crate::tokenize::read_sidecar(d.index.dataset().prefix()).map(|s| s.vocab_size)
-                })
-                .max(),
-        };
+            .collect::<Result<Vec<_>>>()?;
         Ok(BlendedLoader {
             list: list.to_path_buf(),
             seq_len: cfg.seq_len,
+            vocab: vocab(cfg, &datasets)?,
             datasets,
             blend,
             schedule,
-            vocab,
         })
     }
 

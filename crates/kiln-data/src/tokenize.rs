@@ -112,25 +112,8 @@ impl DocReader<'_> {
     /// The next document, or `None` at the end of the last file.
     pub fn next_doc(&mut self) -> Result<Option<String>> {
         loop {
-            if self.current.as_ref().is_none_or(|c| c.done) {
-                let Some(path) = self.src.files.get(self.next_file) else {
-                    return Ok(None);
-                };
-                self.next_file += 1;
-                // A FIFO or device named as input is refused without blocking on it.
-                let file =
-                    kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
-                let ext = path
-                    .extension()
-                    .map(|e| e.to_string_lossy().to_lowercase())
-                    .unwrap_or_default();
-                self.current = Some(OpenFile {
-                    path: path.clone(),
-                    reader: BufReader::with_capacity(1 << 20, file),
-                    json: ext == "jsonl" || ext == "json" || ext == "ndjson",
-                    line: 0,
-                    done: false,
-                });
+            if self.current.as_ref().is_none_or(|c| c.done) && !self.open_next()? {
+                return Ok(None);
             }
             let Some(f) = self.current.as_mut() else {
                 continue;
@@ -143,51 +126,17 @@ impl DocReader<'_> {
             let mut doc = String::new();
             let mut line = String::new();
             loop {
-                line.clear();
-                // Bounded, so that an input without newlines (/dev/zero, a binary file) is
-                // an error instead of a read that fills memory.
-                let n = (&mut f.reader)
-                    .take(MAX_LINE_BYTES + 1)
-                    .read_line(&mut line)
-                    .map_err(|e| DataError::io(&f.path, e))?;
-                if n as u64 > MAX_LINE_BYTES {
-                    return Err(DataError::ListLine {
-                        path: f.path.clone(),
-                        line: f.line + 1,
-                        reason: format!(
-                            "line longer than {} MiB; is this a text or JSONL file?",
-                            MAX_LINE_BYTES >> 20
-                        ),
-                    });
-                }
+                let n = f.read_line(&mut line)?;
                 self.bytes += n as u64;
                 if n == 0 {
                     f.done = true;
                     break;
                 }
-                f.line += 1;
                 if f.json {
-                    if line.trim().is_empty() {
-                        continue;
+                    match f.json_text(&line, &self.src.json_key)? {
+                        Some(text) => return Ok(Some(text)),
+                        None => continue,
                     }
-                    let v: serde_json::Value =
-                        serde_json::from_str(&line).map_err(|e| DataError::ListLine {
-                            path: f.path.clone(),
-                            line: f.line,
-                            reason: format!("not a JSON object: {e}"),
-                        })?;
-                    let text = v
-                        .get(&self.src.json_key)
-                        .and_then(|t| t.as_str())
-                        .ok_or_else(|| DataError::ListLine {
-                            path: f.path.clone(),
-                            line: f.line,
-                            reason: format!(
-                                "no string field {:?} (choose the field with --json-key)",
-                                self.src.json_key
-                            ),
-                        })?;
-                    return Ok(Some(text.to_string()));
                 }
                 match split {
                     TextSplit::Line => {
@@ -196,16 +145,12 @@ impl DocReader<'_> {
                             return Ok(Some(t.to_string()));
                         }
                     }
-                    TextSplit::Paragraph => {
-                        if line.trim().is_empty() {
-                            if !doc.is_empty() {
-                                break;
-                            }
-                        } else {
-                            doc.push_str(&line);
+                    TextSplit::Paragraph if line.trim().is_empty() => {
+                        if !doc.is_empty() {
+                            break;
                         }
                     }
-                    TextSplit::File => doc.push_str(&line),
+                    TextSplit::Paragraph | TextSplit::File => doc.push_str(&line),
                 }
             }
             if !doc.is_empty() {
@@ -213,6 +158,78 @@ impl DocReader<'_> {
                 doc.truncate(trimmed);
                 return Ok(Some(doc));
             }
+        }
+    }
+
+    /// Opens the next input file; `false` after the last.
+    fn open_next(&mut self) -> Result<bool> {
+        let Some(path) = self.src.files.get(self.next_file) else {
+            return Ok(false);
+        };
+        self.next_file += 1;
+        // A FIFO or device named as input is refused without blocking on it.
+        let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
+        let ext = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        self.current = Some(OpenFile {
+            path: path.clone(),
+            reader: BufReader::with_capacity(1 << 20, file),
+            json: ext == "jsonl" || ext == "json" || ext == "ndjson",
+            line: 0,
+            done: false,
+        });
+        Ok(true)
+    }
+}
+
+impl OpenFile {
+    /// Reads the next line into `line` (cleared first); the bytes read, 0 at the end. Bounded,
+    /// so that an input without newlines (/dev/zero, a binary file) is an error instead of a
+    /// read that fills memory.
+    fn read_line(&mut self, line: &mut String) -> Result<usize> {
+        line.clear();
+        let n = (&mut self.reader)
+            .take(MAX_LINE_BYTES + 1)
+            .read_line(line)
+            .map_err(|e| DataError::io(&self.path, e))?;
+        if n as u64 > MAX_LINE_BYTES {
+            return Err(self.at_line(
+                self.line + 1,
+                format!(
+                    "line longer than {} MiB; is this a text or JSONL file?",
+                    MAX_LINE_BYTES >> 20
+                ),
+            ));
+        }
+        if n > 0 {
+            self.line += 1;
+        }
+        Ok(n)
+    }
+
+    /// The string field `key` of the JSON object on `line` (the current line); `None` for a
+    /// blank line.
+    fn json_text(&self, line: &str, key: &str) -> Result<Option<String>> {
+        if line.trim().is_empty() {
+            return Ok(None);
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| self.at_line(self.line, format!("not a JSON object: {e}")))?;
+        let text = v.get(key).and_then(|t| t.as_str()).ok_or_else(|| {
+            let why = format!("no string field {key:?} (choose the field with --json-key)");
+            self.at_line(self.line, why)
+        })?;
+        Ok(Some(text.to_string()))
+    }
+
+    /// An error at line `line` of this file.
+    fn at_line(&self, line: usize, reason: String) -> DataError {
+        DataError::ListLine {
+            path: self.path.clone(),
+            line,
+            reason,
         }
     }
 }

@@ -140,16 +140,51 @@ pub struct YeetReport {
 pub fn yeet(
     comm: &dyn Collective,
     opts: &YeetOptions,
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<YeetReport, YeetError> {
     let t0 = Instant::now();
     let per_rank = opts.dest.contains("{rank}");
     let dest = PathBuf::from(opts.dest.replace("{rank}", &comm.rank().to_string()));
     let writer = per_rank || comm.node_local_rank().0 == 0;
+    let (kind, name) = agree_on_source(comm, &opts.source)?;
+    let target = dest.join(&name);
+    // A writer's failure is kept, not returned, so that it stays in the broadcasts (see the
+    // module comment).
+    let mut sink = match writer {
+        true => Some(Sink::create(&dest, &target, kind, opts.force)),
+        false => None,
+    };
+    let (sent, mine) = stream(comm, opts, kind, &mut sink, progress)?;
+    let want =
+        String::from_utf8_lossy(&broadcast_blob(comm, mine.clone().into_bytes())).into_owned();
+    // Verify and publish; then everyone learns how the writers fared.
+    let result = match sink {
+        Some(Err(e)) => Err(e),
+        Some(Ok(s)) if mine != want => {
+            s.discard();
+            Err(YeetError::Checksum {
+                got: mine,
+                want: want.clone(),
+            })
+        }
+        Some(Ok(s)) => s.publish(),
+        None => Ok(()),
+    };
+    let writers = tally(comm, writer, result)?;
+    Ok(YeetReport {
+        path: target,
+        bytes: sent,
+        writers,
+        seconds: t0.elapsed().as_secs_f64(),
+        sha256: want,
+    })
+}
 
-    // Rank 0 tells everyone what comes and under which name (or why it cannot).
+/// Rank 0 tells everyone what comes and under which name (or why it cannot): the source's
+/// kind and name on every rank.
+fn agree_on_source(comm: &dyn Collective, source: &Path) -> Result<(Kind, String), YeetError> {
     let plan = if comm.rank() == 0 {
-        plan_source(&opts.source)
+        plan_source(source)
     } else {
         Ok((Kind::File, String::new()))
     };
@@ -158,38 +193,31 @@ pub fn yeet(
         Err(e) => format!("\0{e}"),
     };
     let header = broadcast_blob(comm, header.into_bytes());
-    let (kind, name) = match header.split_first() {
-        Some((0, msg)) => {
-            return Err(YeetError::Source(String::from_utf8_lossy(msg).into_owned()));
-        }
-        Some((&k, name)) => (
+    match header.split_first() {
+        Some((0, msg)) => Err(YeetError::Source(String::from_utf8_lossy(msg).into_owned())),
+        Some((&k, name)) => Ok((
             Kind::from_u8(k).ok_or_else(|| YeetError::Source("bad header".into()))?,
             String::from_utf8_lossy(name).into_owned(),
-        ),
-        None => return Err(YeetError::Source("empty header".into())),
-    };
-    let target = dest.join(&name);
+        )),
+        None => Err(YeetError::Source("empty header".into())),
+    }
+}
 
-    // Stream: rank 0 reads and broadcasts; writers write what arrives. A writer's failure
-    // is kept, not returned, so that it stays in the broadcasts (see the module comment).
-    let mut failure_here: Option<YeetError> = None;
-    let mut sink = if writer {
-        match Sink::create(&dest, &target, kind, opts.force) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                failure_here = Some(e);
-                None
-            }
-        }
-    } else {
-        None
-    };
+/// The stream: rank 0 reads and broadcasts, writers write what arrives into `sink` (which
+/// becomes the writer's error when a write fails). Returns the bytes sent and this rank's
+/// SHA-256 of them; an error when rank 0 could not read the source.
+fn stream(
+    comm: &dyn Collective,
+    opts: &YeetOptions,
+    kind: Kind,
+    sink: &mut Option<Result<Sink, YeetError>>,
+    mut progress: impl FnMut(u64),
+) -> Result<(u64, String), YeetError> {
     let mut hasher = Sha256::new();
     let mut sent = 0u64;
-    let mut reader = if comm.rank() == 0 {
-        Some(SourceReader::open(&opts.source, kind)?)
-    } else {
-        None
+    let mut reader = match comm.rank() {
+        0 => Some(SourceReader::open(&opts.source, kind)?),
+        _ => None,
     };
     loop {
         let chunk = match &mut reader {
@@ -203,7 +231,7 @@ pub fn yeet(
             Err(e) => (None, Some(e)),
         };
         let Some(chunk) = broadcast_chunk(comm, chunk) else {
-            if let Some(s) = sink {
+            if let Some(Ok(s)) = sink.take() {
                 s.discard();
             }
             return Err(failure.unwrap_or_else(|| {
@@ -211,37 +239,27 @@ pub fn yeet(
             }));
         };
         if chunk.is_empty() {
-            break;
+            return Ok((sent, hex::encode(hasher.finalize())));
         }
         hasher.update(&chunk);
         sent += chunk.len() as u64;
-        if let Some(s) = &mut sink
+        if let Some(Ok(s)) = sink
             && let Err(e) = s.write(chunk)
+            && let Some(Ok(s)) = sink.replace(Err(e))
         {
-            failure_here = Some(e);
-            if let Some(s) = sink.take() {
-                s.discard();
-            }
+            s.discard();
         }
         progress(sent);
     }
-    let mine = hex::encode(hasher.finalize());
-    let want =
-        String::from_utf8_lossy(&broadcast_blob(comm, mine.clone().into_bytes())).into_owned();
+}
 
-    // Verify and publish; then everyone learns how the writers fared.
-    let result = match (failure_here, sink) {
-        (Some(e), _) => Err(e),
-        (None, Some(s)) if mine != want => {
-            s.discard();
-            Err(YeetError::Checksum {
-                got: mine,
-                want: want.clone(),
-            })
-        }
-        (None, Some(s)) => s.publish(),
-        (None, None) => Ok(()),
-    };
+/// Tells every rank how the writers fared; returns the number of writers, or the error this
+/// rank must exit with.
+fn tally(
+    comm: &dyn Collective,
+    writer: bool,
+    result: Result<(), YeetError>,
+) -> Result<usize, YeetError> {
     if let Err(e) = &result {
         eprintln!("kiln yeet: rank {}: {e}", comm.rank());
     }
@@ -256,14 +274,7 @@ pub fn yeet(
     if failed > 0 && (writers > 1 || result.is_ok()) {
         return Err(YeetError::Nodes { failed, writers });
     }
-    result?;
-    Ok(YeetReport {
-        path: target,
-        bytes: sent,
-        writers,
-        seconds: t0.elapsed().as_secs_f64(),
-        sha256: want,
-    })
+    result.map(|()| writers)
 }
 
 /// Broadcasts a variable-length blob from rank 0 (its length first).

@@ -103,6 +103,13 @@ fn log_label(v: f64) -> String {
     format!("{x:.0e}")
 }
 
+/// The chart of one panel: linear axes over the (transformed) data's ranges.
+type Chart<'a, DB> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
@@ -124,117 +131,150 @@ where
     let rows = panels.len().div_ceil(cols).max(1);
     let areas = root.split_evenly((rows, cols));
     for (panel, area) in panels.iter().zip(areas) {
-        let tx = |x: f64| if panel.log_x { x.log10() } else { x };
-        let ty = |y: f64| if panel.log_y { y.log10() } else { y };
-        let pts: Vec<Vec<(f64, f64)>> = panel
-            .series
-            .iter()
-            .map(|s| {
-                s.points
-                    .iter()
-                    .map(|&(x, y)| (tx(x), ty(y)))
-                    .filter(|(x, y)| x.is_finite() && y.is_finite())
-                    .collect()
-            })
-            .collect();
-        let xr = range(pts.iter().flatten().map(|p| p.0));
-        let yr = range(pts.iter().flatten().map(|p| p.1));
-        let (Some(xr), Some(yr)) = (xr, yr) else {
-            if text {
-                area.draw(&Text::new(
-                    format!("{}: no data", panel.title),
-                    (20, 20),
-                    ("sans-serif", 14),
-                ))
-                .map_err(|e| e.to_string())?;
-            }
-            continue;
-        };
-        let mut builder = ChartBuilder::on(&area);
-        builder.margin(8);
-        if text {
-            builder
-                .caption(&panel.title, ("sans-serif", 16))
-                .x_label_area_size(32)
-                .y_label_area_size(56);
-        }
-        let mut chart = builder
-            .build_cartesian_2d(xr.0..xr.1, yr.0..yr.1)
-            .map_err(|e| e.to_string())?;
-        let xf = |v: &f64| {
-            if panel.log_x {
-                log_label(*v)
-            } else if v.abs() >= 1e4 {
-                format!("{v:.1e}")
-            } else {
-                format!("{v}")
-            }
-        };
-        let yf = |v: &f64| {
-            if panel.log_y {
-                log_label(*v)
-            } else if v.abs() >= 1e4 || (v.abs() < 1e-2 && *v != 0.0) {
-                format!("{v:.1e}")
-            } else if v.abs() >= 100.0 {
-                format!("{v:.0}")
-            } else if v.abs() >= 1.0 {
-                format!("{v:.2}")
-            } else {
-                format!("{v:.3}")
-            }
-        };
-        let mut mesh = chart.configure_mesh();
-        mesh.x_label_formatter(&xf).y_label_formatter(&yf);
-        if text {
-            mesh.x_desc(panel.x_label.as_str())
-                .label_style(("sans-serif", 11));
-        } else {
-            mesh.x_labels(0).y_labels(0);
-        }
-        mesh.draw().map_err(|e| e.to_string())?;
-        for (i, (s, p)) in panel.series.iter().zip(&pts).enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            let drawn = chart
-                .draw_series(LineSeries::new(p.iter().copied(), color.stroke_width(2)))
-                .map_err(|e| e.to_string())?;
-            if text && panel.series.len() > 1 {
-                drawn.label(s.name.as_str()).legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-                });
-            }
-        }
-        for (x, label) in &panel.markers {
-            let x = tx(*x);
-            if !x.is_finite() {
-                continue;
-            }
-            chart
-                .draw_series(LineSeries::new(
-                    vec![(x, yr.0), (x, yr.1)],
-                    RED.mix(0.6).stroke_width(1),
-                ))
-                .map_err(|e| e.to_string())?;
-            if text {
-                chart
-                    .draw_series(std::iter::once(Text::new(
-                        label.clone(),
-                        (x, yr.1 - (yr.1 - yr.0) * 0.08),
-                        ("sans-serif", 11).into_font().color(&RED),
-                    )))
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-        if text && panel.series.len() > 1 {
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .label_font(("sans-serif", 11))
-                .draw()
-                .map_err(|e| e.to_string())?;
-        }
+        draw_panel(&area, panel, text)?;
     }
     root.present().map_err(|e| e.to_string())
+}
+
+impl Panel {
+    /// `x` on the panel's axis (its log when the axis is logarithmic).
+    fn tx(&self, x: f64) -> f64 {
+        if self.log_x { x.log10() } else { x }
+    }
+
+    /// `y` on the panel's axis.
+    fn ty(&self, y: f64) -> f64 {
+        if self.log_y { y.log10() } else { y }
+    }
+
+    /// A tick label of the x axis at axis value `v`.
+    fn x_tick(&self, v: f64) -> String {
+        if self.log_x {
+            log_label(v)
+        } else if v.abs() >= 1e4 {
+            format!("{v:.1e}")
+        } else {
+            format!("{v}")
+        }
+    }
+
+    /// A tick label of the y axis at axis value `v`.
+    fn y_tick(&self, v: f64) -> String {
+        if self.log_y {
+            log_label(v)
+        } else if v.abs() >= 1e4 || (v.abs() < 1e-2 && v != 0.0) {
+            format!("{v:.1e}")
+        } else if v.abs() >= 100.0 {
+            format!("{v:.0}")
+        } else if v.abs() >= 1.0 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.3}")
+        }
+    }
+}
+
+/// One panel in `area`: its series, markers and (with `text`) captions and legend.
+fn draw_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    panel: &Panel,
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let pts: Vec<Vec<(f64, f64)>> = panel
+        .series
+        .iter()
+        .map(|s| {
+            s.points
+                .iter()
+                .map(|&(x, y)| (panel.tx(x), panel.ty(y)))
+                .filter(|(x, y)| x.is_finite() && y.is_finite())
+                .collect()
+        })
+        .collect();
+    let xr = range(pts.iter().flatten().map(|p| p.0));
+    let yr = range(pts.iter().flatten().map(|p| p.1));
+    let (Some(xr), Some(yr)) = (xr, yr) else {
+        if text {
+            let what = format!("{}: no data", panel.title);
+            area.draw(&Text::new(what, (20, 20), ("sans-serif", 14)))
+                .map_err(|e| e.to_string())?;
+        }
+        return Ok(());
+    };
+    let mut builder = ChartBuilder::on(area);
+    builder.margin(8);
+    if text {
+        builder
+            .caption(&panel.title, ("sans-serif", 16))
+            .x_label_area_size(32)
+            .y_label_area_size(56);
+    }
+    let mut chart = builder
+        .build_cartesian_2d(xr.0..xr.1, yr.0..yr.1)
+        .map_err(|e| e.to_string())?;
+    let (xf, yf) = (|v: &f64| panel.x_tick(*v), |v: &f64| panel.y_tick(*v));
+    let mut mesh = chart.configure_mesh();
+    mesh.x_label_formatter(&xf).y_label_formatter(&yf);
+    if text {
+        mesh.x_desc(panel.x_label.as_str())
+            .label_style(("sans-serif", 11));
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(|e| e.to_string())?;
+    let legend = text && panel.series.len() > 1;
+    for (i, (s, p)) in panel.series.iter().zip(&pts).enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let drawn = chart
+            .draw_series(LineSeries::new(p.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?;
+        if legend {
+            drawn.label(s.name.as_str()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+        }
+    }
+    draw_markers(&mut chart, panel, yr, text)?;
+    if legend {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 11))
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The panel's vertical markers across the y range `yr`, labelled with `text`.
+fn draw_markers<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    panel: &Panel,
+    yr: (f64, f64),
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    for (x, label) in &panel.markers {
+        let x = panel.tx(*x);
+        if !x.is_finite() {
+            continue;
+        }
+        chart
+            .draw_series(LineSeries::new(
+                vec![(x, yr.0), (x, yr.1)],
+                RED.mix(0.6).stroke_width(1),
+            ))
+            .map_err(|e| e.to_string())?;
+        let at = (x, yr.1 - (yr.1 - yr.0) * 0.08);
+        label_at(chart, text, label.clone(), at, &RED)?;
+    }
+    Ok(())
 }
 
 /// Draws `panels` in a grid of `cols` columns to `stem.svg` and `stem.png`; returns both paths.
@@ -320,15 +360,26 @@ where
         root
     };
     let (top, bottom) = root.split_vertically(root.dim_in_pixel().1 * 2 / 3);
+    draw_attempts(&top, l, text)?;
+    draw_band(&bottom, l, text)?;
+    root.present().map_err(e)
+}
+
+/// The timeline's upper chart: the steps each attempt reached over wall time, its failures
+/// (red) and the node swaps (blue).
+fn draw_attempts<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    l: &kiln_run::ledger::Ledger,
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let total = l.total.max(1e-3);
-    let max_step = l
-        .attempts
-        .iter()
-        .filter_map(|a| a.steps.1)
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let mut b = ChartBuilder::on(&top);
+    let top = l.attempts.iter().filter_map(|a| a.steps.1).max();
+    let max_step = top.unwrap_or(1).max(1) as f64;
+    let mut b = ChartBuilder::on(area);
     b.margin(10);
     if text {
         b.caption(
@@ -354,57 +405,74 @@ where
         let color = COLORS[i % COLORS.len()];
         if let (Some((from, to)), (start, Some(last))) = (a.work, a.steps) {
             let s0 = start.unwrap_or(last) as f64;
+            let path = vec![(a.from, s0), (from, s0), (to, last as f64)];
             chart
-                .draw_series(LineSeries::new(
-                    vec![(a.from, s0), (from, s0), (to, last as f64)],
-                    color.stroke_width(2),
-                ))
+                .draw_series(LineSeries::new(path, color.stroke_width(2)))
                 .map_err(e)?;
         }
-        if a.classification != "success" {
-            chart
-                .draw_series(LineSeries::new(
-                    vec![(a.to, 0.0), (a.to, max_step * 1.05)],
-                    RED.mix(0.7).stroke_width(1),
-                ))
-                .map_err(e)?;
-            if text {
-                let label = if a.culprits.is_empty() {
-                    a.classification.clone()
-                } else {
-                    format!("{} ({})", a.classification, a.culprits.join(","))
-                };
-                chart
-                    .draw_series(std::iter::once(Text::new(
-                        label,
-                        (a.to, max_step * (1.05 - 0.07 * (i % 3) as f64)),
-                        ("sans-serif", 11).into_font().color(&RED),
-                    )))
-                    .map_err(e)?;
-            }
+        if a.classification == "success" {
+            continue;
         }
+        let line = vec![(a.to, 0.0), (a.to, max_step * 1.05)];
+        chart
+            .draw_series(LineSeries::new(line, RED.mix(0.7).stroke_width(1)))
+            .map_err(e)?;
+        let label = match a.culprits.is_empty() {
+            true => a.classification.clone(),
+            false => format!("{} ({})", a.classification, a.culprits.join(",")),
+        };
+        let at = (a.to, max_step * (1.05 - 0.07 * (i % 3) as f64));
+        label_at(&mut chart, text, label, at, &RED)?;
     }
     for s in &l.swaps {
         chart
             .draw_series(std::iter::once(Circle::new((s.at, 0.0), 5, BLUE.filled())))
             .map_err(e)?;
-        if text {
-            let label = format!(
-                "{} -> {}{}",
-                s.host,
-                s.replacement.as_deref().unwrap_or("dropped"),
-                if s.blind { " (blind)" } else { "" }
-            );
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    label,
-                    (s.at, max_step * 0.06),
-                    ("sans-serif", 11).into_font().color(&BLUE),
-                )))
-                .map_err(e)?;
-        }
+        let label = format!(
+            "{} -> {}{}",
+            s.host,
+            s.replacement.as_deref().unwrap_or("dropped"),
+            if s.blind { " (blind)" } else { "" }
+        );
+        label_at(&mut chart, text, label, (s.at, max_step * 0.06), &BLUE)?;
     }
-    let mut b = ChartBuilder::on(&bottom);
+    Ok(())
+}
+
+/// Writes `label` at `at` in `color` when there is `text`.
+fn label_at<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    text: bool,
+    label: String,
+    at: (f64, f64),
+    color: &RGBColor,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    if !text {
+        return Ok(());
+    }
+    let font = ("sans-serif", 11).into_font().color(color);
+    chart
+        .draw_series(std::iter::once(Text::new(label, at, font)))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// The timeline's lower band: where the wall time went (the ledger's spans), with a legend
+/// of each bucket's share.
+fn draw_band<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    l: &kiln_run::ledger::Ledger,
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let total = l.total.max(1e-3);
+    let mut b = ChartBuilder::on(area);
     b.margin(10);
     if text {
         b.caption("where the wall time went", ("sans-serif", 15))
@@ -420,37 +488,33 @@ where
         mesh.x_labels(0);
     }
     mesh.draw().map_err(e)?;
-    band.draw_series(
-        std::iter::once(Rectangle::new(
-            [(0.0, 1.8), (total, 2.8)],
-            bucket_color(kiln_run::ledger::bucket::OTHER).filled(),
-        ))
-        .chain(
-            l.spans.iter().map(|s| {
-                Rectangle::new([(s.from, 1.8), (s.to, 2.8)], bucket_color(s.kind).filled())
-            }),
-        ),
-    )
-    .map_err(e)?;
-    if text {
-        // The legend: two rows of four, each a swatch and "name share".
-        for (i, (name, secs)) in l.buckets.rows().into_iter().enumerate() {
-            let x = total * (i % 4) as f64 / 4.0;
-            let y = if i < 4 { 1.0 } else { 0.2 };
-            band.draw_series(std::iter::once(Rectangle::new(
-                [(x, y), (x + total * 0.015, y + 0.5)],
-                bucket_color(name).filled(),
-            )))
-            .map_err(e)?;
-            band.draw_series(std::iter::once(Text::new(
-                format!("{name} {:.1}% ({secs:.1} s)", 100.0 * secs / total),
-                (x + total * 0.02, y + 0.55),
-                ("sans-serif", 12),
-            )))
-            .map_err(e)?;
-        }
+    let rect = |from: f64, to: f64, kind: &str| {
+        Rectangle::new([(from, 1.8), (to, 2.8)], bucket_color(kind).filled())
+    };
+    let other = rect(0.0, total, kiln_run::ledger::bucket::OTHER);
+    let spans = l.spans.iter().map(|s| rect(s.from, s.to, s.kind));
+    band.draw_series(std::iter::once(other).chain(spans))
+        .map_err(e)?;
+    if !text {
+        return Ok(());
     }
-    root.present().map_err(e)
+    // The legend: two rows of four, each a swatch and "name share".
+    for (i, (name, secs)) in l.buckets.rows().into_iter().enumerate() {
+        let x = total * (i % 4) as f64 / 4.0;
+        let y = if i < 4 { 1.0 } else { 0.2 };
+        band.draw_series(std::iter::once(Rectangle::new(
+            [(x, y), (x + total * 0.015, y + 0.5)],
+            bucket_color(name).filled(),
+        )))
+        .map_err(e)?;
+        band.draw_series(std::iter::once(Text::new(
+            format!("{name} {:.1}% ({secs:.1} s)", 100.0 * secs / total),
+            (x + total * 0.02, y + 0.55),
+            ("sans-serif", 12),
+        )))
+        .map_err(e)?;
+    }
+    Ok(())
 }
 
 /// Draws a run's timeline (steps per attempt over wall time, failures, swaps, and the goodput

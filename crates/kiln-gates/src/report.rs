@@ -163,94 +163,95 @@ pub fn status_json(run_dir: &Path) -> Result<Value, GatesError> {
 pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     let (metrics, events, total) = read_run(run_dir)?;
     let mut out = format!("run: {}\n", run_dir.display());
-    let last = metrics.steps.last();
-    match last {
-        Some(s) => {
-            out.push_str(&format!(
-                "steps: {}{}  tokens: {}\n",
-                s.step,
-                total.map_or(String::new(), |t| format!(" of {t}")),
-                s.tokens_seen
-            ));
-            out.push_str(&format!(
-                "last loss: {:.4} (step {}), grad_norm {:.3}, lr {:.3e}, {:.0} tokens/s\n",
-                s.loss, s.step, s.grad_norm, s.lr, s.tokens_per_s
-            ));
-        }
-        None => out.push_str(&format!(
-            "steps: 0{}  (no step metrics yet)\n",
-            total.map_or(String::new(), |t| format!(" of {t}"))
-        )),
-    }
-    match metrics.evals.last() {
-        Some(e) => {
-            let rest: Vec<String> = e
-                .values
-                .iter()
-                .filter(|(k, _)| k.as_str() != "eval_loss")
-                .map(|(k, v)| format!("{k} {v:.4}"))
-                .collect();
-            out.push_str(&format!(
-                "last eval: step {}: eval_loss {:.4}{}{}\n",
-                e.step,
-                e.values.get("eval_loss").copied().unwrap_or(f64::NAN),
-                if rest.is_empty() { "" } else { ", " },
-                rest.join(", ")
-            ));
-        }
-        None => out.push_str("last eval: none\n"),
-    }
-    let mut ckpts = kiln_train::checkpoint::list_steps(&run_dir.join(layout::CHECKPOINTS));
-    ckpts.reverse();
-    let final_weights = run_dir.join(layout::FINAL_MODEL).exists();
-    out.push_str(&format!(
-        "checkpoints: {}{}\n",
-        if ckpts.is_empty() {
-            "none".to_string()
-        } else {
-            ckpts
-                .iter()
-                .map(|s| kiln_train::checkpoint::dir_name(*s))
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-        if final_weights {
-            "; final weights: model.safetensors"
-        } else {
-            ""
-        }
-    ));
+    out.push_str(&progress_lines(&metrics, total));
+    out.push_str(&eval_line(&metrics));
+    out.push_str(&checkpoints_line(run_dir));
+    out.push_str(&event_lines(&events));
+    out.push_str(&goodput(&events));
+    Ok(out)
+}
+
+/// The steps done and the last step's metrics.
+fn progress_lines(metrics: &Metrics, total: Option<u64>) -> String {
+    let of = total.map_or(String::new(), |t| format!(" of {t}"));
+    let Some(s) = metrics.steps.last() else {
+        return format!("steps: 0{of}  (no step metrics yet)\n");
+    };
+    format!(
+        "steps: {}{of}  tokens: {}\nlast loss: {:.4} (step {}), grad_norm {:.3}, lr {:.3e}, {:.0} tokens/s\n",
+        s.step, s.tokens_seen, s.loss, s.step, s.grad_norm, s.lr, s.tokens_per_s
+    )
+}
+
+/// The last evaluation's values.
+fn eval_line(metrics: &Metrics) -> String {
+    let Some(e) = metrics.evals.last() else {
+        return "last eval: none\n".into();
+    };
+    let rest: Vec<String> = e
+        .values
+        .iter()
+        .filter(|(k, _)| k.as_str() != "eval_loss")
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect();
+    format!(
+        "last eval: step {}: eval_loss {:.4}{}{}\n",
+        e.step,
+        e.values.get("eval_loss").copied().unwrap_or(f64::NAN),
+        if rest.is_empty() { "" } else { ", " },
+        rest.join(", ")
+    )
+}
+
+/// The checkpoints on disk, newest first, and whether the final weights are there.
+fn checkpoints_line(run_dir: &Path) -> String {
+    let mut steps = kiln_train::checkpoint::list_steps(&run_dir.join(layout::CHECKPOINTS));
+    steps.reverse();
+    let names: Vec<String> = steps
+        .iter()
+        .map(|s| kiln_train::checkpoint::dir_name(*s))
+        .collect();
+    let list = if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    };
+    let final_weights = match run_dir.join(layout::FINAL_MODEL).exists() {
+        true => "; final weights: model.safetensors",
+        false => "",
+    };
+    format!("checkpoints: {list}{final_weights}\n")
+}
+
+/// Counts of starts, resumes and saves, the guards' events (the last five in full), and the
+/// last exit.
+fn event_lines(events: &[kiln_run::Event]) -> String {
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for e in &events {
+    for e in events {
         *counts.entry(e.event.as_str()).or_default() += 1;
     }
-    let starts = counts.get(event::START).copied().unwrap_or(0);
-    let resumes = counts.get(event::RESUME).copied().unwrap_or(0);
-    out.push_str(&format!(
-        "attempts: {starts} start(s), {resumes} resume(s), {} checkpoint(s) saved\n",
-        counts.get(event::CHECKPOINT_SAVED).copied().unwrap_or(0)
-    ));
+    let count = |name: &str| counts.get(name).copied().unwrap_or(0);
+    let mut out = format!(
+        "attempts: {} start(s), {} resume(s), {} checkpoint(s) saved\n",
+        count(event::START),
+        count(event::RESUME),
+        count(event::CHECKPOINT_SAVED)
+    );
     let guards: Vec<String> = GUARD_EVENTS
         .iter()
         .filter_map(|g| counts.get(g).map(|n| format!("{g} x{n}")))
         .collect();
-    out.push_str(&format!(
-        "guard events: {}\n",
-        if guards.is_empty() {
-            "none".to_string()
-        } else {
-            guards.join(", ")
-        }
-    ));
-    for e in events
-        .iter()
-        .filter(|e| GUARD_EVENTS.contains(&e.event.as_str()) && e.event != event::INITIAL_LOSS_OK)
-        .rev()
-        .take(5)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-    {
+    let guards = if guards.is_empty() {
+        "none".to_string()
+    } else {
+        guards.join(", ")
+    };
+    out.push_str(&format!("guard events: {guards}\n"));
+    let shown = |e: &&kiln_run::Event| {
+        GUARD_EVENTS.contains(&e.event.as_str()) && e.event != event::INITIAL_LOSS_OK
+    };
+    let recent: Vec<&kiln_run::Event> = events.iter().filter(shown).collect();
+    for e in &recent[recent.len().saturating_sub(5)..] {
         let fields: Vec<String> = e
             .fields
             .iter()
@@ -258,17 +259,17 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
             .collect();
         out.push_str(&format!("  {}: {}\n", e.event, fields.join(" ")));
     }
+    let field = |e: &kiln_run::Event, k: &str| e.fields.get(k).map_or("?".into(), fmt_value);
     match events.iter().rev().find(|e| e.event == event::EXIT) {
         Some(e) => out.push_str(&format!(
             "last exit: {} (code {}) at step {}\n",
-            e.fields.get("reason").map_or("?".into(), fmt_value),
-            e.fields.get("code").map_or("?".into(), fmt_value),
-            e.fields.get("step").map_or("?".into(), fmt_value),
+            field(e, "reason"),
+            field(e, "code"),
+            field(e, "step"),
         )),
         None => out.push_str("last exit: none recorded (running, or killed without a trace)\n"),
     }
-    out.push_str(&goodput(&events));
-    Ok(out)
+    out
 }
 
 /// The goodput ledger, attempts, swaps and quarantined hosts, as text.
@@ -294,65 +295,80 @@ fn goodput(events: &[kiln_run::Event]) -> String {
     if l.attempts.len() > 1 || l.attempts.iter().any(|a| a.classification != "success") {
         out.push_str("attempts:\n");
         for (i, a) in l.attempts.iter().enumerate() {
-            let steps = match a.steps {
-                (Some(s), Some(e)) => format!(", steps {s}-{e}"),
-                (None, Some(e)) => format!(", to step {e}"),
-                _ => String::new(),
-            };
-            let mut culprit = if a.culprits.is_empty() {
-                String::new()
-            } else {
-                format!(", culprit {}", a.culprits.join(","))
-            };
-            if let Some(tier) = &a.resumed_from {
-                culprit.push_str(&format!(", resumed from {tier}"));
-            }
-            if let Some(n) = a.lost_steps {
-                culprit.push_str(&format!(", {n} step(s) lost"));
-            }
-            out.push_str(&format!(
-                "  {:>3}  {:>8.1}-{:<8.1} s  {}{steps}{culprit}{}\n",
-                i + 1,
-                a.from,
-                a.to,
-                a.classification,
-                if a.hosts.is_empty() {
-                    String::new()
-                } else {
-                    format!("  on {}", a.hosts.join(","))
-                }
-            ));
-            if let Some(line) = phases_line(&a.phases) {
-                out.push_str(&line);
-            }
+            out.push_str(&attempt_line(i + 1, a));
         }
     }
     out.push_str(&crate::recovery::fault_lines(&l));
-    if !l.swaps.is_empty() {
-        let list: Vec<String> = l
-            .swaps
-            .iter()
-            .map(|s| {
-                format!(
-                    "{} -> {} ({}{})",
-                    s.host,
-                    s.replacement.as_deref().unwrap_or("dropped"),
-                    s.cause,
-                    if s.blind { ", blind" } else { "" }
-                )
-            })
-            .collect();
-        let blind = l.swaps.iter().filter(|s| s.blind).count();
-        out.push_str(&format!(
-            "node swaps: {} ({} named, {blind} blind): {}\n",
-            l.swaps.len(),
-            l.swaps.len() - blind,
-            list.join(", ")
-        ));
+    out.push_str(&swaps_line(&l.swaps));
+    out.push_str(&recovery_lines(events));
+    out
+}
+
+/// Attempt number `n`: its span, ending, steps, culprit, resume, lost steps, hosts and
+/// startup phases.
+fn attempt_line(n: usize, a: &kiln_run::ledger::AttemptSummary) -> String {
+    let steps = match a.steps {
+        (Some(s), Some(e)) => format!(", steps {s}-{e}"),
+        (None, Some(e)) => format!(", to step {e}"),
+        _ => String::new(),
+    };
+    let mut culprit = if a.culprits.is_empty() {
+        String::new()
+    } else {
+        format!(", culprit {}", a.culprits.join(","))
+    };
+    if let Some(tier) = &a.resumed_from {
+        culprit.push_str(&format!(", resumed from {tier}"));
     }
+    if let Some(n) = a.lost_steps {
+        culprit.push_str(&format!(", {n} step(s) lost"));
+    }
+    let hosts = if a.hosts.is_empty() {
+        String::new()
+    } else {
+        format!("  on {}", a.hosts.join(","))
+    };
+    let mut out = format!(
+        "  {n:>3}  {:>8.1}-{:<8.1} s  {}{steps}{culprit}{hosts}\n",
+        a.from, a.to, a.classification,
+    );
+    out.extend(phases_line(&a.phases));
+    out
+}
+
+/// The node swaps, named and blind (nothing when there were none).
+fn swaps_line(swaps: &[kiln_run::ledger::Swap]) -> String {
+    if swaps.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = swaps
+        .iter()
+        .map(|s| {
+            format!(
+                "{} -> {} ({}{})",
+                s.host,
+                s.replacement.as_deref().unwrap_or("dropped"),
+                s.cause,
+                if s.blind { ", blind" } else { "" }
+            )
+        })
+        .collect();
+    let blind = swaps.iter().filter(|s| s.blind).count();
+    format!(
+        "node swaps: {} ({} named, {blind} blind): {}\n",
+        swaps.len(),
+        swaps.len() - blind,
+        list.join(", ")
+    )
+}
+
+/// The hosts quarantined, why recovery stopped and where the job chain stands, where the
+/// events say.
+fn recovery_lines(events: &[kiln_run::Event]) -> String {
+    let mut out = String::new();
     let mut quarantined: Vec<String> = events
         .iter()
-        .filter(|e| e.event == kiln_run::event::QUARANTINE)
+        .filter(|e| e.event == event::QUARANTINE)
         .filter_map(|e| {
             Some(format!(
                 "{} ({})",
@@ -365,26 +381,17 @@ fn goodput(events: &[kiln_run::Event]) -> String {
     if !quarantined.is_empty() {
         out.push_str(&format!("quarantined: {}\n", quarantined.join(", ")));
     }
-    if let Some(e) = events
-        .iter()
-        .rev()
-        .find(|e| e.event == kiln_run::event::STOPPED)
-    {
-        out.push_str(&format!(
-            "recovery stopped: {}\n",
-            e.fields.get("reason").map_or("?".into(), fmt_value)
-        ));
+    let last = |name: &str| events.iter().rev().find(|e| e.event == name);
+    let field = |e: &kiln_run::Event, k: &str| e.fields.get(k).map_or("?".into(), fmt_value);
+    if let Some(e) = last(event::STOPPED) {
+        out.push_str(&format!("recovery stopped: {}\n", field(e, "reason")));
     }
-    if let Some(e) = events
-        .iter()
-        .rev()
-        .find(|e| e.event == kiln_run::event::CHAIN)
-    {
+    if let Some(e) = last(event::CHAIN) {
         out.push_str(&format!(
             "chain: job {} of {}: {}\n",
-            e.fields.get("chain_index").map_or("?".into(), fmt_value),
-            e.fields.get("chain_limit").map_or("?".into(), fmt_value),
-            e.fields.get("reason").map_or("?".into(), fmt_value)
+            field(e, "chain_index"),
+            field(e, "chain_limit"),
+            field(e, "reason")
         ));
     }
     out

@@ -198,133 +198,147 @@ pub fn build_plan(req: &PlanRequest) -> Result<Vec<ProcSpec>, PlanError> {
             "no command given: write it after `--`, e.g. `kiln launch -- python train.py`".into(),
         ));
     }
-    let Sizes { np, ppn, nnodes } = req.sizes;
-    let with_cmd = |mut argv: Vec<String>| {
-        argv.extend(req.launcher_args.iter().cloned());
-        argv.extend(req.rank_shim.iter().cloned());
-        argv.extend(req.command.iter().cloned());
-        argv
+    let (argv, env) = match req.launcher {
+        Launcher::Local => return local_procs(req),
+        Launcher::Mpirun => mpirun(req),
+        Launcher::Mpiexec => (mpiexec(req), req.exports.clone()),
+        Launcher::Srun => (srun(req), req.exports.clone()),
     };
-    let bind = req.cpu_bind.as_deref().filter(|b| *b != "none");
-    let s = |x: &str| x.to_string();
-    match req.launcher {
-        Launcher::Local => {
-            if !req.launcher_args.is_empty() {
-                return Err(PlanError(format!(
-                    "launcher flags {:?} were given but no launcher runs (no scheduler, no --mpi); \
-                     kiln's own flags must come before them",
-                    req.launcher_args
-                )));
-            }
-            if nnodes > 1 {
-                return Err(PlanError(format!(
-                    "{nnodes} nodes requested without a scheduler: pass --mpi to start ranks on other hosts with mpirun"
-                )));
-            }
-            Ok((0..np)
-                .map(|rank| {
-                    let mut env = vec![
-                        (s("RANK"), rank.to_string()),
-                        (s("LOCAL_RANK"), rank.to_string()),
-                        (s("WORLD_SIZE"), np.to_string()),
-                        (s("LOCAL_WORLD_SIZE"), np.to_string()),
-                    ];
-                    env.extend(req.exports.iter().cloned());
-                    ProcSpec {
-                        argv: req.command.clone(),
-                        env,
-                        rank: Some(rank),
-                    }
-                })
-                .collect())
-        }
-        Launcher::Mpirun => {
-            let mut argv = vec![s("mpirun"), s("-np"), np.to_string()];
-            let mut env = req.exports.clone();
-            if let Some(f) = &req.hostfile {
-                argv.extend([s("--hostfile"), f.display().to_string()]);
-                argv.extend([s("--map-by"), format!("ppr:{ppn}:node")]);
-            } else if np > req.local_cpus {
-                // OpenMPI refuses more ranks than cores on the local machine by default;
-                // a local run is a test or a workstation, where that is what the user wants.
-                argv.push(s("--oversubscribe"));
-            }
-            if let Some(b) = bind {
-                argv.extend([s("--bind-to"), b.to_string()]);
-            }
-            // -x NAME forwards kiln's value of NAME to ranks on every host.
-            for (k, _) in &req.exports {
-                argv.extend([s("-x"), k.clone()]);
-            }
-            if req.as_root {
-                // OpenMPI refuses to run as root (containers, CI) without explicit consent;
-                // the variables work for OpenMPI 4 and 5 alike, unlike the flag spelling.
-                env.push((s("OMPI_ALLOW_RUN_AS_ROOT"), s("1")));
-                env.push((s("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"), s("1")));
-            }
-            Ok(vec![ProcSpec {
-                argv: with_cmd(argv),
+    let mut argv = argv;
+    argv.extend(req.launcher_args.iter().cloned());
+    argv.extend(req.rank_shim.iter().cloned());
+    argv.extend(req.command.iter().cloned());
+    Ok(vec![ProcSpec {
+        argv,
+        env,
+        rank: None,
+    }])
+}
+
+/// Owned text, for the argument lists.
+fn s(x: &str) -> String {
+    x.to_string()
+}
+
+/// The binding asked for (`--cpu-bind`), none when it is `none`.
+fn bind(req: &PlanRequest) -> Option<&str> {
+    req.cpu_bind.as_deref().filter(|b| *b != "none")
+}
+
+/// No launcher: one process a rank on this host, with torchrun's variables.
+fn local_procs(req: &PlanRequest) -> Result<Vec<ProcSpec>, PlanError> {
+    let Sizes { np, nnodes, .. } = req.sizes;
+    if !req.launcher_args.is_empty() {
+        return Err(PlanError(format!(
+            "launcher flags {:?} were given but no launcher runs (no scheduler, no --mpi); \
+             kiln's own flags must come before them",
+            req.launcher_args
+        )));
+    }
+    if nnodes > 1 {
+        return Err(PlanError(format!(
+            "{nnodes} nodes requested without a scheduler: pass --mpi to start ranks on other hosts with mpirun"
+        )));
+    }
+    Ok((0..np)
+        .map(|rank| {
+            let mut env = vec![
+                (s("RANK"), rank.to_string()),
+                (s("LOCAL_RANK"), rank.to_string()),
+                (s("WORLD_SIZE"), np.to_string()),
+                (s("LOCAL_WORLD_SIZE"), np.to_string()),
+            ];
+            env.extend(req.exports.iter().cloned());
+            ProcSpec {
+                argv: req.command.clone(),
                 env,
-                rank: None,
-            }])
-        }
-        Launcher::Mpiexec => {
-            let mut argv = vec![
-                s("mpiexec"),
-                s("--envall"),
-                s("-n"),
-                np.to_string(),
-                s("-ppn"),
-                ppn.to_string(),
-            ];
-            if let Some(f) = &req.hostfile {
-                argv.extend([s("--hostfile"), f.display().to_string()]);
+                rank: Some(rank),
             }
-            if let Some(b) = bind {
-                argv.extend([s("--cpu-bind"), b.to_string()]);
-                if b == "depth" {
-                    argv.extend([s("-d"), req.depth.unwrap_or(1).max(1).to_string()]);
-                }
-            }
-            Ok(vec![ProcSpec {
-                argv: with_cmd(argv),
-                env: req.exports.clone(),
-                rank: None,
-            }])
-        }
-        Launcher::Srun => {
-            let mut argv = vec![
-                s("srun"),
-                format!("--nodes={nnodes}"),
-                format!("--ntasks={np}"),
-                format!("--ntasks-per-node={ppn}"),
-            ];
-            if req.gpus_per_node > 0 {
-                argv.push(format!("--gpus-per-node={}", req.gpus_per_node));
-            }
-            if let Some(b) = bind {
-                argv.push(format!("--cpu-bind={b}"));
-            }
-            if req.explicit_hosts {
-                let names: Vec<&str> = req.hosts.iter().map(|h| h.name.as_str()).collect();
-                argv.push(format!("--nodelist={}", names.join(",")));
-            }
-            // One dead rank leaves the others blocked in a collective: end the step at once
-            // so the watchdog and the retry loop see the failure, not a hang.
-            argv.push(s("--kill-on-bad-exit=1"));
-            // A restarted attempt reuses the nodes of the step it replaces, whose ranks are
-            // already dead but whose step Slurm ends only after its clean-up (KillWait and
-            // more: 5-7 s measured, up to 30 s with the default KillWait); without this the
-            // new step waits for it ("Requested nodes are busy"). kiln runs one step at a
-            // time, so sharing the nodes' resources with a dying step is safe (Slurm 20.11+).
-            argv.push(s("--overlap"));
-            Ok(vec![ProcSpec {
-                argv: with_cmd(argv),
-                env: req.exports.clone(),
-                rank: None,
-            }])
+        })
+        .collect())
+}
+
+/// OpenMPI's `mpirun`, its arguments before the command and its environment.
+fn mpirun(req: &PlanRequest) -> (Vec<String>, Vec<(String, String)>) {
+    let Sizes { np, ppn, .. } = req.sizes;
+    let mut argv = vec![s("mpirun"), s("-np"), np.to_string()];
+    let mut env = req.exports.clone();
+    if let Some(f) = &req.hostfile {
+        argv.extend([s("--hostfile"), f.display().to_string()]);
+        argv.extend([s("--map-by"), format!("ppr:{ppn}:node")]);
+    } else if np > req.local_cpus {
+        // OpenMPI refuses more ranks than cores on the local machine by default;
+        // a local run is a test or a workstation, where that is what the user wants.
+        argv.push(s("--oversubscribe"));
+    }
+    if let Some(b) = bind(req) {
+        argv.extend([s("--bind-to"), b.to_string()]);
+    }
+    // -x NAME forwards kiln's value of NAME to ranks on every host.
+    for (k, _) in &req.exports {
+        argv.extend([s("-x"), k.clone()]);
+    }
+    if req.as_root {
+        // OpenMPI refuses to run as root (containers, CI) without explicit consent;
+        // the variables work for OpenMPI 4 and 5 alike, unlike the flag spelling.
+        env.push((s("OMPI_ALLOW_RUN_AS_ROOT"), s("1")));
+        env.push((s("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"), s("1")));
+    }
+    (argv, env)
+}
+
+/// `mpiexec` under PBS (Cray PALS or MPICH Hydra), its arguments before the command.
+fn mpiexec(req: &PlanRequest) -> Vec<String> {
+    let Sizes { np, ppn, .. } = req.sizes;
+    let mut argv = vec![
+        s("mpiexec"),
+        s("--envall"),
+        s("-n"),
+        np.to_string(),
+        s("-ppn"),
+        ppn.to_string(),
+    ];
+    if let Some(f) = &req.hostfile {
+        argv.extend([s("--hostfile"), f.display().to_string()]);
+    }
+    if let Some(b) = bind(req) {
+        argv.extend([s("--cpu-bind"), b.to_string()]);
+        if b == "depth" {
+            argv.extend([s("-d"), req.depth.unwrap_or(1).max(1).to_string()]);
         }
     }
+    argv
+}
+
+/// Slurm's `srun`, its arguments before the command.
+fn srun(req: &PlanRequest) -> Vec<String> {
+    let Sizes { np, ppn, nnodes } = req.sizes;
+    let mut argv = vec![
+        s("srun"),
+        format!("--nodes={nnodes}"),
+        format!("--ntasks={np}"),
+        format!("--ntasks-per-node={ppn}"),
+    ];
+    if req.gpus_per_node > 0 {
+        argv.push(format!("--gpus-per-node={}", req.gpus_per_node));
+    }
+    if let Some(b) = bind(req) {
+        argv.push(format!("--cpu-bind={b}"));
+    }
+    if req.explicit_hosts {
+        let names: Vec<&str> = req.hosts.iter().map(|h| h.name.as_str()).collect();
+        argv.push(format!("--nodelist={}", names.join(",")));
+    }
+    // One dead rank leaves the others blocked in a collective: end the step at once
+    // so the watchdog and the retry loop see the failure, not a hang.
+    argv.push(s("--kill-on-bad-exit=1"));
+    // A restarted attempt reuses the nodes of the step it replaces, whose ranks are
+    // already dead but whose step Slurm ends only after its clean-up (KillWait and
+    // more: 5-7 s measured, up to 30 s with the default KillWait); without this the
+    // new step waits for it ("Requested nodes are busy"). kiln runs one step at a
+    // time, so sharing the nodes' resources with a dying step is safe (Slurm 20.11+).
+    argv.push(s("--overlap"));
+    argv
 }
 
 #[cfg(test)]

@@ -228,66 +228,98 @@ pub fn decide(
     swap: Option<u32>,
     h: &mut History,
 ) -> Decision {
-    let swap_hosts = swap.is_some();
-    h.attempts += 1;
-    let advanced_best = match (o.last_progress, h.best_progress) {
-        (Some(now), Some(best)) => now > best,
-        (Some(_), None) => true,
-        (None, _) => false,
-    };
-    if advanced_best {
-        h.best_progress = o.last_progress;
-        h.no_progress_streak = 0;
-    } else {
-        h.no_progress_streak += 1;
-    }
-    let zero_step = !o.advanced();
     let node_failure = d.cause == "node-failure";
-    // A node that died says nothing about the program: it is no evidence of a
-    // deterministic failure for the attempt after it.
-    let evidence = !node_failure;
-    let previous_zero = std::mem::replace(&mut h.previous_zero_step, zero_step && evidence);
-    let previous_signature = std::mem::replace(
-        &mut h.previous_signature,
-        signature.clone().filter(|_| evidence),
-    );
-    let previous_last_step = std::mem::replace(&mut h.previous_last_step, o.last_progress);
+    let before = h.record(o, signature.clone(), node_failure);
     if !o.classification.retryable() {
         return Finish;
     }
-    if swap_hosts && !node_failure {
-        if zero_step && previous_zero {
-            return Stop {
-                reason: "two attempts in a row completed no step: the failure is deterministic; not using spares".into(),
-                code: o.exit_code,
-            };
-        }
-        // The same error again, before any step or at the very step it happened before.
-        let same_place = !o.advanced() || o.last_progress == previous_last_step;
-        if signature.is_some() && signature == previous_signature && same_place {
-            return Stop {
-                reason: format!(
-                    "the same error twice in a row ({}): deterministic; not using spares",
-                    signature.unwrap_or_default()
-                ),
-                code: o.exit_code,
-            };
-        }
+    if swap.is_some()
+        && !node_failure
+        && let Some(stop) = deterministic(o, signature, &before)
+    {
+        return stop;
     }
     let retries_done = h.attempts - 1;
     let give_up = match limit {
         RetryLimit::Count(n) => retries_done >= n,
         RetryLimit::Auto => h.no_progress_streak >= AUTO_RETRY_NO_PROGRESS,
     };
-    if give_up {
-        return Finish;
-    }
-    if !swap_hosts {
-        return Retry {
+    match swap {
+        _ if give_up => Finish,
+        None => Retry {
             replace: Vec::new(),
             blind: false,
-        };
+        },
+        Some(strikes) => spares(o, d, strikes, h),
     }
+}
+
+/// What [`History::record`] replaced: the previous attempt's facts.
+struct Previous {
+    zero_step: bool,
+    signature: Option<String>,
+    last_step: Option<u64>,
+}
+
+impl History {
+    /// Counts attempt `o` (with its error `signature`) and returns the previous attempt's
+    /// facts. A node that died says nothing about the program (`node_failure`): it is no
+    /// evidence of a deterministic failure for the attempt after it.
+    fn record(
+        &mut self,
+        o: &AttemptOutcome,
+        signature: Option<String>,
+        node_failure: bool,
+    ) -> Previous {
+        self.attempts += 1;
+        let advanced_best = match (o.last_progress, self.best_progress) {
+            (Some(now), Some(best)) => now > best,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if advanced_best {
+            self.best_progress = o.last_progress;
+            self.no_progress_streak = 0;
+        } else {
+            self.no_progress_streak += 1;
+        }
+        let evidence = !node_failure;
+        let zero_step = !o.advanced() && evidence;
+        Previous {
+            zero_step: std::mem::replace(&mut self.previous_zero_step, zero_step),
+            signature: std::mem::replace(
+                &mut self.previous_signature,
+                signature.filter(|_| evidence),
+            ),
+            last_step: std::mem::replace(&mut self.previous_last_step, o.last_progress),
+        }
+    }
+}
+
+/// Node scope's stop for a failure that spares would not mend: two attempts in a row with no
+/// step, or the same error again before any step or at the very step it happened before.
+fn deterministic(
+    o: &AttemptOutcome,
+    signature: Option<String>,
+    before: &Previous,
+) -> Option<Decision> {
+    if !o.advanced() && before.zero_step {
+        return Some(Stop {
+            reason: "two attempts in a row completed no step: the failure is deterministic; not using spares".into(),
+            code: o.exit_code,
+        });
+    }
+    let same_place = !o.advanced() || o.last_progress == before.last_step;
+    let sig = signature.filter(|s| before.signature.as_ref() == Some(s) && same_place)?;
+    Some(Stop {
+        reason: format!("the same error twice in a row ({sig}): deterministic; not using spares"),
+        code: o.exit_code,
+    })
+}
+
+/// Node scope's retry: which hosts to swap for spares (`strikes`: a host blamed for a crash or
+/// a hang is swapped at its Nth such failure).
+fn spares(o: &AttemptOutcome, d: &Diagnosis, strikes: u32, h: &mut History) -> Decision {
     // A failure before any step is most often the program or its input: only a node that
     // died or a replica that disagreed justifies a spare then.
     let strong = matches!(d.cause.as_str(), "node-failure" | "replica-mismatch");
@@ -299,8 +331,8 @@ pub fn decide(
     }
     // A crash or a hang after progress: process scope first (the same hosts: most are the
     // process, not the node), the host swapped once it is blamed `strikes` times.
-    if !d.hosts.is_empty() && !zero_step {
-        let strikes = swap.unwrap_or(1).max(1);
+    if !d.hosts.is_empty() && o.advanced() {
+        let strikes = strikes.max(1);
         let replace = d
             .hosts
             .iter()
@@ -614,34 +646,71 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
         swap_hosts,
     };
     let mut history = History::default();
-    let mut attempt: u32 = 0;
     // The slowest startup (attempt start to first advance) so far: the startup watchdog's.
     let mut slowest_startup: Option<f64> = prior_startup;
-    let end = |last: AttemptOutcome, attempts, stop_reason, swaps| {
+    let end = |r: Recovery, last: AttemptOutcome, attempts, stop_reason| {
         Ok(LaunchResult {
             last,
             attempts,
             stop_reason,
-            swaps,
+            swaps: r.swaps,
         })
     };
+    let mut attempt: u32 = 0;
     loop {
         attempt += 1;
-        let log_name = layout::attempt_log(attempt);
         let plan = match planner(&r.scope.pool.active) {
             Ok(p) => p,
             Err(e) => {
                 let o = AttemptOutcome::not_started(exit::USAGE, e.to_string());
-                return end(o, attempt - 1, Some(e.to_string()), r.swaps);
+                return end(r, o, attempt - 1, Some(e.to_string()));
             }
         };
+        let (outcome, diagnosis, signature) =
+            r.attempt(attempt, &template, &plan, slowest_startup, stop)?;
+        on_attempt_end(attempt, &outcome, &diagnosis);
+        if let Some(first) = outcome.first_advance_time {
+            let took = first - outcome.start_time;
+            slowest_startup = Some(slowest_startup.map_or(took, |s: f64| s.max(took)));
+        }
+        let swap = r.swap_hosts.then_some(strikes);
+        let decision = decide(&outcome, &diagnosis, signature, limit, swap, &mut history);
+        if let Some((last, reason)) = r.act(attempt, decision, &outcome, &diagnosis) {
+            return end(r, last, attempt, reason);
+        }
+        let streak = history.no_progress_streak;
+        let waited = r.wait_backoff(
+            (attempt, streak),
+            &outcome,
+            &backoff,
+            template.deadline,
+            stop,
+        );
+        if let Some(last) = waited {
+            return end(r, last, attempt, None);
+        }
+    }
+}
+
+impl Recovery<'_> {
+    /// Runs attempt number `attempt` of `template` on `plan`, with its events: its outcome,
+    /// the culprit named, and its error's signature when it failed.
+    fn attempt(
+        &mut self,
+        attempt: u32,
+        template: &AttemptConfig,
+        plan: &AttemptPlan,
+        slowest_startup: Option<f64>,
+        stop: &dyn Fn() -> Option<StopRequest>,
+    ) -> Result<(AttemptOutcome, Diagnosis, Option<String>), SuperviseError> {
+        let log_name = layout::attempt_log(attempt);
         if let Some((path, text)) = &plan.hostfile_to_write
             && let Err(e) = std::fs::write(path, text)
         {
             tracing::warn!("writing {}: {e}", path.display());
         }
         let mut cfg = template.clone();
-        cfg.log_path = r.run_dir.join(&log_name);
+        cfg.log_path = self.run_dir.join(&log_name);
         cfg.procs = plan.procs.clone();
         cfg.attempt = Some(plan.attempt.clone());
         cfg.expected_ranks = Some(plan.sizes.np);
@@ -649,81 +718,64 @@ pub fn run_with_retries(cfg: RetryConfig<'_>) -> Result<LaunchResult, SuperviseE
             cfg.startup_timeout = crate::stall::startup_limit(slowest_startup);
         }
         let argv: Vec<Vec<String>> = cfg.procs.iter().map(|p| p.argv.clone()).collect();
-        r.log.emit(
+        self.log.emit(
             event::ATTEMPT_START,
-            json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": r.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
+            json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": self.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
-        if let Some(first) = outcome.first_advance_time {
-            let took = first - outcome.start_time;
-            slowest_startup = Some(slowest_startup.map_or(took, |s: f64| s.max(took)));
-        }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
-        let diagnosis = r.diagnose(&outcome, &plan, &log_tail);
+        let diagnosis = self.diagnose(&outcome, plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);
         if let Some(obj) = fields.as_object_mut() {
             obj.insert("cause".into(), json!(diagnosis.cause));
             obj.insert("culprit_hosts".into(), json!(diagnosis.hosts));
             obj.insert("evidence".into(), json!(diagnosis.evidence));
         }
-        r.log.emit(event::ATTEMPT_END, fields);
-        on_attempt_end(attempt, &outcome, &diagnosis);
-
+        self.log.emit(event::ATTEMPT_END, fields);
         let signature = (outcome.classification != Classification::Success)
             .then(|| error_signature(&log_tail))
             .flatten();
-        let decision = decide(
-            &outcome,
-            &diagnosis,
-            signature,
-            limit,
-            r.swap_hosts.then_some(strikes),
-            &mut history,
-        );
+        Ok((outcome, diagnosis, signature))
+    }
+
+    /// Carries out `decision` on attempt `attempt`: swaps the hosts a retry replaces. Returns
+    /// the outcome to end the run with and why, or `None` to go on after the backoff.
+    fn act(
+        &mut self,
+        attempt: u32,
+        decision: Decision,
+        outcome: &AttemptOutcome,
+        diagnosis: &Diagnosis,
+    ) -> Option<(AttemptOutcome, Option<String>)> {
+        let stop_with = |code, reason: String| {
+            let mut last = outcome.clone();
+            last.exit_code = code;
+            Some((last, Some(reason)))
+        };
         let (replace, blind) = match decision {
-            Finish => return end(outcome, attempt, None, r.swaps),
+            Finish => return Some((outcome.clone(), None)),
             Stop { reason, code } => {
-                r.log.emit(
+                self.log.emit(
                     event::STOPPED,
                     json!({"attempt": attempt, "reason": reason, "exit_code": code}),
                 );
-                let mut last = outcome;
-                last.exit_code = code;
-                return end(last, attempt, Some(reason), r.swaps);
+                return stop_with(code, reason);
             }
             Retry { replace, blind } => (replace, blind),
         };
         // A guess swaps rank 0's host: it does the most besides training (I/O, logging).
-        let replace = if blind {
-            r.scope.pool.active_names().into_iter().take(1).collect()
+        let (replace, cause) = if blind {
+            let first = self.scope.pool.active_names().into_iter().take(1).collect();
+            (first, outcome.classification.name())
         } else {
-            replace
+            (replace, diagnosis.cause.as_str())
         };
-        let cause = if blind {
-            outcome.classification.name()
-        } else {
-            diagnosis.cause.as_str()
-        };
-        let stopped = r.replace_hosts(attempt, &replace, blind, cause, &diagnosis);
-        if let Some(reason) = stopped {
-            r.log.emit(
-                event::STOPPED,
-                json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
-            );
-            let mut last = outcome;
-            last.exit_code = exit::NODES_EXHAUSTED;
-            return end(last, attempt, Some(reason), r.swaps);
-        }
-        let waited = r.wait_backoff(
-            (attempt, history.no_progress_streak),
-            &outcome,
-            &backoff,
-            template.deadline,
-            stop,
+        let reason = self.replace_hosts(attempt, &replace, blind, cause, diagnosis)?;
+        self.log.emit(
+            event::STOPPED,
+            json!({"attempt": attempt, "reason": reason, "exit_code": exit::NODES_EXHAUSTED}),
         );
-        if let Some(last) = waited {
-            return end(last, attempt, None, r.swaps);
-        }
+        stop_with(exit::NODES_EXHAUSTED, reason)
     }
 }
 

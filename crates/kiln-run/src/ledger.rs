@@ -353,207 +353,215 @@ pub fn ledger(events: &[Event]) -> Ledger {
     let mut events: Vec<Event> = events.to_vec();
     events.sort_by(|a, b| a.time.total_cmp(&b.time));
     let atts = attempts(&events);
-    let Some(t0) = events
+    let Some((t0, t1)) = run_bounds(&events, &atts) else {
+        return Ledger::default();
+    };
+    let mut tl = Timeline::new(t0);
+    let (saves, resumes) = (saves(&events), resumes(&events));
+    let mut summaries = Vec::new();
+    for (i, a) in atts.iter().enumerate() {
+        // None when training never started again (the run ended in failed starts).
+        let resumed = atts
+            .get(i + 1)
+            .and_then(|n| resumes.iter().find(|r| r.0 >= n.start).map(|r| r.1));
+        let mut s = summary(a, t0);
+        s.lost_steps = tl.attempt(a, &saves, resumed);
+        attempt_details(&mut s, a, &events);
+        summaries.push(s);
+    }
+    for e in events.iter().filter(|e| e.event == event::BACKOFF) {
+        let end = e.time + f(e, "seconds").unwrap_or(0.0);
+        tl.span(e.time, end, bucket::BACKOFF);
+    }
+    let job_starts: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.event == event::JOB_START)
+        .collect();
+    for e in &job_starts {
+        if let Some(s) = f(e, "submit_time") {
+            tl.span(s, e.time, bucket::QUEUE);
+        }
+    }
+    let total = t1 - t0;
+    let counted: f64 = tl.buckets.rows().iter().map(|r| r.1).sum();
+    tl.buckets.other += (total - counted).max(0.0);
+    Ledger {
+        start: t0,
+        total,
+        buckets: tl.buckets,
+        jobs: job_starts.len(),
+        faults: faults(&atts, &summaries, t0),
+        lost_steps: summaries.iter().filter_map(|s| s.lost_steps).sum(),
+        attempts: summaries,
+        swaps: swaps(&events, t0),
+        spans: tl.spans,
+    }
+}
+
+/// The run's first and last moments (Unix times): its events, its attempts and the
+/// submissions of its batch jobs; `None` when there is nothing.
+fn run_bounds(events: &[Event], atts: &[Att]) -> Option<(f64, f64)> {
+    let t0 = events
         .iter()
         .map(|e| e.time)
         .chain(atts.iter().map(|a| a.start))
         .chain(events.iter().filter_map(|e| f(e, "submit_time")))
-        .reduce(f64::min)
-    else {
-        return Ledger::default();
-    };
+        .reduce(f64::min)?;
     let t1 = events
         .iter()
         .map(|e| e.time)
         .chain(atts.iter().map(|a| a.end))
         .fold(t0, f64::max);
-    let mut b = Buckets::default();
-    let mut spans: Vec<Span> = Vec::new();
-    let mut span = |from: f64, to: f64, kind: &'static str, b: &mut Buckets| {
-        let d = (to - from).max(0.0);
-        if d <= 0.0 {
-            return;
-        }
-        match kind {
-            bucket::PRODUCTIVE => b.productive += d,
-            bucket::STARTUP => b.startup += d,
-            bucket::CHECKPOINT_STALL => b.checkpoint += d,
-            bucket::LOST_WORK => b.lost += d,
-            bucket::DETECTION => b.detection += d,
-            bucket::BACKOFF => b.backoff += d,
-            bucket::QUEUE => b.queue += d,
-            _ => b.other += d,
-        }
-        spans.push(Span {
-            from: from - t0,
-            to: to - t0,
-            kind,
-        });
-    };
-    let saves: Vec<(f64, u64, f64)> = events
+    Some((t0, t1))
+}
+
+/// Checkpoint and snapshot saves: `(time, step, seconds the step stalled)`.
+fn saves(events: &[Event]) -> Vec<(f64, u64, f64)> {
+    events
         .iter()
         .filter(|e| e.event == event::CHECKPOINT_SAVED || e.event == event::SNAPSHOT_SAVED)
         .filter_map(|e| {
             let stall = f(e, "stall_s").or_else(|| f(e, "seconds")).unwrap_or(0.0);
             Some((e.time, u(e, "step")?, stall))
         })
-        .collect();
-    // Where each training start began: a resume's step, or 0 for a fresh start.
+        .collect()
+}
+
+/// Where each training start began: `(time, step)`, a resume's step or 0 for a fresh start.
+fn resumes(events: &[Event]) -> Vec<(f64, u64)> {
     let fresh = |e: &Event| {
         e.event == event::START
             && e.source == crate::event::source::TRAIN
             && e.fields.get("resumed_from").is_some_and(Value::is_null)
     };
-    let resumes: Vec<(f64, u64)> = events
+    events
         .iter()
         .filter_map(|e| match e.event == event::RESUME {
             true => Some((e.time, u(e, "step")?)),
             false => fresh(e).then_some((e.time, 0)),
         })
-        .collect();
-    let mut lost_steps = 0u64;
-    let mut summaries = Vec::new();
-    for (i, a) in atts.iter().enumerate() {
-        let stall: f64 = saves
-            .iter()
-            .filter(|s| s.0 >= a.start && s.0 <= a.end)
-            .map(|s| s.2)
-            .sum();
-        let (Some(first), Some(last)) = (a.first, a.last.or(a.first)) else {
-            // No step completed: the whole attempt was a start that went nowhere (a hang's
-            // detection included, when it was one).
-            span(
-                a.start,
-                a.end,
-                if a.class.starts_with("hung") {
-                    bucket::DETECTION
-                } else {
-                    bucket::STARTUP
-                },
-                &mut b,
-            );
-            let mut s = summary(a, t0);
-            attempt_details(&mut s, a, &events);
-            summaries.push(s);
-            continue;
-        };
-        let success = a.class == "success";
-        // Where the work of this attempt stops being kept: the save of the checkpoint the
-        // next attempt resumed from (or, for the last attempt, its last save).
-        let next_start = atts.get(i + 1).map(|n| n.start);
-        // None when training never started again (the run ended in failed starts).
-        let resumed = next_start.and_then(|ns| resumes.iter().find(|r| r.0 >= ns).map(|r| r.1));
-        let kept_until = if success {
-            a.end
-        } else {
-            let target = saves
-                .iter()
-                .filter(|s| s.0 >= a.start && s.0 <= a.end)
-                .filter(|s| resumed.is_none_or(|r| s.1 == r))
-                .map(|s| s.0)
-                .reduce(f64::max);
-            // A snapshot whose writer was stopped or killed before it logged the save is
-            // still used: the work up to its step, by the attempt's pace, was kept.
-            match target.or_else(|| a.time_of_step(resumed?)) {
-                Some(t) => t.clamp(first, a.end),
-                None => first,
-            }
-        };
-        let mut lost = None;
-        if let (Some(r), Some(ls)) = (resumed, a.last_step)
-            && !success
-        {
-            lost_steps += ls.saturating_sub(r);
-            lost = Some(ls.saturating_sub(r));
-        }
-        span(a.start, first, bucket::STARTUP, &mut b);
-        let work_end = if success { a.end } else { last.max(first) };
-        let kept_end = kept_until.min(work_end);
-        // Checkpoint stalls are inside the kept work; they are taken out of productive.
-        let kept_stall = stall.min((kept_end - first).max(0.0));
-        span(first, kept_end - kept_stall, bucket::PRODUCTIVE, &mut b);
-        span(
-            kept_end - kept_stall,
-            kept_end,
-            bucket::CHECKPOINT_STALL,
-            &mut b,
-        );
-        span(kept_end, work_end, bucket::LOST_WORK, &mut b);
-        if !success {
-            // The work up to the fault is lost; from the fault on, the supervisor was finding
-            // it and ending the attempt. Without a recorded detection time, a hang's tail is
-            // detection and any other's lost work.
-            let fault = match a.fault_time() {
-                Some(t) => t.clamp(work_end, a.end),
-                None if a.class.starts_with("hung") => work_end,
-                None => a.end,
-            };
-            span(work_end, fault, bucket::LOST_WORK, &mut b);
-            span(fault, a.end, bucket::DETECTION, &mut b);
-        }
-        let mut s = summary(a, t0);
-        s.lost_steps = lost;
-        attempt_details(&mut s, a, &events);
-        summaries.push(s);
-    }
-    for e in events.iter().filter(|e| e.event == event::BACKOFF) {
-        span(
-            e.time,
-            e.time + f(e, "seconds").unwrap_or(0.0),
-            bucket::BACKOFF,
-            &mut b,
-        );
-    }
-    let mut jobs = 0;
-    for e in events.iter().filter(|e| e.event == event::JOB_START) {
-        jobs += 1;
-        if let Some(s) = f(e, "submit_time") {
-            span(s, e.time, bucket::QUEUE, &mut b);
-        }
-    }
-    let total = t1 - t0;
-    let counted: f64 = b.rows().iter().map(|r| r.1).sum();
-    b.other += (total - counted).max(0.0);
-    let swaps = events
+        .collect()
+}
+
+/// Node swaps and drops, relative to `t0`.
+fn swaps(events: &[Event], t0: f64) -> Vec<Swap> {
+    let text = |e: &Event, k: &str| e.fields.get(k).and_then(Value::as_str).map(str::to_string);
+    events
         .iter()
         .filter(|e| e.event == event::NODE_SWAP || e.event == event::SHRINK)
         .map(|e| Swap {
             at: e.time - t0,
-            host: e
-                .fields
-                .get("host")
-                .or_else(|| e.fields.get("dropped"))
-                .and_then(Value::as_str)
-                .unwrap_or("?")
-                .to_string(),
-            replacement: e
-                .fields
-                .get("replacement")
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            cause: e
-                .fields
-                .get("cause")
-                .and_then(Value::as_str)
-                .unwrap_or("?")
-                .to_string(),
+            host: text(e, "host")
+                .or_else(|| text(e, "dropped"))
+                .unwrap_or_else(|| "?".into()),
+            replacement: text(e, "replacement"),
+            cause: text(e, "cause").unwrap_or_else(|| "?".into()),
             blind: e
                 .fields
                 .get("blind")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
         })
-        .collect();
-    Ledger {
-        start: t0,
-        total,
-        buckets: b,
-        jobs,
-        faults: faults(&atts, &summaries, t0),
-        attempts: summaries,
-        swaps,
-        lost_steps,
-        spans,
+        .collect()
+}
+
+/// The buckets and the timeline's spans, filled span by span.
+struct Timeline {
+    t0: f64,
+    buckets: Buckets,
+    spans: Vec<Span>,
+}
+
+impl Timeline {
+    fn new(t0: f64) -> Self {
+        Self {
+            t0,
+            buckets: Buckets::default(),
+            spans: Vec::new(),
+        }
+    }
+
+    /// Counts `[from, to)` (Unix times) in bucket `kind`; nothing when it is empty.
+    fn span(&mut self, from: f64, to: f64, kind: &'static str) {
+        let d = (to - from).max(0.0);
+        if d <= 0.0 {
+            return;
+        }
+        let b = &mut self.buckets;
+        let slot = match kind {
+            bucket::PRODUCTIVE => &mut b.productive,
+            bucket::STARTUP => &mut b.startup,
+            bucket::CHECKPOINT_STALL => &mut b.checkpoint,
+            bucket::LOST_WORK => &mut b.lost,
+            bucket::DETECTION => &mut b.detection,
+            bucket::BACKOFF => &mut b.backoff,
+            bucket::QUEUE => &mut b.queue,
+            _ => &mut b.other,
+        };
+        *slot += d;
+        self.spans.push(Span {
+            from: from - self.t0,
+            to: to - self.t0,
+            kind,
+        });
+    }
+
+    /// Counts attempt `a`'s time, whose work the next attempt resumed from step `resumed`
+    /// (`None`: none did); returns the steps it redid (a failed attempt that was resumed).
+    fn attempt(&mut self, a: &Att, saves: &[(f64, u64, f64)], resumed: Option<u64>) -> Option<u64> {
+        let (Some(first), Some(last)) = (a.first, a.last.or(a.first)) else {
+            // No step completed: the whole attempt was a start that went nowhere (a hang's
+            // detection included, when it was one).
+            let hung = a.class.starts_with("hung");
+            let kind = if hung {
+                bucket::DETECTION
+            } else {
+                bucket::STARTUP
+            };
+            self.span(a.start, a.end, kind);
+            return None;
+        };
+        let success = a.class == "success";
+        let inside = || saves.iter().filter(|s| s.0 >= a.start && s.0 <= a.end);
+        let stall: f64 = inside().map(|s| s.2).sum();
+        let kept_until = if success {
+            a.end
+        } else {
+            // Where the work stops being kept: the save of the checkpoint the next attempt
+            // resumed from (or, for the last attempt, its last save). A snapshot whose writer
+            // was stopped or killed before it logged the save is still used: the work up to
+            // its step, by the attempt's pace, was kept.
+            let target = inside()
+                .filter(|s| resumed.is_none_or(|r| s.1 == r))
+                .map(|s| s.0)
+                .reduce(f64::max);
+            match target.or_else(|| a.time_of_step(resumed?)) {
+                Some(t) => t.clamp(first, a.end),
+                None => first,
+            }
+        };
+        self.span(a.start, first, bucket::STARTUP);
+        let work_end = if success { a.end } else { last.max(first) };
+        let kept_end = kept_until.min(work_end);
+        // Checkpoint stalls are inside the kept work; they are taken out of productive.
+        let kept_stall = stall.min((kept_end - first).max(0.0));
+        self.span(first, kept_end - kept_stall, bucket::PRODUCTIVE);
+        self.span(kept_end - kept_stall, kept_end, bucket::CHECKPOINT_STALL);
+        self.span(kept_end, work_end, bucket::LOST_WORK);
+        if success {
+            return None;
+        }
+        // The work up to the fault is lost; from the fault on, the supervisor was finding it
+        // and ending the attempt. Without a recorded detection time, a hang's tail is
+        // detection and any other's lost work.
+        let fault = match a.fault_time() {
+            Some(t) => t.clamp(work_end, a.end),
+            None if a.class.starts_with("hung") => work_end,
+            None => a.end,
+        };
+        self.span(work_end, fault, bucket::LOST_WORK);
+        self.span(fault, a.end, bucket::DETECTION);
+        Some(a.last_step?.saturating_sub(resumed?))
     }
 }
 

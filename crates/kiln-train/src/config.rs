@@ -693,7 +693,101 @@ impl Config {
     /// allowed range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut d = Domains::default();
-        let m = &self.model;
+        self.model.domains(&mut d);
+        self.optimizer.domains(&mut d);
+        self.lr_scheduler.domains(&mut d);
+        self.training.domains(&mut d);
+        self.guards.domains(&mut d);
+        self.other_domains(&mut d);
+        // Rules between keys, checked once each key is in its own domain.
+        if d.0.is_empty() {
+            self.rules(&mut d);
+        }
+        d.into_result()
+    }
+
+    /// The domains of the parallelism, checkpoint, metrics and debug keys.
+    fn other_domains(&self, d: &mut Domains) {
+        d.at_least("parallelism.dp_replicate", self.parallelism.dp_replicate, 1);
+        d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
+        d.at_least("checkpoint.snapshot_keep", self.checkpoint.snapshot_keep, 1);
+        d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
+
+        d.real(
+            "debug.spike_scale",
+            self.debug.spike_scale,
+            Closed(f64::MIN),
+            Closed(f64::MAX),
+        );
+        d.check(
+            "parallelism.bucket_mb",
+            self.parallelism.bucket_mb,
+            (1..=MAX_BUCKET_MB).contains(&self.parallelism.bucket_mb),
+            format!("an integer in [1, {MAX_BUCKET_MB}] (MiB; PyTorch DDP uses 25)"),
+        );
+    }
+
+    /// The rules between keys, each key already in its domain.
+    fn rules(&self, d: &mut Domains) {
+        let (m, o, t) = (&self.model, &self.optimizer, &self.training);
+        if !m.d_model.is_multiple_of(m.n_heads) {
+            d.rule(format!(
+                "model.d_model ({}) must be divisible by model.n_heads ({})",
+                m.d_model, m.n_heads
+            ));
+        } else if !(m.d_model / m.n_heads).is_multiple_of(2) {
+            d.rule(format!(
+                "head dim model.d_model / model.n_heads = {} must be even for RoPE",
+                m.d_model / m.n_heads
+            ));
+        }
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
+            d.rule(format!(
+                "model.n_kv_heads ({}) must divide model.n_heads ({})",
+                m.n_kv_heads, m.n_heads
+            ));
+        }
+        if o.lr * o.weight_decay >= 1.0 {
+            d.rule(format!(
+                "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
+                o.lr * o.weight_decay
+            ));
+        }
+        if self.parallelism.shard == Shard::None && self.parallelism.dp_replicate > 1 {
+            d.rule(format!(
+                "parallelism.dp_replicate = {} replicates a sharded state over groups of ranks; set parallelism.shard too (without sharding every rank is a replica already)",
+                self.parallelism.dp_replicate
+            ));
+        }
+        if self.parallelism.shard != Shard::None {
+            let shard = self.parallelism.shard.name();
+            if o.kind != OptimizerKind::Adamw {
+                d.rule(format!(
+                    "parallelism.shard = {shard:?} shards AdamW's state only; use optimizer.kind = \"adamw\" or parallelism.shard = \"none\" ({} keeps whole-matrix state)",
+                    o.kind.name()
+                ));
+            }
+            if t.master_dtype != Precision::F32 {
+                d.rule(format!(
+                    "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
+                ));
+            }
+        }
+        let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
+            .max(u128::from(t.global_batch_size));
+        let samples = u128::from(t.steps) * per_step;
+        if samples > u128::from(MAX_SAMPLES) {
+            d.rule(format!(
+                "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
+            ));
+        }
+    }
+}
+
+impl ModelConfig {
+    /// The model keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        let m = self;
         d.check(
             "model.vocab_size",
             m.vocab_size,
@@ -708,8 +802,13 @@ impl Config {
         d.real("model.rope_theta", m.rope_theta, Open(1.0), Inf);
         d.real("model.norm_eps", m.norm_eps, Open(0.0), Closed(1.0));
         d.real("model.init_std", m.init_std, Open(0.0), Closed(100.0));
+    }
+}
 
-        let o = &self.optimizer;
+impl OptimizerConfig {
+    /// The optimizer keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        let o = self;
         d.real("optimizer.lr", o.lr, Open(0.0), Inf);
         d.real("optimizer.beta1", o.beta1, Closed(0.0), Open(1.0));
         d.real("optimizer.beta2", o.beta2, Closed(0.0), Open(1.0));
@@ -734,8 +833,13 @@ impl Config {
             o.sophia.hessian_interval,
             1,
         );
+    }
+}
 
-        let l = &self.lr_scheduler;
+impl LrSchedulerConfig {
+    /// The learning-rate schedule keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        let l = self;
         d.real(
             "lr_scheduler.min_lr_ratio",
             l.min_lr_ratio,
@@ -748,8 +852,13 @@ impl Config {
             Closed(0.0),
             Closed(1.0),
         );
+    }
+}
 
-        let t = &self.training;
+impl TrainingConfig {
+    /// The training keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        let t = self;
         d.check(
             "training.steps",
             t.steps,
@@ -786,12 +895,13 @@ impl Config {
                 "0 (batch_size x grad_accum_steps x ranks) or an integer in [1, {MAX_SAMPLES}]"
             ),
         );
-        d.at_least("parallelism.dp_replicate", self.parallelism.dp_replicate, 1);
-        d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
-        d.at_least("checkpoint.snapshot_keep", self.checkpoint.snapshot_keep, 1);
-        d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
+    }
+}
 
-        let g = &self.guards;
+impl GuardsConfig {
+    /// The guard keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        let g = self;
         d.real(
             "guards.initial_loss_tolerance",
             g.initial_loss_tolerance,
@@ -812,74 +922,6 @@ impl Config {
             g.spike_window <= MAX_SPIKE_WINDOW,
             format!("an integer in [0, {MAX_SPIKE_WINDOW}] (0 or 1 disables the spike guard)"),
         );
-        d.real(
-            "debug.spike_scale",
-            self.debug.spike_scale,
-            Closed(f64::MIN),
-            Closed(f64::MAX),
-        );
-        d.check(
-            "parallelism.bucket_mb",
-            self.parallelism.bucket_mb,
-            (1..=MAX_BUCKET_MB).contains(&self.parallelism.bucket_mb),
-            format!("an integer in [1, {MAX_BUCKET_MB}] (MiB; PyTorch DDP uses 25)"),
-        );
-
-        // Rules between keys, checked once each key is in its own domain.
-        if d.0.is_empty() {
-            if !m.d_model.is_multiple_of(m.n_heads) {
-                d.rule(format!(
-                    "model.d_model ({}) must be divisible by model.n_heads ({})",
-                    m.d_model, m.n_heads
-                ));
-            } else if !(m.d_model / m.n_heads).is_multiple_of(2) {
-                d.rule(format!(
-                    "head dim model.d_model / model.n_heads = {} must be even for RoPE",
-                    m.d_model / m.n_heads
-                ));
-            }
-            if !m.n_heads.is_multiple_of(m.n_kv_heads) {
-                d.rule(format!(
-                    "model.n_kv_heads ({}) must divide model.n_heads ({})",
-                    m.n_kv_heads, m.n_heads
-                ));
-            }
-            if o.lr * o.weight_decay >= 1.0 {
-                d.rule(format!(
-                    "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
-                    o.lr * o.weight_decay
-                ));
-            }
-            if self.parallelism.shard == Shard::None && self.parallelism.dp_replicate > 1 {
-                d.rule(format!(
-                    "parallelism.dp_replicate = {} replicates a sharded state over groups of ranks; set parallelism.shard too (without sharding every rank is a replica already)",
-                    self.parallelism.dp_replicate
-                ));
-            }
-            if self.parallelism.shard != Shard::None {
-                let shard = self.parallelism.shard.name();
-                if o.kind != OptimizerKind::Adamw {
-                    d.rule(format!(
-                        "parallelism.shard = {shard:?} shards AdamW's state only; use optimizer.kind = \"adamw\" or parallelism.shard = \"none\" ({} keeps whole-matrix state)",
-                        o.kind.name()
-                    ));
-                }
-                if t.master_dtype != Precision::F32 {
-                    d.rule(format!(
-                        "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
-                    ));
-                }
-            }
-            let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
-                .max(u128::from(t.global_batch_size));
-            let samples = u128::from(t.steps) * per_step;
-            if samples > u128::from(MAX_SAMPLES) {
-                d.rule(format!(
-                    "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
-                ));
-            }
-        }
-        d.into_result()
     }
 }
 

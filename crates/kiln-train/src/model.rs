@@ -105,132 +105,95 @@ pub fn dtype_of(p: Precision) -> DType {
     }
 }
 
-impl Llama {
-    /// Lays out the parameters of a model of this shape and vocabulary.
-    pub fn new(cfg: &ModelConfig, vocab: usize) -> Self {
-        let mut specs = Vec::new();
-        let mut add = |name: String, shape: Vec<usize>, init: Init, norm_or_emb: bool| {
-            specs.push(ParamSpec {
-                name,
-                shape,
-                init,
-                is_norm_or_embedding: norm_or_emb,
-            });
-            specs.len() - 1
-        };
-        let d = cfg.d_model;
+/// The parameter list as [`Llama::new`] lays it out; each method returns the new index.
+struct Specs(Vec<ParamSpec>);
+
+impl Specs {
+    /// A norm's weight of `len` ones.
+    fn norm(&mut self, name: String, len: usize) -> usize {
+        self.push(name, vec![len], Init::Ones, true)
+    }
+
+    /// A projection's weight, normal with standard deviation `std`.
+    fn weight(&mut self, name: String, shape: Vec<usize>, std: f64) -> usize {
+        self.push(name, shape, Init::Normal(std), false)
+    }
+
+    /// Any parameter; `norm_or_emb`: a norm's weight or the embedding (excluded from weight
+    /// decay by default).
+    fn push(&mut self, name: String, shape: Vec<usize>, init: Init, norm_or_emb: bool) -> usize {
+        self.0.push(ParamSpec {
+            name,
+            shape,
+            init,
+            is_norm_or_embedding: norm_or_emb,
+        });
+        self.0.len() - 1
+    }
+}
+
+impl BlockParams {
+    /// Lays out decoder block `l`'s parameters, in Hugging Face's names and order.
+    fn lay_out(specs: &mut Specs, cfg: &ModelConfig, l: usize) -> Self {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let (d, f, std) = (cfg.d_model, cfg.ffn_hidden, cfg.init_std);
         let hd = d / cfg.n_heads;
         let kv = cfg.n_kv_heads * hd;
-        let std = cfg.init_std;
+        // The projections that write the residual stream, scaled down with depth if asked.
         let out_std = if cfg.scale_residual_init {
             std / (2.0 * cfg.n_layers as f64).sqrt()
         } else {
             std
         };
-        let embed = add(
+        let attn_norm = specs.norm(p("input_layernorm.weight"), d);
+        let wq = specs.weight(p("self_attn.q_proj.weight"), vec![d, d], std);
+        let wk = specs.weight(p("self_attn.k_proj.weight"), vec![d, kv], std);
+        let wv = specs.weight(p("self_attn.v_proj.weight"), vec![d, kv], std);
+        let wo = specs.weight(p("self_attn.o_proj.weight"), vec![d, d], out_std);
+        let (q_norm, k_norm) = match cfg.qk_norm {
+            true => (
+                Some(specs.norm(p("self_attn.q_norm.weight"), hd)),
+                Some(specs.norm(p("self_attn.k_norm.weight"), hd)),
+            ),
+            false => (None, None),
+        };
+        Self {
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            mlp_norm: specs.norm(p("post_attention_layernorm.weight"), d),
+            w_gate: specs.weight(p("mlp.gate_proj.weight"), vec![d, f], std),
+            w_up: specs.weight(p("mlp.up_proj.weight"), vec![d, f], std),
+            w_down: specs.weight(p("mlp.down_proj.weight"), vec![f, d], out_std),
+        }
+    }
+}
+
+impl Llama {
+    /// Lays out the parameters of a model of this shape and vocabulary.
+    pub fn new(cfg: &ModelConfig, vocab: usize) -> Self {
+        let mut specs = Specs(Vec::new());
+        let (d, std) = (cfg.d_model, cfg.init_std);
+        let embed = specs.push(
             "model.embed_tokens.weight".into(),
             vec![vocab, d],
             Init::Normal(std),
             true,
         );
-        let mut blocks = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
-            let p = |s: &str| format!("model.layers.{l}.{s}");
-            let attn_norm = add(p("input_layernorm.weight"), vec![d], Init::Ones, true);
-            let wq = add(
-                p("self_attn.q_proj.weight"),
-                vec![d, d],
-                Init::Normal(std),
-                false,
-            );
-            let wk = add(
-                p("self_attn.k_proj.weight"),
-                vec![d, kv],
-                Init::Normal(std),
-                false,
-            );
-            let wv = add(
-                p("self_attn.v_proj.weight"),
-                vec![d, kv],
-                Init::Normal(std),
-                false,
-            );
-            let wo = add(
-                p("self_attn.o_proj.weight"),
-                vec![d, d],
-                Init::Normal(out_std),
-                false,
-            );
-            let (q_norm, k_norm) = if cfg.qk_norm {
-                (
-                    Some(add(
-                        p("self_attn.q_norm.weight"),
-                        vec![hd],
-                        Init::Ones,
-                        true,
-                    )),
-                    Some(add(
-                        p("self_attn.k_norm.weight"),
-                        vec![hd],
-                        Init::Ones,
-                        true,
-                    )),
-                )
-            } else {
-                (None, None)
-            };
-            let mlp_norm = add(
-                p("post_attention_layernorm.weight"),
-                vec![d],
-                Init::Ones,
-                true,
-            );
-            let f = cfg.ffn_hidden;
-            let w_gate = add(
-                p("mlp.gate_proj.weight"),
-                vec![d, f],
-                Init::Normal(std),
-                false,
-            );
-            let w_up = add(
-                p("mlp.up_proj.weight"),
-                vec![d, f],
-                Init::Normal(std),
-                false,
-            );
-            let w_down = add(
-                p("mlp.down_proj.weight"),
-                vec![f, d],
-                Init::Normal(out_std),
-                false,
-            );
-            blocks.push(BlockParams {
-                attn_norm,
-                wq,
-                wk,
-                wv,
-                wo,
-                q_norm,
-                k_norm,
-                mlp_norm,
-                w_gate,
-                w_up,
-                w_down,
-            });
-        }
-        let final_norm = add("model.norm.weight".into(), vec![d], Init::Ones, true);
-        let head = (!cfg.tie_embeddings).then(|| {
-            add(
-                "lm_head.weight".into(),
-                vec![d, vocab],
-                Init::Normal(std),
-                false,
-            )
-        });
+        let blocks = (0..cfg.n_layers)
+            .map(|l| BlockParams::lay_out(&mut specs, cfg, l))
+            .collect();
+        let final_norm = specs.norm("model.norm.weight".into(), d);
+        let head = (!cfg.tie_embeddings)
+            .then(|| specs.weight("lm_head.weight".into(), vec![d, vocab], std));
         Self {
             cfg: cfg.clone(),
             vocab,
-            specs,
+            specs: specs.0,
             embed,
             blocks,
             final_norm,
