@@ -189,6 +189,70 @@ pub fn sample_bounds(schedule: &BlendSchedule, table: &[String], samples: u64) -
     Ok(bounds)
 }
 
+/// The blend cache's key: everything the blend depends on (the table, the sample count and
+/// the resolved segments, weights to the bit).
+fn cache_key(table: &[String], samples: u64, segs: &[ResolvedSegment]) -> Key {
+    let description = serde_json::json!({
+        "version": 1,
+        "samples": samples,
+        "table": table,
+        "segments": segs.iter().map(|s| serde_json::json!({
+            "start": s.start,
+            "ids": s.ids,
+            "weight_bits": s.weights.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    })
+    .to_string();
+    Key::new(b"BLEND   ", &description)
+}
+
+/// The blend file's parts: samples per dataset, the per-dataset totals at every
+/// [`CHECKPOINT`]-th sample, and the dataset id of every sample (`u16`, little-endian).
+fn compute(segs: &[ResolvedSegment], samples: u64, d: usize) -> Vec<Vec<u8>> {
+    let _span = tracing::info_span!("blend", samples, datasets = d).entered();
+    let t0 = std::time::Instant::now();
+    let n_ck = samples.div_ceil(CHECKPOINT) as usize;
+    let mut totals = vec![0u64; d];
+    let mut checkpoints: Vec<u64> = Vec::with_capacity(n_ck * d);
+    let mut ids: Vec<u16> = Vec::with_capacity(samples as usize);
+    let bar = crate::progress::bar(samples, "blend");
+    for (k, seg) in segs.iter().enumerate() {
+        let (start, seg_ids, weights) = (seg.start, &seg.ids, &seg.weights);
+        let end = segs
+            .get(k + 1)
+            .map_or(samples, |n| n.start.min(samples))
+            .max(start);
+        if start >= samples {
+            break;
+        }
+        let mut local = vec![0u64; seg_ids.len()];
+        // Emit in chunks so checkpoints land exactly every CHECKPOINT global samples.
+        let mut pos = start;
+        let mut done_local = 0u64;
+        while pos < end {
+            if pos % CHECKPOINT == 0 {
+                checkpoints.extend_from_slice(&totals);
+            }
+            let chunk = (CHECKPOINT - pos % CHECKPOINT).min(end - pos);
+            greedy_from(weights, done_local, chunk, &mut local, |j| {
+                let id = seg_ids[j];
+                ids.push(id as u16);
+                totals[id] += 1;
+            });
+            pos += chunk;
+            done_local += chunk;
+            bar.set_position(pos);
+        }
+    }
+    bar.finish_and_clear();
+    tracing::info!(elapsed_s = t0.elapsed().as_secs_f64(), "blend built");
+    let mut id_bytes = Vec::with_capacity(ids.len() * 2);
+    for id in ids {
+        id_bytes.extend_from_slice(&id.to_le_bytes());
+    }
+    vec![le_words(&totals), le_words(&checkpoints), id_bytes]
+}
+
 impl Blend {
     /// Build (or load from `cache_dir`) the blend of `samples` global samples.
     pub fn build(
@@ -205,18 +269,7 @@ impl Blend {
             )));
         }
         let segs = schedule.resolve(table)?;
-        let description = serde_json::json!({
-            "version": 1,
-            "samples": samples,
-            "table": table,
-            "segments": segs.iter().map(|s| serde_json::json!({
-                "start": s.start,
-                "ids": s.ids,
-                "weight_bits": s.weights.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-        })
-        .to_string();
-        let key = Key::new(b"BLEND   ", &description);
+        let key = cache_key(table, samples, &segs);
         let path = cache_dir.join(key.file_name("blend"));
         let d = table.len();
         let n_ck = samples.div_ceil(CHECKPOINT) as f64;
@@ -230,52 +283,7 @@ impl Blend {
                 cache_dir,
                 cache::FIX_SAMPLES,
             )?;
-            let _span = tracing::info_span!("blend", samples, datasets = d).entered();
-            let t0 = std::time::Instant::now();
-            let n_ck = samples.div_ceil(CHECKPOINT) as usize;
-            let mut totals = vec![0u64; d];
-            let mut checkpoints: Vec<u64> = Vec::with_capacity(n_ck * d);
-            let mut ids: Vec<u16> = Vec::with_capacity(samples as usize);
-            let bar = crate::progress::bar(samples, "blend");
-            for (k, seg) in segs.iter().enumerate() {
-                let (start, seg_ids, weights) = (seg.start, &seg.ids, &seg.weights);
-                let end = segs
-                    .get(k + 1)
-                    .map_or(samples, |n| n.start.min(samples))
-                    .max(start);
-                if start >= samples {
-                    break;
-                }
-                let mut local = vec![0u64; seg_ids.len()];
-                // Emit in chunks so checkpoints land exactly every CHECKPOINT global samples.
-                let mut pos = start;
-                let mut done_local = 0u64;
-                while pos < end {
-                    if pos % CHECKPOINT == 0 {
-                        checkpoints.extend_from_slice(&totals);
-                    }
-                    let chunk = (CHECKPOINT - pos % CHECKPOINT).min(end - pos);
-                    greedy_from(weights, done_local, chunk, &mut local, |j| {
-                        let id = seg_ids[j];
-                        ids.push(id as u16);
-                        totals[id] += 1;
-                    });
-                    pos += chunk;
-                    done_local += chunk;
-                    bar.set_position(pos);
-                }
-            }
-            bar.finish_and_clear();
-            tracing::info!(elapsed_s = t0.elapsed().as_secs_f64(), "blend built");
-            let mut parts = Vec::new();
-            parts.push(le_words(&totals));
-            parts.push(le_words(&checkpoints));
-            let mut id_bytes = Vec::with_capacity(ids.len() * 2);
-            for id in ids {
-                id_bytes.extend_from_slice(&id.to_le_bytes());
-            }
-            parts.push(id_bytes);
-            Ok(parts)
+            Ok(compute(&segs, samples, d))
         })?;
         let n_ck = samples.div_ceil(CHECKPOINT) as usize;
         let expect = 8 * d + 8 * n_ck * d + 2 * samples as usize;

@@ -99,86 +99,19 @@ impl CorpusList {
                 line,
                 reason,
             };
-            let fields: Vec<&str> = content.split_whitespace().collect();
-            if fields.len() < 2 || fields.len() > 3 {
-                return Err(bad(format!(
-                    "expected `weight prefix [corpus]`, found {} field(s): {content:?}",
-                    fields.len()
-                )));
-            }
-            let weight: f64 = fields[0].parse().map_err(|_| {
-                bad(format!(
-                    "weight {:?} is not a number (expected `weight prefix [corpus]`)",
-                    fields[0]
-                ))
-            })?;
-            if !weight.is_finite() || weight < 0.0 {
-                return Err(bad(format!(
-                    "weight {} must be a finite number >= 0",
-                    fields[0]
-                )));
-            }
-            let mut key = fields[1].to_string();
-            for suffix in [".bin", ".idx"] {
-                if let Some(stripped) = key.strip_suffix(suffix) {
-                    key = stripped.to_string();
-                }
-            }
-            // `.idx`, `dir/`, `dir/.` or `..` name no dataset: `PREFIX.idx` would be a hidden
-            // file of a directory, not a shard.
-            if matches!(key.rsplit('/').next(), Some("" | "." | "..")) {
-                return Err(bad(format!(
-                    "prefix {:?} names no dataset; expected the path of PREFIX.bin/PREFIX.idx without the suffix",
-                    fields[1]
-                )));
-            }
-            let p = Path::new(&key);
-            let prefix = if p.is_absolute() {
-                p.to_path_buf()
-            } else {
-                base.join(p)
-            };
+            let entry = CorpusEntry::parse(content, line, base).map_err(bad)?;
             // `a`, `./a` and `x//a`-style spellings name one dataset: compare the paths, not
             // the strings (files reached by links are compared in `read`).
-            let same = lexical(&prefix);
+            let same = lexical(&entry.prefix);
             if let Some(prev) = entries.iter().find(|e| lexical(&e.prefix) == same) {
-                return Err(bad(duplicate(&key, prev)));
+                return Err(bad(duplicate(&entry.key, prev)));
             }
-            let corpus = match fields.get(2) {
-                Some(c) => c.to_string(),
-                None => p
-                    .file_name()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| key.clone()),
-            };
-            entries.push(CorpusEntry {
-                weight,
-                key,
-                prefix,
-                corpus,
-                line,
-            });
+            entries.push(entry);
         }
-        if entries.is_empty() {
-            return Err(DataError::List {
-                path: path.to_path_buf(),
-                reason: "no datasets listed (expected lines of `weight prefix [corpus]`)".into(),
-            });
-        }
-        if !weights_sum_finite(&entries.iter().map(|e| e.weight).collect::<Vec<_>>())
-            && entries.iter().any(|e| e.weight > 0.0)
-        {
-            return Err(DataError::List {
-                path: path.to_path_buf(),
-                reason: "the weights sum to more than a float holds; they are relative, so scale them down".into(),
-            });
-        }
-        if entries.iter().all(|e| e.weight == 0.0) {
-            return Err(DataError::List {
-                path: path.to_path_buf(),
-                reason: "every weight is 0; at least one dataset needs a positive weight".into(),
-            });
-        }
+        check_weights(&entries).map_err(|reason| DataError::List {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        })?;
         Ok(CorpusList {
             path: path.to_path_buf(),
             entries,
@@ -190,6 +123,82 @@ impl CorpusList {
     pub fn normalized_weights(&self) -> Vec<f64> {
         normalize(&self.entries.iter().map(|e| e.weight).collect::<Vec<_>>())
     }
+}
+
+impl CorpusEntry {
+    /// The entry of list line number `line`, `content` without its comment; the reason when
+    /// it is not `weight prefix [corpus]`.
+    fn parse(content: &str, line: usize, base: &Path) -> std::result::Result<Self, String> {
+        let fields: Vec<&str> = content.split_whitespace().collect();
+        if fields.len() < 2 || fields.len() > 3 {
+            return Err(format!(
+                "expected `weight prefix [corpus]`, found {} field(s): {content:?}",
+                fields.len()
+            ));
+        }
+        let weight: f64 = fields[0].parse().map_err(|_| {
+            format!(
+                "weight {:?} is not a number (expected `weight prefix [corpus]`)",
+                fields[0]
+            )
+        })?;
+        if !weight.is_finite() || weight < 0.0 {
+            return Err(format!("weight {} must be a finite number >= 0", fields[0]));
+        }
+        let mut key = fields[1].to_string();
+        for suffix in [".bin", ".idx"] {
+            if let Some(stripped) = key.strip_suffix(suffix) {
+                key = stripped.to_string();
+            }
+        }
+        // `.idx`, `dir/`, `dir/.` or `..` name no dataset: `PREFIX.idx` would be a hidden
+        // file of a directory, not a shard.
+        if matches!(key.rsplit('/').next(), Some("" | "." | "..")) {
+            return Err(format!(
+                "prefix {:?} names no dataset; expected the path of PREFIX.bin/PREFIX.idx without the suffix",
+                fields[1]
+            ));
+        }
+        let p = Path::new(&key);
+        let prefix = if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            base.join(p)
+        };
+        let corpus = match fields.get(2) {
+            Some(c) => c.to_string(),
+            None => p
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| key.clone()),
+        };
+        Ok(CorpusEntry {
+            weight,
+            key,
+            prefix,
+            corpus,
+            line,
+        })
+    }
+}
+
+/// Why a list's weights cannot make a blend: no entries, a sum past what a float holds, or
+/// no positive weight.
+fn check_weights(entries: &[CorpusEntry]) -> std::result::Result<(), &'static str> {
+    if entries.is_empty() {
+        return Err("no datasets listed (expected lines of `weight prefix [corpus]`)");
+    }
+    let weights: Vec<f64> = entries.iter().map(|e| e.weight).collect();
+    let positive = weights.iter().any(|&w| w > 0.0);
+    if !weights_sum_finite(&weights) && positive {
+        return Err(
+            "the weights sum to more than a float holds; they are relative, so scale them down",
+        );
+    }
+    if !positive {
+        return Err("every weight is 0; at least one dataset needs a positive weight");
+    }
+    Ok(())
 }
 
 /// `w / sum(w)` in f64, summing left to right like `numpy.sum` does for short arrays.

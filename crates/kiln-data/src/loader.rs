@@ -111,6 +111,25 @@ impl LoadedDataset {
     }
 }
 
+/// One dataset's part of a blend ([`BlendedLoader::shares`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Share {
+    /// The dataset's key.
+    pub key: String,
+    /// Its corpus.
+    pub corpus: String,
+    /// Its weight, normalised over the list.
+    pub weight: f64,
+    /// Samples the blend draws from it.
+    pub samples: u64,
+    /// Those samples' share of the blend.
+    pub share: f64,
+    /// Tokens in one epoch of it.
+    pub tokens_per_epoch: u64,
+    /// Epochs of it the blend's samples take (each sample is `seq_len` new tokens).
+    pub epochs: f64,
+}
+
 /// Blended, shuffled, packed samples over the datasets of a corpus list.
 #[derive(Debug)]
 pub struct BlendedLoader {
@@ -350,6 +369,27 @@ impl BlendedLoader {
     /// The datasets, in list order.
     pub fn datasets(&self) -> &[LoadedDataset] {
         &self.datasets
+    }
+
+    /// Each dataset's part of the blend, in list order (`kiln data blend`).
+    pub fn shares(&self) -> Vec<Share> {
+        let weights: Vec<f64> = self.datasets.iter().map(|d| d.weight).collect();
+        let total = self.total_samples().max(1) as f64;
+        let per_sample = self.seq_len as f64;
+        (self.datasets.iter().zip(crate::corpus::normalize(&weights)))
+            .map(|(d, weight)| {
+                let tokens_per_epoch = d.index.tokens_per_epoch();
+                Share {
+                    key: d.key.clone(),
+                    corpus: d.corpus.clone(),
+                    weight,
+                    samples: d.samples,
+                    share: d.samples as f64 / total,
+                    tokens_per_epoch,
+                    epochs: d.samples as f64 * per_sample / tokens_per_epoch.max(1) as f64,
+                }
+            })
+            .collect()
     }
 
     /// The corpus list this loader was opened from.

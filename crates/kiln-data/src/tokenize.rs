@@ -490,28 +490,14 @@ pub fn tokenize(
     output_prefix: &Path,
     opts: &TokenizeOptions,
 ) -> Result<TokenizeStats> {
-    let mut inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
-    inputs.push(tokenizer_path);
-    refuse_overwriting_inputs(
-        &[
-            crate::indexed::bin_path(output_prefix),
-            crate::indexed::idx_path(output_prefix),
-            sidecar_path(output_prefix),
-        ],
-        &inputs,
-    )?;
     let tok = load(tokenizer_path)?;
     let vocab = tok.get_vocab_size(true);
     let eos = match &opts.eos {
         Some(name) => Some(find_eos(&tok, tokenizer_path, Some(name))?.1),
         None => None,
     };
+    prepare_output(tokenizer_path, src, output_prefix)?;
     let dtype = DType::optimal(vocab);
-    if let Some(parent) = output_prefix.parent()
-        && !parent.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
-    }
     let mut builder = IndexedDatasetBuilder::create(output_prefix, dtype)?;
     let t0 = Instant::now();
     let total = src.total_bytes();
@@ -524,17 +510,7 @@ pub fn tokenize(
         reason: format!("encoding failed: {e}"),
     };
     loop {
-        let mut texts = Vec::with_capacity(batch);
-        let mut bytes = 0usize;
-        while texts.len() < batch && bytes < (16 << 20) {
-            match reader.next_doc()? {
-                Some(t) => {
-                    bytes += t.len();
-                    texts.push(t);
-                }
-                None => break,
-            }
-        }
+        let texts = next_batch(&mut reader, batch)?;
         if texts.is_empty() {
             break;
         }
@@ -542,9 +518,7 @@ pub fn tokenize(
             .par_iter()
             .map(|t| {
                 let mut ids = encode_pieces(&tok, t, PIECE_BYTES).map_err(enc_err)?;
-                if let Some(e) = eos {
-                    ids.push(e);
-                }
+                ids.extend(eos);
                 Ok(ids)
             })
             .collect();
@@ -557,10 +531,8 @@ pub fn tokenize(
         if bar.is_hidden() {
             tracing::debug!(docs, bytes = reader.bytes(), "tokenized");
         } else {
-            bar.set_message(format!(
-                "{:.2}M tok/s",
-                builder.tokens() as f64 / t0.elapsed().as_secs_f64() / 1e6
-            ));
+            let rate = builder.tokens() as f64 / t0.elapsed().as_secs_f64();
+            bar.set_message(format!("{:.2}M tok/s", rate / 1e6));
         }
     }
     bar.finish_and_clear();
@@ -576,10 +548,7 @@ pub fn tokenize(
         tokens,
         dtype,
     };
-    let sp = sidecar_path(output_prefix);
-    let text = serde_json::to_string_pretty(&sidecar)
-        .map_err(|e| DataError::format(&sp, e.to_string()))?;
-    std::fs::write(&sp, text + "\n").map_err(|e| DataError::io(&sp, e))?;
+    sidecar.write(output_prefix)?;
     Ok(TokenizeStats {
         documents: docs,
         tokens,
@@ -589,6 +558,50 @@ pub fn tokenize(
         dtype,
         split_documents: split,
     })
+}
+
+/// Refuses an output that would overwrite an input (a source file or the tokenizer), and
+/// creates the output's directory.
+fn prepare_output(tokenizer_path: &Path, src: &DocSource, output_prefix: &Path) -> Result<()> {
+    let mut inputs: Vec<&Path> = src.files.iter().map(PathBuf::as_path).collect();
+    inputs.push(tokenizer_path);
+    let outputs = [
+        crate::indexed::bin_path(output_prefix),
+        crate::indexed::idx_path(output_prefix),
+        sidecar_path(output_prefix),
+    ];
+    refuse_overwriting_inputs(&outputs, &inputs)?;
+    if let Some(parent) = output_prefix.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
+    }
+    Ok(())
+}
+
+/// The next documents of `reader`: up to `batch` of them and about 16 MiB of text (none at
+/// the end).
+fn next_batch(reader: &mut DocReader<'_>, batch: usize) -> Result<Vec<String>> {
+    let mut texts = Vec::with_capacity(batch);
+    let mut bytes = 0usize;
+    while texts.len() < batch && bytes < (16 << 20) {
+        let Some(t) = reader.next_doc()? else {
+            break;
+        };
+        bytes += t.len();
+        texts.push(t);
+    }
+    Ok(texts)
+}
+
+impl Sidecar {
+    /// Writes this sidecar beside the dataset at `prefix`.
+    fn write(&self, prefix: &Path) -> Result<()> {
+        let path = sidecar_path(prefix);
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| DataError::format(&path, e.to_string()))?;
+        std::fs::write(&path, text + "\n").map_err(|e| DataError::io(&path, e))
+    }
 }
 
 #[cfg(test)]

@@ -355,6 +355,30 @@ pub struct LoadedModel {
 /// checkpoint) or a checkpoint directory (`RUN_DIR/checkpoints/step-N`, verified against
 /// its manifest). The config is `config` if given, else the run's `config.toml`.
 pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, GatesError> {
+    check_model_dir(path)?;
+    let found = find_weights(path)?;
+    let config_path = config.map_or_else(
+        || found.run_dir.join(kiln_run::layout::CONFIG),
+        Path::to_path_buf,
+    );
+    if !config_path.exists() {
+        return Err(GatesError::Invalid(format!(
+            "{}: missing; the run's config is needed to rebuild the model (or pass --config FILE)",
+            config_path.display()
+        )));
+    }
+    let cfg = Config::load(Some(&config_path), &[]).map_err(kiln_train::TrainError::from)?;
+    let session = Session::from_weights(&cfg, &found.tensors, &found.weights)?;
+    Ok(LoadedModel {
+        session,
+        weights: found.weights,
+        config_path,
+        step: found.step,
+    })
+}
+
+/// Refuses a path that is not a directory, and a checkpoint directory without its manifest.
+fn check_model_dir(path: &Path) -> Result<(), GatesError> {
     if !path.exists() {
         return Err(GatesError::Invalid(format!(
             "{}: no such run or checkpoint directory",
@@ -383,63 +407,71 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
             path.display()
         )));
     }
-    let (tensors, weights, run_dir, step) =
-        if path.join(kiln_run::layout::CHECKPOINT_MANIFEST).exists() {
-            let ck = kiln_train::checkpoint::load(path)?;
-            // RUN_DIR/checkpoints/step-N
-            let run_dir = path
-                .parent()
-                .and_then(Path::parent)
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-            (ck.model, path.to_path_buf(), run_dir, Some(ck.step))
-        } else if path.join(kiln_run::layout::FINAL_MODEL).exists() {
-            let file = path.join(kiln_run::layout::FINAL_MODEL);
-            let bytes = {
-                use std::io::Read;
-                let mut bytes = Vec::new();
-                kiln_run::files::open_regular(&file)
-                    .and_then(|mut f| f.read_to_end(&mut bytes))
-                    .map_err(io_err(&file))?;
-                bytes
-            };
-            let tensors = kiln_train::checkpoint::from_safetensors(&bytes, &file)?;
-            (tensors, file, path.to_path_buf(), None)
-        } else {
-            let root = path.join(kiln_run::layout::CHECKPOINTS);
-            let mut rejected = Vec::new();
-            let found = kiln_train::checkpoint::load_latest_valid(&root, |p, why| {
-                rejected.push(format!("{}: {why}", p.display()));
-            });
-            match found {
-                Some((dir, ck)) => (ck.model, dir, path.to_path_buf(), Some(ck.step)),
-                None => {
-                    return Err(GatesError::Invalid(format!(
-                        "{}: no model.safetensors and no valid checkpoint under checkpoints/{}",
-                        path.display(),
-                        if rejected.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" (rejected: {})", rejected.join("; "))
-                        }
-                    )));
-                }
-            }
-        };
-    let config_path =
-        config.map_or_else(|| run_dir.join(kiln_run::layout::CONFIG), Path::to_path_buf);
-    if !config_path.exists() {
-        return Err(GatesError::Invalid(format!(
-            "{}: missing; the run's config is needed to rebuild the model (or pass --config FILE)",
-            config_path.display()
-        )));
+    Ok(())
+}
+
+/// The weights [`find_weights`] found.
+struct Found {
+    tensors: Vec<kiln_train::checkpoint::HostTensor>,
+    /// The file or checkpoint directory they came from.
+    weights: PathBuf,
+    run_dir: PathBuf,
+    /// The checkpoint's step (`None` for the final weights).
+    step: Option<u64>,
+}
+
+/// The weights at `path`: a checkpoint directory's, else a run directory's final weights,
+/// else its newest valid checkpoint's.
+fn find_weights(path: &Path) -> Result<Found, GatesError> {
+    if path.join(kiln_run::layout::CHECKPOINT_MANIFEST).exists() {
+        let ck = kiln_train::checkpoint::load(path)?;
+        // RUN_DIR/checkpoints/step-N
+        let run_dir = path
+            .parent()
+            .and_then(Path::parent)
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+        let (weights, step) = (path.to_path_buf(), Some(ck.step));
+        return Ok(Found {
+            tensors: ck.model,
+            weights,
+            run_dir,
+            step,
+        });
     }
-    let cfg = Config::load(Some(&config_path), &[]).map_err(kiln_train::TrainError::from)?;
-    let session = Session::from_weights(&cfg, &tensors, &weights)?;
-    Ok(LoadedModel {
-        session,
-        weights,
-        config_path,
-        step,
+    let file = path.join(kiln_run::layout::FINAL_MODEL);
+    if file.exists() {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        kiln_run::files::open_regular(&file)
+            .and_then(|mut f| f.read_to_end(&mut bytes))
+            .map_err(io_err(&file))?;
+        return Ok(Found {
+            tensors: kiln_train::checkpoint::from_safetensors(&bytes, &file)?,
+            weights: file,
+            run_dir: path.to_path_buf(),
+            step: None,
+        });
+    }
+    let root = path.join(kiln_run::layout::CHECKPOINTS);
+    let mut rejected = Vec::new();
+    let found = kiln_train::checkpoint::load_latest_valid(&root, |p, why| {
+        rejected.push(format!("{}: {why}", p.display()));
+    });
+    let Some((dir, ck)) = found else {
+        let rejected = match rejected.is_empty() {
+            true => String::new(),
+            false => format!(" (rejected: {})", rejected.join("; ")),
+        };
+        return Err(GatesError::Invalid(format!(
+            "{}: no model.safetensors and no valid checkpoint under checkpoints/{rejected}",
+            path.display(),
+        )));
+    };
+    Ok(Found {
+        tensors: ck.model,
+        weights: dir,
+        run_dir: path.to_path_buf(),
+        step: Some(ck.step),
     })
 }
 

@@ -397,6 +397,53 @@ fn recovery_lines(events: &[kiln_run::Event]) -> String {
     out
 }
 
+/// The panels of a run's curves: loss (train, eval, and the unigram baseline when it was
+/// measured), eval accuracies, learning rate, gradient norm and tokens/s, over steps.
+fn curve_panels(m: &Metrics) -> Vec<Panel> {
+    let step_series = |name: &str, f: fn(&StepLine) -> f64| Series {
+        name: name.into(),
+        points: m.steps.iter().map(|s| (s.step as f64, f(s))).collect(),
+    };
+    let eval_series = |key: &str| Series {
+        name: key.into(),
+        points: m
+            .evals
+            .iter()
+            .filter_map(|e| Some((e.step as f64, *e.values.get(key)?)))
+            .collect(),
+    };
+    let mut keys: Vec<&String> = m.evals.iter().flat_map(|e| e.values.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut loss = vec![
+        step_series("train loss", |s| s.loss),
+        eval_series("eval_loss"),
+    ];
+    if keys.iter().any(|k| *k == "unigram_loss") {
+        loss.push(eval_series("unigram_loss"));
+    }
+    let acc = keys.iter().filter(|k| k.contains("acc"));
+    let panel = |title: &str, series: Vec<Series>| Panel {
+        title: title.into(),
+        x_label: "step".into(),
+        series,
+        ..Default::default()
+    };
+    vec![
+        panel("loss (nats/token)", loss),
+        panel("eval accuracy", acc.map(|k| eval_series(k)).collect()),
+        panel("learning rate", vec![step_series("lr", |s| s.lr)]),
+        panel(
+            "gradient norm (before clipping)",
+            vec![step_series("grad_norm", |s| s.grad_norm)],
+        ),
+        panel(
+            "tokens/s",
+            vec![step_series("tokens/s", |s| s.tokens_per_s)],
+        ),
+    ]
+}
+
 /// Draws a run's curves (loss and eval loss, eval accuracies, LR, gradient norm, tokens/s)
 /// to `out_stem.svg` and `out_stem.png` (default stem: `RUN_DIR/plots/curves`), and, when the
 /// run was launched by `kiln launch`, its timeline (attempts, failures, swaps, the goodput
@@ -431,59 +478,7 @@ pub fn plot_run(run_dir: &Path, out_stem: Option<&Path>) -> Result<Vec<PathBuf>,
             run_dir.join(kiln_run::layout::METRICS).display()
         )));
     }
-    let step_series = |name: &str, f: fn(&StepLine) -> f64| Series {
-        name: name.into(),
-        points: m.steps.iter().map(|s| (s.step as f64, f(s))).collect(),
-    };
-    let eval_series = |key: &str| Series {
-        name: key.into(),
-        points: m
-            .evals
-            .iter()
-            .filter_map(|e| Some((e.step as f64, *e.values.get(key)?)))
-            .collect(),
-    };
-    let mut keys: Vec<String> = m
-        .evals
-        .iter()
-        .flat_map(|e| e.values.keys().cloned())
-        .collect();
-    keys.sort();
-    keys.dedup();
-    let mut loss = vec![
-        step_series("train loss", |s| s.loss),
-        eval_series("eval_loss"),
-    ];
-    if keys.iter().any(|k| k == "unigram_loss") {
-        loss.push(eval_series("unigram_loss"));
-    }
-    let acc: Vec<Series> = keys
-        .iter()
-        .filter(|k| k.contains("acc"))
-        .map(|k| eval_series(k))
-        .collect();
-    let panel = |title: &str, series: Vec<Series>, log_y: bool| Panel {
-        title: title.into(),
-        x_label: "step".into(),
-        log_y,
-        series,
-        ..Default::default()
-    };
-    let panels = vec![
-        panel("loss (nats/token)", loss, false),
-        panel("eval accuracy", acc, false),
-        panel("learning rate", vec![step_series("lr", |s| s.lr)], false),
-        panel(
-            "gradient norm (before clipping)",
-            vec![step_series("grad_norm", |s| s.grad_norm)],
-            false,
-        ),
-        panel(
-            "tokens/s",
-            vec![step_series("tokens/s", |s| s.tokens_per_s)],
-            false,
-        ),
-    ];
+    let panels = curve_panels(&m);
     let (svg, png) = write_plots(
         &stem,
         &format!("kiln run {}", run_dir.display()),

@@ -351,6 +351,25 @@ pub fn check_mem_tolerance(mem_tolerance: f64) -> Result<(), GatesError> {
     }
 }
 
+/// The report that refuses a run of `config` (its TOML) against `baseline` (read from
+/// `path`) before it starts, when their configs differ; `None` when they agree.
+pub fn refuse_config(baseline: &SmokeRun, config: &str, path: &Path) -> Option<String> {
+    let diffs = config_differences(&baseline.config, config);
+    if diffs.is_empty() {
+        return None;
+    }
+    let planned = SmokeRun {
+        config: config.to_string(),
+        ..baseline.clone()
+    };
+    Some(report(
+        &Verdict::ConfigMismatch(diffs),
+        baseline,
+        &planned,
+        path,
+    ))
+}
+
 /// Compares `run` with `baseline`. `check_config`: refuse differing configs.
 /// `mem_tolerance`: allowed relative growth of peak memory (0.25 = 25 %; negative disables).
 pub fn compare(

@@ -222,70 +222,107 @@ impl Diagnosis {
 
 /// Names the culprit hosts of a failed attempt (see the module docs for the order).
 pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
-    let hosts = clues.hosts;
-    let host_of_rank = |rank: usize| -> Option<String> {
-        let from_beacon = outcome
-            .progress
-            .iter()
-            .find(|p| p.rank == Some(rank) && p.source == "beacon")
-            .and_then(|p| p.host.as_deref())
-            .and_then(|h| canonical(h, hosts));
-        from_beacon.or_else(|| hosts.get(rank / clues.ppn.max(1)).cloned())
-    };
-    let mut evidence: Vec<Evidence> = clues
-        .lost
-        .iter()
-        .filter_map(|(h, why)| {
-            Some(Evidence {
-                host: canonical(h, hosts)?,
-                cause: Cause::NodeFailure,
-                source: "scheduler".into(),
-                detail: why.clone(),
-            })
-        })
-        .collect();
-    let logged = scan_log(clues.log, hosts);
-    evidence.extend(
-        logged
-            .iter()
-            .filter(|e| e.cause == Cause::NodeFailure)
-            .cloned(),
-    );
-    let named = clues.mismatch_ranks.iter().filter_map(|&r| host_of_rank(r));
-    for h in clues.mismatch_hosts.iter().cloned().chain(named) {
-        if let Some(host) = canonical(&h, hosts) {
-            evidence.push(Evidence {
-                host,
-                cause: Cause::ReplicaMismatch,
-                source: "event".into(),
-                detail: "the trainer's replica_mismatch event names this host's rank".into(),
-            });
-        }
-    }
+    let w = Witness { outcome, clues };
+    let (node_lines, other_lines): (Vec<Evidence>, Vec<Evidence>) =
+        scan_log(clues.log, clues.hosts)
+            .into_iter()
+            .partition(|e| e.cause == Cause::NodeFailure);
+    let mut evidence = w.lost_nodes();
+    evidence.extend(node_lines);
+    evidence.extend(w.mismatches());
     if outcome.classification.is_hang() {
-        for &rank in &outcome.culprits {
-            if let Some(host) = host_of_rank(rank) {
-                evidence.push(Evidence {
-                    host,
-                    cause: Cause::Hang,
-                    source: "beacon".into(),
-                    detail: format!("rank {rank} stopped advancing first"),
-                });
-            }
-        }
+        evidence.extend(w.hangs());
     }
     if matches!(
         outcome.classification,
         Classification::Failed | Classification::Signaled | Classification::ReplicaMismatch
     ) {
-        let first = outcome
+        evidence.extend(w.crash(other_lines));
+    }
+    pick(evidence, clues.hosts.len())
+}
+
+/// What [`diagnose`] reads: the attempt and the clues around it.
+struct Witness<'a> {
+    outcome: &'a AttemptOutcome,
+    clues: &'a Clues<'a>,
+}
+
+impl Witness<'_> {
+    /// The host of `rank`: where its beacon said it ran, else by the block placement.
+    fn host_of_rank(&self, rank: usize) -> Option<String> {
+        let hosts = self.clues.hosts;
+        let from_beacon = self
+            .outcome
+            .progress
+            .iter()
+            .find(|p| p.rank == Some(rank) && p.source == "beacon")
+            .and_then(|p| p.host.as_deref())
+            .and_then(|h| canonical(h, hosts));
+        from_beacon.or_else(|| hosts.get(rank / self.clues.ppn.max(1)).cloned())
+    }
+
+    /// The nodes the scheduler reported lost.
+    fn lost_nodes(&self) -> Vec<Evidence> {
+        let lost = self.clues.lost.iter();
+        lost.filter_map(|(h, why)| {
+            Some(Evidence {
+                host: canonical(h, self.clues.hosts)?,
+                cause: Cause::NodeFailure,
+                source: "scheduler".into(),
+                detail: why.clone(),
+            })
+        })
+        .collect()
+    }
+
+    /// The hosts of the ranks whose replicas disagreed.
+    fn mismatches(&self) -> Vec<Evidence> {
+        let c = self.clues;
+        let named = c
+            .mismatch_ranks
+            .iter()
+            .filter_map(|&r| self.host_of_rank(r));
+        let hosts = c.mismatch_hosts.iter().cloned().chain(named);
+        hosts
+            .filter_map(|h| canonical(&h, c.hosts))
+            .map(|host| Evidence {
+                host,
+                cause: Cause::ReplicaMismatch,
+                source: "event".into(),
+                detail: "the trainer's replica_mismatch event names this host's rank".into(),
+            })
+            .collect()
+    }
+
+    /// The hosts of the ranks that stopped advancing first.
+    fn hangs(&self) -> Vec<Evidence> {
+        let culprits = self.outcome.culprits.iter();
+        culprits
+            .filter_map(|&rank| {
+                Some(Evidence {
+                    host: self.host_of_rank(rank)?,
+                    cause: Cause::Hang,
+                    source: "beacon".into(),
+                    detail: format!("rank {rank} stopped advancing first"),
+                })
+            })
+            .collect()
+    }
+
+    /// The host of the rank that failed first, and what the log's lines (`logged`, those that
+    /// are not node failures) say.
+    fn crash(&self, logged: Vec<Evidence>) -> Vec<Evidence> {
+        let first = self
+            .outcome
             .rank_exits
             .iter()
             .filter(|r| r.shell_code() != 0)
             .min_by(|a, b| a.time.total_cmp(&b.time));
         let mut crash: Vec<Evidence> = Vec::new();
         if let Some(r) = first
-            && let Some(host) = canonical(&r.host, hosts).or_else(|| host_of_rank(r.rank))
+            && let Some(host) =
+                canonical(&r.host, self.clues.hosts).or_else(|| self.host_of_rank(r.rank))
         {
             crash.push(Evidence {
                 host,
@@ -299,16 +336,14 @@ pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
         // communication libraries name the peer that went away, which is the culprit.
         let (task_lines, peer_lines): (Vec<Evidence>, Vec<Evidence>) = logged
             .into_iter()
-            .filter(|e| e.cause != Cause::NodeFailure)
             .partition(|e| e.source.starts_with("log:slurm-task"));
         crash.extend(peer_lines);
         let one_host = task_lines.iter().all(|e| e.host == task_lines[0].host);
         if crash.is_empty() && !task_lines.is_empty() && one_host {
             crash.extend(task_lines);
         }
-        evidence.extend(crash);
+        crash
     }
-    pick(evidence, hosts.len())
 }
 
 /// Takes the strongest kind of evidence present; evidence that blames every host names none.

@@ -127,21 +127,7 @@ pub fn run_as_rank(
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
-    let mut cmd = Command::new(program);
-    cmd.args(args).envs(env.to_vars()).process_group(0);
-    // Each local rank its own GPU, from the accelerators `kiln launch` detected.
-    let vars = |k: &str| std::env::var(k).ok();
-    if let Some((var, device)) = kiln_topology::rank_device(&vars, env.local_rank)? {
-        cmd.env(var, device);
-    }
-    #[cfg(target_os = "linux")]
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-            Ok(())
-        });
-    }
+    let mut cmd = rank_command(program, args, &env)?;
     let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
     if let Some((_, write)) = &beat_pipe {
         crate::heartbeat::hand_to_child(&mut cmd, write);
@@ -168,6 +154,39 @@ pub fn run_as_rank(
         let beats = listener.zip(heartbeat_timeout);
         std::thread::spawn(move || watch_rank(dir.as_deref(), rank, pgid, beats, &on));
     }
+    let exit = wait_exit(&mut child);
+    sampling.store(false, Ordering::SeqCst);
+    let recorded = match exit {
+        RankExit::Code(c) => record(Some(c), None),
+        RankExit::Signal(s) => record(None, Some(s)),
+    };
+    end_leftovers(Pid::from_raw(pgid));
+    Ok(exit_to_launcher(exit, recorded))
+}
+
+/// The program as this rank: its rank variables, its own process group, its local rank's
+/// accelerator, and (on Linux) killed when the shim dies.
+fn rank_command(program: &str, args: &[String], env: &RankEnv) -> Result<Command, ShimError> {
+    let mut cmd = Command::new(program);
+    cmd.args(args).envs(env.to_vars()).process_group(0);
+    // Each local rank its own GPU, from the accelerators `kiln launch` detected.
+    let vars = |k: &str| std::env::var(k).ok();
+    if let Some((var, device)) = kiln_topology::rank_device(&vars, env.local_rank)? {
+        cmd.env(var, device);
+    }
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// Waits for the program to end (through interruptions by forwarded signals).
+fn wait_exit(child: &mut std::process::Child) -> RankExit {
     let status = loop {
         match child.wait() {
             Ok(s) => break s,
@@ -175,18 +194,11 @@ pub fn run_as_rank(
             Err(_) => break std::process::ExitStatus::from_raw(1 << 8),
         }
     };
-    sampling.store(false, Ordering::SeqCst);
-    let exit = match (status.code(), status.signal()) {
+    match (status.code(), status.signal()) {
         (Some(c), _) => RankExit::Code(c),
         (None, Some(s)) => RankExit::Signal(s),
         (None, None) => RankExit::Code(1),
-    };
-    let recorded = match exit {
-        RankExit::Code(c) => record(Some(c), None),
-        RankExit::Signal(s) => record(None, Some(s)),
-    };
-    end_leftovers(Pid::from_raw(pgid));
-    Ok(exit_to_launcher(exit, recorded))
+    }
 }
 
 /// Set once kiln's stop request reached this rank (see [`kiln_run::write_stop_request`]).

@@ -124,29 +124,9 @@ const SCHEMES: &[Scheme] = &[
 /// Missing sizes fall back conservatively: no world size means the launcher ran one process;
 /// no local rank/size means one node (`local_rank = rank`, `local_world_size = world_size`).
 pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, RankEnvError> {
-    let get = |k: &str| {
-        vars(k)
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty())
-    };
-    let num =
-        |names: &'static [&'static str]| -> Result<Option<(&'static str, usize)>, RankEnvError> {
-            for &var in names {
-                if let Some(value) = get(var) {
-                    // Slurm writes tasks per node as `4(x2),3`: the first count is this layout's
-                    // common case; a heterogeneous layout is better described by the launcher's
-                    // own local size variable, which comes first in the list.
-                    let head = value.split([',', '(']).next().unwrap_or("");
-                    return head
-                        .parse::<usize>()
-                        .map(|n| Some((var, n)))
-                        .map_err(|_| RankEnvError::NotANumber { var, value });
-                }
-            }
-            Ok(None)
-        };
-    let master_addr = get("MASTER_ADDR");
-    let master_port = match get("MASTER_PORT") {
+    let vars = Lookup(vars);
+    let master_addr = vars.get("MASTER_ADDR");
+    let master_port = match vars.get("MASTER_PORT") {
         Some(p) => match p.parse::<u16>() {
             Ok(0) => return Err(RankEnvError::PortZero),
             Ok(port) => Some(port),
@@ -160,10 +140,68 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
         None => None,
     };
     for scheme in SCHEMES {
-        let Some((rank_var, rank)) = num(scheme.rank)? else {
-            continue;
+        if let Some([rank, world_size, local_rank, local_world_size]) = scheme.read(&vars)? {
+            return Ok(RankEnv {
+                rank,
+                local_rank,
+                world_size,
+                local_world_size,
+                master_addr,
+                master_port,
+                source: scheme.source,
+            });
+        }
+    }
+    Ok(RankEnv {
+        rank: 0,
+        local_rank: 0,
+        world_size: 1,
+        local_world_size: 1,
+        master_addr,
+        master_port,
+        source: "single",
+    })
+}
+
+/// Environment variables through a lookup, trimmed, an empty value as unset.
+struct Lookup<F>(F);
+
+impl<F: Fn(&str) -> Option<String>> Lookup<F> {
+    fn get(&self, k: &str) -> Option<String> {
+        (self.0)(k)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The first of `names` that is set, with its number.
+    fn num(
+        &self,
+        names: &'static [&'static str],
+    ) -> Result<Option<(&'static str, usize)>, RankEnvError> {
+        let Some((var, value)) = names.iter().find_map(|&var| Some((var, self.get(var)?))) else {
+            return Ok(None);
         };
-        let (size_var, world_size) = num(scheme.size)?.unwrap_or(("(unset size)", 1));
+        // Slurm writes tasks per node as `4(x2),3`: the first count is this layout's common
+        // case; a heterogeneous layout is better described by the launcher's own local size
+        // variable, which comes first in the list.
+        let head = value.split([',', '(']).next().unwrap_or("");
+        head.parse::<usize>()
+            .map(|n| Some((var, n)))
+            .map_err(|_| RankEnvError::NotANumber { var, value })
+    }
+}
+
+impl Scheme {
+    /// `[rank, world size, local rank, local world size]` by this scheme's variables; `None`
+    /// when its rank variable is unset, an error when a rank is not below its size.
+    fn read<F: Fn(&str) -> Option<String>>(
+        &self,
+        vars: &Lookup<F>,
+    ) -> Result<Option<[usize; 4]>, RankEnvError> {
+        let Some((rank_var, rank)) = vars.num(self.rank)? else {
+            return Ok(None);
+        };
+        let (size_var, world_size) = vars.num(self.size)?.unwrap_or(("(unset size)", 1));
         if rank >= world_size {
             return Err(RankEnvError::OutOfRange {
                 rank_var,
@@ -172,8 +210,8 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
                 size: world_size,
             });
         }
-        let local = num(scheme.local_rank)?;
-        let local_size = num(scheme.local_size)?;
+        let local = vars.num(self.local_rank)?;
+        let local_size = vars.num(self.local_size)?;
         let (local_rank_var, local_rank) = local.unwrap_or((rank_var, rank));
         let (local_size_var, local_world_size) = local_size.unwrap_or(match local {
             Some(_) => ("(unset local size)", world_size),
@@ -187,25 +225,8 @@ pub fn rank_env_from(vars: impl Fn(&str) -> Option<String>) -> Result<RankEnv, R
                 size: local_world_size,
             });
         }
-        return Ok(RankEnv {
-            rank,
-            local_rank,
-            world_size,
-            local_world_size,
-            master_addr,
-            master_port,
-            source: scheme.source,
-        });
+        Ok(Some([rank, world_size, local_rank, local_world_size]))
     }
-    Ok(RankEnv {
-        rank: 0,
-        local_rank: 0,
-        world_size: 1,
-        local_world_size: 1,
-        master_addr,
-        master_port,
-        source: "single",
-    })
 }
 
 /// Every variable [`rank_env_from`] may read, each once.

@@ -3,7 +3,7 @@ use super::{invalid, usage};
 use anyhow::Context;
 use kiln_data::blend::BlendSchedule;
 use kiln_data::corpus::CorpusList;
-use kiln_data::indexed::{IndexedDataset, idx_path};
+use kiln_data::indexed::IndexedDataset;
 use kiln_data::manifest::{self, Manifest, Verify};
 use kiln_data::tokenize::{self, DocSource, TextSplit};
 use kiln_data::{BlendedLoader, LoaderConfig, Resume};
@@ -312,10 +312,9 @@ fn parse_range(s: &str, what: &str) -> anyhow::Result<(u64, u64)> {
 
 fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let ds = IndexedDataset::open(&a.prefix)?;
-    let idx = ds.index();
     if let Some(r) = &a.dump_doc {
         let (start, end) = parse_range(r, "--dump-doc")?;
-        let docs = idx.documents() as u64;
+        let docs = ds.index().documents() as u64;
         if end > docs {
             return Err(usage(format!(
                 "{}: --dump-doc {r}: the dataset has {docs} documents (0..{})",
@@ -323,85 +322,34 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
                 docs.saturating_sub(1)
             )));
         }
+        use std::io::Write;
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
         for d in start..end {
-            let (s0, s1) = (
-                idx.document_index(d as usize),
-                idx.document_index(d as usize + 1),
-            );
-            if s0 < 0 || s1 < s0 || s1 as usize > idx.sequences() {
-                return Err(invalid(format!(
-                    "{}: corrupt document index at {d}",
-                    idx_path(&a.prefix).display()
-                )));
-            }
-            let mut tokens = Vec::new();
-            for s in s0 as usize..s1 as usize {
-                tokens.extend(ds.sequence(s)?);
-            }
-            use std::io::Write;
-            writeln!(out, "{}", serde_json::to_string(&tokens)?)?;
+            writeln!(out, "{}", serde_json::to_string(&ds.document(d as usize)?)?)?;
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let total = if a.check {
-        idx.check_all()?
-    } else {
-        kiln_data::index::total_tokens(idx)?
-    };
-    let mut lengths: Vec<u32> = (0..idx.sequences())
-        .map(|i| idx.length(i))
-        .collect::<Result<_, _>>()?;
-    lengths.sort_unstable();
-    let pct = |p: f64| -> u32 {
-        if lengths.is_empty() {
-            0
-        } else {
-            lengths[((lengths.len() - 1) as f64 * p).round() as usize]
-        }
-    };
-    let sidecar = tokenize::read_sidecar(&a.prefix);
-    let report = serde_json::json!({
-        "prefix": a.prefix.display().to_string(),
-        "dtype": ds.dtype().name(),
-        "documents": idx.documents(),
-        "sequences": idx.sequences(),
-        "tokens": total,
-        "multimodal_modes": idx.has_modes(),
-        "length": {
-            "min": lengths.first().copied().unwrap_or(0),
-            "mean": if lengths.is_empty() { 0.0 } else { total as f64 / lengths.len() as f64 },
-            "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
-            "max": lengths.last().copied().unwrap_or(0),
-        },
-        "vocab_size": sidecar.as_ref().map(|s| s.vocab_size),
-        "eos_id": sidecar.as_ref().and_then(|s| s.eos_id),
-        "checked": a.check,
-    });
+    let s = ds.summary(a.check)?;
     if a.json {
-        println!("{report}");
-    } else {
-        println!("{}", a.prefix.display());
-        println!("  dtype      {}", ds.dtype().name());
-        println!("  documents  {}", idx.documents());
-        println!("  sequences  {}", idx.sequences());
-        println!("  tokens     {total}");
-        println!(
-            "  length     min {} / mean {:.1} / p50 {} / p90 {} / p99 {} / max {}",
-            report["length"]["min"],
-            report["length"]["mean"].as_f64().unwrap_or(0.0),
-            pct(0.5),
-            pct(0.9),
-            pct(0.99),
-            report["length"]["max"]
-        );
-        if let Some(s) = sidecar {
-            let eos = s.eos_id.map_or("none".to_string(), |id| id.to_string());
-            println!("  vocab      {} (eos id {eos})", s.vocab_size);
-        }
-        if a.check {
-            println!("  check      every length and pointer consistent");
-        }
+        println!("{}", serde_json::to_string(&s)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let l = &s.length;
+    println!("{}", s.prefix);
+    println!("  dtype      {}", s.dtype);
+    println!("  documents  {}", s.documents);
+    println!("  sequences  {}", s.sequences);
+    println!("  tokens     {}", s.tokens);
+    println!(
+        "  length     min {} / mean {:.1} / p50 {} / p90 {} / p99 {} / max {}",
+        l.min, l.mean, l.p50, l.p90, l.p99, l.max
+    );
+    if let Some(vocab) = s.vocab_size {
+        let eos = s.eos_id.map_or("none".to_string(), |id| id.to_string());
+        println!("  vocab      {vocab} (eos id {eos})");
+    }
+    if s.checked {
+        println!("  check      every length and pointer consistent");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -487,61 +435,38 @@ fn blend(a: BlendArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let total = loader.total_samples().max(1) as f64;
-    let weights: Vec<f64> = CorpusList::read(&a.loader.list)?.normalized_weights();
-    let datasets: Vec<serde_json::Value> = loader
-        .datasets()
-        .iter()
-        .zip(&weights)
-        .map(|(d, w)| {
-            serde_json::json!({
-                "key": d.key,
-                "corpus": d.corpus,
-                "weight": w,
-                "samples": d.samples,
-                "share": d.samples as f64 / total,
-                "tokens_per_epoch": d.index().tokens_per_epoch(),
-                "epochs": d.samples as f64 * a.loader.seq_len as f64
-                    / d.index().tokens_per_epoch().max(1) as f64,
-            })
-        })
-        .collect();
-    let report = serde_json::json!({
-        "list": a.loader.list.display().to_string(),
-        "samples": loader.total_samples(),
-        "seq_len": a.loader.seq_len,
-        "seed": a.loader.seed,
-        "seconds": elapsed,
-        "blend_cache": loader.blend_path().display().to_string(),
-        "vocab_hint": loader.vocab_hint(),
-        "datasets": datasets,
-    });
+    let shares = loader.shares();
     if a.json {
+        let report = serde_json::json!({
+            "list": a.loader.list.display().to_string(),
+            "samples": loader.total_samples(),
+            "seq_len": a.loader.seq_len,
+            "seed": a.loader.seed,
+            "seconds": elapsed,
+            "blend_cache": loader.blend_path().display().to_string(),
+            "vocab_hint": loader.vocab_hint(),
+            "datasets": shares,
+        });
         println!("{report}");
-    } else {
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{}: {} samples of {} tokens over {} datasets ({:.2}s)",
+        a.loader.list.display(),
+        loader.total_samples(),
+        a.loader.seq_len + 1,
+        shares.len(),
+        elapsed
+    );
+    println!(
+        "  {:<36} {:<14} {:>8} {:>8} {:>12} {:>8}",
+        "dataset", "corpus", "weight", "share", "samples", "epochs"
+    );
+    for d in &shares {
         println!(
-            "{}: {} samples of {} tokens over {} datasets ({:.2}s)",
-            a.loader.list.display(),
-            loader.total_samples(),
-            a.loader.seq_len + 1,
-            loader.datasets().len(),
-            elapsed
+            "  {:<36} {:<14} {:>8.4} {:>8.4} {:>12} {:>8.3}",
+            d.key, d.corpus, d.weight, d.share, d.samples, d.epochs
         );
-        println!(
-            "  {:<36} {:<14} {:>8} {:>8} {:>12} {:>8}",
-            "dataset", "corpus", "weight", "share", "samples", "epochs"
-        );
-        for d in &datasets {
-            println!(
-                "  {:<36} {:<14} {:>8.4} {:>8.4} {:>12} {:>8.3}",
-                d["key"].as_str().unwrap_or(""),
-                d["corpus"].as_str().unwrap_or(""),
-                d["weight"].as_f64().unwrap_or(0.0),
-                d["share"].as_f64().unwrap_or(0.0),
-                d["samples"].as_u64().unwrap_or(0),
-                d["epochs"].as_f64().unwrap_or(0.0)
-            );
-        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -210,18 +210,7 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     smoke::check_mem_tolerance(a.mem_tolerance)?;
     smoke::check_tolerance(a.tolerance).map_err(|e| anyhow::anyhow!("--{e}"))?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
-    let baseline = if a.bless && !a.baseline.exists() {
-        None
-    } else {
-        Some(smoke::load(&a.baseline).with_context(|| {
-            if a.baseline.exists() {
-                "reading the smoke baseline".to_string()
-            } else {
-                "no baseline: create one with `kiln smoke --bless` (and --baseline FILE)"
-                    .to_string()
-            }
-        })?)
-    };
+    let baseline = smoke_baseline(&a)?;
     // --steps is at least 1 (clap checks it), a baseline's step count too (smoke::load).
     let steps = a
         .steps
@@ -229,25 +218,11 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
         .unwrap_or(10);
     let config = smoke::smoke_config(&base, steps);
     // Refuse before spending minutes on a run that cannot be compared.
-    if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config) {
-        let text = config.to_toml();
-        let diffs = smoke::config_differences(&b.config, &text);
-        if !diffs.is_empty() {
-            let fake = smoke::SmokeRun {
-                config: text,
-                ..b.clone()
-            };
-            println!(
-                "{}",
-                smoke::report(
-                    &smoke::Verdict::ConfigMismatch(diffs),
-                    b,
-                    &fake,
-                    &a.baseline
-                )
-            );
-            return Ok(ExitCode::FAILURE);
-        }
+    if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config)
+        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), &a.baseline)
+    {
+        println!("{refusal}");
+        return Ok(ExitCode::FAILURE);
     }
     let verbose = a.verbose;
     let mut progress = |r: &smoke::StepRecord| {
@@ -282,6 +257,18 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The smoke baseline to compare with (`None` when blessing a new one).
+fn smoke_baseline(a: &SmokeArgs) -> anyhow::Result<Option<smoke::SmokeRun>> {
+    if a.bless && !a.baseline.exists() {
+        return Ok(None);
+    }
+    let why = match a.baseline.exists() {
+        true => "reading the smoke baseline",
+        false => "no baseline: create one with `kiln smoke --bless` (and --baseline FILE)",
+    };
+    Ok(Some(smoke::load(&a.baseline).context(why)?))
 }
 
 /// Progress of a long gate (lr-find, eval): a live bar on a terminal, else (a pipe, a batch

@@ -82,28 +82,45 @@ pub struct SubmitArgs {
 }
 
 /// A bad flag: a usage error (exit 2, mapped in main).
-fn usage(message: impl std::fmt::Display) -> anyhow::Result<ExitCode> {
-    Err(kiln_launch::SubmitError::Usage(format!("submit: {message}")).into())
+fn usage(message: impl std::fmt::Display) -> anyhow::Error {
+    kiln_launch::SubmitError::Usage(format!("submit: {message}")).into()
 }
 
 /// `kiln submit`.
 pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
-    let scheduler = match BatchScheduler::parse(&args.scheduler) {
-        Ok(s) => s,
-        Err(e) => return usage(e),
+    let dry_run = args.dry_run;
+    let req = request(args)?;
+    req.validate().map_err(usage)?;
+    if dry_run {
+        let exclude = quarantined_hosts(&req.quarantine_files()).map_err(usage)?;
+        print!("{}", batch_script(&req, &exclude).map_err(usage)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let s = kiln_launch::submit(&req).map_err(|e| anyhow::Error::new(e).context("submit"))?;
+    let excluded = match s.excluded.is_empty() {
+        true => String::new(),
+        false => format!("; excluded quarantined {}", s.excluded.join(",")),
     };
-    let time = match parse_time(&args.time) {
-        Ok(t) => t,
-        Err(e) => return usage(e),
-    };
-    let signal_lead = match args
+    println!(
+        "submitted job {} ({} chain of at most {}); script {}{excluded}",
+        s.job_id,
+        req.scheduler.name(),
+        req.chain,
+        s.script.display(),
+    );
+    println!("watch it with: kiln status {}", req.run_dir.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The submission the flags ask for (not yet validated).
+fn request(args: SubmitArgs) -> anyhow::Result<SubmitRequest> {
+    let scheduler = BatchScheduler::parse(&args.scheduler).map_err(usage)?;
+    let time = parse_time(&args.time).map_err(usage)?;
+    let signal_lead = args
         .signal_lead
         .map(|s| kiln_launch::limits_seconds("--signal-lead", s, false))
         .transpose()
-    {
-        Ok(l) => l,
-        Err(e) => return usage(e),
-    };
+        .map_err(usage)?;
     let command = match args.command.first().map(String::as_str) {
         Some("--") => args.command[1..].to_vec(),
         _ => args.command.clone(),
@@ -113,7 +130,7 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let name = run_dir
         .file_name()
         .map_or("run".into(), |n| n.to_string_lossy().into_owned());
-    let req = SubmitRequest {
+    Ok(SubmitRequest {
         scheduler,
         nodes: args.nodes,
         spares: args.spares,
@@ -132,40 +149,5 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             .map(|q| std::path::absolute(&q).unwrap_or(q)),
         command,
         run_dir,
-    };
-    if let Err(e) = req.validate() {
-        return usage(e);
-    }
-    if args.dry_run {
-        let exclude = match quarantined_hosts(&req.quarantine_files()) {
-            Ok(x) => x,
-            Err(e) => return usage(e),
-        };
-        return match batch_script(&req, &exclude) {
-            Ok(script) => {
-                print!("{script}");
-                Ok(ExitCode::SUCCESS)
-            }
-            Err(e) => usage(e),
-        };
-    }
-    match kiln_launch::submit(&req) {
-        Ok(s) => {
-            println!(
-                "submitted job {} ({} chain of at most {}); script {}{}",
-                s.job_id,
-                scheduler.name(),
-                req.chain,
-                s.script.display(),
-                if s.excluded.is_empty() {
-                    String::new()
-                } else {
-                    format!("; excluded quarantined {}", s.excluded.join(","))
-                }
-            );
-            println!("watch it with: kiln status {}", req.run_dir.display());
-            Ok(ExitCode::SUCCESS)
-        }
-        Err(e) => Err(anyhow::Error::new(e).context("submit")),
-    }
+    })
 }

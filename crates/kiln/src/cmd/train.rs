@@ -187,25 +187,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     let live = !args.no_progress_bar && std::io::stderr().is_terminal();
     let mut progress = Progress::new(live, config.training.steps);
-    // The multiple-choice eval: `eval.tasks`, or the built-in task of the synthetic corpus.
-    if !config.eval.tasks.is_empty() {
-        progress.tasks = match kiln_gates::mc::load_tasks(std::path::Path::new(&config.eval.tasks))
-        {
-            Ok(t) => t,
-            Err(e) => {
-                return Err(kiln_train::config::ConfigError::Invalid {
-                    origin: "eval.tasks".into(),
-                    message: e.to_string(),
-                }
-                .into());
-            }
-        };
-    } else if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
-        progress.tasks = kiln_gates::mc::synthetic_copy_tasks(
-            kiln_gates::mc::SHIPPED_TASKS,
-            kiln_gates::mc::SHIPPED_SEED,
-        );
-    }
+    progress.tasks = eval_tasks(&config)?;
     let opts = TrainOptions {
         config,
         run_dir: args.run_dir.clone(),
@@ -223,27 +205,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
-    let loss = report
-        .last_loss
-        .map_or("-".to_string(), |l| format!("{l:.4}"));
     match report.outcome {
         Outcome::Completed => {
-            let eval = report.last_eval.map_or(String::new(), |e| {
-                format!(
-                    " held_out_loss={:.4}{}{}",
-                    e.eval_loss,
-                    e.unigram_loss
-                        .map_or(String::new(), |u| format!(" unigram_baseline={u:.4}")),
-                    e.eval_accuracy
-                        .map_or(String::new(), |a| format!(" answer_accuracy={a:.3}"))
-                )
-            });
-            say(format_args!(
-                "done: steps={} loss={loss}{eval} time={:.1}s weights={}",
-                report.step,
-                report.seconds,
-                args.run_dir.join("model.safetensors").display()
-            ));
+            say(format_args!("{}", done_line(&report, &args.run_dir)));
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Preempted { signal } => {
@@ -254,4 +218,49 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             Ok(super::exit_code(kiln_run::exit::PREEMPTED))
         }
     }
+}
+
+/// The multiple-choice eval's tasks: `eval.tasks`, or the built-in task of the synthetic
+/// corpus (none when the run evaluates nothing or reads a corpus of its own).
+fn eval_tasks(config: &Config) -> anyhow::Result<Vec<kiln_gates::mc::McTask>> {
+    if !config.eval.tasks.is_empty() {
+        let path = std::path::Path::new(&config.eval.tasks);
+        return kiln_gates::mc::load_tasks(path).map_err(|e| {
+            kiln_train::config::ConfigError::Invalid {
+                origin: "eval.tasks".into(),
+                message: e.to_string(),
+            }
+            .into()
+        });
+    }
+    if config.data.corpus_list.is_empty() && config.eval.samples > 0 {
+        return Ok(kiln_gates::mc::synthetic_copy_tasks(
+            kiln_gates::mc::SHIPPED_TASKS,
+            kiln_gates::mc::SHIPPED_SEED,
+        ));
+    }
+    Ok(Vec::new())
+}
+
+/// The line a completed run ends with: its steps, last loss, last evaluation and weights.
+fn done_line(report: &kiln_train::TrainReport, run_dir: &std::path::Path) -> String {
+    let loss = report
+        .last_loss
+        .map_or("-".to_string(), |l| format!("{l:.4}"));
+    let eval = report.last_eval.as_ref().map_or(String::new(), |e| {
+        let unigram = e.unigram_loss.map(|u| format!(" unigram_baseline={u:.4}"));
+        let accuracy = e.eval_accuracy.map(|a| format!(" answer_accuracy={a:.3}"));
+        format!(
+            " held_out_loss={:.4}{}{}",
+            e.eval_loss,
+            unigram.unwrap_or_default(),
+            accuracy.unwrap_or_default()
+        )
+    });
+    format!(
+        "done: steps={} loss={loss}{eval} time={:.1}s weights={}",
+        report.step,
+        report.seconds,
+        run_dir.join(kiln_run::layout::FINAL_MODEL).display()
+    )
 }
