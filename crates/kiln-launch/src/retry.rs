@@ -561,16 +561,17 @@ impl Recovery<'_> {
         // No attempt can start after the walltime: stop now, resumable, instead of starting
         // one that would be killed at once.
         if deadline.is_some_and(|d| Instant::now() + delay >= d) {
-            let mut last = outcome.clone();
-            last.classification = Classification::Walltime;
-            last.exit_code = exit::PREEMPTED;
-            last.message =
-                Some("walltime reached before the next attempt could start; not retrying".into());
             self.log.emit(
                 event::STOPPED,
                 json!({"attempt": attempt, "reason": "walltime"}),
             );
-            return Some(last);
+            let why = "walltime reached before the next attempt could start; not retrying";
+            return Some(ended(
+                outcome,
+                Classification::Walltime,
+                exit::PREEMPTED,
+                why,
+            ));
         }
         self.log.emit(
             event::BACKOFF,
@@ -586,40 +587,55 @@ impl Recovery<'_> {
             outcome.classification.name(),
             outcome.exit_code,
         );
-        // Sleep in small steps: a stop signal during backoff must end kiln promptly.
-        let seen = stop().map_or(0, |s| s.count);
-        let until = Instant::now() + delay;
-        while Instant::now() < until {
-            if let Some(req) = stop()
-                && req.count > seen
-            {
-                let mut last = outcome.clone();
-                last.classification = if req.signal == libc::SIGUSR1 {
-                    Classification::Walltime
-                } else {
-                    Classification::Interrupted
-                };
-                last.exit_code = if req.signal == libc::SIGUSR1 {
-                    exit::PREEMPTED
-                } else {
-                    128 + req.signal
-                };
-                last.message = Some(format!(
-                    "kiln received signal {} during backoff; not retrying",
-                    req.signal
-                ));
-                self.log.emit(
-                    event::STOPPED,
-                    json!({"attempt": attempt, "signal": req.signal}),
-                );
-                return Some(last);
-            }
-            std::thread::sleep(
-                Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
-            );
-        }
-        None
+        let req = sleep_unless_stopped(delay, stop)?;
+        self.log.emit(
+            event::STOPPED,
+            json!({"attempt": attempt, "signal": req.signal}),
+        );
+        let why = format!(
+            "kiln received signal {} during backoff; not retrying",
+            req.signal
+        );
+        Some(match req.signal {
+            libc::SIGUSR1 => ended(outcome, Classification::Walltime, exit::PREEMPTED, &why),
+            s => ended(outcome, Classification::Interrupted, 128 + s, &why),
+        })
     }
+}
+
+/// `outcome`, ended as `classification` with `code` for `why` (recovery stopped after it).
+fn ended(
+    outcome: &AttemptOutcome,
+    classification: Classification,
+    code: i32,
+    why: &str,
+) -> AttemptOutcome {
+    let mut last = outcome.clone();
+    last.classification = classification;
+    last.exit_code = code;
+    last.message = Some(why.to_string());
+    last
+}
+
+/// Sleeps `delay` in small steps, so that a stop signal ends kiln promptly: the new stop
+/// request, if one came meanwhile.
+fn sleep_unless_stopped(
+    delay: Duration,
+    stop: &dyn Fn() -> Option<StopRequest>,
+) -> Option<StopRequest> {
+    let seen = stop().map_or(0, |s| s.count);
+    let until = Instant::now() + delay;
+    while Instant::now() < until {
+        if let Some(req) = stop()
+            && req.count > seen
+        {
+            return Some(req);
+        }
+        std::thread::sleep(
+            Duration::from_millis(20).min(until.saturating_duration_since(Instant::now())),
+        );
+    }
+    None
 }
 
 /// Runs attempts with recovery (see the module docs).

@@ -296,38 +296,7 @@ fn attempts(events: &[Event]) -> Vec<Att> {
         })
         .collect();
     if v.is_empty() {
-        let mut open: Option<&Event> = None;
-        for e in events
-            .iter()
-            .filter(|e| e.source == crate::event::source::TRAIN)
-        {
-            match (e.event.as_str(), open) {
-                (event::START, _) => open = Some(e),
-                (event::EXIT, Some(s)) => {
-                    let code = e.fields.get("code").and_then(Value::as_i64).unwrap_or(1);
-                    v.push(Att {
-                        start: s.time,
-                        end: e.time,
-                        first: Some(s.time),
-                        last: Some(e.time),
-                        start_step: u(s, "step"),
-                        last_step: u(e, "step"),
-                        class: if code == 0 {
-                            "success".into()
-                        } else {
-                            format!("exit {code}")
-                        },
-                        culprits: Vec::new(),
-                        culprit_ranks: Vec::new(),
-                        hosts: Vec::new(),
-                        detect_s: None,
-                        kill_s: None,
-                    });
-                    open = None;
-                }
-                _ => {}
-            }
-        }
+        v = trainer_sessions(events);
     }
     v.sort_by(|a, b| a.start.total_cmp(&b.start));
     // The trainer says exactly where it started; a beacon read may come a few steps late.
@@ -343,6 +312,44 @@ fn attempts(events: &[Event]) -> Vec<Att> {
             .and_then(|e| u(e, "step"))
         {
             a.start_step = Some(s);
+        }
+    }
+    v
+}
+
+/// A run trained without `kiln launch`: each trainer session (`start` to `exit`) as an
+/// attempt.
+fn trainer_sessions(events: &[Event]) -> Vec<Att> {
+    let mut v = Vec::new();
+    let mut open: Option<&Event> = None;
+    let train = events
+        .iter()
+        .filter(|e| e.source == crate::event::source::TRAIN);
+    for e in train {
+        match (e.event.as_str(), open) {
+            (event::START, _) => open = Some(e),
+            (event::EXIT, Some(s)) => {
+                let code = e.fields.get("code").and_then(Value::as_i64).unwrap_or(1);
+                v.push(Att {
+                    start: s.time,
+                    end: e.time,
+                    first: Some(s.time),
+                    last: Some(e.time),
+                    start_step: u(s, "step"),
+                    last_step: u(e, "step"),
+                    class: match code {
+                        0 => "success".into(),
+                        _ => format!("exit {code}"),
+                    },
+                    culprits: Vec::new(),
+                    culprit_ranks: Vec::new(),
+                    hosts: Vec::new(),
+                    detect_s: None,
+                    kill_s: None,
+                });
+                open = None;
+            }
+            _ => {}
         }
     }
     v
