@@ -160,15 +160,18 @@ pub struct IndexFile {
     has_modes: bool,
 }
 
-impl IndexFile {
-    /// Open and validate the header and the size of an `.idx` file.
-    pub fn open(path: &Path) -> Result<IndexFile> {
-        let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
-        // SAFETY: the map is read-only; a file truncated underneath us by another process is
-        // the one case memmap cannot protect against, as for every mmap-based reader
-        // (Megatron's included). Shards are immutable by convention and pinned by the manifest.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
-        let b = &map[..];
+/// What an `.idx` file's header says, checked against the file's size.
+struct Header {
+    dtype: DType,
+    sequences: usize,
+    doc_index_len: usize,
+    /// One mode byte per sequence follows the document index (multimodal).
+    has_modes: bool,
+}
+
+impl Header {
+    /// The header of the index bytes `b` (from `path`, for errors).
+    fn parse(b: &[u8], path: &Path) -> Result<Header> {
         if b.len() < HEADER_LEN {
             return Err(DataError::format(
                 path,
@@ -199,19 +202,18 @@ impl IndexFile {
                 format!("dtype {} cannot hold token ids", dtype.name()),
             ));
         }
-        let sequences = le_u64(b, 18);
-        let doc_index_len = le_u64(b, 26);
+        let (sequences, doc_index_len) = (le_u64(b, 18), le_u64(b, 26));
         let too_big = || DataError::format(path, "corrupt index: counts larger than the file");
-        let sequences_usize = usize::try_from(sequences).map_err(|_| too_big())?;
-        let docs_usize = usize::try_from(doc_index_len).map_err(|_| too_big())?;
-        let body = sequences_usize
+        let seqs = usize::try_from(sequences).map_err(|_| too_big())?;
+        let docs = usize::try_from(doc_index_len).map_err(|_| too_big())?;
+        let body = seqs
             .checked_mul(12)
-            .and_then(|x| x.checked_add(docs_usize.checked_mul(8)?))
+            .and_then(|x| x.checked_add(docs.checked_mul(8)?))
             .and_then(|x| x.checked_add(HEADER_LEN))
             .ok_or_else(too_big)?;
         let has_modes = if b.len() == body {
             false
-        } else if Some(b.len()) == body.checked_add(sequences_usize) {
+        } else if Some(b.len()) == body.checked_add(seqs) {
             true
         } else {
             return Err(DataError::format(
@@ -222,14 +224,37 @@ impl IndexFile {
                 ),
             ));
         };
+        Ok(Header {
+            dtype,
+            sequences: seqs,
+            doc_index_len: docs,
+            has_modes,
+        })
+    }
+}
+
+impl IndexFile {
+    /// Open and validate the header and the size of an `.idx` file.
+    pub fn open(path: &Path) -> Result<IndexFile> {
+        let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
+        // SAFETY: the map is read-only; a file truncated underneath us by another process is
+        // the one case memmap cannot protect against, as for every mmap-based reader
+        // (Megatron's included). Shards are immutable by convention and pinned by the manifest.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
+        let Header {
+            dtype,
+            sequences,
+            doc_index_len,
+            has_modes,
+        } = Header::parse(&map, path)?;
         let idx = IndexFile {
             path: path.to_path_buf(),
             dtype,
-            sequences: sequences_usize,
-            doc_index_len: docs_usize,
+            sequences,
+            doc_index_len,
             lengths_at: HEADER_LEN,
-            pointers_at: HEADER_LEN + 4 * sequences_usize,
-            docs_at: HEADER_LEN + 12 * sequences_usize,
+            pointers_at: HEADER_LEN + 4 * sequences,
+            docs_at: HEADER_LEN + 12 * sequences,
             has_modes,
             map,
         };

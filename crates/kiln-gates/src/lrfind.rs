@@ -89,36 +89,45 @@ fn rows_per_step(config: &Config) -> u64 {
     BatchLayout::new(&config.training, 0, 1).map_or(1, |l| l.global_batch())
 }
 
+impl LrFindOptions {
+    /// Refuses a sweep that cannot run: its range, blow-up factor, steps and smoothing.
+    fn check(&self) -> Result<(), GatesError> {
+        let refuse = |why: String| Err(GatesError::Usage(why));
+        if !(self.min_lr > 0.0 && self.max_lr > self.min_lr && self.max_lr.is_finite()) {
+            return refuse(format!(
+                "need 0 < --min < --max, got --min {} --max {}",
+                self.min_lr, self.max_lr
+            ));
+        }
+        if !(self.blowup_factor.is_finite() && self.blowup_factor > 1.0) {
+            return refuse(format!(
+                "--blowup {}: must be a finite number > 1 (the smoothed loss over its best that ends the sweep; 4 is typical)",
+                self.blowup_factor
+            ));
+        }
+        if self.steps < 5 {
+            return refuse(format!(
+                "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",
+                self.steps
+            ));
+        }
+        if !(0.0..1.0).contains(&self.beta) {
+            return refuse(format!(
+                "smoothing beta must be in [0, 1), got {}",
+                self.beta
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the sweep; `progress` sees each point.
 pub fn run(
     config: &Config,
     opts: &LrFindOptions,
     progress: &mut dyn FnMut(&LrPoint),
 ) -> Result<LrFindResult, GatesError> {
-    if !(opts.min_lr > 0.0 && opts.max_lr > opts.min_lr && opts.max_lr.is_finite()) {
-        return Err(GatesError::Usage(format!(
-            "need 0 < --min < --max, got --min {} --max {}",
-            opts.min_lr, opts.max_lr
-        )));
-    }
-    if !(opts.blowup_factor.is_finite() && opts.blowup_factor > 1.0) {
-        return Err(GatesError::Usage(format!(
-            "--blowup {}: must be a finite number > 1 (the smoothed loss over its best that ends the sweep; 4 is typical)",
-            opts.blowup_factor
-        )));
-    }
-    if opts.steps < 5 {
-        return Err(GatesError::Usage(format!(
-            "--steps {} is too few for a sweep; use at least 5 (50-200 is typical)",
-            opts.steps
-        )));
-    }
-    if !(0.0..1.0).contains(&opts.beta) {
-        return Err(GatesError::Usage(format!(
-            "smoothing beta must be in [0, 1), got {}",
-            opts.beta
-        )));
-    }
+    opts.check()?;
     let data = TrainData::open(
         config,
         opts.steps.saturating_mul(rows_per_step(config)),
