@@ -497,3 +497,85 @@ fn one_rule_picks_the_cache_dir_and_absurd_requests_are_refused() {
         assert!(err.contains(want), "{seq} {samples}: {err}");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// `kiln data inspect`'s numbers: counts, total tokens and nearest-rank percentiles of the
+    /// sequence lengths, against a direct count; a document dump is its sequences in order.
+    #[test]
+    fn summary_and_documents_match_a_direct_count(
+        docs in prop::collection::vec(prop::collection::vec(0usize..50, 1..4), 1..30),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("ds");
+        let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
+        let mut k = 0u32;
+        let mut want_docs: Vec<Vec<u32>> = Vec::new();
+        for seqs in &docs {
+            let mut doc = Vec::new();
+            for &len in seqs {
+                let seq: Vec<u32> = (0..len).map(|_| { k = (k + 1) % 60_000; k }).collect();
+                b.add_item(&seq).unwrap();
+                doc.extend(&seq);
+            }
+            b.end_document();
+            want_docs.push(doc);
+        }
+        b.finish().unwrap();
+        let ds = IndexedDataset::open(&prefix).unwrap();
+        for check in [false, true] {
+            let s = ds.summary(check).unwrap();
+            let mut lens: Vec<u32> = docs.iter().flatten().map(|&l| l as u32).collect();
+            lens.sort_unstable();
+            let total: u64 = lens.iter().map(|&l| u64::from(l)).sum();
+            let rank = |p: f64| lens[((lens.len() - 1) as f64 * p).round() as usize];
+            prop_assert_eq!(s.documents, docs.len());
+            prop_assert_eq!(s.sequences, lens.len());
+            prop_assert_eq!(s.tokens, total);
+            prop_assert_eq!(s.checked, check);
+            prop_assert_eq!((s.length.min, s.length.max), (lens[0], lens[lens.len() - 1]));
+            prop_assert_eq!((s.length.p50, s.length.p90, s.length.p99), (rank(0.5), rank(0.9), rank(0.99)));
+            prop_assert!((s.length.mean - total as f64 / lens.len() as f64).abs() < 1e-9);
+        }
+        for (d, want) in want_docs.iter().enumerate() {
+            prop_assert_eq!(&ds.document(d).unwrap(), want);
+        }
+    }
+}
+
+/// A document index that runs backwards inside (its ends are checked when the index opens)
+/// is an error naming the index file when that document is read, not a panic.
+#[test]
+fn a_document_index_that_runs_backwards_is_an_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("ds");
+    write_docs(&prefix, &[2, 2, 2, 2], DType::U16);
+    kiln_data::indexed::write_index(&idx_path(&prefix), DType::U16, &[2; 4], &[0, 3, 1, 4])
+        .unwrap();
+    let ds = IndexedDataset::open(&prefix).unwrap();
+    assert_eq!(ds.document(0).unwrap().len(), 6);
+    let err = ds.document(1).unwrap_err().to_string();
+    assert!(err.contains("ds.idx") && err.contains("document 1"), "{err}");
+}
+
+/// Each dataset's part of a blend: weights normalised over the list, shares of the samples
+/// drawn, and epochs as samples x seq_len over the tokens of one epoch.
+#[test]
+fn shares_of_a_blend_add_up_and_count_epochs() {
+    let dir = tempfile::tempdir().unwrap();
+    write_docs(&dir.path().join("a"), &[40; 10], DType::U16);
+    write_docs(&dir.path().join("b"), &[25; 8], DType::U16);
+    let list = write_list(dir.path(), "list.txt", &[(3.0, "a"), (1.0, "b")]);
+    let loader = BlendedLoader::open(&list, &cfg(dir.path(), 8, 1000)).unwrap();
+    let shares = loader.shares();
+    assert_eq!(shares.len(), 2);
+    assert_eq!((shares[0].weight, shares[1].weight), (0.75, 0.25));
+    assert_eq!(shares[0].samples + shares[1].samples, 1000);
+    assert!((shares[0].share + shares[1].share - 1.0).abs() < 1e-12);
+    assert!((shares[0].share - 0.75).abs() < 0.01, "{:?}", shares[0]);
+    for (s, tokens) in shares.iter().zip([400u64, 200]) {
+        assert_eq!(s.tokens_per_epoch, tokens);
+        assert!((s.epochs - s.samples as f64 * 8.0 / tokens as f64).abs() < 1e-12);
+    }
+}
