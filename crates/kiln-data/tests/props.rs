@@ -556,7 +556,10 @@ fn a_document_index_that_runs_backwards_is_an_error_naming_the_file() {
     let ds = IndexedDataset::open(&prefix).unwrap();
     assert_eq!(ds.document(0).unwrap().len(), 6);
     let err = ds.document(1).unwrap_err().to_string();
-    assert!(err.contains("ds.idx") && err.contains("document 1"), "{err}");
+    assert!(
+        err.contains("ds.idx") && err.contains("document 1"),
+        "{err}"
+    );
 }
 
 /// Each dataset's part of a blend: weights normalised over the list, shares of the samples

@@ -700,8 +700,7 @@ impl<'a> Trainer<'a> {
         self.state.step += 1;
         self.state.advance_data(1);
         let layout = *self.step.layout();
-        let tokens = layout.global_batch() * layout.seq as u64;
-        self.state.tokens_seen += tokens;
+        self.state.tokens_seen += layout.global_batch() * layout.seq as u64;
         self.state.lr = lr;
         self.last_loss = Some(loss);
         self.step.faults().after_update(
@@ -710,8 +709,31 @@ impl<'a> Trainer<'a> {
             &mut self.session.params,
         );
         let dt = t0.elapsed().as_secs_f64();
+        Ok(Some(self.metrics(
+            loss,
+            grad_norm,
+            lr,
+            dt,
+            at.base,
+            allreduce_s,
+        )))
+    }
+
+    /// The metrics of the step just applied, which took `dt` seconds from sample `first_sample`.
+    fn metrics(
+        &self,
+        loss: f32,
+        grad_norm: f32,
+        lr: f64,
+        dt: f64,
+        first_sample: u64,
+        allreduce_s: f64,
+    ) -> StepMetrics {
+        let layout = *self.step.layout();
+        let tokens = layout.global_batch() * layout.seq as u64;
         let tps = tokens as f64 / dt.max(1e-9);
-        Ok(Some(StepMetrics {
+        let peak = self.facts.peak_flops * layout.world as f64;
+        StepMetrics {
             step: self.state.step,
             total_steps: self.facts.total,
             loss,
@@ -719,17 +741,16 @@ impl<'a> Trainer<'a> {
             lr,
             tokens_per_s: tps,
             step_time_s: dt,
-            mfu: if self.facts.peak_flops > 0.0 {
-                tps * self.facts.flops_per_token / (self.facts.peak_flops * layout.world as f64)
-            } else {
-                0.0
+            mfu: match peak > 0.0 {
+                true => tps * self.facts.flops_per_token / peak,
+                false => 0.0,
             },
             rss_mib: metrics::rss_mib(),
             tokens_seen: self.state.tokens_seen,
-            first_sample: at.base,
+            first_sample,
             global_batch: layout.global_batch(),
             allreduce_s,
-        }))
+        }
     }
 
     /// After an applied step: metrics, then each component that is due (the guards'
