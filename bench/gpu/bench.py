@@ -35,7 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from torch_llama import MODELS, peak_flops  # noqa: E402
+from models import MODELS, peak_flops  # noqa: E402
 
 # What runs, most valuable first: each model's kiln and PyTorch eager before anything else.
 DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-flash,1b-8k:kiln-flash,1b-8k:eager,1b:kiln-flash-profile,"
@@ -301,6 +301,16 @@ def print_table(results):
               + (f"  ({r['note']})" if "note" in r else ""))
 
 
+def gpu_name():
+    """The first GPU's name by nvidia-smi, or why there is none (--device flex on a CPU)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"no GPU ({e})"
+    return next((n.strip() for n in names if n.strip()), "no GPU (nvidia-smi listed none)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kiln", default=os.path.join(HERE, "carry", "kiln"))
@@ -315,8 +325,7 @@ def main():
     a.kiln = os.path.abspath(a.kiln)  # the profiled reruns run in a directory of their own
     start = time.time()
     os.makedirs(a.work, exist_ok=True)
-    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip().splitlines()[0]
+    name = gpu_name()
     print(f"GPU: {name} (dense bf16 peak {peak_flops(name) / 1e12:.0f} TFLOP/s)", flush=True)
     out = os.environ.get("OUT") or HERE
     results = []

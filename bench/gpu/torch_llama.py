@@ -19,26 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# (vocab, d_model, layers, heads, kv heads, ffn hidden, default batch, default seq)
-MODELS = {
-    # kiln's reference model (bench/train): 15.7M parameters.
-    "ref": (8192, 384, 6, 6, 2, 1024, 8, 256),
-    # A 1B-class Llama (issue 18): 1.1B parameters.
-    "1b": (32000, 2048, 16, 16, 4, 5632, 4, 2048),
-    # The same model at sequence length 8192, one sequence a step (issue 19: activation memory
-    # must let 8192 fit where PyTorch with SDPA fits).
-    "1b-8k": (32000, 2048, 16, 16, 4, 5632, 1, 8192),
-}
-
-# Dense bf16 tensor-core peak (FLOP/s) by device name; MFU is measured against it.
-PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GH200": 989e12, "B200": 2250e12}
-
-
-def peak_flops(name):
-    for key, flops in PEAKS.items():
-        if key in name:
-            return flops
-    return float("nan")
+from models import MODELS, peak_flops  # beside this file
 
 
 class Block(nn.Module):
