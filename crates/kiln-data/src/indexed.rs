@@ -581,9 +581,15 @@ impl IndexedDataset {
     }
 
     /// All tokens of document `doc` (its sequences in order); an error names the index file
-    /// when its document index is corrupt there.
+    /// when it has no such document or its document index is corrupt there.
     pub fn document(&self, doc: usize) -> Result<Vec<u32>> {
         let idx = &self.index;
+        if doc >= idx.documents() {
+            return Err(DataError::format(
+                idx.path(),
+                format!("no document {doc}: it holds {}", idx.documents()),
+            ));
+        }
         let (s0, s1) = (idx.document_index(doc), idx.document_index(doc + 1));
         if s0 < 0 || s1 < s0 || s1 as usize > idx.sequences() {
             return Err(DataError::format(

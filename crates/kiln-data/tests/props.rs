@@ -545,7 +545,8 @@ proptest! {
 }
 
 /// A document index that runs backwards inside (its ends are checked when the index opens)
-/// is an error naming the index file when that document is read, not a panic.
+/// is an error naming the index file when that document is read, not a panic; so is a
+/// document past the last.
 #[test]
 fn a_document_index_that_runs_backwards_is_an_error_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -558,6 +559,11 @@ fn a_document_index_that_runs_backwards_is_an_error_naming_the_file() {
     let err = ds.document(1).unwrap_err().to_string();
     assert!(
         err.contains("ds.idx") && err.contains("document 1"),
+        "{err}"
+    );
+    let err = ds.document(3).unwrap_err().to_string();
+    assert!(
+        err.contains("ds.idx") && err.contains("no document 3"),
         "{err}"
     );
 }
