@@ -205,6 +205,38 @@ fn adamw_update_matches_the_formula() {
     }
 }
 
+/// The order `kernels::device_square_sum` promises, on the host: per tensor, unit `u` of
+/// `units_for(n)` sums the squares of elements `u, u + units, ...` in f32, passes over the
+/// partials the same way (without squaring) until at most 64 remain, and the partials of every
+/// tensor are added in f64 in parameter order. Each square is added by a fused multiply-add:
+/// CubeCL's CPU runtime contracts `acc += v * v` into one (with separate rounding the bits
+/// differ, 6e-8 relative here), as NVPTX does by default.
+fn fixed_order_square_sum(data: &[Vec<f32>]) -> f64 {
+    let units_for = |n: usize| n.div_ceil(64).clamp(1, 1 << 16);
+    let pass = |x: &[f32], units: usize, square: bool| -> Vec<f32> {
+        (0..units)
+            .map(|u| {
+                let mut acc = 0.0f32;
+                for &v in x.iter().skip(u).step_by(units) {
+                    acc = if square { v.mul_add(v, acc) } else { acc + v };
+                }
+                acc
+            })
+            .collect()
+    };
+    let mut partials = Vec::new();
+    for x in data.iter().filter(|x| !x.is_empty()) {
+        let mut len = units_for(x.len());
+        let mut sums = pass(x, len, true);
+        while len > 64 {
+            len = units_for(len);
+            sums = pass(&sums, len, false);
+        }
+        partials.extend(sums);
+    }
+    partials.iter().map(|&s| f64::from(s)).sum()
+}
+
 #[test]
 fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
     // Sizes for one pass (1, 63, 65), two (5000: 79 partials, then 2) and three (300 000:
@@ -229,6 +261,11 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         sizes.iter().sum::<usize>()
     );
     assert!(d <= 1e-6, "square sum {got} against {want}");
+    assert_eq!(
+        got.to_bits(),
+        fixed_order_square_sum(&data).to_bits(),
+        "the device sum is the fixed order's, to the bit"
+    );
     for _ in 0..3 {
         let again = kernels::device_square_sum(&tensors).expect("covered");
         assert_eq!(

@@ -7,8 +7,9 @@
 //! ranks holding the same all-reduced gradients could clip them by coefficients one ulp apart
 //! and drift apart (the replica check stops such a run), and a resumed run could differ from
 //! the uninterrupted one. Here each unit sums a fixed, strided slice of its tensor in f32, the
-//! partials are summed the same way until a few remain per tensor, and the host adds those in
-//! f64 in parameter order: the same bits on every rank, in every process, with no autotuning.
+//! partials are summed the same way until a few remain per tensor (written into one buffer at
+//! each tensor's offset, read back once), and the host adds those in f64 in parameter order:
+//! the same bits on every rank, in every process, with no autotuning.
 
 use super::{elem, f32_vector, launch_1d};
 use burn::backend::Cube;
@@ -22,13 +23,14 @@ const PER_UNIT: usize = 64;
 const MAX_UNITS: usize = 1 << 16;
 
 /// Unit `u` of `units` sums `x[u], x[u + units], x[u + 2 units], ...` (their squares when
-/// `square`) in f32 into `out[u]`.
+/// `square`) in f32 into `out[base + u]`.
 #[cube(launch)]
 fn partial_sums_kernel<F: Float>(
     x: &Tensor<F>,
     out: &mut Tensor<f32>,
     n: u32,
     units: u32,
+    base: u32,
     #[comptime] square: bool,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -47,7 +49,7 @@ fn partial_sums_kernel<F: Float>(
             acc += v;
         }
     }
-    out[u] = acc;
+    out[base as usize + u] = acc;
 }
 
 /// Units for a pass over `n` values.
@@ -55,9 +57,9 @@ fn units_for(n: usize) -> usize {
     n.div_ceil(PER_UNIT).clamp(1, MAX_UNITS)
 }
 
-/// One pass: `units` partial sums of `x`'s `n` values (of their squares when `square`).
-fn pass(x: &CubeTensor, n: usize, units: usize, square: bool) -> CubeTensor {
-    let out = f32_vector(x, units);
+/// One pass: `units` partial sums of `x`'s `n` values (of their squares when `square`),
+/// written at `out[base..base + units]`.
+fn pass_into(x: &CubeTensor, n: usize, units: usize, square: bool, out: &CubeTensor, base: usize) {
     let (count, dim) = launch_1d(units);
     partial_sums_kernel::launch(
         &x.client,
@@ -67,22 +69,49 @@ fn pass(x: &CubeTensor, n: usize, units: usize, square: bool) -> CubeTensor {
         out.clone().into_tensor_arg(),
         n as u32,
         units as u32,
+        base as u32,
         square,
         elem(x),
     );
+}
+
+/// One pass into a new tensor of `units` partial sums.
+fn pass(x: &CubeTensor, n: usize, units: usize, square: bool) -> CubeTensor {
+    let out = f32_vector(x, units);
+    pass_into(x, n, units, square, &out, 0);
     out
+}
+
+/// How many partial sums [`partials_into`] leaves for `n` values: at most `PER_UNIT`.
+fn partial_count(n: usize) -> usize {
+    let mut len = units_for(n);
+    while len > PER_UNIT {
+        len = units_for(len);
+    }
+    len
+}
+
+/// The [`partial_count`] f32 partial sums of the squares of `x`'s `n` elements, written at
+/// `out[base..]`: passes over `x` and then over its partials until at most `PER_UNIT`
+/// remain, the last pass writing into `out` (so that every tensor's partials land in one
+/// buffer, read back at once).
+fn partials_into(x: &CubeTensor, n: usize, out: &CubeTensor, base: usize) {
+    let (mut len, mut square) = (units_for(n), true);
+    let mut sums = x.clone();
+    let mut values = n;
+    while len > PER_UNIT {
+        sums = pass(&sums, values, len, square);
+        (values, len, square) = (len, units_for(len), false);
+    }
+    pass_into(&sums, values, len, square, out, base);
 }
 
 /// At most `PER_UNIT` f32 partial sums of the squares of `x`'s `n` elements, and how many.
 fn partials(x: CubeTensor, n: usize) -> (CubeTensor, usize) {
-    let mut len = units_for(n);
-    let mut sums = pass(&x, n, len, true);
-    while len > PER_UNIT {
-        let next = units_for(len);
-        sums = pass(&sums, len, next, false);
-        len = next;
-    }
-    (sums, len)
+    let len = partial_count(n);
+    let out = f32_vector(&x, len);
+    partials_into(&x, n, &out, 0);
+    (out, len)
 }
 
 /// The sum of squares of `x`'s elements as a one-element f32 tensor on its device, in the
@@ -116,16 +145,26 @@ pub(in crate::kernels) fn square_sum(tensors: &[Host1]) -> Option<f64> {
     if prims.is_empty() {
         return None;
     }
-    let pieces: Vec<Host1> = prims
+    let pieces: Vec<(CubeTensor, usize)> = prims
         .into_iter()
         .zip(tensors)
         .filter(|(_, t)| t.dims()[0] > 0)
-        .map(|(prim, t)| Host1::from_primitive::<Cube>(partials(super::dense(prim), t.dims()[0]).0))
+        .map(|(prim, t)| (super::dense(prim), t.dims()[0]))
         .collect();
-    if pieces.is_empty() {
+    let total: usize = pieces.iter().map(|&(_, n)| partial_count(n)).sum();
+    let Some((first, _)) = pieces.first() else {
         return Some(0.0);
+    };
+    // Every tensor's partials into one buffer, read back once and added in parameter order.
+    let out = f32_vector(first, total);
+    let mut base = 0;
+    for (x, n) in &pieces {
+        partials_into(x, *n, &out, base);
+        base += partial_count(*n);
     }
-    // One read-back for every tensor's partials, added in parameter order.
-    let sums = Host1::cat(pieces, 0).into_data().try_to_vec::<f32>().ok()?;
+    let sums = Host1::from_primitive::<Cube>(out)
+        .into_data()
+        .try_to_vec::<f32>()
+        .ok()?;
     Some(sums.iter().map(|&s| f64::from(s)).sum())
 }
