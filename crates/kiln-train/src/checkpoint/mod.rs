@@ -320,19 +320,10 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointEr
     })
 }
 
-/// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
-pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
-    std::fs::create_dir_all(root).map_err(io_err(root))?;
-    let final_dir = root.join(dir_name(ckpt.step));
-    let tmp = root.join(format!(
-        ".tmp-{}-{}",
-        dir_name(ckpt.step),
-        std::process::id()
-    ));
-    if std::fs::symlink_metadata(&tmp).is_ok() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
-    }
-    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+/// Writes `ckpt`'s files into the directory `tmp`, each synced, then the manifest that lists
+/// them: the model and optimizer state (unless the ranks staged them as shard files, which are
+/// moved in), the training state.
+fn write_contents(tmp: &Path, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
     let mut files = BTreeMap::new();
     let ser = |t: &[HostTensor], name: &str| {
         to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()))
@@ -359,29 +350,49 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         std::fs::rename(&f.path, &to).map_err(io_err(&f.path))?;
         files.insert(f.name.clone(), f.entry.clone());
     }
-    let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(&tmp, e.to_string()))?;
+    let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(tmp, e.to_string()))?;
     files.insert(
         STATE_FILE.to_string(),
         write_synced(&tmp.join(STATE_FILE), &state)?,
     );
     let manifest = serde_json::to_vec_pretty(&Manifest { version: 1, files })
-        .map_err(|e| invalid(&tmp, e.to_string()))?;
+        .map_err(|e| invalid(tmp, e.to_string()))?;
     write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
-    fsync_dir(&tmp)?;
+    Ok(())
+}
+
+/// Renames the written directory `tmp` to `step`'s checkpoint directory under `root`.
+fn publish(root: &Path, tmp: &Path, step: u64) -> Result<(), CheckpointError> {
+    let final_dir = root.join(dir_name(step));
     if std::fs::symlink_metadata(&final_dir).is_ok() {
         // Re-saving a step that exists (a resumed run that stops at the same step): move the
         // old one aside first, so there is never a moment without a valid step-<N>.
-        let old = root.join(format!(
-            ".old-{}-{}",
-            dir_name(ckpt.step),
-            std::process::id()
-        ));
+        let old = root.join(format!(".old-{}-{}", dir_name(step), std::process::id()));
         std::fs::rename(&final_dir, &old).map_err(io_err(&final_dir))?;
-        std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
+        std::fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
         remove_tree(&old)?;
     } else {
-        std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
+        std::fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
     }
+    Ok(())
+}
+
+/// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
+pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(root).map_err(io_err(root))?;
+    let final_dir = root.join(dir_name(ckpt.step));
+    let tmp = root.join(format!(
+        ".tmp-{}-{}",
+        dir_name(ckpt.step),
+        std::process::id()
+    ));
+    if std::fs::symlink_metadata(&tmp).is_ok() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    write_contents(&tmp, ckpt)?;
+    fsync_dir(&tmp)?;
+    publish(root, &tmp, ckpt.step)?;
     fsync_dir(root)?;
     if !ckpt.shards.is_empty() {
         remove_tree(&root.join(layout::checkpoint_shard_staging(ckpt.step)))?;
@@ -717,6 +728,57 @@ pub struct Opened {
     pub rejected: Vec<Rejection>,
 }
 
+/// The newest checkpoint under `root` (of `steps`, newest first) that `load` accepts; each
+/// one refused before it is moved aside into `rejected`.
+fn newest_valid(
+    root: &Path,
+    steps: &[u64],
+    load: fn(&Path) -> Result<Checkpoint, CheckpointError>,
+    rejected: &mut Vec<Rejection>,
+) -> Result<Option<(PathBuf, Checkpoint)>, CheckpointError> {
+    for &step in steps {
+        let dir = root.join(dir_name(step));
+        match load(&dir) {
+            Ok(c) => return Ok(Some((dir, c))),
+            Err(e) => rejected.push(move_aside(root, &dir, &e.to_string())?),
+        }
+    }
+    Ok(None)
+}
+
+/// Whether the checkpoint at `dir` is this run's, beside the `chosen` one it resumes from:
+/// `Ok` when it is; `Err(Some(why))` when it must be moved aside (another lineage's, or any
+/// when the run starts afresh); `Err(None)` when it is left where it is, out of the run's set
+/// (one older than the resume point whose state cannot be read: harmless).
+fn lineage_verdict(
+    dir: &Path,
+    chosen: Option<&(PathBuf, Checkpoint)>,
+    resume: bool,
+    run_id: &str,
+) -> Result<(), Option<String>> {
+    let Some((chosen_dir, chosen_ck)) = chosen else {
+        let why = if resume {
+            "no checkpoint of this directory verified, so this run started afresh"
+        } else {
+            "checkpoint.resume = false: a new run started in this directory"
+        };
+        return Err(Some(format!("not this run's: {why}")));
+    };
+    if dir == chosen_dir {
+        return Ok(());
+    }
+    // Older than the chosen one: ours if its lineage matches (checkpoints from before
+    // lineages existed belong to a lineage-less resumed run).
+    let state = load_state(dir).map_err(|_| None)?;
+    if lineage_of(&state) == lineage_of(&chosen_ck.state) {
+        return Ok(());
+    }
+    Err(Some(format!(
+        "belongs to another run (run_id {:?}; this run is {run_id:?})",
+        lineage_of(&state)
+    )))
+}
+
 impl CheckpointManager {
     /// Scans `root`. With `resume`, the newest checkpoint that verifies is chosen and its
     /// lineage adopted; corrupt checkpoints newer than it and valid ones of another lineage
@@ -741,20 +803,11 @@ impl CheckpointManager {
         load: fn(&Path) -> Result<Checkpoint, CheckpointError>,
     ) -> Result<Opened, CheckpointError> {
         let mut rejected = Vec::new();
-        let mut chosen: Option<(PathBuf, Checkpoint)> = None;
         let steps = list_steps(root);
-        if resume {
-            for &step in &steps {
-                let dir = root.join(dir_name(step));
-                match load(&dir) {
-                    Ok(c) => {
-                        chosen = Some((dir, c));
-                        break;
-                    }
-                    Err(e) => rejected.push(move_aside(root, &dir, &e.to_string())?),
-                }
-            }
-        }
+        let chosen = match resume {
+            true => newest_valid(root, &steps, load, &mut rejected)?,
+            false => None,
+        };
         let run_id = chosen.as_ref().map_or(new_run_id.to_string(), |(_, c)| {
             lineage_of(&c.state).unwrap_or(new_run_id).to_string()
         });
@@ -764,35 +817,10 @@ impl CheckpointManager {
             if std::fs::symlink_metadata(&dir).is_err() {
                 continue; // moved aside above
             }
-            let Some((chosen_dir, chosen_ck)) = &chosen else {
-                let why = if resume {
-                    "no checkpoint of this directory verified, so this run started afresh"
-                } else {
-                    "checkpoint.resume = false: a new run started in this directory"
-                };
-                rejected.push(move_aside(root, &dir, &format!("not this run's: {why}"))?);
-                continue;
-            };
-            if &dir == chosen_dir {
-                ours.push(step);
-                continue;
-            }
-            // Older than the chosen one: ours if its lineage matches (checkpoints from
-            // before lineages existed belong to a lineage-less resumed run). A corrupt one
-            // older than the resume point is harmless: it stays where it is, out of our set.
-            match load_state(&dir) {
-                Ok(state) if lineage_of(&state) == lineage_of(&chosen_ck.state) => {
-                    ours.push(step);
-                }
-                Ok(state) => rejected.push(move_aside(
-                    root,
-                    &dir,
-                    &format!(
-                        "belongs to another run (run_id {:?}; this run is {run_id:?})",
-                        lineage_of(&state)
-                    ),
-                )?),
-                Err(_) => {}
+            match lineage_verdict(&dir, chosen.as_ref(), resume, &run_id) {
+                Ok(()) => ours.push(step),
+                Err(Some(why)) => rejected.push(move_aside(root, &dir, &why)?),
+                Err(None) => {}
             }
         }
         Ok(Opened {
