@@ -61,11 +61,7 @@ impl CorpusList {
                 continue; // a missing dataset is reported, by name, when it is opened
             };
             if let Some(prev) = seen.insert((meta.dev(), meta.ino()), e) {
-                return Err(DataError::ListLine {
-                    path: self.path.clone(),
-                    line: e.line,
-                    reason: duplicate(&e.key, prev),
-                });
+                return Err(DataError::line(&self.path, e.line, duplicate(&e.key, prev)));
             }
         }
         Ok(())
@@ -94,11 +90,7 @@ impl CorpusList {
             if content.is_empty() {
                 continue;
             }
-            let bad = |reason: String| DataError::ListLine {
-                path: path.to_path_buf(),
-                line,
-                reason,
-            };
+            let bad = |reason: String| DataError::line(path, line, reason);
             let entry = CorpusEntry::parse(content, line, base).map_err(bad)?;
             // `a`, `./a` and `x//a`-style spellings name one dataset: compare the paths, not
             // the strings (files reached by links are compared in `read`).

@@ -60,6 +60,14 @@ impl DataError {
             reason: reason.into(),
         }
     }
+
+    pub(crate) fn line(path: &Path, line: usize, reason: impl Into<String>) -> Self {
+        DataError::ListLine {
+            path: path.to_path_buf(),
+            line,
+            reason: reason.into(),
+        }
+    }
 }
 
 /// Limits on files read whole whose names come from other files (see [`kiln_run::files`]):

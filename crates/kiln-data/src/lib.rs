@@ -33,6 +33,7 @@ pub mod loader;
 pub mod manifest;
 pub mod perm;
 pub mod progress;
+pub mod summary;
 pub mod tokenize;
 
 pub use blend::{BlendSchedule, BlendSegment};

@@ -191,11 +191,7 @@ fn open_index(
     bound: u64,
     cfg: &LoaderConfig,
 ) -> Result<DatasetIndex> {
-    let at_line = |err: DataError| DataError::ListLine {
-        path: list.to_path_buf(),
-        line: e.line,
-        reason: err.to_string(),
-    };
+    let at_line = |err: DataError| DataError::line(list, e.line, err.to_string());
     let ds = IndexedDataset::open(&e.prefix).map_err(at_line)?;
     index_checked_cached(&ds, &cfg.cache_dir).map_err(at_line)?;
     let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
@@ -336,16 +332,16 @@ impl BlendedLoader {
             if let Some(max) = max_token_cached(ds, cache_dir)?
                 && max as usize >= vocab
             {
-                return Err(DataError::ListLine {
-                    path: self.list.clone(),
-                    line: d.line,
-                    reason: format!(
+                return Err(DataError::line(
+                    &self.list,
+                    d.line,
+                    format!(
                         "dataset {} holds token id {max}, but the vocabulary has {vocab} ids (0..{}); the vocabulary must be at least {}",
                         d.key,
                         vocab.saturating_sub(1),
                         max as u64 + 1
                     ),
-                });
+                ));
             }
         }
         Ok(())

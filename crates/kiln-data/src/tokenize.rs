@@ -195,7 +195,8 @@ impl OpenFile {
             .read_line(line)
             .map_err(|e| DataError::io(&self.path, e))?;
         if n as u64 > MAX_LINE_BYTES {
-            return Err(self.at_line(
+            return Err(DataError::line(
+                &self.path,
                 self.line + 1,
                 format!(
                     "line longer than {} MiB; is this a text or JSONL file?",
@@ -215,22 +216,14 @@ impl OpenFile {
         if line.trim().is_empty() {
             return Ok(None);
         }
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| self.at_line(self.line, format!("not a JSON object: {e}")))?;
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            DataError::line(&self.path, self.line, format!("not a JSON object: {e}"))
+        })?;
         let text = v.get(key).and_then(|t| t.as_str()).ok_or_else(|| {
             let why = format!("no string field {key:?} (choose the field with --json-key)");
-            self.at_line(self.line, why)
+            DataError::line(&self.path, self.line, why)
         })?;
         Ok(Some(text.to_string()))
-    }
-
-    /// An error at line `line` of this file.
-    fn at_line(&self, line: usize, reason: String) -> DataError {
-        DataError::ListLine {
-            path: self.path.clone(),
-            line,
-            reason,
-        }
     }
 }
 

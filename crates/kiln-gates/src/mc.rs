@@ -430,12 +430,11 @@ fn find_weights(path: &Path) -> Result<Found, GatesError> {
             .parent()
             .and_then(Path::parent)
             .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-        let (weights, step) = (path.to_path_buf(), Some(ck.step));
         return Ok(Found {
+            step: Some(ck.step),
             tensors: ck.model,
-            weights,
+            weights: path.to_path_buf(),
             run_dir,
-            step,
         });
     }
     let file = path.join(kiln_run::layout::FINAL_MODEL);

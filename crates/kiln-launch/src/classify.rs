@@ -74,7 +74,7 @@ impl Classification {
 
     /// Whether a process that exited with a code is classed so ([`classify_code`]'s classes),
     /// not a watchdog, a stop, the walltime or a signal.
-    pub fn from_exit_code(self) -> bool {
+    pub fn is_from_exit_code(self) -> bool {
         matches!(
             self,
             Classification::Success
@@ -322,13 +322,13 @@ mod tests {
     fn every_code_maps_to_a_class_said_to_come_from_an_exit_code() {
         for code in 0..=255 {
             assert!(
-                classify_code(code, false).from_exit_code(),
+                classify_code(code, false).is_from_exit_code(),
                 "exit code {code}"
             );
         }
         let others = Classification::ALL
             .into_iter()
-            .filter(|c| !c.from_exit_code())
+            .filter(|c| !c.is_from_exit_code())
             .collect::<Vec<_>>();
         assert_eq!(
             others,

@@ -124,7 +124,7 @@ impl Watch {
     /// the SIGTERM and the launcher is left alone until the SIGKILL after the grace.
     fn stop_ranks(&mut self, a: &Attempt<'_>, verdict: Option<Verdict>, now: Instant) {
         if let Some(v) = verdict {
-            if v.classification.from_exit_code() && deliver_through_shims(a, Signal::SIGTERM) {
+            if v.classification.is_from_exit_code() && deliver_through_shims(a, Signal::SIGTERM) {
                 self.kill.arm(now);
             } else {
                 let grace = verdict_grace(a.cfg, &v);

@@ -329,7 +329,7 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let s = ds.summary(a.check)?;
+    let s = kiln_data::summary::summary(&ds, a.check)?;
     if a.json {
         println!("{}", serde_json::to_string(&s)?);
         return Ok(ExitCode::SUCCESS);

@@ -145,22 +145,22 @@ pub(in crate::kernels) fn square_sum(tensors: &[Host1]) -> Option<f64> {
     if prims.is_empty() {
         return None;
     }
-    let pieces: Vec<(CubeTensor, usize)> = prims
+    // Each non-empty tensor with its length and the number of partials it leaves.
+    let pieces: Vec<(CubeTensor, usize, usize)> = prims
         .into_iter()
         .zip(tensors)
         .filter(|(_, t)| t.dims()[0] > 0)
-        .map(|(prim, t)| (super::dense(prim), t.dims()[0]))
+        .map(|(prim, t)| (super::dense(prim), t.dims()[0], partial_count(t.dims()[0])))
         .collect();
-    let total: usize = pieces.iter().map(|&(_, n)| partial_count(n)).sum();
-    let Some((first, _)) = pieces.first() else {
+    let Some((first, _, _)) = pieces.first() else {
         return Some(0.0);
     };
     // Every tensor's partials into one buffer, read back once and added in parameter order.
-    let out = f32_vector(first, total);
+    let out = f32_vector(first, pieces.iter().map(|p| p.2).sum());
     let mut base = 0;
-    for (x, n) in &pieces {
+    for (x, n, count) in &pieces {
         partials_into(x, *n, &out, base);
-        base += partial_count(*n);
+        base += count;
     }
     let sums = Host1::from_primitive::<Cube>(out)
         .into_data()
