@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The flash attention kernels as the GPU would run them, on a machine with no GPU: compiles them
 # to PTX with CubeCL's NVPTX backend and assembles them for sm_90a with ptxas (the
-# `flash_ptx_with_libdevice` test of tests/cube_kernels.rs, tools from
+# `flash_ptx_with_libdevice` test of tests/cubecl/cube_kernels.rs, tools from
 # scripts/install-cuda-tools.sh), disassembles each cubin to SASS with NVIDIA's cuobjdump and
 # nvdisasm (pinned wheels, scripts/sass-tools-requirements.txt), and prints, per kernel, the
 # registers and spills ptxas reports and how many of each memory, barrier and tensor-core
@@ -37,7 +37,7 @@ export PATH="$tools/nvidia/cu13/bin:$PATH"
 rm -rf "$out"
 mkdir -p "$out"
 CUDA_PATH=$cuda KILN_PTX_OUT=$out cargo test --release -p kiln-train -p kiln \
-  --features kiln/mpi,kiln/cubecl-cpu,kiln/cuda --test cube_kernels flash_ptx_with_libdevice \
+  --features kiln/mpi,kiln/cubecl-cpu,kiln/cuda --test cubecl cube_kernels::flash_ptx_with_libdevice \
   -- --ignored --nocapture 2>&1 | grep '^hd ' || die "the PTX test failed (run it for its output)"
 printf '\n%-14s %6s %6s %6s %6s %6s %6s %6s %6s\n' kernel LDG.128 LDG STS LDS LDSM HMMA BAR MUFU
 for cubin in "$out"/*.cubin; do

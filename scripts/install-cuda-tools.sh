@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs libdevice.10.bc and ptxas from NVIDIA's CUDA compiler wheel on PyPI (pinned, with
 # hashes, in scripts/cuda-tools-requirements.txt), so that the CUDA kernels' offline test
-# (tests/cube_kernels.rs: the flash attention kernels compiled to PTX by CubeCL's NVPTX backend
+# (tests/cubecl/cube_kernels.rs: the flash attention kernels compiled to PTX by CubeCL's NVPTX backend
 # and assembled for sm_90 by ptxas) runs on a machine with no GPU and no CUDA toolkit.
 #
 # Usage: scripts/install-cuda-tools.sh                install (a no-op when done)

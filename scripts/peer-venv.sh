@@ -4,8 +4,8 @@
 #   (the venv bench/train/bench.sh uses too; ~3 min and a few GB the first time).
 # Then:
 #   export KILN_TORCH_PYTHON=$(scripts/peer-venv.sh)
-#   cargo test --release -p kiln-train --test torch_parity -- --nocapture   # Muon vs torch.optim.Muon
-#   cargo test --release -p kiln --test export -- --nocapture               # export vs transformers
+#   cargo test --release -p kiln-train --test suite torch_parity:: -- --nocapture   # Muon vs torch.optim.Muon
+#   cargo test --release -p kiln --test suite export:: -- --nocapture             # export vs transformers
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/bench/.venv"

@@ -104,6 +104,17 @@ pub trait Collective: Send {
     fn all_gather_u64(&self, value: u64) -> Vec<u64>;
     /// Copies `buf` of rank `root` into `buf` of every rank (all ranks pass the same length).
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]);
+    /// Copies `buf` of rank `root` into `buf` of every rank, whatever its length elsewhere:
+    /// the length first, then the bytes.
+    fn broadcast_vec(&self, root: usize, buf: &mut Vec<u8>) {
+        let mut len = (buf.len() as u64).to_le_bytes();
+        self.broadcast_bytes(root, &mut len);
+        let n = usize::try_from(u64::from_le_bytes(len)).unwrap_or(0);
+        buf.resize(n, 0);
+        if n > 0 {
+            self.broadcast_bytes(root, buf);
+        }
+    }
     /// Waits until every rank got here.
     fn barrier(&self);
     /// Ends every rank of the job with `code` (MPI_Abort): for an error on one rank that the

@@ -22,7 +22,8 @@
 use crate::mc::{LoadedModel, load_model};
 use crate::{GatesError, io_err};
 use kiln_train::checkpoint::{HostTensor, StoredDtype, to_safetensors};
-use kiln_train::{Config, Session, synthetic};
+use kiln_train::data::synthetic;
+use kiln_train::{Config, Session};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 

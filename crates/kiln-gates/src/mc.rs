@@ -11,12 +11,12 @@
 //! ```
 //!
 //! `context` and every choice are text of the synthetic corpus (one character per token,
-//! see [`kiln_train::synthetic::ALPHABET`]); `answer` is the 0-based index of the right
+//! see [`kiln_train::data::synthetic::ALPHABET`]); `answer` is the 0-based index of the right
 //! choice. Other fields (an `id`, say) are allowed and ignored.
 
 use crate::{GatesError, io_err};
 use burn::tensor::activation::log_softmax;
-use kiln_train::synthetic::{self, DIGITS};
+use kiln_train::data::synthetic::{self, DIGITS};
 use kiln_train::{Config, Session};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

@@ -148,7 +148,7 @@ pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<Smo
         steps: config.training.steps,
         config_sha256: hex::encode(Sha256::digest(text.as_bytes())),
         config: text,
-        peak_rss_mib: kiln_train::metrics::peak_rss_mib(),
+        peak_rss_mib: kiln_train::components::metrics::peak_rss_mib(),
         seconds: t0.elapsed().as_secs_f64(),
         records: rec.records,
         tolerance: 0.0,

@@ -72,7 +72,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = Config::load(None, &overrides)?;
     if outside {
         // As `kiln train` calls the model: from a thread outside the rayon pool.
-        kiln_train::session::set_threads(threads)?;
+        kiln_train::model::session::set_threads(threads)?;
         run(&cfg, steps, warmup)?;
         return Ok(());
     }

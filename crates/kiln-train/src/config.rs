@@ -30,7 +30,7 @@ pub enum ConfigError {
     /// other; every offending key is listed with its value and what is allowed.
     #[error("config: {}", join_domains(.0))]
     OutOfDomain(Vec<OutOfDomain>),
-    /// The run cannot fit in this machine's memory (see [`crate::budget`]).
+    /// The run cannot fit in this machine's memory (see [`crate::model::budget`]).
     #[error("config: {0}")]
     TooBig(String),
 }

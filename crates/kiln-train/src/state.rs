@@ -1,9 +1,27 @@
+//! The run's state: [`RunState`], the one owned state a run trains and a checkpoint saves and
+//! restores (the model's parameters, the optimizer, the data and the [`TrainState`]), and
 //! [`TrainState`]: everything besides weights and optimizer moments that decides what the
-//! next step computes. It lives in the trainer while training and is written as
-//! `state.json` into every checkpoint, so a run killed anywhere and resumed continues exactly.
+//! next step computes, written as `state.json` into every checkpoint, so a run killed
+//! anywhere and resumed continues exactly.
 
+use crate::data::TrainData;
 use crate::guards::SpikeDetector;
+use crate::model::session::Session;
+use crate::optim::Optimizer;
 use serde::{Deserialize, Serialize};
+
+/// The run's one owned state: what the step trains, the guards roll back and the
+/// checkpoint lifecycle ([`crate::components::checkpoints`]) saves and restores.
+pub struct RunState {
+    /// The model and its parameters (in a parameter-sharded run, this rank's pieces).
+    pub session: Session,
+    /// The optimizer and its state.
+    pub optimizer: Optimizer,
+    /// The exact-resume state.
+    pub state: TrainState,
+    /// Where the tokens come from (its cursor is in `state`).
+    pub data: TrainData,
+}
 
 /// The exact-resume state of a run (`state.json` of a checkpoint).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -17,6 +17,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Instant;
 
+#[path = "suite/common/mod.rs"]
 mod common;
 
 /// A tiny run: batch 4, no eval, checkpoints every 2 steps; the guards that read the device

@@ -405,8 +405,8 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<ExitCode> {
     let samples = a.samples.unwrap_or(s.config.eval.samples);
     // The held-out synthetic eval applies to runs trained on the built-in corpus.
     let held_out = (s.config.data.corpus_list.is_empty() && samples > 0).then(|| {
-        let syn = kiln_train::synthetic::Synthetic::new(s.config.training.seed);
-        kiln_train::eval::synthetic(s, &syn, loaded.step.unwrap_or(0), samples, None)
+        let syn = kiln_train::data::synthetic::Synthetic::new(s.config.training.seed);
+        kiln_train::components::eval::synthetic(s, &syn, loaded.step.unwrap_or(0), samples, None)
     });
     let sequences = tasks.iter().map(|t| t.choices.len() as u64).sum();
     let mut shown = GateProgress::new("eval", sequences, !a.json);

@@ -284,7 +284,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
 /// `kiln doctor --device`: each kernel check (kiln_train::kernels::selfcheck) in f32 and, where
 /// the device has it, bf16, then NCCL's one-rank check; whether all passed.
 fn print_device_checks(name: &str) -> anyhow::Result<bool> {
-    let device = kiln_train::session::parse_device(name)?;
+    let device = kiln_train::model::session::parse_device(name)?;
     let mut ok = true;
     for (dtype, checks) in kiln_train::kernels::selfcheck::run_each_type(&device) {
         let checks = match checks {
@@ -304,7 +304,7 @@ fn print_device_checks(name: &str) -> anyhow::Result<bool> {
             ok &= c.passed();
         }
     }
-    match kiln_train::nccl::check_one_rank(&device) {
+    match kiln_train::parallel::nccl::check_one_rank(&device) {
         Ok(None) => {
             println!("nccl:          not used on {name} (gradients staged through host memory)")
         }

@@ -1,0 +1,557 @@
+//! [`Checkpoints`]: the whole checkpoint lifecycle of a run in one component, as
+//! torchtitan's `CheckpointManager` is: it is handed the run's one owned state
+//! ([`RunState`]: model, optimizer, train state, data) and saves and restores it.
+//!
+//! - Persistent tier: checkpoints in the run directory, due at `checkpoint.interval`, the
+//!   last step and a stop signal with unsaved work ([`Checkpointer`]), written by the writer
+//!   rank's [`crate::components::saver::Saver`] (on a background thread with
+//!   `checkpoint.async`); in a sharded run every rank writes its shards first.
+//! - Memory tier: node-local snapshots every few steps ([`Snapshotter`]), agreed on by the
+//!   ranks and healed from a peer at restart.
+//! - Resume ([`Checkpoints::load`]): the newest state any tier holds, rank 0's lineage on
+//!   every rank, the guards' rollback point as an uninterrupted run would hold it, and the
+//!   batch layout kept across a change of rank count (the `resized` event).
+
+use crate::checkpoint::{self, Checkpoint, CheckpointManager, Rejection, ShardFile};
+use crate::components::guard_rail::GuardRail;
+use crate::components::journal::{Journal, path_text};
+use crate::components::saver::{Checkpointer, Saver, Staged};
+use crate::components::snapshot::{Recovered, Snapshotter};
+use crate::config::{Config, Shard};
+use crate::data::TrainData;
+use crate::error::TrainError;
+use crate::model::ParamSpec;
+use crate::optim::Optimizer;
+use crate::run_dir::RunDir;
+use crate::state::{RunState, TrainState, new_run_id};
+use crate::step::{BatchLayout, Step};
+use kiln_dist::Collective;
+use kiln_run::event;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What the writer rank found in the run directory's checkpoints.
+pub struct Found {
+    /// The saver over the run's checkpoint store.
+    pub saver: Saver,
+    /// The run's lineage.
+    pub run_id: String,
+    /// The newest checkpoint that verified, when resuming.
+    pub resume: Option<(PathBuf, Checkpoint)>,
+    /// Checkpoints moved aside.
+    pub rejected: Vec<Rejection>,
+}
+
+/// Scans the checkpoints of the run directory `run` (the writer rank, which holds its lock)
+/// and records the run's lineage in it.
+pub fn scan(run: &RunDir, cfg: &Config) -> Result<Found, TrainError> {
+    // A sharded run's ranks read their own pieces once the plan exists: here the candidate
+    // is only verified, without holding its tensors.
+    let load = match cfg.parallelism.shard {
+        Shard::None => checkpoint::load,
+        _ => checkpoint::verify,
+    };
+    let mut opened = CheckpointManager::open_with(
+        &run.path().join(kiln_run::layout::CHECKPOINTS),
+        cfg.checkpoint.keep_latest_k,
+        cfg.checkpoint.resume,
+        &new_run_id(),
+        load,
+    )?;
+    // A restart before the first persistent checkpoint keeps the lineage its memory
+    // snapshots carry; the lineage is recorded at every start.
+    if cfg.checkpoint.resume && opened.resume.is_none() {
+        let recorded = std::fs::read_to_string(run.path().join(kiln_run::layout::RUN_ID));
+        if let Some(id) = recorded.ok().map(|t| t.trim().to_string())
+            && !id.is_empty()
+            && id.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            opened.manager.adopt_lineage(&id);
+        }
+    }
+    run.write_file(kiln_run::layout::RUN_ID, opened.manager.run_id().as_bytes())?;
+    Ok(Found {
+        run_id: opened.manager.run_id().to_string(),
+        saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),
+        resume: opened.resume,
+        rejected: opened.rejected,
+    })
+}
+
+/// Where a resume came from (the `resume` event's fields).
+struct Resumed {
+    tier: &'static str,
+    persistent_step: Option<u64>,
+    source_rank: Option<usize>,
+    peer_ranks: Vec<usize>,
+}
+
+impl Resumed {
+    fn memory(r: &Recovered, persistent_step: Option<u64>) -> Self {
+        Self {
+            tier: r.tier,
+            persistent_step,
+            source_rank: r.source_rank,
+            peer_ranks: r.peer_ranks.clone(),
+        }
+    }
+
+    fn persistent(persistent_step: Option<u64>) -> Self {
+        Self {
+            tier: event::tier::PERSISTENT,
+            persistent_step,
+            source_rank: None,
+            peer_ranks: Vec::new(),
+        }
+    }
+}
+
+/// Hashes that tie a checkpoint to the run: the model's shapes and the whole config.
+pub struct Identity {
+    /// Hash of everything that fixes the parameter shapes.
+    pub model_hash: String,
+    /// Hash of the effective config.
+    pub config_hash: String,
+}
+
+/// The checkpoint lifecycle (see the module documentation). Every rank holds one.
+pub struct Checkpoints<'c> {
+    cfg: Config,
+    run_dir: PathBuf,
+    id: Identity,
+    comm: &'c dyn Collective,
+    persistent: Checkpointer,
+    memory: Snapshotter,
+    /// What the writer rank's scan found, until [`Checkpoints::load`] uses it.
+    found: Option<(PathBuf, Checkpoint)>,
+    rejected: Vec<Rejection>,
+}
+
+impl<'c> Checkpoints<'c> {
+    /// The lifecycle of `cfg`'s run in `run_dir`, for this rank of `comm`; `found` is the
+    /// writer rank's scan ([`scan`]).
+    pub fn new(
+        cfg: &Config,
+        run_dir: &Path,
+        id: Identity,
+        comm: &'c dyn Collective,
+        found: Option<Found>,
+    ) -> Self {
+        let (saver, resume, rejected) = match found {
+            Some(f) => (Some(f.saver), f.resume, f.rejected),
+            None => (None, None, Vec::new()),
+        };
+        let memory = Snapshotter::new(
+            &cfg.effective_checkpoint(),
+            run_dir,
+            comm.rank(),
+            cfg.guards.snapshot_interval,
+        );
+        Self {
+            persistent: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
+            memory,
+            cfg: cfg.clone(),
+            run_dir: run_dir.to_path_buf(),
+            id,
+            comm,
+            found: resume,
+            rejected,
+        }
+    }
+
+    /// Restores `run` from the newest state a tier holds: the ranks' memory snapshots (a
+    /// rank without the agreed one receives it from a peer) when one is at least as new as
+    /// the persistent checkpoint rank 0 chose; else that checkpoint (the other ranks load
+    /// the same step); else a fresh start in a new lineage. Returns where it resumed from.
+    /// A collective: every rank calls it.
+    pub fn load(
+        &mut self,
+        run: &mut RunState,
+        step: &mut Step,
+        guards: &mut GuardRail,
+        journal: &mut Journal,
+    ) -> Result<Option<PathBuf>, TrainError> {
+        self.report_rejected(journal)?;
+        let chosen = self.found.take();
+        let persistent = self.agree_on_lineage(run, chosen.as_ref().map(|(_, c)| c.step));
+        if !self.cfg.checkpoint.resume {
+            self.memory.clear(journal);
+        } else if let Some(r) =
+            (self.memory).recover(self.comm, &run.state.run_id.clone(), persistent, journal)?
+        {
+            let from = Resumed::memory(&r, persistent);
+            self.restore_rollback_point(run, step, guards, &r.ck, journal)?;
+            return self.restore(run, step, guards, (&r.dir, &r.ck), &from, journal);
+        }
+        let specs = run.session.model.specs();
+        let loaded = match (chosen, persistent) {
+            (Some(c), _) if step.shard().is_none() => Some(c),
+            // Rank 0 verified it without reading its tensors: this rank's pieces now.
+            (Some((dir, _)), _) => Some((dir.clone(), read_checkpoint(step, specs, &dir)?)),
+            (None, Some(at)) => {
+                let dir = self.persistent_dir(at);
+                Some((dir.clone(), read_checkpoint(step, specs, &dir)?))
+            }
+            (None, None) => None,
+        };
+        match loaded {
+            Some((dir, ck)) => {
+                self.restore_rollback_point(run, step, guards, &ck, journal)?;
+                let from = Resumed::persistent(persistent);
+                self.restore(run, step, guards, (&dir, &ck), &from, journal)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The persistent checkpoint directory of `step`.
+    fn persistent_dir(&self, step: u64) -> PathBuf {
+        (self.run_dir.join(kiln_run::layout::CHECKPOINTS)).join(checkpoint::dir_name(step))
+    }
+
+    /// Gives the guards the rollback snapshot an uninterrupted run would hold when it reached
+    /// `ck`: the state at the newest multiple of `guards.snapshot_interval` before it (the
+    /// fresh state for step 0), from this rank's memory tier or the persistent one, or from a
+    /// peer that holds it. When no tier kept it the guards start afresh and say so: a
+    /// rollback before their next snapshot would then differ from an uninterrupted run's.
+    fn restore_rollback_point(
+        &mut self,
+        run: &mut RunState,
+        step: &mut Step,
+        guards: &mut GuardRail,
+        ck: &Checkpoint,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        let Some(at) = guards.snapshot_before(ck.step) else {
+            return Ok(());
+        };
+        if at > 0 {
+            let run_id = checkpoint::lineage_of(&ck.state)
+                .unwrap_or(&run.state.run_id)
+                .to_string();
+            let persistent = self.persistent_dir(at);
+            let specs = run.session.model.specs();
+            let read = |dir: &Path| read_checkpoint(step, specs, dir);
+            let found =
+                (self.memory).at_step(self.comm, (&run_id, at), (&persistent, &read), journal)?;
+            let Some((dir, anchor)) = found else {
+                return journal.emit(
+                    event::ROLLBACK_POINT_LOST,
+                    json!({"step": at, "resumed_step": ck.step}),
+                );
+            };
+            run.state = self.read_into(run, step, (&dir, &anchor), false, journal)?;
+        }
+        guards.adopt_snapshot(run);
+        Ok(())
+    }
+
+    /// Rank 0's persistent resume step and lineage, on every rank (the lineage goes into
+    /// every rank's state, so every rank's snapshots are the same run's).
+    fn agree_on_lineage(&self, run: &mut RunState, persistent: Option<u64>) -> Option<u64> {
+        if self.comm.size() == 1 {
+            return persistent;
+        }
+        let mut bytes = persistent.map_or(u64::MAX, |s| s).to_le_bytes();
+        self.comm.broadcast_bytes(0, &mut bytes);
+        let mut run_id = run.state.run_id.clone().into_bytes();
+        self.comm.broadcast_vec(0, &mut run_id);
+        run.state.run_id = String::from_utf8_lossy(&run_id).into_owned();
+        let step = u64::from_le_bytes(bytes);
+        (step != u64::MAX).then_some(step)
+    }
+
+    fn report_rejected(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        for r in std::mem::take(&mut self.rejected) {
+            journal.emit(
+                event::CHECKPOINT_REJECTED,
+                json!({"path": path_text(&r.path), "reason": r.reason, "moved_to": path_text(&r.moved_to)}),
+            )?;
+            journal.note(&format!(
+                "rejected checkpoint {}: {} (moved to {})",
+                r.path.display(),
+                r.reason,
+                r.moved_to.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Restores every part of `run` from `ck` in `dir`; the batch layout keeps the
+    /// checkpoint's global batch when the run resumes on another number of ranks.
+    fn restore(
+        &mut self,
+        run: &mut RunState,
+        step: &mut Step,
+        guards: &mut GuardRail,
+        (dir, ck): (&Path, &Checkpoint),
+        from: &Resumed,
+        journal: &mut Journal,
+    ) -> Result<Option<PathBuf>, TrainError> {
+        run.state = self.read_into(run, step, (dir, ck), true, journal)?;
+        let at = run.state.step;
+        // What is on disk is the persistent checkpoint: a memory snapshot does not survive
+        // the node, so a stop signal after this resume still saves.
+        if let Some(p) = from.persistent_step {
+            self.persistent.restored(p);
+        }
+        guards.restored(at);
+        journal.emit(
+            event::CHECKPOINT_LOADED,
+            json!({"path": path_text(dir), "step": at, "tier": from.tier}),
+        )?;
+        let st = &run.state;
+        journal.emit(
+            event::RESUME,
+            json!({"step": at, "data_cursor": st.data_cursor, "sample_cursor": st.next_sample(),
+                   "path": path_text(dir), "tier": from.tier, "persistent_step": from.persistent_step,
+                   "source_rank": from.source_rank, "peer_ranks": from.peer_ranks}),
+        )?;
+        journal.note(&format!(
+            "resumed from {} (step {at}, {} tier)",
+            dir.display(),
+            from.tier
+        ));
+        Ok(Some(dir.to_path_buf()))
+    }
+
+    /// Loads the model and optimizer of `ck` into `run`, and returns its train state to
+    /// adopt. `resume`: training goes on from it (the batch layout and the data follow it; a
+    /// changed rank count or hyper-parameters are reported); else it is only the guards'
+    /// rollback point.
+    fn read_into(
+        &self,
+        run: &mut RunState,
+        step: &mut Step,
+        (dir, ck): (&Path, &Checkpoint),
+        resume: bool,
+        journal: &mut Journal,
+    ) -> Result<TrainState, TrainError> {
+        let mismatch = |reason: String| TrainError::ResumeMismatch {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let cfg = &self.cfg;
+        let mut st =
+            TrainState::from_checkpoint(&ck.state, cfg, &self.id.model_hash).map_err(mismatch)?;
+        let layout = (step.layout())
+            .resumed(&cfg.training, st.global_batch)
+            .map_err(mismatch)?;
+        if resume {
+            report_resize(&st, &layout, journal)?;
+            step.set_layout(layout);
+        }
+        let schedule = st.data_schedule.clone().filter(|v| resume && !v.is_null());
+        if let Some(schedule) = schedule {
+            let samples = layout.samples_for(cfg.training.steps);
+            run.data = TrainData::open(cfg, samples, Some((schedule, st.next_sample())))
+                .map_err(TrainError::Data)?;
+        }
+        st.global_batch = layout.global_batch();
+        st.world_size = layout.world as u64;
+        match step.parameter_shards() {
+            Some(plan) => run.session.load_pieces(&ck.model, plan.ranges(), dir)?,
+            None => run.session.load_params(&ck.model, dir)?,
+        }
+        let specs = run.session.model.specs();
+        let tokens = layout.global_batch() * layout.seq as u64;
+        let saved = (ck.optimizer.as_slice(), st.optimizer_step);
+        let shard = step.shard().map(|p| p.ranges());
+        let device = &run.session.device;
+        run.optimizer = Optimizer::restore(&cfg.optimizer, specs, device, (tokens, shard), saved)
+            .map_err(mismatch)?;
+        if st.run_id.is_empty() {
+            st.run_id = run.state.run_id.clone();
+        }
+        if resume && st.config_hash != self.id.config_hash {
+            journal.emit(
+                event::CONFIG_CHANGED,
+                json!({"path": path_text(dir), "note": "hyper-parameters differ from the checkpoint's run"}),
+            )?;
+        }
+        Ok(st)
+    }
+
+    /// Saves the persistent checkpoint of `run`'s current step: every rank of a sharded run
+    /// writes its shards, the writer rank stages the rest (references, no copy) for its
+    /// saver. Every rank calls it at the same step; `before_s`: what the step already waited
+    /// for this save (the replica check), counted in its stall.
+    pub fn save(
+        &mut self,
+        run: &mut RunState,
+        step: &Step,
+        before_s: f64,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        let t0 = Instant::now();
+        self.complete_state(run);
+        let shards = self.write_shards(run, step)?;
+        let before_s = before_s + t0.elapsed().as_secs_f64();
+        let pieces = step.parameter_shards().is_some();
+        let run = &*run;
+        let staged = || {
+            let mut s = stage(run);
+            if pieces {
+                s.model = Vec::new(); // in the shards
+            }
+            Staged { shards, ..s }
+        };
+        (self.persistent).save(run.state.step, before_s, staged, journal)
+    }
+
+    /// In a sharded run, every rank writes its shards now (in parallel, on this thread: the
+    /// ranks then exchange what they wrote); rank 0 publishes them with its checkpoint.
+    /// Empty otherwise.
+    fn write_shards(&self, run: &RunState, step: &Step) -> Result<Vec<ShardFile>, TrainError> {
+        let Some(plan) = step.shard() else {
+            return Ok(Vec::new());
+        };
+        let root = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+        let specs = run.session.model.specs();
+        let state = run.optimizer.named_state(specs);
+        let weights = (specs, run.session.params.as_slice());
+        plan.write_shards(self.comm, &root, run.state.step, &state, weights)
+    }
+
+    /// Snapshots `run`'s current state into this rank's memory tier (every rank, its own).
+    pub fn snapshot(
+        &mut self,
+        run: &mut RunState,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        self.complete_state(run);
+        let run = &*run;
+        self.memory.take(run.state.step, || stage(run), journal)
+    }
+
+    /// After a step (`applied`: the guards kept it; `stopping`: the ranks agreed to stop):
+    /// what a tier wants saved now.
+    pub fn due(&self, at: u64, applied: bool, stopping: bool) -> Due {
+        if self.persistent.due(at, applied, stopping) {
+            Due::Persistent
+        } else if applied && self.memory.due(at) {
+            Due::Memory
+        } else {
+            Due::Nothing
+        }
+    }
+
+    /// Whether the checkpoint of `at` is on disk.
+    pub fn saved(&self, at: u64) -> bool {
+        self.persistent.saved(at)
+    }
+
+    /// The step of the newest checkpoint on disk, if any.
+    pub fn saved_at(&self) -> Option<u64> {
+        self.persistent.saved_at()
+    }
+
+    /// Reports the saves that finished since the last call (never waits).
+    pub fn poll(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        self.persistent.poll(journal)?;
+        self.memory.poll(journal)
+    }
+
+    /// Waits for the persistent save in flight, if any.
+    pub fn wait(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        self.persistent.wait(journal)
+    }
+
+    /// Waits for every save in flight, reporting (not returning) a failure: what every way
+    /// out of training does, so that none leaves a save half done.
+    pub fn settle(&mut self, journal: &mut Journal) {
+        if let Err(e) = self.persistent.wait(journal) {
+            tracing::error!("{e}");
+        }
+        if let Err(e) = self.memory.wait(journal) {
+            tracing::error!("{e}");
+        }
+    }
+
+    /// The run is complete and its final checkpoint published: the memory tier goes.
+    pub fn complete(&mut self, journal: &mut Journal) {
+        self.memory.clear(journal);
+    }
+
+    /// Fills in the parts of the state a checkpoint records but the step does not keep.
+    fn complete_state(&self, run: &mut RunState) {
+        if let Some(schedule) = run.data.source.resume_state() {
+            run.state.data_schedule = Some(schedule);
+        }
+        let st = &mut run.state;
+        st.optimizer_step = run.optimizer.step();
+        st.optimizer = run.optimizer.kind().name().to_string();
+        st.schedule = format!("{:?}", self.cfg.lr_scheduler.kind).to_lowercase();
+        st.model_hash = self.id.model_hash.clone();
+        st.config_hash = self.id.config_hash.clone();
+        st.kiln_version = env!("CARGO_PKG_VERSION").to_string();
+    }
+}
+
+/// What a tier wants saved after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// A persistent checkpoint.
+    Persistent,
+    /// A memory snapshot.
+    Memory,
+    /// Nothing.
+    Nothing,
+}
+
+/// The `resized` event when the checkpoint was written by another number of ranks or with
+/// another global batch.
+fn report_resize(
+    st: &TrainState,
+    layout: &BatchLayout,
+    journal: &mut Journal,
+) -> Result<(), TrainError> {
+    let from_world = st.world_size;
+    if from_world == layout.world as u64 && st.global_batch == layout.global_batch() {
+        return Ok(());
+    }
+    journal.emit(
+        event::RESIZED,
+        json!({"from_ranks": from_world, "to_ranks": layout.world, "global_batch": layout.global_batch(),
+               "previous_global_batch": st.global_batch, "grad_accum_steps": layout.accum, "step": st.step}),
+    )?;
+    journal.note(&format!(
+        "resized: checkpoint of {from_world} rank(s), now {} rank(s) x batch {} x accumulation {} = global batch {}",
+        layout.world,
+        layout.micro,
+        layout.accum,
+        layout.global_batch()
+    ));
+    Ok(())
+}
+
+/// Reads the checkpoint `dir` as this rank of `step`'s run keeps it: in a sharded run only
+/// its own pieces ([`crate::parallel::shard::ShardPlan::read_checkpoint`]), else all of it,
+/// verified.
+fn read_checkpoint(
+    step: &Step,
+    specs: &[ParamSpec],
+    dir: &Path,
+) -> Result<Checkpoint, checkpoint::CheckpointError> {
+    match step.shard() {
+        Some(plan) => plan.read_checkpoint(dir, specs),
+        None => checkpoint::load(dir),
+    }
+}
+
+/// A checkpoint of `run` staged from the live tensors (references, no copy). In a sharded
+/// run the optimizer state is in the shards the ranks wrote, not here.
+fn stage(run: &RunState) -> Staged {
+    let optimizer = match run.optimizer.shard_ranges() {
+        Some(_) => Vec::new(),
+        None => run.optimizer.named_state(run.session.model.specs()),
+    };
+    Staged {
+        step: run.state.step,
+        model: run.session.named_params(),
+        optimizer,
+        state: serde_json::to_value(&run.state).unwrap_or_default(),
+        shards: Vec::new(),
+    }
+}

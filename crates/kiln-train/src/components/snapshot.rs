@@ -1,0 +1,549 @@
+//! [`Snapshotter`]: the memory tier of checkpoints. Every rank snapshots its state every
+//! `checkpoint.snapshot_interval` steps into node-local memory
+//! (`<snapshot_dir>/kiln-<hash of the run directory>/rank-<R>/step-<N>`, `/dev/shm` by
+//! default), in the checkpoint format: written by [`checkpoint::save`] (temporary directory,
+//! manifest of SHA-256 sums, atomic rename) on a writer thread of its own ([`Saver`]), and
+//! read back by [`checkpoint::load`], which verifies every file. Staging costs no copy (see
+//! [`crate::components::saver`]); a snapshot due while the previous one is still being written is
+//! skipped rather than waited for: this tier must never stall the step. Retention keeps the
+//! newest `checkpoint.snapshot_keep`; a successful run deletes its folder.
+//!
+//! Recovery ([`Snapshotter::recover`]): every rank finds the newest snapshot of the run's
+//! lineage that verifies (a corrupt or foreign one is deleted and reported, never used), the
+//! ranks agree on the newest step any of them holds (an all-reduce max), and a rank without
+//! it (its node was replaced) receives that snapshot's files from the lowest rank that has
+//! it over the collective, writes them into its own store and verifies them like any
+//! snapshot. In data parallelism every replica holds the same state, so any holder's copy
+//! is every rank's. If a received copy does not verify, or the persistent checkpoint is
+//! newer, every rank falls back to the persistent tier.
+
+use crate::cadence::Every;
+use crate::checkpoint::{
+    self, Checkpoint, CheckpointError, FILES, MANIFEST_FILE, SaveReport, io_err, remove_tree,
+};
+use crate::components::journal::{Journal, path_text};
+use crate::components::saver::{Saved, Saver, Staged, Store};
+use crate::config::CheckpointConfig;
+use crate::error::TrainError;
+use kiln_dist::Collective;
+use kiln_run::{event, layout};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// How a rank reads a persistent checkpoint (all of it, or in a sharded run its own pieces).
+pub type Read<'a> = &'a dyn Fn(&Path) -> Result<Checkpoint, CheckpointError>;
+
+/// One rank's memory snapshots: `step-<N>` directories in the checkpoint format.
+#[derive(Debug, Clone)]
+pub struct SnapshotStore {
+    root: PathBuf,
+    keep: usize,
+    /// The guards' rollback interval: the newest snapshot at a multiple of it is kept too.
+    anchor: Every,
+}
+
+/// The files of a snapshot, in the order they are sent to a peer.
+const SENT: [&str; 4] = [MANIFEST_FILE, FILES[0], FILES[1], FILES[2]];
+
+impl SnapshotStore {
+    /// The store in `root`, keeping the newest `keep` snapshots and the newest at a
+    /// multiple of `anchor` (0: none).
+    pub fn new(root: PathBuf, keep: usize, anchor: u64) -> Self {
+        Self {
+            root,
+            keep: keep.max(1),
+            anchor: Every(anchor),
+        }
+    }
+
+    /// Its directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The newest snapshot of lineage `run_id` that verifies. Every snapshot tried before
+    /// it (corrupt, torn, or of another lineage) is deleted and passed to `on_reject`.
+    pub fn newest(
+        &self,
+        run_id: &str,
+        mut on_reject: impl FnMut(&Path, &str),
+    ) -> Option<(PathBuf, Checkpoint)> {
+        self.remove_leftovers();
+        checkpoint::list_steps(&self.root)
+            .into_iter()
+            .find_map(|step| self.verified(run_id, step, &mut on_reject))
+    }
+
+    /// The snapshot of `step` of lineage `run_id`, verified; one that is not is deleted and
+    /// passed to `on_reject`.
+    fn verified(
+        &self,
+        run_id: &str,
+        step: u64,
+        mut on_reject: impl FnMut(&Path, &str),
+    ) -> Option<(PathBuf, Checkpoint)> {
+        let dir = self.root.join(checkpoint::dir_name(step));
+        if !dir.is_dir() {
+            return None;
+        }
+        let why = match checkpoint::load(&dir) {
+            Ok(c) if checkpoint::lineage_of(&c.state) == Some(run_id) => return Some((dir, c)),
+            Ok(c) => format!(
+                "belongs to another run (run_id {:?}; this run is {run_id:?})",
+                checkpoint::lineage_of(&c.state)
+            ),
+            Err(e) => e.to_string(),
+        };
+        let _ = remove_tree(&dir);
+        on_reject(&dir, &why);
+        None
+    }
+
+    /// Deletes the temporary directories of writes a killed process left (only this rank
+    /// writes here).
+    fn remove_leftovers(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return;
+        };
+        for e in entries.filter_map(Result::ok) {
+            if e.file_name().to_string_lossy().starts_with(".tmp-") {
+                let _ = remove_tree(&e.path());
+            }
+        }
+    }
+
+    /// Deletes every snapshot of this store.
+    pub fn clear(&self) -> Result<(), CheckpointError> {
+        remove_tree(&self.root)
+    }
+
+    /// The files of the snapshot in `dir`, framed for a peer: for each of [`SENT`], its
+    /// length (u64, little-endian) and its bytes.
+    fn frame(dir: &Path) -> Result<Vec<u8>, CheckpointError> {
+        let mut out = Vec::new();
+        for name in SENT {
+            let path = dir.join(name);
+            let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(&bytes);
+        }
+        Ok(out)
+    }
+
+    /// Publishes the framed snapshot of `step` a peer sent (temporary directory, rename)
+    /// and loads it back verified: a copy that does not match its manifest is deleted.
+    fn adopt(&self, step: u64, framed: &[u8]) -> Result<(PathBuf, Checkpoint), CheckpointError> {
+        let name = checkpoint::dir_name(step);
+        let tmp = self
+            .root
+            .join(format!(".tmp-peer-{name}-{}", std::process::id()));
+        let dir = self.root.join(&name);
+        remove_tree(&tmp)?;
+        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        let mut rest = framed;
+        for file in SENT {
+            let bytes = take_frame(&mut rest).ok_or_else(|| CheckpointError::Invalid {
+                path: tmp.join(file),
+                reason: "the peer's snapshot is truncated".into(),
+            })?;
+            let path = tmp.join(file);
+            std::fs::write(&path, bytes).map_err(io_err(&path))?;
+        }
+        remove_tree(&dir)?;
+        std::fs::rename(&tmp, &dir).map_err(io_err(&dir))?;
+        match checkpoint::load(&dir) {
+            Ok(c) if c.step == step => Ok((dir, c)),
+            Ok(c) => Err(CheckpointError::Invalid {
+                path: dir.clone(),
+                reason: format!("the peer sent step {} for step {step}", c.step),
+            }),
+            Err(e) => {
+                let _ = remove_tree(&dir);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The next length-prefixed frame of `rest`.
+fn take_frame<'b>(rest: &mut &'b [u8]) -> Option<&'b [u8]> {
+    let (len, tail) = rest.split_first_chunk::<8>()?;
+    let len = usize::try_from(u64::from_le_bytes(*len)).ok()?;
+    if tail.len() < len {
+        return None;
+    }
+    let (frame, tail) = tail.split_at(len);
+    *rest = tail;
+    Some(frame)
+}
+
+impl Store for SnapshotStore {
+    /// Publishes `ckpt`, then deletes every other snapshot but the newest `keep - 1` older
+    /// ones and the newest at the anchor interval (the guards' rollback point; newer ones
+    /// are left by a rollback: stale) and this process's leftovers.
+    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+        let path = checkpoint::save(&self.root, ckpt)?;
+        let mut pruned = Vec::new();
+        let steps = checkpoint::list_steps(&self.root);
+        let anchor = steps
+            .iter()
+            .copied()
+            .find(|&s| s <= ckpt.step && self.anchor.due(s));
+        let older = steps.iter().copied().filter(|&s| s < ckpt.step);
+        let newer = steps.iter().copied().filter(|&s| s > ckpt.step);
+        let stale = older.skip(self.keep - 1).filter(|&s| Some(s) != anchor);
+        for s in stale.chain(newer) {
+            let dir = self.root.join(checkpoint::dir_name(s));
+            remove_tree(&dir)?;
+            pruned.push(dir);
+        }
+        Ok(SaveReport {
+            path,
+            pruned,
+            superseded: Vec::new(),
+        })
+    }
+}
+
+/// Where the memory snapshots of the run in `run_dir` live on this node, for `rank`.
+pub fn rank_dir(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> PathBuf {
+    let base = if cfg.snapshot_dir.is_empty() {
+        let shm = Path::new("/dev/shm");
+        if shm.is_dir() {
+            shm.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        }
+    } else {
+        PathBuf::from(&cfg.snapshot_dir)
+    };
+    let abs = std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf());
+    let key = hex::encode(&Sha256::digest(abs.as_os_str().as_encoded_bytes())[..8]);
+    base.join(layout::snapshot_root(&key))
+        .join(layout::snapshot_rank(rank))
+}
+
+/// A resume point the ranks agreed on in the memory tier.
+pub struct Recovered {
+    /// The snapshot directory this rank loaded.
+    pub dir: PathBuf,
+    /// Its contents, verified.
+    pub ck: Checkpoint,
+    /// [`event::tier::MEMORY`], or [`event::tier::PEER`] when some rank received it.
+    pub tier: &'static str,
+    /// The rank whose copy was sent, when one was.
+    pub source_rank: Option<usize>,
+    /// The ranks that received it.
+    pub peer_ranks: Vec<usize>,
+}
+
+/// The memory-tier component (see the module documentation).
+pub struct Snapshotter {
+    every: Every,
+    /// The guards' rollback interval: a snapshot is also due there, never skipped.
+    anchor: Every,
+    store: SnapshotStore,
+    saver: Option<Saver>,
+    /// Snapshots skipped because the previous one was still being written.
+    skipped: u64,
+}
+
+impl Snapshotter {
+    /// The memory tier of `cfg` for `rank` of the run in `run_dir` (off when
+    /// `snapshot_interval` is 0). `anchor` is the guards' rollback interval
+    /// (`guards.snapshot_interval`): the snapshot at its newest multiple is always taken and
+    /// kept, so that a resumed run can roll back where an uninterrupted one would.
+    pub fn new(cfg: &CheckpointConfig, run_dir: &Path, rank: usize, anchor: u64) -> Self {
+        let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep, anchor);
+        let saver = (cfg.snapshot_interval > 0)
+            .then(|| Saver::with_priority(store.clone(), cfg.asynchronous, false));
+        Self {
+            every: Every(cfg.snapshot_interval),
+            anchor: Every(anchor),
+            store,
+            saver,
+            skipped: 0,
+        }
+    }
+
+    /// Whether a snapshot is due after `step` (an applied step at the interval or at the
+    /// guards' rollback interval).
+    pub fn due(&self, step: u64) -> bool {
+        self.saver.is_some() && (self.every.due(step) || self.anchor.due(step))
+    }
+
+    /// Hands the snapshot of `step`, `staged()`, to the writer, unless the previous snapshot
+    /// is still in flight: then this one is skipped (the tier never stalls the step), except
+    /// at the guards' rollback interval, where it waits for the writer.
+    pub fn take(
+        &mut self,
+        step: u64,
+        staged: impl FnOnce() -> Staged,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        self.poll(journal)?;
+        if self.anchor.due(step) {
+            self.wait(journal)?;
+        }
+        let Some(saver) = &mut self.saver else {
+            return Ok(());
+        };
+        if saver.in_flight() {
+            self.skipped += 1;
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let staged = staged();
+        for outcome in saver.submit(staged, t0.elapsed().as_secs_f64()) {
+            report(outcome, journal)?;
+        }
+        Ok(())
+    }
+
+    /// Reports the snapshot in flight if it has finished (never waits).
+    pub fn poll(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        match self.saver.as_mut().and_then(Saver::poll) {
+            Some(outcome) => report(outcome, journal),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the snapshot in flight, if any, and reports it.
+    pub fn wait(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        match self.saver.as_mut().and_then(Saver::wait) {
+            Some(outcome) => report(outcome, journal),
+            None => Ok(()),
+        }
+    }
+
+    /// Snapshots skipped so far because the writer was busy.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Deletes this rank's snapshots (a successful end, or a run that starts afresh). The
+    /// run's folder goes too once no rank's is left in it.
+    pub fn clear(&mut self, journal: &mut Journal) {
+        let _ = self.wait(journal);
+        if let Err(e) = self.store.clear() {
+            tracing::warn!("cannot delete the memory snapshots: {e}");
+        }
+        if let Some(parent) = self.store.root().parent() {
+            // Fails while another rank's folder is still there: that rank removes it.
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+
+    /// The newest snapshot of lineage `run_id` any rank holds, on every rank, or `None` when
+    /// there is none at or after `floor` (the persistent checkpoint's step) or a copy sent
+    /// to a peer did not verify. A collective: every rank calls it.
+    pub fn recover(
+        &mut self,
+        comm: &dyn Collective,
+        run_id: &str,
+        floor: Option<u64>,
+        journal: &mut Journal,
+    ) -> Result<Option<Recovered>, TrainError> {
+        let local = reporting(comm.rank(), journal, |on| self.store.newest(run_id, on))?;
+        let mine = local.as_ref().map_or(0, |(_, c)| c.step + 1);
+        let mut best = [mine];
+        comm.all_reduce_max_u64(&mut best);
+        let Some(step) = best[0].checked_sub(1) else {
+            return Ok(None);
+        };
+        if floor.is_some_and(|p| step < p) {
+            return Ok(None);
+        }
+        let (holders, peer_ranks) = split_ranks(comm, mine == best[0]);
+        let source = holders.first().copied().unwrap_or(0);
+        let local = local.filter(|(_, c)| c.step == step);
+        let got = if peer_ranks.is_empty() {
+            local
+        } else {
+            self.heal(comm, step, source, &peer_ranks, local, journal)?
+        };
+        Ok(got.map(|(dir, ck)| Recovered {
+            dir,
+            ck,
+            tier: if peer_ranks.is_empty() {
+                event::tier::MEMORY
+            } else {
+                event::tier::PEER
+            },
+            source_rank: (!peer_ranks.is_empty()).then_some(source),
+            peer_ranks,
+        }))
+    }
+
+    /// The state of `step` of lineage `run_id` on every rank (the guards' rollback point):
+    /// this rank's memory snapshot of it, else the persistent checkpoint `persistent` (read
+    /// with `read`) when it is that step's; a rank without either receives a holder's copy.
+    /// `None` on every rank when no rank holds it or a sent copy did not verify. A
+    /// collective: every rank calls it.
+    pub fn at_step(
+        &mut self,
+        comm: &dyn Collective,
+        (run_id, step): (&str, u64),
+        (persistent, read): (&Path, Read),
+        journal: &mut Journal,
+    ) -> Result<Option<(PathBuf, Checkpoint)>, TrainError> {
+        let mine = reporting(comm.rank(), journal, |on| {
+            self.store.verified(run_id, step, on)
+        })?;
+        let local = mine.or_else(|| {
+            let c = read(persistent).ok()?;
+            let same = c.step == step && checkpoint::lineage_of(&c.state) == Some(run_id);
+            same.then(|| (persistent.to_path_buf(), c))
+        });
+        let (holders, receivers) = split_ranks(comm, local.is_some());
+        match holders.first() {
+            None => Ok(None),
+            Some(_) if receivers.is_empty() => Ok(local),
+            Some(&source) => self.heal(comm, step, source, &receivers, local, journal),
+        }
+    }
+
+    /// Sends the snapshot of `step` from `source` to the ranks without it; `None` on every
+    /// rank when a receiver's copy did not verify.
+    fn heal(
+        &mut self,
+        comm: &dyn Collective,
+        step: u64,
+        source: usize,
+        receivers: &[usize],
+        local: Option<(PathBuf, Checkpoint)>,
+        journal: &mut Journal,
+    ) -> Result<Option<(PathBuf, Checkpoint)>, TrainError> {
+        let t0 = Instant::now();
+        let mut framed = match (&local, comm.rank() == source) {
+            (Some((dir, _)), true) => SnapshotStore::frame(dir).unwrap_or_else(|e| {
+                tracing::error!("cannot read the snapshot to send: {e}");
+                Vec::new()
+            }),
+            _ => Vec::new(),
+        };
+        comm.broadcast_vec(source, &mut framed);
+        let mut got = local;
+        let mut failed = u64::from(framed.is_empty());
+        if receivers.contains(&comm.rank()) && failed == 0 {
+            match self.store.adopt(step, &framed) {
+                Ok(c) => got = Some(c),
+                Err(e) => {
+                    reject(comm.rank(), self.store.root(), &e.to_string(), journal)?;
+                    failed = 1;
+                }
+            }
+        }
+        let mut any = [failed];
+        comm.all_reduce_max_u64(&mut any);
+        if any[0] != 0 {
+            return Ok(None);
+        }
+        journal.emit(
+            event::SNAPSHOT_FROM_PEER,
+            json!({"step": step, "source_rank": source, "ranks": receivers,
+                   "bytes": framed.len(), "seconds": t0.elapsed().as_secs_f64()}),
+        )?;
+        Ok(got)
+    }
+}
+
+/// What `look` found in this rank's store, after reporting every snapshot it rejected (and
+/// deleted) on the way.
+fn reporting<T>(
+    rank: usize,
+    journal: &mut Journal,
+    look: impl FnOnce(&mut dyn FnMut(&Path, &str)) -> T,
+) -> Result<T, TrainError> {
+    let mut rejected = Vec::new();
+    let found = look(&mut |p: &Path, r: &str| rejected.push((p.to_path_buf(), r.to_string())));
+    for (path, reason) in rejected {
+        reject(rank, &path, &reason, journal)?;
+    }
+    Ok(found)
+}
+
+/// The ranks for which `has` holds and those for which it does not (a collective).
+fn split_ranks(comm: &dyn Collective, has: bool) -> (Vec<usize>, Vec<usize>) {
+    let all = all_gather(comm, u64::from(has));
+    (0..comm.size()).partition(|&r| all[r] == 1)
+}
+
+/// Every rank's `value` (one rank: just its own).
+fn all_gather(comm: &dyn Collective, value: u64) -> Vec<u64> {
+    if comm.size() == 1 {
+        vec![value]
+    } else {
+        comm.all_gather_u64(value)
+    }
+}
+
+/// A snapshot that was deleted unused: an event (writer rank) and a warning (any rank).
+fn reject(rank: usize, path: &Path, reason: &str, journal: &mut Journal) -> Result<(), TrainError> {
+    tracing::warn!(
+        "rank {rank}: memory snapshot {} rejected: {reason}",
+        path.display()
+    );
+    journal.emit(
+        event::SNAPSHOT_REJECTED,
+        json!({"path": path_text(path), "reason": reason, "rank": rank}),
+    )?;
+    journal.note(&format!(
+        "rejected memory snapshot {}: {reason}",
+        path.display()
+    ));
+    Ok(())
+}
+
+/// The `snapshot_saved` event of a finished snapshot, or `snapshot_failed`: a failed
+/// snapshot does not stop training (the persistent tier still stands).
+fn report(
+    outcome: Result<Saved, CheckpointError>,
+    journal: &mut Journal,
+) -> Result<(), TrainError> {
+    match outcome {
+        Ok(saved) => journal.emit(
+            event::SNAPSHOT_SAVED,
+            json!({"step": saved.step, "path": path_text(&saved.report.path),
+                   "stall_s": saved.stall_s, "write_s": saved.write_s}),
+        ),
+        Err(e) => {
+            tracing::warn!("memory snapshot failed: {e}");
+            journal.emit(event::SNAPSHOT_FAILED, json!({"error": e.to_string()}))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::tests::ckpt;
+
+    #[test]
+    fn retention_keeps_the_newest_and_the_guards_rollback_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SnapshotStore::new(dir.path().to_path_buf(), 2, 7);
+        for step in (3..=24).step_by(3) {
+            store.save(&ckpt(step, "a")).unwrap();
+        }
+        // Newest two (24, 21) and the newest multiple of 7 (21 already): nothing else.
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![24, 21]);
+        store.save(&ckpt(27, "a")).unwrap();
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![27, 24, 21]);
+        store.save(&ckpt(28, "a")).unwrap();
+        assert_eq!(checkpoint::list_steps(dir.path()), vec![28, 27]);
+        let found = store.verified("a", 21, |_, _| {});
+        assert!(found.is_none(), "pruned");
+        let found = store.verified("a", 28, |_, _| {}).unwrap();
+        assert_eq!(found.1.step, 28);
+        let mut rejected = Vec::new();
+        assert!(
+            store
+                .verified("b", 27, |p, _| rejected.push(p.to_path_buf()))
+                .is_none()
+        );
+        assert_eq!(rejected.len(), 1, "another lineage's is deleted");
+    }
+}

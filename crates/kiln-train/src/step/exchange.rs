@@ -1,0 +1,299 @@
+//! How a step's gradients travel between the data-parallel ranks and reach the parameters:
+//! the [`Exchange`] seam, with one strategy per `parallelism.shard` mode, chosen once per run
+//! by [`choose`]:
+//!
+//! | mode | strategy | gradients | update |
+//! | --- | --- | --- | --- |
+//! | `none` | [`Replicated`] | all-reduced whole (NCCL on CUDA, else host-staged MPI) | every rank, everything |
+//! | `optimizer` | [`ShardedState`] | all-reduced whole, this rank's range kept | this rank's range, then all-gathered |
+//! | `gradients` | [`ShardedState`] | reduce-scattered to this rank's range | this rank's range, then all-gathered |
+//! | `parameters` | [`StageWise`] | reduce-scattered stage by stage inside the backward pass | this rank's pieces, in place |
+//!
+//! Every strategy returns the same [`Reduced`]: the loss averaged over all ranks, this rank's
+//! gradients (whole, or its range of each) and their global norm over all ranks.
+
+use super::pass::{Labels, LocalPass, MicroBatches};
+use crate::error::TrainError;
+use crate::model::session::Session;
+use crate::optim::{self, Optimizer};
+use crate::parallel::nccl::Nccl;
+use crate::parallel::shard::{ShardPlan, StageShards};
+use crate::parallel::stagewise;
+use crate::tensor::{int_tensor, target_tensor};
+use burn::tensor::Tensor;
+use kiln_dist::{BucketedAllReduce, Collective};
+use std::time::Instant;
+
+/// A step's loss and gradients averaged over the ranks.
+pub struct Reduced {
+    /// Mean loss over the global batch.
+    pub loss: f32,
+    /// Gradients (f32); in a sharded run this rank's range of each ([`ShardPlan::pieces`]).
+    pub grads: Vec<Tensor<1>>,
+    /// Their global norm over every rank's range, before clipping.
+    pub norm: f32,
+    /// Seconds spent in the collectives.
+    pub comm_s: f64,
+}
+
+/// How an update is applied: the clipping coefficient (`None`: no clipping), the learning
+/// rate and the parameters the debug faults freeze.
+#[derive(Clone, Copy)]
+pub struct Update<'a> {
+    /// Multiplies the gradients; `None` leaves them as they are.
+    pub clip: Option<f64>,
+    /// Learning rate.
+    pub lr: f64,
+    /// Parameters left unchanged.
+    pub frozen: &'a [bool],
+}
+
+/// The gradient exchange of a run (see the module documentation).
+pub trait Exchange {
+    /// This rank's loss and gradients over `batches`, averaged over the ranks.
+    fn gradients(
+        &self,
+        pass: &LocalPass,
+        session: &Session,
+        batches: MicroBatches,
+    ) -> Result<Reduced, TrainError>;
+
+    /// Applies averaged gradients (as [`Exchange::gradients`] returned them) to the
+    /// parameters and the optimizer's state.
+    fn apply(
+        &self,
+        session: &mut Session,
+        optimizer: &mut Optimizer,
+        grads: Vec<Tensor<1>>,
+        update: Update,
+    );
+
+    /// What this rank keeps of a sharded run (`None`: everything).
+    fn plan(&self) -> Option<&ShardPlan> {
+        None
+    }
+
+    /// The stage-by-stage pass over this rank's pieces of the parameters, when the ranks
+    /// keep only their pieces (`None` otherwise).
+    fn stages<'s>(&'s self, _session: &'s Session) -> Option<StageShards<'s>> {
+        None
+    }
+}
+
+/// The exchange of `plan` (`None`: a replicated run) over `comm`'s ranks: on CUDA devices the
+/// replicated gradients are averaged by NCCL on the device, else through host memory. A
+/// collective: every rank calls it.
+pub fn choose<'c>(
+    plan: Option<ShardPlan>,
+    comm: &'c dyn Collective,
+    session: &Session,
+    bucket_bytes: usize,
+) -> Result<Box<dyn Exchange + 'c>, TrainError> {
+    Ok(match plan {
+        Some(plan) if plan.shards_parameters() => Box::new(StageWise { plan, comm }),
+        Some(plan) => Box::new(ShardedState { plan, comm }),
+        None => {
+            let nccl = match comm.size() > 1 {
+                true => Nccl::join(comm, &session.device)?,
+                false => None,
+            };
+            Box::new(Replicated {
+                comm,
+                host: BucketedAllReduce::new(bucket_bytes),
+                nccl,
+            })
+        }
+    })
+}
+
+/// Every rank holds everything; gradients are all-reduced whole.
+pub struct Replicated<'c> {
+    comm: &'c dyn Collective,
+    /// The host-staged average (MPI), in fixed buckets.
+    host: BucketedAllReduce,
+    /// The average on the devices, when they are CUDA devices and there are several ranks.
+    nccl: Option<Nccl>,
+}
+
+impl Replicated<'_> {
+    /// The loss and gradients averaged over the ranks, and the seconds it took.
+    fn average(
+        &self,
+        session: &Session,
+        loss: f32,
+        grads: Vec<Tensor<1>>,
+    ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
+        if self.comm.size() == 1 {
+            return Ok((loss, grads, 0.0));
+        }
+        let t0 = Instant::now();
+        if let Some(nccl) = &self.nccl {
+            let mut sum = [loss];
+            self.comm.all_reduce_sum_f32(&mut sum);
+            let loss = sum[0] * (1.0 / self.comm.size() as f32);
+            return Ok((loss, nccl.mean(grads)?, t0.elapsed().as_secs_f64()));
+        }
+        let (loss, grads) =
+            crate::tensor::mean_over_ranks(&self.host, self.comm, loss, grads, &session.device);
+        Ok((loss, grads, t0.elapsed().as_secs_f64()))
+    }
+}
+
+impl Exchange for Replicated<'_> {
+    fn gradients(
+        &self,
+        pass: &LocalPass,
+        session: &Session,
+        batches: MicroBatches,
+    ) -> Result<Reduced, TrainError> {
+        let (loss, grads) = pass.accumulate(session, batches)?;
+        let (loss, grads, comm_s) = self.average(session, loss, grads)?;
+        let norm = optim::global_norm(&grads);
+        Ok(Reduced {
+            loss,
+            grads,
+            norm,
+            comm_s,
+        })
+    }
+
+    fn apply(
+        &self,
+        session: &mut Session,
+        optimizer: &mut Optimizer,
+        grads: Vec<Tensor<1>>,
+        u: Update,
+    ) {
+        optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+    }
+}
+
+/// `optimizer` and `gradients`: every rank holds the whole parameters and its range of the
+/// optimizer's state; it updates its range, then the ranks all-gather the whole.
+pub struct ShardedState<'c> {
+    plan: ShardPlan,
+    comm: &'c dyn Collective,
+}
+
+impl Exchange for ShardedState<'_> {
+    fn gradients(
+        &self,
+        pass: &LocalPass,
+        session: &Session,
+        batches: MicroBatches,
+    ) -> Result<Reduced, TrainError> {
+        let (loss, grads) = pass.accumulate(session, batches)?;
+        let t0 = Instant::now();
+        let (loss, grads, norm) = self.plan.average(self.comm, loss, grads, &session.device);
+        Ok(Reduced {
+            loss,
+            grads,
+            norm,
+            comm_s: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn apply(
+        &self,
+        session: &mut Session,
+        optimizer: &mut Optimizer,
+        grads: Vec<Tensor<1>>,
+        u: Update,
+    ) {
+        let mut pieces = self.plan.pieces(&session.params);
+        optimizer.update_clipped(&mut pieces, grads, u.clip, u.lr, u.frozen);
+        self.plan
+            .gather(pieces, &mut session.params, &session.device);
+    }
+
+    fn plan(&self) -> Option<&ShardPlan> {
+        Some(&self.plan)
+    }
+}
+
+/// `parameters`: every rank holds only its pieces of the parameters; each stage's weights are
+/// gathered when it runs and its gradients reduce-scattered as the backward pass leaves it.
+pub struct StageWise<'c> {
+    plan: ShardPlan,
+    comm: &'c dyn Collective,
+}
+
+impl Exchange for StageWise<'_> {
+    fn gradients(
+        &self,
+        _pass: &LocalPass,
+        session: &Session,
+        batches: MicroBatches,
+    ) -> Result<Reduced, TrainError> {
+        let mut stages =
+            StageShards::new(&self.plan, &session.model, &session.params, &session.device);
+        let (scale, mut loss) = (batches.scale(), 0.0f32);
+        for m in 0..batches.count {
+            let b = (batches.read)(m)?;
+            loss += staged_loss(session, &mut stages, &b.rows, batches.seq, scale, b.labels)?;
+        }
+        let t0 = Instant::now();
+        let (grads, sq) = stages.take_grads();
+        let (loss, norm) = self.plan.loss_and_norm(self.comm, loss, sq);
+        Ok(Reduced {
+            loss,
+            grads,
+            norm,
+            comm_s: stages.comm_s() + t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn apply(
+        &self,
+        session: &mut Session,
+        optimizer: &mut Optimizer,
+        grads: Vec<Tensor<1>>,
+        u: Update,
+    ) {
+        // The session holds this rank's pieces only: they are updated in place.
+        optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+    }
+
+    fn plan(&self) -> Option<&ShardPlan> {
+        Some(&self.plan)
+    }
+
+    fn stages<'s>(&'s self, session: &'s Session) -> Option<StageShards<'s>> {
+        Some(StageShards::new(
+            &self.plan,
+            &session.model,
+            &session.params,
+            &session.device,
+        ))
+    }
+}
+
+/// Loss of the micro-batch `rows` times `scale` in a parameter-sharded run: stage by stage,
+/// each stage's gradients reduce-scattered into `stages` as the backward pass leaves it.
+fn staged_loss(
+    session: &Session,
+    stages: &mut StageShards,
+    rows: &[Vec<u32>],
+    seq: usize,
+    scale: f64,
+    labels: Labels,
+) -> Result<f32, TrainError> {
+    let Labels::Data { poison } = labels else {
+        // The config refuses SophiaG with sharding (its Hessian pass would come here).
+        return Err(TrainError::Parallel(
+            "sampled labels are not supported with parallelism.shard = \"parameters\"".into(),
+        ));
+    };
+    let inputs = int_tensor(rows, seq, &session.device);
+    let targets = target_tensor(rows, seq, &session.device);
+    // A poisoned batch (a debug fault) makes the loss and every gradient NaN, as it does
+    // in the replicated step.
+    let scale = if poison { f64::NAN } else { scale };
+    Ok(stagewise::loss_and_grads(
+        &session.model,
+        stages,
+        inputs,
+        targets,
+        scale,
+    ))
+}

@@ -1,0 +1,203 @@
+//! This rank's forward and backward pass over its micro-batches of a step, on its own device:
+//! the part of a step that involves no other rank. [`LocalPass::accumulate`] sums the loss and
+//! gradients of every micro-batch; each micro-batch may be split over compute threads
+//! (`training.compute_shards`) and summed in a fixed order, so the result does not depend on
+//! scheduling.
+
+use crate::error::TrainError;
+use crate::model::Llama;
+use crate::model::session::Session;
+use crate::tensor::{int_tensor, target_tensor};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+/// What the loss is computed against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Labels {
+    /// The data's next tokens; `poison` makes the loss NaN (a debug fault).
+    Data { poison: bool },
+    /// Labels drawn from the model's own predictions with this seed: the gradient is
+    /// SophiaG's Gauss-Newton-Bartlett sample.
+    Sampled { seed: u64 },
+}
+
+/// One micro-batch: its rows of `seq + 1` tokens and what the loss is computed against.
+pub struct MicroBatch {
+    /// Token rows.
+    pub rows: Vec<Vec<u32>>,
+    /// The labels.
+    pub labels: Labels,
+}
+
+/// The micro-batches of one step on this rank, read as the pass asks for them.
+pub struct MicroBatches<'a> {
+    /// How many there are.
+    pub count: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batch `m`.
+    pub read: &'a mut dyn FnMut(usize) -> Result<MicroBatch, TrainError>,
+}
+
+impl MicroBatches<'_> {
+    /// The factor each micro-batch's mean loss is scaled by, so that they sum to the mean.
+    pub fn scale(&self) -> f64 {
+        1.0 / self.count.max(1) as f64
+    }
+}
+
+/// The whole-model pass of a rank (see the module documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct LocalPass {
+    /// Threads a micro-batch's forward and backward are split over.
+    pub compute_threads: usize,
+}
+
+impl LocalPass {
+    /// The summed loss and gradients (f32) of every micro-batch of `batches`, each scaled
+    /// so that they add up to the mean over the step.
+    pub fn accumulate(
+        &self,
+        session: &Session,
+        batches: MicroBatches,
+    ) -> Result<(f32, Vec<Tensor<1>>), TrainError> {
+        let (mut loss, mut grads) = (0.0f32, None::<Vec<Tensor<1>>>);
+        let scale = batches.scale();
+        for m in 0..batches.count {
+            let b = (batches.read)(m)?;
+            let (l, g) = self.micro_batch(session, &b.rows, batches.seq, scale, b.labels);
+            loss += l;
+            grads = Some(match grads {
+                None => g,
+                Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
+            });
+        }
+        Ok((loss, grads.unwrap_or_default()))
+    }
+
+    /// Mean loss of `rows` times `scale`, and its gradients, computed as pieces on as many
+    /// compute threads and summed in a fixed order (deterministic whatever the scheduling).
+    ///
+    /// Why threads: burn's flex backend runs element-wise kernels on one thread, and they
+    /// are a large share of a step; two pieces on two threads keep both cores busy through
+    /// them. The math is gradient accumulation over the pieces, exact up to f32 summation
+    /// order.
+    fn micro_batch(
+        &self,
+        session: &Session,
+        rows: &[Vec<u32>],
+        seq: usize,
+        scale: f64,
+        labels: Labels,
+    ) -> (f32, Vec<Tensor<1>>) {
+        let threads = match crate::tensor::on_host_threads(&session.device) {
+            true => self.compute_threads.min(rows.len()).max(1),
+            false => 1, // one stream: see `on_host_threads`
+        };
+        if threads == 1 {
+            return piece_loss_and_grads(session, rows, seq, scale, labels, 0);
+        }
+        let per = rows.len().div_ceil(threads);
+        let n = rows.len() as f64;
+        let results: Vec<(f32, Vec<Tensor<1>>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = rows
+                .chunks(per)
+                .enumerate()
+                .map(|(i, chunk)| {
+                    let s = scale * chunk.len() as f64 / n;
+                    scope.spawn(move || piece_loss_and_grads(session, chunk, seq, s, labels, i))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut iter = results.into_iter();
+        let (mut loss, mut grads) = iter.next().unwrap_or_default();
+        for (l, g) in iter {
+            loss += l;
+            grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
+        }
+        (loss, grads)
+    }
+}
+
+/// Loss of one piece of a micro-batch times `scale`, and its gradients (f32).
+fn piece_loss_and_grads(
+    session: &Session,
+    chunk: &[Vec<u32>],
+    seq: usize,
+    scale: f64,
+    labels: Labels,
+    piece: usize,
+) -> (f32, Vec<Tensor<1>>) {
+    let device = session.device.clone().autodiff();
+    let (model, params) = (&session.model, &session.params);
+    let inputs = int_tensor(chunk, seq, &device);
+    let leaves: Vec<Tensor<1>> = params
+        .iter()
+        .map(|p| p.clone().autodiff().require_grad())
+        .collect();
+    let (mut loss, poison) = match labels {
+        Labels::Data { poison } => {
+            let targets = target_tensor(chunk, seq, &device);
+            (model.loss(&leaves, inputs, targets), poison && piece == 0)
+        }
+        Labels::Sampled { seed } => {
+            let seed = seed ^ (piece as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (sampled_label_loss(model, &leaves, inputs, seed), false)
+        }
+    };
+    if scale != 1.0 {
+        loss = loss.mul_scalar(scale);
+    }
+    let mut value = loss.clone().into_scalar::<f32>();
+    if poison {
+        loss = loss.mul_scalar(f64::NAN);
+        value = f32::NAN;
+    }
+    let g = loss.backward();
+    let grads = leaves
+        .iter()
+        .zip(params)
+        .map(|(leaf, p)| {
+            leaf.grad(&g)
+                .unwrap_or_else(|| p.zeros_like())
+                .cast(FloatDType::F32)
+        })
+        .collect();
+    (value, grads)
+}
+
+/// Mean cross-entropy of the model's logits against labels sampled from its own softmax
+/// (drawn on the host from a seeded ChaCha8 stream, so reproducible on every backend).
+fn sampled_label_loss(
+    model: &Llama,
+    params: &[Tensor<1>],
+    inputs: Tensor<2, Int>,
+    seed: u64,
+) -> Tensor<1> {
+    use rand::{Rng, SeedableRng};
+    let device = inputs.device();
+    let [b, t] = inputs.dims();
+    let v = model.vocab();
+    let logp =
+        burn::tensor::activation::log_softmax(model.forward(params, inputs).reshape([b * t, v]), 1);
+    let host = crate::tensor::to_vec(&logp.clone().detach().reshape([b * t * v]));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let labels: Vec<i64> = host
+        .chunks_exact(v.max(1))
+        .map(|row| {
+            let u: f64 = rng.r#gen();
+            let mut acc = 0.0f64;
+            let pick = row.iter().position(|&lp| {
+                acc += f64::from(lp).exp();
+                acc > u
+            });
+            // Rounding can leave the total just under u: take the last token then.
+            pick.unwrap_or(row.len() - 1) as i64
+        })
+        .collect();
+    let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
+    logp.gather(1, labels).mean().neg()
+}

@@ -1,0 +1,266 @@
+//! `kiln launch --mpi` with the real OpenMPI `mpirun` (Debian `openmpi-bin`, which `.ci/run`
+//! installs). Without mpirun this test fails on purpose: a silently skipped MPI test would
+//! hide a broken CI image.
+
+use crate::common;
+
+use std::process::Command;
+
+#[test]
+fn mpirun_starts_two_ranks_that_see_rank_and_world_size() {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "mpirun not found in PATH: install OpenMPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args(["launch", "--mpi", "--np", "2", "--timeout", "60", "--run-dir"])
+        .arg(&rd)
+        .args(["--", "sh", "-c", "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT\""]);
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "KILN_PROGRESS_DIR",
+    ] {
+        cmd.env_remove(v);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {stderr}"
+    );
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!(
+                "RANK={r} WORLD_SIZE=2 LOCAL_RANK={r} MASTER=127.0.0.1:"
+            )),
+            "{stdout}\n{stderr}"
+        );
+    }
+    let events = kiln_run::read_events(&rd).unwrap();
+    let start = events.iter().find(|e| e.event == "launch_start").unwrap();
+    assert_eq!(start.fields["launcher"], "mpirun");
+}
+
+/// A rank that exits with a code ends the attempt with that code, and mpirun, which is
+/// already aborting the job itself, is left to finish: kiln sent it SIGTERM mid-abort, and
+/// OpenMPI's mpirun segfaulted in `PMIx_Finalize` on every such failure (3 of 3 runs), its
+/// backtrace in the user's log. The shims stop the other ranks instead.
+#[test]
+fn a_rank_that_exits_with_a_code_leaves_mpirun_to_abort_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args([
+        "launch",
+        "--mpi",
+        "--np",
+        "2",
+        "--timeout",
+        "60",
+        "--run-dir",
+    ])
+    .arg(&rd)
+    .args([
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30",
+    ]);
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "KILN_PROGRESS_DIR",
+    ] {
+        cmd.env_remove(v);
+    }
+    let t0 = std::time::Instant::now();
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(text.contains("rank 1 on"), "{text}");
+    assert!(!text.contains("Segmentation fault"), "{text}");
+    assert!(
+        t0.elapsed().as_secs() < 25,
+        "rank 0 was not stopped: {text}"
+    );
+}
+
+/// A hostfile in kiln's documented `host:N` form was parsed by kiln but handed raw to
+/// OpenMPI, which cannot read it (exit 255, classed retryable). The launcher gets a file in
+/// its own syntax (`host slots=N`), whatever syntax the user wrote.
+#[test]
+fn a_hostfile_in_any_kiln_syntax_reaches_mpirun_in_its_own() {
+    for hostfile in [
+        "localhost:2\n",
+        "localhost\nlocalhost\n",
+        "localhost slots=2\n",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("hosts"), hostfile).unwrap();
+        let mut cmd = common::kiln_cmd(&[
+            "launch",
+            "--mpi",
+            "--hostfile",
+            "hosts",
+            "--np",
+            "2",
+            "--timeout",
+            "60",
+            "--run-dir",
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "echo RANK=$RANK/$WORLD_SIZE",
+        ]);
+        cmd.current_dir(dir.path());
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{hostfile:?}: {stdout}\n{stderr}"
+        );
+        for r in 0..2 {
+            assert!(
+                stdout.contains(&format!("RANK={r}/2")),
+                "{hostfile:?}: {stdout}"
+            );
+        }
+        let written = std::fs::read_to_string(dir.path().join("run/hostfile")).unwrap();
+        assert_eq!(written, "localhost slots=2\n", "{hostfile:?}");
+    }
+}
+
+/// SIGTERM to `kiln launch` is a preemption: the ranks checkpoint and exit 75, and kiln
+/// reports 75 from the ranks' own exits on every launch path. Under mpirun it returned
+/// mpirun's 1 with no exit records: mpirun, signalled by kiln, SIGKILLed its ranks (and their
+/// `--as-rank` shims) a moment later, and aborted the job when the first rank exited 75 while
+/// the other still wrote its checkpoint. Here rank 1 takes 1.5 s to "checkpoint".
+#[test]
+fn sigterm_is_a_preemption_reported_as_75_from_the_ranks_on_every_launch_path() {
+    let script = "trap 'sleep $((RANK * 3 / 2)); echo saved > ckpt-$RANK; exit 75' TERM; \
+                  echo ready-$RANK; while true; do sleep 0.05; done";
+    for mpi in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let rd = dir.path().join("run");
+        let mut cmd = common::kiln_cmd(&["launch", "--np", "2", "--timeout", "60"]);
+        if mpi {
+            cmd.arg("--mpi");
+        }
+        let mut child = cmd
+            .current_dir(dir.path())
+            .arg("--run-dir")
+            .arg(&rd)
+            .args(["--", "sh", "-c", script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        for r in 0..2 {
+            common::wait_for_file_text(
+                &rd.join("attempt-1.log"),
+                &format!("ready-{r}"),
+                &mut child,
+            );
+        }
+        // SAFETY: plain kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(75), "mpi={mpi}: {stderr}");
+        for r in 0..2 {
+            let ckpt = std::fs::read_to_string(dir.path().join(format!("ckpt-{r}")));
+            assert_eq!(
+                ckpt.ok().as_deref(),
+                Some("saved\n"),
+                "mpi={mpi}: rank {r} checkpointed"
+            );
+        }
+        let events = kiln_run::read_events(&rd).unwrap();
+        let end = events
+            .iter()
+            .find(|e| e.event == kiln_run::event::ATTEMPT_END)
+            .unwrap();
+        assert_eq!(end.fields["classification"], "interrupted", "mpi={mpi}");
+        assert_eq!(end.fields["exit_code"], 75, "mpi={mpi}");
+        if mpi {
+            let exits = end.fields["rank_exits"].as_array().unwrap();
+            let codes: Vec<_> = exits
+                .iter()
+                .map(|x| (x["rank"].clone(), x["code"].clone()))
+                .collect();
+            assert_eq!(
+                codes,
+                [(0.into(), 75.into()), (1.into(), 75.into())],
+                "every rank recorded its own exit: {exits:?}"
+            );
+        }
+    }
+}
+
+/// One GPU per local rank on both launch paths: a local spawn (kiln sets each rank's
+/// variable) and mpirun (each rank's shim does, from the accelerators kiln detected). No GPU
+/// is needed: the binding is the variable the runtime reads.
+#[test]
+fn each_local_rank_gets_its_own_gpu_on_every_launch_path() {
+    for (visible, want) in [
+        (None, ["0", "1", "2"]),
+        (Some("GPU-8c1a,4,6"), ["GPU-8c1a", "4", "6"]),
+    ] {
+        for mpi in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let rd = dir.path().join("run");
+            let mut args = vec!["launch", "--np", "3", "--timeout", "60"];
+            if mpi {
+                args.push("--mpi");
+            }
+            if visible.is_none() {
+                args.extend(["--accelerator", "nvidia", "--gpus-per-node", "3"]);
+            }
+            let mut cmd = common::kiln_cmd(&args);
+            cmd.arg("--run-dir").arg(&rd).args([
+                "--",
+                "sh",
+                "-c",
+                "echo \"rank $LOCAL_RANK gpu $CUDA_VISIBLE_DEVICES\"",
+            ]);
+            if let Some(v) = visible {
+                cmd.env("CUDA_VISIBLE_DEVICES", v);
+            }
+            let out = cmd.output().expect("run kiln");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "mpi={mpi}: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for (r, gpu) in want.iter().enumerate() {
+                assert!(
+                    stdout.contains(&format!("rank {r} gpu {gpu}\n")),
+                    "mpi={mpi} visible={visible:?}: rank {r} should see only {gpu}:\n{stdout}"
+                );
+            }
+        }
+    }
+}

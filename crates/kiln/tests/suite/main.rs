@@ -1,0 +1,27 @@
+//! kiln's end-to-end tests, one binary: each module runs the real `kiln` binary (and real
+//! MPI, Slurm, signals and files) for one area. One binary instead of one per file: each
+//! test binary links burn, and CI's cold build paid for every one.
+//!
+//! Run one area with `cargo test --release -p kiln --features kiln/mpi --test suite AREA::`
+//! (for example `launch_mpi::`).
+
+mod common;
+mod data_cli;
+mod data_megatron;
+mod data_parallel;
+mod export;
+mod gates;
+mod guards;
+mod hardening;
+mod launch;
+mod launch_faults;
+mod launch_mpi;
+mod liveness;
+mod optimizers;
+mod recover;
+mod run_dir;
+mod slurm;
+mod soak;
+mod submit;
+mod train;
+mod yeet;
