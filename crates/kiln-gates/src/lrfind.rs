@@ -5,13 +5,16 @@
 //! against log LR) and, as a more conservative bound, the blow-up LR divided by 10.
 //!
 //! The steps are the trainer's own [`Step`] (same model, precision, data and batch layout,
-//! optimizer (`optimizer.kind`: AdamW, Muon or SophiaG, with SophiaG's Hessian estimates)
-//! and gradient clipping from the config); only the LR differs: no schedule, no warmup.
+//! optimizer (`optimizer.kind`: AdamW, Muon or SophiaG, with SophiaG's Hessian estimates),
+//! gradient clipping and `parallelism.shard` from the config); only the LR differs: no
+//! schedule, no warmup. Under several ranks (MPI, `kiln launch`) the sweep is one
+//! data-parallel sweep over all of them: every rank sees the same averaged loss and stops at
+//! the same step, and only rank 0 writes the results ([`LrFindResult::writer`]).
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
+use kiln_dist::Collective;
 use kiln_train::data::TrainData;
-use kiln_train::optim::Optimizer;
 use kiln_train::step::{At, BatchLayout, Step};
 use kiln_train::{Config, Session};
 use serde::Serialize;
@@ -74,6 +77,9 @@ pub struct LrFindResult {
     pub conservative_lr: Option<f64>,
     /// The suggestion: the steepest-descent LR.
     pub suggested_lr: Option<f64>,
+    /// Whether this rank is the one that reports and writes the results (rank 0).
+    #[serde(skip)]
+    pub writer: bool,
 }
 
 /// LR of step `i` (0-based) of an exponential ramp over `n` steps.
@@ -82,11 +88,6 @@ pub fn ramp(min: f64, max: f64, i: u64, n: u64) -> f64 {
         return min;
     }
     min * (max / min).powf(i as f64 / (n - 1) as f64)
-}
-
-/// Sequences a step of `config` trains on (one rank): the global batch.
-fn rows_per_step(config: &Config) -> u64 {
-    BatchLayout::new(&config.training, 0, 1).map_or(1, |l| l.global_batch())
 }
 
 impl LrFindOptions {
@@ -121,27 +122,42 @@ impl LrFindOptions {
     }
 }
 
-/// Runs the sweep; `progress` sees each point.
+/// Runs the sweep over every rank of the job (one rank outside a launcher); `progress` sees
+/// each point on rank 0. An error on one rank ends them all (MPI_Abort), so none waits in a collective.
 pub fn run(
     config: &Config,
     opts: &LrFindOptions,
     progress: &mut dyn FnMut(&LrPoint),
 ) -> Result<LrFindResult, GatesError> {
     opts.check()?;
-    let data = TrainData::open(
-        config,
-        opts.steps.saturating_mul(rows_per_step(config)),
-        None,
-    )
-    .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
-    let vocab = data
-        .vocab(config)
-        .map_err(|e| GatesError::Invalid(format!("data: {e}")))?;
+    let ranks = kiln_topology::RankEnv::from_process_env()
+        .map_err(|e| GatesError::Invalid(format!("rank environment: {e}")))?;
+    let comm = kiln_dist::init(&ranks, config.parallelism.prefetches())
+        .map_err(|e| GatesError::Train(kiln_train::TrainError::Dist(e)))?;
+    let comm = comm.as_ref();
+    sweep(config, opts, comm, progress).inspect_err(|e| {
+        if comm.size() > 1 {
+            tracing::error!("rank {}: {e}", comm.rank());
+            comm.abort(kiln_run::exit::ExitCoded::exit_code(e));
+        }
+    })
+}
+
+/// The sweep on this rank of `comm`.
+fn sweep(
+    config: &Config,
+    opts: &LrFindOptions,
+    comm: &dyn Collective,
+    progress: &mut dyn FnMut(&LrPoint),
+) -> Result<LrFindResult, GatesError> {
+    let invalid = |e: String| GatesError::Invalid(format!("data: {e}"));
+    let layout = BatchLayout::new(&config.training, comm.rank(), comm.size())
+        .map_err(GatesError::Invalid)?;
+    let samples = opts.steps.saturating_mul(layout.global_batch());
+    let data = TrainData::open(config, samples, None).map_err(invalid)?;
+    let vocab = data.vocab(config).map_err(invalid)?;
     let mut s = Session::new(config, vocab)?;
-    let step = Step::single(config, &s)?;
-    let layout = *step.layout();
-    let tokens = layout.global_batch() * layout.seq as u64;
-    let mut optimizer = Optimizer::new(&config.optimizer, s.model.specs(), &s.device, tokens);
+    let (step, mut optimizer) = Step::for_run(config, &mut s, layout, comm)?;
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);
     let mut blowup = None;
@@ -162,7 +178,9 @@ pub fn run(
             smoothed,
             grad_norm: f64::from(g.norm),
         };
-        progress(&p);
+        if comm.rank() == 0 {
+            progress(&p);
+        }
         points.push(p);
         let blew_up = !smoothed.is_finite() || (i > 0 && smoothed > opts.blowup_factor * best);
         best = best.min(smoothed);
@@ -172,7 +190,10 @@ pub fn run(
         }
         step.apply(&mut s, &mut optimizer, data.source.as_ref(), g, lr)?;
     }
-    Ok(analyse(points, blowup))
+    Ok(LrFindResult {
+        writer: comm.rank() == 0,
+        ..analyse(points, blowup)
+    })
 }
 
 /// The suggestions from a sweep's points (exposed for tests).
@@ -215,6 +236,7 @@ pub fn analyse(points: Vec<LrPoint>, blowup_lr: Option<f64>) -> LrFindResult {
         min_loss_lr,
         conservative_lr,
         suggested_lr: steepest_lr.or(conservative_lr),
+        writer: true,
     }
 }
 

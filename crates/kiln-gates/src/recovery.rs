@@ -1,7 +1,7 @@
 //! How a run recovered, from its goodput ledger ([`kiln_run::ledger`]): each fault with its
 //! detection time, the tier the next attempt resumed from and the work it lost, as the lines
 //! of `kiln status`, and the per-cause and per-fault tables as Markdown (what the soak prints
-//! for the README).
+//! for bench/soak/results.md).
 
 use kiln_run::ledger::{Fault, Ledger};
 use std::collections::BTreeMap;

@@ -8,6 +8,11 @@
 //! different config is refused (the numbers would not be comparable) unless the caller asks
 //! to compare anyway. Memory is compared with a tolerance, never exactly.
 //!
+//! Under several ranks (`kiln launch -- kiln smoke`, MPI) the gate runs the trainer's
+//! data-parallel (and sharded) step on every rank; rank 0 records, compares and writes.
+//! The number of ranks is part of what a baseline was made with: the average over the ranks
+//! sums in another order, so a baseline is per rank count.
+//!
 //! A baseline is per device. On flex it is bits. On a CubeCL device (`cubecl-cpu`, `cuda`,
 //! ...) burn picks some kernels per process by timing them (autotune), and candidates sum in
 //! different orders, so two runs of the same config may differ in the last bits: a baseline
@@ -77,6 +82,13 @@ pub struct SmokeRun {
     /// on a device whose kernels are picked per process (see the module documentation).
     #[serde(default)]
     pub tolerance: f64,
+    /// Data-parallel ranks the run trained on (baselines from before this field: one).
+    #[serde(default = "one")]
+    pub ranks: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// The config a smoke run of `steps` steps uses: `base` with `training.steps = steps`.
@@ -124,8 +136,14 @@ impl Observer for Recorder<'_> {
 }
 
 /// Runs `config` (already passed through [`smoke_config`]) in a temporary run directory and
-/// records every step. `progress` sees each step as it completes.
-pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<SmokeRun, GatesError> {
+/// records every step. `progress` sees each step as it completes. Under several ranks every
+/// rank trains and only rank 0, the one that records, returns the run (`None` elsewhere).
+pub fn run(
+    config: &Config,
+    progress: &mut dyn FnMut(&StepRecord),
+) -> Result<Option<SmokeRun>, GatesError> {
+    let ranks = kiln_topology::RankEnv::from_process_env()
+        .map_err(|e| GatesError::Invalid(format!("rank environment: {e}")))?;
     let dir = tempfile::Builder::new()
         .prefix("kiln-smoke-")
         .tempdir()
@@ -140,8 +158,11 @@ pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<Smo
         run_dir: dir.path().to_path_buf(),
     };
     kiln_train::train(&opts, &mut rec)?;
+    if ranks.rank != 0 {
+        return Ok(None);
+    }
     let text = config.to_toml();
-    Ok(SmokeRun {
+    Ok(Some(SmokeRun {
         format: FORMAT.to_string(),
         kiln_version: env!("CARGO_PKG_VERSION").to_string(),
         cpu: cpu_description(),
@@ -152,7 +173,8 @@ pub fn run(config: &Config, progress: &mut dyn FnMut(&StepRecord)) -> Result<Smo
         seconds: t0.elapsed().as_secs_f64(),
         records: rec.records,
         tolerance: 0.0,
-    })
+        ranks: ranks.world_size as u64,
+    }))
 }
 
 /// Checks a comparison tolerance: 0 (bits) or a positive relative difference below 1.
@@ -351,17 +373,19 @@ pub fn check_mem_tolerance(mem_tolerance: f64) -> Result<(), GatesError> {
     }
 }
 
-/// The report that refuses a run of `config` (its TOML) against `baseline` (read from
-/// `path`) before it starts, when their configs differ; `None` when they agree.
-pub fn refuse_config(baseline: &SmokeRun, config: &str, path: &Path) -> Option<String> {
-    let diffs = config_differences(&baseline.config, config);
+/// The report that refuses a run of `config` (its TOML) on `ranks` ranks against `baseline`
+/// (read from `path`) before it starts, when their configs or rank counts differ; `None`
+/// when they agree.
+pub fn refuse_config(baseline: &SmokeRun, config: &str, ranks: u64, path: &Path) -> Option<String> {
+    let planned = SmokeRun {
+        config: config.to_string(),
+        ranks,
+        ..baseline.clone()
+    };
+    let diffs = setup_differences(baseline, &planned);
     if diffs.is_empty() {
         return None;
     }
-    let planned = SmokeRun {
-        config: config.to_string(),
-        ..baseline.clone()
-    };
     Some(report(
         &Verdict::ConfigMismatch(diffs),
         baseline,
@@ -370,7 +394,18 @@ pub fn refuse_config(baseline: &SmokeRun, config: &str, path: &Path) -> Option<S
     ))
 }
 
-/// Compares `run` with `baseline`. `check_config`: refuse differing configs.
+/// How the setups of two runs differ: their configs' keys, and the number of ranks
+/// (`ranks`), whose average sums in another order.
+fn setup_differences(baseline: &SmokeRun, run: &SmokeRun) -> Vec<(String, String, String)> {
+    let mut diffs = config_differences(&baseline.config, &run.config);
+    if baseline.ranks != run.ranks {
+        let (b, r) = (baseline.ranks.to_string(), run.ranks.to_string());
+        diffs.push(("ranks (data-parallel)".to_string(), b, r));
+    }
+    diffs
+}
+
+/// Compares `run` with `baseline`. `check_config`: refuse differing configs or rank counts.
 /// `mem_tolerance`: allowed relative growth of peak memory (0.25 = 25 %; negative disables).
 pub fn compare(
     baseline: &SmokeRun,
@@ -379,7 +414,7 @@ pub fn compare(
     mem_tolerance: f64,
 ) -> Verdict {
     if check_config {
-        let differences = config_differences(&baseline.config, &run.config);
+        let differences = setup_differences(baseline, run);
         if !differences.is_empty() {
             return Verdict::ConfigMismatch(differences);
         }
@@ -566,12 +601,40 @@ mod tests {
             peak_rss_mib: 100.0,
             seconds: 1.0,
             tolerance: 0.0,
+            ranks: 1,
             records: values
                 .iter()
                 .enumerate()
                 .map(|(i, &(l, g))| StepRecord::new(i as u64 + 1, l, g))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn a_baseline_of_another_rank_count_is_refused_by_name() {
+        let one = fake(&[(2.0, 1.0)]);
+        let two = SmokeRun {
+            ranks: 2,
+            ..one.clone()
+        };
+        let Verdict::ConfigMismatch(diffs) = compare(&one, &two, true, 0.25) else {
+            panic!("not refused");
+        };
+        assert_eq!(
+            diffs,
+            [("ranks (data-parallel)".into(), "1".into(), "2".into())]
+        );
+        let refusal = refuse_config(&one, &one.config, 3, Path::new("b.json")).unwrap();
+        assert!(
+            refusal.contains("ranks (data-parallel): baseline 1, this run 3"),
+            "{refusal}"
+        );
+        assert!(refuse_config(&one, &one.config, 1, Path::new("b.json")).is_none());
+        // A baseline written before the field existed was made on one rank.
+        let mut old = serde_json::to_value(&one).unwrap();
+        old.as_object_mut().unwrap().remove("ranks");
+        let old: SmokeRun = serde_json::from_value(old).unwrap();
+        assert_eq!(old.ranks, 1);
     }
 
     #[test]

@@ -52,6 +52,7 @@ fn smoke_baseline_seeds_and_regressions() {
         seconds: 0.25,
         records: vec![record(1, 4.6, 1.5), record(2, 4.4, 1.25)],
         tolerance: 0.0,
+        ranks: 1,
     };
     smoke::save(&run, &path).unwrap();
     // (The corpus also holds a copy of the shipped gates/smoke-default.json.)

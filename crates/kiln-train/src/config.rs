@@ -189,7 +189,7 @@ impl Default for OptimizerConfig {
             // 1e-3, not 3e-3: the default run learns its copy task in a sudden transition, and
             // at 3e-3 that came late or not at all for some seeds (flex, 21 seeds: one ended at
             // accuracy 0.175, two at 0.991; on devices, whose sums round differently, seed
-            // 1234 twice ended near 0.1). At 1e-3 every seed measured made it (README).
+            // 1234 twice ended near 0.1). At 1e-3 every seed measured made it (bench/train/results.md).
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -347,6 +347,31 @@ pub struct TrainingConfig {
     /// f32) or `bf16`, which saves memory but loses every update smaller than half a bf16
     /// step: norm weights near 1.0 then never move (the seeds' frozen-RMSNorm bug).
     pub master_dtype: Precision,
+    /// Activation checkpointing: `none` keeps every block's activations for the backward
+    /// pass; `blocks` keeps only each block's input and recomputes the block in the backward
+    /// pass (one more forward pass of the blocks for activation memory of one block). The
+    /// gradients are the same bits. A parameter-sharded run recomputes its blocks already.
+    #[serde(skip_serializing_if = "ActivationCheckpointing::is_none")]
+    pub activation_checkpointing: ActivationCheckpointing,
+}
+
+/// What `training.activation_checkpointing` keeps for the backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivationCheckpointing {
+    /// Every activation the backward pass reads.
+    #[default]
+    None,
+    /// Each block's input only; the block is recomputed in the backward pass.
+    Blocks,
+}
+
+impl ActivationCheckpointing {
+    /// Whether nothing is recomputed (the default, left out of a written config so that the
+    /// configs of earlier runs read the same).
+    pub fn is_none(&self) -> bool {
+        *self == Self::None
+    }
 }
 
 /// A floating-point precision of `training.dtype` / `training.master_dtype`.
@@ -376,6 +401,7 @@ impl Default for TrainingConfig {
             fused_kernels: true,
             dtype: Precision::F32,
             master_dtype: Precision::F32,
+            activation_checkpointing: ActivationCheckpointing::None,
         }
     }
 }

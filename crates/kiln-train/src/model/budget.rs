@@ -35,6 +35,8 @@
 //! gradients (`4 P / R`) and, as activations, every block's input (`4 N L d`) plus one
 //! block's and the head's; a checkpoint copies `24 P / R` (its shards, serialised), and the
 //! final weights, gathered to the writer rank, `8 P` (host copy, serialised).
+//! With `training.activation_checkpointing = "blocks"` the activations are those of the
+//! parameter-sharded step: every block's input plus one block's and the head's.
 //! When a run does not fit, the error names the least sharding (`"gradients"`, then
 //! `"parameters"`) that would make it fit on these ranks, or the fewest ranks one would, or
 //! with hybrid sharding the most replicas (`parallelism.dp_replicate`) that would.
@@ -63,7 +65,7 @@
 //! | the same without snapshot and frozen check | 2.0 GiB | 1447 MiB |
 //! | bench model (16M params), batch 4 / 8 / 12 x 256 | 1.8 / 2.6 / 3.3 GiB | 1227 / 1223 / 1840 MiB |
 
-use crate::config::{Config, ConfigError, ModelConfig, Shard};
+use crate::config::{ActivationCheckpointing, Config, ConfigError, ModelConfig, Shard};
 use kiln_run::host::{MemoryLimit, human_bytes};
 use std::path::Path;
 
@@ -202,7 +204,13 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     // Saved for backward in every layer, plus the gradients of one layer's scores and the
     // logits' softmax and gradient while the backward pass runs.
     let head = 2.0 * scores + 3.5 * v + 2.0 * d;
-    let activations = 4.0 * tokens * (layers * per_token_layer + head);
+    // Every block's input kept, one block's activations (recomputed) and the head's: a
+    // parameter-sharded step, or activation checkpointing.
+    let staged = 4.0 * tokens * (layers * d + per_token_layer + head);
+    let activations = match t.activation_checkpointing {
+        ActivationCheckpointing::Blocks => staged,
+        ActivationCheckpointing::None => 4.0 * tokens * (layers * per_token_layer + head),
+    };
     // The held-out eval runs micro-batches of batch_size rows, forward only.
     let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
     // The state is cut over the ranks of one replica (`parallelism.dp_replicate`).
@@ -223,8 +231,6 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
             )
         }
         Shard::Parameters => {
-            // Every block's input kept, one block's activations (recomputed) and the head's.
-            let staged = 4.0 * tokens * (layers * d + per_token_layer + head);
             // One stage's whole weights, their autodiff copy, gradients and flattened
             // gradients (and the next stage's weights when they are fetched ahead); this
             // rank's accumulated gradient pieces.
@@ -602,6 +608,17 @@ mod tests {
         );
         assert_eq!(no_guards.resident, 12.0 * base.params);
         assert!(base.need() > OVERHEAD);
+        // Activation checkpointing keeps one block's activations and every block's input.
+        let deep = &["model.n_layers=8", "training.seq_len=256"];
+        let kept = estimate(&config(deep), 16);
+        let mut sets = deep.to_vec();
+        sets.push("training.activation_checkpointing=blocks");
+        let recomputed = estimate(&config(&sets), 16);
+        assert!(
+            recomputed.activations < kept.activations / 4.0,
+            "{recomputed:?} {kept:?}"
+        );
+        assert_eq!(recomputed.resident, kept.resident);
     }
 
     /// With replicas the state is cut over one replica's ranks: 4 ranks as 2 replicas need

@@ -14,7 +14,8 @@
 //! checkpointing pays).
 //!
 //! Every stage computes what [`Llama::loss`] computes under autodiff, and the gradients come
-//! out the same bits (tested on one rank; over ranks the mean is a reduce-scatter's).
+//! out the same bits (tested on one rank; over ranks the mean is a reduce-scatter's). The same
+//! pass over a rank's own whole weights ([`LocalStages`]) is activation checkpointing.
 
 use crate::model::{Llama, RopeTables, Stage};
 use burn::tensor::{Device, FloatDType, Gradients, Int, Tensor};
@@ -29,6 +30,49 @@ pub trait StageParams {
     /// The stages [`StageParams::gather`] will be asked for in this pass, in order, so that
     /// each can be fetched while the one before computes. Default: nothing fetched ahead.
     fn expect(&mut self, _order: Vec<Stage>) {}
+}
+
+/// A rank's own whole weights as stages, for activation checkpointing without sharding
+/// (`training.activation_checkpointing = "blocks"`): each stage's weights are this rank's
+/// own tensors, and its gradients are kept in model order ([`LocalStages::into_grads`]).
+pub struct LocalStages<'a> {
+    model: &'a Llama,
+    params: &'a [Tensor<1>],
+    grads: Vec<Option<Tensor<1>>>,
+}
+
+impl<'a> LocalStages<'a> {
+    /// The stages of `model` over its whole parameters `params`.
+    pub fn new(model: &'a Llama, params: &'a [Tensor<1>]) -> Self {
+        Self {
+            model,
+            params,
+            grads: vec![None; params.len()],
+        }
+    }
+
+    /// The gradients of every parameter (f32), in model order; zeros where a pass did not
+    /// reach one.
+    pub fn into_grads(self) -> Vec<Tensor<1>> {
+        (self.grads.into_iter().zip(self.params))
+            .map(|(g, p)| g.unwrap_or_else(|| p.zeros_like().cast(FloatDType::F32)))
+            .collect()
+    }
+}
+
+impl StageParams for LocalStages<'_> {
+    fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
+        self.model
+            .owned(s)
+            .map(|i| self.params[i].clone())
+            .collect()
+    }
+
+    fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {
+        for (i, g) in self.model.owned(s).zip(grads) {
+            self.grads[i] = Some(g);
+        }
+    }
 }
 
 /// The stages whose weights a pass gathers, in order: the forward pass (the embedding, the

@@ -13,7 +13,7 @@ pub mod pass;
 
 pub use layout::BatchLayout;
 
-use crate::config::Config;
+use crate::config::{ActivationCheckpointing, Config};
 use crate::data::{SampleError, TokenSource};
 use crate::error::TrainError;
 use crate::model::session::Session;
@@ -88,6 +88,34 @@ impl<'c> Step<'c> {
         Ok(Self::with_exchange(cfg, session, layout, comm, exchange))
     }
 
+    /// The step of a run and the optimizer it updates, for this rank of `comm` (every rank
+    /// calls it): with parameters sharded, `session` keeps only this rank's pieces of its
+    /// parameters and the optimizer the state of this rank's ranges.
+    pub fn for_run(
+        cfg: &Config,
+        session: &mut Session,
+        layout: BatchLayout,
+        comm: &'c dyn Collective,
+    ) -> Result<(Self, Optimizer), TrainError> {
+        let step = Self::new(cfg, session, layout, comm)?;
+        if let Some(plan) = step.parameter_shards() {
+            // Copied out: a slice may be a view that keeps the whole tensor alive.
+            let pieces = plan.pieces(&session.params);
+            let lengths: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
+            let flat = crate::tensor::flatten(pieces, &[]);
+            session.params = crate::tensor::split(&flat, lengths, &session.device);
+        }
+        let (specs, device) = (session.model.specs(), &session.device);
+        let optimizer = match step.shard() {
+            Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, device, plan.ranges()),
+            None => {
+                let tokens = layout.global_batch() * layout.seq as u64;
+                Optimizer::new(&cfg.optimizer, specs, device, tokens)
+            }
+        };
+        Ok((step, optimizer))
+    }
+
     fn with_exchange(
         cfg: &Config,
         session: &Session,
@@ -100,6 +128,8 @@ impl<'c> Step<'c> {
             layout,
             pass: LocalPass {
                 compute_threads: cfg.training.compute_shards.max(1),
+                checkpoint_blocks: cfg.training.activation_checkpointing
+                    == ActivationCheckpointing::Blocks,
             },
             max_grad_norm: cfg.optimizer.max_grad_norm,
             seed: cfg.training.seed,

@@ -7,6 +7,7 @@
 use crate::error::TrainError;
 use crate::model::Llama;
 use crate::model::session::Session;
+use crate::parallel::stagewise::{self, LocalStages};
 use crate::tensor::{int_tensor, target_tensor};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
@@ -50,6 +51,10 @@ impl MicroBatches<'_> {
 pub struct LocalPass {
     /// Threads a micro-batch's forward and backward are split over.
     pub compute_threads: usize,
+    /// Keep only each block's input and recompute the block in the backward pass
+    /// (`training.activation_checkpointing = "blocks"`; not for sampled labels, whose
+    /// Hessian pass keeps every activation).
+    pub checkpoint_blocks: bool,
 }
 
 impl LocalPass {
@@ -93,8 +98,9 @@ impl LocalPass {
             true => self.compute_threads.min(rows.len()).max(1),
             false => 1, // one stream: see `on_host_threads`
         };
+        let recompute = self.checkpoint_blocks;
         if threads == 1 {
-            return piece_loss_and_grads(session, rows, seq, scale, labels, 0);
+            return piece_loss_and_grads(session, rows, seq, scale, labels, (0, recompute));
         }
         let per = rows.len().div_ceil(threads);
         let n = rows.len() as f64;
@@ -104,7 +110,8 @@ impl LocalPass {
                 .enumerate()
                 .map(|(i, chunk)| {
                     let s = scale * chunk.len() as f64 / n;
-                    scope.spawn(move || piece_loss_and_grads(session, chunk, seq, s, labels, i))
+                    let piece = (i, recompute);
+                    scope.spawn(move || piece_loss_and_grads(session, chunk, seq, s, labels, piece))
                 })
                 .collect();
             handles
@@ -122,15 +129,19 @@ impl LocalPass {
     }
 }
 
-/// Loss of one piece of a micro-batch times `scale`, and its gradients (f32).
+/// Loss of one piece of a micro-batch times `scale`, and its gradients (f32); `piece`: its
+/// number, and whether its blocks are recomputed in the backward pass.
 fn piece_loss_and_grads(
     session: &Session,
     chunk: &[Vec<u32>],
     seq: usize,
     scale: f64,
     labels: Labels,
-    piece: usize,
+    (piece, recompute): (usize, bool),
 ) -> (f32, Vec<Tensor<1>>) {
+    if let (true, Labels::Data { poison }) = (recompute, labels) {
+        return recomputed_loss_and_grads(session, chunk, seq, scale, poison && piece == 0);
+    }
     let device = session.device.clone().autodiff();
     let (model, params) = (&session.model, &session.params);
     let inputs = int_tensor(chunk, seq, &device);
@@ -169,6 +180,26 @@ fn piece_loss_and_grads(
     (value, grads)
 }
 
+/// [`piece_loss_and_grads`] with activation checkpointing: the stage-by-stage pass over this
+/// rank's whole weights, which keeps each block's input and recomputes the block in the
+/// backward pass (the same gradient bits). A poisoned batch (a debug fault) makes the loss
+/// and every gradient NaN, as in the whole-model pass.
+fn recomputed_loss_and_grads(
+    session: &Session,
+    chunk: &[Vec<u32>],
+    seq: usize,
+    scale: f64,
+    poison: bool,
+) -> (f32, Vec<Tensor<1>>) {
+    let (model, params) = (&session.model, &session.params);
+    let mut stages = LocalStages::new(model, params);
+    let inputs = int_tensor(chunk, seq, &session.device);
+    let targets = target_tensor(chunk, seq, &session.device);
+    let scale = if poison { f64::NAN } else { scale };
+    let loss = stagewise::loss_and_grads(model, &mut stages, inputs, targets, scale);
+    (loss, stages.into_grads())
+}
+
 /// Mean cross-entropy of the model's logits against labels sampled from its own softmax
 /// (drawn on the host from a seeded ChaCha8 stream, so reproducible on every backend).
 fn sampled_label_loss(
@@ -200,4 +231,57 @@ fn sampled_label_loss(
         .collect();
     let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
     logp.gather(1, labels).mean().neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// Recomputing each block in the backward pass gives the gradients and loss of keeping
+    /// its activations, bit for bit, on every compute-thread split.
+    #[test]
+    fn activation_checkpointing_gives_the_same_bits() {
+        let mut cfg = Config::default();
+        (cfg.model.d_model, cfg.model.n_layers, cfg.model.ffn_hidden) = (32, 3, 64);
+        (cfg.model.n_heads, cfg.model.n_kv_heads) = (4, 2);
+        cfg.training.seq_len = 16;
+        let session = Session::new(&cfg, 40).unwrap();
+        let rows: Vec<Vec<u32>> = (0..4u32)
+            .map(|r| (0..17).map(|i| (r * 7 + i * 3) % 40).collect())
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for threads in [1, 2] {
+            let pass = |checkpoint_blocks| {
+                let p = LocalPass {
+                    compute_threads: threads,
+                    checkpoint_blocks,
+                };
+                let mut read = |_| {
+                    Ok(MicroBatch {
+                        rows: rows.clone(),
+                        labels: Labels::Data { poison: false },
+                    })
+                };
+                let batches = MicroBatches {
+                    count: 2,
+                    seq: 16,
+                    read: &mut read,
+                };
+                let (loss, grads) = p.accumulate(&session, batches).unwrap();
+                let grads: Vec<Vec<f32>> = grads.iter().map(crate::tensor::to_vec).collect();
+                (loss, grads)
+            };
+            let (kept, recomputed) = (pass(false), pass(true));
+            assert_eq!(
+                kept.0.to_bits(),
+                recomputed.0.to_bits(),
+                "loss, {threads} threads"
+            );
+            assert_eq!(kept.1.len(), recomputed.1.len());
+            for (i, (a, b)) in kept.1.iter().zip(&recomputed.1).enumerate() {
+                assert_eq!(bits(a), bits(b), "gradient {i}, {threads} threads");
+            }
+        }
+    }
 }

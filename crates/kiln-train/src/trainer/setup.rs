@@ -14,7 +14,6 @@ use crate::config::Config;
 use crate::data::TrainData;
 use crate::error::{TrainError, io};
 use crate::model::session::{Session, sha256_hex};
-use crate::optim::Optimizer;
 use crate::parallel::shard::ShardPlan;
 use crate::run_dir::RunDir;
 use crate::state::{RunState, TrainState};
@@ -97,15 +96,8 @@ impl<'a> Trainer<'a> {
                 return Err(e);
             }
         };
-        let tokens = layout.global_batch() * layout.seq as u64;
-        let step = Step::new(&cfg, &session, layout, comm)?;
         let mut session = session;
-        keep_pieces(&step, &mut session);
-        let specs = session.model.specs();
-        let optimizer = match step.shard() {
-            Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, &session.device, plan.ranges()),
-            None => Optimizer::new(&cfg.optimizer, specs, &session.device, tokens),
-        };
+        let (step, optimizer) = Step::for_run(&cfg, &mut session, layout, comm)?;
         let facts = RunFacts::new(&cfg, &session);
         let id = Identity {
             model_hash: facts.model_hash.clone(),
@@ -190,17 +182,6 @@ impl<'a> Trainer<'a> {
         self.journal.emit(event::START, fields)?;
         self.guards.start(&self.run);
         Ok(())
-    }
-}
-
-/// With parameters sharded, `session` keeps only this rank's pieces of its parameters,
-/// copied out (a slice may be a view that keeps the whole tensor alive).
-fn keep_pieces(step: &Step, session: &mut Session) {
-    if let Some(plan) = step.parameter_shards() {
-        let pieces = plan.pieces(&session.params);
-        let lengths: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
-        let flat = crate::tensor::flatten(pieces, &[]);
-        session.params = crate::tensor::split(&flat, lengths, &session.device);
     }
 }
 

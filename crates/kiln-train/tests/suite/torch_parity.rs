@@ -6,7 +6,7 @@
 //! --test torch_parity -- --nocapture` (`scripts/peer-venv.sh` makes that venv). Without the
 //! variable the test says so and checks nothing else.
 //!
-//! Tolerances (the measured values are printed and in the README):
+//! Tolerances (the measured values are printed and in docs/training.md):
 //! - against `torch.optim.Muon`, which runs Newton-Schulz in bf16: the two-step update of
 //!   each Muon matrix within 2 % (relative Frobenius norm; measured 1.4 %) and every weight
 //!   within 1e-3 at lr 0.02 (measured 3.4e-4): bf16 rounding, not a different algorithm;

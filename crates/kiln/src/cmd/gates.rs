@@ -218,8 +218,9 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
         .unwrap_or(10);
     let config = smoke::smoke_config(&base, steps);
     // Refuse before spending minutes on a run that cannot be compared.
+    let ranks = kiln_topology::RankEnv::from_process_env()?.world_size as u64;
     if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config)
-        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), &a.baseline)
+        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), ranks, &a.baseline)
     {
         println!("{refusal}");
         return Ok(ExitCode::FAILURE);
@@ -233,7 +234,10 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
             );
         }
     };
-    let mut run = smoke::run(&config, &mut progress).context("smoke run")?;
+    let Some(mut run) = smoke::run(&config, &mut progress).context("smoke run")? else {
+        // Another rank trained beside rank 0, which compares and writes.
+        return Ok(ExitCode::SUCCESS);
+    };
     if a.bless {
         run.tolerance = a.tolerance;
         smoke::save(&run, &a.baseline)?;
@@ -356,6 +360,10 @@ pub fn lr_find(a: LrFindArgs) -> anyhow::Result<ExitCode> {
     let result = kiln_gates::lrfind::run(&config, &opts, &mut progress);
     shown.finish();
     let result = result?;
+    if !result.writer {
+        // One sweep over every rank: rank 0 reports and writes it.
+        return Ok(ExitCode::SUCCESS);
+    }
     let files = kiln_gates::lrfind::write_outputs(&result, &a.out)?;
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2e}"));
     println!(

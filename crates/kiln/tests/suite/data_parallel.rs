@@ -736,3 +736,127 @@ fn several_ranks_on_a_kiln_without_mpi_is_a_clear_config_error() {
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
     assert!(text(&out).contains("--features mpi"), "{}", text(&out));
 }
+
+/// `kiln launch --mpi --np N -- kiln VERB ARGS...` on the tiny model with `sets` (no run
+/// directory: the gates verbs write where their flags say).
+#[cfg(feature = "mpi")]
+fn launch_gate(np: usize, args: &[&str], sets: &[&str]) -> Output {
+    let mut cmd = Command::new(common::KILN);
+    let np = np.to_string();
+    cmd.args(["launch", "--mpi", "--np", &np, "--timeout", "120", "--"]);
+    cmd.arg(common::KILN).args(args);
+    for s in common::TINY_MODEL.iter().chain(sets) {
+        cmd.arg("--set").arg(s);
+    }
+    for v in [
+        "PBS_JOBID",
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
+        cmd.env_remove(v);
+    }
+    cmd.output().expect("spawn kiln launch")
+}
+
+/// The losses of an lr-find sweep written to `dir` (`lr-find.csv`: step,lr,loss,...).
+#[cfg(feature = "mpi")]
+fn sweep_losses(dir: &Path) -> Vec<f64> {
+    let csv = std::fs::read_to_string(dir.join("lr-find.csv")).expect("lr-find.csv");
+    csv.lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(2).and_then(|v| v.parse().ok()).expect(l))
+        .collect()
+}
+
+/// Relative difference of two loss curves, the largest over their steps.
+#[cfg(feature = "mpi")]
+fn worst_rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "{a:?}\n{b:?}");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs())
+        .fold(0.0, f64::max)
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn lr_find_is_one_data_parallel_sweep_over_all_ranks_written_by_rank_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sweep = ["--steps", "8", "--min", "1e-4", "--max", "1e-1"];
+    let one_dir = tmp.path().join("one");
+    let one_sets = ["training.batch_size=4", "training.threads=1"];
+    let mut args = vec!["lr-find", "--out", one_dir.to_str().unwrap()];
+    args.extend(sweep);
+    assert_ok(&launch_gate(1, &args, &one_sets));
+    let one = sweep_losses(&one_dir);
+    // Two ranks of batch 2 train on the one rank's batch of 4 (and three of batch 2 with
+    // parameters sharded on one of 6): every mode is the one data-parallel step.
+    for (np, mode) in [(2, "none"), (2, "parameters"), (3, "gradients")] {
+        let dir = tmp.path().join(format!("{np}-{mode}"));
+        let mut args = vec!["lr-find", "--out", dir.to_str().unwrap()];
+        args.extend(sweep);
+        let shard = format!("parallelism.shard={mode}");
+        let sets = ["training.batch_size=2", "training.threads=1", &shard];
+        let out = launch_gate(np, &args, &sets);
+        assert_ok(&out);
+        let t = text(&out);
+        assert_eq!(t.matches("suggested lr:").count(), 1, "rank 0 reports: {t}");
+        assert_eq!(
+            t.matches("wrote ").count(),
+            4,
+            "rank 0 writes its 4 files once: {t}"
+        );
+        let losses = sweep_losses(&dir);
+        eprintln!("{np} ranks, shard {mode}: {losses:?} (one rank: {one:?})");
+        if np == 2 {
+            // The same samples as one rank's batch of 4, averaged in another order.
+            let d = worst_rel(&one, &losses);
+            assert!(
+                d < 1e-4,
+                "{np} ranks, shard {mode}: {d:e}\n{one:?}\n{losses:?}"
+            );
+        }
+        assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    }
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn smoke_gates_several_ranks_with_rank_0_recording_and_a_baseline_per_rank_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let baseline = tmp.path().join("smoke-2.json");
+    let b = baseline.to_str().unwrap();
+    let sets = ["training.threads=1", "parallelism.shard=optimizer"];
+    let bless = ["smoke", "--bless", "--baseline", b, "--steps", "4"];
+    let out = launch_gate(2, &bless, &sets);
+    assert_ok(&out);
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&baseline).unwrap()).unwrap();
+    assert_eq!(saved["ranks"], 2, "{saved}");
+    let records = saved["records"].as_array().unwrap();
+    assert_eq!(records.len(), 4, "{saved}");
+    assert!(
+        records
+            .iter()
+            .all(|r| r["loss"].as_f64().is_some_and(f64::is_finite))
+    );
+    // The gate over both ranks passes against its own baseline, bit for bit.
+    let check = ["smoke", "--baseline", b];
+    let out = launch_gate(2, &check, &sets);
+    assert_ok(&out);
+    assert!(
+        text(&out).contains("smoke: PASS: 4 steps bit-identical"),
+        "{}",
+        text(&out)
+    );
+    // Three ranks (or one) are not the baseline's setup: refused, by name, before the run.
+    let out = launch_gate(3, &check, &sets);
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("ranks (data-parallel): baseline 2, this run 3"),
+        "{}",
+        text(&out)
+    );
+}

@@ -19,7 +19,7 @@
 //! config (run after it, so the whole test takes about 1.6 times KILN_SOAK_MINUTES; `kiln
 //! launch --mpi --np 2` locally for data-parallel), and the ledger is printed: `kiln
 //! status`, then the per-cause ETTR table and the per-fault table (detection time, resume
-//! tier, work lost) in Markdown, ready for the README, also written to `soak-table.md`
+//! tier, work lost) in Markdown, ready for bench/soak/results.md, also written to `soak-table.md`
 //! beside `soak-report.json`. The stall watchdog runs on its default (a
 //! multiple of the observed step time); liveness on the default heartbeat timeout.
 

@@ -257,3 +257,32 @@ fn print_config_shows_effective_values() {
         "{text}"
     );
 }
+
+/// Activation checkpointing recomputes each block in the backward pass and trains the same
+/// bits as keeping its activations (and the SIGKILLed run with it resumes exactly).
+#[test]
+fn activation_checkpointing_trains_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kept = reference(tmp.path());
+    let rd = tmp.path().join("recomputed");
+    let out = run_to_end(&rd, &["training.activation_checkpointing=blocks"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        final_files(&kept).0,
+        final_files(&rd).0,
+        "the weights differ with activation checkpointing"
+    );
+    let bad = train_cmd(
+        &tmp.path().join("bad"),
+        &["training.activation_checkpointing=some"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(bad.status.code(), Some(78));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("activation_checkpointing"), "{err}");
+}
