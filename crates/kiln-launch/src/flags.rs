@@ -137,6 +137,15 @@ pub struct LaunchRequest {
     )]
     pub backoff: String,
 
+    /// Keep the ranks' memory snapshots (the memory tier, in /dev/shm) on the nodes when the
+    /// launch ends, because the next launch of this run will start on the same nodes (a
+    /// batch script that launches again in its allocation, a workstation). Without it they
+    /// are removed on every node that ran an attempt once the launch ends for good: success,
+    /// recovery given up, a stop or the walltime (which checkpoint first), since the nodes
+    /// then go to the scheduler's next job and a chained job of this run starts elsewhere.
+    #[arg(long, help_heading = "Retries")]
+    pub keep_memory_tier: bool,
+
     /// Internal (kiln submit): most jobs of a batch chain; at the end of a resumable job kiln
     /// submits --chain-script again.
     #[arg(long, value_name = "K", hide = true)]
@@ -157,6 +166,10 @@ pub struct LaunchRequest {
     /// LOCAL_WORLD_SIZE from the launcher's variables, run PROGRAM and record its exit.
     #[arg(long)]
     pub as_rank: bool,
+    /// Internal, what runs once on each node when a launch ends: remove what the run's ranks
+    /// recorded in $KILN_PROGRESS_DIR as kept on this node.
+    #[arg(long, hide = true)]
+    pub release_node: bool,
 
     /// Everything after kiln's flags: `[LAUNCHER FLAGS] -- PROGRAM [ARGS...]` (parsed by the
     /// CLI as its trailing arguments).

@@ -168,6 +168,7 @@ pub fn outcome_json(
         "last_advance_time": o.last_advance_time,
         "progress": o.progress,
         "culprit_ranks": o.culprits,
+        "culprit_source": o.culprit_source,
         "rank_exits": o.rank_exits.iter().map(|r| json!({"rank": r.rank, "code": r.code, "signal": r.signal, "host": r.host, "time": r.time})).collect::<Vec<_>>(),
         "detect_s": o.detect_s,
         "kill_s": o.kill_s,

@@ -5,7 +5,9 @@
 //!   classifies the job by its ranks' exits and names the host of the rank that failed;
 //! - end whatever the program left behind (background processes, daemons that escaped with
 //!   `setsid`): a leftover holding the rank's stdout keeps `mpirun`/`srun` waiting, and the
-//!   job would look hung although every rank is done;
+//!   job would look hung although every rank is done; and remove its Open MPI
+//!   shared-memory segment, which a rank killed before `MPI_Finalize` leaves in `/dev/shm`
+//!   (see [`crate::mpi_shm`]);
 //! - exit with the program's code, or die of the program's signal.
 //!
 //! Signals the launcher sends the rank (SIGTERM before a kill, Slurm's `--signal`) are
@@ -161,6 +163,8 @@ pub fn run_as_rank(
         RankExit::Signal(s) => record(None, Some(s)),
     };
     end_leftovers(Pid::from_raw(pgid));
+    // A rank killed before MPI_Finalize leaves its Open MPI segment in /dev/shm (4 MiB).
+    crate::mpi_shm::remove_own_segment(env.local_rank);
     Ok(exit_to_launcher(exit, recorded))
 }
 

@@ -351,8 +351,9 @@ pub fn check(config: &Config, vocab: usize) -> Result<Estimate, ConfigError> {
 }
 
 /// [`check`] for a training rank whose memory snapshots go to `store`: they count too (see
-/// [`snapshot_bytes`]).
+/// [`snapshot_bytes`]), and `store` must be writable ([`crate::snapshot::check_store`]).
 pub fn check_run(config: &Config, vocab: usize, store: &Path) -> Result<Estimate, ConfigError> {
+    crate::snapshot::check_store(&config.checkpoint, store)?;
     let mut est = estimate(config, vocab);
     est.snapshots = snapshot_bytes(config, est.params, store);
     verdict(

@@ -302,6 +302,112 @@ fn memory_snapshots_on_tmpfs_count_in_the_memory_budget() {
     }
 }
 
+/// `sh -c SCRIPT` in a user and mount namespace of its own (`unshare -rm`), where it may
+/// mount; `None` when this machine allows no such namespace.
+fn in_own_mounts(script: &str) -> Option<Command> {
+    let ok = Command::new("unshare")
+        .args(["-rm", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then(|| {
+        let mut c = Command::new("unshare");
+        c.args(["-rm", "sh", "-c", script]);
+        c
+    })
+}
+
+/// Issue 46: `checkpoint.snapshot_dir` pointing at a regular file ran to exit 0 with a
+/// warning at every snapshot (20 in 60 steps), the key never named. It is refused at the
+/// start, exit 78, naming the key; with the tier off (`snapshot_interval = 0`) the same
+/// value is not used and the run goes on.
+#[test]
+fn a_snapshot_dir_that_is_a_regular_file_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("snapshots");
+    std::fs::write(&file, "not a directory").unwrap();
+    let set = format!("checkpoint.snapshot_dir={}", file.display());
+    let sets = ["training.steps=60", "training.threads=1", set.as_str()];
+    let r = run(train_cmd(&dir.path().join("run"), &sets), 120);
+    refused_with(
+        &r,
+        INVALID,
+        "snapshot_dir a regular file",
+        &[
+            "checkpoint.snapshot_dir",
+            "is not a directory",
+            "checkpoint.snapshot_interval = 0",
+        ],
+    );
+    assert!(!r.stderr.contains("memory snapshot failed"), "{}", r.stderr);
+    assert!(
+        !dir.path().join("run/metrics.jsonl").exists()
+            || std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+                .unwrap()
+                .is_empty(),
+        "it trained"
+    );
+    let off = [
+        "training.steps=2",
+        "checkpoint.snapshot_interval=0",
+        set.as_str(),
+    ];
+    let r = run(train_cmd(&dir.path().join("off"), &off), 120);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+/// Held out: a snapshot directory below a regular file, and a read-only directory (a
+/// read-only bind mount, which binds root too) on a run of other sizes.
+#[test]
+fn a_snapshot_dir_below_a_file_or_read_only_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
+    let below = dir.path().join("notes.txt/shm");
+    let set = format!("checkpoint.snapshot_dir={}", below.display());
+    let sets = [
+        "training.steps=9",
+        "checkpoint.snapshot_interval=3",
+        set.as_str(),
+    ];
+    let r = run(train_cmd(&dir.path().join("run"), &sets), 120);
+    refused_with(
+        &r,
+        INVALID,
+        "snapshot_dir below a file",
+        &["checkpoint.snapshot_dir", "notes.txt"],
+    );
+    let ro = dir.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    let cmd = train_cmd(
+        &dir.path().join("run2"),
+        &[
+            "training.steps=12",
+            "checkpoint.snapshot_interval=4",
+            &format!("checkpoint.snapshot_dir={}", ro.display()),
+        ],
+    );
+    let argv: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let script = format!(
+        "mount --bind '{d}' '{d}' && mount -o remount,bind,ro '{d}' && exec {}",
+        argv.join(" "),
+        d = ro.display()
+    );
+    let Some(ns) = in_own_mounts(&script) else {
+        eprintln!("no user namespace to mount a read-only directory in: read-only case not run");
+        return;
+    };
+    let r = run(ns, 120);
+    refused_with(
+        &r,
+        INVALID,
+        "read-only snapshot_dir",
+        &["checkpoint.snapshot_dir", "Read-only file system"],
+    );
+}
+
 #[test]
 fn a_megatron_corpus_without_a_vocab_record_needs_a_vocab_that_fits() {
     let dir = tempfile::tempdir().unwrap();
@@ -1061,4 +1167,63 @@ fn index_damage_is_a_data_error_when_the_data_is_opened() {
         ],
     );
     assert!(!r.stdout.contains("step=1"), "a step ran: {}", r.stdout);
+}
+
+/// Issue 46, held out with a real full disk (a small tmpfs in a mount namespace of the
+/// test's own): a checkpoint write that failed on it left `.tmp-step-<N>-<pid>` holding the
+/// space, so the retry on the same disk failed at once (`config.toml: No space left on
+/// device`). The failed write removes its files: the retry gets as far as the first run.
+#[test]
+fn a_checkpoint_that_fills_the_disk_leaves_the_space_for_the_retry() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let rd = disk.join("run");
+    // About 5 MB of weights and 10 MB of moments: the weights fit in 8 MB, the moments not.
+    let cmd = train_cmd(
+        &rd,
+        &[
+            "model.d_model=256",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.ffn_hidden=512",
+            "training.steps=2",
+            "training.threads=1",
+            "checkpoint.snapshot_interval=0",
+            "eval.interval=0",
+        ],
+    );
+    let argv: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let train = argv.join(" ");
+    let script = format!(
+        "mount -t tmpfs -o size=8m tmpfs '{d}' || exit 99; \
+         {train} 2>&1; echo \"first exit $?\"; \
+         echo left: $(ls -A '{r}/checkpoints'); \
+         {train} 2>&1; echo \"second exit $?\"",
+        d = disk.display(),
+        r = rd.display()
+    );
+    let Some(ns) = in_own_mounts(&script) else {
+        eprintln!("no user namespace to mount a small disk in: not run");
+        return;
+    };
+    let r = run(ns, 240);
+    let out = &r.stdout;
+    assert!(out.contains("first exit 1"), "{out}\n{}", r.stderr);
+    assert!(out.contains("No space left on device"), "{out}");
+    let left = out
+        .lines()
+        .find(|l| l.starts_with("left:"))
+        .unwrap_or_default();
+    assert!(!left.contains(".tmp-"), "{left}");
+    let second = out.split("left:").nth(1).unwrap_or_default();
+    assert!(second.contains("second exit 1"), "{out}");
+    assert!(
+        !second.contains("config.toml"),
+        "the retry failed at once on the space the first run left: {second}"
+    );
+    assert!(second.contains("checkpoints"), "{second}");
 }

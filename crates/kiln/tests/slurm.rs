@@ -584,3 +584,85 @@ fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
         "success"
     );
 }
+
+/// Issue 46 on a real scheduler: a two-node job whose ranks keep memory snapshots (in a
+/// snapshot directory of the test) ends at kiln's walltime (the ranks checkpoint and exit
+/// 75). kiln launch, on n1, removes the tier there itself and runs `kiln launch
+/// --release-node` through srun on n2: no rank's snapshots and no node record is left, and
+/// `nodes_released` names n2 as released through the launcher.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_end_of_a_job_releases_every_nodes_memory_tier_through_srun() {
+    let cluster = Cluster::start(2, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let shm = dir.join("shm");
+    let snapshot_dir = format!("checkpoint.snapshot_dir={}", shm.display());
+    let command = train_args_with(
+        &run,
+        1_000_000,
+        &[
+            "checkpoint.snapshot_interval=3",
+            "checkpoint.snapshot_keep=2",
+            snapshot_dir.as_str(),
+        ],
+    );
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "2",
+            "--spares",
+            "0",
+            "--time",
+            "10:00",
+            "--launch-arg=--walltime=25",
+            "--launch-arg=--timeout=60",
+        ],
+        &command,
+    );
+    wait_until(Duration::from_secs(120), "both ranks' snapshots", || {
+        (0..2).all(|r| {
+            std::fs::read_dir(&shm)
+                .ok()
+                .and_then(|mut d| d.next())
+                .and_then(Result::ok)
+                .is_some_and(|run_folder| {
+                    std::fs::read_dir(run_folder.path().join(format!("rank-{r}")))
+                        .is_ok_and(|mut steps| steps.next().is_some())
+                })
+        })
+    });
+    let state = cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    assert!(
+        matches!(state.as_str(), "COMPLETED" | "FAILED"),
+        "{state}: {out}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in the snapshot directory: {left:?}\n{out}"
+    );
+    let records: Vec<_> = std::fs::read_dir(run.join("progress"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("node-"))
+        .collect();
+    assert!(records.is_empty(), "{records:?}");
+    let ev = events(&run);
+    let released = named(&ev, "nodes_released");
+    assert_eq!(released.len(), 1, "{out}");
+    let r = &released[0].fields;
+    assert_eq!(r["kept"], false, "{r:?}");
+    assert_eq!(r["host"], "n1", "{r:?}");
+    assert_eq!(r["hosts"], serde_json::json!(["n2"]), "{r:?}");
+    assert_eq!(r["failed"], serde_json::json!([]), "{r:?}\n{out}");
+}
