@@ -580,7 +580,8 @@ impl<'a> Running<'a> {
     }
 
     /// The launch ended for good: removes what the ranks recorded as kept on their nodes
-    /// (the memory tier's snapshots, RAM in /dev/shm) on every node any attempt used, unless
+    /// (the memory tier's snapshots, RAM in /dev/shm; Open MPI segments of ranks that did
+    /// not finalise) on every node any attempt used; the snapshots stay when
     /// `--keep-memory-tier` says the next launch runs on the same nodes. Its own host's here;
     /// the other hosts' through the launcher, once per node (`kiln launch --release-node`).
     /// Quarantined hosts are left out (out of service). The `nodes_released` event says what
@@ -591,15 +592,13 @@ impl<'a> Running<'a> {
         if hosts.is_empty() {
             return;
         }
-        if self.req.keep_memory_tier {
-            let _ = self
-                .events
-                .emit(event::NODES_RELEASED, json!({"kept": true, "hosts": hosts}));
-            return;
-        }
+        let keep = self.req.keep_memory_tier;
         let me = kiln_run::this_host();
         let local = self.setup.launcher == Launcher::Local;
-        let here = kiln_run::node_state::release(progress, me);
+        let here = match keep {
+            true => kiln_run::node_state::release_mpi(progress, me),
+            false => kiln_run::node_state::release(progress, me),
+        };
         let files = quarantine_files(&self.dirs.run, &self.req.quarantine_file);
         let quarantined = quarantined_hosts(&files).unwrap_or_default();
         let (skipped, remote): (Vec<String>, Vec<String>) = hosts
@@ -625,7 +624,7 @@ impl<'a> Running<'a> {
         }
         let _ = self.events.emit(
             event::NODES_RELEASED,
-            json!({"kept": false, "host": me, "hosts": remote, "removed": removed,
+            json!({"kept": keep, "host": me, "hosts": remote, "removed": removed,
                    "failed": failed, "skipped_quarantined": skipped}),
         );
     }
@@ -646,7 +645,10 @@ impl<'a> Running<'a> {
             Ok(exe) => exe.display().to_string(),
             Err(e) => return (Vec::new(), Some(format!("{}: {e}", hosts.join(",")))),
         };
-        let command = vec![exe, "launch".into(), "--release-node".into()];
+        let mut command = vec![exe, "launch".into(), "--release-node".into()];
+        if self.req.keep_memory_tier {
+            command.push("--keep-memory-tier".into());
+        }
         let plan = match self.setup.plan_once_per_node(&targets, command) {
             Ok(p) => p,
             Err(e) => return (Vec::new(), Some(format!("{}: {e}", hosts.join(",")))),
@@ -804,15 +806,20 @@ pub struct NodeRelease {
 }
 
 /// `kiln launch --release-node`: removes what the run's ranks recorded in
-/// `$KILN_PROGRESS_DIR` as kept on this node, and prints a [`NodeRelease`] line. Exit 0, or
-/// 1 when something could not be removed.
-pub fn release_node() -> i32 {
+/// `$KILN_PROGRESS_DIR` as kept on this node (with `keep_memory_tier`, only the Open MPI
+/// segments), and prints a [`NodeRelease`] line. Exit 0, or 1 when something could not be
+/// removed.
+pub fn release_node(keep_memory_tier: bool) -> i32 {
     let host = kiln_run::this_host();
     let Some(dir) = env_var(PROGRESS_DIR_ENV).filter(|d| !d.is_empty()) else {
         eprintln!("kiln launch --release-node: {PROGRESS_DIR_ENV} is not set");
         return exit::USAGE;
     };
-    let r = kiln_run::node_state::release(std::path::Path::new(&dir), host);
+    let dir = std::path::Path::new(&dir);
+    let r = match keep_memory_tier {
+        true => kiln_run::node_state::release_mpi(dir, host),
+        false => kiln_run::node_state::release(dir, host),
+    };
     let report = NodeRelease {
         host: host.to_string(),
         removed: r

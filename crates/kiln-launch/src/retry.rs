@@ -740,6 +740,11 @@ impl Recovery<'_> {
             json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": self.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
+        // The Open MPI segments of ranks that did not finalise, on this host (the other
+        // hosts' go when the launch ends: see `kiln_run::node_state`).
+        if let Some(dir) = &cfg.progress_dir {
+            kiln_run::node_state::release_mpi(dir, kiln_run::this_host());
+        }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = self.diagnose(&outcome, plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);

@@ -129,6 +129,9 @@ pub fn run_as_rank(
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
+    if let Some(dir) = &progress_dir {
+        crate::mpi_shm::record_job(dir, env.rank);
+    }
     let mut cmd = rank_command(program, args, &env)?;
     let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
     if let Some((_, write)) = &beat_pipe {

@@ -189,7 +189,9 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         return Ok(as_rank(&flags));
     }
     if flags.release_node {
-        return Ok(super::exit_code(kiln_launch::release_node()));
+        return Ok(super::exit_code(kiln_launch::release_node(
+            flags.keep_memory_tier,
+        )));
     }
     match kiln_launch::launch(&flags, &print_attempt_end) {
         Ok(LaunchEnd::DryRun(text)) => {
