@@ -137,14 +137,15 @@ pub struct LaunchRequest {
     )]
     pub backoff: String,
 
-    /// Keep the ranks' memory snapshots (the memory tier, in /dev/shm) on the nodes when the
-    /// launch ends, because the next launch of this run will start on the same nodes (a
-    /// batch script that launches again in its allocation, a workstation). Without it they
-    /// are removed on every node that ran an attempt once the launch ends for good: success,
-    /// recovery given up, a stop or the walltime (which checkpoint first), since the nodes
-    /// then go to the scheduler's next job and a chained job of this run starts elsewhere.
-    #[arg(long, help_heading = "Retries")]
-    pub keep_memory_tier: bool,
+    /// What becomes of the ranks' memory snapshots (the memory tier, in /dev/shm: RAM) on the
+    /// nodes when the launch ends for good (success, recovery given up, a stop, the
+    /// walltime): `remove` them on every node an attempt used; `keep` them (the next launch
+    /// of this run starts on the same nodes: a batch script that launches again in its
+    /// allocation); `auto`: remove under a scheduler (the allocation ends with the job, and
+    /// a chained job starts on other nodes), keep without one (the same command resumes on
+    /// the same machines, and deletes the snapshots its persistent checkpoint made stale).
+    #[arg(long, value_name = "WHAT", value_parser = ["auto", "keep", "remove"], default_value = "auto", help_heading = "Retries")]
+    pub memory_tier_at_end: String,
 
     /// Internal (kiln submit): most jobs of a batch chain; at the end of a resumable job kiln
     /// submits --chain-script again.

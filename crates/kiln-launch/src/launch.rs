@@ -579,10 +579,26 @@ impl<'a> Running<'a> {
         .map_err(|e| LaunchError::Io(e.to_string()))
     }
 
+    /// Whether the memory tier stays on the nodes when the launch ends
+    /// (`--memory-tier-at-end`). `auto` tells a job that ends for good on its nodes from one
+    /// that will resume on them by the scheduler: under Slurm or PBS the allocation ends
+    /// with the job (the batch script runs one launch) and the next job of a chain lands on
+    /// whatever nodes the scheduler gives, so the snapshots go; without a scheduler the
+    /// machines outlive the launch and running the same command again resumes on them, so
+    /// they stay (that run deletes those its persistent checkpoint made stale, and a run
+    /// that completes deletes its own).
+    fn keeps_memory_tier(&self) -> bool {
+        match self.req.memory_tier_at_end.as_str() {
+            "keep" => true,
+            "remove" => false,
+            _ => matches!(self.setup.scheduler.value, Scheduler::None),
+        }
+    }
+
     /// The launch ended for good: removes what the ranks recorded as kept on their nodes
-    /// (the memory tier's snapshots, RAM in /dev/shm; Open MPI segments of ranks that did
-    /// not finalise) on every node any attempt used; the snapshots stay when
-    /// `--keep-memory-tier` says the next launch runs on the same nodes. Its own host's here;
+    /// (the memory tier's snapshots, RAM in /dev/shm, unless [`Self::keeps_memory_tier`];
+    /// Open MPI segments of ranks that did not finalise, always) on every node any attempt
+    /// used. Its own host's here;
     /// the other hosts' through the launcher, once per node (`kiln launch --release-node`).
     /// Quarantined hosts are left out (out of service). The `nodes_released` event says what
     /// went, and what could not.
@@ -592,7 +608,7 @@ impl<'a> Running<'a> {
         if hosts.is_empty() {
             return;
         }
-        let keep = self.req.keep_memory_tier;
+        let keep = self.keeps_memory_tier();
         let me = kiln_run::this_host();
         let local = self.setup.launcher == Launcher::Local;
         let here = match keep {
@@ -646,8 +662,8 @@ impl<'a> Running<'a> {
             Err(e) => return (Vec::new(), Some(format!("{}: {e}", hosts.join(",")))),
         };
         let mut command = vec![exe, "launch".into(), "--release-node".into()];
-        if self.req.keep_memory_tier {
-            command.push("--keep-memory-tier".into());
+        if self.keeps_memory_tier() {
+            command.push("--memory-tier-at-end=keep".into());
         }
         let plan = match self.setup.plan_once_per_node(&targets, command) {
             Ok(p) => p,
@@ -806,9 +822,9 @@ pub struct NodeRelease {
 }
 
 /// `kiln launch --release-node`: removes what the run's ranks recorded in
-/// `$KILN_PROGRESS_DIR` as kept on this node (with `keep_memory_tier`, only the Open MPI
-/// segments), and prints a [`NodeRelease`] line. Exit 0, or 1 when something could not be
-/// removed.
+/// `$KILN_PROGRESS_DIR` as kept on this node (with `keep_memory_tier`
+/// (`--memory-tier-at-end=keep`), only the Open MPI segments), and prints a [`NodeRelease`]
+/// line. Exit 0, or 1 when something could not be removed.
 pub fn release_node(keep_memory_tier: bool) -> i32 {
     let host = kiln_run::this_host();
     let Some(dir) = env_var(PROGRESS_DIR_ENV).filter(|d| !d.is_empty()) else {

@@ -48,7 +48,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
         0.01f64..1e3,
         1u32..10,
         proptest::option::of(0.0f64..1e6),
-        any::<bool>(),
+        prop::sample::select(vec!["auto", "keep", "remove"]),
     );
     (sizes, watch, rest).prop_map(|(s, w, r)| {
         LaunchRequest {
@@ -85,7 +85,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             chain: r.0,
             chain_script: r.1,
             run_dir: r.2,
-            keep_memory_tier: r.8,
+            memory_tier_at_end: r.8.into(),
             dry_run: r.4,
             as_rank: false,
             release_node: false,

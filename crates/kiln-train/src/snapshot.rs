@@ -8,8 +8,8 @@
 //! skipped rather than waited for: this tier must never stall the step. Retention keeps the
 //! newest `checkpoint.snapshot_keep`; a successful run deletes its folder, and under
 //! `kiln launch` each rank records the folder in `$KILN_PROGRESS_DIR` so that the launch
-//! removes it on every node when the job ends there for good (a failure after the last
-//! retry, a walltime stop: see `kiln launch --keep-memory-tier`). A resume that finds this
+//! removes it on every node when the job ends there for good (under a scheduler: a failure
+//! after the last retry, a walltime stop; see `kiln launch --memory-tier-at-end`). A resume that finds this
 //! lineage's snapshots older than the persistent checkpoint it resumes from deletes them
 //! ([`SnapshotStore::remove_stale`]), but for the guards' rollback point.
 //!

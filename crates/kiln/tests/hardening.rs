@@ -74,6 +74,7 @@ fn kiln(args: &[&str], dir: &Path) -> Command {
 const INVALID: i32 = kiln_run::exit::CONFIG;
 
 /// A clean refusal: exit 1, no panic or abort, and the message says each of `needles`.
+/// (Data verbs refuse bad input with [`INVALID`], as `kiln train` does: issue 46.)
 fn refused(r: &Run, what: &str, needles: &[&str]) {
     refused_with(r, 1, what, needles)
 }
@@ -241,8 +242,9 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate_and_the_key() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "data blend --samples 1e14",
         &["needs about", "lower the number of samples"],
     );
@@ -543,8 +545,9 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         30,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "FIFO shard",
         &["pipe.idx: is a FIFO, not a regular file"],
     );
@@ -576,14 +579,20 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
     // ... a corpus list that is itself /dev/zero, a manifest that is a FIFO.
     std::os::unix::fs::symlink("/dev/zero", d.join("zero-list.txt")).unwrap();
     let r = run(kiln(&["data", "verify", "zero-list.txt"], d), 30);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "list /dev/zero",
         &["zero-list.txt: is a character device"],
     );
     mkfifo(&d.join("list.txt.manifest.json"));
     let r = run(kiln(&["data", "verify", "list.txt"], d), 30);
-    refused(&r, "FIFO manifest", &["list.txt.manifest.json: is a FIFO"]);
+    refused_with(
+        &r,
+        INVALID,
+        "FIFO manifest",
+        &["list.txt.manifest.json: is a FIFO"],
+    );
 
     // A config naming /dev/zero as its task file, and a task file far too large.
     let mut cmd = train_cmd(
@@ -618,7 +627,7 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         30,
     );
-    refused(&r, "FIFO tokenizer", &["tok.json: is a FIFO"]);
+    refused_with(&r, INVALID, "FIFO tokenizer", &["tok.json: is a FIFO"]);
     // An input that never ends is refused before it is read (a regular file without
     // newlines is an error after a bounded read).
     let r = run(
@@ -637,8 +646,9 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "input /dev/zero",
         &["/dev/zero: is a character device, not a regular file"],
     );
@@ -707,8 +717,9 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "tokenize onto its input",
         &["is the input", "corpus.bin"],
     );
@@ -729,7 +740,12 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
         ),
         60,
     );
-    refused(&r, "train-tokenizer onto its input", &["is the input"]);
+    refused_with(
+        &r,
+        INVALID,
+        "train-tokenizer onto its input",
+        &["is the input"],
+    );
 
     // Bad flag values, checked by the verbs (kiln's CliError) and the gates
     // (kiln_gates::GatesError::Usage): usage errors, exit 2, before anything runs.
@@ -971,7 +987,7 @@ fn paths_that_are_fifos_are_refused_without_blocking() {
         ),
         30,
     );
-    refused(&r, "input FIFO", &["q: is a FIFO"]);
+    refused_with(&r, INVALID, "input FIFO", &["q: is a FIFO"]);
 }
 
 /// Runs `cmd` to its end and returns its exit code, stderr and peak resident memory (KiB):

@@ -542,14 +542,24 @@ fn tier_folders(shm: &Path) -> Vec<String> {
 }
 
 /// Issue 46: a launch that gives up after its retries left the memory tier's snapshots in
-/// the node's /dev/shm (RAM the next user of the node does not get back). Here its trainer
-/// is SIGKILLed in both attempts of `--retries 1`: once the launch ends for good, the
-/// run's folder is gone from the snapshot directory and `nodes_released` says so.
+/// the node's /dev/shm. Without a scheduler the default keeps them (the same command
+/// resumes on this machine: see the Slurm tests for the default under one); told to
+/// (`--memory-tier-at-end remove`), the launch removes them once it ends for good. Here its
+/// trainer is SIGKILLed in both attempts of `--retries 1`: the run's folder is gone from
+/// the snapshot directory and `nodes_released` says so.
 #[test]
-fn a_launch_that_gives_up_removes_its_memory_tier() {
+fn a_launch_that_gives_up_removes_its_memory_tier_when_told() {
     let tmp = tempfile::tempdir().unwrap();
     let (rd, shm) = (tmp.path().join("run"), tmp.path().join("shm"));
-    let mut job = launch_train(1, &rd, &shm, &["--retries", "1", "--backoff", "0.2"], &[])
+    let flags = [
+        "--retries",
+        "1",
+        "--backoff",
+        "0.2",
+        "--memory-tier-at-end",
+        "remove",
+    ];
+    let mut job = launch_train(1, &rd, &shm, &flags, &[])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -590,19 +600,19 @@ fn a_launch_that_gives_up_removes_its_memory_tier() {
     assert_eq!(r[0]["failed"], serde_json::json!([]), "{r:?}");
 }
 
-/// Held out: three ranks under mpirun that end at the walltime (they checkpoint and exit 75,
-/// and a chained job would start on other nodes): every rank's snapshots go; with
-/// `--keep-memory-tier` (the next launch runs on these nodes) they stay.
+/// Held out: three ranks under mpirun that end at the walltime (they checkpoint and exit 75).
+/// Without a scheduler the default keeps every rank's snapshots (this machine is where the
+/// same command resumes); `--memory-tier-at-end remove` removes them all.
 #[cfg(feature = "mpi")]
 #[test]
-fn a_launch_that_ends_at_the_walltime_removes_its_memory_tier_unless_kept() {
+fn a_launch_that_ends_at_the_walltime_keeps_its_memory_tier_only_where_it_resumes() {
     let tmp = tempfile::tempdir().unwrap();
-    for keep in [false, true] {
-        let rd = tmp.path().join(format!("run-{keep}"));
-        let shm = tmp.path().join(format!("shm-{keep}"));
+    for remove in [false, true] {
+        let rd = tmp.path().join(format!("run-{remove}"));
+        let shm = tmp.path().join(format!("shm-{remove}"));
         let mut flags = vec!["--walltime", "12", "--timeout", "120"];
-        if keep {
-            flags.push("--keep-memory-tier");
+        if remove {
+            flags.extend(["--memory-tier-at-end", "remove"]);
         }
         let mut job = launch_train(3, &rd, &shm, &flags, &["training.steps=1000000"])
             .stdout(Stdio::null())
@@ -611,16 +621,20 @@ fn a_launch_that_ends_at_the_walltime_removes_its_memory_tier_unless_kept() {
             .unwrap();
         wait_for_snapshots(&shm, 3, &mut job);
         let status = job.wait().unwrap();
-        assert_eq!(status.code(), Some(75), "keep={keep}: the walltime stop");
+        assert_eq!(
+            status.code(),
+            Some(75),
+            "remove={remove}: the walltime stop"
+        );
         let r = released(&rd);
-        assert_eq!(r.len(), 1, "keep={keep}: {r:?}");
-        assert_eq!(r[0]["kept"], keep, "{r:?}");
-        if keep {
+        assert_eq!(r.len(), 1, "remove={remove}: {r:?}");
+        assert_eq!(r[0]["kept"], !remove, "{r:?}");
+        if remove {
+            assert_eq!(tier_folders(&shm), Vec::<String>::new());
+        } else {
             let folders = tier_folders(&shm);
             assert_eq!(folders.len(), 1, "{folders:?}");
             assert!((0..3).all(|rank| !snapshot_steps(&shm, rank).is_empty()));
-        } else {
-            assert_eq!(tier_folders(&shm), Vec::<String>::new());
         }
     }
 }

@@ -585,11 +585,99 @@ fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
     );
 }
 
-/// Issue 46 on a real scheduler: a two-node job whose ranks keep memory snapshots (in a
-/// snapshot directory of the test) ends at its walltime (kiln submit's stop before the limit:
-/// the ranks checkpoint and exit 75). kiln launch, on n1, removes the tier there itself and runs `kiln launch
-/// --release-node` through srun on n2: no rank's snapshots and no node record is left, and
-/// `nodes_released` names n2 as released through the launcher.
+/// The steps of the memory snapshots rank `rank` holds in the snapshot directory `shm`.
+fn snapshots_in(shm: &Path, rank: usize) -> usize {
+    std::fs::read_dir(shm)
+        .ok()
+        .and_then(|mut d| d.next())
+        .and_then(Result::ok)
+        .and_then(|run_folder| {
+            std::fs::read_dir(run_folder.path().join(format!("rank-{rank}"))).ok()
+        })
+        .map_or(0, |steps| steps.count())
+}
+
+/// Issue 46: a job that gives up after its retries left its memory tier in the node's
+/// /dev/shm (RAM the next user of the node does not get back). Here a one-node job's
+/// trainer is SIGKILLed in both attempts of `--retries 1`; under a scheduler the allocation
+/// ends with the job, so by default its snapshots go: none is left, and `nodes_released`
+/// says what went.
+#[test]
+fn a_job_that_gives_up_after_its_retries_releases_its_memory_tier() {
+    let cluster = Cluster::start(1, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let shm = dir.join("shm");
+    let snapshot_dir = format!("checkpoint.snapshot_dir={}", shm.display());
+    let command = train_args_with(
+        &run,
+        1_000_000,
+        &["checkpoint.snapshot_interval=3", snapshot_dir.as_str()],
+    );
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "1",
+            "--spares",
+            "0",
+            "--time",
+            "10:00",
+            "--launch-arg=--retries=1",
+            "--launch-arg=--backoff=0.5",
+            "--launch-arg=--timeout=60",
+        ],
+        &command,
+    );
+    let mut killed = None;
+    for attempt in 1..=2 {
+        wait_until(
+            Duration::from_secs(120),
+            "the trainer and its snapshots",
+            || {
+                let pid = common::trainer_pid(&run, 0);
+                pid.is_some() && pid != killed && snapshots_in(&shm, 0) >= 1
+            },
+        );
+        let pid = common::trainer_pid(&run, 0).expect("the trainer");
+        // SAFETY: kill(2) on the trainer this test's cluster started.
+        assert_eq!(
+            unsafe { libc::kill(pid, libc::SIGKILL) },
+            0,
+            "attempt {attempt}"
+        );
+        killed = Some(pid);
+    }
+    cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    let ends = named(&events(&run), "attempt_end").len();
+    assert_eq!(ends, 2, "{out}");
+    let left: Vec<_> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in the snapshot directory: {left:?}\n{out}"
+    );
+    let ev = events(&run);
+    let released = named(&ev, "nodes_released");
+    assert_eq!(released.len(), 1, "{out}");
+    let r = &released[0].fields;
+    assert_eq!(r["kept"], false, "{r:?}");
+    assert_eq!(r["host"], "n1", "{r:?}");
+    assert_eq!(r["removed"].as_array().map(Vec::len), Some(1), "{r:?}");
+    assert_eq!(r["failed"], serde_json::json!([]), "{r:?}");
+}
+
+/// Held out: a two-node job whose ranks keep memory snapshots (in a snapshot directory of
+/// the test) ends at its walltime (kiln submit's stop before the limit: the ranks
+/// checkpoint and exit 75). kiln launch, on n1, removes the tier there itself and runs
+/// `kiln launch --release-node` through srun on n2: no rank's snapshots and no node record
+/// is left, and `nodes_released` names n2 as released through the launcher.
 #[cfg(feature = "mpi")]
 #[test]
 fn the_end_of_a_job_releases_every_nodes_memory_tier_through_srun() {

@@ -80,10 +80,13 @@ Node scope (--auto-retry, or --spares N):
   Node state: when the launch ends for good (success, recovery given up, a stop, the
   walltime), it removes the memory snapshots its ranks recorded (RUN_DIR/progress/node-*) on
   every node an attempt used but quarantined ones: its own host directly, the others through
-  the launcher, once per node (event nodes_released). A job that will resume on the same
-  nodes says so with --keep-memory-tier; a later job of a chain runs elsewhere, and a stop
-  checkpoints after its last snapshot, so neither needs them. Each rank shim removes its
-  rank's Open MPI shared-memory segment (/dev/shm/vader_segment.*) when the rank ends.
+  the launcher, once per node (event nodes_released). Whether the job resumes on the same
+  nodes decides (--memory-tier-at-end, default auto): under a scheduler the allocation ends
+  with the job and a chained job runs elsewhere, so they go; without one the same command
+  resumes on the same machines, so they stay (that run deletes the ones its persistent
+  checkpoint made stale). Open MPI shared-memory segments (/dev/shm/vader_segment.*) of ranks
+  that did not finalise always go: each shim removes its rank's, the launcher the rest of
+  each attempt's.
   Job scope (`kiln submit`) adds --chain/--chain-script: at the end of a batch job whose exit is
   75 or 69, if it made progress and the chain limit allows, kiln submits the next job.
 
@@ -190,7 +193,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     }
     if flags.release_node {
         return Ok(super::exit_code(kiln_launch::release_node(
-            flags.keep_memory_tier,
+            flags.memory_tier_at_end == "keep",
         )));
     }
     match kiln_launch::launch(&flags, &print_attempt_end) {
