@@ -599,9 +599,9 @@ fn snapshots_in(shm: &Path, rank: usize) -> usize {
 
 /// Issue 46: a job that gives up after its retries left its memory tier in the node's
 /// /dev/shm (RAM the next user of the node does not get back). Here a one-node job's
-/// trainer is SIGKILLed in both attempts of `--retries 1`; under a scheduler the allocation
-/// ends with the job, so by default its snapshots go: none is left, and `nodes_released`
-/// says what went.
+/// trainer is SIGKILLed in every attempt until recovery gives up; under a scheduler the
+/// allocation ends with the job, so by default its snapshots go: none is left, and
+/// `nodes_released` says what went.
 #[test]
 fn a_job_that_gives_up_after_its_retries_releases_its_memory_tier() {
     let cluster = Cluster::start(1, 2);
@@ -625,35 +625,36 @@ fn a_job_that_gives_up_after_its_retries_releases_its_memory_tier() {
             "0",
             "--time",
             "10:00",
-            "--launch-arg=--retries=1",
             "--launch-arg=--backoff=0.5",
             "--launch-arg=--timeout=60",
         ],
         &command,
     );
-    let mut killed = None;
-    for attempt in 1..=2 {
-        wait_until(
-            Duration::from_secs(120),
-            "the trainer and its snapshots",
-            || {
-                let pid = common::trainer_pid(&run, 0);
-                pid.is_some() && pid != killed && snapshots_in(&shm, 0) >= 1
-            },
+    // The first attempt's trainer once it holds a snapshot, then every later attempt's as
+    // soon as it starts: attempts that get no further make kiln's recovery give up.
+    let mut killed: Vec<i32> = Vec::new();
+    let t0 = std::time::Instant::now();
+    while named(&events(&run), "launch_end").is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "the launch never gave up: {}",
+            job_output(&run)
         );
-        let pid = common::trainer_pid(&run, 0).expect("the trainer");
-        // SAFETY: kill(2) on the trainer this test's cluster started.
-        assert_eq!(
-            unsafe { libc::kill(pid, libc::SIGKILL) },
-            0,
-            "attempt {attempt}"
-        );
-        killed = Some(pid);
+        let ready = !killed.is_empty() || snapshots_in(&shm, 0) >= 1;
+        if let Some(pid) = common::trainer_pid(&run, 0).filter(|p| !killed.contains(p))
+            && ready
+        {
+            // SAFETY: kill(2) on the trainer this test's cluster started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed.push(pid);
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
+    assert!(killed.len() >= 2, "{killed:?}");
     cluster.wait_job(&id, Duration::from_secs(240));
     let out = job_output(&run);
     let ends = named(&events(&run), "attempt_end").len();
-    assert_eq!(ends, 2, "{out}");
+    assert_eq!(ends, killed.len(), "{out}");
     let left: Vec<_> = std::fs::read_dir(&shm)
         .unwrap()
         .flatten()
