@@ -24,6 +24,15 @@ pub enum DataError {
         line: usize,
         reason: String,
     },
+    /// A bad record (line) of an input file being tokenized: its line and the byte offset
+    /// in the file where that line starts.
+    #[error("{}:{line}: {reason} (line {line} starts at byte {offset})", path.display())]
+    Record {
+        path: PathBuf,
+        line: usize,
+        offset: u64,
+        reason: String,
+    },
     /// A corpus list that is bad as a whole (empty, all weights zero, ...).
     #[error("{}: {reason}", path.display())]
     List { path: PathBuf, reason: String },
@@ -46,7 +55,42 @@ pub enum DataError {
     Invalid(String),
 }
 
+/// The exit code of each error, from kiln's table ([`kiln_run::exit`]): the input is wrong
+/// (a bad record, list, shard, tokenizer, or a file that is missing or unreadable as named):
+/// [`exit::CONFIG`], fix it and do not retry; other I/O (a full disk, a network file system
+/// that went away): [`exit::FAILURE`], which may be transient.
+impl kiln_run::exit::ExitCoded for DataError {
+    fn exit_code(&self) -> i32 {
+        DataError::exit_code(self)
+    }
+}
+
 impl DataError {
+    /// The process exit code for this error (see the [`kiln_run::exit::ExitCoded`] impl).
+    pub fn exit_code(&self) -> i32 {
+        use kiln_run::exit;
+        use std::io::ErrorKind as K;
+        match self {
+            DataError::Io { error, .. } => match error.kind() {
+                K::NotFound
+                | K::PermissionDenied
+                | K::InvalidData
+                | K::InvalidInput
+                | K::IsADirectory
+                | K::NotADirectory
+                | K::UnexpectedEof => exit::CONFIG,
+                _ => exit::FAILURE,
+            },
+            DataError::Format { .. }
+            | DataError::ListLine { .. }
+            | DataError::Record { .. }
+            | DataError::List { .. }
+            | DataError::ShardChanged { .. }
+            | DataError::Tokenizer { .. }
+            | DataError::Invalid(_) => exit::CONFIG,
+        }
+    }
+
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
         DataError::Io {
             path: path.to_path_buf(),
@@ -57,6 +101,15 @@ impl DataError {
     pub(crate) fn format(path: &Path, reason: impl Into<String>) -> Self {
         DataError::Format {
             path: path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn record(path: &Path, line: usize, offset: u64, reason: impl Into<String>) -> Self {
+        DataError::Record {
+            path: path.to_path_buf(),
+            line,
+            offset,
             reason: reason.into(),
         }
     }

@@ -91,7 +91,12 @@ struct OpenFile {
     path: PathBuf,
     reader: BufReader<File>,
     json: bool,
+    /// The number of the line last read (1-based; 0 before the first).
     line: usize,
+    /// The byte offset in the file where the line last read starts.
+    line_start: u64,
+    /// The byte offset of the next line.
+    offset: u64,
     done: bool,
 }
 
@@ -178,6 +183,8 @@ impl DocReader<'_> {
             reader: BufReader::with_capacity(1 << 20, file),
             json: ext == "jsonl" || ext == "json" || ext == "ndjson",
             line: 0,
+            line_start: 0,
+            offset: 0,
             done: false,
         });
         Ok(true)
@@ -187,27 +194,45 @@ impl DocReader<'_> {
 impl OpenFile {
     /// Reads the next line into `line` (cleared first); the bytes read, 0 at the end. Bounded,
     /// so that an input without newlines (/dev/zero, a binary file) is an error instead of a
-    /// read that fills memory.
+    /// read that fills memory. A line that is not UTF-8 is an error naming its line, where
+    /// the line starts and the offset of its first bad byte.
     fn read_line(&mut self, line: &mut String) -> Result<usize> {
         line.clear();
+        let mut bytes = Vec::new();
         let n = (&mut self.reader)
             .take(MAX_LINE_BYTES + 1)
-            .read_line(line)
+            .read_until(b'\n', &mut bytes)
             .map_err(|e| DataError::io(&self.path, e))?;
-        if n as u64 > MAX_LINE_BYTES {
-            return Err(DataError::line(
-                &self.path,
-                self.line + 1,
-                format!(
-                    "line longer than {} MiB; is this a text or JSONL file?",
-                    MAX_LINE_BYTES >> 20
-                ),
-            ));
+        if n == 0 {
+            return Ok(0);
         }
-        if n > 0 {
-            self.line += 1;
+        self.line += 1;
+        self.line_start = self.offset;
+        self.offset += n as u64;
+        if n as u64 > MAX_LINE_BYTES {
+            return Err(self.bad(format!(
+                "line longer than {} MiB; is this a text or JSONL file?",
+                MAX_LINE_BYTES >> 20
+            )));
+        }
+        match String::from_utf8(bytes) {
+            Ok(text) => *line = text,
+            Err(e) => {
+                let at = e.utf8_error().valid_up_to();
+                let byte = e.as_bytes().get(at).copied().unwrap_or(0);
+                return Err(self.bad(format!(
+                    "not valid UTF-8: byte 0x{byte:02x} at offset {} (column {}); convert the file to UTF-8 or drop the record",
+                    self.line_start + at as u64,
+                    at + 1
+                )));
+            }
         }
         Ok(n)
+    }
+
+    /// An error about the line last read: its file, number and where it starts.
+    fn bad(&self, reason: String) -> DataError {
+        DataError::record(&self.path, self.line, self.line_start, reason)
     }
 
     /// The string field `key` of the JSON object on `line` (the current line); `None` for a
@@ -216,14 +241,30 @@ impl OpenFile {
         if line.trim().is_empty() {
             return Ok(None);
         }
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            DataError::line(&self.path, self.line, format!("not a JSON object: {e}"))
-        })?;
-        let text = v.get(key).and_then(|t| t.as_str()).ok_or_else(|| {
-            let why = format!("no string field {key:?} (choose the field with --json-key)");
-            DataError::line(&self.path, self.line, why)
-        })?;
-        Ok(Some(text.to_string()))
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| self.bad(format!("not a JSON object: {e}")))?;
+        match v.get(key) {
+            Some(serde_json::Value::String(text)) => Ok(Some(text.clone())),
+            Some(other) => Err(self.bad(format!(
+                "field {key:?} is {}, not a string (choose the field with --json-key)",
+                json_kind(other)
+            ))),
+            None => Err(self.bad(format!(
+                "no string field {key:?} (choose the field with --json-key)"
+            ))),
+        }
+    }
+}
+
+/// What kind of JSON value `v` is, for an error message.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 
@@ -348,8 +389,14 @@ pub fn train_bpe(src: &DocSource, opts: &TrainOptions, output: &Path) -> Result<
     }
     let tokenizer: Tokenizer = tokenizer.into();
     let tmp = crate::indexed::tmp_name(output);
-    tokenizer.save(&tmp, true).map_err(tok_err)?;
-    std::fs::rename(&tmp, output).map_err(|e| DataError::io(output, e))?;
+    let saved = tokenizer
+        .save(&tmp, true)
+        .map_err(tok_err)
+        .and_then(|()| std::fs::rename(&tmp, output).map_err(|e| DataError::io(output, e)));
+    if saved.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    saved?;
     Ok(tokenizer)
 }
 
@@ -491,6 +538,72 @@ pub fn tokenize(
     };
     prepare_output(tokenizer_path, src, output_prefix)?;
     let dtype = DType::optimal(vocab);
+    let written = write_dataset(&tok, tokenizer_path, src, output_prefix, opts, (eos, dtype));
+    if written.is_err() {
+        remove_partial_outputs(output_prefix);
+    }
+    let (stats, sidecar) = written?;
+    if let Err(e) = sidecar.write(output_prefix) {
+        // The dataset without its record is not what was asked for: no output at all.
+        for path in [
+            crate::indexed::bin_path(output_prefix),
+            crate::indexed::idx_path(output_prefix),
+        ] {
+            let _ = std::fs::remove_file(path);
+        }
+        remove_partial_outputs(output_prefix);
+        return Err(e);
+    }
+    Ok(stats)
+}
+
+/// Deletes what this process left of an unfinished dataset at `prefix`: the temporary
+/// `PREFIX.bin`/`.idx`/`.kiln.json` files it was writing (another process's are untouched).
+fn remove_partial_outputs(prefix: &Path) {
+    let finals = [
+        crate::indexed::bin_path(prefix),
+        crate::indexed::idx_path(prefix),
+        sidecar_path(prefix),
+    ];
+    for path in finals {
+        remove_own_tmp_files(&path);
+    }
+}
+
+/// Deletes this process's temporary siblings of `path` (`PATH.tmp.<pid>.<n>`, see
+/// [`crate::indexed::tmp_name`]).
+fn remove_own_tmp_files(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let own = format!("{}.tmp.{}.", name.to_string_lossy(), std::process::id());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.filter_map(std::result::Result::ok) {
+        if e.file_name().to_string_lossy().starts_with(&own) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Tokenizes every document of `src` into the dataset at `output_prefix` (published under
+/// its real names), and says what it wrote and the sidecar to record beside it.
+fn write_dataset(
+    tok: &Tokenizer,
+    tokenizer_path: &Path,
+    src: &DocSource,
+    output_prefix: &Path,
+    opts: &TokenizeOptions,
+    (eos, dtype): (Option<u32>, DType),
+) -> Result<(TokenizeStats, Sidecar)> {
+    let vocab = tok.get_vocab_size(true);
+    let sha = crate::fingerprint::full(tokenizer_path, |_| {})?;
     let mut builder = IndexedDatasetBuilder::create(output_prefix, dtype)?;
     let t0 = Instant::now();
     let total = src.total_bytes();
@@ -510,7 +623,7 @@ pub fn tokenize(
         let encoded: Vec<Result<Vec<u32>>> = texts
             .par_iter()
             .map(|t| {
-                let mut ids = encode_pieces(&tok, t, PIECE_BYTES).map_err(enc_err)?;
+                let mut ids = encode_pieces(tok, t, PIECE_BYTES).map_err(enc_err)?;
                 ids.extend(eos);
                 Ok(ids)
             })
@@ -532,7 +645,6 @@ pub fn tokenize(
     let tokens = builder.tokens();
     builder.finish()?;
     let seconds = t0.elapsed().as_secs_f64();
-    let sha = crate::fingerprint::full(tokenizer_path, |_| {})?;
     let sidecar = Sidecar {
         vocab_size: vocab,
         eos_id: eos,
@@ -541,8 +653,7 @@ pub fn tokenize(
         tokens,
         dtype,
     };
-    sidecar.write(output_prefix)?;
-    Ok(TokenizeStats {
+    let stats = TokenizeStats {
         documents: docs,
         tokens,
         input_bytes: reader.bytes(),
@@ -550,7 +661,8 @@ pub fn tokenize(
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,
         split_documents: split,
-    })
+    };
+    Ok((stats, sidecar))
 }
 
 /// Refuses an output that would overwrite an input (a source file or the tokenizer), and
@@ -588,12 +700,18 @@ fn next_batch(reader: &mut DocReader<'_>, batch: usize) -> Result<Vec<String>> {
 }
 
 impl Sidecar {
-    /// Writes this sidecar beside the dataset at `prefix`.
+    /// Writes this sidecar beside the dataset at `prefix` (a temporary name, then a rename:
+    /// a failed write leaves no half-written record).
     fn write(&self, prefix: &Path) -> Result<()> {
         let path = sidecar_path(prefix);
         let text = serde_json::to_string_pretty(self)
             .map_err(|e| DataError::format(&path, e.to_string()))?;
-        std::fs::write(&path, text + "\n").map_err(|e| DataError::io(&path, e))
+        let tmp = crate::indexed::tmp_name(&path);
+        let written = std::fs::write(&tmp, text + "\n").and_then(|()| std::fs::rename(&tmp, &path));
+        written.map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            DataError::io(&path, e)
+        })
     }
 }
 

@@ -5,6 +5,10 @@
 //! copies back; with bucketed calls the scratch stays one bucket long. The gradient path
 //! reduces into a buffer of its own instead (`all_reduce_sum_f32_into`), without that copy.
 //!
+//! Every blocking call is marked with [`kiln_run::collective::waiting`]: a rank that waits
+//! long on the others says so in its progress beacon, so a hang names the rank that is not
+//! in the collective.
+//!
 //! Empty buffers are never handed to MPI: an empty `Vec<u8>`'s pointer is the dangling
 //! `0x1`, which OpenMPI takes for `MPI_IN_PLACE` and rejects (MPI_ERR_ARG). Every rank
 //! knows the length, so every rank skips the same call.
@@ -84,6 +88,7 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         let mut scratch = self.scratch_f32.borrow_mut();
         scratch.clear();
         scratch.resize(buf.len(), 0.0);
@@ -95,6 +100,7 @@ impl Collective for Mpi {
         if send.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         self.world
             .all_reduce_into(send, recv, SystemOperation::sum());
     }
@@ -102,6 +108,7 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         let mut out = vec![0.0f64; buf.len()];
         self.world
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::sum());
@@ -111,6 +118,7 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         let mut out = vec![0u64; buf.len()];
         self.world
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::max());
@@ -120,6 +128,7 @@ impl Collective for Mpi {
         if recv.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         self.world
             .reduce_scatter_block_into(send, recv, SystemOperation::sum());
     }
@@ -127,9 +136,11 @@ impl Collective for Mpi {
         if send.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         self.world.all_gather_into(send, recv);
     }
     fn all_gather_u64(&self, value: u64) -> Vec<u64> {
+        let _waiting = kiln_run::collective::waiting();
         let mut out = vec![0u64; self.size()];
         self.world.all_gather_into(&value, &mut out[..]);
         out
@@ -138,9 +149,11 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
+        let _waiting = kiln_run::collective::waiting();
         self.world.process_at_rank(root as i32).broadcast_into(buf);
     }
     fn barrier(&self) {
+        let _waiting = kiln_run::collective::waiting();
         self.world.barrier();
     }
     fn abort(&self, code: i32) -> ! {

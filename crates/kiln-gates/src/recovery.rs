@@ -64,8 +64,9 @@ pub fn fault_lines(l: &Ledger) -> String {
             _ => "not resumed".into(),
         };
         let lost = match (f.lost_steps, f.lost_s) {
-            (Some(n), Some(s)) => format!("; {n} step(s) lost = {s:.1} s"),
-            (Some(n), None) => format!("; {n} step(s) lost"),
+            (Some(n), Some(s)) => format!("; {s:.1} s of work lost ({n} step(s) redone)"),
+            (None, Some(s)) => format!("; {s:.1} s of work lost"),
+            (Some(n), None) => format!("; {n} step(s) redone"),
             _ => String::new(),
         };
         out.push_str(&format!(
@@ -174,7 +175,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("attempt 1 at 10.0 s: no-heartbeat, rank 1 on n2: detected in 1.00 s (+0.25 s to stop the ranks); resumed from memory at step 100; 3 step(s) lost = 0.1 s"),
+            text.contains("attempt 1 at 10.0 s: no-heartbeat, rank 1 on n2: detected in 1.00 s (+0.25 s to stop the ranks); resumed from memory at step 100; 0.1 s of work lost (3 step(s) redone)"),
             "{text}"
         );
         assert!(text.contains("attempt 5 at 50.0 s: no-heartbeat, rank 1 on n2: detection time not recorded; not resumed"), "{text}");

@@ -166,7 +166,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     out.push_str(&progress_lines(&metrics, total));
     out.push_str(&eval_line(&metrics));
     out.push_str(&checkpoints_line(run_dir));
-    out.push_str(&event_lines(&events));
+    out.push_str(&event_lines(&events, saved_checkpoints(run_dir, &events)));
     out.push_str(&goodput(&events));
     Ok(out)
 }
@@ -223,9 +223,34 @@ fn checkpoints_line(run_dir: &Path) -> String {
     format!("checkpoints: {list}{final_weights}\n")
 }
 
-/// Counts of starts, resumes and saves, the guards' events (the last five in full), and the
-/// last exit.
-fn event_lines(events: &[kiln_run::Event]) -> String {
+/// How many persistent checkpoints the run saved: the steps of its `checkpoint_saved`
+/// events, and of the checkpoints that are on disk or that an attempt resumed from without
+/// such an event (a rank killed after the checkpoint was published but before the event was
+/// written), each counted once.
+fn saved_checkpoints(run_dir: &Path, events: &[kiln_run::Event]) -> usize {
+    let step = |e: &kiln_run::Event| e.fields.get("step").and_then(Value::as_u64);
+    let persistent_resume = |e: &&kiln_run::Event| {
+        e.event == event::RESUME
+            && e.fields
+                .get("tier")
+                .and_then(Value::as_str)
+                .is_none_or(|t| t == event::tier::PERSISTENT)
+    };
+    let mut steps: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter(|e| e.event == event::CHECKPOINT_SAVED)
+        .chain(events.iter().filter(persistent_resume))
+        .filter_map(step)
+        .collect();
+    steps.extend(kiln_train::checkpoint::list_steps(
+        &run_dir.join(layout::CHECKPOINTS),
+    ));
+    steps.len()
+}
+
+/// Counts of starts, resumes and saves (`saved`: see [`saved_checkpoints`]), the guards'
+/// events (the last five in full), and the last exit.
+fn event_lines(events: &[kiln_run::Event], saved: usize) -> String {
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for e in events {
         *counts.entry(e.event.as_str()).or_default() += 1;
@@ -235,7 +260,7 @@ fn event_lines(events: &[kiln_run::Event]) -> String {
         "attempts: {} start(s), {} resume(s), {} checkpoint(s) saved\n",
         count(event::START),
         count(event::RESUME),
-        count(event::CHECKPOINT_SAVED)
+        saved
     );
     let guards: Vec<String> = GUARD_EVENTS
         .iter()
@@ -526,5 +551,85 @@ mod tests {
         assert!(e.contains("metrics.jsonl line 1"), "{e}");
         let e = status(&dir.path().join("nope")).unwrap_err().to_string();
         assert!(e.contains("no such run directory"), "{e}");
+    }
+
+    /// A run directory with `events` (`(time, event, fields)`, from the trainer) and the
+    /// checkpoint directories of `on_disk`.
+    fn run_with(events: &[(f64, &str, Value)], on_disk: &[u64]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let lines: String = events
+            .iter()
+            .map(|(t, name, fields)| {
+                let mut line = serde_json::json!({"time": t, "source": "train", "event": name});
+                if let (Some(l), Value::Object(f)) = (line.as_object_mut(), fields) {
+                    l.extend(f.clone());
+                }
+                format!("{line}\n")
+            })
+            .collect();
+        std::fs::write(dir.path().join(layout::EVENTS), lines).unwrap();
+        std::fs::write(dir.path().join(layout::METRICS), "").unwrap();
+        for s in on_disk {
+            let ck = dir
+                .path()
+                .join(layout::CHECKPOINTS)
+                .join(layout::checkpoint_dir(s));
+            std::fs::create_dir_all(ck).unwrap();
+        }
+        dir
+    }
+
+    fn saved_line(dir: &Path) -> String {
+        let text = status(dir).unwrap();
+        text.lines()
+            .find(|l| l.starts_with("attempts: "))
+            .unwrap()
+            .to_string()
+    }
+
+    /// Issue 46: a rank killed right after the checkpoint of step 30 was published but
+    /// before its `checkpoint_saved` event; the next attempt resumed from it. `kiln status`
+    /// counted one checkpoint fewer than exist.
+    #[test]
+    fn a_checkpoint_published_without_its_event_is_counted() {
+        use serde_json::json;
+        let events = [
+            (1.0, event::START, json!({"step": 0})),
+            (2.0, event::CHECKPOINT_SAVED, json!({"step": 10})),
+            (3.0, event::CHECKPOINT_SAVED, json!({"step": 20})),
+            (5.0, event::START, json!({"step": 30})),
+            (
+                5.1,
+                event::RESUME,
+                json!({"step": 30, "tier": "persistent"}),
+            ),
+            (6.0, event::CHECKPOINT_SAVED, json!({"step": 40})),
+        ];
+        let dir = run_with(&events, &[20, 30, 40]);
+        let line = saved_line(dir.path());
+        assert!(line.ends_with("4 checkpoint(s) saved"), "{line}");
+    }
+
+    /// Held out: other steps and tiers. A resume from memory is no checkpoint; a checkpoint
+    /// on disk without an event that nothing resumed from (the run's last, its writer killed)
+    /// counts; pruned ones count by their events; none is counted twice.
+    #[test]
+    fn saved_checkpoints_count_each_step_once_from_every_trace() {
+        use serde_json::json;
+        let events = [
+            (1.0, event::START, json!({"step": 0})),
+            (2.0, event::CHECKPOINT_SAVED, json!({"step": 7})),
+            (3.0, event::CHECKPOINT_SAVED, json!({"step": 14})),
+            (4.0, event::START, json!({"step": 18})),
+            (4.1, event::RESUME, json!({"step": 18, "tier": "memory"})),
+            (5.0, event::CHECKPOINT_SAVED, json!({"step": 21})),
+            (6.0, event::START, json!({"step": 21})),
+            (6.1, event::RESUME, json!({"step": 21})),
+        ];
+        let dir = run_with(&events, &[14, 21, 28]);
+        let line = saved_line(dir.path());
+        assert!(line.ends_with("4 checkpoint(s) saved"), "{line}");
+        let none = run_with(&[(1.0, event::START, json!({"step": 0}))], &[]);
+        assert!(saved_line(none.path()).ends_with(" 0 checkpoint(s) saved"));
     }
 }

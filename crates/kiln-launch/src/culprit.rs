@@ -50,8 +50,9 @@ pub struct Evidence {
     pub host: String,
     /// What it is blamed for.
     pub cause: Cause,
-    /// Where the evidence came from (`scheduler`, `log:<pattern>`, `beacon`, `exit-record`,
-    /// `event`).
+    /// Where the evidence came from: `scheduler`, `log:<pattern>`, `event`, or for a rank one
+    /// of [`crate::evidence_source`] (`beacon`, `output`, `liveness`, `heartbeat`,
+    /// `exit-record`, `exit-status`).
     pub source: String,
     /// The line or fact, for the operator.
     pub detail: String,
@@ -295,16 +296,29 @@ impl Witness<'_> {
             .collect()
     }
 
-    /// The hosts of the ranks that stopped advancing first.
+    /// The hosts of the ranks that stopped advancing first (or lost their heartbeat), each
+    /// labelled with where that was seen.
     fn hangs(&self) -> Vec<Evidence> {
+        use crate::supervise::source;
+        let from = self.outcome.culprit_source.unwrap_or("watchdog");
         let culprits = self.outcome.culprits.iter();
         culprits
             .filter_map(|&rank| {
+                let detail = match from {
+                    source::LIVENESS => format!(
+                        "rank {rank} stopped advancing with the others, and its process was stopped or idle while theirs ran"
+                    ),
+                    source::HEARTBEAT => format!("rank {rank} sent no heartbeat"),
+                    source::EXIT_RECORD | source::EXIT_STATUS => {
+                        format!("rank {rank} failed first")
+                    }
+                    _ => format!("rank {rank} stopped advancing first"),
+                };
                 Some(Evidence {
                     host: self.host_of_rank(rank)?,
                     cause: Cause::Hang,
-                    source: "beacon".into(),
-                    detail: format!("rank {rank} stopped advancing first"),
+                    source: from.into(),
+                    detail,
                 })
             })
             .collect()
@@ -531,6 +545,7 @@ mod tests {
         let mut o = failed();
         o.classification = Classification::HungStalled;
         o.culprits = vec![1];
+        o.culprit_source = Some(crate::supervise::source::OUTPUT);
         o.progress = vec![crate::supervise::RankProgress {
             rank: Some(1),
             step: 3,
@@ -544,6 +559,8 @@ mod tests {
             (d.cause.as_str(), d.hosts.clone()),
             ("hang", vec!["n3".to_string()])
         );
+        // Labelled with where it came from, not always `beacon`.
+        assert_eq!(d.evidence[0].source, "output");
         // Every rank stalled at once: nobody is named.
         o.culprits = vec![0, 1, 2];
         o.progress.clear();

@@ -137,6 +137,16 @@ pub struct LaunchRequest {
     )]
     pub backoff: String,
 
+    /// What becomes of the ranks' memory snapshots (the memory tier, in /dev/shm: RAM) on the
+    /// nodes when the launch ends for good (success, recovery given up, a stop, the
+    /// walltime): `remove` them on every node an attempt used; `keep` them (the next launch
+    /// of this run starts on the same nodes: a batch script that launches again in its
+    /// allocation); `auto`: remove under a scheduler (the allocation ends with the job, and
+    /// a chained job starts on other nodes), keep without one (the same command resumes on
+    /// the same machines, and deletes the snapshots its persistent checkpoint made stale).
+    #[arg(long, value_name = "WHAT", value_parser = ["auto", "keep", "remove"], default_value = "auto", help_heading = "Retries")]
+    pub memory_tier_at_end: String,
+
     /// Internal (kiln submit): most jobs of a batch chain; at the end of a resumable job kiln
     /// submits --chain-script again.
     #[arg(long, value_name = "K", hide = true)]
@@ -157,6 +167,10 @@ pub struct LaunchRequest {
     /// LOCAL_WORLD_SIZE from the launcher's variables, run PROGRAM and record its exit.
     #[arg(long)]
     pub as_rank: bool,
+    /// Internal, what runs once on each node when a launch ends: remove what the run's ranks
+    /// recorded in $KILN_PROGRESS_DIR as kept on this node.
+    #[arg(long, hide = true)]
+    pub release_node: bool,
 
     /// Everything after kiln's flags: `[LAUNCHER FLAGS] -- PROGRAM [ARGS...]` (parsed by the
     /// CLI as its trailing arguments).

@@ -15,6 +15,7 @@ mod health;
 mod heartbeat;
 mod launch;
 mod limits;
+mod mpi_shm;
 mod plan;
 mod pool;
 mod probe;
@@ -39,7 +40,8 @@ pub use flags::{TopologyFlags, kiln_flags};
 pub use groups::become_subreaper;
 pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
 pub use launch::{
-    LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus, split_command,
+    LaunchEnd, LaunchError, LaunchRequest, NodeRelease, default_run_dir, launch, local_cpus,
+    release_node, split_command,
 };
 pub use limits::seconds as limits_seconds;
 pub use limits::{
@@ -71,4 +73,5 @@ pub use submit::{
     BatchScheduler, CHAIN_INDEX_ENV, ChainJob, SubmitError, SubmitRequest, Submitted, batch_script,
     continue_chain, launch_argv, parse_time, shell_quote, shell_quote_bytes, submit, submit_script,
 };
+pub use supervise::source as evidence_source;
 pub use supervise::{AttemptConfig, AttemptOutcome, RankProgress, SuperviseError, run_attempt};

@@ -168,6 +168,7 @@ pub fn outcome_json(
         "last_advance_time": o.last_advance_time,
         "progress": o.progress,
         "culprit_ranks": o.culprits,
+        "culprit_source": o.culprit_source,
         "rank_exits": o.rank_exits.iter().map(|r| json!({"rank": r.rank, "code": r.code, "signal": r.signal, "host": r.host, "time": r.time})).collect::<Vec<_>>(),
         "detect_s": o.detect_s,
         "kill_s": o.kill_s,
@@ -739,6 +740,11 @@ impl Recovery<'_> {
             json!({"attempt": attempt, "argv": argv, "hosts": plan.hosts, "spares": self.scope.pool.spare_names(), "np": plan.sizes.np, "log": log_name}),
         );
         let outcome = run_attempt(&cfg, stop)?;
+        // The Open MPI segments of ranks that did not finalise, on this host (the other
+        // hosts' go when the launch ends: see `kiln_run::node_state`).
+        if let Some(dir) = &cfg.progress_dir {
+            kiln_run::node_state::release_mpi(dir, kiln_run::this_host());
+        }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = self.diagnose(&outcome, plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);

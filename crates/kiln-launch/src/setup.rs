@@ -422,7 +422,8 @@ impl Setup {
                 .iter()
                 .zip(&self.hosts.value)
                 .all(|(a, b)| a.name == b.name);
-        let (hostfile, hostfile_to_write) = self.hostfile_for(hosts, all_hosts);
+        let (hostfile, hostfile_to_write) =
+            self.hostfile_for(hosts, all_hosts, kiln_run::layout::HOSTFILE);
         let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
         let p = &self.planning;
         let mut req = p.template.clone();
@@ -447,12 +448,59 @@ impl Setup {
         })
     }
 
+    /// The processes that run `command` once on each of `hosts` (a subset of the
+    /// allocation), through the attempts' launcher (no rank shim, no binding, no GPUs): how a
+    /// launch releases its nodes at the end. Its hostfile, when it needs one, is
+    /// [`kiln_run::layout::RELEASE_HOSTFILE`].
+    pub fn plan_once_per_node(
+        &self,
+        hosts: &[Host],
+        command: Vec<String>,
+    ) -> Result<AttemptPlan, PlanError> {
+        if hosts.is_empty() {
+            return Err(PlanError("no host to run on".into()));
+        }
+        let n = hosts.len();
+        let all_hosts = n == self.hosts.value.len()
+            && hosts
+                .iter()
+                .zip(&self.hosts.value)
+                .all(|(a, b)| a.name == b.name);
+        let (hostfile, hostfile_to_write) =
+            self.hostfile_for(hosts, all_hosts, kiln_run::layout::RELEASE_HOSTFILE);
+        let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
+        let mut req = self.planning.template.clone();
+        req.sizes = Sizes {
+            np: n,
+            ppn: 1,
+            nnodes: n,
+        };
+        req.hosts = hosts.to_vec();
+        req.hostfile = hostfile;
+        req.explicit_hosts = true;
+        req.cpu_bind = None;
+        req.gpus_per_node = 0;
+        req.rank_shim = Vec::new();
+        req.command = command;
+        let attempt = attempt_token();
+        req.exports = self.exports(&names, &attempt);
+        Ok(AttemptPlan {
+            sizes: req.sizes,
+            procs: build_plan(&req)?,
+            hostfile_to_write,
+            hosts: names,
+            attempt,
+        })
+    }
+
     /// The hostfile mpiexec or mpirun reads for `hosts` (`all_hosts`: the whole allocation),
-    /// and the one kiln must write first, if any: (path, contents).
+    /// and the one kiln must write first (named `name` in the run directory), if any:
+    /// (path, contents).
     fn hostfile_for(
         &self,
         hosts: &[Host],
         all_hosts: bool,
+        name: &str,
     ) -> (Option<PathBuf>, Option<(PathBuf, String)>) {
         let p = &self.planning;
         let ppn = self.sizes.ppn;
@@ -466,7 +514,7 @@ impl Setup {
                 match (&p.source_file, all_hosts) {
                     (Some(f), true) if !p.user_hostfile => (Some(f.clone()), None),
                     _ => {
-                        let path = p.run_dir.join(kiln_run::layout::HOSTFILE);
+                        let path = p.run_dir.join(name);
                         let text: String = match self.launcher {
                             Launcher::Mpirun => hosts
                                 .iter()

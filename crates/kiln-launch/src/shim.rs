@@ -5,7 +5,9 @@
 //!   classifies the job by its ranks' exits and names the host of the rank that failed;
 //! - end whatever the program left behind (background processes, daemons that escaped with
 //!   `setsid`): a leftover holding the rank's stdout keeps `mpirun`/`srun` waiting, and the
-//!   job would look hung although every rank is done;
+//!   job would look hung although every rank is done; and remove its Open MPI
+//!   shared-memory segment, which a rank killed before `MPI_Finalize` leaves in `/dev/shm`
+//!   (see [`crate::mpi_shm`]);
 //! - exit with the program's code, or die of the program's signal.
 //!
 //! Signals the launcher sends the rank (SIGTERM before a kill, Slurm's `--signal`) are
@@ -127,6 +129,9 @@ pub fn run_as_rank(
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
+    if let Some(dir) = &progress_dir {
+        crate::mpi_shm::record_job(dir, env.rank);
+    }
     let mut cmd = rank_command(program, args, &env)?;
     let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
     if let Some((_, write)) = &beat_pipe {
@@ -161,6 +166,8 @@ pub fn run_as_rank(
         RankExit::Signal(s) => record(None, Some(s)),
     };
     end_leftovers(Pid::from_raw(pgid));
+    // A rank killed before MPI_Finalize leaves its Open MPI segment in /dev/shm (4 MiB).
+    crate::mpi_shm::remove_own_segment(env.local_rank);
     Ok(exit_to_launcher(exit, recorded))
 }
 

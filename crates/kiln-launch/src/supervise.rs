@@ -22,7 +22,7 @@ mod watch;
 mod watchdog;
 
 pub use config::{AttemptConfig, SuperviseError};
-pub use outcome::{AttemptOutcome, RankProgress};
+pub use outcome::{AttemptOutcome, RankProgress, source};
 
 use crate::signals::StopRequest;
 use kiln_run::unix_time;

@@ -48,6 +48,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
         0.01f64..1e3,
         1u32..10,
         proptest::option::of(0.0f64..1e6),
+        prop::sample::select(vec!["auto", "keep", "remove"]),
     );
     (sizes, watch, rest).prop_map(|(s, w, r)| {
         LaunchRequest {
@@ -84,8 +85,10 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             chain: r.0,
             chain_script: r.1,
             run_dir: r.2,
+            memory_tier_at_end: r.8.into(),
             dry_run: r.4,
             as_rank: false,
+            release_node: false,
             command: Vec::new(),
         }
     })

@@ -106,6 +106,23 @@ pub fn write_beacon(
     phase: &str,
     time: f64,
 ) -> Result<(), BeaconError> {
+    write_at(dir, rank, step, phase, time)?;
+    crate::collective::wrote(dir, rank, step, phase);
+    Ok(())
+}
+
+/// [`write_beacon`] at the current time, without recording it as this process's phase
+/// (the collective mark, see [`crate::collective`]).
+pub(crate) fn write_line(
+    dir: &Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+) -> Result<(), BeaconError> {
+    write_at(dir, rank, step, phase, crate::unix_time())
+}
+
+fn write_at(dir: &Path, rank: usize, step: u64, phase: &str, time: f64) -> Result<(), BeaconError> {
     let path = dir.join(layout::beacon(rank));
     let io = |source| BeaconError::Io {
         path: path.clone(),

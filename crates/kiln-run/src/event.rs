@@ -145,6 +145,10 @@ pub const BACKOFF: &str = "backoff";
 pub const STOPPED: &str = "stopped";
 /// `kiln launch` ended.
 pub const LAUNCH_END: &str = "launch_end";
+/// The launch ended for good and removed what its ranks kept on their nodes (the memory
+/// tier; see [`crate::node_state`]) (fields: kept, host, hosts, removed, failed,
+/// skipped_quarantined).
+pub const NODES_RELEASED: &str = "nodes_released";
 
 // Node scope.
 /// The allocation was split into active and spare hosts (fields: active, spares,

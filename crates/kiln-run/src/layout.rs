@@ -130,6 +130,15 @@ pub const EXIT_RECORD_PREFIX: &str = "exit-";
 /// File-name prefix of liveness records (`live-<R>`).
 pub const LIVENESS_PREFIX: &str = "live-";
 
+/// File-name prefix of a rank's record of the state it keeps on its node
+/// (`node-<R>-<host>`, see [`crate::node_state`]), in the progress directory; kept across
+/// attempts, removed when the launch releases the node.
+pub const NODE_RECORD_PREFIX: &str = "node-";
+
+/// The hostfile of the step that releases the nodes at the end of a launch (mpirun and
+/// mpiexec, when not every host of the allocation ran an attempt).
+pub const RELEASE_HOSTFILE: &str = "hostfile.release";
+
 /// kiln's stop request in the progress directory (see [`crate::write_stop_request`]): how a
 /// stop reaches the ranks under a launcher without signalling the launcher itself.
 pub const STOP_REQUEST: &str = "stop";
@@ -257,11 +266,16 @@ pub fn entries() -> Vec<Entry> {
         launch(
             format!("{PROGRESS}/"),
             "$KILN_PROGRESS_DIR: the ranks' beacons, exit, liveness and lost records and \
-             kiln's stop request; cleared before each attempt unless the caller set it",
+             kiln's stop request, cleared before each attempt unless the caller set it; and \
+             node-<R>-<host>, what rank R keeps on its node until the launch ends",
         ),
         launch(
             HOSTFILE.into(),
             "the hosts used, when fewer than the allocation's",
+        ),
+        launch(
+            RELEASE_HOSTFILE.into(),
+            "the hosts whose memory snapshots the end of the launch removed, when fewer than the allocation's",
         ),
         launch(
             QUARANTINE.into(),

@@ -117,6 +117,9 @@ pub struct AttemptSummary {
     pub resumed_from: Option<String>,
     /// Steps of this attempt the next one redid (a failed attempt that was resumed).
     pub lost_steps: Option<u64>,
+    /// Seconds of this attempt counted as lost work (the steps redone and the one in flight
+    /// at the fault): its share of the ledger's lost-work bucket.
+    pub lost_s: f64,
     /// Its trainer's startup phases (`spawn` from the attempt's start to the process's,
     /// then the `startup_phases` event's), seconds, in order.
     pub phases: Vec<(String, f64)>,
@@ -149,7 +152,9 @@ pub struct Fault {
     pub lost_steps: Option<u64>,
     /// Seconds per step of this attempt (first to last progress).
     pub step_s: Option<f64>,
-    /// `lost_steps x step_s`.
+    /// Seconds of work this attempt lost, as the ledger's lost-work bucket counts them:
+    /// from the point the next attempt resumed from (the save it used) to the fault, that is
+    /// the steps redone and the step in flight. The faults' `lost_s` add up to the bucket.
     pub lost_s: Option<f64>,
 }
 
@@ -372,7 +377,9 @@ pub fn ledger(events: &[Event]) -> Ledger {
             .get(i + 1)
             .and_then(|n| resumes.iter().find(|r| r.0 >= n.start).map(|r| r.1));
         let mut s = summary(a, t0);
+        let lost_before = tl.buckets.lost;
         s.lost_steps = tl.attempt(a, &saves, resumed);
+        s.lost_s = tl.buckets.lost - lost_before;
         attempt_details(&mut s, a, &events);
         summaries.push(s);
     }
@@ -596,7 +603,7 @@ fn faults(atts: &[Att], summaries: &[AttemptSummary], t0: f64) -> Vec<Fault> {
                 resumed_step: next.and_then(|n| n.steps.0),
                 lost_steps: s.lost_steps,
                 step_s,
-                lost_s: s.lost_steps.zip(step_s).map(|(n, t)| n as f64 * t),
+                lost_s: Some(s.lost_s),
             }
         })
         .collect()
@@ -613,6 +620,7 @@ fn summary(a: &Att, t0: f64) -> AttemptSummary {
         hosts: a.hosts.clone(),
         resumed_from: None,
         lost_steps: None,
+        lost_s: 0.0,
         phases: Vec::new(),
     }
 }
@@ -844,7 +852,137 @@ mod tests {
         );
         let step_s = (38.4 - 12.0) / 130.0;
         assert!(close(fault.step_s.unwrap(), step_s));
-        assert!(close(fault.lost_s.unwrap(), 10.0 * step_s));
+        // The fault's lost work is the bucket's: from the snapshot it resumed from to the
+        // fault.
+        assert!(close(fault.lost_s.unwrap(), b.lost), "{fault:?}");
+    }
+
+    /// A failed attempt of `class` from `t0` to `t1` that progressed from `first` (at
+    /// `start_step`) to `last` (at `last_step`), decided `detect` s after its fault, killed
+    /// in `kill` s.
+    fn failed(
+        (t0, t1): (f64, f64),
+        (first, last): (f64, f64),
+        (start_step, last_step): (u64, u64),
+        (class, detect, kill): (&str, f64, f64),
+    ) -> Event {
+        ev(
+            t1,
+            "launch",
+            "attempt_end",
+            json!({"start_time": t0, "end_time": t1, "first_advance_time": first,
+                   "last_advance_time": last, "classification": class, "start_step": start_step,
+                   "last_progress": last_step, "detect_s": detect, "kill_s": kill,
+                   "culprit_ranks": [1]}),
+        )
+    }
+
+    /// Issue 46: a rank killed right after the checkpoint of step 100 was published but
+    /// before its `checkpoint_saved` event. The next attempt resumed from that checkpoint:
+    /// no step was redone, but the step in flight (0.6 s) was lost. The ledger's lost work
+    /// and the fault's must be the same seconds.
+    #[test]
+    fn a_fault_loses_the_seconds_the_ledger_counts_as_lost_work() {
+        let events = vec![
+            ev(10.5, "train", "start", json!({"step": 0})),
+            failed((10.0, 32.0), (11.0, 30.4), (0, 100), ("failed", 0.6, 0.4)),
+            ev(33.0, "train", "start", json!({"step": 100})),
+            ev(
+                33.1,
+                "train",
+                "resume",
+                json!({"step": 100, "tier": "persistent"}),
+            ),
+            ev(
+                50.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 32.5, "end_time": 50.0, "first_advance_time": 34.0,
+                       "last_advance_time": 49.0, "classification": "success", "last_progress": 200}),
+            ),
+        ];
+        let l = ledger(&events);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let f = &l.faults[0];
+        assert_eq!(f.lost_steps, Some(0));
+        assert!(close(l.buckets.lost, 0.6), "{:?}", l.buckets);
+        assert!(close(f.lost_s.unwrap(), 0.6), "{f:?}");
+        assert!(close(l.attempts[0].lost_s, 0.6));
+    }
+
+    /// Held out: three faults of other kinds, resumed from other tiers and steps, with saves
+    /// logged and not: every fault's lost seconds are its share of the bucket, and they add
+    /// up to it.
+    #[test]
+    fn the_faults_lost_work_adds_up_to_the_bucket() {
+        let events = vec![
+            ev(0.5, "train", "start", json!({"step": 0})),
+            ev(
+                9.0,
+                "train",
+                "snapshot_saved",
+                json!({"step": 40, "stall_s": 0.1}),
+            ),
+            failed(
+                (0.0, 12.0),
+                (1.0, 10.5),
+                (0, 47),
+                ("no-heartbeat", 0.3, 0.2),
+            ),
+            ev(
+                12.7,
+                "train",
+                "resume",
+                json!({"step": 40, "tier": "memory"}),
+            ),
+            failed(
+                (12.5, 30.0),
+                (13.0, 29.0),
+                (40, 121),
+                ("hung-stalled", 5.0, 1.0),
+            ),
+            ev(
+                30.7,
+                "train",
+                "resume",
+                json!({"step": 100, "tier": "peer"}),
+            ),
+            failed(
+                (30.5, 40.0),
+                (31.0, 39.5),
+                (100, 150),
+                ("failed", 0.05, 0.1),
+            ),
+            ev(
+                40.7,
+                "train",
+                "resume",
+                json!({"step": 150, "tier": "persistent"}),
+            ),
+            ev(
+                60.0,
+                "launch",
+                "attempt_end",
+                json!({"start_time": 40.5, "end_time": 60.0, "first_advance_time": 41.0,
+                       "last_advance_time": 59.0, "classification": "success", "last_progress": 300}),
+            ),
+        ];
+        let l = ledger(&events);
+        assert_eq!(l.faults.len(), 3);
+        let per_fault: f64 = l.faults.iter().map(|f| f.lost_s.unwrap()).sum();
+        assert!(
+            (per_fault - l.buckets.lost).abs() < 1e-9,
+            "{per_fault} vs {:?}",
+            l.buckets
+        );
+        for (f, a) in l.faults.iter().zip(&l.attempts) {
+            assert!((f.lost_s.unwrap() - a.lost_s).abs() < 1e-12, "{f:?}");
+            assert!(f.lost_s.unwrap() > 0.0, "{f:?}");
+        }
+        assert_eq!(
+            l.faults.iter().map(|f| f.lost_steps).collect::<Vec<_>>(),
+            [Some(7), Some(21), Some(0)]
+        );
     }
 
     #[test]

@@ -15,8 +15,9 @@
 //! | `train.lock`                | kiln train      | the one writer's lock (pid and host)           |
 //! | `run_id`                    | kiln train      | the run's lineage                              |
 //! | `attempt-<i>.log`           | kiln launch     | raw bytes of one attempt's output              |
-//! | `progress/`                 | kiln launch     | beacons, exit, liveness, lost records, stop    |
+//! | `progress/`                 | kiln launch     | beacons, exit, liveness, lost, node records    |
 //! | `hostfile`                  | kiln launch     | the hosts used, when fewer than allocated      |
+//! | `hostfile.release`          | kiln launch     | the hosts released at the end, when fewer      |
 //! | `quarantine.jsonl`          | kiln launch     | hosts taken out of service, with the evidence  |
 //! | `job.sbatch`, `job.pbs`     | kiln submit     | the batch script of every job of the chain     |
 //! | `job-<id>.out`              | the scheduler   | a batch job's own output                       |
@@ -32,6 +33,7 @@
 //! rank stopped advancing and on which host.
 
 mod beacon;
+pub mod collective;
 pub mod event;
 mod events;
 pub mod exit;
@@ -41,6 +43,7 @@ pub mod host;
 pub mod jsonl;
 pub mod layout;
 pub mod ledger;
+pub mod node_state;
 mod stop;
 
 pub use beacon::{

@@ -20,6 +20,7 @@ struct Ending {
     exit_code: i32,
     detect_s: Option<f64>,
     culprits: Vec<usize>,
+    culprit_source: Option<&'static str>,
     message: Option<String>,
     /// When the verdict was reached (the kill time counts from it).
     at: Option<Instant>,
@@ -69,6 +70,7 @@ impl Watch {
             last_advance_time: last_advance.map(unix),
             progress,
             culprits: ending.culprits,
+            culprit_source: ending.culprit_source,
             rank_exits,
             detect_s: ending.detect_s,
             kill_s: ending.at.map(|at| end.duration_since(at).as_secs_f64()),
@@ -91,17 +93,16 @@ impl Watch {
             .failure_detect_s
             .or_else(|| first_failed(rank_exits).map(|r| (ended - r.time).max(0.0)));
         let culprit = match self.first_failure.and_then(|i| a.running.ranks.get(i)) {
-            Some(Some(rank)) => Some(*rank),
-            _ => first_failed(rank_exits).map(|r| r.rank),
-        };
-        let culprits = culprit
-            .into_iter()
-            .filter(|_| classification != Classification::Success);
+            Some(Some(rank)) => Some((*rank, super::source::EXIT_STATUS)),
+            _ => first_failed(rank_exits).map(|r| (r.rank, super::source::EXIT_RECORD)),
+        }
+        .filter(|_| classification != Classification::Success);
         Ending {
             classification,
             exit_code,
             detect_s,
-            culprits: culprits.collect(),
+            culprits: culprit.iter().map(|c| c.0).collect(),
+            culprit_source: culprit.map(|c| c.1),
             message,
             at: None,
         }
@@ -155,6 +156,7 @@ fn decided(
         exit_code,
         detect_s: v.detect_s,
         culprits: v.culprits,
+        culprit_source: v.culprit_source,
         message: v.message,
         at: Some(v.at),
     }

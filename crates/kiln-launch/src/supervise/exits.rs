@@ -112,6 +112,7 @@ pub(super) fn ranks_already_exited(cfg: &AttemptConfig, ours: Ours<'_>) -> Optio
         at: Instant::now(),
         detect_s: None,
         culprits: Vec::new(),
+        culprit_source: None,
         message: Some(msg.unwrap_or_else(|| {
             format!(
                 "all {n} ranks exited 0, but the launcher kept running (a leftover process holds its output); stopped it"

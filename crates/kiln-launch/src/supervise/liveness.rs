@@ -141,6 +141,7 @@ fn failed_rank_verdict(dir: &Path, ours: Ours<'_>, now: Instant) -> Option<Verdi
         at: now,
         detect_s: Some((unix_time() - r.time).max(0.0)),
         culprits: vec![r.rank],
+        culprit_source: Some(super::source::EXIT_RECORD),
         message: Some(format!(
             "rank {} on {} failed first ({}); the other ranks were stopped",
             r.rank,
@@ -157,6 +158,7 @@ fn no_heartbeat(rank: usize, host: &str, detect_s: f64, bound: Duration, now: In
         at: now,
         detect_s: Some(detect_s),
         culprits: vec![rank],
+        culprit_source: Some(super::source::HEARTBEAT),
         message: Some(format!(
             "rank {rank} on {host} sent no heartbeat for {detect_s:.2} s (--heartbeat-timeout {}): \
              stopped, wedged or gone",

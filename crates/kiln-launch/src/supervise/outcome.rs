@@ -6,6 +6,24 @@ use crate::classify::{Classification, classify_code};
 use kiln_run::{ExitRecord, unix_time};
 use std::time::Instant;
 
+/// Where the naming of a culprit rank came from: the `source` of its evidence in
+/// `attempt_end` (see [`crate::Evidence`]); public as [`crate::evidence_source`].
+pub mod source {
+    /// The ranks' beacon files: steps, and phases (a rank computing while the others wait
+    /// in a collective).
+    pub const BEACON: &str = "beacon";
+    /// The step numbers in the ranks' output (locally spawned ranks, one stream each).
+    pub const OUTPUT: &str = "output";
+    /// The ranks' processes: one stopped, or idle while the others spin.
+    pub const LIVENESS: &str = "liveness";
+    /// A rank's heartbeat fell silent.
+    pub const HEARTBEAT: &str = "heartbeat";
+    /// The ranks' exit records (`kiln launch --as-rank`): the rank that failed first.
+    pub const EXIT_RECORD: &str = "exit-record";
+    /// The exit status of a rank kiln spawned itself: the one that failed first.
+    pub const EXIT_STATUS: &str = "exit-status";
+}
+
 /// Progress of one rank (or of the merged output, rank `None`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RankProgress {
@@ -46,8 +64,11 @@ pub struct AttemptOutcome {
     pub last_advance_time: Option<f64>,
     /// Per-rank (or merged) progress.
     pub progress: Vec<RankProgress>,
-    /// Ranks that stopped advancing first (watchdog only).
+    /// The ranks named as the culprits: those that stopped advancing first (a watchdog), lost
+    /// their heartbeat, or failed first.
     pub culprits: Vec<usize>,
+    /// Where the naming of `culprits` came from (one of [`source`]).
+    pub culprit_source: Option<&'static str>,
     /// How each rank's program ended, from the exit records of `kiln launch --as-rank`.
     pub rank_exits: Vec<ExitRecord>,
     /// Seconds from the last activity/advance to the watchdog firing.
@@ -88,6 +109,7 @@ impl AttemptOutcome {
             last_advance_time: None,
             progress: Vec::new(),
             culprits: Vec::new(),
+            culprit_source: None,
             rank_exits: Vec::new(),
             detect_s: None,
             kill_s: None,
@@ -103,6 +125,8 @@ pub(super) struct Verdict {
     pub(super) at: Instant,
     pub(super) detect_s: Option<f64>,
     pub(super) culprits: Vec<usize>,
+    /// Where the naming of `culprits` came from (one of [`source`]).
+    pub(super) culprit_source: Option<&'static str>,
     pub(super) message: Option<String>,
     /// An exit code that overrides the usual one for the classification.
     pub(super) exit_code: Option<i32>,

@@ -191,6 +191,7 @@ impl Watch {
             at: now,
             detect_s: None,
             culprits: Vec::new(),
+            culprit_source: None,
             message: Some(format!(
                 "kiln received {sig}: forwarded it to the ranks; not retrying"
             )),
@@ -208,6 +209,7 @@ impl Watch {
             at: now,
             detect_s: None,
             culprits: Vec::new(),
+            culprit_source: None,
             message: Some("walltime reached: sent SIGTERM so the ranks can checkpoint".into()),
             exit_code: None,
         })

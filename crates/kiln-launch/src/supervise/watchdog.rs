@@ -77,7 +77,11 @@ fn stalled(seen: &Seen<'_>, limit: Duration, how: &str) -> Option<Verdict> {
     if idle.is_empty() || worst < limit.as_secs_f64() {
         return None;
     }
-    let (culprits, who) = first_stopped(seen);
+    let Named {
+        ranks: culprits,
+        who,
+        source: culprit_source,
+    } = first_stopped(seen);
     let step = idle.iter().map(|i| i.0).max().unwrap_or(0);
     Some(Verdict {
         exit_code: None,
@@ -85,6 +89,7 @@ fn stalled(seen: &Seen<'_>, limit: Duration, how: &str) -> Option<Verdict> {
         at: now,
         detect_s: Some(worst),
         culprits,
+        culprit_source,
         message: Some(format!(
             "watchdog: progress stalled for {worst:.1} s (limit {:.1} s: {how}) although the job is still running; \
              last step {step}; {who}",
@@ -111,13 +116,18 @@ fn not_started(
         ),
         false => "--startup-timeout".to_string(),
     };
-    let (culprits, who) = first_stopped(seen);
+    let Named {
+        ranks: culprits,
+        who,
+        source: culprit_source,
+    } = first_stopped(seen);
     Some(Verdict {
         exit_code: None,
         classification: Classification::HungSilent,
         at: seen.now,
         detect_s: Some(waited.as_secs_f64()),
         culprits,
+        culprit_source,
         message: Some(format!(
             "watchdog: no rank reached a step {:.1} s after the attempt started (limit {:.1} s: {how}); {who}",
             waited.as_secs_f64(),
@@ -137,7 +147,11 @@ fn silent(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
     if quiet < limit.as_secs_f64() {
         return None;
     }
-    let (culprits, who) = first_stopped(seen);
+    let Named {
+        ranks: culprits,
+        who,
+        source: culprit_source,
+    } = first_stopped(seen);
     let step = (seen.output.values().map(|p| p.0))
         .chain(seen.beacons.ranks.values().map(|t| t.step))
         .max();
@@ -148,6 +162,7 @@ fn silent(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
         at: now,
         detect_s: Some(quiet),
         culprits,
+        culprit_source,
         message: Some(format!(
             "watchdog: no output for {quiet:.1} s (--timeout {}); {step}; {who}",
             limit.as_secs_f64()
@@ -158,55 +173,107 @@ fn silent(seen: &Seen<'_>, limit: Duration) -> Option<Verdict> {
 /// A rank's progress as the watchdog compares it: `(rank, step, last advance, source)`.
 type RankIdle = (usize, u64, Instant, &'static str);
 
-/// Names the ranks that stopped advancing first: the lowest step; among equals, those whose
-/// last advance is within half a second of the earliest. Beacons win over output.
-fn first_stopped(seen: &Seen<'_>) -> (Vec<usize>, String) {
+/// The ranks a watchdog names, the sentence that says why, and where the evidence came from
+/// (see [`crate::supervise::source`]; `None` when no rank is named).
+pub(super) struct Named {
+    pub(super) ranks: Vec<usize>,
+    pub(super) who: String,
+    pub(super) source: Option<&'static str>,
+}
+
+/// Names the ranks that stopped advancing first: the lowest step; among beacons at the same
+/// step, a rank still computing while others wait in a collective, else those whose last
+/// advance is within half a second of the earliest. Beacons win over output. Output only
+/// tells ranks apart by their step: lines of ranks at the same step reach kiln in whatever
+/// order the pipes deliver them, so their times say nothing. When every rank is still tied
+/// (and their processes do not tell them apart either), no rank is named, and the sentence
+/// says so.
+fn first_stopped(seen: &Seen<'_>) -> Named {
     let (beacons, now) = (&seen.beacons.ranks, seen.now);
     let ranks: Vec<RankIdle> = if !beacons.is_empty() {
         beacons
             .iter()
             .filter(|(_, t)| !t.finished())
-            .map(|(r, t)| (*r, t.step, t.last_advance, "beacon"))
+            .map(|(r, t)| (*r, t.step, t.last_advance, super::source::BEACON))
             .collect()
     } else {
         (seen.output.iter())
-            .filter_map(|(r, (s, t))| Some(((*r)?, *s, *t, "output")))
+            .filter_map(|(r, (s, t))| Some(((*r)?, *s, *t, super::source::OUTPUT)))
             .collect()
     };
     if ranks.is_empty() {
-        return (
-            Vec::new(),
-            "no per-rank progress (write beacons to $KILN_PROGRESS_DIR/rank-<R> to name the rank)"
+        return Named {
+            ranks: Vec::new(),
+            who: "no per-rank progress (write beacons to $KILN_PROGRESS_DIR/rank-<R> to name the rank)"
                 .into(),
-        );
+            source: None,
+        };
     }
+    let from = ranks[0].3;
     let suspects = suspects(&ranks, beacons);
+    let by_phase = suspects.len() < ranks.len();
     let min_step = suspects.iter().map(|r| r.1).min().unwrap_or(0);
     let lowest: Vec<_> = suspects.iter().filter(|r| r.1 == min_step).collect();
     let earliest = lowest.iter().map(|r| r.2).min().unwrap_or(now);
     let first: Vec<usize> = lowest
         .iter()
-        .filter(|r| r.2.duration_since(earliest) <= Duration::from_millis(500))
+        .filter(|r| {
+            from == super::source::OUTPUT
+                || r.2.duration_since(earliest) <= Duration::from_millis(500)
+        })
         .map(|r| r.0)
         .collect();
     let detail: Vec<String> = ranks
         .iter()
         .map(|(r, s, t, _)| {
+            let phase = beacons
+                .get(r)
+                .filter(|_| from == super::source::BEACON)
+                .map_or(String::new(), |t| format!(" {}", t.phase));
             format!(
-                "rank {r} step {s} ({:.1} s ago)",
+                "rank {r} step {s}{phase} ({:.1} s ago)",
                 now.duration_since(*t).as_secs_f64()
             )
         })
         .collect();
-    let (first, how) = narrow_by_liveness(first, seen.live, now);
-    let list: Vec<String> = first.iter().map(usize::to_string).collect();
-    let who = format!(
-        "ranks that stopped advancing first: {} (from {}s{how}: {})",
-        list.join(", "),
-        ranks[0].3,
-        detail.join(", ")
-    );
-    (first, who)
+    let (narrowed, how) = narrow_by_liveness(first.clone(), seen.live, now);
+    let source = if narrowed.len() < first.len() {
+        super::source::LIVENESS
+    } else {
+        from
+    };
+    let list: Vec<String> = narrowed.iter().map(usize::to_string).collect();
+    let what = if from == super::source::BEACON {
+        "beacons"
+    } else {
+        "their output"
+    };
+    if narrowed.len() > 1 && narrowed.len() == ranks.len() {
+        return Named {
+            ranks: Vec::new(),
+            who: format!(
+                "ranks {} all stopped at step {min_step} (from {what}: {}); nothing kiln saw tells them apart, so no rank is named \
+                 (beacons with a phase, `<step> collective` while waiting on the others, in $KILN_PROGRESS_DIR/rank-<R>, would)",
+                list.join(", "),
+                detail.join(", ")
+            ),
+            source: None,
+        };
+    }
+    let by = if by_phase {
+        " and phases: the others wait in a collective"
+    } else {
+        ""
+    };
+    Named {
+        who: format!(
+            "ranks that stopped advancing first: {} (from {what}{by}{how}: {})",
+            list.join(", "),
+            detail.join(", ")
+        ),
+        ranks: narrowed,
+        source: Some(source),
+    }
 }
 
 /// In a collective every healthy rank waits for the stuck one at the same step: a rank whose

@@ -390,9 +390,15 @@ pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> 
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
-    write_contents(&tmp, ckpt)?;
-    fsync_dir(&tmp)?;
-    publish(root, &tmp, ckpt.step)?;
+    let written = write_contents(&tmp, ckpt)
+        .and_then(|()| fsync_dir(&tmp))
+        .and_then(|()| publish(root, &tmp, ckpt.step));
+    if written.is_err() {
+        // A failed write (a full disk, most often) must not keep what it wrote: the space
+        // would be missing for the retry, which then fails at once.
+        let _ = remove_tree(&tmp);
+    }
+    written?;
     fsync_dir(root)?;
     if !ckpt.shards.is_empty() {
         remove_tree(&root.join(layout::checkpoint_shard_staging(ckpt.step)))?;
@@ -1012,6 +1018,44 @@ pub(crate) mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(f, bytes).unwrap();
+    }
+
+    /// The temporary directories (`.tmp-...`) under `root`.
+    fn leftovers(root: &Path) -> Vec<String> {
+        std::fs::read_dir(root)
+            .unwrap()
+            .filter_map(|e| Some(e.ok()?.file_name().to_str()?.to_string()))
+            .filter(|n| n.starts_with(".tmp-"))
+            .collect()
+    }
+
+    /// Issue 46: a write that failed (on a full disk) left `.tmp-step-<N>-<pid>` behind, so
+    /// the retry on the same disk failed at once. Here the failure comes after the weights
+    /// and moments were written: a staged shard file is gone.
+    #[test]
+    fn a_failed_save_removes_its_temporary_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        save(root, &ckpt(4, "a")).unwrap();
+        let gone = ShardFile {
+            name: "extra.safetensors".into(),
+            path: root.join("staged-elsewhere/extra.safetensors"),
+            entry: ManifestEntry {
+                sha256: String::new(),
+                bytes: 0,
+            },
+        };
+        let ck = Checkpoint {
+            shards: vec![gone],
+            ..ckpt(8, "a")
+        };
+        let err = save(root, &ck).unwrap_err().to_string();
+        assert!(err.contains("staged-elsewhere"), "{err}");
+        assert_eq!(leftovers(root), Vec::<String>::new());
+        assert_eq!(list_steps(root), vec![4], "the published one stays");
+        // The same step saves once the cause is gone.
+        save(root, &ckpt(8, "a")).unwrap();
+        assert_eq!(list_steps(root), vec![8, 4]);
     }
 
     #[test]

@@ -6,7 +6,12 @@
 //! read back by [`checkpoint::load`], which verifies every file. Staging costs no copy (see
 //! [`crate::components::saver`]); a snapshot due while the previous one is still being written is
 //! skipped rather than waited for: this tier must never stall the step. Retention keeps the
-//! newest `checkpoint.snapshot_keep`; a successful run deletes its folder.
+//! newest `checkpoint.snapshot_keep`; a successful run deletes its folder, and under
+//! `kiln launch` each rank records the folder in `$KILN_PROGRESS_DIR` so that the launch
+//! removes it on every node when the job ends there for good (under a scheduler: a failure
+//! after the last retry, a walltime stop; see `kiln launch --memory-tier-at-end`). A resume that finds this
+//! lineage's snapshots older than the persistent checkpoint it resumes from deletes them
+//! ([`SnapshotStore::remove_stale`]), but for the guards' rollback point.
 //!
 //! Recovery ([`Snapshotter::recover`]): every rank finds the newest snapshot of the run's
 //! lineage that verifies (a corrupt or foreign one is deleted and reported, never used), the
@@ -23,7 +28,7 @@ use crate::checkpoint::{
 };
 use crate::components::journal::{Journal, path_text};
 use crate::components::saver::{Saved, Saver, Staged, Store};
-use crate::config::CheckpointConfig;
+use crate::config::{CheckpointConfig, ConfigError, OutOfDomain};
 use crate::error::TrainError;
 use kiln_dist::Collective;
 use kiln_run::{event, layout};
@@ -112,6 +117,31 @@ impl SnapshotStore {
                 let _ = remove_tree(&e.path());
             }
         }
+    }
+
+    /// Deletes this store's snapshots of lineage `run_id` older than `floor` (the newest
+    /// persistent checkpoint's step): no resume can use them any more. The newest one at a
+    /// multiple of the guards' rollback interval at or before `floor` stays: a run resumed
+    /// there restores its rollback point from it. Returns the directories deleted.
+    pub fn remove_stale(&self, run_id: &str, floor: u64) -> Vec<PathBuf> {
+        let steps = checkpoint::list_steps(&self.root);
+        let anchor = steps
+            .iter()
+            .copied()
+            .find(|&s| s <= floor && self.anchor.due(s));
+        let mut removed = Vec::new();
+        for s in steps
+            .into_iter()
+            .filter(|&s| s < floor && Some(s) != anchor)
+        {
+            let dir = self.root.join(checkpoint::dir_name(s));
+            let ours = checkpoint::load_state(&dir)
+                .is_ok_and(|state| checkpoint::lineage_of(&state) == Some(run_id));
+            if ours && remove_tree(&dir).is_ok() {
+                removed.push(dir);
+            }
+        }
+        removed
     }
 
     /// Deletes every snapshot of this store.
@@ -207,6 +237,46 @@ impl Store for SnapshotStore {
     }
 }
 
+/// Checks, before training starts, that `store` (this rank's [`rank_dir`]) can hold
+/// memory snapshots: a `checkpoint.snapshot_dir` that is a regular file, or a directory
+/// this process cannot write (read-only, no permission, a full file system), is refused
+/// with the key named (exit 78), instead of a warning at every snapshot of a run that then
+/// has no memory tier. Nothing to check when the tier is off (`snapshot_interval = 0`).
+pub fn check_store(cfg: &CheckpointConfig, store: &Path) -> Result<(), ConfigError> {
+    if cfg.snapshot_interval == 0 {
+        return Ok(());
+    }
+    let probe = store.join(format!(".tmp-probe-{}", std::process::id()));
+    let written = std::fs::create_dir_all(store)
+        .and_then(|()| std::fs::write(&probe, b"kiln"))
+        .and_then(|()| std::fs::remove_file(&probe));
+    let Err(e) = written else {
+        return Ok(());
+    };
+    let _ = std::fs::remove_file(&probe);
+    let base = store
+        .ancestors()
+        .nth(2)
+        .map_or_else(|| store.to_path_buf(), Path::to_path_buf);
+    let what = match std::fs::metadata(&base) {
+        Ok(m) if !m.is_dir() => format!("{} is not a directory", base.display()),
+        _ => format!("cannot write {}: {e}", store.display()),
+    };
+    let value = if cfg.snapshot_dir.is_empty() {
+        format!("\"\" (the default: {})", base.display())
+    } else {
+        format!("{:?}", cfg.snapshot_dir)
+    };
+    Err(ConfigError::OutOfDomain(vec![OutOfDomain {
+        key: "checkpoint.snapshot_dir".into(),
+        value,
+        allowed: format!(
+            "a directory this process can write ({what}); point it at a writable node-local \
+             directory, or set checkpoint.snapshot_interval = 0 to turn the memory tier off"
+        ),
+    }]))
+}
+
 /// Where the memory snapshots of the run in `run_dir` live on this node, for `rank`.
 pub fn rank_dir(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> PathBuf {
     let base = if cfg.snapshot_dir.is_empty() {
@@ -223,6 +293,26 @@ pub fn rank_dir(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> PathBuf 
     let key = hex::encode(&Sha256::digest(abs.as_os_str().as_encoded_bytes())[..8]);
     base.join(layout::snapshot_root(&key))
         .join(layout::snapshot_rank(rank))
+}
+
+/// Records, for `kiln launch`, that this rank keeps the run's memory-tier folder (the
+/// parent of its store `root`) on this node, so that the launch removes it there when the
+/// job ends for good (see [`kiln_run::node_state`]); nothing outside `kiln launch` (no
+/// `$KILN_PROGRESS_DIR`).
+fn register_on_node(root: &Path, rank: usize) {
+    let Some(dir) = std::env::var_os(kiln_run::PROGRESS_DIR_ENV).filter(|d| !d.is_empty()) else {
+        return;
+    };
+    let Some(folder) = root.parent() else {
+        return;
+    };
+    let folder = std::path::absolute(folder).unwrap_or_else(|_| folder.to_path_buf());
+    if let Err(e) = kiln_run::node_state::write_node_record(Path::new(&dir), rank, &[folder]) {
+        tracing::warn!(
+            "cannot record the memory snapshots' folder for kiln launch in {}: {e}; they stay on this node when the job ends",
+            Path::new(&dir).display()
+        );
+    }
 }
 
 /// A resume point the ranks agreed on in the memory tier.
@@ -259,6 +349,9 @@ impl Snapshotter {
         let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep, anchor);
         let saver = (cfg.snapshot_interval > 0)
             .then(|| Saver::with_priority(store.clone(), cfg.asynchronous, false));
+        if saver.is_some() {
+            register_on_node(store.root(), rank);
+        }
         Self {
             every: Every(cfg.snapshot_interval),
             anchor: Every(anchor),
@@ -353,7 +446,15 @@ impl Snapshotter {
         let Some(step) = best[0].checked_sub(1) else {
             return Ok(None);
         };
-        if floor.is_some_and(|p| step < p) {
+        if let Some(p) = floor.filter(|&p| step < p) {
+            // Older than the persistent checkpoint: stale, and RAM the node needs back.
+            let removed = self.store.remove_stale(run_id, p);
+            if !removed.is_empty() {
+                journal.note(&format!(
+                    "deleted {} memory snapshot(s) older than the persistent checkpoint of step {p}",
+                    removed.len()
+                ));
+            }
             return Ok(None);
         }
         let (holders, peer_ranks) = split_ranks(comm, mine == best[0]);

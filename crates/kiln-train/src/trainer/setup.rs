@@ -196,6 +196,7 @@ fn build(
     let layout =
         BatchLayout::new(&cfg.training, comm.rank(), comm.size()).map_err(TrainError::Parallel)?;
     let store = crate::components::snapshot::rank_dir(&cfg.checkpoint, run_dir, comm.rank());
+    crate::components::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
     let known = crate::model::budget::known_vocab(cfg);
     crate::model::budget::check_run(cfg, known, &store)?;
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)

@@ -43,7 +43,10 @@ Progress and watchdogs:
   longest duration seen, not timed the first time); --stall-timeout 0 turns it off. When one
   fires, kiln names the ranks that stopped advancing first (a rank whose beacon phase is
   allreduce, collective, barrier or wait is waiting on the others and is named only if every
-  rank is), sends SIGTERM to every process group, waits --grace seconds (at most 1 s after a
+  rank is; kiln's trainer is marked `collective` while it waits in one); ranks that output
+  alone cannot tell apart (the same last step) are not named, nor is any rank when all are
+  tied; each piece of evidence says where it came from (beacon, output, liveness, heartbeat,
+  exit-record, exit-status). It then sends SIGTERM to every process group, waits --grace seconds (at most 1 s after a
   rank was lost: killed by a signal or silent), then SIGKILL. Every duration is a positive
   number of seconds, at most a year.";
 
@@ -74,13 +77,23 @@ Node scope (--auto-retry, or --spares N):
                     program's code; no spare is used
   Quarantined hosts go to RUN_DIR/quarantine.jsonl and --quarantine-file (a shared file later
   jobs read: `kiln launch` skips and `kiln submit` excludes the hosts it lists).
+  Node state: when the launch ends for good (success, recovery given up, a stop, the
+  walltime), it removes the memory snapshots its ranks recorded (RUN_DIR/progress/node-*) on
+  every node an attempt used but quarantined ones: its own host directly, the others through
+  the launcher, once per node (event nodes_released). Whether the job resumes on the same
+  nodes decides (--memory-tier-at-end, default auto): under a scheduler the allocation ends
+  with the job and a chained job runs elsewhere, so they go; without one the same command
+  resumes on the same machines, so they stay (that run deletes the ones its persistent
+  checkpoint made stale). Open MPI shared-memory segments (/dev/shm/vader_segment.*) of ranks
+  that did not finalise always go: each shim removes its rank's, the launcher the rest of
+  each attempt's.
   Job scope (`kiln submit`) adds --chain/--chain-script: at the end of a batch job whose exit is
   75 or 69, if it made progress and the chain limit allows, kiln submits the next job.
 
 Events (RUN_DIR/events.jsonl): launch_start, job_start, host_pool, attempt_start, attempt_end
 (argv, hosts, times, exit code, classification, progress, culprit ranks and hosts, evidence,
-time to detect), node_swap, quarantine, shrink, backoff, stopped, launch_end, job_submitted,
-chain.";
+time to detect), node_swap, quarantine, shrink, backoff, stopped, nodes_released, launch_end,
+job_submitted, chain.";
 
 const LAUNCH_EXAMPLES: &str = "\
 Examples:
@@ -177,6 +190,11 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let flags = LaunchRequest { command, ..*flags };
     if flags.as_rank {
         return Ok(as_rank(&flags));
+    }
+    if flags.release_node {
+        return Ok(super::exit_code(kiln_launch::release_node(
+            flags.memory_tier_at_end == "keep",
+        )));
     }
     match kiln_launch::launch(&flags, &print_attempt_end) {
         Ok(LaunchEnd::DryRun(text)) => {

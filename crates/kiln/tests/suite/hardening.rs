@@ -74,6 +74,7 @@ fn kiln(args: &[&str], dir: &Path) -> Command {
 const INVALID: i32 = kiln_run::exit::CONFIG;
 
 /// A clean refusal: exit 1, no panic or abort, and the message says each of `needles`.
+/// (Data verbs refuse bad input with [`INVALID`], as `kiln train` does: issue 46.)
 fn refused(r: &Run, what: &str, needles: &[&str]) {
     refused_with(r, 1, what, needles)
 }
@@ -241,8 +242,9 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate_and_the_key() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "data blend --samples 1e14",
         &["needs about", "lower the number of samples"],
     );
@@ -301,6 +303,112 @@ fn memory_snapshots_on_tmpfs_count_in_the_memory_budget() {
         let r = train("on-disk", &disk);
         assert_eq!(r.code, 0, "{}", r.stderr);
     }
+}
+
+/// `sh -c SCRIPT` in a user and mount namespace of its own (`unshare -rm`), where it may
+/// mount; `None` when this machine allows no such namespace.
+fn in_own_mounts(script: &str) -> Option<Command> {
+    let ok = Command::new("unshare")
+        .args(["-rm", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then(|| {
+        let mut c = Command::new("unshare");
+        c.args(["-rm", "sh", "-c", script]);
+        c
+    })
+}
+
+/// Issue 46: `checkpoint.snapshot_dir` pointing at a regular file ran to exit 0 with a
+/// warning at every snapshot (20 in 60 steps), the key never named. It is refused at the
+/// start, exit 78, naming the key; with the tier off (`snapshot_interval = 0`) the same
+/// value is not used and the run goes on.
+#[test]
+fn a_snapshot_dir_that_is_a_regular_file_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("snapshots");
+    std::fs::write(&file, "not a directory").unwrap();
+    let set = format!("checkpoint.snapshot_dir={}", file.display());
+    let sets = ["training.steps=60", "training.threads=1", set.as_str()];
+    let r = run(train_cmd(&dir.path().join("run"), &sets), 120);
+    refused_with(
+        &r,
+        INVALID,
+        "snapshot_dir a regular file",
+        &[
+            "checkpoint.snapshot_dir",
+            "is not a directory",
+            "checkpoint.snapshot_interval = 0",
+        ],
+    );
+    assert!(!r.stderr.contains("memory snapshot failed"), "{}", r.stderr);
+    assert!(
+        !dir.path().join("run/metrics.jsonl").exists()
+            || std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+                .unwrap()
+                .is_empty(),
+        "it trained"
+    );
+    let off = [
+        "training.steps=2",
+        "checkpoint.snapshot_interval=0",
+        set.as_str(),
+    ];
+    let r = run(train_cmd(&dir.path().join("off"), &off), 120);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+/// Held out: a snapshot directory below a regular file, and a read-only directory (a
+/// read-only bind mount, which binds root too) on a run of other sizes.
+#[test]
+fn a_snapshot_dir_below_a_file_or_read_only_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
+    let below = dir.path().join("notes.txt/shm");
+    let set = format!("checkpoint.snapshot_dir={}", below.display());
+    let sets = [
+        "training.steps=9",
+        "checkpoint.snapshot_interval=3",
+        set.as_str(),
+    ];
+    let r = run(train_cmd(&dir.path().join("run"), &sets), 120);
+    refused_with(
+        &r,
+        INVALID,
+        "snapshot_dir below a file",
+        &["checkpoint.snapshot_dir", "notes.txt"],
+    );
+    let ro = dir.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    let cmd = train_cmd(
+        &dir.path().join("run2"),
+        &[
+            "training.steps=12",
+            "checkpoint.snapshot_interval=4",
+            &format!("checkpoint.snapshot_dir={}", ro.display()),
+        ],
+    );
+    let argv: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let script = format!(
+        "mount --bind '{d}' '{d}' && mount -o remount,bind,ro '{d}' && exec {}",
+        argv.join(" "),
+        d = ro.display()
+    );
+    let Some(ns) = in_own_mounts(&script) else {
+        eprintln!("no user namespace to mount a read-only directory in: read-only case not run");
+        return;
+    };
+    let r = run(ns, 120);
+    refused_with(
+        &r,
+        INVALID,
+        "read-only snapshot_dir",
+        &["checkpoint.snapshot_dir", "Read-only file system"],
+    );
 }
 
 #[test]
@@ -438,8 +546,9 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         30,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "FIFO shard",
         &["pipe.idx: is a FIFO, not a regular file"],
     );
@@ -471,14 +580,20 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
     // ... a corpus list that is itself /dev/zero, a manifest that is a FIFO.
     std::os::unix::fs::symlink("/dev/zero", d.join("zero-list.txt")).unwrap();
     let r = run(kiln(&["data", "verify", "zero-list.txt"], d), 30);
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "list /dev/zero",
         &["zero-list.txt: is a character device"],
     );
     mkfifo(&d.join("list.txt.manifest.json"));
     let r = run(kiln(&["data", "verify", "list.txt"], d), 30);
-    refused(&r, "FIFO manifest", &["list.txt.manifest.json: is a FIFO"]);
+    refused_with(
+        &r,
+        INVALID,
+        "FIFO manifest",
+        &["list.txt.manifest.json: is a FIFO"],
+    );
 
     // A config naming /dev/zero as its task file, and a task file far too large.
     let mut cmd = train_cmd(
@@ -513,7 +628,7 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         30,
     );
-    refused(&r, "FIFO tokenizer", &["tok.json: is a FIFO"]);
+    refused_with(&r, INVALID, "FIFO tokenizer", &["tok.json: is a FIFO"]);
     // An input that never ends is refused before it is read (a regular file without
     // newlines is an error after a bounded read).
     let r = run(
@@ -532,8 +647,9 @@ fn names_taken_from_received_files_are_read_only_if_regular_and_bounded() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "input /dev/zero",
         &["/dev/zero: is a character device, not a regular file"],
     );
@@ -602,8 +718,9 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
         ),
         60,
     );
-    refused(
+    refused_with(
         &r,
+        INVALID,
         "tokenize onto its input",
         &["is the input", "corpus.bin"],
     );
@@ -624,7 +741,12 @@ fn data_and_gates_verbs_answer_right_or_refuse_bad_numbers() {
         ),
         60,
     );
-    refused(&r, "train-tokenizer onto its input", &["is the input"]);
+    refused_with(
+        &r,
+        INVALID,
+        "train-tokenizer onto its input",
+        &["is the input"],
+    );
 
     // Bad flag values, checked by the verbs (kiln's CliError) and the gates
     // (kiln_gates::GatesError::Usage): usage errors, exit 2, before anything runs.
@@ -866,7 +988,7 @@ fn paths_that_are_fifos_are_refused_without_blocking() {
         ),
         30,
     );
-    refused(&r, "input FIFO", &["q: is a FIFO"]);
+    refused_with(&r, INVALID, "input FIFO", &["q: is a FIFO"]);
 }
 
 /// Runs `cmd` to its end and returns its exit code, stderr and peak resident memory (KiB):
@@ -1062,4 +1184,63 @@ fn index_damage_is_a_data_error_when_the_data_is_opened() {
         ],
     );
     assert!(!r.stdout.contains("step=1"), "a step ran: {}", r.stdout);
+}
+
+/// Issue 46, held out with a real full disk (a small tmpfs in a mount namespace of the
+/// test's own): a checkpoint write that failed on it left `.tmp-step-<N>-<pid>` holding the
+/// space, so the retry on the same disk failed at once (`config.toml: No space left on
+/// device`). The failed write removes its files: the retry gets as far as the first run.
+#[test]
+fn a_checkpoint_that_fills_the_disk_leaves_the_space_for_the_retry() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let rd = disk.join("run");
+    // About 5 MB of weights and 10 MB of moments: the weights fit in 8 MB, the moments not.
+    let cmd = train_cmd(
+        &rd,
+        &[
+            "model.d_model=256",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.ffn_hidden=512",
+            "training.steps=2",
+            "training.threads=1",
+            "checkpoint.snapshot_interval=0",
+            "eval.interval=0",
+        ],
+    );
+    let argv: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let train = argv.join(" ");
+    let script = format!(
+        "mount -t tmpfs -o size=8m tmpfs '{d}' || exit 99; \
+         {train} 2>&1; echo \"first exit $?\"; \
+         echo left: $(ls -A '{r}/checkpoints'); \
+         {train} 2>&1; echo \"second exit $?\"",
+        d = disk.display(),
+        r = rd.display()
+    );
+    let Some(ns) = in_own_mounts(&script) else {
+        eprintln!("no user namespace to mount a small disk in: not run");
+        return;
+    };
+    let r = run(ns, 240);
+    let out = &r.stdout;
+    assert!(out.contains("first exit 1"), "{out}\n{}", r.stderr);
+    assert!(out.contains("No space left on device"), "{out}");
+    let left = out
+        .lines()
+        .find(|l| l.starts_with("left:"))
+        .unwrap_or_default();
+    assert!(!left.contains(".tmp-"), "{left}");
+    let second = out.split("left:").nth(1).unwrap_or_default();
+    assert!(second.contains("second exit 1"), "{out}");
+    assert!(
+        !second.contains("config.toml"),
+        "the retry failed at once on the space the first run left: {second}"
+    );
+    assert!(second.contains("checkpoints"), "{second}");
 }

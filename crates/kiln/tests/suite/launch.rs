@@ -751,3 +751,196 @@ fn bad_startup_timeouts_and_strikes_are_usage_errors() {
         );
     }
 }
+
+/// Issue 46: under a local launch the ranks' last lines ran into each other mid-line
+/// (`rank 0 donerank 1 done`): each rank's output reaches kiln's output and the attempt log
+/// in whole lines, and a last line without its newline gets one.
+#[test]
+fn local_ranks_last_lines_do_not_run_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let (out, _) = run(&[
+        "launch",
+        "--np",
+        "2",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        "printf 'rank %s done' $RANK",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let log = std::fs::read(rd.join("attempt-1.log")).unwrap();
+    for (what, bytes) in [("stdout", &out.stdout), ("log", &log)] {
+        let mut lines: Vec<String> = text(bytes).lines().map(str::to_string).collect();
+        lines.sort();
+        assert_eq!(
+            lines,
+            ["rank 0 done", "rank 1 done"],
+            "{what}: {:?}",
+            text(bytes)
+        );
+    }
+}
+
+/// Held out: four ranks, each writing its lines in pieces with pauses between them (the
+/// others' pieces arrive in between), on stdout and stderr: every line kiln passes on is
+/// one rank's whole line.
+#[test]
+fn local_ranks_lines_written_in_pieces_stay_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let script = "for i in 1 2 3; do printf 'r%s line %s ' $RANK $i; sleep 0.05; \
+                  printf 'middle of r%s ' $RANK; sleep 0.05; echo \"end of r$RANK\"; \
+                  printf 'err r%s ' $RANK >&2; sleep 0.03; echo \"tail r$RANK\" >&2; done";
+    let (out, _) = run(&[
+        "launch",
+        "--np",
+        "4",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let whole = |line: &str| {
+        (0..4).any(|r| {
+            (1..=3).any(|i| line == format!("r{r} line {i} middle of r{r} end of r{r}"))
+                || line == format!("err r{r} tail r{r}")
+        })
+    };
+    let log = std::fs::read(rd.join("attempt-1.log")).unwrap();
+    let err = text(&out.stderr);
+    let rank_err: Vec<&str> = err.lines().filter(|l| l.starts_with("err ")).collect();
+    assert_eq!(rank_err.len(), 12, "{err}");
+    for (what, t) in [("stdout", text(&out.stdout)), ("log", text(&log))] {
+        let lines: Vec<&str> = t.lines().collect();
+        let ours: Vec<&&str> = lines
+            .iter()
+            .filter(|l| l.starts_with('r') || l.starts_with("err"))
+            .collect();
+        assert_eq!(
+            ours.len(),
+            if what == "log" { 24 } else { 12 },
+            "{what}: {t}"
+        );
+        for l in ours {
+            assert!(whole(l), "{what}: a line was cut: {l:?}\n{t}");
+        }
+    }
+    for l in rank_err {
+        assert!(whole(l), "stderr: a line was cut: {l:?}");
+    }
+}
+
+/// Issue 46: two ranks in lockstep (as in a gloo all-reduce), rank 1 stopping before the
+/// collective of step 5 and rank 0 waiting in it. Both ranks' last output is step 4, rank 1's
+/// line a second later: nothing kiln saw tells them apart (no beacons, both processes
+/// asleep), so no rank may be named (it named rank 0, with evidence labelled `beacon` that
+/// came from the output). The stall is still caught in about `--stall-timeout` and retried.
+#[test]
+fn a_stall_that_output_cannot_attribute_names_no_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let script = "i=1; while [ $i -le 4 ]; do \
+                    if [ \"$RANK\" = 1 ] && [ $i = 4 ]; then sleep 1; fi; \
+                    echo \"step: $i\"; i=$((i+1)); sleep 0.1; \
+                  done; sleep 60";
+    let t0 = Instant::now();
+    let (out, _) = run(&[
+        "launch",
+        "--np",
+        "2",
+        "--retries",
+        "1",
+        "--stall-timeout",
+        "3",
+        "--grace",
+        "1",
+        "--run-dir",
+        &s(&rd),
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    let ends = attempt_ends(&rd);
+    assert_eq!(ends.len(), 2, "retried once: {ends:?}");
+    for end in &ends {
+        assert_eq!(end["classification"], "hung-stalled", "{end:?}");
+        assert_eq!(end["culprit_ranks"], serde_json::json!([]), "{end:?}");
+        let message = end["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("ranks 0, 1 all stopped at step 4 (from their output")
+                && message.contains("nothing kiln saw tells them apart"),
+            "{message}"
+        );
+        let evidence = end["evidence"].as_array().cloned().unwrap_or_default();
+        assert!(
+            evidence.iter().all(|e| e["source"] != "beacon"),
+            "{evidence:?}"
+        );
+    }
+}
+
+/// Held out: three ranks, and what does tell them apart. From the output alone, a rank
+/// whose last step is lower than the others' (rank 2 stops at step 2, the others reach 5);
+/// from beacons with phases, the rank still computing while the others wait in a collective
+/// (rank 1 of 3, all at step 7). Each is named, its evidence labelled with its source.
+#[test]
+fn a_stall_names_the_rank_that_output_steps_or_beacon_phases_set_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let by_output = "i=1; while [ $i -le 5 ]; do \
+                       if [ \"$RANK\" = 2 ] && [ $i = 3 ]; then sleep 60; fi; \
+                       echo \"step: $i\"; i=$((i+1)); sleep 0.1; done; sleep 60";
+    let by_phase = "for i in 1 2 3 4 5 6 7; do \
+                      printf '%s train %s\\n' $i $(date +%s) > \"$KILN_PROGRESS_DIR/.t$RANK\"; \
+                      mv \"$KILN_PROGRESS_DIR/.t$RANK\" \"$KILN_PROGRESS_DIR/rank-$RANK\"; sleep 0.1; done; \
+                    if [ \"$RANK\" != 1 ]; then \
+                      printf '7 collective %s\\n' $(date +%s) > \"$KILN_PROGRESS_DIR/.t$RANK\"; \
+                      mv \"$KILN_PROGRESS_DIR/.t$RANK\" \"$KILN_PROGRESS_DIR/rank-$RANK\"; fi; \
+                    while true; do echo \"rank $RANK alive\"; sleep 0.2; done";
+    for (name, script, rank, source) in [
+        ("output", by_output, 2, "output"),
+        ("phase", by_phase, 1, "beacon"),
+    ] {
+        let rd = dir.path().join(name);
+        let (out, _) = run(&[
+            "launch",
+            "--np",
+            "3",
+            "--stall-timeout",
+            "2",
+            "--grace",
+            "1",
+            "--run-dir",
+            &s(&rd),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(124),
+            "{name}: {}",
+            text(&out.stderr)
+        );
+        let end = &attempt_ends(&rd)[0];
+        assert_eq!(
+            end["culprit_ranks"],
+            serde_json::json!([rank]),
+            "{name}: {end:?}"
+        );
+        let evidence = end["evidence"].as_array().cloned().unwrap_or_default();
+        assert!(
+            !evidence.is_empty() && evidence.iter().all(|e| e["source"] == source),
+            "{name}: {evidence:?}"
+        );
+    }
+}

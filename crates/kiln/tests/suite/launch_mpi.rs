@@ -264,3 +264,245 @@ fn each_local_rank_gets_its_own_gpu_on_every_launch_path() {
         }
     }
 }
+
+/// Issue 46, kiln's own trainer: rank 1 stops (SIGSTOP, with a heartbeat timeout far above
+/// the stall timeout) while rank 0 waits for it in the gradient all-reduce. Both beacons
+/// were at the same step; rank 0's now says `collective` (its MPI engine marks a long
+/// collective), so the stall names rank 1 from the phases, evidence labelled `beacon`.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_stall_in_kiln_train_names_the_rank_that_is_not_in_the_collective() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = common::kiln_cmd(&[
+        "launch",
+        "--mpi",
+        "--np",
+        "2",
+        "--stall-timeout",
+        "3",
+        "--heartbeat-timeout",
+        "120",
+        "--grace",
+        "1",
+        "--run-dir",
+    ]);
+    cmd.arg(&rd)
+        .args([
+            "--",
+            common::KILN,
+            "train",
+            "--no-progress-bar",
+            "--run-dir",
+        ])
+        .arg(&rd);
+    for set in common::TINY_MODEL.iter().chain(&[
+        "training.steps=100000",
+        "training.threads=1",
+        "training.batch_size=2",
+        "checkpoint.interval=100000",
+        "checkpoint.snapshot_interval=0",
+        "eval.interval=0",
+    ]) {
+        cmd.arg("--set").arg(set);
+    }
+    let mut job = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let beacon = rd.join("progress/rank-1");
+    let t0 = std::time::Instant::now();
+    let at_step = |p: &std::path::Path| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    while at_step(&beacon) < 20 {
+        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
+        assert!(t0.elapsed().as_secs() < 240, "rank 1 never reached step 20");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let pid = common::trainer_pid(&rd, 1).expect("rank 1's pid");
+    // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let status = job.wait().unwrap();
+    // SAFETY: as above; ESRCH when it is gone, as it should be.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    assert_eq!(status.code(), Some(124));
+    let end = kiln_run::read_events(&rd)
+        .unwrap()
+        .into_iter()
+        .find(|e| e.event == "attempt_end")
+        .unwrap()
+        .fields;
+    assert_eq!(end["classification"], "hung-stalled", "{end:?}");
+    assert_eq!(end["culprit_ranks"], serde_json::json!([1]), "{end:?}");
+    let phase = |rank: u64| {
+        end["progress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["rank"] == rank && p["source"] == "beacon")
+            .map(|p| p["phase"].clone())
+    };
+    assert_eq!(phase(0), Some("collective".into()), "{end:?}");
+    assert_eq!(phase(1), Some("train".into()), "{end:?}");
+    let evidence = end["evidence"].as_array().unwrap();
+    assert!(
+        !evidence.is_empty() && evidence.iter().all(|e| e["source"] == "beacon"),
+        "{evidence:?}"
+    );
+    let message = end["message"].as_str().unwrap();
+    assert!(
+        message.contains("ranks that stopped advancing first: 1 (from beacons and phases"),
+        "{message}"
+    );
+}
+
+/// `kiln launch --mpi --np NP --retries 1 -- kiln train` (a short run) in which rank
+/// `victim`'s trainer is SIGKILLed once it passed step 10, in each of the first `kills`
+/// attempts; returns the launch's exit code and the Open MPI job ids of its attempts.
+#[cfg(feature = "mpi")]
+fn kill_ranks_under_mpirun(
+    dir: &std::path::Path,
+    np: usize,
+    victim: usize,
+    kills: usize,
+) -> (Option<i32>, Vec<u32>) {
+    let rd = dir.join("run");
+    let jobs = dir.join("jobids");
+    let mut train = vec![
+        common::KILN.to_string(),
+        "train".into(),
+        "--no-progress-bar".into(),
+        "--run-dir".into(),
+        rd.display().to_string(),
+    ];
+    for set in common::TINY_MODEL.iter().chain(&[
+        "training.steps=300",
+        "training.threads=1",
+        "training.batch_size=2",
+        "checkpoint.interval=100",
+        "checkpoint.snapshot_interval=0",
+        "eval.interval=0",
+    ]) {
+        train.extend(["--set".to_string(), set.to_string()]);
+    }
+    let quoted: Vec<String> = train.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "echo \"$OMPI_MCA_ess_base_jobid\" >> '{}'; exec {}",
+        jobs.display(),
+        quoted.join(" ")
+    );
+    let np = np.to_string();
+    let mut cmd = common::kiln_cmd(&[
+        "launch",
+        "--mpi",
+        "--np",
+        &np,
+        "--retries",
+        "1",
+        "--backoff",
+        "0.2",
+        "--run-dir",
+    ]);
+    cmd.arg(&rd).args(["--", "sh", "-c", &script]);
+    let mut job = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    for attempt in 1..=kills {
+        let t0 = std::time::Instant::now();
+        let pid = loop {
+            let started = std::fs::read_to_string(&jobs)
+                .unwrap_or_default()
+                .lines()
+                .count();
+            let step = std::fs::read_to_string(rd.join(format!("progress/rank-{victim}")))
+                .ok()
+                .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0);
+            if started >= attempt * np.parse::<usize>().unwrap()
+                && step >= 10
+                && let Some(pid) = common::trainer_pid(&rd, victim)
+            {
+                break pid;
+            }
+            assert!(job.try_wait().unwrap().is_none(), "the launch ended early");
+            assert!(
+                t0.elapsed().as_secs() < 240,
+                "attempt {attempt} never reached step 10"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        // SAFETY: kill(2) on a pid of a process this test started (through kiln launch).
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        // Wait for the next attempt's ranks, whose beacons start over.
+        while attempt < kills
+            && std::fs::read_to_string(&jobs)
+                .unwrap_or_default()
+                .lines()
+                .count()
+                < (attempt + 1) * np.parse::<usize>().unwrap()
+        {
+            assert!(job.try_wait().unwrap().is_none(), "the launch ended early");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_file(rd.join(format!("progress/rank-{victim}")));
+    }
+    let code = job.wait().unwrap().code();
+    let mut ids: Vec<u32> = std::fs::read_to_string(&jobs)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    (code, ids)
+}
+
+/// The files in /dev/shm of this user's Open MPI job `jobid`.
+#[cfg(feature = "mpi")]
+fn mpi_segments_of(jobid: u32) -> Vec<String> {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let mark = format!(".{uid}.{jobid:x}.");
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("_segment.") && n.contains(&mark))
+        .collect()
+}
+
+/// Issue 46: each attempt that ended with a killed rank left Open MPI's shared-memory files
+/// (`/dev/shm/vader_segment.*`, 4 MiB each). The launcher's rank shims remove their ranks'
+/// once the rank ended: none of any attempt's is left.
+#[cfg(feature = "mpi")]
+#[test]
+fn an_attempt_with_a_killed_rank_leaves_no_mpi_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, jobs) = kill_ranks_under_mpirun(dir.path(), 2, 1, 1);
+    assert_eq!(code, Some(0), "the retry completes");
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    for j in jobs {
+        assert_eq!(mpi_segments_of(j), Vec::<String>::new(), "job {j:x}");
+    }
+}
+
+/// Held out: three ranks, rank 0 killed, in every attempt: the launch gives up, and still
+/// no segment of either attempt is left.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_launch_that_gives_up_leaves_no_mpi_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, jobs) = kill_ranks_under_mpirun(dir.path(), 3, 0, 2);
+    assert_ne!(code, Some(0));
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    for j in jobs {
+        assert_eq!(mpi_segments_of(j), Vec::<String>::new(), "job {j:x}");
+    }
+}

@@ -393,14 +393,14 @@ fn the_fault_in_the_ledger(rd: &Path, tier: &str) {
     assert!(detect < 1.0, "detect_s {detect}: {f}");
     assert_eq!(f["resumed_from"], tier, "{f}");
     assert_eq!(f["resumed_step"], the_resume(rd)["step"], "{f}");
-    let (lost, step_s) = (
-        f["lost_steps"].as_u64().unwrap(),
-        f["step_s"].as_f64().unwrap(),
-    );
+    let step_s = f["step_s"].as_f64().unwrap();
     assert!(step_s > 0.0, "{f}");
+    assert!(f["lost_steps"].as_u64().is_some(), "{f}");
+    // The one fault lost the seconds the ledger counts as lost work.
+    let bucket = v["ledger"]["buckets"]["lost"].as_f64().unwrap();
     assert!(
-        (f["lost_s"].as_f64().unwrap() - lost as f64 * step_s).abs() < 1e-6,
-        "{f}"
+        (f["lost_s"].as_f64().unwrap() - bucket).abs() < 1e-6,
+        "{f} vs lost work {bucket}"
     );
     let text = common::kiln_cmd(&["status"]).arg(rd).output().unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
@@ -416,4 +416,225 @@ fn finish_identical_tail(rd: &Path, shm: &Path, reference: &[u8]) {
     assert!(weights(rd) == reference, "resume from a peer is not exact");
     let left: Vec<_> = std::fs::read_dir(shm).unwrap().flatten().collect();
     assert!(left.is_empty(), "snapshots left after success: {left:?}");
+}
+
+/// The persistent checkpoints of the run in `rd`, newest first.
+fn checkpoint_steps(rd: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(rd.join("checkpoints"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    steps
+}
+
+/// A run (one rank, snapshots every 3 steps, `extra` on top) stopped with SIGTERM once it
+/// holds two snapshots: it checkpoints at its stop step, after its snapshots, and exits 75.
+/// Returns that checkpoint's step.
+fn stop_with_a_checkpoint(rd: &Path, shm: &Path, extra: &[&str]) -> u64 {
+    let mut cmd = command(1, rd, shm);
+    extra.iter().for_each(|s| {
+        cmd.arg("--set").arg(s);
+    });
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    wait_for_snapshots(shm, 1, &mut child);
+    signal(child.id() as i32, libc::SIGTERM);
+    assert_eq!(child.wait().unwrap().code(), Some(75), "preempted");
+    checkpoint_steps(rd)[0]
+}
+
+/// Resumes the run in `rd` (snapshots now rare, so that none is taken before the check)
+/// and returns its snapshot steps once it trained past `step`; then kills it.
+fn snapshots_after_resuming_past(rd: &Path, shm: &Path, step: u64, extra: &[&str]) -> Vec<u64> {
+    let mut cmd = command(1, rd, shm);
+    for s in extra.iter().chain(&["checkpoint.snapshot_interval=100000"]) {
+        cmd.arg("--set").arg(s);
+    }
+    let mut child = common::spawn_until(cmd, step + 2, None);
+    let left = snapshot_steps(shm, 0);
+    sigkill(child.id() as i32);
+    let _ = child.wait();
+    left
+}
+
+/// Issue 46: a run that finds stale snapshots of its own lineage, older than its newest
+/// persistent checkpoint, removes them (they held the node's RAM for nothing). A SIGTERM stop
+/// checkpoints after its last snapshot: on resume every snapshot is stale.
+#[test]
+fn a_resume_deletes_its_snapshots_older_than_the_persistent_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (rd, shm) = (tmp.path().join("run"), tmp.path().join("shm"));
+    let no_anchor = ["guards.snapshot_interval=0"];
+    let persistent = stop_with_a_checkpoint(&rd, &shm, &no_anchor);
+    let before = snapshot_steps(&shm, 0);
+    assert!(
+        before.iter().filter(|&&s| s < persistent).count() >= 1,
+        "{before:?} vs {persistent}"
+    );
+    let left = snapshots_after_resuming_past(&rd, &shm, persistent, &no_anchor);
+    let stale: Vec<u64> = left.into_iter().filter(|&s| s < persistent).collect();
+    assert_eq!(stale, Vec::<u64>::new(), "older than step {persistent}");
+}
+
+/// Held out: with the guards' rollback interval on (7), the snapshot at its newest multiple
+/// before the checkpoint is the resumed run's rollback point and stays; every other older one
+/// goes.
+#[test]
+fn a_resume_keeps_only_the_rollback_point_among_its_stale_snapshots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (rd, shm) = (tmp.path().join("run"), tmp.path().join("shm"));
+    let anchor = ["guards.snapshot_interval=7", "checkpoint.snapshot_keep=3"];
+    let persistent = stop_with_a_checkpoint(&rd, &shm, &anchor);
+    let left = snapshots_after_resuming_past(&rd, &shm, persistent, &anchor);
+    let stale: Vec<u64> = left.into_iter().filter(|&s| s < persistent).collect();
+    assert!(stale.len() <= 1, "{stale:?} older than {persistent}");
+    assert!(stale.iter().all(|s| s % 7 == 0), "{stale:?}");
+}
+
+/// `kiln launch LAUNCH -- kiln train` on `np` ranks (`--mpi` for more than one) with the
+/// memory tier of [`sets`] in `shm` and `extra` settings on top.
+fn launch_train(np: usize, rd: &Path, shm: &Path, launch: &[&str], extra: &[&str]) -> Command {
+    let np_s = np.to_string();
+    let mut c = common::kiln_cmd(&["launch", "--np", &np_s]);
+    if np > 1 {
+        c.arg("--mpi");
+    }
+    c.args(launch).arg("--run-dir").arg(rd).args([
+        "--",
+        common::KILN,
+        "train",
+        "--no-progress-bar",
+        "--run-dir",
+    ]);
+    c.arg(rd);
+    let all = common::TINY_MODEL
+        .iter()
+        .map(|s| s.to_string())
+        .chain(sets(shm))
+        .chain(extra.iter().map(|s| s.to_string()));
+    for s in all {
+        c.arg("--set").arg(s);
+    }
+    c
+}
+
+/// The `nodes_released` events of the run in `rd`.
+fn released(rd: &Path) -> Vec<serde_json::Value> {
+    events(rd, "nodes_released")
+}
+
+/// The run folders (`kiln-<hash>`) in the snapshot directory `shm`.
+fn tier_folders(shm: &Path) -> Vec<String> {
+    std::fs::read_dir(shm)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 46: a launch that gives up after its retries left the memory tier's snapshots in
+/// the node's /dev/shm. Without a scheduler the default keeps them (the same command
+/// resumes on this machine: see the Slurm tests for the default under one); told to
+/// (`--memory-tier-at-end remove`), the launch removes them once it ends for good. Here its
+/// trainer is SIGKILLed in both attempts of `--retries 1`: the run's folder is gone from
+/// the snapshot directory and `nodes_released` says so.
+#[test]
+fn a_launch_that_gives_up_removes_its_memory_tier_when_told() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (rd, shm) = (tmp.path().join("run"), tmp.path().join("shm"));
+    let flags = [
+        "--retries",
+        "1",
+        "--backoff",
+        "0.2",
+        "--memory-tier-at-end",
+        "remove",
+    ];
+    let mut job = launch_train(1, &rd, &shm, &flags, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for attempt in 1..=2 {
+        wait_for_snapshots(&shm, 1, &mut job);
+        let t0 = Instant::now();
+        let pid = loop {
+            if let Some(p) = common::trainer_pid(&rd, 0) {
+                break p;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "attempt {attempt}: no trainer"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        sigkill(pid);
+        // The next attempt's trainer resumes from these snapshots and writes newer ones.
+        let t0 = Instant::now();
+        while attempt == 1 && common::trainer_pid(&rd, 0).is_none_or(|p| p == pid) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no second attempt");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let status = job.wait().unwrap();
+    assert!(!status.success(), "both attempts were killed");
+    assert_eq!(
+        tier_folders(&shm),
+        Vec::<String>::new(),
+        "left in {}",
+        shm.display()
+    );
+    let r = released(&rd);
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(r[0]["kept"], false);
+    assert_eq!(r[0]["removed"].as_array().unwrap().len(), 1, "{r:?}");
+    assert_eq!(r[0]["failed"], serde_json::json!([]), "{r:?}");
+}
+
+/// Held out: three ranks under mpirun that end at the walltime (they checkpoint and exit 75).
+/// Without a scheduler the default keeps every rank's snapshots (this machine is where the
+/// same command resumes); `--memory-tier-at-end remove` removes them all.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_launch_that_ends_at_the_walltime_keeps_its_memory_tier_only_where_it_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for remove in [false, true] {
+        let rd = tmp.path().join(format!("run-{remove}"));
+        let shm = tmp.path().join(format!("shm-{remove}"));
+        let mut flags = vec!["--walltime", "12", "--timeout", "120"];
+        if remove {
+            flags.extend(["--memory-tier-at-end", "remove"]);
+        }
+        let mut job = launch_train(3, &rd, &shm, &flags, &["training.steps=1000000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_snapshots(&shm, 3, &mut job);
+        let status = job.wait().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(75),
+            "remove={remove}: the walltime stop"
+        );
+        let r = released(&rd);
+        assert_eq!(r.len(), 1, "remove={remove}: {r:?}");
+        assert_eq!(r[0]["kept"], !remove, "{r:?}");
+        if remove {
+            assert_eq!(tier_folders(&shm), Vec::<String>::new());
+        } else {
+            let folders = tier_folders(&shm);
+            assert_eq!(folders.len(), 1, "{folders:?}");
+            assert!((0..3).all(|rank| !snapshot_steps(&shm, rank).is_empty()));
+        }
+    }
 }

@@ -584,3 +584,182 @@ fn with_no_spare_left_the_job_shrinks_to_min_nodes() {
         "success"
     );
 }
+
+/// The steps of the memory snapshots rank `rank` holds in the snapshot directory `shm`.
+fn snapshots_in(shm: &Path, rank: usize) -> usize {
+    std::fs::read_dir(shm)
+        .ok()
+        .and_then(|mut d| d.next())
+        .and_then(Result::ok)
+        .and_then(|run_folder| {
+            std::fs::read_dir(run_folder.path().join(format!("rank-{rank}"))).ok()
+        })
+        .map_or(0, |steps| steps.count())
+}
+
+/// Issue 46: a job that gives up after its retries left its memory tier in the node's
+/// /dev/shm (RAM the next user of the node does not get back). Here a one-node job's
+/// trainer is SIGKILLed in every attempt until recovery gives up; under a scheduler the
+/// allocation ends with the job, so by default its snapshots go: none is left, and
+/// `nodes_released` says what went.
+#[test]
+fn a_job_that_gives_up_after_its_retries_releases_its_memory_tier() {
+    let cluster = Cluster::start(1, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let shm = dir.join("shm");
+    let snapshot_dir = format!("checkpoint.snapshot_dir={}", shm.display());
+    let command = train_args_with(
+        &run,
+        1_000_000,
+        &["checkpoint.snapshot_interval=3", snapshot_dir.as_str()],
+    );
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "1",
+            "--spares",
+            "0",
+            "--time",
+            "10:00",
+            "--launch-arg=--backoff=0.5",
+            "--launch-arg=--timeout=60",
+        ],
+        &command,
+    );
+    // The first attempt's trainer once it holds a snapshot, then every later attempt's as
+    // soon as it starts: attempts that get no further make kiln's recovery give up.
+    let mut killed: Vec<i32> = Vec::new();
+    let t0 = std::time::Instant::now();
+    while named(&events(&run), "launch_end").is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "the launch never gave up: {}",
+            job_output(&run)
+        );
+        let ready = !killed.is_empty() || snapshots_in(&shm, 0) >= 1;
+        if let Some(pid) = common::trainer_pid(&run, 0).filter(|p| !killed.contains(p))
+            && ready
+        {
+            // SAFETY: kill(2) on the trainer this test's cluster started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed.push(pid);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(killed.len() >= 2, "{killed:?}");
+    cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    let ends = named(&events(&run), "attempt_end").len();
+    assert_eq!(ends, killed.len(), "{out}");
+    let left: Vec<_> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in the snapshot directory: {left:?}\n{out}"
+    );
+    let ev = events(&run);
+    let released = named(&ev, "nodes_released");
+    assert_eq!(released.len(), 1, "{out}");
+    let r = &released[0].fields;
+    assert_eq!(r["kept"], false, "{r:?}");
+    assert_eq!(r["host"], "n1", "{r:?}");
+    assert_eq!(r["removed"].as_array().map(Vec::len), Some(1), "{r:?}");
+    assert_eq!(r["failed"], serde_json::json!([]), "{r:?}");
+}
+
+/// Held out: a two-node job whose ranks keep memory snapshots (in a snapshot directory of
+/// the test) ends at its walltime (kiln submit's stop before the limit: the ranks
+/// checkpoint and exit 75). kiln launch, on n1, removes the tier there itself and runs
+/// `kiln launch --release-node` through srun on n2: no rank's snapshots and no node record
+/// is left, and `nodes_released` names n2 as released through the launcher.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_end_of_a_job_releases_every_nodes_memory_tier_through_srun() {
+    let cluster = Cluster::start(2, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let shm = dir.join("shm");
+    let snapshot_dir = format!("checkpoint.snapshot_dir={}", shm.display());
+    let command = train_args_with(
+        &run,
+        1_000_000,
+        &[
+            "checkpoint.snapshot_interval=3",
+            "checkpoint.snapshot_keep=2",
+            snapshot_dir.as_str(),
+        ],
+    );
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "2",
+            "--spares",
+            "0",
+            "--time",
+            "1:00",
+            "--launch-arg=--timeout=60",
+        ],
+        &command,
+    );
+    let snapshots = || {
+        (0..2).all(|r| {
+            std::fs::read_dir(&shm)
+                .ok()
+                .and_then(|mut d| d.next())
+                .and_then(Result::ok)
+                .is_some_and(|run_folder| {
+                    std::fs::read_dir(run_folder.path().join(format!("rank-{r}")))
+                        .is_ok_and(|mut steps| steps.next().is_some())
+                })
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while !snapshots() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no snapshots of both ranks: {}",
+            job_output(&run)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let state = cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    assert!(
+        matches!(state.as_str(), "COMPLETED" | "FAILED"),
+        "{state}: {out}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in the snapshot directory: {left:?}\n{out}"
+    );
+    let records: Vec<_> = std::fs::read_dir(run.join("progress"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("node-"))
+        .collect();
+    assert!(records.is_empty(), "{records:?}");
+    let ev = events(&run);
+    let released = named(&ev, "nodes_released");
+    assert_eq!(released.len(), 1, "{out}");
+    let r = &released[0].fields;
+    assert_eq!(r["kept"], false, "{r:?}");
+    assert_eq!(r["host"], "n1", "{r:?}");
+    assert_eq!(r["hosts"], serde_json::json!(["n2"]), "{r:?}");
+    assert_eq!(r["failed"], serde_json::json!([]), "{r:?}\n{out}");
+}
