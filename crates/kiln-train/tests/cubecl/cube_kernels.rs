@@ -387,7 +387,8 @@ fn flash_attention_kernels_assemble_for_sm90_with_tensor_core_products() {
     let status = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "flash_ptx_with_libdevice",
+            // The test's name in this binary: its module path without the crate's name.
+            &child_test_name("flash_ptx_with_libdevice"),
             "--ignored",
             "--nocapture",
         ])
@@ -398,6 +399,19 @@ fn flash_attention_kernels_assemble_for_sm90_with_tensor_core_products() {
     assert!(status.success(), "the child test failed: {status}");
     // The child wrote and assembled all six kernels.
     assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 12);
+}
+
+/// A test's full name as libtest knows it (`cube_kernels::NAME`): `module_path!()` less the
+/// test binary's own name, so the child runs the test even if this file moves.
+#[cfg(feature = "cuda")]
+fn child_test_name(name: &str) -> String {
+    let module = module_path!();
+    let inner = module.split_once("::").map_or("", |(_, rest)| rest);
+    if inner.is_empty() {
+        name.to_string()
+    } else {
+        format!("{inner}::{name}")
+    }
 }
 
 /// Run by [`flash_attention_kernels_assemble_for_sm90_with_tensor_core_products`] with
