@@ -17,6 +17,7 @@ Two measurements:
    megatron-core's `IndexedDatasetBuilder`. Both outputs must be byte-identical.
 
 Usage: bench/data/bench.sh [--tokens 100e9] [--text-mb 64] [--workers N] [--keep-corpora]
+                          [--compare NAME=KILN ...]
 """
 
 import argparse
@@ -269,6 +270,9 @@ def main():
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--keep-corpora", action="store_true", help="keep the generated .idx files")
     ap.add_argument("--skip-tokenize", action="store_true")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=KILN",
+                    help="also build and reopen the index with another kiln binary (an older "
+                         "commit's, say), in the same run on the same corpora (repeatable)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -293,23 +297,42 @@ def main():
         # kiln builds the same number, so the blends are the same size and comparable.
         samples = m["samples"]
         log(f"  kiln data blend ({samples:,} samples, as megatron-core's blend) ...")
-        k_wall, k_rss, k_out = run_measured([args.kiln, "data", "blend", str(corpora / "list.txt"),
-                                      "--seq-len", str(SEQ_LEN), "--samples", str(samples),
-                                      "--seed", str(SEED), "--verify", "off", "--threads",
-                                      str(args.workers), "--cache-dir", str(out / "cache-kiln"),
-                                      "--json"])
-        k = json.loads(k_out)
-        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside), peak RSS {k_rss:.0f} MiB")
-        # The second run finds its cache: what every later job start (and every rank) pays.
-        k_warm, _, _ = run_measured([args.kiln, "data", "blend", str(corpora / "list.txt"),
-                                  "--seq-len", str(SEQ_LEN), "--samples", str(samples),
-                                  "--seed", str(SEED), "--verify", "off", "--cache-dir",
-                                  str(out / "cache-kiln"), "--json"])
+
+        def kiln_blend(binary, cache, threads):
+            cmd = [binary, "data", "blend", str(corpora / "list.txt"), "--seq-len", str(SEQ_LEN),
+                   "--samples", str(samples), "--seed", str(SEED), "--verify", "off",
+                   "--cache-dir", str(cache), "--json"]
+            return cmd + (["--threads", str(threads)] if threads else [])
+
+        def kiln_side(binary, cache):
+            """Cold build, then three reopens (what every later job start and rank pays)."""
+            shutil.rmtree(cache, ignore_errors=True)
+            wall, rss, out = run_measured(kiln_blend(binary, cache, args.workers))
+            reopens = [run_measured(kiln_blend(binary, cache, None))[:2] for _ in range(3)]
+            return wall, rss, json.loads(out), reopens
+
+        k_wall, k_rss, k, k_reopens = kiln_side(args.kiln, out / "cache-kiln")
+        k_warm = min(w for w, _ in k_reopens)
+        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside), peak RSS {k_rss:.0f} MiB; "
+            f"reopen {', '.join(f'{w:.2f}' for w, _ in k_reopens)} s")
+        compared = {}
+        for name, binary in (c.split("=", 1) for c in args.compare):
+            log(f"  {name}: {binary} ...")
+            c_wall, c_rss, c, c_reopens = kiln_side(binary, out / f"cache-{name}")
+            compared[name] = {
+                "binary": binary, "wall_s": c_wall, "seconds_inside": c["seconds"],
+                "peak_rss_mib": c_rss, "reopen_s": [w for w, _ in c_reopens],
+                "reopen_peak_rss_mib": max(r for _, r in c_reopens),
+                "per_corpus_samples": [d["samples"] for d in c["datasets"]],
+            }
+            log(f"    {c_wall:.2f}s wall, peak RSS {c_rss:.0f} MiB; reopen "
+                f"{', '.join(f'{w:.2f}' for w, _ in c_reopens)} s")
         _, _, m_warm_out = run_measured([sys.executable, __file__, "_megatron", json.dumps(
             [prefixes, weights, samples, str(out / "cache-megatron"), args.workers])])
         m_warm = json.loads(m_warm_out.strip().splitlines()[-1])
         k_totals = [d["samples"] for d in k["datasets"]]
-        same_totals = k_totals == m["totals"]
+        same_totals = k_totals == m["totals"] and all(
+            c["per_corpus_samples"] == m["totals"] for c in compared.values())
         du = lambda p: sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
         report["index"] = {
             "corpora": len(CORPORA), "documents": docs, "tokens": tokens, "seq_len": SEQ_LEN,
@@ -319,7 +342,10 @@ def main():
             "megatron_cached_load_s": m_warm["build_s"],
             "megatron_cache_bytes": du(out / "cache-megatron"),
             "kiln_wall_s": k_wall, "kiln_cached_load_s": k_warm,
+            "kiln_reopen_s": [w for w, _ in k_reopens],
+            "kiln_reopen_peak_rss_mib": max(r for _, r in k_reopens),
             "kiln_cache_bytes": du(out / "cache-kiln"),
+            "compared": compared,
             "speedup": m["build_s"] / k_wall,
             "per_corpus_samples_equal": same_totals,
             "projection_2T": {"megatron_s": m["build_s"] * 2e12 / tokens,
@@ -375,6 +401,9 @@ def print_table(r):
               f"   reload {i['megatron_cached_load_s']:.1f} s")
         print(f"  kiln           {i['kiln_wall_s']:8.1f} s   peak RSS {i['kiln_peak_rss_mib']:6.0f} MiB   cache {i['kiln_cache_bytes'] / 2**20:8.0f} MiB"
               f"   reload {i['kiln_cached_load_s']:.2f} s")
+        for name, c in i.get("compared", {}).items():
+            print(f"  kiln {name:<9}{c['wall_s']:8.1f} s   peak RSS {c['peak_rss_mib']:6.0f} MiB"
+                  f"   reload {min(c['reopen_s']):.2f} s")
         print(f"  speedup {i['speedup']:.1f}x; same per-corpus sample counts: {i['per_corpus_samples_equal']}")
         p = i["projection_2T"]
         print(f"  projected for 2T tokens: megatron-core {p['megatron_s'] / 60:.1f} min, kiln {p['kiln_s'] / 60:.1f} min")
