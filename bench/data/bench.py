@@ -127,7 +127,14 @@ def run_measured(cmd):
         if p.returncode != 0:
             raise SystemExit(f"{' '.join(map(str, cmd))} failed with {p.returncode}")
         out.seek(0)
+        global LAST_CPU_S
+        LAST_CPU_S = usage.ru_utime + usage.ru_stime
         return wall, usage.ru_maxrss / 1024, out.read().decode()
+
+
+# CPU seconds (user + system) of the last run_measured command: beside the wall time, a figure
+# that a busy machine inflates far less.
+LAST_CPU_S = 0.0
 
 
 # ---- megatron-core side (runs in a child process so that its time and memory are its own) ----
@@ -292,7 +299,9 @@ def main():
         m_wall, m_rss, m_out = run_measured([sys.executable, __file__, "_megatron", json.dumps(
             [prefixes, weights, samples, str(out / "cache-megatron"), args.workers])])
         m = json.loads(m_out.strip().splitlines()[-1])
-        log(f"    {m['build_s']:.1f}s build (+{m['import_s']:.1f}s import), peak RSS {m_rss:.0f} MiB")
+        m_cpu = LAST_CPU_S
+        log(f"    {m['build_s']:.1f}s build (+{m['import_s']:.1f}s import; {m_cpu:.1f}s CPU in all), "
+            f"peak RSS {m_rss:.0f} MiB")
         # megatron-core's blend holds sum(ceil(weight * samples)) samples (each corpus rounds up):
         # kiln builds the same number, so the blends are the same size and comparable.
         samples = m["samples"]
@@ -308,25 +317,31 @@ def main():
             """Cold build, then three reopens (what every later job start and rank pays)."""
             shutil.rmtree(cache, ignore_errors=True)
             wall, rss, out = run_measured(kiln_blend(binary, cache, args.workers))
-            reopens = [run_measured(kiln_blend(binary, cache, None))[:2] for _ in range(3)]
-            return wall, rss, json.loads(out), reopens
+            cpu = LAST_CPU_S
+            reopens = []
+            for _ in range(3):
+                w, r, _ = run_measured(kiln_blend(binary, cache, None))
+                reopens.append((w, r, LAST_CPU_S))
+            return wall, rss, dict(json.loads(out), cpu_s=cpu), reopens
 
         k_wall, k_rss, k, k_reopens = kiln_side(args.kiln, out / "cache-kiln")
-        k_warm = min(w for w, _ in k_reopens)
-        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside), peak RSS {k_rss:.0f} MiB; "
-            f"reopen {', '.join(f'{w:.2f}' for w, _ in k_reopens)} s")
+        k_warm = min(w for w, _, _ in k_reopens)
+        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside, {k['cpu_s']:.2f}s CPU), peak RSS "
+            f"{k_rss:.0f} MiB; reopen {', '.join(f'{w:.2f}' for w, _, _ in k_reopens)} s")
         compared = {}
         for name, binary in (c.split("=", 1) for c in args.compare):
             log(f"  {name}: {binary} ...")
             c_wall, c_rss, c, c_reopens = kiln_side(binary, out / f"cache-{name}")
             compared[name] = {
                 "binary": binary, "wall_s": c_wall, "seconds_inside": c["seconds"],
-                "peak_rss_mib": c_rss, "reopen_s": [w for w, _ in c_reopens],
-                "reopen_peak_rss_mib": max(r for _, r in c_reopens),
+                "cpu_s": c["cpu_s"], "peak_rss_mib": c_rss,
+                "reopen_s": [w for w, _, _ in c_reopens],
+                "reopen_cpu_s": [u for _, _, u in c_reopens],
+                "reopen_peak_rss_mib": max(r for _, r, _ in c_reopens),
                 "per_corpus_samples": [d["samples"] for d in c["datasets"]],
             }
-            log(f"    {c_wall:.2f}s wall, peak RSS {c_rss:.0f} MiB; reopen "
-                f"{', '.join(f'{w:.2f}' for w, _ in c_reopens)} s")
+            log(f"    {c_wall:.2f}s wall ({c['cpu_s']:.2f}s CPU), peak RSS {c_rss:.0f} MiB; reopen "
+                f"{', '.join(f'{w:.2f}' for w, _, _ in c_reopens)} s")
         _, _, m_warm_out = run_measured([sys.executable, __file__, "_megatron", json.dumps(
             [prefixes, weights, samples, str(out / "cache-megatron"), args.workers])])
         m_warm = json.loads(m_warm_out.strip().splitlines()[-1])
@@ -338,12 +353,15 @@ def main():
             "corpora": len(CORPORA), "documents": docs, "tokens": tokens, "seq_len": SEQ_LEN,
             "samples": samples,
             "megatron_build_s": m["build_s"], "megatron_wall_s": m_wall,
+            "megatron_cpu_s_with_import": m_cpu,
             "megatron_peak_rss_mib": m_rss, "kiln_peak_rss_mib": k_rss,
             "megatron_cached_load_s": m_warm["build_s"],
             "megatron_cache_bytes": du(out / "cache-megatron"),
             "kiln_wall_s": k_wall, "kiln_cached_load_s": k_warm,
-            "kiln_reopen_s": [w for w, _ in k_reopens],
-            "kiln_reopen_peak_rss_mib": max(r for _, r in k_reopens),
+            "kiln_cpu_s": k["cpu_s"],
+            "kiln_reopen_s": [w for w, _, _ in k_reopens],
+            "kiln_reopen_cpu_s": [u for _, _, u in k_reopens],
+            "kiln_reopen_peak_rss_mib": max(r for _, r, _ in k_reopens),
             "kiln_cache_bytes": du(out / "cache-kiln"),
             "compared": compared,
             "speedup": m["build_s"] / k_wall,

@@ -46,12 +46,12 @@ PROFILE_FLOOR = 0.0005
 SEQ_LEN = 1024
 SAMPLES = 1_200_000
 # Three steps of a Llama on one thread: d_model 128, 2 layers, GQA 4/2 heads, SwiGLU 384, batch
-# 4 x 128 tokens. Every kernel of a step runs (matmuls, attention, norms, the fused head and
+# 3 x 128 tokens. Every kernel of a step runs (matmuls, attention, norms, the fused head and
 # loss, AdamW, clipping), and the steps are most of the count; callgrind runs it about 50
 # times slower than native, so this is the size that fits CI's two minutes (README.md).
 TRAIN_SETS = [
     "training.steps=3", "training.threads=1", "training.compute_shards=1",
-    "training.seq_len=128", "training.batch_size=4",
+    "training.seq_len=128", "training.batch_size=3",
     "model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.ffn_hidden=384",
     "eval.samples=0", "checkpoint.interval=1000", "checkpoint.snapshot_interval=0",
@@ -66,29 +66,55 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def noyield_library(work: Path) -> Path | None:
-    """A preloaded sched_yield that returns at once. Under valgrind (which runs one thread at
-    a time) every yield of rayon's idle workers waits for the scheduler: the training steps
-    took 120 s of wall time for 12 s of work. The yields are not counted work either way."""
+HELPERS = {
+    # Under valgrind (which runs one thread at a time) every sched_yield of rayon's idle
+    # workers waits for the scheduler: the training steps took 120 s of wall time for 12 s of
+    # work. A preloaded sched_yield that returns at once; yields do no counted work either way.
+    "noyield.so": ("int sched_yield(void) { return 0; }\n", ["-shared", "-fPIC"]),
+    # Peak RSS of a command. Not from Python: a child spawned by Python starts as a copy of (or
+    # shares) Python's memory until its exec, and the kernel keeps that in the child's peak
+    # (every workload read 18 MiB, Python's size); this forks from a process of a few pages.
+    "peakrss": (r"""
+#include <stdio.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    pid_t pid = fork();
+    if (pid == 0) { execvp(argv[1], argv + 1); perror(argv[1]); _exit(127); }
+    int status; struct rusage ru;
+    if (wait4(pid, &status, 0, &ru) < 0) { perror("wait4"); return 126; }
+    fprintf(stderr, "peak_rss_kib=%ld\n", ru.ru_maxrss);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+""", []),
+}
+
+
+def build_helpers(work: Path):
+    """{name: path} of the helpers above, compiled with the system's C compiler."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        return None
-    src = work / "noyield.c"
-    src.write_text("int sched_yield(void) { return 0; }\n")
-    lib = work / "noyield.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)], check=True)
-    return lib
+        sys.exit("guard: needs a C compiler (cc) for its two small helpers")
+    out = {}
+    for name, (src, flags) in HELPERS.items():
+        c = work / (name.split(".")[0] + ".c")
+        c.write_text(src)
+        out[name] = work / name
+        subprocess.run([cc, "-O2", *flags, "-o", str(out[name]), str(c)], check=True)
+    return out
 
 
-def native(cmd, env=None):
+def native(cmd, env, peakrss):
     """Runs cmd natively; returns its peak RSS in KiB."""
-    with tempfile.TemporaryFile() as out:
-        p = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            out.seek(0)
-            sys.exit(f"guard: {' '.join(map(str, cmd))} failed:\n{out.read().decode(errors='replace')}")
-        return usage.ru_maxrss
+    r = subprocess.run([str(peakrss)] + [str(c) for c in cmd], capture_output=True, text=True,
+                       env=env)
+    if r.returncode != 0:
+        sys.exit(f"guard: {' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    m = re.search(r"^peak_rss_kib=(\d+)$", r.stderr, re.M)
+    if m is None:
+        sys.exit(f"guard: no peak RSS from {peakrss}")
+    return int(m.group(1))
 
 
 def callgrind(cmd, out: Path, env, step=None):
@@ -160,10 +186,8 @@ def measure(kiln: Path, only, work: Path):
     import threading
 
     env = dict(os.environ, KILN_LOG="warn", NO_COLOR="1")
-    vg_env = dict(env)
-    lib = noyield_library(work)
-    if lib is not None:
-        vg_env["LD_PRELOAD"] = str(lib)
+    helpers = build_helpers(work)
+    vg_env = dict(env, LD_PRELOAD=str(helpers["noyield.so"]))
     results, jobs = {}, []
     if any(w.startswith("data") for w in only):
         t0 = time.time()
@@ -176,8 +200,8 @@ def measure(kiln: Path, only, work: Path):
                     "--seed", 1234, "--verify", "off", "--threads", 1, "--cache-dir", cache,
                     "--json"]
 
-        rss = {"data-build": native(blend(work / "cache-native"), env),
-               "data-reopen": native(blend(work / "cache-native"), env)}
+        rss = {"data-build": native(blend(work / "cache-native"), env, helpers["peakrss"]),
+               "data-reopen": native(blend(work / "cache-native"), env, helpers["peakrss"])}
 
         def data():
             t0 = time.time()
@@ -194,7 +218,7 @@ def measure(kiln: Path, only, work: Path):
             sets = [a for s in TRAIN_SETS for a in ("--set", s)]
             return [kiln, "train", "--run-dir", run, "--no-progress-bar"] + sets
 
-        train_rss = native(train(work / "run-native"), env)
+        train_rss = native(train(work / "run-native"), env, helpers["peakrss"])
 
         def steps():
             t0 = time.time()
