@@ -23,6 +23,7 @@ Usage: bench/data/bench.sh [--tokens 100e9] [--text-mb 64] [--workers N] [--keep
 import argparse
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -114,27 +115,55 @@ def make_corpora(root: Path, total_tokens: float):
     return prefixes, weights, docs, tokens
 
 
-def run_measured(cmd):
-    """Runs cmd; returns (wall seconds, peak RSS in MiB, stdout)."""
-    import tempfile
+def peakrss_launcher():
+    """bench/peakrss.c compiled (once), or None without a C compiler."""
+    global PEAKRSS
+    if PEAKRSS is None:
+        import tempfile
 
-    with tempfile.TemporaryFile() as out:
-        t0 = time.time()
-        p = subprocess.Popen([str(c) for c in cmd], stdout=out)
-        _, status, usage = os.wait4(p.pid, 0)
-        wall = time.time() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        if p.returncode != 0:
-            raise SystemExit(f"{' '.join(map(str, cmd))} failed with {p.returncode}")
-        out.seek(0)
-        global LAST_CPU_S
-        LAST_CPU_S = usage.ru_utime + usage.ru_stime
-        return wall, usage.ru_maxrss / 1024, out.read().decode()
+        cc = shutil.which("cc") or shutil.which("gcc")
+        src = Path(__file__).resolve().parent.parent / "peakrss.c"
+        PEAKRSS = ""
+        if cc and src.exists():
+            out = Path(tempfile.mkdtemp(prefix="kiln-bench-")) / "peakrss"
+            if subprocess.run([cc, "-O2", "-o", str(out), str(src)]).returncode == 0:
+                PEAKRSS = str(out)
+            else:
+                log("  (no peakrss launcher: peak RSS below this process's size reads as its size)")
+    return PEAKRSS or None
 
 
+PEAKRSS = None
 # CPU seconds (user + system) of the last run_measured command: beside the wall time, a figure
 # that a busy machine inflates far less.
 LAST_CPU_S = 0.0
+
+
+def run_measured(cmd):
+    """Runs cmd; returns (wall seconds, peak RSS in MiB, stdout); its CPU seconds in LAST_CPU_S.
+    The peak comes from bench/peakrss.c: a child spawned from this process would carry this
+    process's size (numpy's corpora, hundreds of MiB) in its peak."""
+    import tempfile
+
+    global LAST_CPU_S
+    launcher = peakrss_launcher()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.time()
+        p = subprocess.Popen(([launcher] if launcher else []) + [str(c) for c in cmd],
+                             stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.time() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        m = re.search(r"^peak_rss_kib=(\d+) cpu_s=([\d.]+)$", text, re.M) if launcher else None
+        sys.stderr.write(re.sub(r"^peak_rss_kib=.*\n?", "", text, flags=re.M))
+        if p.returncode != 0:
+            raise SystemExit(f"{' '.join(map(str, cmd))} failed with {p.returncode}")
+        LAST_CPU_S = usage.ru_utime + usage.ru_stime
+        rss_kib = int(m.group(1)) if m else usage.ru_maxrss
+        out.seek(0)
+        return wall, rss_kib / 1024, out.read().decode()
 
 
 # ---- megatron-core side (runs in a child process so that its time and memory are its own) ----

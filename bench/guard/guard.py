@@ -71,23 +71,8 @@ HELPERS = {
     # workers waits for the scheduler: the training steps took 120 s of wall time for 12 s of
     # work. A preloaded sched_yield that returns at once; yields do no counted work either way.
     "noyield.so": ("int sched_yield(void) { return 0; }\n", ["-shared", "-fPIC"]),
-    # Peak RSS of a command. Not from Python: a child spawned by Python starts as a copy of (or
-    # shares) Python's memory until its exec, and the kernel keeps that in the child's peak
-    # (every workload read 18 MiB, Python's size); this forks from a process of a few pages.
-    "peakrss": (r"""
-#include <stdio.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
-int main(int argc, char **argv) {
-    pid_t pid = fork();
-    if (pid == 0) { execvp(argv[1], argv + 1); perror(argv[1]); _exit(127); }
-    int status; struct rusage ru;
-    if (wait4(pid, &status, 0, &ru) < 0) { perror("wait4"); return 126; }
-    fprintf(stderr, "peak_rss_kib=%ld\n", ru.ru_maxrss);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-""", []),
+    # Peak RSS of a command, measured from a process of a few pages (bench/peakrss.c says why).
+    "peakrss": ((ROOT / "bench" / "peakrss.c").read_text(), []),
 }
 
 
@@ -111,7 +96,7 @@ def native(cmd, env, peakrss):
                        env=env)
     if r.returncode != 0:
         sys.exit(f"guard: {' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    m = re.search(r"^peak_rss_kib=(\d+)$", r.stderr, re.M)
+    m = re.search(r"^peak_rss_kib=(\d+) ", r.stderr, re.M)
     if m is None:
         sys.exit(f"guard: no peak RSS from {peakrss}")
     return int(m.group(1))
