@@ -17,11 +17,13 @@ Two measurements:
    megatron-core's `IndexedDatasetBuilder`. Both outputs must be byte-identical.
 
 Usage: bench/data/bench.sh [--tokens 100e9] [--text-mb 64] [--workers N] [--keep-corpora]
+                          [--compare NAME=KILN ...]
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -113,20 +115,55 @@ def make_corpora(root: Path, total_tokens: float):
     return prefixes, weights, docs, tokens
 
 
+def peakrss_launcher():
+    """bench/peakrss.c compiled (once), or None without a C compiler."""
+    global PEAKRSS
+    if PEAKRSS is None:
+        import tempfile
+
+        cc = shutil.which("cc") or shutil.which("gcc")
+        src = Path(__file__).resolve().parent.parent / "peakrss.c"
+        PEAKRSS = ""
+        if cc and src.exists():
+            out = Path(tempfile.mkdtemp(prefix="kiln-bench-")) / "peakrss"
+            if subprocess.run([cc, "-O2", "-o", str(out), str(src)]).returncode == 0:
+                PEAKRSS = str(out)
+            else:
+                log("  (no peakrss launcher: peak RSS below this process's size reads as its size)")
+    return PEAKRSS or None
+
+
+PEAKRSS = None
+# CPU seconds (user + system) of the last run_measured command: beside the wall time, a figure
+# that a busy machine inflates far less.
+LAST_CPU_S = 0.0
+
+
 def run_measured(cmd):
-    """Runs cmd; returns (wall seconds, peak RSS in MiB, stdout)."""
+    """Runs cmd; returns (wall seconds, peak RSS in MiB, stdout); its CPU seconds in LAST_CPU_S.
+    The peak comes from bench/peakrss.c: a child spawned from this process would carry this
+    process's size (numpy's corpora, hundreds of MiB) in its peak."""
     import tempfile
 
-    with tempfile.TemporaryFile() as out:
+    global LAST_CPU_S
+    launcher = peakrss_launcher()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.time()
-        p = subprocess.Popen([str(c) for c in cmd], stdout=out)
+        p = subprocess.Popen(([launcher] if launcher else []) + [str(c) for c in cmd],
+                             stdout=out, stderr=err)
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.time() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        m = re.search(r"^peak_rss_kib=(\d+) cpu_s=([\d.]+)$", text, re.M) if launcher else None
+        sys.stderr.write(re.sub(r"^peak_rss_kib=.*\n?", "", text, flags=re.M))
         if p.returncode != 0:
             raise SystemExit(f"{' '.join(map(str, cmd))} failed with {p.returncode}")
+        LAST_CPU_S = usage.ru_utime + usage.ru_stime
+        rss_kib = int(m.group(1)) if m else usage.ru_maxrss
         out.seek(0)
-        return wall, usage.ru_maxrss / 1024, out.read().decode()
+        return wall, rss_kib / 1024, out.read().decode()
 
 
 # ---- megatron-core side (runs in a child process so that its time and memory are its own) ----
@@ -269,6 +306,9 @@ def main():
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--keep-corpora", action="store_true", help="keep the generated .idx files")
     ap.add_argument("--skip-tokenize", action="store_true")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=KILN",
+                    help="also build and reopen the index with another kiln binary (an older "
+                         "commit's, say), in the same run on the same corpora (repeatable)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -288,38 +328,71 @@ def main():
         m_wall, m_rss, m_out = run_measured([sys.executable, __file__, "_megatron", json.dumps(
             [prefixes, weights, samples, str(out / "cache-megatron"), args.workers])])
         m = json.loads(m_out.strip().splitlines()[-1])
-        log(f"    {m['build_s']:.1f}s build (+{m['import_s']:.1f}s import), peak RSS {m_rss:.0f} MiB")
+        m_cpu = LAST_CPU_S
+        log(f"    {m['build_s']:.1f}s build (+{m['import_s']:.1f}s import; {m_cpu:.1f}s CPU in all), "
+            f"peak RSS {m_rss:.0f} MiB")
         # megatron-core's blend holds sum(ceil(weight * samples)) samples (each corpus rounds up):
         # kiln builds the same number, so the blends are the same size and comparable.
         samples = m["samples"]
         log(f"  kiln data blend ({samples:,} samples, as megatron-core's blend) ...")
-        k_wall, k_rss, k_out = run_measured([args.kiln, "data", "blend", str(corpora / "list.txt"),
-                                      "--seq-len", str(SEQ_LEN), "--samples", str(samples),
-                                      "--seed", str(SEED), "--verify", "off", "--threads",
-                                      str(args.workers), "--cache-dir", str(out / "cache-kiln"),
-                                      "--json"])
-        k = json.loads(k_out)
-        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside), peak RSS {k_rss:.0f} MiB")
-        # The second run finds its cache: what every later job start (and every rank) pays.
-        k_warm, _, _ = run_measured([args.kiln, "data", "blend", str(corpora / "list.txt"),
-                                  "--seq-len", str(SEQ_LEN), "--samples", str(samples),
-                                  "--seed", str(SEED), "--verify", "off", "--cache-dir",
-                                  str(out / "cache-kiln"), "--json"])
+
+        def kiln_blend(binary, cache, threads):
+            cmd = [binary, "data", "blend", str(corpora / "list.txt"), "--seq-len", str(SEQ_LEN),
+                   "--samples", str(samples), "--seed", str(SEED), "--verify", "off",
+                   "--cache-dir", str(cache), "--json"]
+            return cmd + (["--threads", str(threads)] if threads else [])
+
+        def kiln_side(binary, cache):
+            """Cold build, then three reopens (what every later job start and rank pays)."""
+            shutil.rmtree(cache, ignore_errors=True)
+            wall, rss, out = run_measured(kiln_blend(binary, cache, args.workers))
+            cpu = LAST_CPU_S
+            reopens = []
+            for _ in range(3):
+                w, r, _ = run_measured(kiln_blend(binary, cache, None))
+                reopens.append((w, r, LAST_CPU_S))
+            return wall, rss, dict(json.loads(out), cpu_s=cpu), reopens
+
+        k_wall, k_rss, k, k_reopens = kiln_side(args.kiln, out / "cache-kiln")
+        k_warm = min(w for w, _, _ in k_reopens)
+        log(f"    {k_wall:.2f}s wall ({k['seconds']:.2f}s inside, {k['cpu_s']:.2f}s CPU), peak RSS "
+            f"{k_rss:.0f} MiB; reopen {', '.join(f'{w:.2f}' for w, _, _ in k_reopens)} s")
+        compared = {}
+        for name, binary in (c.split("=", 1) for c in args.compare):
+            log(f"  {name}: {binary} ...")
+            c_wall, c_rss, c, c_reopens = kiln_side(binary, out / f"cache-{name}")
+            compared[name] = {
+                "binary": binary, "wall_s": c_wall, "seconds_inside": c["seconds"],
+                "cpu_s": c["cpu_s"], "peak_rss_mib": c_rss,
+                "reopen_s": [w for w, _, _ in c_reopens],
+                "reopen_cpu_s": [u for _, _, u in c_reopens],
+                "reopen_peak_rss_mib": max(r for _, r, _ in c_reopens),
+                "per_corpus_samples": [d["samples"] for d in c["datasets"]],
+            }
+            log(f"    {c_wall:.2f}s wall ({c['cpu_s']:.2f}s CPU), peak RSS {c_rss:.0f} MiB; reopen "
+                f"{', '.join(f'{w:.2f}' for w, _, _ in c_reopens)} s")
         _, _, m_warm_out = run_measured([sys.executable, __file__, "_megatron", json.dumps(
             [prefixes, weights, samples, str(out / "cache-megatron"), args.workers])])
         m_warm = json.loads(m_warm_out.strip().splitlines()[-1])
         k_totals = [d["samples"] for d in k["datasets"]]
-        same_totals = k_totals == m["totals"]
+        same_totals = k_totals == m["totals"] and all(
+            c["per_corpus_samples"] == m["totals"] for c in compared.values())
         du = lambda p: sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
         report["index"] = {
             "corpora": len(CORPORA), "documents": docs, "tokens": tokens, "seq_len": SEQ_LEN,
             "samples": samples,
             "megatron_build_s": m["build_s"], "megatron_wall_s": m_wall,
+            "megatron_cpu_s_with_import": m_cpu,
             "megatron_peak_rss_mib": m_rss, "kiln_peak_rss_mib": k_rss,
             "megatron_cached_load_s": m_warm["build_s"],
             "megatron_cache_bytes": du(out / "cache-megatron"),
             "kiln_wall_s": k_wall, "kiln_cached_load_s": k_warm,
+            "kiln_cpu_s": k["cpu_s"],
+            "kiln_reopen_s": [w for w, _, _ in k_reopens],
+            "kiln_reopen_cpu_s": [u for _, _, u in k_reopens],
+            "kiln_reopen_peak_rss_mib": max(r for _, r, _ in k_reopens),
             "kiln_cache_bytes": du(out / "cache-kiln"),
+            "compared": compared,
             "speedup": m["build_s"] / k_wall,
             "per_corpus_samples_equal": same_totals,
             "projection_2T": {"megatron_s": m["build_s"] * 2e12 / tokens,
@@ -375,6 +448,9 @@ def print_table(r):
               f"   reload {i['megatron_cached_load_s']:.1f} s")
         print(f"  kiln           {i['kiln_wall_s']:8.1f} s   peak RSS {i['kiln_peak_rss_mib']:6.0f} MiB   cache {i['kiln_cache_bytes'] / 2**20:8.0f} MiB"
               f"   reload {i['kiln_cached_load_s']:.2f} s")
+        for name, c in i.get("compared", {}).items():
+            print(f"  kiln {name:<9}{c['wall_s']:8.1f} s   peak RSS {c['peak_rss_mib']:6.0f} MiB"
+                  f"   reload {min(c['reopen_s']):.2f} s")
         print(f"  speedup {i['speedup']:.1f}x; same per-corpus sample counts: {i['per_corpus_samples_equal']}")
         p = i["projection_2T"]
         print(f"  projected for 2T tokens: megatron-core {p['megatron_s'] / 60:.1f} min, kiln {p['kiln_s'] / 60:.1f} min")

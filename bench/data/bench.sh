@@ -17,6 +17,9 @@ if ! "$venv/bin/python" -c 'import megatron.core, tokenizers, torch' 2>/dev/null
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch numpy megatron-core pybind11 tokenizers
 fi
-(cd "$root" && cargo build --release -q -p kiln)
-exec "$venv/bin/python" "$root/bench/data/bench.py" --kiln "$root/target/release/kiln" \
+# KILN_BIN: measure that binary instead of building target/release/kiln.
+if [ -z "${KILN_BIN:-}" ]; then
+  (cd "$root" && cargo build --release -q -p kiln)
+fi
+exec "$venv/bin/python" "$root/bench/data/bench.py" --kiln "${KILN_BIN:-$root/target/release/kiln}" \
   --out "$root/target/bench-data" "$@"

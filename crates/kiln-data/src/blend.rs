@@ -206,15 +206,25 @@ fn cache_key(table: &[String], samples: u64, segs: &[ResolvedSegment]) -> Key {
     Key::new(b"BLEND   ", &description)
 }
 
-/// The blend file's parts: samples per dataset, the per-dataset totals at every
-/// [`CHECKPOINT`]-th sample, and the dataset id of every sample (`u16`, little-endian).
-fn compute(segs: &[ResolvedSegment], samples: u64, d: usize) -> Vec<Vec<u8>> {
+/// Bytes of the blend file's payload: samples per dataset (`d` words), the per-dataset totals
+/// at every [`CHECKPOINT`]-th sample (`d` words each), and the dataset id of every sample
+/// (`u16`, little-endian).
+fn payload_len(samples: u64, d: usize) -> u64 {
+    8 * d as u64 + 8 * samples.div_ceil(CHECKPOINT) * d as u64 + 2 * samples
+}
+
+/// Computes the blend and writes it into `out` ([`payload_len`]'s layout) as it goes: the ids
+/// a checkpoint interval at a time, the counts at the end, so that memory holds only the
+/// checkpoints (`8 d` bytes per 4096 samples), not the ids (2 bytes per sample).
+fn compute(segs: &[ResolvedSegment], samples: u64, d: usize, out: &cache::Payload) -> Result<()> {
     let _span = tracing::info_span!("blend", samples, datasets = d).entered();
     let t0 = std::time::Instant::now();
     let n_ck = samples.div_ceil(CHECKPOINT) as usize;
+    let ids_at = (8 * d + 8 * n_ck * d) as u64;
     let mut totals = vec![0u64; d];
     let mut checkpoints: Vec<u64> = Vec::with_capacity(n_ck * d);
-    let mut ids: Vec<u16> = Vec::with_capacity(samples as usize);
+    let mut ids: Vec<u8> = Vec::with_capacity(2 * CHECKPOINT as usize);
+    let mut written = 0u64;
     let bar = crate::progress::bar(samples, "blend");
     for (k, seg) in segs.iter().enumerate() {
         let (start, seg_ids, weights) = (seg.start, &seg.ids, &seg.weights);
@@ -236,21 +246,27 @@ fn compute(segs: &[ResolvedSegment], samples: u64, d: usize) -> Vec<Vec<u8>> {
             let chunk = (CHECKPOINT - pos % CHECKPOINT).min(end - pos);
             greedy_from(weights, done_local, chunk, &mut local, |j| {
                 let id = seg_ids[j];
-                ids.push(id as u16);
+                ids.extend_from_slice(&(id as u16).to_le_bytes());
                 totals[id] += 1;
             });
             pos += chunk;
             done_local += chunk;
+            if (pos % CHECKPOINT == 0 || pos == samples) && !ids.is_empty() {
+                out.write_at(ids_at + 2 * written, &ids)?;
+                written += (ids.len() / 2) as u64;
+                ids.clear();
+            }
             bar.set_position(pos);
         }
     }
-    bar.finish_and_clear();
-    tracing::info!(elapsed_s = t0.elapsed().as_secs_f64(), "blend built");
-    let mut id_bytes = Vec::with_capacity(ids.len() * 2);
-    for id in ids {
-        id_bytes.extend_from_slice(&id.to_le_bytes());
+    if !ids.is_empty() {
+        out.write_at(ids_at + 2 * written, &ids)?;
     }
-    vec![le_words(&totals), le_words(&checkpoints), id_bytes]
+    bar.finish_and_clear();
+    out.write_at(0, &le_words(&totals))?;
+    out.write_at(8 * d as u64, &le_words(&checkpoints))?;
+    tracing::info!(elapsed_s = t0.elapsed().as_secs_f64(), "blend built");
+    Ok(())
 }
 
 impl Blend {
@@ -272,22 +288,20 @@ impl Blend {
         let key = cache_key(table, samples, &segs);
         let path = cache_dir.join(key.file_name("blend"));
         let d = table.len();
+        let len = payload_len(samples, d);
         let n_ck = samples.div_ceil(CHECKPOINT) as f64;
-        let file_bytes = 8.0 * d as f64 + 8.0 * n_ck * d as f64 + 2.0 * samples as f64;
-        let file = cache::get_or_build(&path, &key, || {
-            // The ids are collected, then copied into the file's bytes: twice the file.
+        let file = cache::get_or_build_with(&path, &key, len, |out| {
+            // Held in memory: the checkpoints only; the ids go straight to the file.
             cache::ensure_room(
                 &format!("the blend of {samples} samples over {d} datasets"),
-                2.0 * file_bytes,
-                file_bytes,
+                8.0 * n_ck * d as f64,
+                len as f64,
                 cache_dir,
                 cache::FIX_SAMPLES,
             )?;
-            Ok(compute(&segs, samples, d))
+            compute(&segs, samples, d, out)
         })?;
-        let n_ck = samples.div_ceil(CHECKPOINT) as usize;
-        let expect = 8 * d + 8 * n_ck * d + 2 * samples as usize;
-        if file.payload().len() != expect {
+        if file.payload().len() as u64 != len {
             return Err(DataError::format(
                 &file.path,
                 "blend cache has the wrong size; delete it to rebuild",
@@ -366,6 +380,7 @@ fn greedy_from(
     for (tf, &tk) in t.iter_mut().zip(taken.iter()) {
         *tf = tk as f64;
     }
+    let mx = |a: f64, b: f64| if b > a { b } else { a };
     for i in done..done + count {
         let x = (i as f64).max(1.0);
         let mut lane_max = [f64::NEG_INFINITY; LANES];
@@ -375,9 +390,16 @@ fn greedy_from(
                 lane_max[l] = if err > lane_max[l] { err } else { lane_max[l] };
             }
         }
-        let max = lane_max
-            .iter()
-            .fold(f64::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        // A tree over the lanes, not a fold: the fold's chain of seven dependent maxima was
+        // the longest part of the step-to-step dependency (1.4x faster on 24 datasets).
+        let m = lane_max;
+        let h = [
+            mx(m[0], m[4]),
+            mx(m[1], m[5]),
+            mx(m[2], m[6]),
+            mx(m[3], m[7]),
+        ];
+        let max = mx(mx(h[0], h[2]), mx(h[1], h[3]));
         // The same expression evaluated again gives the same bits, so one dataset matches.
         let best = (0..d).find(|&k| w[k] * x - t[k] == max).unwrap_or(0);
         emit(best);

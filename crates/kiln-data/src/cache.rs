@@ -215,6 +215,90 @@ pub fn write(path: &Path, key: &Key, parts: &[&[u8]]) -> Result<()> {
     result
 }
 
+/// A cache file being written by [`write_with`]: its payload is written at offsets, in any
+/// order, straight to the file (nothing of it need be held in memory).
+pub struct Payload<'a> {
+    file: &'a File,
+    path: &'a Path,
+}
+
+impl Payload<'_> {
+    /// Write `bytes` at payload offset `at`.
+    pub fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(bytes, HEADER as u64 + at)
+            .map_err(|e| DataError::io(self.path, e))
+    }
+}
+
+/// [`write`] for a payload of `len` bytes that `fill` writes piece by piece
+/// ([`Payload::write_at`]); a payload `fill` leaves short is an error, and nothing is
+/// published.
+pub fn write_with(
+    path: &Path,
+    key: &Key,
+    len: u64,
+    fill: impl FnOnce(&Payload) -> Result<()>,
+) -> Result<()> {
+    let tmp = tmp_name(path);
+    let io = |e| DataError::io(&tmp, e);
+    let result = (|| {
+        use std::os::unix::fs::FileExt;
+        let file = File::create(&tmp).map_err(io)?;
+        let mut head = Vec::with_capacity(HEADER);
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&key.kind);
+        head.extend_from_slice(&key.digest);
+        head.extend_from_slice(&len.to_le_bytes());
+        file.write_all_at(&head, 0).map_err(io)?;
+        fill(&Payload {
+            file: &file,
+            path: &tmp,
+        })?;
+        let size = file.metadata().map_err(io)?.len();
+        if size != HEADER as u64 + len {
+            return Err(DataError::format(
+                &tmp,
+                format!(
+                    "cache payload written short: {size} bytes, expected {}",
+                    HEADER as u64 + len
+                ),
+            ));
+        }
+        file.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| DataError::io(path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// [`get_or_build`] for a payload written piece by piece ([`write_with`]).
+pub fn get_or_build_with(
+    path: &Path,
+    key: &Key,
+    len: u64,
+    fill: impl FnOnce(&Payload) -> Result<()>,
+) -> Result<CacheFile> {
+    if let Some(f) = open(path, key)? {
+        return Ok(f);
+    }
+    let _guard = lock(path)?;
+    if let Some(f) = open(path, key)? {
+        tracing::debug!(path = %path.display(), "cache built by another process");
+        return Ok(f);
+    }
+    write_with(path, key, len, fill)?;
+    open(path, key)?.ok_or_else(|| {
+        DataError::format(
+            path,
+            "cache file vanished or changed right after it was written",
+        )
+    })
+}
+
 /// Open a cache file, or build it under the lock and open the result.
 pub fn get_or_build(
     path: &Path,

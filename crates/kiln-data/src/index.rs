@@ -21,12 +21,17 @@
 //! The prefix table depends only on the dataset's content, the seed and the epoch — not on
 //! `seq_len` nor the blend — so one cache file per dataset serves every run over it, and grows
 //! by whole epochs when a run needs more.
+//!
+//! **One pass, once.** Building the tables and checking the index ([`IndexFile::check_all`]:
+//! every length, every pointer against the `.bin`, the document index) read the same arrays,
+//! so they are one streamed pass ([`IndexFile::stream`]: fixed buffers, nothing left mapped),
+//! and the check's verdict is cached beside the tables, keyed by the `.idx`'s fingerprint.
+//! A reopen finds both and reads no per-sequence data at all.
 
 use crate::cache::{self, CacheFile, Key};
 use crate::error::{DataError, Result};
 use crate::indexed::{IndexFile, IndexedDataset};
 use crate::perm::{Permutation, derive_key};
-use rayon::prelude::*;
 use std::path::Path;
 
 /// Sequences per stored prefix entry: a lookup walks at most this many sequences.
@@ -63,19 +68,41 @@ pub fn epochs_needed(tokens_per_epoch: u64, seq_len: u64, samples: u64) -> u64 {
 
 /// Sum of all sequence lengths, in parallel; an error names the first bad sequence.
 pub fn total_tokens(idx: &IndexFile) -> Result<u64> {
-    let n = idx.sequences();
-    let chunk = 1 << 16;
-    let sums: Vec<Result<u64>> = (0..n.div_ceil(chunk))
-        .into_par_iter()
-        .map(|c| {
-            let mut s = 0u64;
-            for i in c * chunk..((c + 1) * chunk).min(n) {
-                s += idx.length(i)? as u64;
-            }
-            Ok(s)
-        })
-        .collect();
-    sums.into_iter().sum()
+    Ok(idx
+        .stream(false, rayon::current_num_threads(), || (), |_, _, _| {})?
+        .0)
+}
+
+/// The cached verdict of [`IndexFile::check_all`] on a dataset's index: present once an index
+/// with this fingerprint passed, holding its token count. Keyed by the `.idx` alone: the check
+/// compares the index with itself (each pointer with the end of the sequence before it), and
+/// the one fact it needs of the `.bin`, its size, [`IndexedDataset::open`] checks at every
+/// open; so a verdict holds for any `.bin` that passes that, and every opener (the trainer,
+/// `kiln data blend`, every rank, every restart) reuses it.
+struct Verdict {
+    path: std::path::PathBuf,
+    key: Key,
+}
+
+impl Verdict {
+    fn new(ds: &IndexedDataset, fingerprint: &str, cache_dir: &Path) -> Verdict {
+        let key = Key::new(b"IDXCHECK", &format!("v2 idx={fingerprint}"));
+        Verdict {
+            path: key.dataset_path(cache_dir, ds.prefix()),
+            key,
+        }
+    }
+
+    /// The token count the passing check found, if it ran on this index before.
+    fn read(&self) -> Result<Option<u64>> {
+        Ok(cache::open(&self.path, &self.key)?
+            .filter(|f| f.payload().len() == 8)
+            .map(|f| cache::word(f.payload(), 0)))
+    }
+
+    fn write(&self, tokens: u64) -> Result<()> {
+        cache::write(&self.path, &self.key, &[&tokens.to_le_bytes()])
+    }
 }
 
 /// Where one dataset's prefix tables are cached, and what a cache file must hold to be them.
@@ -89,6 +116,8 @@ struct PrefixCache<'a> {
     groups: u64,
     /// The shuffle's key (seed and content).
     shuffle_key: u64,
+    /// Where the index check's verdict is cached.
+    verdict: Verdict,
 }
 
 /// A cache file's `(tokens per epoch, epochs)`, when it is this dataset's.
@@ -112,18 +141,23 @@ impl PrefixCache<'_> {
         (s == self.seqs && g == self.groups && p.len() as u64 == 8 * words).then_some((tokens, e))
     }
 
-    /// Writes the cache with the epochs that `samples` samples of `seq_len` tokens need, those
-    /// of `file` (holding `held`) kept.
+    /// Makes the cache hold the epochs that `samples` samples of `seq_len` tokens need (those
+    /// of `file`, holding `held`, kept) and, unless `checked` says the index passed before,
+    /// checks it and records the verdict: both in one streamed pass over the index.
     fn extend(
         &self,
         file: Option<&CacheFile>,
         held: Held,
+        checked: Option<u64>,
         seq_len: u64,
         samples: u64,
     ) -> Result<()> {
-        let tokens = match held {
-            Some((t, _)) => t,
-            None => total_tokens(self.ds.index())?,
+        let idx = self.ds.index();
+        // Before the pass: the tokens a sound index holds, where its last sequence ends (the
+        // pass confirms it, or fails).
+        let tokens = match (held, checked) {
+            (Some((t, _)), _) | (None, Some(t)) => t,
+            (None, None) => idx.expected_bin_len()? / idx.dtype().size() as u64,
         };
         if tokens == 0 && samples > 0 {
             return Err(DataError::format(
@@ -140,50 +174,98 @@ impl PrefixCache<'_> {
         );
         let dir = self.path.parent().unwrap_or(Path::new("."));
         cache::ensure_room(&what, bytes, bytes, dir, cache::FIX_SAMPLES)?;
-        let mut payload: Vec<u8> =
-            Vec::with_capacity(8 * (HEAD_WORDS + (want * (self.groups + 1)) as usize));
-        for w in [tokens, self.seqs, self.groups, want] {
-            payload.extend_from_slice(&w.to_le_bytes());
-        }
-        if let Some(f) = file
-            && have > 0
-        {
-            payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
-        }
-        self.append_epochs(&mut payload, tokens, have..want)?;
-        cache::write(&self.path, &self.key, &[&payload])
-    }
-
-    /// Builds the prefix tables of `epochs` onto `payload`.
-    fn append_epochs(
-        &self,
-        payload: &mut Vec<u8>,
-        tokens: u64,
-        epochs: std::ops::Range<u64>,
-    ) -> Result<()> {
         let t0 = std::time::Instant::now();
-        let count = epochs.end - epochs.start;
-        let bar = crate::progress::bar(count * self.seqs, &format!("index {}", self.stem));
-        for e in epochs {
-            let prefix = build_epoch(self.ds.index(), self.shuffle_key, e, &bar)?;
-            if prefix.last() != Some(&tokens) {
-                return Err(DataError::format(
-                    self.ds.index().path(),
-                    "sequence lengths changed while the index was being built",
-                ));
-            }
-            for w in prefix {
+        let (found, tables) = self.pass(checked.is_none(), have..want)?;
+        if found != tokens {
+            return Err(DataError::format(
+                idx.path(),
+                "sequence lengths changed while the index was being built",
+            ));
+        }
+        if checked.is_none() {
+            self.verdict.write(tokens)?;
+        }
+        if want > have || held.is_none() {
+            let mut payload: Vec<u8> =
+                Vec::with_capacity(8 * (HEAD_WORDS + (want * (self.groups + 1)) as usize));
+            for w in [tokens, self.seqs, self.groups, want] {
                 payload.extend_from_slice(&w.to_le_bytes());
             }
+            if let Some(f) = file
+                && have > 0
+            {
+                payload.extend_from_slice(&f.payload()[8 * HEAD_WORDS..]);
+            }
+            for prefix in tables {
+                for w in prefix {
+                    payload.extend_from_slice(&w.to_le_bytes());
+                }
+            }
+            cache::write(&self.path, &self.key, &[&payload])?;
         }
-        bar.finish_and_clear();
         tracing::info!(
             dataset = %self.ds.prefix().display(),
-            epochs = count,
+            epochs = want - have,
+            checked = checked.is_none(),
             elapsed_s = t0.elapsed().as_secs_f64(),
             "dataset index built"
         );
         Ok(())
+    }
+
+    /// One streamed pass over the index ([`IndexFile::stream`], checking it when `check`):
+    /// the token count and the prefix tables of `epochs` ([`GROUP`]-sequence sums of epoch
+    /// `e`'s order, `groups + 1` entries each).
+    ///
+    /// The tables are built by scattering rather than gathering: sequence `i` (read in file
+    /// order) lands at position `pi_e^-1(i)` and adds its length to that position's group. The
+    /// gather (`length[pi_e(p)]` for each position) chases a random address behind a
+    /// data-dependent cycle-walking branch on every element; the scatter reads the lengths
+    /// sequentially and updates a table 32x smaller than them, which stays in cache.
+    fn pass(&self, check: bool, epochs: std::ops::Range<u64>) -> Result<(u64, Vec<Vec<u64>>)> {
+        let idx = self.ds.index();
+        let perms: Vec<Permutation> = epochs
+            .clone()
+            .map(|e| Permutation::new(self.seqs, derive_key(&[self.shuffle_key, PURPOSE_DOC, e])))
+            .collect();
+        let groups = self.groups as usize;
+        // One partial table per part and epoch, within a memory budget. Integer sums do not
+        // depend on how the sequences are split, so the result is the same for any split.
+        const PARTIAL_BUDGET: usize = 512 << 20;
+        let parts = rayon::current_num_threads()
+            .min(PARTIAL_BUDGET / (8 * groups * perms.len()).max(1))
+            .max(1);
+        let bar = crate::progress::bar(
+            self.seqs * (perms.len() as u64).max(1),
+            &format!("index {}", self.stem),
+        );
+        let (tokens, partials) = idx.stream(
+            check,
+            parts,
+            || (vec![vec![0u64; groups]; perms.len()], Vec::new()),
+            |(tables, positions): &mut (Vec<Vec<u64>>, Vec<u64>), start, lens| {
+                positions.resize(lens.len(), 0);
+                for (perm, table) in perms.iter().zip(tables.iter_mut()) {
+                    perm.apply_inverse_run(start as u64, positions);
+                    scatter(table, positions, lens);
+                }
+                bar.inc(lens.len() as u64 * (perms.len() as u64).max(1));
+            },
+        )?;
+        bar.finish_and_clear();
+        let tables = (0..perms.len())
+            .map(|e| {
+                let mut prefix = Vec::with_capacity(groups + 1);
+                let mut acc = 0u64;
+                prefix.push(0);
+                for g in 0..groups {
+                    acc += partials.iter().map(|(t, _)| t[e][g]).sum::<u64>();
+                    prefix.push(acc);
+                }
+                prefix
+            })
+            .collect();
+        Ok((tokens, tables))
     }
 }
 
@@ -219,16 +301,19 @@ impl DatasetIndex {
             seqs,
             groups: seqs.div_ceil(GROUP),
             shuffle_key: derive_key(&[seed, crate::fingerprint::digest_u64(fingerprint)]),
+            verdict: Verdict::new(&ds, fingerprint, cache_dir),
         };
         let enough = |held: Held| {
             held.is_some_and(|(tokens, e)| e >= epochs_needed(tokens, seq_len, samples))
         };
         let (mut file, mut held) = c.read()?;
-        if !enough(held) {
+        let mut checked = c.verdict.read()?;
+        if !enough(held) || checked.is_none() {
             let _lock = cache::lock(&c.path)?;
             (file, held) = c.read()?;
-            if !enough(held) {
-                c.extend(file.as_ref(), held, seq_len, samples)?;
+            checked = c.verdict.read()?;
+            if !enough(held) || checked.is_none() {
+                c.extend(file.as_ref(), held, checked, seq_len, samples)?;
                 (file, held) = c.read()?;
             }
         }
@@ -362,58 +447,22 @@ impl DatasetIndex {
     }
 }
 
-/// Token counts before every GROUP-th position of epoch `e`: `groups + 1` entries.
-///
-/// Built by scattering rather than gathering: sequence `i` (read in file order) lands at
-/// position `pi_e^-1(i)` and adds its length to that position's group. The gather
-/// (`length[pi_e(p)]` for each position) chases a random address behind a data-dependent
-/// cycle-walking branch on every element; the scatter reads the lengths sequentially and
-/// updates a table 32x smaller than them, which stays in cache: 4x faster, same result.
-fn build_epoch(
-    idx: &IndexFile,
-    key: u64,
-    e: u64,
-    bar: &indicatif::ProgressBar,
-) -> Result<Vec<u64>> {
-    let seqs = idx.sequences() as u64;
-    let perm = Permutation::new(seqs, derive_key(&[key, PURPOSE_DOC, e]));
-    let groups = seqs.div_ceil(GROUP) as usize;
-    // One partial table per worker, within a memory budget. Integer sums do not depend on how
-    // the sequences are split, so the result is the same for any thread count.
-    const PARTIAL_BUDGET: usize = 512 << 20;
-    let parts = rayon::current_num_threads()
-        .min(PARTIAL_BUDGET / (8 * groups).max(1))
-        .max(1) as u64;
-    let per_part = seqs.div_ceil(parts);
-    const RUN: usize = 1 << 16;
-    let partials: Vec<Vec<u64>> = (0..parts)
-        .into_par_iter()
-        .map(|part| {
-            let mut table = vec![0u64; groups];
-            let (i0, i1) = (part * per_part, ((part + 1) * per_part).min(seqs));
-            let mut positions = vec![0u64; RUN];
-            let mut i = i0;
-            while i < i1 {
-                let run = (i1 - i).min(RUN as u64) as usize;
-                perm.apply_inverse_run(i, &mut positions[..run]);
-                for (k, &p) in positions[..run].iter().enumerate() {
-                    let l = idx.raw_length(i as usize + k);
-                    // Lengths were validated non-negative by total_tokens; a file changed
-                    // underneath shows up as the final-sum mismatch checked by the caller.
-                    table[(p / GROUP) as usize] += l.max(0) as u64;
-                }
-                i += run as u64;
-                bar.inc(run as u64);
+/// `table[p / GROUP] += length` for each sequence's position `p` and length. The table entries
+/// hit are random: once the table outgrows the core's cache (2.7 MB for a 10M-sequence
+/// dataset) every add waits on memory, so the entry 16 places ahead is prefetched (the
+/// positions are all known in advance); 1.6x faster on the bench's web corpora.
+fn scatter(table: &mut [u64], positions: &[u64], lens: &[i32]) {
+    const AHEAD: usize = 16;
+    for (k, (&p, &l)) in positions.iter().zip(lens).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(&q) = positions.get(k + AHEAD) {
+            // SAFETY: a prefetch is a hint; it never faults, whatever the address. The index is
+            // in bounds anyway (q < sequences, so q / GROUP < groups).
+            unsafe {
+                use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                _mm_prefetch::<_MM_HINT_T0>(table.as_ptr().add((q / GROUP) as usize) as *const i8);
             }
-            table
-        })
-        .collect();
-    let mut prefix = Vec::with_capacity(groups + 1);
-    let mut acc = 0u64;
-    prefix.push(0);
-    for g in 0..groups {
-        acc += partials.iter().map(|t| t[g]).sum::<u64>();
-        prefix.push(acc);
+        }
+        table[(p / GROUP) as usize] += l as u64;
     }
-    Ok(prefix)
 }

@@ -23,8 +23,10 @@
 
 use crate::error::{DataError, Result};
 use memmap2::Mmap;
+use rayon::prelude::*;
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// The `.idx` magic bytes.
@@ -145,11 +147,21 @@ fn le_i64(b: &[u8], at: usize) -> i64 {
     i64::from_le_bytes(a)
 }
 
+/// Entries of an `.idx` array read per call by the streamed passes ([`IndexFile::stream`]):
+/// 64 Ki sequences, 256 KiB of lengths and 512 KiB of pointers.
+pub const RUN: usize = 1 << 16;
+
 /// The parsed `.idx` of a dataset, memory-mapped. Opening costs O(1): the arrays are read
-/// lazily through the map, so a 100M-sequence index opens instantly.
+/// lazily through the map, so a 100M-sequence index opens instantly. Whole-array passes
+/// ([`IndexFile::stream`]) read through fixed buffers instead of the map, so that they leave
+/// nothing resident: every page touched through a map counts toward the process's memory
+/// (RSS) for as long as the map lives, 20 bytes per sequence for a walk of all three arrays.
 #[derive(Debug)]
 pub struct IndexFile {
     path: PathBuf,
+    file: File,
+    /// Sequences read by streamed passes over this open file ([`IndexFile::streamed`]).
+    streamed: std::sync::atomic::AtomicU64,
     map: Mmap,
     dtype: DType,
     sequences: usize,
@@ -249,6 +261,8 @@ impl IndexFile {
         } = Header::parse(&map, path)?;
         let idx = IndexFile {
             path: path.to_path_buf(),
+            file,
+            streamed: Default::default(),
             dtype,
             sequences,
             doc_index_len,
@@ -328,38 +342,255 @@ impl IndexFile {
         le_i64(&self.map, self.docs_at + 8 * i)
     }
 
-    /// Sum of all sequence lengths, checking every length and pointer (O(sequences)). Used by
-    /// `inspect` and `verify`; the loader only needs the O(1) checks of [`IndexFile::open`].
+    /// Sum of all sequence lengths, checking every length, every pointer and the document
+    /// index (O(sequences), streamed in parallel through fixed buffers; see
+    /// [`IndexFile::stream`]). With the size check of [`IndexedDataset::open`], a passing
+    /// index has every sequence inside the `.bin`. An error names the first bad entry.
     pub fn check_all(&self) -> Result<u64> {
+        let parts = rayon::current_num_threads();
+        Ok(self.stream(true, parts, || (), |_, _, _| {})?.0)
+    }
+
+    /// Sequences that whole-array passes ([`IndexFile::stream`]) have read from this open
+    /// file: its sequence count after a pass that built or checked anything, 0 after an
+    /// open that found everything in the cache.
+    pub fn streamed(&self) -> u64 {
+        self.streamed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Reads lengths `[start, start + out.len())` with `pread` (not through the map).
+    pub fn read_lengths(&self, start: usize, out: &mut [i32]) -> Result<()> {
+        self.read_at(self.lengths_at + 4 * start, bytemuck::cast_slice_mut(out))?;
+        out.iter_mut().for_each(|v| *v = i32::from_le(*v));
+        Ok(())
+    }
+
+    /// Reads pointers `[start, start + out.len())` with `pread` (not through the map).
+    pub fn read_pointers(&self, start: usize, out: &mut [i64]) -> Result<()> {
+        self.read_at(self.pointers_at + 8 * start, bytemuck::cast_slice_mut(out))?;
+        out.iter_mut().for_each(|v| *v = i64::from_le(*v));
+        Ok(())
+    }
+
+    /// Reads document-index entries `[start, start + out.len())` with `pread`.
+    pub fn read_document_index(&self, start: usize, out: &mut [i64]) -> Result<()> {
+        self.read_at(self.docs_at + 8 * start, bytemuck::cast_slice_mut(out))?;
+        out.iter_mut().for_each(|v| *v = i64::from_le(*v));
+        Ok(())
+    }
+
+    fn read_at(&self, at: usize, buf: &mut [u8]) -> Result<()> {
+        self.file
+            .read_exact_at(buf, at as u64)
+            .map_err(|e| DataError::io(&self.path, e))
+    }
+
+    /// One pass over the sequence lengths, in `parts` contiguous parts run in parallel, each
+    /// read [`RUN`] entries at a time into buffers it reuses (memory: O(parts x RUN), whatever
+    /// the index's size, and nothing left mapped). Every length is checked (negative is
+    /// damage); with `check`, so is every pointer (sequence `i` must start where `i - 1`
+    /// ends, the first at 0) and the document index (never backwards): what
+    /// [`IndexFile::check_all`] promises. Each part's state starts as `init()` and `each` folds
+    /// every run of checked lengths into it, with the run's first sequence number; runs reach a
+    /// part in order. Returns the sum of all lengths and the parts' states, in order.
+    ///
+    /// Damage is reported as a sequential check would: the lowest-numbered bad sequence (its
+    /// pointer is compared with the end of the sequence before it, which is where a sequential
+    /// walk expects it once every earlier sequence has passed), else the first bad
+    /// document-index entry.
+    pub fn stream<S: Send>(
+        &self,
+        check: bool,
+        parts: usize,
+        init: impl Fn() -> S + Sync + Send,
+        each: impl Fn(&mut S, usize, &[i32]) + Sync + Send,
+    ) -> Result<(u64, Vec<S>)> {
+        let n = self.sequences;
+        let parts = parts.clamp(1, n.div_ceil(RUN).max(1));
+        let per = n.div_ceil(parts);
+        let found: Vec<std::result::Result<(u64, S), (usize, DataError)>> = (0..parts)
+            .into_par_iter()
+            .map(|p| {
+                let (i0, i1) = ((p * per).min(n), ((p + 1) * per).min(n));
+                let mut state = init();
+                let sum =
+                    self.stream_part(i0, i1, check, |start, lens| each(&mut state, start, lens))?;
+                Ok((sum, state))
+            })
+            .collect();
+        let mut first: Option<(usize, DataError)> = None;
+        let mut total = 0u64;
+        let mut states = Vec::with_capacity(parts);
+        for r in found {
+            match r {
+                Ok((sum, state)) => {
+                    total += sum;
+                    states.push(state);
+                }
+                Err((at, e)) => {
+                    if first.as_ref().is_none_or(|(f, _)| at < *f) {
+                        first = Some((at, e));
+                    }
+                }
+            }
+        }
+        if let Some((_, e)) = first {
+            return Err(e);
+        }
+        if check {
+            self.check_document_index()?;
+        }
+        Ok((total, states))
+    }
+
+    /// Sequences `[i0, i1)` of [`IndexFile::stream`]: their lengths' sum, or the first bad
+    /// sequence and its error.
+    fn stream_part(
+        &self,
+        i0: usize,
+        i1: usize,
+        check: bool,
+        mut each: impl FnMut(usize, &[i32]),
+    ) -> std::result::Result<u64, (usize, DataError)> {
         let size = self.dtype.size() as i64;
-        let mut expected_ptr: i64 = 0;
-        let mut total: u64 = 0;
-        for i in 0..self.sequences {
-            let len = self.length(i)?;
-            let ptr = self.pointer(i);
-            if ptr != expected_ptr {
-                return Err(DataError::format(
-                    &self.path,
-                    format!(
-                        "corrupt index: sequence {i} points at byte {ptr}, expected {expected_ptr}"
-                    ),
-                ));
-            }
-            expected_ptr += len as i64 * size;
-            total += len as u64;
+        let cap = RUN.min(i1 - i0);
+        let mut lens = vec![0i32; cap];
+        let mut ptrs = vec![0i64; if check { cap } else { 0 }];
+        // Where sequence i0 must start: 0 for the first; else where sequence i0 - 1 ends (not
+        // known when that length is damaged: the part before reports it, at a lower number).
+        let mut expected = Some(0i64);
+        if check && i0 > 0 {
+            let (mut l, mut p) = ([0i32], [0i64]);
+            self.read_lengths(i0 - 1, &mut l).map_err(|e| (i0, e))?;
+            self.read_pointers(i0 - 1, &mut p).map_err(|e| (i0, e))?;
+            expected = (l[0] >= 0).then(|| p[0].saturating_add(l[0] as i64 * size));
         }
-        let mut prev = 0i64;
-        for i in 0..self.doc_index_len {
-            let d = self.document_index(i);
-            if d < prev {
-                return Err(DataError::format(
-                    &self.path,
-                    format!("corrupt index: document index {i} ({d}) goes backwards from {prev}"),
-                ));
+        let mut sum = 0u64;
+        let mut i = i0;
+        while i < i1 {
+            let run = (i1 - i).min(RUN);
+            let (lens, ptrs) = (&mut lens[..run], &mut ptrs[..if check { run } else { 0 }]);
+            self.read_lengths(i, lens).map_err(|e| (i, e))?;
+            if check {
+                self.read_pointers(i, ptrs).map_err(|e| (i, e))?;
             }
-            prev = d;
+            // A branch-free pass over the run (vectorised); the exact first error only when
+            // it finds one.
+            let mut bad = false;
+            let mut s = 0u64;
+            for &l in lens.iter() {
+                bad |= l < 0;
+                s += l as u32 as u64;
+            }
+            if check {
+                let start = expected.unwrap_or(ptrs[0]);
+                bad |= ptrs[0] != start || ptrs[0] < 0;
+                for k in 1..run {
+                    let end = ptrs[k - 1].wrapping_add(lens[k - 1] as i64 * size);
+                    bad |= ptrs[k] != end || ptrs[k] < 0;
+                }
+            }
+            if bad {
+                return Err(self.first_damage(i, lens, ptrs, expected, check));
+            }
+            if check {
+                expected = ptrs[run - 1].checked_add(lens[run - 1] as i64 * size);
+                if expected.is_none() && i + run < self.sequences {
+                    let at = i + run - 1;
+                    return Err((
+                        at + 1,
+                        DataError::format(
+                            &self.path,
+                            format!(
+                                "corrupt index: sequence {at} ends past the largest byte offset"
+                            ),
+                        ),
+                    ));
+                }
+            }
+            sum += s;
+            each(i, lens);
+            self.streamed
+                .fetch_add(run as u64, std::sync::atomic::Ordering::Relaxed);
+            i += run;
         }
-        Ok(total)
+        Ok(sum)
+    }
+
+    /// The first damaged sequence of a run that the branch-free pass flagged, with the error a
+    /// sequential walk gives.
+    fn first_damage(
+        &self,
+        i: usize,
+        lens: &[i32],
+        ptrs: &[i64],
+        mut expected: Option<i64>,
+        check: bool,
+    ) -> (usize, DataError) {
+        let size = self.dtype.size() as i64;
+        for (k, &l) in lens.iter().enumerate() {
+            let at = i + k;
+            if l < 0 {
+                let reason = format!("corrupt index: sequence {at} has length {l}");
+                return (at, DataError::format(&self.path, reason));
+            }
+            if check {
+                let ptr = ptrs[k];
+                if let Some(e) = expected
+                    && ptr != e
+                {
+                    let reason =
+                        format!("corrupt index: sequence {at} points at byte {ptr}, expected {e}");
+                    return (at, DataError::format(&self.path, reason));
+                }
+                if ptr < 0 {
+                    let reason = format!("corrupt index: sequence {at} points at byte {ptr}");
+                    return (at, DataError::format(&self.path, reason));
+                }
+                expected = ptr.checked_add(l as i64 * size);
+                if expected.is_none() {
+                    let reason =
+                        format!("corrupt index: sequence {at} ends past the largest byte offset");
+                    return (at, DataError::format(&self.path, reason));
+                }
+            }
+        }
+        let reason = "corrupt index: a run of sequences failed its check but no entry did";
+        (i, DataError::format(&self.path, reason))
+    }
+
+    /// The document index never goes backwards (streamed in parallel, like
+    /// [`IndexFile::stream`]); an error names the first entry that does.
+    fn check_document_index(&self) -> Result<()> {
+        let n = self.doc_index_len;
+        let found: Vec<Option<(usize, i64, i64)>> = (0..n.div_ceil(RUN))
+            .into_par_iter()
+            .map_init(
+                || vec![0i64; RUN + 1],
+                |buf, c| -> Result<Option<(usize, i64, i64)>> {
+                    // Entry c * RUN - 1 too, the one the run's first entry follows.
+                    let (j0, j1) = ((c * RUN).saturating_sub(1), ((c + 1) * RUN).min(n));
+                    let buf = &mut buf[..j1 - j0];
+                    self.read_document_index(j0, buf)?;
+                    let mut prev = if c == 0 { 0 } else { buf[0] };
+                    let skip = usize::from(c > 0);
+                    for (k, &d) in buf.iter().enumerate().skip(skip) {
+                        if d < prev {
+                            return Ok(Some((j0 + k, d, prev)));
+                        }
+                        prev = d;
+                    }
+                    Ok(None)
+                },
+            )
+            .collect::<Result<_>>()?;
+        match found.into_iter().flatten().next() {
+            Some((i, d, prev)) => Err(DataError::format(
+                &self.path,
+                format!("corrupt index: document index {i} ({d}) goes backwards from {prev}"),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Bytes the `.bin` must have: one past the last sequence's end.

@@ -184,7 +184,11 @@ fn verify_shards(list: &Path, cfg: &LoaderConfig, prefixes: &[PathBuf]) -> Resul
 }
 
 /// Opens the dataset of list entry `e` and its sample index for at most `bound` samples; an
-/// error names the entry's line of `list`.
+/// error names the entry's line of `list`. The index is checked against the `.bin` (every
+/// length and pointer, [`crate::indexed::IndexFile::check_all`]) the first time this `.idx` is
+/// opened with this cache, in the same pass that builds its sample index; the verdict is
+/// cached, so damage is an error here, before any step, and a reopen reads nothing per
+/// sequence.
 fn open_index(
     list: &Path,
     e: &crate::corpus::CorpusEntry,
@@ -193,8 +197,7 @@ fn open_index(
 ) -> Result<DatasetIndex> {
     let at_line = |err: DataError| DataError::line(list, e.line, err.to_string());
     let ds = IndexedDataset::open(&e.prefix).map_err(at_line)?;
-    index_checked_cached(&ds, &cfg.cache_dir).map_err(at_line)?;
-    let (_, fp) = crate::fingerprint::sampled(ds.index().path())?;
+    let (_, fp) = crate::fingerprint::sampled(ds.index().path()).map_err(at_line)?;
     let seq_len = cfg.seq_len as u64;
     DatasetIndex::open(ds, &fp, cfg.seed, seq_len, bound, &cfg.cache_dir).map_err(at_line)
 }
@@ -397,24 +400,6 @@ impl BlendedLoader {
     pub fn blend_path(&self) -> &Path {
         self.blend.path()
     }
-}
-
-/// Checks every sequence's size and pointer of a dataset's index against its `.bin` (see
-/// [`crate::indexed::IndexFile::check_all`]; with the size check of [`IndexedDataset::open`],
-/// every sequence lies inside the `.bin`), once per pair of files: the result is cached under
-/// the cache directory by both files' fingerprints, as the vocabulary scan is. Damage is
-/// then an error when the data is opened, not a failed read steps later.
-fn index_checked_cached(ds: &IndexedDataset, cache_dir: &Path) -> Result<()> {
-    let (_, idx_fp) = crate::fingerprint::sampled(ds.index().path())?;
-    let (_, bin_fp) = crate::fingerprint::sampled(&crate::indexed::bin_path(ds.prefix()))?;
-    let key = crate::cache::Key::new(b"IDXCHECK", &format!("v1 idx={idx_fp} bin={bin_fp}"));
-    let path = key.dataset_path(cache_dir, ds.prefix());
-    crate::cache::get_or_build(&path, &key, || {
-        let _span = tracing::info_span!("index check", dataset = %ds.prefix().display()).entered();
-        let tokens = ds.index().check_all()?;
-        Ok(vec![tokens.to_le_bytes().to_vec()])
-    })?;
-    Ok(())
 }
 
 /// The largest token id of a dataset (see [`IndexedDataset::scan_max_token`]), from the

@@ -588,3 +588,219 @@ fn shares_of_a_blend_add_up_and_count_epochs() {
         assert!((s.epochs - s.samples as f64 * 8.0 / tokens as f64).abs() < 1e-12);
     }
 }
+
+/// An index of `lens` (one document per sequence) with a `.bin` of the size it describes
+/// (sparse: the streamed passes never read tokens).
+fn write_index_only(prefix: &Path, lens: &[i32]) {
+    let docs: Vec<i64> = (0..=lens.len() as i64).collect();
+    kiln_data::indexed::write_index(&idx_path(prefix), DType::U16, lens, &docs).unwrap();
+    let tokens: i64 = lens.iter().map(|&l| l as i64).sum();
+    let bin = std::fs::File::create(bin_path(prefix)).unwrap();
+    bin.set_len(2 * tokens as u64).unwrap();
+}
+
+/// Overwrites the little-endian bytes of `v` at `at` in `path`.
+fn patch(path: &Path, at: usize, v: &[u8]) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at..at + v.len()].copy_from_slice(v);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The check as a sequential walk states it (the pre-streaming `check_all`), through the
+/// index's own accessors: what the streamed, parallel check must report.
+fn walk_check(idx: &kiln_data::indexed::IndexFile) -> Result<u64, String> {
+    let path = idx.path().display();
+    let mut expected = 0i64;
+    let mut total = 0u64;
+    for i in 0..idx.sequences() {
+        let l = idx.raw_length(i);
+        if l < 0 {
+            return Err(format!(
+                "{path}: corrupt index: sequence {i} has length {l}"
+            ));
+        }
+        let ptr = idx.pointer(i);
+        if ptr != expected {
+            return Err(format!(
+                "{path}: corrupt index: sequence {i} points at byte {ptr}, expected {expected}"
+            ));
+        }
+        expected += l as i64 * 2;
+        total += l as u64;
+    }
+    let mut prev = 0;
+    for i in 0..idx.documents() + 1 {
+        let d = idx.document_index(i);
+        if d < prev {
+            return Err(format!(
+                "{path}: corrupt index: document index {i} ({d}) goes backwards from {prev}"
+            ));
+        }
+        prev = d;
+    }
+    Ok(total)
+}
+
+/// The streamed check (parts in parallel, runs of 64 Ki entries) reports what the sequential
+/// walk reports, whatever the thread count: the lowest-numbered bad sequence, with the
+/// pointer it expected, else the first backwards document-index entry; damage placed at
+/// run and part boundaries, and two damages at once (the lower is named).
+#[test]
+fn streamed_check_reports_what_a_sequential_walk_reports() {
+    use kiln_data::indexed::{IndexFile, RUN};
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("ds");
+    let n = 3 * RUN + 1234;
+    let lens: Vec<i32> = (0..n).map(|i| 1 + (i * 7919 % 97) as i32).collect();
+    write_index_only(&prefix, &lens);
+    let idx = idx_path(&prefix);
+    let pristine = std::fs::read(&idx).unwrap();
+    let (lengths_at, pointers_at) = (34, 34 + 4 * n);
+    let docs_at = pointers_at + 8 * n;
+    let mut sites = vec![
+        0,
+        1,
+        2,
+        RUN - 1,
+        RUN,
+        RUN + 1,
+        2 * RUN,
+        n / 2,
+        n / 2 + 1,
+        n - 2,
+    ];
+    sites.extend([n / 4, n / 4 + 1, 3 * n / 4, n - 1]);
+    type Damage = Box<dyn Fn(usize) -> (usize, Vec<u8>)>;
+    let damages: Vec<(&str, Damage)> = vec![
+        (
+            "length",
+            Box::new(move |i| (lengths_at + 4 * i, (-3i32).to_le_bytes().to_vec())),
+        ),
+        (
+            "pointer",
+            Box::new(move |i| (pointers_at + 8 * i, (1i64 << 40).to_le_bytes().to_vec())),
+        ),
+        (
+            "pointer by one",
+            Box::new(move |i| {
+                (
+                    pointers_at + 8 * i,
+                    (2 * i as i64 + 1).to_le_bytes().to_vec(),
+                )
+            }),
+        ),
+        (
+            "doc",
+            Box::new(move |i| (docs_at + 8 * (i + 1), 0i64.to_le_bytes().to_vec())),
+        ),
+    ];
+    let check = |threads: usize| {
+        let file = IndexFile::open(&idx).map_err(|e| e.to_string())?;
+        let walked = walk_check(&file);
+        let streamed = kiln_data::with_threads(Some(threads), || file.check_all())
+            .unwrap()
+            .map_err(|e| e.to_string());
+        Ok::<_, String>((walked, streamed))
+    };
+    for threads in [1, 2, 4] {
+        let (walked, streamed) = check(threads).unwrap();
+        assert_eq!(walked, streamed);
+        assert_eq!(streamed, Ok(lens.iter().map(|&l| l as u64).sum()));
+    }
+    let mut compared = 0;
+    for (what, damage) in &damages {
+        for &site in &sites {
+            std::fs::write(&idx, &pristine).unwrap();
+            let (at, bytes) = damage(site);
+            patch(&idx, at, &bytes);
+            // A second damage further on: the lower one is reported.
+            let (at2, bytes2) = damage((site + RUN + 17).min(n - 1));
+            if at2 != at {
+                patch(&idx, at2, &bytes2);
+            }
+            // The header's own checks (the last document entry, the last sequence's end) come
+            // first for some sites; the walk and the stream must agree wherever it opens.
+            let Ok((walked, streamed)) = check(2) else {
+                continue;
+            };
+            assert!(walked.is_err(), "{what} at {site}: damage not seen");
+            for threads in [1, 3, 4] {
+                let (_, s) = check(threads).unwrap();
+                assert_eq!(s, streamed, "{what} at {site}, {threads} threads");
+            }
+            assert_eq!(walked, streamed, "{what} at {site}");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 48, "only {compared} damaged indices opened");
+}
+
+/// The check runs once per index (cached by its fingerprint), in the same pass that builds the
+/// sample index, before any sample is served: a damaged pointer is an error naming the list
+/// line, the `.idx` and the sequence; a sound index is read once (every sequence exactly once,
+/// check and prefix tables together), and a reopen reads no sequence at all, nor does another
+/// seed's build repeat the check.
+#[test]
+fn index_is_checked_once_in_the_pass_that_builds_it_and_never_on_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("ds");
+    let n = 200_000;
+    let lens: Vec<i32> = (0..n).map(|i| 1 + (i * 31 % 50) as i32).collect();
+    write_index_only(&prefix, &lens);
+    let idx = idx_path(&prefix);
+    let pristine = std::fs::read(&idx).unwrap();
+    let list = write_list(dir.path(), "list.txt", &[(1.0, "ds")]);
+    let streamed = |l: &BlendedLoader| l.datasets()[0].index().dataset().index().streamed();
+
+    patch(&idx, 34 + 4 * n + 8 * 5, &(1i64 << 40).to_le_bytes());
+    let err = BlendedLoader::open(&list, &cfg(dir.path(), 64, 1000))
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "list.txt:1",
+        "ds.idx",
+        "sequence 5 points at byte 1099511627776",
+    ] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
+
+    std::fs::write(&idx, &pristine).unwrap();
+    let first = BlendedLoader::open(&list, &cfg(dir.path(), 64, 1000)).unwrap();
+    assert_eq!(
+        streamed(&first),
+        n as u64,
+        "one pass: checked and indexed together"
+    );
+    let again = BlendedLoader::open(&list, &cfg(dir.path(), 64, 1000)).unwrap();
+    assert_eq!(streamed(&again), 0, "a reopen reads no sequence");
+    assert_eq!(first.sample(17).unwrap(), again.sample(17).unwrap());
+    // More epochs (another seed, more samples): the tables are built, the check is not
+    // repeated, and the samples are those of a cold build.
+    let mut more = cfg(dir.path(), 64, 40_000);
+    more.seed = 9;
+    let warm = BlendedLoader::open(&list, &more).unwrap();
+    assert_eq!(streamed(&warm), n as u64);
+    let cold_dir = tempfile::tempdir().unwrap();
+    let mut cold_cfg = more.clone();
+    cold_cfg.cache_dir = cold_dir.path().join("cache");
+    let cold = BlendedLoader::open(&list, &cold_cfg).unwrap();
+    for i in [0, 1, 999, 20_000, 39_999] {
+        assert_eq!(warm.sample(i).unwrap(), cold.sample(i).unwrap());
+    }
+    // The verdict gone (an older cache, say), the next open checks again, and only checks.
+    for f in std::fs::read_dir(dir.path().join("cache")).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "idxcheck") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    patch(&idx, 34 + 4 * (n - 3), &(-1i32).to_le_bytes());
+    let err = BlendedLoader::open(&list, &cfg(dir.path(), 64, 1000))
+        .unwrap_err()
+        .to_string();
+    let want = format!("sequence {} has length -1", n - 3);
+    assert!(err.contains("list.txt:1") && err.contains(&want), "{err}");
+    std::fs::write(&idx, &pristine).unwrap();
+    let rechecked = BlendedLoader::open(&list, &cfg(dir.path(), 64, 1000)).unwrap();
+    assert_eq!(streamed(&rechecked), n as u64);
+}
