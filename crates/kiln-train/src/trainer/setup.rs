@@ -188,6 +188,9 @@ impl<'a> Trainer<'a> {
             "prefetch": self.step.shard().is_some_and(ShardPlan::prefetches),
         });
         self.journal.emit(event::START, fields)?;
+        if self.cfg.metrics.tensorboard {
+            self.journal.open_tensorboard(self.run.state.step)?;
+        }
         self.guards.start(&self.run);
         Ok(())
     }

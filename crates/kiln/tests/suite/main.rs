@@ -13,6 +13,7 @@ mod export;
 mod gates;
 mod guards;
 mod hardening;
+mod init_from;
 mod launch;
 mod launch_faults;
 mod launch_mpi;
