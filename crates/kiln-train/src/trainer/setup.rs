@@ -132,6 +132,7 @@ impl<'a> Trainer<'a> {
             facts,
             last_loss: None,
             last_eval: None,
+            last_work_s: None,
         };
         t.setup(&opts.run_dir)
             .inspect_err(|e| t.emit_exit("error", e.exit_code(), Some(&e.to_string())))?;
