@@ -41,9 +41,25 @@ fn parquet_err(path: &Path, what: &str, e: impl std::fmt::Display) -> DataError 
     DataError::format(path, format!("{what}: {e}{hint}"))
 }
 
+/// Runs `f`, turning a panic of the parquet reader on damaged data into an error naming the
+/// file (arrow-rs validates what it reads, but a reader of received files must never take
+/// kiln down).
+fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(DataError::format(
+            path,
+            "the parquet reader failed on damaged data; is the file complete?",
+        ))
+    })
+}
+
 impl ParquetDocs {
     /// Opens `path` and checks that it has a string column `column`.
     pub fn open(path: &Path, column: &str) -> Result<Self> {
+        guarded(path, || Self::open_unguarded(path, column))
+    }
+
+    fn open_unguarded(path: &Path, column: &str) -> Result<Self> {
         let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
         let file_bytes = file.metadata().map_err(|e| DataError::io(path, e))?.len();
         let builder = ParquetRecordBatchReaderBuilder::try_new(file)
@@ -113,6 +129,11 @@ impl ParquetDocs {
 
     /// The next document, or `None` after the last row.
     pub fn next_doc(&mut self) -> Result<Option<String>> {
+        let path = self.path.clone();
+        guarded(&path, || self.next_unguarded())
+    }
+
+    fn next_unguarded(&mut self) -> Result<Option<String>> {
         loop {
             if let Some((col, at)) = &mut self.current
                 && *at < col.len()
@@ -195,8 +216,44 @@ mod tests {
         }
         let want: Vec<String> = texts.into_iter().flatten().collect();
         assert_eq!(got, want);
-        assert_eq!(docs.nulls(), (0..3000).filter(|i| i % 7 == 3).count() as u64);
+        assert_eq!(
+            docs.nulls(),
+            (0..3000).filter(|i| i % 7 == 3).count() as u64
+        );
         assert_eq!(docs.bytes(), docs.file_bytes());
+    }
+
+    proptest::proptest! {
+        /// A damaged file (bytes changed, or cut short) is read or refused naming the file:
+        /// never a panic or a hang.
+        #[test]
+        fn damaged_files_never_panic(
+            edits in proptest::collection::vec((0usize..4000, proptest::num::u8::ANY), 0..6),
+            cut in 0usize..4000,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let good = dir.path().join("good.parquet");
+            let texts: Vec<Option<&str>> = (0..40).map(|i| (i % 5 != 0).then_some("some words here")).collect();
+            write(&good, &texts, 8);
+            let mut bytes = std::fs::read(&good).unwrap();
+            for (at, b) in edits {
+                let n = bytes.len();
+                bytes[at % n] = b;
+            }
+            bytes.truncate(bytes.len() - cut % bytes.len());
+            let p = dir.path().join("bad.parquet");
+            std::fs::write(&p, &bytes).unwrap();
+            let read = ParquetDocs::open(&p, "text").and_then(|mut d| {
+                let mut n = 0;
+                while n < 10_000 && d.next_doc()?.is_some() {
+                    n += 1;
+                }
+                Ok(n)
+            });
+            if let Err(e) = read {
+                proptest::prop_assert!(e.to_string().contains("bad.parquet"), "{e}");
+            }
+        }
     }
 
     #[test]
@@ -206,7 +263,9 @@ mod tests {
         write(&p, &[Some("x")], 10);
         let err = ParquetDocs::open(&p, "content").err().unwrap().to_string();
         assert!(
-            err.contains("a.parquet") && err.contains("no column \"content\"") && err.contains("\"text\""),
+            err.contains("a.parquet")
+                && err.contains("no column \"content\"")
+                && err.contains("\"text\""),
             "{err}"
         );
         let err = ParquetDocs::open(&p, "id").err().unwrap().to_string();
@@ -214,6 +273,9 @@ mod tests {
         let junk = dir.path().join("junk.parquet");
         std::fs::write(&junk, b"PAR1 not really").unwrap();
         let err = ParquetDocs::open(&junk, "text").err().unwrap().to_string();
-        assert!(err.contains("junk.parquet") && err.contains("not a readable parquet"), "{err}");
+        assert!(
+            err.contains("junk.parquet") && err.contains("not a readable parquet"),
+            "{err}"
+        );
     }
 }

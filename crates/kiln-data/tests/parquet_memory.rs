@@ -71,7 +71,8 @@ fn write_file(path: &Path, bytes: u64) -> u64 {
         let docs = documents(seed, 4096);
         seed += 1;
         let col: ArrayRef = Arc::new(StringArray::from(docs));
-        w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap()).unwrap();
+        w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
+            .unwrap();
     }
     w.close().unwrap();
     std::fs::metadata(path).unwrap().len()
@@ -91,7 +92,11 @@ fn a_large_parquet_file_tokenizes_in_bounded_memory() {
     let dir = tmp.path();
     let t0 = std::time::Instant::now();
     let size = write_file(&dir.join("big.parquet"), (gb * 1e9) as u64);
-    println!("wrote {:.2} GB of parquet in {:.0} s", size as f64 / 1e9, t0.elapsed().as_secs_f64());
+    println!(
+        "wrote {:.2} GB of parquet in {:.0} s",
+        size as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
     // A small tokenizer, trained on a sample.
     std::fs::write(dir.join("sample.txt"), documents(99, 200).join("\n\n")).unwrap();
     let sample = kiln_data::tokenize::DocSource {
@@ -107,18 +112,41 @@ fn a_large_parquet_file_tokenizes_in_bounded_memory() {
     };
     kiln_data::tokenize::train_bpe(&sample, &opts, &dir.join("tok.json")).unwrap();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "a_large_parquet_file_tokenizes_in_bounded_memory", "--nocapture"])
+        .args([
+            "--ignored",
+            "--exact",
+            "a_large_parquet_file_tokenizes_in_bounded_memory",
+            "--nocapture",
+        ])
         .env(CHILD_ENV, dir)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    let line = text.lines().find(|l| l.starts_with("child:")).expect("the child's report");
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("child:"))
+        .expect("the child's report");
     println!("{line}");
-    let peak: f64 = line.split("peak_rss_mib=").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let peak: f64 = line
+        .split("peak_rss_mib=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     // Bounded by a row group (~64 MiB) and the batch of texts (16 MiB) with their encodings,
     // not by the file (1 GB): a file read whole would need more than its size.
-    assert!(peak < 0.5 * size as f64 / 1048576.0 + 256.0, "peak {peak} MiB for a {size} B file");
+    assert!(
+        peak < 0.5 * size as f64 / 1048576.0 + 256.0,
+        "peak {peak} MiB for a {size} B file"
+    );
 }
 
 fn child(dir: &Path) {
@@ -133,8 +161,8 @@ fn child(dir: &Path) {
         eos: Some("<|endoftext|>".into()),
         batch_docs: 4096,
     };
-    let stats =
-        kiln_data::tokenize::tokenize(&dir.join("tok.json"), &src, &dir.join("out"), &opts).unwrap();
+    let stats = kiln_data::tokenize::tokenize(&dir.join("tok.json"), &src, &dir.join("out"), &opts)
+        .unwrap();
     println!(
         "child: documents={} tokens={} input_bytes={} seconds={:.1} MB/s={:.1} peak_rss_mib={:.0} (before tokenizing {:.0})",
         stats.documents,

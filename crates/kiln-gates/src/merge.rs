@@ -103,7 +103,13 @@ fn read(dir: &Path) -> Result<Source, GatesError> {
         )));
     }
     let cfg = Config::load_recorded(&config_path).map_err(kiln_train::TrainError::from)?;
-    let text = |k: &str| ck.state.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let text = |k: &str| {
+        ck.state
+            .get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_string()
+    };
     let session = Session::from_weights(&cfg, &ck.model, dir)?;
     Ok(Source {
         dir: dir.to_path_buf(),
@@ -129,7 +135,12 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, GatesError> {
     let mut sums: Vec<Vec<f64>> = first
         .tensors
         .iter()
-        .map(|t| t.values.iter().map(|&v| f64::from(v) * weights[0]).collect())
+        .map(|t| {
+            t.values
+                .iter()
+                .map(|&v| f64::from(v) * weights[0])
+                .collect()
+        })
         .collect();
     let mut steps = vec![first.step];
     for (dir, &w) in opts.checkpoints.iter().zip(&weights).skip(1) {
@@ -167,7 +178,10 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, GatesError> {
     let files = vec![
         (kiln_run::layout::FINAL_MODEL.to_string(), bytes),
         (kiln_run::layout::CONFIG.to_string(), config),
-        (MERGE_RECORD.to_string(), format!("{record:#}\n").into_bytes()),
+        (
+            MERGE_RECORD.to_string(),
+            format!("{record:#}\n").into_bytes(),
+        ),
     ];
     crate::export::publish(&opts.out, &files)?;
     Ok(MergeReport {
@@ -209,14 +223,15 @@ fn check_same_run(a: &Source, b: &Source) -> Result<(), GatesError> {
     };
     let (sa, sb) = (shapes(a), shapes(b));
     if sa != sb || a.model_hash != b.model_hash {
-        let differ = sa
-            .iter()
-            .zip(&sb)
-            .find(|(x, y)| x != y)
-            .map_or_else(
-                || format!("{} tensors against {}", sb.len(), sa.len()),
-                |(x, y)| format!("tensor {} is {:?} in {pa} but {} is {:?} in {pb}", x.0, x.1, y.0, y.1),
-            );
+        let differ = sa.iter().zip(&sb).find(|(x, y)| x != y).map_or_else(
+            || format!("{} tensors against {}", sb.len(), sa.len()),
+            |(x, y)| {
+                format!(
+                    "tensor {} is {:?} in {pa} but {} is {:?} in {pb}",
+                    x.0, x.1, y.0, y.1
+                )
+            },
+        );
         return Err(GatesError::Invalid(format!(
             "{pb} and {pa} have different model shapes ({differ}); kiln merge averages checkpoints of one model"
         )));
@@ -231,7 +246,10 @@ mod tests {
     #[test]
     fn weights_are_checked_and_normalised() {
         assert_eq!(normalised_weights(None, 4).unwrap(), [0.25; 4]);
-        assert_eq!(normalised_weights(Some(&[1.0, 3.0]), 2).unwrap(), [0.25, 0.75]);
+        assert_eq!(
+            normalised_weights(Some(&[1.0, 3.0]), 2).unwrap(),
+            [0.25, 0.75]
+        );
         for (w, want) in [
             (vec![1.0], "1 value(s) for 2"),
             (vec![1.0, f64::NAN], "finite number >= 0"),

@@ -136,7 +136,10 @@ impl StragglerWatch {
         let all_full = full.len() >= 2 && full.len() == self.ranks.len();
         let mut out = Vec::new();
         for &(rank, mine) in full.iter().filter(|_| all_full) {
-            let fresh = self.ranks.get_mut(&rank).is_some_and(|r| std::mem::take(&mut r.fresh));
+            let fresh = self
+                .ranks
+                .get_mut(&rank)
+                .is_some_and(|r| std::mem::take(&mut r.fresh));
             if self.named.contains(&rank) || !fresh {
                 continue;
             }
@@ -233,7 +236,15 @@ mod tests {
             let beacons = [
                 beacon(0, step, if step == 4 { 90.0 } else { 1.0 }),
                 beacon(1, step, if (5..9).contains(&step) { 3.0 } else { 1.1 }),
-                beacon(2, step, if step >= 20 && step % 2 == 0 { 3.0 } else { 1.0 }),
+                beacon(
+                    2,
+                    step,
+                    if step >= 20 && step % 2 == 0 {
+                        3.0
+                    } else {
+                        1.0
+                    },
+                ),
             ];
             named.extend(w.observe(&beacons, 0.0));
         }

@@ -86,7 +86,11 @@ impl<'o> Journal<'o> {
                 tb.cut_after(to)?;
             }
             let step = fields.get("step").and_then(Value::as_u64).or(back);
-            tb.text(step.unwrap_or(0), &format!("guards/{name}"), &fields.to_string())?;
+            tb.text(
+                step.unwrap_or(0),
+                &format!("guards/{name}"),
+                &fields.to_string(),
+            )?;
         }
         if let Some(w) = &mut self.writer {
             w.events.emit(name, fields)?;

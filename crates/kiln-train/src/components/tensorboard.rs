@@ -337,13 +337,17 @@ mod tests {
         let path = tb.path().to_path_buf();
         drop(tb);
         // A kill mid-write leaves half a record.
-        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
         f.write_all(&record(b"xxxxxxxx")[..7]).unwrap();
         let mut tb = TensorBoard::open(dir.path(), 5).unwrap();
         assert_eq!(tb.path(), path);
         assert_eq!(steps(&path), [1, 2, 3, 4, 5]);
         for s in 6..=9 {
-            tb.scalars(s, &[("train/loss", s as f64), ("train/lr", f64::NAN)]).unwrap();
+            tb.scalars(s, &[("train/loss", s as f64), ("train/lr", f64::NAN)])
+                .unwrap();
         }
         assert_eq!(steps(&path), [1, 2, 3, 4, 5, 6, 7, 8, 9]);
         // A fresh start in the same directory begins again.

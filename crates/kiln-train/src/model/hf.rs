@@ -165,22 +165,42 @@ impl HfShape {
             ("vocab_size", int(self.vocab_size), "vocab_size"),
             ("d_model", int(self.hidden_size), "hidden_size"),
             ("n_layers", int(self.num_hidden_layers), "num_hidden_layers"),
-            ("n_heads", int(self.num_attention_heads), "num_attention_heads"),
+            (
+                "n_heads",
+                int(self.num_attention_heads),
+                "num_attention_heads",
+            ),
             (
                 "n_kv_heads",
                 int(self.num_key_value_heads),
                 "num_key_value_heads",
             ),
-            ("ffn_hidden", int(self.intermediate_size), "intermediate_size"),
-            ("rope_theta", toml::Value::Float(self.rope_theta), "rope_theta"),
-            ("norm_eps", toml::Value::Float(self.rms_norm_eps), "rms_norm_eps"),
+            (
+                "ffn_hidden",
+                int(self.intermediate_size),
+                "intermediate_size",
+            ),
+            (
+                "rope_theta",
+                toml::Value::Float(self.rope_theta),
+                "rope_theta",
+            ),
+            (
+                "norm_eps",
+                toml::Value::Float(self.rms_norm_eps),
+                "rms_norm_eps",
+            ),
             (
                 "tie_embeddings",
                 toml::Value::Boolean(self.tie_word_embeddings),
                 "tie_word_embeddings",
             ),
             // Llama has no QK-norm.
-            ("qk_norm", toml::Value::Boolean(false), "(no QK-norm in Llama)"),
+            (
+                "qk_norm",
+                toml::Value::Boolean(false),
+                "(no QK-norm in Llama)",
+            ),
         ]
     }
 }
@@ -211,7 +231,10 @@ impl Keys<'_> {
     }
 
     fn bad(&self, key: &str, want: &str) -> HfError {
-        let got = self.obj.get(key).map_or("nothing".into(), |v| v.to_string());
+        let got = self
+            .obj
+            .get(key)
+            .map_or("nothing".into(), |v| v.to_string());
         invalid(self.path, format!("{key} must be {want}, got {got}"))
     }
 
@@ -285,10 +308,15 @@ impl Keys<'_> {
         let refuse = |what: String| {
             Err(invalid(
                 self.path,
-                format!("{what}, which kiln's Llama does not compute; its weights would load as a different model"),
+                format!(
+                    "{what}, which kiln's Llama does not compute; its weights would load as a different model"
+                ),
             ))
         };
-        let act = self.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu");
+        let act = self
+            .get("hidden_act")
+            .and_then(|v| v.as_str())
+            .unwrap_or("silu");
         if act != "silu" {
             return refuse(format!("hidden_act is {act:?}, not \"silu\""));
         }
@@ -624,13 +652,20 @@ mod tests {
         );
         assert_eq!(parse(&v5).unwrap().rope_theta, 500000.0);
         let keys = s.keys();
-        assert!(keys.iter().any(|(k, v, _)| *k == "d_model" && v.as_integer() == Some(64)));
+        assert!(
+            keys.iter()
+                .any(|(k, v, _)| *k == "d_model" && v.as_integer() == Some(64))
+        );
     }
 
     #[test]
     fn what_kiln_cannot_compute_is_refused_by_key() {
         for (key, value, want) in [
-            ("model_type", serde_json::json!("mistral"), "unsupported architecture"),
+            (
+                "model_type",
+                serde_json::json!("mistral"),
+                "unsupported architecture",
+            ),
             ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
             ("attention_bias", serde_json::json!(true), "attention_bias"),
             (
@@ -639,15 +674,33 @@ mod tests {
                 "rope_scaling has rope_type \"llama3\"",
             ),
             ("head_dim", serde_json::json!(8), "head_dim is 8"),
-            ("hidden_size", serde_json::json!(-3), "hidden_size must be a positive integer"),
-            ("vocab_size", serde_json::json!("many"), "vocab_size must be"),
-            ("num_hidden_layers", serde_json::Value::Null, "num_hidden_layers is missing"),
+            (
+                "hidden_size",
+                serde_json::json!(-3),
+                "hidden_size must be a positive integer",
+            ),
+            (
+                "vocab_size",
+                serde_json::json!("many"),
+                "vocab_size must be",
+            ),
+            (
+                "num_hidden_layers",
+                serde_json::Value::Null,
+                "num_hidden_layers is missing",
+            ),
         ] {
             let err = parse(&with(key, value)).unwrap_err().to_string();
-            assert!(err.contains("hf/config.json") && err.contains(want), "{key}: {err}");
+            assert!(
+                err.contains("hf/config.json") && err.contains(want),
+                "{key}: {err}"
+            );
         }
         let err = parse("[1,").unwrap_err().to_string();
-        assert!(err.contains("hf/config.json") && err.contains("not JSON"), "{err}");
+        assert!(
+            err.contains("hf/config.json") && err.contains("not JSON"),
+            "{err}"
+        );
     }
 
     #[test]

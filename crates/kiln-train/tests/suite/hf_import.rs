@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 const TOLERANCE: f32 = 1e-4;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-llama").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf-llama")
+        .join(name)
 }
 
 /// Loads the fixture `name` as `kiln train --set model.init_from=...` would and returns the
@@ -29,14 +31,16 @@ fn max_logit_diff(name: &str) -> f32 {
         ],
     )
     .unwrap();
-    assert_eq!(cfg.data.tokenizer, dir.join("tokenizer.json").display().to_string());
+    assert_eq!(
+        cfg.data.tokenizer,
+        dir.join("tokenizer.json").display().to_string()
+    );
     let mut session = Session::new(&cfg, cfg.model.vocab_size).unwrap();
     let tensors = hf::load_weights(&dir, session.model.specs()).unwrap();
     session.load_params(&tensors, &dir).unwrap();
-    let reference: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixture(&format!("{name}.logits.json"))).unwrap(),
-    )
-    .unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.logits.json"))).unwrap())
+            .unwrap();
     let ids: Vec<u32> = reference["ids"]
         .as_array()
         .unwrap()
@@ -105,17 +109,25 @@ fn missing_or_misshapen_tensors_are_named() {
     let session = Session::new(&cfg, cfg.model.vocab_size).unwrap();
     let specs = session.model.specs();
     let path = dir.join("model.safetensors");
-    let tensors = kiln_train::checkpoint::from_safetensors(&std::fs::read(&path).unwrap(), &path)
-        .unwrap();
+    let tensors =
+        kiln_train::checkpoint::from_safetensors(&std::fs::read(&path).unwrap(), &path).unwrap();
     let gone = "model.layers.1.mlp.up_proj.weight";
     let fewer: Vec<_> = tensors.iter().filter(|t| t.name != gone).cloned().collect();
-    std::fs::write(&path, kiln_train::checkpoint::to_safetensors(&fewer).unwrap()).unwrap();
+    std::fs::write(
+        &path,
+        kiln_train::checkpoint::to_safetensors(&fewer).unwrap(),
+    )
+    .unwrap();
     let err = hf::load_weights(&dir, specs).unwrap_err().to_string();
     assert!(err.contains(gone) && err.contains("missing"), "{err}");
     let mut wrong = tensors.clone();
     let t = wrong.iter_mut().find(|t| t.name == gone).unwrap();
     t.shape = vec![t.shape[1], t.shape[0]];
-    std::fs::write(&path, kiln_train::checkpoint::to_safetensors(&wrong).unwrap()).unwrap();
+    std::fs::write(
+        &path,
+        kiln_train::checkpoint::to_safetensors(&wrong).unwrap(),
+    )
+    .unwrap();
     let err = hf::load_weights(&dir, specs).unwrap_err().to_string();
     assert!(err.contains(gone) && err.contains("shape"), "{err}");
     let mut extra = tensors;
@@ -124,9 +136,16 @@ fn missing_or_misshapen_tensors_are_named() {
         vec![32],
         vec![0.0; 32],
     ));
-    std::fs::write(&path, kiln_train::checkpoint::to_safetensors(&extra).unwrap()).unwrap();
+    std::fs::write(
+        &path,
+        kiln_train::checkpoint::to_safetensors(&extra).unwrap(),
+    )
+    .unwrap();
     let err = hf::load_weights(&dir, specs).unwrap_err().to_string();
-    assert!(err.contains("q_proj.bias") && err.contains("no place"), "{err}");
+    assert!(
+        err.contains("q_proj.bias") && err.contains("no place"),
+        "{err}"
+    );
 }
 
 /// The model keys come from config.json; a --set that says otherwise is an error naming both.
@@ -144,11 +163,28 @@ fn a_conflicting_set_names_both() {
         "{err}"
     );
     // Agreeing keys are fine (an integer rope_theta is the float).
-    let cfg = Config::load(None, &[init, "model.rope_theta=10000".into(), "model.n_kv_heads=2".into()])
-        .unwrap();
-    assert_eq!((cfg.model.d_model, cfg.model.n_kv_heads, cfg.model.tie_embeddings), (32, 2, false));
+    let cfg = Config::load(
+        None,
+        &[
+            init,
+            "model.rope_theta=10000".into(),
+            "model.n_kv_heads=2".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            cfg.model.d_model,
+            cfg.model.n_kv_heads,
+            cfg.model.tie_embeddings
+        ),
+        (32, 2, false)
+    );
     let err = Config::load(None, &["model.init_from=/nonexistent/hf".into()])
         .unwrap_err()
         .to_string();
-    assert!(err.contains("/nonexistent/hf") && err.contains("not a directory"), "{err}");
+    assert!(
+        err.contains("/nonexistent/hf") && err.contains("not a directory"),
+        "{err}"
+    );
 }

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/parquet")
+        .join(name)
 }
 
 fn kiln(args: &[&str], dir: &Path) -> Output {
@@ -48,28 +50,103 @@ fn parquet_tokenizes_byte_identical_to_jsonl() {
     for f in ["docs.parquet", "docs-zstd.parquet", "docs.jsonl"] {
         std::fs::copy(fixture(f), dir.join(f)).unwrap();
     }
-    ok(&["train-tokenizer", "-i", "docs.jsonl", "--vocab-size", "300", "-o", "tok.json"], dir);
-    ok(&["tokenize", "-t", "tok.json", "-i", "docs.jsonl", "-o", "jsonl"], dir);
-    let text = ok(&["tokenize", "-t", "tok.json", "-i", "docs.parquet", "-o", "pq"], dir);
-    assert!(text.contains("53 documents") && text.contains("7 null row(s)"), "{text}");
+    ok(
+        &[
+            "train-tokenizer",
+            "-i",
+            "docs.jsonl",
+            "--vocab-size",
+            "300",
+            "-o",
+            "tok.json",
+        ],
+        dir,
+    );
+    ok(
+        &[
+            "tokenize",
+            "-t",
+            "tok.json",
+            "-i",
+            "docs.jsonl",
+            "-o",
+            "jsonl",
+        ],
+        dir,
+    );
+    let text = ok(
+        &[
+            "tokenize",
+            "-t",
+            "tok.json",
+            "-i",
+            "docs.parquet",
+            "-o",
+            "pq",
+        ],
+        dir,
+    );
+    assert!(
+        text.contains("53 documents") && text.contains("7 null row(s)"),
+        "{text}"
+    );
     same_files(dir, "jsonl", "pq");
     ok(
-        &["tokenize", "-t", "tok.json", "-i", "docs-zstd.parquet", "--text-column", "content", "-o", "zstd"],
+        &[
+            "tokenize",
+            "-t",
+            "tok.json",
+            "-i",
+            "docs-zstd.parquet",
+            "--text-column",
+            "content",
+            "-o",
+            "zstd",
+        ],
         dir,
     );
     same_files(dir, "jsonl", "zstd");
 
     // A missing column names the file and its columns.
-    let out = kiln(&["tokenize", "-t", "tok.json", "-i", "docs.parquet", "--text-column", "body", "-o", "bad"], dir);
+    let out = kiln(
+        &[
+            "tokenize",
+            "-t",
+            "tok.json",
+            "-i",
+            "docs.parquet",
+            "--text-column",
+            "body",
+            "-o",
+            "bad",
+        ],
+        dir,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(
-        err.contains("docs.parquet") && err.contains("no column \"body\"") && err.contains("\"text\""),
+        err.contains("docs.parquet")
+            && err.contains("no column \"body\"")
+            && err.contains("\"text\""),
         "{err}"
     );
     // A file that is not parquet.
     std::fs::write(dir.join("fake.parquet"), "{\"text\": \"x\"}\n").unwrap();
-    let out = kiln(&["tokenize", "-t", "tok.json", "-i", "fake.parquet", "-o", "bad"], dir);
+    let out = kiln(
+        &[
+            "tokenize",
+            "-t",
+            "tok.json",
+            "-i",
+            "fake.parquet",
+            "-o",
+            "bad",
+        ],
+        dir,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("fake.parquet") && err.contains("parquet"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("fake.parquet") && err.contains("parquet"),
+        "{err}"
+    );
 }

@@ -22,7 +22,8 @@ const RUN: &[&str] = &[
 fn init_cmd(run: &Path, hf: &Path, extra: &[&str]) -> Command {
     let mut c = common::kiln_cmd(&["train", "--no-progress-bar"]);
     c.arg("--run-dir").arg(run);
-    c.arg("--set").arg(format!("model.init_from={}", hf.display()));
+    c.arg("--set")
+        .arg(format!("model.init_from={}", hf.display()));
     for s in RUN.iter().chain(extra) {
         c.arg("--set").arg(s);
     }
@@ -71,27 +72,42 @@ fn export_then_init_from_is_bit_exact_and_resume_ignores_it() {
     let run = tmp.path().join("run");
     let (code, text) = output(init_cmd(&run, &hf, &["training.steps=2"]));
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("starting from the Hugging Face weights"), "{text}");
+    assert!(
+        text.contains("starting from the Hugging Face weights"),
+        "{text}"
+    );
     let init = events(&run, "init_from");
     assert_eq!(init.len(), 1, "{init:?}");
     assert_eq!(init[0]["checksum"], format!("{want:016x}"), "{init:?}");
     // The model keys came from config.json, the tokenizer from the directory.
     let cfg = std::fs::read_to_string(run.join("config.toml")).unwrap();
-    assert!(cfg.contains("d_model = 32") && cfg.contains("n_kv_heads = 1"), "{cfg}");
+    assert!(
+        cfg.contains("d_model = 32") && cfg.contains("n_kv_heads = 1"),
+        "{cfg}"
+    );
     assert!(cfg.contains("tokenizer.json"), "{cfg}");
     // A trained start is not held to a fresh model's first loss (ln vocab).
     assert!(events(&run, "initial_loss_ok").is_empty());
 
-    // Resumed: the checkpoint wins and init_from is not read (even once the directory is
-    // gone, the run's own record rebuilds it for export).
+    // Resumed: the checkpoint wins and init_from is not read (even once its weights and
+    // config.json are gone, the run's own record rebuilds the model for export; the
+    // tokenizer, which the run's data.tokenizer names, stays).
     let (code, text) = output(init_cmd(&run, &hf, &["training.steps=3"]));
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("model.init_from") && text.contains("is not read"), "{text}");
+    assert!(
+        text.contains("model.init_from") && text.contains("is not read"),
+        "{text}"
+    );
     assert_eq!(events(&run, "init_from").len(), 1);
-    std::fs::remove_dir_all(&hf).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::remove_file(hf.join(f)).unwrap();
+    }
     let (code, text) = output({
         let mut c = Command::new(KILN);
-        c.arg("export").arg(&run).args(["--to", "hf"]).arg(tmp.path().join("again"));
+        c.arg("export")
+            .arg(&run)
+            .args(["--to", "hf"])
+            .arg(tmp.path().join("again"));
         c
     });
     assert_eq!(code, 0, "{text}");
@@ -102,7 +118,8 @@ fn bad_init_from_is_refused_naming_what_is_wrong() {
     let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("hf");
     std::fs::create_dir(&hf).unwrap();
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kiln-train/tests/fixtures/hf-llama/untied");
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../kiln-train/tests/fixtures/hf-llama/untied");
     for f in std::fs::read_dir(&fixture).unwrap() {
         let f = f.unwrap().path();
         std::fs::copy(&f, hf.join(f.file_name().unwrap())).unwrap();
@@ -123,7 +140,14 @@ fn bad_init_from_is_refused_naming_what_is_wrong() {
     // Not a Llama.
     let cfg = std::fs::read_to_string(hf.join("config.json")).unwrap();
     std::fs::write(hf.join("config.json"), cfg.replace("\"llama\"", "\"gpt2\"")).unwrap();
-    let (code, text) = output(init_cmd(&tmp.path().join("run2"), &hf, &["training.steps=1"]));
+    let (code, text) = output(init_cmd(
+        &tmp.path().join("run2"),
+        &hf,
+        &["training.steps=1"],
+    ));
     assert_eq!(code, kiln_run::exit::CONFIG, "{text}");
-    assert!(text.contains("config.json") && text.contains("unsupported architecture"), "{text}");
+    assert!(
+        text.contains("config.json") && text.contains("unsupported architecture"),
+        "{text}"
+    );
 }

@@ -22,14 +22,22 @@ fn kiln(args: &[&str]) -> (i32, String) {
     let o = Command::new(KILN).args(args).output().unwrap();
     (
         o.status.code().unwrap_or(-1),
-        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
     )
 }
 
 fn train(dir: &Path, extra: &[&str]) {
     let sets: Vec<&str> = RUN.iter().chain(extra).copied().collect();
     let out = common::train_cmd(dir, &sets).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -41,9 +49,20 @@ fn merge_averages_checkpoints_of_one_run() {
     let b = run.join("checkpoints/step-6");
     let out = tmp.path().join("merged");
     let (s, o) = (a.to_str().unwrap(), out.to_str().unwrap());
-    let (code, text) = kiln(&["merge", s, b.to_str().unwrap(), "--to", o, "--weights", "1,3"]);
+    let (code, text) = kiln(&[
+        "merge",
+        s,
+        b.to_str().unwrap(),
+        "--to",
+        o,
+        "--weights",
+        "1,3",
+    ]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("step 4 x 0.2500") && text.contains("step 6 x 0.7500"), "{text}");
+    assert!(
+        text.contains("step 4 x 0.2500") && text.contains("step 6 x 0.7500"),
+        "{text}"
+    );
     let path = out.join("model.safetensors");
     let merged = from_safetensors(&std::fs::read(&path).unwrap(), &path).unwrap();
     let (ca, cb) = (load(&a).unwrap().model, load(&b).unwrap().model);
@@ -58,7 +77,13 @@ fn merge_averages_checkpoints_of_one_run() {
     // The result is a run directory eval and export take.
     let (code, text) = kiln(&["eval", o]);
     assert_eq!(code, 0, "{text}");
-    let (code, text) = kiln(&["export", o, "--to", "hf", tmp.path().join("hf").to_str().unwrap()]);
+    let (code, text) = kiln(&[
+        "export",
+        o,
+        "--to",
+        "hf",
+        tmp.path().join("hf").to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{text}");
     // Uniform by default; the output is never overwritten.
     let (code, text) = kiln(&["merge", s, b.to_str().unwrap(), "--to", o]);
@@ -70,14 +95,37 @@ fn merge_averages_checkpoints_of_one_run() {
     train(&other, &["training.seed=7"]);
     let c = other.join("checkpoints/step-6");
     let o2 = tmp.path().join("m2");
-    let (code, text) = kiln(&["merge", s, c.to_str().unwrap(), "--to", o2.to_str().unwrap()]);
+    let (code, text) = kiln(&[
+        "merge",
+        s,
+        c.to_str().unwrap(),
+        "--to",
+        o2.to_str().unwrap(),
+    ]);
     assert_eq!(code, kiln_run::exit::CONFIG, "{text}");
-    assert!(text.contains("another run") && text.contains("step-4") && text.contains("other"), "{text}");
+    assert!(
+        text.contains("another run") && text.contains("step-4") && text.contains("other"),
+        "{text}"
+    );
     // Bad weights, a single checkpoint, a path that is not a checkpoint.
-    let (code, text) = kiln(&["merge", s, b.to_str().unwrap(), "--to", o2.to_str().unwrap(), "--weights", "1"]);
+    let (code, text) = kiln(&[
+        "merge",
+        s,
+        b.to_str().unwrap(),
+        "--to",
+        o2.to_str().unwrap(),
+        "--weights",
+        "1",
+    ]);
     assert_eq!(code, kiln_run::exit::USAGE, "{text}");
     assert!(text.contains("--weights has 1 value(s) for 2"), "{text}");
-    let (code, text) = kiln(&["merge", s, run.to_str().unwrap(), "--to", o2.to_str().unwrap()]);
+    let (code, text) = kiln(&[
+        "merge",
+        s,
+        run.to_str().unwrap(),
+        "--to",
+        o2.to_str().unwrap(),
+    ]);
     assert_eq!(code, kiln_run::exit::CONFIG, "{text}");
     assert!(text.contains("not a checkpoint directory"), "{text}");
     assert!(!o2.exists());

@@ -71,9 +71,17 @@ fn status(run: &Path) -> String {
 fn a_slowed_rank_is_named_on_a_real_mpi() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "3", "--timeout", "120", "--run-dir"]);
+    let mut cmd = common::kiln_cmd(&[
+        "launch",
+        "--mpi",
+        "--np",
+        "3",
+        "--timeout",
+        "120",
+        "--run-dir",
+    ]);
     cmd.arg(&run).arg("--").args(train_args(&run, 400));
-    let mut job = cmd
+    let job = cmd
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -94,8 +102,14 @@ fn a_slowed_rank_is_named_on_a_real_mpi() {
     let named = stragglers(&run);
     assert_eq!(named.len(), 1, "{named:?}\n{err}");
     assert_eq!(named[0].fields["rank"], 2, "{named:?}");
-    assert!(named[0].fields["ratio"].as_f64().unwrap() > 1.5, "{named:?}");
-    assert!(err.contains("rank 2 on") && err.contains("is a straggler"), "{err}");
+    assert!(
+        named[0].fields["ratio"].as_f64().unwrap() > 1.5,
+        "{named:?}"
+    );
+    assert!(
+        err.contains("rank 2 on") && err.contains("is a straggler"),
+        "{err}"
+    );
     let s = status(&run);
     assert!(s.contains("stragglers: rank 2 on"), "{s}");
 }
@@ -113,13 +127,33 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm() {
     let mut c = cluster.cmd(KILN);
     c.args(["submit", "--scheduler", "slurm", "--run-dir"])
         .arg(&run)
-        .args(["--nodes", "3", "--spares", "0", "--time", "10:00", "--launch-arg=--timeout=120", "--"])
+        .args([
+            "--nodes",
+            "3",
+            "--spares",
+            "0",
+            "--time",
+            "10:00",
+            "--launch-arg=--timeout=120",
+            "--",
+        ])
         .args(train_args(&run, 600));
-    for v in ["SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID", "KILN_PROGRESS_DIR", "RANK", "WORLD_SIZE"] {
+    for v in [
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "PBS_JOBID",
+        "KILN_PROGRESS_DIR",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
         c.env_remove(v);
     }
     let out = c.output().unwrap();
-    assert!(out.status.success(), "kiln submit: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "kiln submit: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let events = || kiln_run::read_events(&run).unwrap_or_default();
     let id = events()
         .iter()
@@ -139,7 +173,14 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm() {
     assert_eq!(state, "COMPLETED");
     let named = stragglers(&run);
     assert_eq!(named.len(), 1, "{named:?}");
-    assert_eq!((named[0].fields["rank"].as_u64(), named[0].fields["host"].as_str()), (Some(1), Some("n2")), "{named:?}");
+    assert_eq!(
+        (
+            named[0].fields["rank"].as_u64(),
+            named[0].fields["host"].as_str()
+        ),
+        (Some(1), Some("n2")),
+        "{named:?}"
+    );
     let s = status(&run);
     assert!(s.contains("stragglers: rank 1 on n2"), "{s}");
 }

@@ -27,7 +27,10 @@ const SETS: &[&str] = &[
 /// (step, tag) -> value of every scalar in the run's event file, and the steps in file order.
 fn read_events(run: &Path) -> (BTreeMap<(i64, String), f32>, Vec<i64>, Vec<String>) {
     let dir = run.join("tensorboard");
-    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     assert_eq!(files.len(), 1, "{files:?}");
     let mut values = BTreeMap::new();
     let mut order = Vec::new();
@@ -61,7 +64,11 @@ fn resumed_runs_append_each_step_once() {
     child.kill().unwrap();
     child.wait().unwrap();
     let out = common::train_cmd(&run, SETS).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let (values, order, texts) = read_events(&run);
     // Every step once, in order, whatever the kill left (steps 4 and 5 were trained twice).
@@ -87,7 +94,13 @@ fn resumed_runs_append_each_step_once() {
             assert_eq!(*x, m["loss"].as_f64().unwrap() as f32, "step {step}");
         }
     }
-    for tag in ["train/grad_norm", "train/lr", "train/tokens_per_s", "train/mfu", "eval/loss"] {
+    for tag in [
+        "train/grad_norm",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/mfu",
+        "eval/loss",
+    ] {
         assert!(values.keys().any(|(_, t)| t == tag), "{tag} missing");
     }
     assert!(texts.iter().any(|t| t.starts_with("guards/")), "{texts:?}");
@@ -101,15 +114,25 @@ fn resumed_runs_append_each_step_once() {
 
 /// TensorBoard's EventAccumulator reads the same scalars, each step once.
 fn peer_check(python: &str, run: &Path, values: &BTreeMap<(i64, String), f32>) {
-    let has = Command::new(python).args(["-c", "import tensorboard"]).status();
+    let has = Command::new(python)
+        .args(["-c", "import tensorboard"])
+        .status();
     if !has.is_ok_and(|s| s.success()) {
         eprintln!("TensorBoard check skipped: {python} has no tensorboard (scripts/peer-venv.sh)");
         return;
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tensorboard-peer.py");
-    let o = Command::new(python).arg(script).arg(run.join("tensorboard")).output().unwrap();
+    let o = Command::new(python)
+        .arg(script)
+        .arg(run.join("tensorboard"))
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     let loss = r["scalars"]["train/loss"].as_array().unwrap();
     let steps: Vec<i64> = loss.iter().map(|p| p[0].as_i64().unwrap()).collect();
