@@ -83,8 +83,11 @@ def write(out, name, tied, dtype, shard):
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(d, safe_serialization=True, **kwargs)
     tokenizer_json(os.path.join(d, "tokenizer.json"))
-    # The reference: transformers' f32 forward pass on exactly the saved values.
-    reference = model.to(torch.float32)
+    # The reference: transformers' f32 forward pass on exactly the saved values, in a fresh
+    # f32 model (casting the bf16 model back would leave its RoPE inv_freq buffer rounded to
+    # bf16, which no checkpoint holds).
+    reference = build(tied, seed=0)
+    reference.load_state_dict({k: v.to(torch.float32) for k, v in model.state_dict().items()})
     logits = logits_of(reference)
     record = {
         "ids": PROMPT,
