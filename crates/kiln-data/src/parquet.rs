@@ -192,7 +192,7 @@ mod tests {
         let ids: ArrayRef = Arc::new(Int64Array::from_iter_values(0..texts.len() as i64));
         let batch = RecordBatch::try_from_iter([("id", ids), ("text", text)]).unwrap();
         let props = WriterProperties::builder()
-            .set_max_row_group_size(group)
+            .set_max_row_group_row_count(Some(group))
             .build();
         let file = std::fs::File::create(path).unwrap();
         let mut w = ArrowWriter::try_new(file, batch.schema(), Some(props)).unwrap();

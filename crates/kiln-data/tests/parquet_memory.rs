@@ -57,7 +57,7 @@ fn documents(seed: u64, n: usize) -> Vec<String> {
 fn write_file(path: &Path, bytes: u64) -> u64 {
     let props = WriterProperties::builder()
         .set_compression(Compression::UNCOMPRESSED)
-        .set_max_row_group_size(32 * 1024)
+        .set_max_row_group_bytes(Some(64 << 20))
         .build();
     let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
         "text",
