@@ -233,7 +233,7 @@ mod tests {
         ) {
             let dir = tempfile::tempdir().unwrap();
             let good = dir.path().join("good.parquet");
-            let texts: Vec<Option<&str>> = (0..40).map(|i| (i % 5 != 0).then_some("some words here")).collect();
+            let texts: Vec<Option<&str>> = (0u32..40).map(|i| (!i.is_multiple_of(5)).then_some("some words here")).collect();
             write(&good, &texts, 8);
             let mut bytes = std::fs::read(&good).unwrap();
             for (at, b) in edits {

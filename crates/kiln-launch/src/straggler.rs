@@ -242,7 +242,7 @@ mod tests {
                 beacon(
                     2,
                     step,
-                    if step >= 20 && step % 2 == 0 {
+                    if step >= 20 && step.is_multiple_of(2) {
                         3.0
                     } else {
                         1.0

@@ -337,7 +337,7 @@ impl Keys<'_> {
                 }
             }
         }
-        if shape.hidden_size % shape.num_attention_heads != 0 {
+        if !shape.hidden_size.is_multiple_of(shape.num_attention_heads) {
             return Err(invalid(
                 self.path,
                 format!(
@@ -346,7 +346,10 @@ impl Keys<'_> {
                 ),
             ));
         }
-        if shape.num_attention_heads % shape.num_key_value_heads != 0 {
+        if !shape
+            .num_attention_heads
+            .is_multiple_of(shape.num_key_value_heads)
+        {
             return Err(invalid(
                 self.path,
                 format!(
@@ -356,12 +359,12 @@ impl Keys<'_> {
             ));
         }
         let head_dim = shape.hidden_size / shape.num_attention_heads;
-        if let Some(hd) = self.get("head_dim") {
-            if hd.as_u64() != Some(head_dim as u64) {
-                return refuse(format!(
-                    "head_dim is {hd}, not hidden_size / num_attention_heads = {head_dim}"
-                ));
-            }
+        if let Some(hd) = self.get("head_dim")
+            && hd.as_u64() != Some(head_dim as u64)
+        {
+            return refuse(format!(
+                "head_dim is {hd}, not hidden_size / num_attention_heads = {head_dim}"
+            ));
         }
         Ok(())
     }
@@ -761,7 +764,7 @@ mod tests {
             ],
         ) {
             match parse(&with(key, value)) {
-                Ok(s) => prop_assert!(s.hidden_size % s.num_attention_heads == 0),
+                Ok(s) => prop_assert!(s.hidden_size.is_multiple_of(s.num_attention_heads)),
                 Err(e) => prop_assert!(e.to_string().contains("hf/config.json")),
             }
         }

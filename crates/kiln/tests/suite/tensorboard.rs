@@ -25,7 +25,10 @@ const SETS: &[&str] = &[
 ];
 
 /// (step, tag) -> value of every scalar in the run's event file, and the steps in file order.
-fn read_events(run: &Path) -> (BTreeMap<(i64, String), f32>, Vec<i64>, Vec<String>) {
+/// (step, tag) -> value of every scalar.
+type Scalars = BTreeMap<(i64, String), f32>;
+
+fn read_events(run: &Path) -> (Scalars, Vec<i64>, Vec<String>) {
     let dir = run.join("tensorboard");
     let files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -113,7 +116,7 @@ fn resumed_runs_append_each_step_once() {
 }
 
 /// TensorBoard's EventAccumulator reads the same scalars, each step once.
-fn peer_check(python: &str, run: &Path, values: &BTreeMap<(i64, String), f32>) {
+fn peer_check(python: &str, run: &Path, values: &Scalars) {
     let has = Command::new(python)
         .args(["-c", "import tensorboard"])
         .status();
