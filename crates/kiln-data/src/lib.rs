@@ -5,6 +5,7 @@
 //! | --- | --- |
 //! | [`indexed`] | `.bin`/`.idx` reader (mmap) and writer, byte-compatible with Megatron |
 //! | [`tokenize`] | BPE training and parallel tokenization with HF `tokenizers` |
+//! | [`parquet`] | the text column of `.parquet` inputs, streamed a batch of rows at a time |
 //! | [`corpus`] | corpus lists: `weight prefix [corpus]` lines |
 //! | [`blend`] | megatron-core's greedy blend, with weight-stable schedule changes |
 //! | [`index`] | per-dataset shuffled, packed sample index (O(1) access, tiny cache) |
@@ -31,6 +32,7 @@ pub mod index;
 pub mod indexed;
 pub mod loader;
 pub mod manifest;
+pub mod parquet;
 pub mod perm;
 pub mod progress;
 pub mod summary;

@@ -1,7 +1,8 @@
 //! Tokenizer training and corpus tokenization with Hugging Face `tokenizers`.
 //!
 //! Inputs are `.jsonl`/`.json` files (one JSON object per line, text under `--json-key`, as
-//! Megatron's `preprocess_data.py` reads them) or plain text files, split into documents by
+//! Megatron's `preprocess_data.py` reads them), `.parquet` files (a string column,
+//! `--text-column`, streamed row group by row group: [`crate::parquet`]) or plain text files, split into documents by
 //! paragraph (blank lines, the default), by line, or taken whole. Each document becomes one
 //! sequence and one document of the indexed dataset, followed by EOS, exactly as
 //! `preprocess_data.py --append-eod` writes it.
@@ -62,6 +63,8 @@ pub struct DocSource {
     pub files: Vec<PathBuf>,
     /// JSON field holding the text in `.jsonl`/`.json` files.
     pub json_key: String,
+    /// Column holding the text in `.parquet` files.
+    pub text_column: String,
     /// How `.txt` (any non-JSON) files split into documents.
     pub split: TextSplit,
 }
@@ -83,6 +86,8 @@ impl DocSource {
             next_file: 0,
             current: None,
             bytes: 0,
+            parquet: None,
+            nulls: 0,
         }
     }
 }
@@ -106,19 +111,49 @@ pub struct DocReader<'a> {
     next_file: usize,
     current: Option<OpenFile>,
     bytes: u64,
+    /// The parquet file being read, if the current input is one.
+    parquet: Option<crate::parquet::ParquetDocs>,
+    /// Null values of finished parquet files, skipped.
+    nulls: u64,
 }
 
 impl DocReader<'_> {
     /// Input bytes consumed so far.
     pub fn bytes(&self) -> u64 {
-        self.bytes
+        self.bytes + self.parquet.as_ref().map_or(0, |p| p.bytes())
+    }
+
+    /// Null values skipped in parquet files so far.
+    pub fn nulls(&self) -> u64 {
+        self.nulls + self.parquet.as_ref().map_or(0, |p| p.nulls())
+    }
+
+    /// The next document of the parquet file being read; `None` (and the file closed) at its
+    /// end, or when the current input is not one.
+    fn next_parquet_doc(&mut self) -> Result<Option<String>> {
+        let Some(p) = self.parquet.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(doc) = p.next_doc()? {
+            return Ok(Some(doc));
+        }
+        self.bytes += p.file_bytes();
+        self.nulls += p.nulls();
+        self.parquet = None;
+        Ok(None)
     }
 
     /// The next document, or `None` at the end of the last file.
     pub fn next_doc(&mut self) -> Result<Option<String>> {
         loop {
+            if let Some(doc) = self.next_parquet_doc()? {
+                return Ok(Some(doc));
+            }
             if self.current.as_ref().is_none_or(|c| c.done) && !self.open_next()? {
                 return Ok(None);
+            }
+            if self.parquet.is_some() {
+                continue;
             }
             let Some(f) = self.current.as_mut() else {
                 continue;
@@ -178,6 +213,14 @@ impl DocReader<'_> {
             .extension()
             .map(|e| e.to_string_lossy().to_lowercase())
             .unwrap_or_default();
+        if ext == "parquet" {
+            self.current = None;
+            self.parquet = Some(crate::parquet::ParquetDocs::open(
+                path,
+                &self.src.text_column,
+            )?);
+            return Ok(true);
+        }
         self.current = Some(OpenFile {
             path: path.clone(),
             reader: BufReader::with_capacity(1 << 20, file),
@@ -463,6 +506,8 @@ pub struct TokenizeStats {
     pub dtype: DType,
     /// Documents longer than [`PIECE_BYTES`], encoded in pieces.
     pub split_documents: u64,
+    /// Null values of parquet text columns, skipped (no document).
+    pub null_rows: u64,
 }
 
 /// Where to end the piece of `text` that starts at `start`: at most `piece` bytes on, before
@@ -661,6 +706,7 @@ fn write_dataset(
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,
         split_documents: split,
+        null_rows: reader.nulls(),
     };
     Ok((stats, sidecar))
 }
@@ -746,6 +792,7 @@ mod tests {
         let src = DocSource {
             files: vec![input],
             json_key: "text".into(),
+            text_column: "text".into(),
             split: TextSplit::File,
         };
         let opts = TrainOptions {

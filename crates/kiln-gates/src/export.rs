@@ -57,26 +57,8 @@ pub struct ExportReport {
 }
 
 /// The Hugging Face layout of one kiln tensor: matrices other than the embedding are
-/// transposed from `[in, out]` to `[out, in]`.
-pub fn to_hf_layout(t: &HostTensor) -> HostTensor {
-    let is_linear = t.shape.len() == 2 && !t.name.contains("embed_tokens");
-    if !is_linear {
-        return t.clone();
-    }
-    let (rows, cols) = (t.shape[0], t.shape[1]);
-    let mut values = vec![0.0f32; t.values.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            values[c * rows + r] = t.values[r * cols + c];
-        }
-    }
-    HostTensor {
-        name: t.name.clone(),
-        shape: vec![cols, rows],
-        dtype: t.dtype,
-        values,
-    }
-}
+/// transposed from `[in, out]` to `[out, in]` (`model.init_from` reads them back).
+pub use kiln_train::model::hf::to_hf_layout;
 
 /// Hugging Face's name of a dtype (`torch_dtype`).
 fn torch_dtype(d: StoredDtype) -> &'static str {
@@ -306,9 +288,27 @@ fn pretty(v: &serde_json::Value) -> Vec<u8> {
     format!("{v:#}\n").into_bytes()
 }
 
+/// Refuses an output directory that exists and is not empty (before any work is done).
+pub(crate) fn refuse_non_empty(out: &Path) -> Result<(), GatesError> {
+    if let Ok(meta) = std::fs::symlink_metadata(out) {
+        let empty_dir = meta.is_dir()
+            && std::fs::read_dir(out)
+                .map_err(io_err(out))?
+                .next()
+                .is_none();
+        if !empty_dir {
+            return Err(GatesError::Invalid(format!(
+                "{}: exists and is not an empty directory; choose a new output directory (kiln never overwrites it)",
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Writes `files` into a temporary directory beside `out` and renames it to `out`, so a
 /// reader never sees half an export. `out` must not exist or be an empty directory.
-fn publish(out: &Path, files: &[(String, Vec<u8>)]) -> Result<(), GatesError> {
+pub(crate) fn publish(out: &Path, files: &[(String, Vec<u8>)]) -> Result<(), GatesError> {
     if let Ok(meta) = std::fs::symlink_metadata(out) {
         let empty_dir = meta.is_dir()
             && std::fs::read_dir(out)

@@ -8,6 +8,7 @@
 pub mod export;
 pub mod lrfind;
 pub mod mc;
+pub mod merge;
 pub mod plot;
 pub mod recovery;
 pub mod report;

@@ -367,7 +367,13 @@ pub fn load_model(path: &Path, config: Option<&Path>) -> Result<LoadedModel, Gat
             config_path.display()
         )));
     }
-    let cfg = Config::load(Some(&config_path), &[]).map_err(kiln_train::TrainError::from)?;
+    // The run's own record is complete (its model keys resolved at start); a config given
+    // with --config is loaded as `kiln train` would.
+    let cfg = match config {
+        None => Config::load_recorded(&config_path),
+        Some(_) => Config::load(Some(&config_path), &[]),
+    }
+    .map_err(kiln_train::TrainError::from)?;
     let session = Session::from_weights(&cfg, &found.tensors, &found.weights)?;
     Ok(LoadedModel {
         session,

@@ -406,6 +406,25 @@ fn recovery_lines(events: &[kiln_run::Event]) -> String {
     if !quarantined.is_empty() {
         out.push_str(&format!("quarantined: {}\n", quarantined.join(", ")));
     }
+    let stragglers: Vec<String> = events
+        .iter()
+        .filter(|e| e.event == event::STRAGGLER)
+        .map(|e| {
+            let f = |k: &str| e.fields.get(k).map_or("?".into(), fmt_value);
+            format!(
+                "rank {} on {} at step {}: {} x its peers ({} s against {} s a step)",
+                f("rank"),
+                f("host"),
+                f("step"),
+                f("ratio"),
+                f("work_s"),
+                f("peers_s")
+            )
+        })
+        .collect();
+    if !stragglers.is_empty() {
+        out.push_str(&format!("stragglers: {}\n", stragglers.join("; ")));
+    }
     let last = |name: &str| events.iter().rev().find(|e| e.event == name);
     let field = |e: &kiln_run::Event, k: &str| e.fields.get(k).map_or("?".into(), fmt_value);
     if let Some(e) = last(event::STOPPED) {

@@ -26,6 +26,7 @@ mod setup;
 mod shim;
 mod signals;
 mod stall;
+pub mod straggler;
 mod submit;
 mod supervise;
 

@@ -263,6 +263,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = StepClock::default();
         let b = |step, phase: &str, time| Beacon {
+            work_s: None,
             rank: 1,
             step,
             phase: phase.into(),

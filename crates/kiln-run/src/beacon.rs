@@ -1,6 +1,8 @@
 //! Per-rank progress beacons: `$KILN_PROGRESS_DIR/rank-<R>` holds one line
-//! `<step> <phase> <unix_time> <host>`. Any program may write them (the host is optional, for
-//! writers that do not know it); kiln's trainer does every step. A supervisor compares them
+//! `<step> <phase> <unix_time> <host> [<work_s>]`. Any program may write them (the host is
+//! optional, for writers that do not know it); kiln's trainer does every step, with the
+//! seconds its rank worked on the step before (not counting the wait for its peers in the
+//! gradient exchange), from which `kiln launch` names stragglers. A supervisor compares them
 //! across ranks to name the rank that stopped advancing, and the host it ran on.
 //!
 //! Next to them, `exit-<R>` records how rank R's program ended (`kiln launch --as-rank`
@@ -28,6 +30,9 @@ pub struct Beacon {
     pub time: f64,
     /// The host the rank runs on, when the writer said.
     pub host: Option<String>,
+    /// Seconds the rank worked on its last step, without waiting for its peers, when the
+    /// writer said (kiln's trainer does).
+    pub work_s: Option<f64>,
 }
 
 /// Variable that overrides the host name recorded in beacons and exit records.
@@ -106,23 +111,44 @@ pub fn write_beacon(
     phase: &str,
     time: f64,
 ) -> Result<(), BeaconError> {
-    write_at(dir, rank, step, phase, time)?;
-    crate::collective::wrote(dir, rank, step, phase);
+    write_beacon_with_work(dir, rank, step, phase, time, None)
+}
+
+/// [`write_beacon`], with the seconds the rank worked on its last step (`work_s`, which
+/// `kiln launch` compares across ranks to name a straggler).
+pub fn write_beacon_with_work(
+    dir: &Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+    time: f64,
+    work_s: Option<f64>,
+) -> Result<(), BeaconError> {
+    write_at(dir, rank, step, phase, time, work_s)?;
+    crate::collective::wrote(dir, rank, step, phase, work_s);
     Ok(())
 }
 
-/// [`write_beacon`] at the current time, without recording it as this process's phase
-/// (the collective mark, see [`crate::collective`]).
+/// [`write_beacon_with_work`] at the current time, without recording it as this process's
+/// phase (the collective mark, see [`crate::collective`]).
 pub(crate) fn write_line(
     dir: &Path,
     rank: usize,
     step: u64,
     phase: &str,
+    work_s: Option<f64>,
 ) -> Result<(), BeaconError> {
-    write_at(dir, rank, step, phase, crate::unix_time())
+    write_at(dir, rank, step, phase, crate::unix_time(), work_s)
 }
 
-fn write_at(dir: &Path, rank: usize, step: u64, phase: &str, time: f64) -> Result<(), BeaconError> {
+fn write_at(
+    dir: &Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+    time: f64,
+    work_s: Option<f64>,
+) -> Result<(), BeaconError> {
     let path = dir.join(layout::beacon(rank));
     let io = |source| BeaconError::Io {
         path: path.clone(),
@@ -130,7 +156,10 @@ fn write_at(dir: &Path, rank: usize, step: u64, phase: &str, time: f64) -> Resul
     };
     let phase = if phase.is_empty() { "-" } else { phase };
     let phase = phase.split_whitespace().collect::<Vec<_>>().join("_");
-    let line = format!("{step} {phase} {time:.3} {}\n", this_host());
+    let work = work_s
+        .filter(|w| w.is_finite() && *w >= 0.0)
+        .map_or(String::new(), |w| format!(" {w:.6}"));
+    let line = format!("{step} {phase} {time:.3} {}{work}\n", this_host());
     write_atomic(&path, line.as_bytes(), Atomic::RECORD).map_err(io)
 }
 
@@ -141,12 +170,14 @@ fn parse_beacon(rank: usize, text: &str) -> Option<Beacon> {
     let phase = it.next()?.to_string();
     let time = it.next()?.parse().ok()?;
     let host = it.next().map(str::to_string);
+    let work_s = it.next().and_then(|w| w.parse().ok());
     Some(Beacon {
         rank,
         step,
         phase,
         time,
         host,
+        work_s,
     })
 }
 
@@ -381,7 +412,11 @@ mod tests {
         // A writer that does not know its host (the format before hosts) still parses.
         std::fs::write(dir.path().join("rank-3"), "4 train 99.0\n").unwrap();
         let b = read_beacons(dir.path());
-        assert_eq!((b[2].rank, b[2].host.clone()), (3, None));
+        assert_eq!((b[2].rank, b[2].host.clone(), b[2].work_s), (3, None, None));
+        // The work time of the step before, when the writer says.
+        write_beacon_with_work(dir.path(), 4, 9, "train", 102.0, Some(0.25)).unwrap();
+        let b = read_beacons(dir.path());
+        assert_eq!((b[3].rank, b[3].work_s), (4, Some(0.25)));
     }
 
     #[test]

@@ -28,6 +28,8 @@ struct Last {
     rank: usize,
     step: u64,
     phase: String,
+    /// The work time it carried, kept by the mark.
+    work_s: Option<f64>,
 }
 
 /// This process's collectives in flight and whether the beacon says so.
@@ -47,17 +49,31 @@ fn state() -> &'static Mutex<State> {
 
 /// Records the beacon this process wrote (see [`crate::write_beacon`]); a mark in place is
 /// replaced by it.
-pub(crate) fn wrote(dir: &std::path::Path, rank: usize, step: u64, phase: &str) {
-    wrote_into(state(), dir, rank, step, phase);
+pub(crate) fn wrote(
+    dir: &std::path::Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+    work_s: Option<f64>,
+) {
+    wrote_into(state(), dir, rank, step, phase, work_s);
 }
 
-fn wrote_into(st: &Mutex<State>, dir: &std::path::Path, rank: usize, step: u64, phase: &str) {
+fn wrote_into(
+    st: &Mutex<State>,
+    dir: &std::path::Path,
+    rank: usize,
+    step: u64,
+    phase: &str,
+    work_s: Option<f64>,
+) {
     if let Ok(mut s) = st.lock() {
         s.last = Some(Last {
             dir: dir.to_path_buf(),
             rank,
             step,
             phase: phase.to_string(),
+            work_s,
         });
         s.marked = false;
     }
@@ -107,7 +123,7 @@ fn end(st: &Mutex<State>) {
     if std::mem::take(&mut s.marked)
         && let Some(l) = &s.last
     {
-        let _ = crate::beacon::write_line(&l.dir, l.rank, l.step, &l.phase);
+        let _ = crate::beacon::write_line(&l.dir, l.rank, l.step, &l.phase, l.work_s);
     }
 }
 
@@ -138,7 +154,7 @@ fn mark_if_due(st: &Mutex<State>, now: Instant) {
         return;
     }
     if let Some(l) = &s.last
-        && crate::beacon::write_line(&l.dir, l.rank, l.step, COLLECTIVE).is_ok()
+        && crate::beacon::write_line(&l.dir, l.rank, l.step, COLLECTIVE, l.work_s).is_ok()
     {
         s.marked = true;
     }
@@ -161,8 +177,8 @@ mod tests {
             (b.rank, b.step, b.phase)
         };
         let write = |step, phase: &str| {
-            crate::beacon::write_line(dir.path(), 3, step, phase).unwrap();
-            wrote_into(&st, dir.path(), 3, step, phase);
+            crate::beacon::write_line(dir.path(), 3, step, phase, None).unwrap();
+            wrote_into(&st, dir.path(), 3, step, phase, None);
         };
         assert!(!begin(&st), "no beacon yet: nothing to mark");
         end(&st);

@@ -101,6 +101,11 @@ pub mod phase {
 }
 /// The effective config differs from the one of the resumed checkpoint.
 pub const CONFIG_CHANGED: &str = "config_changed";
+/// `kiln launch` named a rank slower than its peers (`kiln_launch::straggler`): rank, host,
+/// its median work time per step against its peers', over a window of steps.
+pub const STRAGGLER: &str = "straggler";
+/// A fresh run loaded its starting weights from a Hugging Face directory (`model.init_from`).
+pub const INIT_FROM: &str = "init_from";
 /// A step was skipped for a non-finite loss or gradient (`params`: those whose gradient holds
 /// a NaN or an infinity).
 pub const NONFINITE_SKIP: &str = "nonfinite_skip";

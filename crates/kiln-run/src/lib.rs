@@ -49,7 +49,7 @@ mod stop;
 pub use beacon::{
     ATTEMPT_ENV, Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, PROGRESS_DIR_ENV,
     clear_rank_files, read_beacons, read_exit_records, read_liveness, this_attempt, this_host,
-    write_beacon, write_exit_record, write_liveness,
+    write_beacon, write_beacon_with_work, write_exit_record, write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 pub use heartbeat::{

@@ -108,6 +108,13 @@ pub struct ModelConfig {
     pub init_std: f64,
     /// Scale the init of residual output projections (wo, w_down) by 1/sqrt(2 * n_layers).
     pub scale_residual_init: bool,
+    /// A Hugging Face Llama directory (`config.json`, `model.safetensors` or its shards,
+    /// `tokenizer.json`) whose weights start a fresh run (continued pre-training). The model
+    /// keys are taken from its `config.json` (a config or `--set` that sets one differently
+    /// is an error naming both), and `data.tokenizer` from its `tokenizer.json` unless set.
+    /// A run that resumes from a checkpoint ignores it: the checkpoint wins. Empty = none.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub init_from: String,
 }
 
 impl Default for ModelConfig {
@@ -125,6 +132,7 @@ impl Default for ModelConfig {
             tie_embeddings: false,
             init_std: 0.02,
             scale_residual_init: true,
+            init_from: String::new(),
         }
     }
 }
@@ -472,11 +480,20 @@ pub struct DataConfig {
 pub struct MetricsConfig {
     /// Write a `metrics.jsonl` line every this many steps.
     pub log_interval: u64,
+    /// Also write the logged scalars (loss, grad norm, LR, tokens/s, MFU, eval metrics) and
+    /// the guards' events (as text) as TensorBoard event files in `RUN_DIR/tensorboard/`
+    /// (`tensorboard --logdir RUN_DIR/tensorboard`); a resumed run appends without
+    /// repeating a step.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tensorboard: bool,
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        Self { log_interval: 1 }
+        Self {
+            log_interval: 1,
+            tensorboard: false,
+        }
     }
 }
 
@@ -693,6 +710,7 @@ impl Config {
         for o in overrides {
             apply_override(&mut table, o)?;
         }
+        resolve_init_from(&mut table, &origin, overrides)?;
         let origin = if overrides.is_empty() {
             origin
         } else {
@@ -705,6 +723,20 @@ impl Config {
                     origin,
                     message: e.to_string(),
                 })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Loads the config a run recorded (`RUN_DIR/config.toml`), as it is: its model keys were
+    /// resolved when the run started, so `model.init_from` is not read again (the Hugging
+    /// Face directory may be gone since).
+    pub fn load_recorded(path: &Path) -> Result<Self, ConfigError> {
+        let text = kiln_run::files::read_to_string_limited(path, MAX_CONFIG_BYTES, "a config")
+            .map_err(|source| ConfigError::Read {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let config = Self::from_toml(&text, &path.display().to_string())?;
         config.validate()?;
         Ok(config)
     }
@@ -1069,6 +1101,79 @@ impl Domains {
             Err(ConfigError::OutOfDomain(self.0))
         }
     }
+}
+
+/// With `model.init_from` set, takes the model keys from the Hugging Face directory's
+/// `config.json` ([`crate::model::hf::HfShape`]) into `table`: a key the file (`origin`) or
+/// an override already sets to another value is an error naming both; `data.tokenizer`
+/// defaults to the directory's `tokenizer.json`.
+fn resolve_init_from(
+    table: &mut toml::Table,
+    origin: &str,
+    overrides: &[String],
+) -> Result<(), ConfigError> {
+    use crate::model::hf;
+    let Some(dir) = table
+        .get("model")
+        .and_then(|m| m.get("init_from"))
+        .and_then(toml::Value::as_str)
+        .filter(|d| !d.is_empty())
+        .map(str::to_string)
+    else {
+        return Ok(());
+    };
+    let invalid = |message: String| ConfigError::Invalid {
+        origin: format!("model.init_from = {dir:?}"),
+        message,
+    };
+    let shape = hf::HfShape::read(Path::new(&dir)).map_err(|e| invalid(e.to_string()))?;
+    let json = Path::new(&dir).join(hf::CONFIG_JSON);
+    let model = table
+        .entry("model")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .ok_or_else(|| invalid("[model] is not a table".into()))?;
+    let mut conflicts = Vec::new();
+    for (key, value, hf_key) in shape.keys() {
+        match model.get(key) {
+            Some(given) if !hf::same_value(given, &value) => {
+                // The last override of the key is what set it; else the file did.
+                let set = overrides.iter().rev().find(|o| {
+                    o.split_once('=')
+                        .is_some_and(|(k, _)| k.trim() == format!("model.{key}"))
+                });
+                let by = match set {
+                    Some(o) => format!("--set {o}"),
+                    None => format!("model.{key} = {given} in {origin}"),
+                };
+                conflicts.push(format!(
+                    "{by} conflicts with {hf_key} = {value} in {} (the model's shape comes from model.init_from; drop the setting or make it match)",
+                    json.display()
+                ));
+            }
+            _ => {
+                model.insert(key.to_string(), value);
+            }
+        }
+    }
+    if !conflicts.is_empty() {
+        return Err(invalid(conflicts.join("; ")));
+    }
+    let tokenizer = Path::new(&dir).join(hf::TOKENIZER_JSON);
+    let data = table
+        .entry("data")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut();
+    if let Some(data) = data
+        && !data.contains_key("tokenizer")
+        && tokenizer.is_file()
+    {
+        data.insert(
+            "tokenizer".into(),
+            toml::Value::String(tokenizer.display().to_string()),
+        );
+    }
+    Ok(())
 }
 
 /// Applies `section.key=value` to a TOML table. The value is parsed as a TOML value

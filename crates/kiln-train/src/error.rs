@@ -55,6 +55,9 @@ pub enum TrainError {
         /// What differs.
         reason: String,
     },
+    /// The Hugging Face weights of `model.init_from` cannot be loaded.
+    #[error("model.init_from: {0}")]
+    Import(#[from] crate::model::hf::HfError),
     /// A guard stopped the run.
     #[error("guard: {0}")]
     Guard(String),
@@ -92,6 +95,7 @@ impl TrainError {
             | Self::Parallel(_) => exit::CONFIG,
             Self::Dist(kiln_dist::DistError::Init(_)) => exit::FAILURE,
             Self::Dist(_) => exit::CONFIG,
+            Self::Import(e) => e.exit_code(),
             Self::Guard(_) => exit::GUARD_STOP,
             Self::RunDir(RunDirError::Locked { .. }) => exit::RUN_DIR_LOCKED,
             Self::ReplicaMismatch { .. } => exit::REPLICA_MISMATCH,

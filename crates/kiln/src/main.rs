@@ -41,6 +41,8 @@ enum Command {
     Eval(cmd::gates::EvalArgs),
     /// Write a run's or checkpoint's weights as a Hugging Face Llama directory.
     Export(cmd::export::ExportArgs),
+    /// Average the weights of checkpoints of one run (uniform or weighted).
+    Merge(cmd::merge::MergeArgs),
     /// A short text summary of a run: steps, tokens, last loss, checkpoints, events.
     Status(cmd::gates::StatusArgs),
     /// Plot a run's curves (loss, eval, LR, grad-norm, tokens/s) as SVG and PNG.
@@ -72,6 +74,7 @@ fn main() -> ExitCode {
         Command::LrFind(args) => cmd::gates::lr_find(args),
         Command::Eval(args) => cmd::gates::eval(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Merge(args) => cmd::merge::run(args),
         Command::Status(args) => cmd::gates::status(args),
         Command::Plot(args) => cmd::gates::plot(args),
         Command::Yeet(args) => cmd::yeet::run(args),

@@ -63,6 +63,8 @@ pub(super) struct Watch {
     kill: Escalation,
     /// Step times from the beacons: the stall watchdog's default limit.
     steps: crate::stall::StepClock,
+    /// Work times from the beacons: ranks slower than their peers.
+    stragglers: crate::straggler::StragglerWatch,
 }
 
 impl Watch {
@@ -82,6 +84,7 @@ impl Watch {
             live: LiveRanks::new(),
             kill: Escalation::new(a.cfg.grace),
             steps: crate::stall::StepClock::default(),
+            stragglers: crate::straggler::StragglerWatch::default(),
         }
     }
 
@@ -224,6 +227,9 @@ impl Watch {
             return;
         }
         let fresh = kiln_run::read_beacons(dir);
+        for s in self.stragglers.observe(&fresh, a.start_time) {
+            crate::straggler::report(a.cfg, &s);
+        }
         self.steps.observe(&fresh, a.start_time, now);
         let advanced = (self.beacons).update(fresh, a.start_time, now);
         if advanced && let Ok(mut s) = a.shared.lock() {

@@ -201,8 +201,46 @@ impl<'c> Checkpoints<'c> {
                 let from = Resumed::persistent(persistent);
                 self.restore(run, step, guards, (&dir, &ck), &from, journal)
             }
-            None => Ok(None),
+            None => {
+                self.init_from(run, step, guards, journal)?;
+                Ok(None)
+            }
         }
+    }
+
+    /// A fresh start with `model.init_from`: the Hugging Face weights replace the drawn ones
+    /// (every rank reads them; in a parameter-sharded run each keeps its pieces). The
+    /// `init_from` event records a checksum of the loaded weights.
+    fn init_from(
+        &self,
+        run: &mut RunState,
+        step: &Step,
+        guards: &mut GuardRail,
+        journal: &mut Journal,
+    ) -> Result<(), TrainError> {
+        let dir = Path::new(&self.cfg.model.init_from);
+        if self.cfg.model.init_from.is_empty() {
+            return Ok(());
+        }
+        let tensors = crate::model::hf::load_weights(dir, run.session.model.specs())?;
+        match step.parameter_shards() {
+            Some(plan) => run.session.load_pieces(&tensors, plan.ranges(), dir)?,
+            None => run.session.load_params(&tensors, dir)?,
+        }
+        guards.trained_start();
+        if journal.is_writer() {
+            let checksum = crate::tensor::params_checksum(&run.session.params);
+            journal.emit(
+                event::INIT_FROM,
+                json!({"path": path_text(dir), "tensors": tensors.len(), "checksum": format!("{checksum:016x}")}),
+            )?;
+            journal.note(&format!(
+                "starting from the Hugging Face weights in {} ({} tensors)",
+                dir.display(),
+                tensors.len()
+            ));
+        }
+        Ok(())
     }
 
     /// The persistent checkpoint directory of `step`.
@@ -313,6 +351,12 @@ impl<'c> Checkpoints<'c> {
             dir.display(),
             from.tier
         ));
+        if !self.cfg.model.init_from.is_empty() {
+            journal.note(&format!(
+                "model.init_from ({}) is not read: the run resumes from its checkpoint",
+                self.cfg.model.init_from
+            ));
+        }
         Ok(Some(dir.to_path_buf()))
     }
 

@@ -82,6 +82,12 @@ impl GuardRail {
         }
     }
 
+    /// The run starts from trained weights (`model.init_from`): its first loss is not a
+    /// fresh model's.
+    pub fn trained_start(&mut self) {
+        self.fresh = false;
+    }
+
     /// The run resumed at `step` from a checkpoint.
     pub fn restored(&mut self, step: u64) {
         self.fresh = false;

@@ -1,6 +1,6 @@
 //! The run's components, each deciding its own cadence and restoring its own state, called in
 //! order by the [`crate::trainer`]: [`journal`] (events, metrics and the caller's observer)
-//! with [`metrics`] and [`startup`]; [`checkpoints`] (the whole checkpoint lifecycle: the
+//! with [`metrics`], [`tensorboard`] and [`startup`]; [`checkpoints`] (the whole checkpoint lifecycle: the
 //! persistent tier written by the [`saver`], the memory tier of [`snapshot`], resume, the
 //! guards' rollback point, lineage, resize); [`guard_rail`] (skips, rollbacks, frozen
 //! parameters); [`eval`] (held-out evaluation); [`replicas`] (the replica checksum check).
@@ -14,3 +14,4 @@ pub mod replicas;
 pub mod saver;
 pub mod snapshot;
 pub mod startup;
+pub mod tensorboard;

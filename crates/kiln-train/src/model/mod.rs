@@ -17,6 +17,7 @@
 //! cast is a no-op, so the f32 numerics are untouched.
 
 pub mod budget;
+pub mod hf;
 pub mod session;
 
 use crate::config::{ModelConfig, Precision};

@@ -281,6 +281,8 @@ impl Session {
         // init values do not change shapes: a resumed run may use another init std
         m.init_std = 0.0;
         m.scale_residual_init = false;
+        // where the starting weights came from does not change shapes either
+        m.init_from = String::new();
         sha256_hex(&toml::to_string(&m).unwrap_or_default())
     }
 

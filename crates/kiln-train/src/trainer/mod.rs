@@ -103,6 +103,9 @@ struct Trainer<'a> {
     facts: RunFacts,
     last_loss: Option<f32>,
     last_eval: Option<EvalMetrics>,
+    /// Seconds this rank worked on its last step, not counting the wait for its peers in
+    /// the gradient exchange (its beacons carry it: `kiln_launch::straggler`).
+    last_work_s: Option<f64>,
 }
 
 /// Trains according to `opts`, resuming from the newest valid checkpoint in the run
@@ -154,12 +157,13 @@ impl<'a> Trainer<'a> {
 
     fn beacon(&self, phase: &str) {
         if let Some(dir) = &self.facts.progress_dir {
-            let _ = kiln_run::write_beacon(
+            let _ = kiln_run::write_beacon_with_work(
                 dir,
                 self.comm.rank(),
                 self.run.state.step,
                 phase,
                 kiln_run::unix_time(),
+                self.last_work_s,
             );
         }
     }
@@ -239,6 +243,9 @@ impl<'a> Trainer<'a> {
         let params = &mut run.session.params;
         (self.step.faults()).after_update(st.step, self.comm.rank(), params);
         let dt = t0.elapsed().as_secs_f64();
+        // This rank's own work on the step, without the wait for its peers in the exchange:
+        // the next beacon carries it (stragglers, `kiln_launch::straggler`).
+        self.last_work_s = Some((dt - allreduce_s).max(0.0));
         Ok(Some(self.metrics(
             loss,
             grad_norm,

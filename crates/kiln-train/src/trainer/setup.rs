@@ -124,6 +124,7 @@ impl<'a> Trainer<'a> {
             facts,
             last_loss: None,
             last_eval: None,
+            last_work_s: None,
         };
         t.setup(&opts.run_dir)
             .inspect_err(|e| t.emit_exit("error", e.exit_code(), Some(&e.to_string())))?;
@@ -180,6 +181,9 @@ impl<'a> Trainer<'a> {
             "prefetch": self.step.shard().is_some_and(ShardPlan::prefetches),
         });
         self.journal.emit(event::START, fields)?;
+        if self.cfg.metrics.tensorboard {
+            self.journal.open_tensorboard(self.run.state.step)?;
+        }
         self.guards.start(&self.run);
         Ok(())
     }

@@ -30,12 +30,15 @@ pub enum DataCommand {
 /// Input documents.
 #[derive(Debug, clap::Args)]
 pub struct InputArgs {
-    /// Input files: `.jsonl`/`.json` (one JSON object per line) or plain text.
+    /// Input files: `.jsonl`/`.json` (one JSON object per line), `.parquet`, or plain text.
     #[arg(long = "input", short = 'i', required = true, num_args = 1..)]
     pub input: Vec<PathBuf>,
     /// JSON field that holds the text.
     #[arg(long, default_value = "text")]
     pub json_key: String,
+    /// Parquet column that holds the text (a string column; null rows are skipped).
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
     /// How plain-text files split into documents: paragraph (blank lines), line, or file.
     #[arg(long, default_value = "paragraph")]
     pub split: TextSplit,
@@ -46,6 +49,7 @@ impl InputArgs {
         DocSource {
             files: self.input.clone(),
             json_key: self.json_key.clone(),
+            text_column: self.text_column.clone(),
             split: self.split,
         }
     }
@@ -273,6 +277,12 @@ fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
             stats.tokens_per_second,
             stats.input_bytes as f64 / stats.seconds.max(1e-9) / 1e6
         );
+        if stats.null_rows > 0 {
+            println!(
+                "  {} null row(s) of the parquet text column were skipped",
+                stats.null_rows
+            );
+        }
         if stats.split_documents > 0 {
             println!(
                 "  {} document(s) longer than {} KiB were encoded in pieces cut before words, to bound memory",

@@ -7,6 +7,7 @@ pub mod export;
 pub mod gates;
 pub mod help;
 pub mod launch;
+pub mod merge;
 pub mod submit;
 pub mod train;
 pub mod yeet;
