@@ -7,6 +7,34 @@ use super::settings;
 use burn::backend::DispatchDevice;
 use burn::tensor::{DType, Device, Tensor};
 
+/// Which implementation of an op takes its tensors.
+pub(super) enum Route {
+    /// The CubeCL kernel, on this device.
+    #[cfg(feature = "cube")]
+    Device(cubecl::Device),
+    /// The CPU kernel.
+    Host,
+    /// The composed twin.
+    Composed,
+}
+
+/// The implementation of an op on `t` whose other inputs have the element types `others`:
+/// the CubeCL kernel where it [`covers`] them, else the CPU kernel where it is [`fusable`],
+/// else the composed twin.
+pub(super) fn route<const D: usize>(t: &Tensor<D>, others: &[DType]) -> Route {
+    #[cfg(feature = "cube")]
+    if covers(t, others)
+        && let Some(device) = cube_device(&t.device())
+    {
+        return Route::Device(device);
+    }
+    let _ = others;
+    match fusable(t) {
+        true => Route::Host,
+        false => Route::Composed,
+    }
+}
+
 /// Whether the fused CPU kernels cover this tensor: f32 on the flex backend (with or without
 /// autodiff), kernels enabled.
 pub(super) fn fusable<const D: usize>(t: &Tensor<D>) -> bool {

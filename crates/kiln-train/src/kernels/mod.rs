@@ -8,8 +8,9 @@
 //! and registers one backward step with burn's autodiff through a backend extension, so a
 //! model mixes them freely with burn's ops.
 //!
-//! One folder per op, each with the op's chooser (the one function the model calls, which
-//! picks the CubeCL kernel, the CPU kernel or the composed twin), the composed twin (burn's
+//! One folder per op, each with the op's chooser (the one function the model calls, as
+//! `kernels::rms_norm::rms_norm`, which picks the CubeCL kernel, the CPU kernel or the
+//! composed twin), the composed twin (burn's
 //! ops: the reference the kernels are checked against, and the path where no kernel covers
 //! a tensor), the self-check case, and the kernels side by side (`cpu.rs`, `cube.rs`):
 //! `linear/`, `rms_norm/`, `swiglu/`, `rope/`, `attention/`, `softmax/`, `cross_entropy/`,
@@ -26,34 +27,22 @@
 //! multithreaded.
 
 pub mod adamw;
-mod attention;
+pub mod attention;
 #[cfg(any(test, feature = "cuda"))]
 mod blas;
 mod check;
-mod coverage;
-mod cross_entropy;
+pub mod coverage;
+pub mod cross_entropy;
 #[cfg(feature = "cube")]
 mod device;
 mod host;
-mod linear;
-mod replicated;
-mod rms_norm;
-mod rope;
+pub mod linear;
+pub mod replicated;
+pub mod rms_norm;
+pub mod rope;
 pub mod selfcheck;
-mod settings;
-mod softmax;
-mod swiglu;
+pub mod settings;
+pub mod softmax;
+pub mod swiglu;
 #[cfg(test)]
 mod tests;
-
-pub use adamw::adamw_update;
-pub use attention::causal_attention;
-pub use coverage::{fuses_mixed, has_bf16_kernels};
-pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_in_chunks};
-pub use linear::{linear, mixed_linear};
-pub use replicated::{device_square_sum, frobenius_norm, replicated_matmul};
-pub use rms_norm::rms_norm;
-pub use rope::rope;
-pub use settings::{Settings, configure};
-pub use softmax::causal_softmax;
-pub use swiglu::swiglu;

@@ -13,7 +13,8 @@ use crate::common;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use common::{host, random, rel_diff};
 use kiln_train::config::AttentionPath;
-use kiln_train::kernels::{self, Settings, selfcheck};
+use kiln_train::kernels::settings::{Settings, configure};
+use kiln_train::kernels::{self, selfcheck};
 
 const TOLERANCE: f32 = 2e-5;
 
@@ -65,8 +66,8 @@ fn mixed_linear_is_the_casts_around_linear_bit_for_bit() {
             let w2 = w.clone().reshape([70, 45]);
             let bf = FloatDType::BF16;
             let y = match fused {
-                true => kernels::mixed_linear(x.clone(), w2, bf.into(), out.into()),
-                false => kernels::linear(x.clone().cast(bf), w2.cast(bf), None).cast(out),
+                true => kernels::linear::mixed_linear(x.clone(), w2, bf.into(), out.into()),
+                false => kernels::linear::linear(x.clone().cast(bf), w2.cast(bf), None).cast(out),
             };
             let r =
                 Tensor::<3>::from_data(TensorData::new(random(2 * 37 * 45, 7), [2, 37, 45]), &dev);
@@ -122,7 +123,7 @@ fn flash_fragments_are_each_computed_by_one_plane() {
 fn causal_attention_matches_composed() {
     // Every path is asked for through the kernel settings a run's config gives, and the
     // process is back on the defaults at the end.
-    let with = |s: Settings| kernels::configure(s);
+    let with = configure;
     // The row kernels, cubes of 4 rows (1 in training on this runtime): the cooperative tile
     // loads, blocks crossing from one query head into the next, several blocks and tiles.
     with(Settings {
@@ -182,7 +183,7 @@ fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
 
 #[test]
 fn adamw_update_matches_the_formula() {
-    use kiln_train::kernels::{adamw::AdamWScalars, adamw_update as update};
+    use kiln_train::kernels::adamw::{AdamWScalars, adamw_update as update};
     // 300 elements (two full cubes and a partial one), clipping and decay on.
     let n = 300;
     let (p, g, m, v) = (random(n, 11), random(n, 12), random(n, 13), random(n, 14));
@@ -223,7 +224,7 @@ fn adamw_update_matches_the_formula() {
     }
 }
 
-/// The order `kernels::device_square_sum` promises, on the host: per tensor, unit `u` of
+/// The order `kernels::replicated::device_square_sum` promises, on the host: per tensor, unit `u` of
 /// `units_for(n)` sums the squares of elements `u, u + units, ...` in f32, passes over the
 /// partials the same way (without squaring) until at most 64 remain, and the partials of every
 /// tensor are added in f64 in parameter order. Each square is added by a fused multiply-add:
@@ -272,7 +273,8 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         .flatten()
         .map(|&x| f64::from(x) * f64::from(x))
         .sum();
-    let got = kernels::device_square_sum(&tensors).expect("f32 device tensors are covered");
+    let got =
+        kernels::replicated::device_square_sum(&tensors).expect("f32 device tensors are covered");
     let d = ((got - want) / want).abs();
     eprintln!(
         "square sum: relative difference {d:.2e} over {} values",
@@ -285,7 +287,7 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         "the device sum is the fixed order's, to the bit"
     );
     for _ in 0..3 {
-        let again = kernels::device_square_sum(&tensors).expect("covered");
+        let again = kernels::replicated::device_square_sum(&tensors).expect("covered");
         assert_eq!(
             again.to_bits(),
             got.to_bits(),
@@ -314,12 +316,12 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
     for (name, got, want) in [
         (
             "a @ b",
-            kernels::replicated_matmul(a.clone(), b.clone()),
+            kernels::replicated::replicated_matmul(a.clone(), b.clone()),
             a.clone().matmul(b.clone()),
         ),
         (
             "a @ a^T",
-            kernels::replicated_matmul(a.clone(), a.clone().transpose()),
+            kernels::replicated::replicated_matmul(a.clone(), a.clone().transpose()),
             a.clone().matmul(a.clone().transpose()),
         ),
     ] {
@@ -334,7 +336,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         .map(|&v| f64::from(v) * f64::from(v))
         .sum::<f64>()
         .sqrt();
-    let norm = kernels::frobenius_norm(&a);
+    let norm = kernels::replicated::frobenius_norm(&a);
     assert_eq!(norm.dims(), [1]);
     let got = host(&norm)[0];
     assert!(
@@ -342,7 +344,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         "{got} vs {want}"
     );
     assert_eq!(
-        host(&kernels::frobenius_norm(&a))[0].to_bits(),
+        host(&kernels::replicated::frobenius_norm(&a))[0].to_bits(),
         got.to_bits()
     );
 }

@@ -5,14 +5,15 @@
 //! chosen, the composed twin ([`composed`]) what they are checked against, with the
 //! self-check cases.
 
+pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
 pub(in crate::kernels) mod cube;
 pub(in crate::kernels) mod dims;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
+use super::coverage::{self, Route};
 use super::settings::{self, Settings};
-use super::{coverage, softmax};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 #[cfg(feature = "cube")]
 use {crate::config::AttentionPath, dims::Dims};
@@ -34,44 +35,36 @@ fn causal_attention_with(
     v: Tensor<3>,
     scale: f64,
 ) -> Tensor<3> {
-    #[cfg(feature = "cube")]
-    if coverage::covers(&q, &[k.dtype(), v.dtype()])
-        && let Some(device) = coverage::cube_device(&q.device())
-    {
-        let d = Dims::from_shapes(&q.dims(), &k.dims());
-        let flash = match s.attention {
-            AttentionPath::Flash => cube::Path::flash(&device, q.dtype(), d.hd, s.flash_tiling),
-            _ => None,
-        };
-        let on_cpu = matches!(device, cubecl::Device::Cpu(_));
-        let path = match (flash, s.attention) {
-            (Some(flash), _) => flash,
-            (None, AttentionPath::Rows) => cube::Path::rows(&device, s.attention_rows),
-            (None, AttentionPath::Auto | AttentionPath::Flash) if on_cpu => {
-                cube::Path::rows(&device, s.attention_rows)
-            }
-            (None, _) => cube::Path::products(s.attention_chunk),
-        };
-        return cube::causal_attention(q, k, v, scale, path);
+    match coverage::route(&q, &[k.dtype(), v.dtype()]) {
+        #[cfg(feature = "cube")]
+        Route::Device(device) => {
+            let path = device_path(s, &device, &q, &k);
+            cube::causal_attention(q, k, v, scale, path)
+        }
+        Route::Host => cpu::causal_attention(q, k, v, scale),
+        Route::Composed => composed::causal_attention(q, k, v, scale),
     }
-    if !coverage::fusable(&q) {
-        return composed(q, k, v, scale);
-    }
-    cpu::causal_attention(q, k, v, scale)
 }
 
-/// Causal attention from burn's ops: the scores, [`softmax::composed`], the product with `v`.
-pub(super) fn composed(q: Tensor<4>, k: Tensor<4>, v: Tensor<3>, scale: f64) -> Tensor<3> {
-    let [b, nkv, gt, hd] = q.dims();
-    let t = k.dims()[2];
-    let heads = nkv * (gt / t);
-    let v = v.reshape([b, t, nkv, hd]).swap_dims(1, 2);
-    let probs = softmax::composed(q.matmul(k.transpose()), scale);
-    probs
-        .matmul(v)
-        .reshape([b, heads, t, hd])
-        .swap_dims(1, 2)
-        .reshape([b, t, heads * hd])
+/// Attention's path on the CubeCL device `device` under `s`: the flash kernels where asked for
+/// and they can run there; the row kernels where asked for, and by default on CubeCL's CPU
+/// runtime; else (by default on GPUs) by products.
+#[cfg(feature = "cube")]
+fn device_path(s: &Settings, device: &cubecl::Device, q: &Tensor<4>, k: &Tensor<4>) -> cube::Path {
+    let hd = Dims::from_shapes(&q.dims(), &k.dims()).hd;
+    let flash = match s.attention {
+        AttentionPath::Flash => cube::Path::flash(device, q.dtype(), hd, s.flash_tiling),
+        _ => None,
+    };
+    let on_cpu = matches!(device, cubecl::Device::Cpu(_));
+    match (flash, s.attention) {
+        (Some(flash), _) => flash,
+        (None, AttentionPath::Rows) => cube::Path::rows(device, s.attention_rows),
+        (None, AttentionPath::Auto | AttentionPath::Flash) if on_cpu => {
+            cube::Path::rows(device, s.attention_rows)
+        }
+        (None, _) => cube::Path::products(s.attention_chunk),
+    }
 }
 
 /// Attention against [`composed`] on `device`, (batch, K/V heads, query heads a K/V head,
@@ -197,7 +190,7 @@ fn attention_check(
         let scale = 1.0 / (hd as f64).sqrt();
         let out = match r.fused {
             true => causal_attention_with(s, qa, ka, v.clone(), scale),
-            false => composed(qa, ka, v.clone(), scale),
+            false => composed::causal_attention(qa, ka, v.clone(), scale),
         };
         values_and_grads(r, out, &[grad_of(&q), grad_of(&k), grad_of(&v)])
     })
@@ -235,7 +228,7 @@ mod tests {
             },
             |x| {
                 let (q, k, v) = shaped(x);
-                out(super::composed(q, k, v, 0.25))
+                out(super::composed::causal_attention(q, k, v, 0.25))
             },
             2e-6,
         );

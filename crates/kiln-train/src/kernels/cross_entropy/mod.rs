@@ -4,27 +4,25 @@
 //! ([`cube`]), each forward and backward, the composed twin they are checked against
 //! ([`composed`]), and the self-check case ([`check`]).
 
+pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
-use super::coverage;
-use burn::tensor::activation::log_softmax;
+use super::coverage::{self, Route};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 
 /// Mean cross-entropy of the logits `h @ w` (`h` `[n, d]`, `w` `[d, vocab]`) against
 /// `targets` `[n]`, as a one-element tensor: the CubeCL kernel on CubeCL devices, the CPU
 /// kernel on flex, the composed ops where neither covers the tensors.
 pub fn linear_cross_entropy(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
-    #[cfg(feature = "cube")]
-    if coverage::covers(&h, &[w.dtype()]) {
-        return cube::linear_cross_entropy(h, w, targets, None);
+    match coverage::route(&h, &[w.dtype()]) {
+        #[cfg(feature = "cube")]
+        Route::Device(_) => cube::linear_cross_entropy(h, w, targets, None),
+        Route::Host if coverage::fusable(&w) => cpu::linear_cross_entropy(h, w, targets),
+        _ => composed::linear_cross_entropy(h, w, targets),
     }
-    if !coverage::fusable(&h) || !coverage::fusable(&w) {
-        return composed(h, w, targets);
-    }
-    cpu::linear_cross_entropy(h, w, targets)
 }
 
 /// As [`linear_cross_entropy`], with at most `columns` logits columns live at once where the
@@ -42,13 +40,6 @@ pub fn linear_cross_entropy_in_chunks(
     }
     let _ = columns;
     linear_cross_entropy(h, w, targets)
-}
-
-/// The mean cross-entropy of `h @ w` against `targets` from burn's ops.
-pub(super) fn composed(h: Tensor<2>, w: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
-    let [n, _] = h.dims();
-    let logp = log_softmax(burn::tensor::module::linear(h, w, None), 1);
-    logp.gather(1, targets.reshape([n, 1])).mean().neg()
 }
 
 /// The kernel against [`composed`] on `device`: 37 rows, vocabulary 300, in one chunk and in
@@ -69,7 +60,7 @@ pub fn check(device: &Device, dtype: FloatDType) -> Vec<Check> {
                         linear_cross_entropy_in_chunks(h.clone(), w.clone(), targets, c)
                     }
                     (true, None) => linear_cross_entropy(h.clone(), w.clone(), targets),
-                    (false, _) => composed(h.clone(), w.clone(), targets),
+                    (false, _) => composed::linear_cross_entropy(h.clone(), w.clone(), targets),
                 };
                 values_and_grads(r, loss, &[grad_of(&h), grad_of(&w)])
             })
@@ -109,7 +100,8 @@ mod tests {
                 },
                 |t| {
                     let tg = targets(n, v, &t[0].device());
-                    super::composed(t[0].clone(), weight(&t[1]), tg).reshape([1, 1])
+                    super::composed::linear_cross_entropy(t[0].clone(), weight(&t[1]), tg)
+                        .reshape([1, 1])
                 },
                 2e-6,
             );
@@ -127,7 +119,11 @@ mod tests {
             w.clone(),
             targets(n, v, &dev),
         ));
-        let reference = host(&super::composed(h, w, targets(n, v, &dev)));
+        let reference = host(&super::composed::linear_cross_entropy(
+            h,
+            w,
+            targets(n, v, &dev),
+        ));
         assert!(
             rel_diff(&fused, &reference) < 1e-6,
             "{fused:?} vs {reference:?}"

@@ -3,37 +3,24 @@
 //! ([`cube`]), each forward and backward, the composed twin they are checked against
 //! ([`composed`]), and the self-check case ([`check`]).
 
+pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
-use super::coverage;
+use super::coverage::{self, Route};
 use burn::tensor::{Device, FloatDType, Tensor};
 
 /// RMSNorm over the last dimension: the CubeCL kernel on CubeCL devices, the CPU kernel on
 /// flex, the composed ops where neither covers `x` (dtypes, or kernels off).
 pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
-    #[cfg(feature = "cube")]
-    if coverage::covers(&x, &[w.dtype()]) {
-        return cube::rms_norm(x, w, eps);
+    match coverage::route(&x, &[w.dtype()]) {
+        #[cfg(feature = "cube")]
+        Route::Device(_) => cube::rms_norm(x, w, eps),
+        Route::Host => cpu::rms_norm(x, w, eps),
+        Route::Composed => composed::rms_norm(x, w, eps),
     }
-    if !coverage::fusable(&x) {
-        return composed(x, w, eps);
-    }
-    cpu::rms_norm(x, w, eps)
-}
-
-/// RMSNorm from burn's ops.
-pub(super) fn composed<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
-    let inv_rms = x
-        .clone()
-        .powi_scalar(2)
-        .mean_dim(D - 1)
-        .add_scalar(eps)
-        .sqrt()
-        .recip();
-    x * inv_rms * w.unsqueeze()
 }
 
 /// The kernel against [`composed`] on `device`: 3 x 5 rows of 24, and 130 rows of 7 (one
@@ -51,7 +38,7 @@ pub fn check(device: &Device, dtype: FloatDType) -> Vec<Check> {
                     let (x, w) = (r.leaf(shape, seed), r.leaf([shape[2]], seed + 10));
                     let y = match r.fused {
                         true => rms_norm(x.clone(), w.clone(), 1e-5),
-                        false => composed(x.clone(), w.clone(), 1e-5),
+                        false => composed::rms_norm(x.clone(), w.clone(), 1e-5),
                     };
                     values_and_grads(r, y, &[grad_of(&x), grad_of(&w)])
                 },
@@ -72,7 +59,7 @@ mod tests {
         against_composed::<2, 2>(
             [(&x, vec![37, 40]), (&w, vec![1, 40])],
             |t| super::rms_norm(t[0].clone(), t[1].clone().reshape([40]), 1e-5),
-            |t| super::composed(t[0].clone(), t[1].clone().reshape([40]), 1e-5),
+            |t| super::composed::rms_norm(t[0].clone(), t[1].clone().reshape([40]), 1e-5),
             2e-6,
         );
     }

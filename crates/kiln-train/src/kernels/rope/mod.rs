@@ -3,39 +3,25 @@
 //! a CubeCL kernel ([`cube`]), each forward and backward, the composed twin they are checked
 //! against ([`composed`]), and the self-check case ([`check`]).
 
+pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
-use super::coverage;
+use super::coverage::{self, Route};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 /// Rotate-half RoPE of the heads in `x` `[b, t, heads * hd]` with tables `cos`, `sin`
 /// `[t, hd]`, returned head-major: `[b, heads, t, hd]`. The CubeCL kernel on CubeCL devices,
 /// the CPU kernel on flex, the composed ops where neither covers the tensors.
 pub fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
-    #[cfg(feature = "cube")]
-    if coverage::covers(&x, &[cos.dtype(), sin.dtype()]) {
-        return cube::rope(x, cos, sin, heads);
+    match coverage::route(&x, &[cos.dtype(), sin.dtype()]) {
+        #[cfg(feature = "cube")]
+        Route::Device(_) => cube::rope(x, cos, sin, heads),
+        Route::Host => cpu::rope(x, cos, sin, heads),
+        Route::Composed => composed::rope(x, cos, sin, heads),
     }
-    if !coverage::fusable(&x) {
-        return composed(x, cos, sin, heads);
-    }
-    cpu::rope(x, cos, sin, heads)
-}
-
-/// RoPE from burn's ops: `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x2,
-/// x1)`.
-pub(super) fn composed(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, heads: usize) -> Tensor<4> {
-    let [b, t, cols] = x.dims();
-    let hd = cols / heads;
-    let half = hd / 2;
-    let x = x.reshape([b, t, heads, hd]).swap_dims(1, 2);
-    let x1 = x.clone().narrow(3, 0, half);
-    let x2 = x.clone().narrow(3, half, half);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-    x * cos.reshape([1, 1, t, hd]) + rotated * sin.reshape([1, 1, t, hd])
 }
 
 /// The kernel against [`composed`] on `device`: batch 2, 5 positions, 3 heads of 8.
@@ -53,7 +39,7 @@ pub fn check(device: &Device, dtype: FloatDType) -> Vec<Check> {
         let (cos, sin) = (angles(f32::cos), angles(f32::sin));
         let y = match r.fused {
             true => rope(x.clone(), cos, sin, heads),
-            false => composed(x.clone(), cos, sin, heads),
+            false => composed::rope(x.clone(), cos, sin, heads),
         };
         values_and_grads(r, y, &[grad_of(&x)])
     })
@@ -84,7 +70,7 @@ mod tests {
             },
             |v| {
                 let (c, s) = tables(&v[0].device());
-                super::composed(v[0].clone(), c, s, heads).reshape([b, heads, t * hd])
+                super::composed::rope(v[0].clone(), c, s, heads).reshape([b, heads, t * hd])
             },
             0.0,
         );

@@ -3,32 +3,19 @@
 //! bf16 kernels, as on flex). A CPU kernel ([`cpu`]), forward and backward, and the composed
 //! twin it is checked against ([`composed`]); elsewhere the composed ops.
 
+pub(super) mod composed;
 mod cpu;
 
 use super::coverage;
-use burn::tensor::activation::softmax;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
 /// Softmax over the last dimension of `scores * scale` `[.., rows, t]` under a causal mask:
 /// row `r` may see columns `0..=r % t`. The CPU kernel on flex, else the composed ops.
 pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
-    if !coverage::fusable(&scores) {
-        return composed(scores, scale);
+    match coverage::fusable(&scores) {
+        true => cpu::causal_softmax(scores, scale),
+        false => composed::causal_softmax(scores, scale),
     }
-    cpu::causal_softmax(scores, scale)
-}
-
-/// The causal softmax from burn's ops: the scaled scores plus a mask of `-inf` past each
-/// row's position.
-pub(super) fn composed(scores: Tensor<4>, scale: f64) -> Tensor<4> {
-    let [_, _, rows, t] = scores.dims();
-    let mut mask = Vec::with_capacity(rows * t);
-    for r in 0..rows {
-        let qpos = r % t;
-        mask.extend((0..t).map(|k| if k <= qpos { 0.0f32 } else { f32::NEG_INFINITY }));
-    }
-    let mask = Tensor::from_data(TensorData::new(mask, [1, 1, rows, t]), &scores.device());
-    softmax(scores.mul_scalar(scale) + mask, 3)
 }
 
 #[cfg(test)]
@@ -42,7 +29,7 @@ mod tests {
         against_composed::<1, 4>(
             [(&s, vec![2, 2, 27, 9])],
             |t| super::causal_softmax(t[0].clone(), 0.3),
-            |t| super::composed(t[0].clone(), 0.3),
+            |t| super::composed::causal_softmax(t[0].clone(), 0.3),
             2e-6,
         );
     }

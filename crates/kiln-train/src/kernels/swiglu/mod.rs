@@ -2,31 +2,24 @@
 //! ([`cpu`]) and a CubeCL kernel ([`cube`]), each forward and backward, the composed twin they
 //! are checked against ([`composed`]), and the self-check case ([`check`]).
 
+pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
-use super::coverage;
-use burn::tensor::activation::silu;
+use super::coverage::{self, Route};
 use burn::tensor::{Device, FloatDType, Tensor};
 
 /// `silu(gate) * up`: the CubeCL kernel on CubeCL devices, the CPU kernel on flex, the
 /// composed ops where neither covers the tensors.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
-    #[cfg(feature = "cube")]
-    if coverage::covers(&gate, &[up.dtype()]) {
-        return cube::swiglu(gate, up);
+    match coverage::route(&gate, &[up.dtype()]) {
+        #[cfg(feature = "cube")]
+        Route::Device(_) => cube::swiglu(gate, up),
+        Route::Host => cpu::swiglu(gate, up),
+        Route::Composed => composed::swiglu(gate, up),
     }
-    if !coverage::fusable(&gate) {
-        return composed(gate, up);
-    }
-    cpu::swiglu(gate, up)
-}
-
-/// `silu(gate) * up` from burn's ops.
-pub(super) fn composed<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
-    silu(gate) * up
 }
 
 /// The kernel against [`composed`] on `device`, over 231 elements: one full cube and a
@@ -41,7 +34,7 @@ pub fn check(device: &Device, dtype: FloatDType) -> Vec<Check> {
             let (g, u) = (r.leaf([3, 7, 11], 3), r.leaf([3, 7, 11], 4));
             let y = match r.fused {
                 true => swiglu(g.clone(), u.clone()),
-                false => composed(g.clone(), u.clone()),
+                false => composed::swiglu(g.clone(), u.clone()),
             };
             values_and_grads(r, y, &[grad_of(&g), grad_of(&u)])
         },
@@ -59,7 +52,7 @@ mod tests {
         against_composed::<2, 2>(
             [(&g, vec![3, 5000]), (&u, vec![3, 5000])],
             |t| super::swiglu(t[0].clone(), t[1].clone()),
-            |t| super::composed(t[0].clone(), t[1].clone()),
+            |t| super::composed::swiglu(t[0].clone(), t[1].clone()),
             2e-6,
         );
     }

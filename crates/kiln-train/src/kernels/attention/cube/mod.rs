@@ -23,14 +23,14 @@ use burn_cubecl::tensor::CubeTensor;
 use flash::tiles::Tiling;
 
 /// How attention runs on a CubeCL device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(in crate::kernels) enum Path {
     /// The row kernels, `block` query rows a cube.
     Rows { block: usize },
     /// By products, `chunk` query positions a chunk (0: as many as memory allows).
     Products { chunk: usize },
     /// The flash kernels in these tilings (forward, `dq`, `dk`/`dv`).
-    Flash([Tiling; 3]),
+    Flash(Box<[Tiling; 3]>),
 }
 
 impl Path {
@@ -58,7 +58,7 @@ impl Path {
         hd: usize,
         shapes: Option<FlashTiling>,
     ) -> Option<Self> {
-        flash::launch::tilings(device, dtype, hd, shapes).map(Path::Flash)
+        flash::launch::tilings(device, dtype, hd, shapes).map(|t| Path::Flash(Box::new(t)))
     }
 }
 
@@ -68,12 +68,12 @@ fn forward(
     k: CubeTensor,
     v: CubeTensor,
     scale: f64,
-    path: Path,
+    path: &Path,
 ) -> (CubeTensor, CubeTensor) {
-    match path {
+    match *path {
         Path::Rows { block } => rows::forward(q, k, v, scale, block),
         Path::Products { chunk } => products::forward(q, k, v, scale, chunk),
-        Path::Flash([tiling, _, _]) => flash::launch::forward(q, k, v, scale, tiling),
+        Path::Flash(ref t) => flash::launch::forward(q, k, v, scale, t[0]),
     }
 }
 
@@ -85,12 +85,12 @@ fn backward(
     dout: CubeTensor,
     saved: Saved,
     scale: f64,
-    path: Path,
+    path: &Path,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
-    match path {
+    match *path {
         Path::Rows { block } => rows::backward(dout, saved, scale, block),
         Path::Products { chunk } => products::backward(dout, saved, scale, chunk),
-        Path::Flash([_, cq, ckv]) => flash::launch::backward(dout, saved, scale, cq, ckv),
+        Path::Flash(ref t) => flash::launch::backward(dout, saved, scale, t[1], t[2]),
     }
 }
 
@@ -112,7 +112,7 @@ fn autodiff<C: CheckpointStrategy>(
             let [nq, nk, nv] = ops.parents;
             let dout = grads.consume::<CubeBackend>(&ops.node);
             let (saved, scale, path) = ops.state;
-            let (dq, dk, dv) = backward(dout, saved, scale, path);
+            let (dq, dk, dv) = backward(dout, saved, scale, &path);
             for (node, g) in [(nq, dq), (nk, dk), (nv, dv)] {
                 if let Some(node) = node {
                     grads.register::<CubeBackend>(node.id, g);
@@ -132,7 +132,7 @@ fn autodiff<C: CheckpointStrategy>(
                 dense(k.primitive().clone()),
                 dense(v.primitive().clone()),
             );
-            let (out, lse) = forward(q.clone(), k.clone(), v.clone(), scale, path);
+            let (out, lse) = forward(q.clone(), k.clone(), v.clone(), scale, &path);
             prep.finish(((q, k, v, out.clone(), lse), scale, path), out)
         }
         OpsKind::UnTracked(prep) => prep.finish(
@@ -141,7 +141,7 @@ fn autodiff<C: CheckpointStrategy>(
                 k.primitive().clone(),
                 v.primitive().clone(),
                 scale,
-                path,
+                &path,
             )
             .0,
         ),
@@ -171,7 +171,7 @@ impl CubeCausalAttention for CubeBackend {
         scale: f64,
         path: Path,
     ) -> CubeTensor {
-        forward(q, k, v, scale, path).0
+        forward(q, k, v, scale, &path).0
     }
 }
 
