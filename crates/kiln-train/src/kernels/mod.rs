@@ -8,18 +8,17 @@
 //! and registers one backward step with burn's autodiff through a backend extension, so a
 //! model mixes them freely with burn's ops.
 //!
-//! One folder per op, each with the op's chooser (the one function the model calls, as
-//! `kernels::rms_norm::rms_norm`, which picks the CubeCL kernel, the CPU kernel or the
-//! composed twin), the composed twin (burn's
-//! ops: the reference the kernels are checked against, and the path where no kernel covers
-//! a tensor), the self-check case, and the kernels side by side (`cpu.rs`, `cube.rs`):
-//! `linear/`, `rms_norm/`, `swiglu/`, `rope/`, `attention/`, `softmax/`, `cross_entropy/`,
-//! `adamw/`, and `replicated/` (fixed-order arithmetic on replicated state). Below them what
-//! they share: `settings` (how the kernels run in this process, from the config), `coverage`
-//! (which tensors each family takes), `host/` (the CPU kernels' helpers), `device/` (the
-//! CubeCL kernels' helpers and matrix products), `blas` (how a product is asked of cuBLAS)
-//! and `check` (the self-check harness); above them [`selfcheck`], every case for tests and
-//! `kiln doctor`.
+//! One folder per op: its chooser (the one function the model calls, as
+//! `kernels::rms_norm::rms_norm`, which picks the CubeCL kernel, the CPU kernel or the composed
+//! twin), the composed twin (burn's ops: the reference the kernels are checked against, and
+//! the path where no kernel covers a tensor), the self-check case, and the kernels side by
+//! side (`cpu.rs`, `cube.rs`): `linear/`, `rms_norm/`, `swiglu/`, `rope/`, `attention/`,
+//! `softmax/`, `cross_entropy/`, `adamw/`, and `replicated/` (fixed-order arithmetic on
+//! replicated state). Below them what they share: `settings` (how the kernels run in this
+//! process, from the config), `coverage` (which tensors each family takes), `host/` (the CPU
+//! kernels' helpers), `device/` (the CubeCL kernels' helpers and matrix products), `blas` (how
+//! a product is asked of cuBLAS) and `check` (the self-check harness); above them
+//! [`selfcheck`], every case for tests and `kiln doctor`.
 //!
 //! Upstream: each CPU kernel says what burn would need for it to go away. In short: burn's
 //! autodiff should use the backend's fused forward ops (flex already has a fused softmax and

@@ -12,7 +12,7 @@
 //! the cube's last causal position are skipped. Sums still run in a fixed order (tile by tile,
 //! row by row) with no atomics, and the block size changes no sum, only who loads what.
 //! CubeCL's CPU runtime runs a cube barrier as one spinning thread per unit, so there a block
-//! is one row (`kernels::Settings::attention_rows` sets more, for tests of the cooperative
+//! is one row (`kernels::settings::Settings::attention_rows` sets more, for tests of the cooperative
 //! loads); GPUs take [`GPU_BLOCK`].
 //!
 //! Layouts as [`crate::kernels::attention::dims`] says.
