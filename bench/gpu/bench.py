@@ -42,21 +42,24 @@ DEFAULT_PLAN = ("1b:kiln,1b:eager,1b:kiln-flash,1b-8k:kiln-flash,1b-8k:eager,1b:
                 "1b:kiln-nvrtc,1b-8k:kiln,1b:kiln-nvrtc-profile,"
                 "1b:kiln-profile,ref:kiln,ref:eager,1b:compile,1b:kiln-nvrtc-full,"
                 "1b:eager-profile,ref:compile,ref:kiln-composed,1b:kiln-composed")
-# The environment of each kiln variant: `kiln-nvrtc` compiles CubeCL's kernels through CUDA C++
-# and NVRTC instead of LLVM's NVPTX backend (patches/cubecl-cuda: only that backend advertises
-# TMA and asynchronous copies, which burn's fastest matmuls need).
-# `kiln-nvrtc-full`: that with CubeCL's most thorough autotune (more matmul candidates timed).
+# The config of each kiln variant (`--set` keys of the `[kernels]` section; `kiln train
+# --print-config` lists them): `kiln-nvrtc` compiles CubeCL's kernels through CUDA C++ and
+# NVRTC instead of LLVM's NVPTX backend (patches/cubecl-cuda: only that backend advertises TMA
+# and asynchronous copies, which burn's fastest matmuls need).
+# `kiln-nvrtc-full`: that with CubeCL's most thorough autotune (more matmul candidates timed;
+# CubeCL's own environment variable).
 # `kiln-cubecl`: matrix products on CubeCL's matmul instead of cuBLAS (the before of that change).
-# `kiln-flash`: attention by the flash kernels (kernels/cube/flash.rs) instead of by products.
-KILN_ENV = {"kiln-nvrtc": {"CUBECL_CUDA_BACKEND": "cpp"},
-            "kiln-flash": {"KILN_ATTENTION": "flash"},
-            # Other tilings of the flash kernels (rows x cols x planes: forward, dq, dk/dv).
-            "kiln-flash-2p": {"KILN_ATTENTION": "flash",
-                              "KILN_FLASH_TILING": "32x64x2,32x32x2,32x32x2"},
-            "kiln-flash-8p": {"KILN_ATTENTION": "flash",
-                              "KILN_FLASH_TILING": "128x64x8,128x32x8,64x32x4"},
-            "kiln-cubecl": {"KILN_CUDA_GEMM": "cubecl"},
-            "kiln-nvrtc-full": {"CUBECL_CUDA_BACKEND": "cpp", "CUBECL_AUTOTUNE_LEVEL": "full"}}
+# `kiln-flash`: attention by the flash kernels (kernels/attention/cube/flash) instead of by products.
+KILN_SETS = {"kiln-nvrtc": ["kernels.cuda_compiler=nvrtc"],
+             "kiln-flash": ["kernels.attention=flash"],
+             # Other tilings of the flash kernels (rows x cols x planes: forward, dq, dk/dv).
+             "kiln-flash-2p": ["kernels.attention=flash",
+                               "kernels.flash_tiling=32x64x2,32x32x2,32x32x2"],
+             "kiln-flash-8p": ["kernels.attention=flash",
+                               "kernels.flash_tiling=128x64x8,128x32x8,64x32x4"],
+             "kiln-cubecl": ["kernels.cuda_gemm=cubecl"],
+             "kiln-nvrtc-full": ["kernels.cuda_compiler=nvrtc"]}
+KILN_ENV = {"kiln-nvrtc-full": {"CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).
 SHORT = {"1b-8k": (4, 2)}
 
@@ -129,12 +132,13 @@ def kiln_sets(model, batch, seq, steps, device="cuda"):
 def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     """`kiln`: kiln's CubeCL kernels on; `kiln-composed`: `training.fused_kernels=false`
     (burn's generic ops only), the before of the kernels' before/after; `kiln-nvrtc`: as `kiln`,
-    compiled through NVRTC (`KILN_ENV`). The run directory stays under `work` (its CubeCL
+    compiled through NVRTC (`KILN_SETS`). The run directory stays under `work` (its CubeCL
     cache is what a profiled rerun reads)."""
     _, _, _, _, _, _, batch, seq = MODELS[model]
     sets = kiln_sets(model, batch, seq, steps + warmup, device)
     if impl == "kiln-composed":
         sets.append("training.fused_kernels=false")
+    sets += KILN_SETS.get(impl, [])
     rd = os.path.join(work, f"{model}-{impl}")
     shutil.rmtree(rd, ignore_errors=True)
     os.makedirs(rd)
@@ -210,14 +214,16 @@ def profile_kiln(kiln, model, impl, results, work, timeout, device="cuda", steps
             shutil.copy(os.path.join(first, name), rd)
     _, _, _, _, _, _, batch, seq = MODELS[model]
     argv = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
-    for s in kiln_sets(model, batch, seq, steps, device):
-        argv += ["--set", s]
-    # kiln's cuBLAS products, each waited on and timed, in the same format (cube/cublas.rs).
+    # kiln's cuBLAS products, each waited on and timed, in the same format
+    # (kernels/device/cublas.rs).
     blas = os.path.join(wd, "cublas-profile.log")
     if os.path.exists(blas):
         os.remove(blas)
+    sets = kiln_sets(model, batch, seq, steps, device) + KILN_SETS.get(impl, [])
+    for s in sets + [f"kernels.cublas_profile={blas}"]:
+        argv += ["--set", s]
     rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd,
-                        env={**os.environ, **KILN_ENV.get(impl, {}), "KILN_CUBLAS_PROFILE": blas})
+                        env={**os.environ, **KILN_ENV.get(impl, {})})
     return kernel_table([log, blas], steps, os.path.join(work, f"{model}-{impl}-kernels.txt"), rc)
 
 

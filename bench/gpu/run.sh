@@ -31,7 +31,7 @@ if [ -z "${CUDA_PATH:-}" ]; then # pip's CUDA packages (nvidia-cuda-nvcc) ship l
   bc=$(find / -xdev -path '*nvvm/libdevice/libdevice.10.bc' -print -quit 2>/dev/null || true)
   [ -n "$bc" ] && export CUDA_PATH=$(dirname "$(dirname "$(dirname "$bc")")")
 fi
-# NVRTC (the `kiln-nvrtc` rows, CUBECL_CUDA_BACKEND=cpp): cudarc opens libnvrtc.so, which a
+# NVRTC (the `kiln-nvrtc` rows, kernels.cuda_compiler=nvrtc): cudarc opens libnvrtc.so, which a
 # CUDA toolkit keeps in lib64.
 for d in "${CUDA_PATH:-/usr/local/cuda}/lib64" "${CUDA_PATH:-/usr/local/cuda}/lib"; do
   ls "$d"/libnvrtc.so* >/dev/null 2>&1 && { export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; }

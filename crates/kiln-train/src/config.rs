@@ -62,6 +62,9 @@ pub struct Config {
     pub lr_scheduler: LrSchedulerConfig,
     /// Steps, batch, seed, device.
     pub training: TrainingConfig,
+    /// How kiln's fused kernels run on CubeCL devices (GPUs): attention's path, the flash
+    /// kernels' tiling, CUDA's matrix products and compiler.
+    pub kernels: KernelsConfig,
     /// Checkpoint cadence and retention.
     pub checkpoint: CheckpointConfig,
     /// Where tokens come from.
@@ -343,9 +346,10 @@ pub struct TrainingConfig {
     /// threads at 80 GFLOP/s, a CUDA GPU's bf16 peak by its name (half in f32); the MFU reads
     /// 0 on other accelerators until this is set.
     pub peak_flops: f64,
-    /// Use kiln's fused CPU kernels (RMSNorm, SwiGLU, RoPE, causal softmax, output head +
-    /// cross-entropy) on the flex backend; false computes the same functions from burn's
-    /// ops (slower, more memory; for A/B checks and profiling). Equal up to f32 rounding.
+    /// Use kiln's fused kernels (RMSNorm, SwiGLU, RoPE, causal attention and softmax, output
+    /// head + cross-entropy, the AdamW update) on flex and on CubeCL devices (`[kernels]`);
+    /// false computes the same functions from burn's ops (slower, more memory; for A/B checks
+    /// and profiling). Equal up to f32 rounding.
     pub fused_kernels: bool,
     /// Compute precision of the matmuls (forward and backward): `f32` or `bf16`. With
     /// `bf16`, weights and activations enter every matmul as bf16 while norms, softmax, the
@@ -412,6 +416,128 @@ impl Default for TrainingConfig {
             activation_checkpointing: ActivationCheckpointing::None,
         }
     }
+}
+
+/// How kiln's fused kernels run on CubeCL devices (GPUs); `training.fused_kernels` turns them
+/// all off. None of these keys changes what is computed, only how: each path is checked
+/// against the same composed twin (`kiln doctor --device`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct KernelsConfig {
+    /// Causal attention's path on CubeCL devices: `auto` (by matrix products on GPUs, the row
+    /// kernels on CubeCL's CPU runtime), `products` (chunks of query positions by the device's
+    /// matrix products: tensor cores), `flash` (tiled flash kernels on tensor-core fragments;
+    /// where they cannot run, bf16 or f16 on a GPU with 32-unit planes, `auto`'s path), or
+    /// `rows` (one unit per query row, a scalar at a time). Flex takes its CPU kernel always.
+    pub attention: AttentionPath,
+    /// The flash kernels' tilings, `RxCxP,RxCxP,RxCxP` for the forward, `dq` and `dk`/`dv`
+    /// kernels: R rows of a cube's own side against tiles of C rows of the other, P planes a
+    /// cube; sides multiples of 16 up to 256, 1 to 16 planes. "" = 64x64x4,64x32x4,32x32x4.
+    pub flash_tiling: String,
+    /// Matrix products on CUDA devices: `cublas` (NVIDIA's GEMMs, as PyTorch takes them) or
+    /// `cubecl` (burn's autotuned CubeCL matmul, for comparison). Without libcublas, `cubecl`.
+    pub cuda_gemm: CudaGemm,
+    /// How CubeCL compiles kernels for CUDA devices: `llvm` (LLVM's NVPTX backend) or `nvrtc`
+    /// (CUDA C++ through NVRTC, which needs libnvrtc.so; the backend that advertises TMA to
+    /// burn's matmul). One per process: the first run's choice stands.
+    pub cuda_compiler: CudaCompiler,
+    /// A file each cuBLAS product's time is appended to (`| 12.3us | name`, the format of
+    /// CubeCL's profiling logger), each product waited on: for profiling; "" = off.
+    pub cublas_profile: String,
+}
+
+/// Causal attention's path on CubeCL devices (`kernels.attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionPath {
+    /// By products on GPUs, the row kernels on CubeCL's CPU runtime.
+    #[default]
+    Auto,
+    /// Chunks of query positions by the device's matrix products.
+    Products,
+    /// The tiled flash kernels, where they can run (else `Auto`'s path).
+    Flash,
+    /// The row kernels: one unit per query row.
+    Rows,
+}
+
+/// Who multiplies matrices on CUDA devices (`kernels.cuda_gemm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaGemm {
+    /// cuBLAS, where its library loads.
+    #[default]
+    Cublas,
+    /// burn's autotuned CubeCL matmul.
+    Cubecl,
+}
+
+/// The compiler CubeCL's CUDA runtime builds kernels with (`kernels.cuda_compiler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaCompiler {
+    /// LLVM's NVPTX backend.
+    #[default]
+    Llvm,
+    /// CUDA C++ through NVRTC.
+    Nvrtc,
+}
+
+/// A tiling of the flash kernels: `(rows, cols, planes)` for the forward, `dq` and `dk`/`dv`
+/// kernels (see `kernels.flash_tiling`).
+pub type FlashTiling = [(usize, usize, usize); 3];
+
+impl KernelsConfig {
+    /// `kernels.flash_tiling` parsed; `None` for "" (the default tiling).
+    pub fn flash_tiling(&self) -> Result<Option<FlashTiling>, String> {
+        if self.flash_tiling.trim().is_empty() {
+            return Ok(None);
+        }
+        parse_flash_tiling(&self.flash_tiling).map(Some)
+    }
+
+    /// The kernels keys' domains.
+    fn domains(&self, d: &mut Domains) {
+        if let Err(why) = self.flash_tiling() {
+            d.check(
+                "kernels.flash_tiling",
+                format!("{:?}", self.flash_tiling),
+                false,
+                format!("\"\" or RxCxP,RxCxP,RxCxP ({why})"),
+            );
+        }
+    }
+}
+
+/// `RxCxP,RxCxP,RxCxP` as three `(rows, cols, planes)`.
+fn parse_flash_tiling(text: &str) -> Result<FlashTiling, String> {
+    let shapes = text
+        .split(',')
+        .map(|part| {
+            let n: Vec<usize> = part
+                .trim()
+                .split('x')
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|e| format!("{part:?}: {e}"))
+                })
+                .collect::<Result<_, _>>()?;
+            let [rows, cols, planes] = n[..] else {
+                return Err(format!("{part:?} is not ROWSxCOLSxPLANES"));
+            };
+            let size = |v: usize| v > 0 && v <= 256 && v.is_multiple_of(16);
+            if !size(rows) || !size(cols) || !(1..=16).contains(&planes) {
+                return Err(format!(
+                    "{part:?}: sizes are multiples of 16 up to 256, planes 1 to 16"
+                ));
+            }
+            Ok((rows, cols, planes))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    shapes
+        .try_into()
+        .map_err(|v: Vec<_>| format!("three tilings (forward, dq, dk/dv), not {}", v.len()))
 }
 
 /// Checkpoint cadence and retention.
@@ -755,6 +881,7 @@ impl Config {
         self.optimizer.domains(&mut d);
         self.lr_scheduler.domains(&mut d);
         self.training.domains(&mut d);
+        self.kernels.domains(&mut d);
         self.guards.domains(&mut d);
         self.other_domains(&mut d);
         // Rules between keys, checked once each key is in its own domain.
@@ -1206,6 +1333,33 @@ fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn flash_tilings_parse_and_bad_ones_are_refused() {
+        assert_eq!(
+            parse_flash_tiling("64x64x4, 64x32x4,32x32x2"),
+            Ok([(64, 64, 4), (64, 32, 4), (32, 32, 2)])
+        );
+        for bad in [
+            "64x64x4",
+            "64x64x4,64x32x4",
+            "64x64x4,64x32x4,32x32x4,16x16x1",
+            "64x64,64x32x4,32x32x4",
+            "60x64x4,64x32x4,32x32x4",
+            "64x64x0,64x32x4,32x32x4",
+            "512x64x4,64x32x4,32x32x4",
+            "64x64xa,64x32x4,32x32x4",
+        ] {
+            assert!(parse_flash_tiling(bad).is_err(), "{bad:?}");
+            let mut c = Config::default();
+            c.kernels.flash_tiling = bad.into();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("kernels.flash_tiling"), "{e}");
+        }
+        let mut c = Config::default();
+        c.kernels.flash_tiling = " ".into();
+        assert_eq!(c.kernels.flash_tiling(), Ok(None));
+    }
+
     use super::*;
 
     #[test]

@@ -352,7 +352,7 @@ fn two_ranks_on_cuda_average_over_nccl_and_match_one_rank() {
 /// log, `cubecl.toml` in the working directory, holds no matmul): before, two candidates were
 /// close in time for these shapes and fresh processes of one command came out with two
 /// pick-sets (5:2 in 7 runs, different bits from step 4). The projections and the output head
-/// now take a kernel fixed in advance there (`kernels/cube/fixed_matmul.rs`), so the run has
+/// now take a kernel fixed in advance there (`kernels/device/matmul.rs`), so the run has
 /// the same bits every time on a machine. (At the old default LR of 3e-3 the task was learnt
 /// late or not at all for some seeds, on flex too, and seed 1234 on this device did not learn
 /// it by step 500 with two of three kernel choices: see `OptimizerConfig::default`.)

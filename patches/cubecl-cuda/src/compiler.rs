@@ -21,19 +21,30 @@ pub enum CudaBackend {
     Llvm,
 }
 
+/// The backend this process compiles with: fixed by [`choose_backend`], or by the first
+/// [`CudaBackend::default`].
+static CHOSEN: std::sync::OnceLock<CudaBackend> = std::sync::OnceLock::new();
+
+/// kiln patch: picks the backend the process compiles with, so one binary can run both (kiln's
+/// `kernels.cuda_compiler`). Call it before the first CUDA device starts: the first choice, or
+/// the first read of the default, fixes it for the process; `Err` names the backend fixed
+/// already when it is another. Why: the LLVM backend advertises no TMA, no async copy and no
+/// clusters (`restrict_features`), which leaves burn's matmul autotune without its TMA
+/// kernels; on an H200 kiln's bf16 matmuls ran at ~140 TFLOP/s through it against cuBLAS's ~750.
+pub fn choose_backend(backend: CudaBackend) -> Result<(), CudaBackend> {
+    match *CHOSEN.get_or_init(|| backend) {
+        fixed if fixed == backend => Ok(()),
+        fixed => Err(fixed),
+    }
+}
+
 impl Default for CudaBackend {
+    /// The backend [`choose_backend`] fixed; unchosen, the `cpp` feature's default.
     fn default() -> Self {
-        // kiln patch: `CUBECL_CUDA_BACKEND=cpp|llvm` picks the backend at run time, so one
-        // binary can run both (the `cpp` feature still sets the default). Why: the LLVM
-        // backend advertises no TMA, no async copy and no clusters (`restrict_features`), which
-        // leaves burn's matmul autotune without its TMA kernels; on an H200 kiln's bf16
-        // matmuls ran at ~140 TFLOP/s through it against cuBLAS's ~750.
-        match std::env::var("CUBECL_CUDA_BACKEND").as_deref() {
-            Ok("cpp") => CudaBackend::Cpp,
-            Ok("llvm") => CudaBackend::Llvm,
-            _ if cfg!(feature = "cpp") => CudaBackend::Cpp,
-            _ => CudaBackend::Llvm,
-        }
+        *CHOSEN.get_or_init(|| match cfg!(feature = "cpp") {
+            true => CudaBackend::Cpp,
+            false => CudaBackend::Llvm,
+        })
     }
 }
 

@@ -1,7 +1,7 @@
 //! How a row-major batched product `c = a @ b` (`a` `[.., m, k]`, `b` `[.., k, n]`, any strides
 //! burn's views give: contiguous, transposed, sliced) is asked of a column-major BLAS
 //! (cuBLAS's strided-batched GEMM) without copying either operand: the pure part of
-//! `cube::cublas`, kept apart so CI checks it on the CPU against a column-major reference.
+//! `device::cublas`, kept apart so CI checks it on the CPU against a column-major reference.
 //!
 //! Row-major `c = a b` is column-major `c^T = b^T a^T`: BLAS's `A` is `b`, its `B` is `a`, its
 //! `m` is `n` and its `n` is `m`. A row-major matrix read column-major is its transpose, so a

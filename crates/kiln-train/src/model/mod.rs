@@ -219,14 +219,14 @@ impl Llama {
 
     /// `x @ w` in the compute dtype, returned in `out` (one op on devices: the casts inside).
     fn mm_to<const D: usize>(&self, x: Tensor<D>, w: Tensor<2>, out: DType) -> Tensor<D> {
-        kernels::mixed_linear(x, w, self.compute, out)
+        kernels::linear::mixed_linear(x, w, self.compute, out)
     }
 
     /// The dtype attention's q, k and v take from their projections: the compute dtype where
     /// kiln's kernels take mixed precision (projections write it, RoPE and attention read it,
     /// no casts between), else f32.
     fn qkv_dtype(&self, device: &Device) -> DType {
-        if self.compute != DType::F32 && kernels::fuses_mixed(device) {
+        if self.compute != DType::F32 && kernels::coverage::fuses_mixed(device) {
             self.compute
         } else {
             DType::F32
@@ -386,7 +386,7 @@ impl Llama {
         let h = rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps);
         let gate = self.mm(h.clone(), self.mat(p, blk.w_gate));
         let up = self.mm(h, self.mat(p, blk.w_up));
-        x + self.mm(kernels::swiglu(gate, up), self.mat(p, blk.w_down))
+        x + self.mm(kernels::swiglu::swiglu(gate, up), self.mat(p, blk.w_down))
     }
 
     /// The last stage: the mean next-token cross-entropy of the residual stream `x`
@@ -400,13 +400,17 @@ impl Llama {
             // The fused output head + cross-entropy (the logits are never materialised
             // whole); it falls back to the composed ops where no kernel covers it.
             let w = self.head_matrix(p).cast(FloatDType::F32);
-            return kernels::linear_cross_entropy(h, w, targets.reshape([n]));
+            return kernels::cross_entropy::linear_cross_entropy(h, w, targets.reshape([n]));
         }
-        if kernels::fuses_mixed(&h.device()) {
+        if kernels::coverage::fuses_mixed(&h.device()) {
             // The same kernel in the compute dtype: its matmuls in bf16, its sums and the loss
             // in f32.
             let w = self.head_matrix(p).cast(self.compute);
-            return kernels::linear_cross_entropy(h.cast(self.compute), w, targets.reshape([n]));
+            return kernels::cross_entropy::linear_cross_entropy(
+                h.cast(self.compute),
+                w,
+                targets.reshape([n]),
+            );
         }
         let logits = self.mm(h, self.head_matrix(p));
         let logp = log_softmax(logits, 1);
@@ -472,12 +476,12 @@ impl Llama {
             // dtype, as the head (on GPUs its products on tensor cores; the softmax and every
             // sum in f32), never holding the T x T scores; the output projection takes `y` in
             // that dtype.
-            kernels::causal_attention(q, k, v, scale)
+            kernels::attention::causal_attention(q, k, v, scale)
         } else {
             // Mixed precision: the two attention matmuls in the compute dtype, the softmax
             // in f32.
             let v = v.reshape([b, t, nkv, hd]).swap_dims(1, 2);
-            let probs = kernels::causal_softmax(self.bmm(q, k.transpose()), scale);
+            let probs = kernels::softmax::causal_softmax(self.bmm(q, k.transpose()), scale);
             self.bmm(probs, v)
                 .reshape([b, nh, t, hd])
                 .swap_dims(1, 2)
@@ -490,7 +494,7 @@ impl Llama {
 /// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.
 #[inline(never)]
 fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f64) -> Tensor<D> {
-    kernels::rms_norm(x, w, eps)
+    kernels::rms_norm::rms_norm(x, w, eps)
 }
 
 /// Rotate-half RoPE tables (the Llama / Hugging Face layout, not burn's interleaved one).
@@ -529,6 +533,6 @@ impl RopeTables {
     fn apply(&self, x: Tensor<4>) -> Tensor<4> {
         let [b, t, heads, hd] = x.dims();
         let x = x.reshape([b, t, heads * hd]);
-        kernels::rope(x, self.cos.clone(), self.sin.clone(), heads)
+        kernels::rope::rope(x, self.cos.clone(), self.sin.clone(), heads)
     }
 }

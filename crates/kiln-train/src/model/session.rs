@@ -224,7 +224,7 @@ impl Session {
         crate::model::budget::check(config, vocab)?;
         tune_allocator();
         set_threads(config.training.threads)?;
-        crate::kernels::set_enabled(config.training.fused_kernels);
+        crate::kernels::settings::configure(crate::kernels::settings::Settings::of(config));
         let device = parse_device(&config.training.device)?;
         let model = Llama::new(&config.model, vocab).with_compute(config.training.dtype);
         let master = dtype_of(config.training.master_dtype);

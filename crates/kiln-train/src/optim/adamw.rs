@@ -3,7 +3,7 @@
 
 use super::{StateSlot, StateSlotMut};
 use crate::config::OptimizerConfig;
-use crate::kernels::{self, adamw::AdamWScalars};
+use crate::kernels::adamw::{self, AdamWScalars};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
 use std::ops::Range;
@@ -153,7 +153,7 @@ impl AdamW {
             };
             // Likewise the parameter (a placeholder holds its slot meanwhile).
             let p = std::mem::replace(&mut params[i], Tensor::empty([0], &g.device()));
-            let (p, m, v) = match kernels::adamw_update(p, g, m, v, &s) {
+            let (p, m, v) = match adamw::adamw_update(p, g, m, v, &s) {
                 Ok(done) => done,
                 Err(back) => {
                     let (p, g, m, v) = *back;
@@ -294,7 +294,7 @@ mod tests {
                 };
                 let snapshot = p.clone();
                 let before = snapshot.clone().into_data();
-                let (p2, m2, v2) = kernels::adamw::update(p, g, m, v, &s)
+                let (p2, m2, v2) = adamw::cpu::update(p, g, m, v, &s)
                     .unwrap_or_else(|_| panic!("flex f32 tensors must take the fused path"));
                 assert_eq!(snapshot.into_data(), before, "a shared buffer was written");
                 for (got, want) in [(&p2, &want.0), (&m2, &want.1), (&v2, &want.2)] {

@@ -15,7 +15,7 @@
 use super::adamw::AdamW;
 use super::{Role, StateSlot, StateSlotMut, role};
 use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
-use crate::kernels;
+use crate::kernels::replicated;
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
 
@@ -33,16 +33,16 @@ pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
     let [rows, cols] = g.dims();
     let tall = rows > cols;
     let x = if tall { g.transpose() } else { g };
-    // Replicated state: every rank must get the same bits (see `kernels::replicated_matmul`).
-    let norm = kernels::frobenius_norm(&x)
+    // Replicated state: every rank must get the same bits (see `kernels::replicated`).
+    let norm = replicated::frobenius_norm(&x)
         .clamp_min(NS_EPS)
         .reshape([1, 1]);
     let mut x = x / norm;
     for _ in 0..steps {
-        let gram = kernels::replicated_matmul(x.clone(), x.clone().transpose());
+        let gram = replicated::replicated_matmul(x.clone(), x.clone().transpose());
         let update = gram.clone().mul_scalar(b)
-            + kernels::replicated_matmul(gram.clone(), gram).mul_scalar(c);
-        x = x.clone().mul_scalar(a) + kernels::replicated_matmul(update, x);
+            + replicated::replicated_matmul(gram.clone(), gram).mul_scalar(c);
+        x = x.clone().mul_scalar(a) + replicated::replicated_matmul(update, x);
     }
     if tall { x.transpose() } else { x }
 }

@@ -1,4 +1,4 @@
-//! kiln's CubeCL kernels (src/kernels/cube) against their composed twins, values and
+//! kiln's CubeCL kernels (each op's `cube.rs` in src/kernels) against their composed twins, values and
 //! gradients, on CubeCL's CPU runtime (device `cubecl-cpu`): the same kernel source the GPU
 //! runtimes compile, in f32 and bf16 (the comparisons are `kernels::selfcheck`'s, which
 //! `kiln doctor --device` runs on a GPU). Shapes cover partial cubes (counts that are not
@@ -12,6 +12,8 @@ use crate::common;
 
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use common::{host, random, rel_diff};
+use kiln_train::config::AttentionPath;
+use kiln_train::kernels::settings::{Settings, configure};
 use kiln_train::kernels::{self, selfcheck};
 
 const TOLERANCE: f32 = 2e-5;
@@ -64,8 +66,8 @@ fn mixed_linear_is_the_casts_around_linear_bit_for_bit() {
             let w2 = w.clone().reshape([70, 45]);
             let bf = FloatDType::BF16;
             let y = match fused {
-                true => kernels::mixed_linear(x.clone(), w2, bf.into(), out.into()),
-                false => kernels::linear(x.clone().cast(bf), w2.cast(bf), None).cast(out),
+                true => kernels::linear::mixed_linear(x.clone(), w2, bf.into(), out.into()),
+                false => kernels::linear::linear(x.clone().cast(bf), w2.cast(bf), None).cast(out),
             };
             let r =
                 Tensor::<3>::from_data(TensorData::new(random(2 * 37 * 45, 7), [2, 37, 45]), &dev);
@@ -98,7 +100,7 @@ fn rope_matches_composed() {
 }
 
 /// The flash kernels' tensor-core path splits each tile product's output fragments among the
-/// planes of a cube: every fragment once, in the GPU tilings and in ones `KILN_FLASH_TILING`
+/// planes of a cube: every fragment once, in the GPU tilings and in ones `kernels.flash_tiling`
 /// may set (sides of 16 to 64, 2 to 8 planes, head dimensions not a multiple of 64).
 #[test]
 fn flash_fragments_are_each_computed_by_one_plane() {
@@ -112,33 +114,51 @@ fn flash_fragments_are_each_computed_by_one_plane() {
         (16, 48, 8),
     ] {
         for hd in [64, 128, 80] {
-            kernels::check_flash_fragment_slots(rows, cols, planes, hd).unwrap();
+            selfcheck::flash_fragment_slots(rows, cols, planes, hd).unwrap();
         }
     }
 }
 
 #[test]
 fn causal_attention_matches_composed() {
-    // Cubes of 4 rows (1 in training on this runtime): the cooperative tile loads, blocks
-    // crossing from one query head into the next, several blocks and tiles.
-    kernels::set_cpu_attention_block(4);
+    // Every path is asked for through the kernel settings a run's config gives, and the
+    // process is back on the defaults at the end.
+    let with = configure;
+    // The row kernels, cubes of 4 rows (1 in training on this runtime): the cooperative tile
+    // loads, blocks crossing from one query head into the next, several blocks and tiles.
+    with(Settings {
+        attention: AttentionPath::Rows,
+        attention_rows: 4,
+        ..Settings::default()
+    });
     assert_passes(selfcheck::causal_attention);
-    // Then by products (GPUs' path, `attention_mm`) in chunks of 3 and 16 positions: chunks
-    // that do not divide the sequences (7, 13, 70), one chunk for the shorter ones. In this
-    // test, not its own: the chunk setting is the process's. (Chunks of 1 passed too; each
+    // Then by products (GPUs' path) in chunks of 3 and 16 positions: chunks that do not divide
+    // the sequences (7, 13, 70), one chunk for the shorter ones. (Chunks of 1 passed too; each
     // chunk's products are new shapes for burn's matmul autotune here, 25 s more.)
     for chunk in [3, 16] {
         eprintln!("attention by products, {chunk} positions a chunk");
-        kernels::set_attention_product_chunk(chunk);
+        with(Settings {
+            attention: AttentionPath::Products,
+            attention_chunk: chunk,
+            ..Settings::default()
+        });
         assert_passes(selfcheck::causal_attention);
     }
-    kernels::set_attention_product_chunk(0);
-    // Then the flash kernels (GPUs' path under `KILN_ATTENTION=flash`) by their unit-by-unit
-    // tile products: 16 query rows against 32 keys (forward, dq) and 32 keys against 16 query
-    // rows (dk, dv), 4 units a cube: several blocks and tiles at 70 positions, the last of
-    // each partial, head dimensions padded to 16.
+    // Then the flash kernels by their unit-by-unit tile products: 16 query rows against 32
+    // keys (forward, dq) and 32 keys against 16 query rows (dk, dv), 4 units a cube (a plane
+    // is a unit on this runtime): several blocks and tiles at 70 positions, the last of each
+    // partial, head dimensions padded to 16.
+    let flash = |rows, cols, units| Settings {
+        attention: AttentionPath::Flash,
+        flash_tiling: Some([
+            (rows, cols, units),
+            (rows, cols, units),
+            (cols, rows, units),
+        ]),
+        ..Settings::default()
+    };
     eprintln!("flash attention, 16 x 32 tiles");
-    kernels::set_cpu_flash_attention(16, 32, 4);
+    with(flash(16, 32, 4));
     assert_passes(selfcheck::causal_attention);
     assert_passes(selfcheck::causal_attention_rising);
     // 3 units: a cube's vector loads of a tile not a multiple of its units (the last round's
@@ -146,14 +166,14 @@ fn causal_attention_matches_composed() {
     // units cut their 64 rows; scores rising past the rescale gap.
     for units in [3, 32] {
         eprintln!("flash attention, 16 x 32 tiles, {units} units");
-        kernels::set_cpu_flash_attention(16, 32, units);
+        with(flash(16, 32, units));
         assert_passes(selfcheck::causal_attention_rising);
     }
     // And at head dimensions 64 and 128 (several fragments of 16 along them on GPUs), in the
     // GPUs' tiling: 64 query rows against 64 keys.
-    kernels::set_cpu_flash_attention(64, 64, 4);
+    with(flash(64, 64, 4));
     assert_passes(selfcheck::causal_attention_wide);
-    kernels::set_cpu_flash_attention(0, 0, 1);
+    with(Settings::default());
 }
 
 #[test]
@@ -163,7 +183,7 @@ fn linear_cross_entropy_matches_composed_in_one_chunk_and_in_three() {
 
 #[test]
 fn adamw_update_matches_the_formula() {
-    use kiln_train::kernels::{adamw::AdamWScalars, adamw_update as update};
+    use kiln_train::kernels::adamw::{AdamWScalars, adamw_update as update};
     // 300 elements (two full cubes and a partial one), clipping and decay on.
     let n = 300;
     let (p, g, m, v) = (random(n, 11), random(n, 12), random(n, 13), random(n, 14));
@@ -204,7 +224,7 @@ fn adamw_update_matches_the_formula() {
     }
 }
 
-/// The order `kernels::device_square_sum` promises, on the host: per tensor, unit `u` of
+/// The order `kernels::replicated::device_square_sum` promises, on the host: per tensor, unit `u` of
 /// `units_for(n)` sums the squares of elements `u, u + units, ...` in f32, passes over the
 /// partials the same way (without squaring) until at most 64 remain, and the partials of every
 /// tensor are added in f64 in parameter order. Each square is added by a fused multiply-add:
@@ -253,7 +273,8 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         .flatten()
         .map(|&x| f64::from(x) * f64::from(x))
         .sum();
-    let got = kernels::device_square_sum(&tensors).expect("f32 device tensors are covered");
+    let got =
+        kernels::replicated::device_square_sum(&tensors).expect("f32 device tensors are covered");
     let d = ((got - want) / want).abs();
     eprintln!(
         "square sum: relative difference {d:.2e} over {} values",
@@ -266,7 +287,7 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         "the device sum is the fixed order's, to the bit"
     );
     for _ in 0..3 {
-        let again = kernels::device_square_sum(&tensors).expect("covered");
+        let again = kernels::replicated::device_square_sum(&tensors).expect("covered");
         assert_eq!(
             again.to_bits(),
             got.to_bits(),
@@ -295,12 +316,12 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
     for (name, got, want) in [
         (
             "a @ b",
-            kernels::replicated_matmul(a.clone(), b.clone()),
+            kernels::replicated::replicated_matmul(a.clone(), b.clone()),
             a.clone().matmul(b.clone()),
         ),
         (
             "a @ a^T",
-            kernels::replicated_matmul(a.clone(), a.clone().transpose()),
+            kernels::replicated::replicated_matmul(a.clone(), a.clone().transpose()),
             a.clone().matmul(a.clone().transpose()),
         ),
     ] {
@@ -315,7 +336,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         .map(|&v| f64::from(v) * f64::from(v))
         .sum::<f64>()
         .sqrt();
-    let norm = kernels::frobenius_norm(&a);
+    let norm = kernels::replicated::frobenius_norm(&a);
     assert_eq!(norm.dims(), [1]);
     let got = host(&norm)[0];
     assert!(
@@ -323,7 +344,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         "{got} vs {want}"
     );
     assert_eq!(
-        host(&kernels::frobenius_norm(&a))[0].to_bits(),
+        host(&kernels::replicated::frobenius_norm(&a))[0].to_bits(),
         got.to_bits()
     );
 }
@@ -423,7 +444,7 @@ fn flash_ptx_with_libdevice() {
     let cuda = std::path::PathBuf::from(std::env::var_os("CUDA_PATH").unwrap());
     let out = std::path::PathBuf::from(std::env::var_os("KILN_PTX_OUT").unwrap());
     for hd in [64, 128] {
-        let ptx = kernels::flash_attention_ptx(hd, FloatDType::BF16, 90).unwrap();
+        let ptx = selfcheck::flash_ptx(hd, FloatDType::BF16, 90).unwrap();
         for (name, code) in ["forward", "dq", "dkv"].iter().zip(&ptx) {
             let mma = code.matches("wmma.mma.sync").count();
             assert!(
@@ -457,5 +478,5 @@ fn flash_ptx_with_libdevice() {
             );
         }
     }
-    assert!(kernels::flash_attention_ptx(64, FloatDType::F32, 90).is_err());
+    assert!(selfcheck::flash_ptx(64, FloatDType::F32, 90).is_err());
 }
