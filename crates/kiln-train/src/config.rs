@@ -353,6 +353,16 @@ pub struct TrainingConfig {
     /// gradients are the same bits. A parameter-sharded run recomputes its blocks already.
     #[serde(skip_serializing_if = "ActivationCheckpointing::is_none")]
     pub activation_checkpointing: ActivationCheckpointing,
+    /// Memory of one accelerator (GiB), for the device memory estimate; 0 = ask the device
+    /// (CUDA reports it; other accelerators are then not checked). Ranks sharing one device
+    /// (more ranks on a node than `kiln launch` found GPUs) divide it.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub device_memory_gb: f64,
+}
+
+/// Whether a value is 0 (left out of a written config when it is the default).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// What `training.activation_checkpointing` keeps for the backward pass.
@@ -402,6 +412,7 @@ impl Default for TrainingConfig {
             dtype: Precision::F32,
             master_dtype: Precision::F32,
             activation_checkpointing: ActivationCheckpointing::None,
+            device_memory_gb: 0.0,
         }
     }
 }
@@ -912,6 +923,12 @@ impl TrainingConfig {
             format!("an integer in [1, {MAX_COMPUTE_SHARDS}]"),
         );
         d.real("training.peak_flops", t.peak_flops, Closed(0.0), Inf);
+        d.real(
+            "training.device_memory_gb",
+            t.device_memory_gb,
+            Closed(0.0),
+            Inf,
+        );
 
         d.check(
             "training.global_batch_size",
