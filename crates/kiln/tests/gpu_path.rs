@@ -301,6 +301,17 @@ fn seed_caches(from: &Path, to: &Path, ranks: usize) {
     }
 }
 
+/// Copies every rank's device cache of run directory `from` to `to`, each as its own rank's.
+fn copy_caches(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let name = e.unwrap().file_name();
+        if name.to_string_lossy().starts_with("device-cache-") {
+            std::fs::copy(from.join(&name), to.join(&name)).unwrap();
+        }
+    }
+}
+
 /// `two_ranks` with `parallelism.shard = mode` and `sets`, on `device`.
 fn sharded(dir: &Path, steps: u64, mode: &str, device: &str, sets: &[&str]) -> Command {
     let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "2", "--timeout", "600"]);
@@ -346,20 +357,24 @@ fn sharded_modes_on_cubecl_cpu_match_one_flex_rank_move_between_devices_and_resu
     let flex = dir("flex");
     run(train(&flex, "flex", 4), "flex, 4 steps");
     let want = steps(&flex);
-    let check = |d: &Path, what: &str, from: usize| {
-        let got: Vec<_> = steps(d).into_iter().filter(|s| s.0 > from as u64).collect();
+    // Steps `from + 1 ..= to` of run directory `d` against the flex run's.
+    let check = |d: &Path, what: &str, from: usize, to: usize| {
+        let got: Vec<_> = (steps(d).into_iter())
+            .filter(|s| s.0 > from as u64)
+            .collect();
+        let want = &want[from..to];
         eprintln!(
             "{what}: worst relative difference {:.1e}",
-            worst(&got, &want[from..])
+            worst(&got, want)
         );
-        assert_close(&got, &want[from..], 1e-3);
+        assert_close(&got, want, 1e-3);
     };
     let first = dir("optimizer");
     run(
         sharded(&first, 4, "optimizer", "cubecl-cpu", &[]),
         "optimizer sharded",
     );
-    check(&first, "optimizer sharded, host-staged", 0);
+    check(&first, "optimizer sharded, host-staged", 0, 4);
     let cases: [(&str, &str, &[&str], bool); 2] = [
         ("gradients", "gradients", &[], true),
         (
@@ -375,16 +390,21 @@ fn sharded_modes_on_cubecl_cpu_match_one_flex_rank_move_between_devices_and_resu
         let cmd = sharded(&d, 4, mode, "cubecl-cpu", sets);
         let cmd = if device { on_device_buffers(cmd) } else { cmd };
         run(cmd, name);
-        check(&d, name, 0);
+        check(&d, name, 0, 4);
     }
     // Parameters sharded on the device buffers for 2 steps, resumed on one flex rank.
     let to_flex = dir("to-flex");
     seed_caches(&first, &to_flex, 2);
     let cmd = on_device_buffers(sharded(&to_flex, 2, "parameters", "cubecl-cpu", &[]));
     run(cmd, "parameters sharded, device buffers, 2 steps");
-    check(&to_flex, "parameters sharded, device buffers", 0);
+    check(&to_flex, "parameters sharded, device buffers", 0, 2);
     run(train(&to_flex, "flex", 4), "resumed on one flex rank");
-    check(&to_flex, "cubecl-cpu parameter shards resumed on flex", 2);
+    check(
+        &to_flex,
+        "cubecl-cpu parameter shards resumed on flex",
+        2,
+        4,
+    );
     // Two flex ranks with gradients sharded, resumed on the device with parameters sharded.
     let from_flex = dir("from-flex");
     run(
@@ -394,10 +414,15 @@ fn sharded_modes_on_cubecl_cpu_match_one_flex_rank_move_between_devices_and_resu
     seed_caches(&first, &from_flex, 2);
     let cmd = on_device_buffers(sharded(&from_flex, 4, "parameters", "cubecl-cpu", &[]));
     run(cmd, "resumed on cubecl-cpu, parameters sharded");
-    check(&from_flex, "flex gradient shards resumed on cubecl-cpu", 2);
-    // SIGKILL and resume of the gradient-sharded run, from its caches.
+    check(
+        &from_flex,
+        "flex gradient shards resumed on cubecl-cpu",
+        2,
+        4,
+    );
+    // SIGKILL and resume of the gradient-sharded run, from its caches (each rank its own).
     let (whole, killed) = (dir("gradients"), dir("killed"));
-    seed_caches(&whole, &killed, 2);
+    copy_caches(&whole, &killed);
     let mut job = on_device_buffers(sharded(&killed, 4, "gradients", "cubecl-cpu", &[]))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -551,7 +576,7 @@ fn nccl_on_cuda_trains_every_mode_like_one_rank_and_like_the_host_path() {
     // uninterrupted run (which ran with the same caches).
     let whole = tmp.path().join("parameters-2");
     let killed = tmp.path().join("killed");
-    seed_caches(&whole, &killed, 2);
+    copy_caches(&whole, &killed);
     let mut job = cuda_ranks(&killed, 2, 4, "parameters")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -554,7 +554,9 @@ mod tests {
         // 4-byte elements: a bucket of 40 bytes closes at 10 elements.
         assert_eq!(buckets(&[3, 4, 5, 20, 1, 1], 40), vec![0..3, 3..4, 4..6]);
         assert_eq!(buckets(&[], 40), Vec::<std::ops::Range<usize>>::new());
-        assert_eq!(buckets(&[0, 0], 4), vec![0..1, 1..2]);
+        // Empty tensors ride along with the bucket they are in.
+        assert_eq!(buckets(&[0, 0], 4), vec![0..2]);
+        assert_eq!(buckets(&[0, 1, 0], 4), vec![0..2, 2..3]);
     }
 
     /// Rank `r`'s tensors of `lengths` elements.
