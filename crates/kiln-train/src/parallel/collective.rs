@@ -174,10 +174,11 @@ pub fn choose_as(
     bucket: usize,
     background: Option<Background>,
 ) -> Result<Box<dyn DeviceCollective>, TrainError> {
-    if ranks.job.size() > 1 && choice == Choice::Auto {
-        if let Some(nccl) = Nccl::join_mesh(ranks, device)? {
-            return Ok(Box::new(OnDevice::new(nccl, bucket, device)));
-        }
+    if ranks.job.size() > 1
+        && choice == Choice::Auto
+        && let Some(nccl) = Nccl::join_mesh(ranks, device)?
+    {
+        return Ok(Box::new(OnDevice::new(nccl, bucket, device)));
     }
     if choice == Choice::Device {
         return Ok(Box::new(OnDevice::new(MpiWire { bucket }, bucket, device)));
