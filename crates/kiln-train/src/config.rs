@@ -604,7 +604,8 @@ pub struct ParallelismConfig {
     /// (compute on an accelerator, or fewer `training.threads` than cores); where compute
     /// fills every core the thread only competes with it, hence off by default. Needs an
     /// MPI library with MPI_THREAD_MULTIPLE (else the weights are gathered when needed);
-    /// `start` records whether it is on.
+    /// `start` records whether it is on. On CUDA with NCCL the next stage is always gathered
+    /// ahead, on NCCL's stream (no thread), whatever this says.
     pub prefetch: bool,
 }
 
