@@ -18,6 +18,15 @@ CubeCL's profiling logger (device time of every launch, in a rerun that reads th
 `kiln` run's autotune and kernel cache, so no tuning is timed) and PyTorch eager's through
 torch.profiler.
 
+Data parallel on one GPU (issue 42): `impl@N` runs N ranks, each an NCCL host of its own
+(KILN_NCCL_RANKS_AS_HOSTS for kiln, NCCL_HOSTID per rank for PyTorch: NCCL's socket transport
+over loopback), so that several ranks share the one GPU lent: `kiln-dp@N` (replicated, NCCL
+all-reduce), `kiln-fsdp@N` (parameters sharded, each stage gathered ahead), `kiln-fsdp-ac@N`
+(and activation checkpointing), PyTorch's `ddp@N` and `fsdp@N` (FSDP2, fully_shard per block)
+under torchrun. They report tokens/s per rank, the communication's share of a step (kiln: the
+seconds NCCL's stream was busy, overlapped with compute or not, over the step; PyTorch: not
+measured) and the peak GPU memory of each rank (nvidia-smi, per process) and of all ranks.
+
 Usage: python3 bench/gpu/bench.py [--kiln PATH] [--plan model:impl,...] [--steps N]
                                    [--warmup N] [--deadline S] [--cap S] [--device D]
 On the GPU machine this is what bench/gpu/run.sh calls, after unpacking the carried binary.
@@ -61,12 +70,14 @@ KILN_SETS = {"kiln-nvrtc": ["kernels.cuda_compiler=nvrtc"],
              "kiln-nvrtc-full": ["kernels.cuda_compiler=nvrtc"]}
 KILN_ENV = {"kiln-nvrtc-full": {"CUBECL_AUTOTUNE_LEVEL": "full"}}
 # Steps of the short rows (the 8192-token row is there for its memory).
-SHORT = {"1b-8k": (4, 2)}
+SHORT = {"1b-8k": (4, 2), "7b": (3, 1)}
 
 
 def gpu_memory_sampler(pid):
-    """Polls nvidia-smi for the GPU memory of process `pid`; returns (stop, peak MiB)."""
-    peak = [0.0]
+    """Polls nvidia-smi for the GPU memory of process `pid` (None: of every process on the GPU,
+    the ranks of a data-parallel row); returns (stop, peak MiB of one process, {pid: peak MiB},
+    peak MiB of all of them together)."""
+    peak, per, total = [0.0], {}, [0.0]
     done = threading.Event()
 
     def poll():
@@ -76,25 +87,30 @@ def gpu_memory_sampler(pid):
                     ["nvidia-smi", "--query-compute-apps=pid,used_memory",
                      "--format=csv,noheader,nounits"],
                     capture_output=True, text=True, timeout=10).stdout
-                used = sum(float(m) for p, m in (l.split(",") for l in out.strip().splitlines() if "," in l)
-                           if int(p) == pid)
-                peak[0] = max(peak[0], used)
+                apps = [(int(p), float(m)) for p, m in
+                        (l.split(",") for l in out.strip().splitlines() if "," in l)]
+                apps = [(p, m) for p, m in apps if pid is None or p == pid]
+                for p, m in apps:
+                    per[p] = max(per.get(p, 0.0), m)
+                peak[0] = max([peak[0]] + list(per.values()))
+                total[0] = max(total[0], sum(m for _, m in apps))
             except (OSError, ValueError, subprocess.SubprocessError):
                 pass
             done.wait(0.2)
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
-    return (lambda: (done.set(), t.join())), peak
+    return (lambda: (done.set(), t.join())), peak, per, total
 
 
-def run_sampled(argv, log, timeout, **kw):
+def run_sampled(argv, log, timeout, every=False, **kw):
     """Runs argv (stdout and stderr to the file `log`) for at most `timeout` seconds, sampling
-    its GPU memory; returns (exit code or None when cut short, peak MiB)."""
+    its GPU memory (`every`: every process on the GPU, for a job of several ranks); returns
+    (exit code or None when cut short, peak MiB of one process, peak MiB of all together)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, **kw)
-        stop, peak = gpu_memory_sampler(proc.pid)
+        stop, peak, _, total = gpu_memory_sampler(None if every else proc.pid)
         try:
             rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -102,7 +118,7 @@ def run_sampled(argv, log, timeout, **kw):
             proc.wait()
             rc = None
         stop()
-    return rc, peak[0]
+    return rc, peak[0], total[0]
 
 
 def tail(path, n=1500):
@@ -146,7 +162,7 @@ def run_kiln(kiln, model, steps, warmup, impl, work, timeout, device="cuda"):
     for s in sets:
         argv += ["--set", s]
     t = time.time()
-    rc, peak = run_sampled(argv, rd + ".log", timeout, env={**os.environ, **KILN_ENV.get(impl, {})})
+    rc, peak, _ = run_sampled(argv, rd + ".log", timeout, env={**os.environ, **KILN_ENV.get(impl, {})})
     wall = time.time() - t
     rows = []
     metrics = os.path.join(rd, "metrics.jsonl")
@@ -174,13 +190,106 @@ def run_torch(variant, model, steps, warmup, work, timeout, profile=None):
     if profile:
         argv += ["--profile", profile]
     log = os.path.join(work, f"{model}-torch-{variant}.log")
-    rc, peak = run_sampled(argv, log, timeout)
+    rc, peak, _ = run_sampled(argv, log, timeout)
     if rc != 0:
         why = "cut short" if rc is None else f"exit {rc}"
         return {"impl": f"torch-{variant}", "model": model, "error": f"{why}: {tail(log)}"}
     lines = [l for l in open(log) if l.startswith("{")]
     r = json.loads(lines[-1])
     r["gpu_mem_mib"] = peak
+    return r
+
+
+# What each data-parallel kiln row sets on top of the model's keys.
+KILN_DP = {"kiln-dp": [],
+           "kiln-fsdp": ["parallelism.shard=parameters"],
+           "kiln-fsdp-ac": ["parallelism.shard=parameters",
+                            "training.activation_checkpointing=blocks"]}
+
+
+def gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for l in out.splitlines() if l.startswith("GPU "))
+
+
+def seed_caches(results, model, rd, ranks):
+    """Copies the device cache (compiled kernels, autotune decisions) of the first kiln run of
+    `model` in `results` to run directory `rd`, as every rank's, so that no rank compiles."""
+    first = next((r["run_dir"] for r in results if r["model"] == model and r.get("run_dir")
+                  and r.get("steps_done")), None)
+    if first is None:
+        return
+    for name in os.listdir(first):
+        if name.startswith("device-cache-0.db"):
+            for k in range(ranks):
+                shutil.copy(os.path.join(first, name),
+                            os.path.join(rd, name.replace("cache-0", f"cache-{k}", 1)))
+
+
+def run_kiln_ranks(kiln, model, impl, ranks, steps, warmup, work, timeout, results,
+                   device="cuda", extra=()):
+    """`impl` (KILN_DP) of `model` on `ranks` ranks of this GPU: `kiln launch --mpi` with each
+    rank an NCCL host of its own where the GPUs are fewer than the ranks (one rank: `kiln
+    train`). Tokens/s per rank (each rank trains `batch` sequences a step), the seconds NCCL
+    was busy over the step time, the peak GPU memory of a rank and of all of them."""
+    _, _, _, _, _, _, batch, seq = MODELS[model]
+    sets = kiln_sets(model, batch, seq, steps + warmup, device) + KILN_DP[impl] + list(extra)
+    rd = os.path.join(work, f"{model}-{impl}-{ranks}")
+    shutil.rmtree(rd, ignore_errors=True)
+    os.makedirs(rd)
+    seed_caches(results, model, rd, ranks)
+    train = [kiln, "train", "--run-dir", rd, "--no-progress-bar"]
+    for x in sets:
+        train += ["--set", x]
+    env = {**os.environ, "KILN_LOG": "info"}
+    if ranks == 1:
+        argv = train
+    else:
+        argv = [kiln, "launch", "--mpi", "--np", str(ranks), "--timeout", str(int(timeout)),
+                "--run-dir", rd, "--"] + train
+        if gpus() < ranks:
+            env["KILN_NCCL_RANKS_AS_HOSTS"] = "1"
+    t = time.time()
+    rc, peak, total = run_sampled(argv, rd + ".log", timeout, every=True, env=env)
+    wall = time.time() - t
+    rows = []
+    metrics = os.path.join(rd, "metrics.jsonl")
+    if os.path.exists(metrics):
+        rows = [json.loads(l) for l in open(metrics) if '"step_time_s"' in l]
+    r = {"impl": f"{impl}@{ranks}", "model": model, "batch": batch, "seq": seq, "ranks": ranks,
+         "gpu_mem_mib": peak, "gpu_mem_all_mib": total, "steps_done": len(rows), "run_dir": rd}
+    if rows:
+        r["startup_s"] = wall - sum(x["step_time_s"] for x in rows)
+    timed = rows[warmup:] if len(rows) > warmup else rows[1:]
+    if rc != 0 and not timed:
+        why = "cut short" if rc is None else f"exit {rc}"
+        return {**r, "error": f"{why} after {wall:.0f} s, {len(rows)} steps: {tail(rd + '.log')}"}
+    if rc is None:
+        r["note"] = f"cut short at {timeout:.0f} s: {len(timed)} timed steps"
+    dt = sum(x["step_time_s"] for x in timed) / len(timed)
+    comm = sum(x.get("allreduce_s", 0.0) for x in timed) / len(timed)
+    return {**r, "tokens_per_s": batch * seq / dt, "step_ms": dt * 1e3, "comm_share": comm / dt,
+            "loss": timed[-1]["loss"]}
+
+
+def run_torch_ranks(variant, model, ranks, steps, warmup, work, timeout):
+    """PyTorch's `ddp` or `fsdp` (FSDP2) of `model` on `ranks` ranks of this GPU (torchrun,
+    each rank an NCCL host of its own)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", os.path.join(HERE, "torch_llama.py"), "--model", model,
+            "--variant", variant, "--steps", str(steps), "--warmup", str(warmup),
+            "--ranks-as-hosts"]
+    log = os.path.join(work, f"{model}-torch-{variant}-{ranks}.log")
+    rc, peak, total = run_sampled(argv, log, timeout, every=True)
+    if rc != 0:
+        why = "cut short" if rc is None else f"exit {rc}"
+        return {"impl": f"{variant}@{ranks}", "model": model, "error": f"{why}: {tail(log)}"}
+    lines = [l for l in open(log) if l.startswith("{")]
+    r = json.loads(lines[-1])
+    r.update(impl=f"{variant}@{ranks}", gpu_mem_mib=peak, gpu_mem_all_mib=total)
     return r
 
 
@@ -222,7 +331,7 @@ def profile_kiln(kiln, model, impl, results, work, timeout, device="cuda", steps
     sets = kiln_sets(model, batch, seq, steps, device) + KILN_SETS.get(impl, [])
     for s in sets + [f"kernels.cublas_profile={blas}"]:
         argv += ["--set", s]
-    rc, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd,
+    rc, _, _ = run_sampled(argv, os.path.join(wd, "kiln.log"), timeout, cwd=wd,
                         env={**os.environ, **KILN_ENV.get(impl, {})})
     return kernel_table([log, blas], steps, os.path.join(work, f"{model}-{impl}-kernels.txt"), rc)
 
@@ -292,7 +401,7 @@ def mfu(r, name):
 
 def print_table(results):
     print(f"\n{'model':6} {'impl':14} {'tokens/s':>10} {'step ms':>9} {'MFU':>6} {'GPU MiB':>8} "
-          f"{'start s':>7} {'kiln/this':>9}")
+          f"{'start s':>7} {'kiln/this':>9}  (data-parallel rows: per rank; comm share; all ranks' MiB)")
     for r in results:
         if "tokens_per_s" not in r:
             if "error" in r or "skipped" in r:
@@ -302,8 +411,12 @@ def print_table(results):
                   and "tokens_per_s" in x), None)
         ratio = f"{k['tokens_per_s'] / r['tokens_per_s']:.3f}" if k else "-"
         start = f"{r['startup_s']:.0f}" if "startup_s" in r else "-"
+        dp = ""
+        if "@" in r["impl"]:
+            share = f"{100 * r['comm_share']:.0f}%" if "comm_share" in r else "-"
+            dp = f"  comm {share}, all ranks {r.get('gpu_mem_all_mib', 0):.0f} MiB"
         print(f"{r['model']:6} {r['impl']:14} {r['tokens_per_s']:10.0f} {r['step_ms']:9.1f} "
-              f"{100 * r['mfu']:5.1f}% {r['gpu_mem_mib']:8.0f} {start:>7} {ratio:>9}"
+              f"{100 * r['mfu']:5.1f}% {r['gpu_mem_mib']:8.0f} {start:>7} {ratio:>9}{dp}"
               + (f"  ({r['note']})" if "note" in r else ""))
 
 
@@ -351,7 +464,18 @@ def main():
             results.append({"impl": impl, "model": model, "skipped": "skipped: past the deadline"})
             continue
         t = time.time()
-        if impl.startswith("kiln") and impl.endswith("-profile"):
+        base, _, n = impl.partition("@")
+        if n:
+            ranks = int(n)
+            if base in KILN_DP:
+                # The 7B row: the estimate's safety margin (x1.25) would refuse 4 ranks on one
+                # GPU; they are tried anyway, and what they peak at is the answer.
+                extra = ["training.device_memory_gb=1000"] if model == "7b" else []
+                r = run_kiln_ranks(a.kiln, model, base, ranks, steps, warmup, a.work, budget,
+                                   results, a.device, extra)
+            else:
+                r = run_torch_ranks(base, model, ranks, steps, warmup, a.work, budget)
+        elif impl.startswith("kiln") and impl.endswith("-profile"):
             base = impl[: -len("-profile")]
             r = {"impl": impl, "model": model,
                  **profile_kiln(a.kiln, model, base, results, a.work, budget, a.device)}

@@ -11,6 +11,12 @@ MODELS = {
     # The same model at sequence length 8192, one sequence a step (issue 19: activation memory
     # must let 8192 fit where PyTorch with SDPA fits).
     "1b-8k": (32000, 2048, 16, 16, 4, 5632, 1, 8192),
+    # The 1B-class model one sequence a rank a step: the data-parallel rows, several ranks on
+    # one GPU (issue 42), where 4 replicated ranks of batch 4 would not fit its memory.
+    "1b-dp": (32000, 2048, 16, 16, 4, 5632, 1, 2048),
+    # A 7B-class Llama (issue 42): d 4096, 32 layers, 32/8 heads, SwiGLU 11008, 6.7B
+    # parameters; fully sharded over 4 ranks with activation checkpointing.
+    "7b": (32000, 4096, 32, 32, 8, 11008, 1, 2048),
 }
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name; MFU is measured against it.

@@ -6,12 +6,21 @@ f32 master weights, AdamW (fused), gradient clipping 1.0, on one CUDA GPU.
 Prints one JSON line: tokens/s, step time, MFU against the GPU's dense bf16 peak, and peak
 GPU memory (allocated and reserved by PyTorch's caching allocator).
 
-Usage: torch_llama.py --model ref|1b --variant eager|compile [--batch B] [--seq T]
-                      [--steps N] [--warmup N]
+Data parallel (issue 42), under torchrun: `--variant ddp` (DistributedDataParallel) or
+`--variant fsdp` (FSDP2: `fully_shard` on every block, then the root; bf16 parameters for the
+compute, f32 gradient reduction, as torchtitan's default mixed precision), NCCL. Several ranks
+may share one GPU: with `--ranks-as-hosts` each rank is an NCCL host of its own
+(NCCL_HOSTID per rank, NCCL's socket transport over loopback), the trick kiln's
+KILN_NCCL_RANKS_AS_HOSTS uses. Rank 0 prints the line: tokens/s per rank and the peak memory of
+the rank that used the most.
+
+Usage: torch_llama.py --model ref|1b|1b-dp|7b --variant eager|compile|ddp|fsdp [--batch B]
+                      [--seq T] [--steps N] [--warmup N] [--ranks-as-hosts]
 """
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -78,7 +87,9 @@ class Llama(nn.Module):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=MODELS, default="ref")
-    ap.add_argument("--variant", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--variant", choices=["eager", "compile", "ddp", "fsdp"], default="eager")
+    ap.add_argument("--ranks-as-hosts", action="store_true",
+                    help="each rank its own NCCL host (several ranks on one GPU)")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--steps", type=int, default=20)
@@ -89,17 +100,43 @@ def main():
     a = ap.parse_args()
     vocab, d, layers, nh, nkv, ffn, batch, seq = MODELS[a.model]
     batch, seq = a.batch or batch, a.seq or seq
+    dist = None
+    rank, world = 0, 1
+    if a.variant in ("ddp", "fsdp"):
+        import torch.distributed as dist
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if a.ranks_as_hosts:
+            # Read by NCCL when the communicator forms: after this, before any collective.
+            os.environ["NCCL_HOSTID"] = f"torch-rank-{rank}"
+            for k, v in (("NCCL_SHM_DISABLE", "1"), ("NCCL_P2P_DISABLE", "1"),
+                         ("NCCL_IB_DISABLE", "1"), ("NCCL_SOCKET_IFNAME", "lo")):
+                os.environ.setdefault(k, v)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl")
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     model = Llama(vocab, d, layers, nh, nkv, ffn, seq).to(dev)  # f32 masters
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    autocast = True
+    if a.variant == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        autocast = False  # the policy casts the parameters; the loss is taken in f32 below
+    elif a.variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[dev.index])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                            fused=a.variant != "fsdp")
     step_model = torch.compile(model) if a.variant == "compile" else model
-    ids = torch.randint(0, vocab, (batch, seq + 1), device=dev)
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    ids = torch.randint(0, vocab, (batch, seq + 1), device=dev, generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             logits = step_model(x)
         loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
         loss.backward()
@@ -122,6 +159,16 @@ def main():
     # torchtitan's count: 6 x parameters (embedding excluded: a lookup) + attention 12*L*d*T.
     flops_per_token = 6 * (params - vocab * d) + 12 * layers * d * seq
     name = torch.cuda.get_device_name()
+    peak_alloc = torch.cuda.max_memory_allocated() / 2**20
+    peak_reserved = torch.cuda.max_memory_reserved() / 2**20
+    if dist is not None:
+        # The rank that used the most memory, and the slowest rank's step.
+        m = torch.tensor([peak_alloc, peak_reserved, dt], device=dev)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        peak_alloc, peak_reserved, dt = m.tolist()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     if a.profile:
         try:
             write_profile(a.profile, step, 3)
@@ -129,10 +176,9 @@ def main():
             print(f"torch_llama: profile failed: {e!r}", file=sys.stderr)
     print(json.dumps({
         "impl": f"torch-{a.variant}", "model": a.model, "params": params, "batch": batch,
-        "seq": seq, "device": name, "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
-        "mfu": flops_per_token * tokens / dt / peak_flops(name), "loss": loss,
-        "peak_alloc_mib": torch.cuda.max_memory_allocated() / 2**20,
-        "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+        "seq": seq, "device": name, "ranks": world, "tokens_per_s": tokens / dt,
+        "step_ms": dt * 1e3, "mfu": flops_per_token * tokens / dt / peak_flops(name),
+        "loss": loss, "peak_alloc_mib": peak_alloc, "peak_reserved_mib": peak_reserved,
         "torch": torch.__version__,
     }))
 

@@ -124,6 +124,12 @@ impl Sharded {
         }
     }
 
+    /// Bytes of the buckets its collectives move (and of the all-reduce over replicas that
+    /// follows a hybrid reduce-scatter).
+    pub fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+
     /// The range of the flat buffer rank `rank` owns (its padding excluded).
     pub fn range(&self, rank: usize) -> Range<usize> {
         let start = (rank * self.shard).min(self.len);

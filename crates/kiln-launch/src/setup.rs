@@ -438,6 +438,12 @@ impl Setup {
             let device = proc.rank.and_then(|r| p.rank_devices.get(r)?.clone());
             proc.env
                 .extend(device.map(|(var, value)| (var.to_string(), value)));
+            // Ranks sharing one GPU as NCCL hosts of their own, when asked.
+            let vars = |k: &str| std::env::var(k).ok();
+            let nccl = proc
+                .rank
+                .map(|r| kiln_topology::ranks_as_nccl_hosts(&vars, r));
+            (proc.env).extend(nccl.into_iter().flatten().map(|(k, v)| (k.to_string(), v)));
         }
         Ok(AttemptPlan {
             sizes,

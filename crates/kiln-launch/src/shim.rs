@@ -181,6 +181,8 @@ fn rank_command(program: &str, args: &[String], env: &RankEnv) -> Result<Command
     if let Some((var, device)) = kiln_topology::rank_device(&vars, env.local_rank)? {
         cmd.env(var, device);
     }
+    // Ranks sharing one GPU as NCCL hosts of their own, when asked (tests, benchmarks).
+    cmd.envs(kiln_topology::ranks_as_nccl_hosts(&vars, env.rank));
     #[cfg(target_os = "linux")]
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {

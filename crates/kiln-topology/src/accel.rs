@@ -327,6 +327,38 @@ pub fn rank_device(
     }
 }
 
+/// Set to `1`, asks `kiln launch` to make each rank its own NCCL host, so that several ranks
+/// can share one GPU (for tests and benchmarks on a machine with fewer GPUs than ranks; never
+/// on a real cluster). NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
+/// detected"): its check compares the host hash, taken from `NCCL_HOSTID`, and the bus id.
+pub const RANKS_AS_NCCL_HOSTS: &str = "KILN_NCCL_RANKS_AS_HOSTS";
+
+/// The variables rank `rank` gets when `vars` sets [`RANKS_AS_NCCL_HOSTS`] to `1`: its own
+/// `NCCL_HOSTID` (`kiln-rank-<rank>`), and NCCL's socket transport over loopback, which is
+/// what ranks on different "hosts" then use (`NCCL_SHM_DISABLE=1`, `NCCL_P2P_DISABLE=1`,
+/// `NCCL_IB_DISABLE=1`, `NCCL_SOCKET_IFNAME=lo`; each only where `vars` does not set it
+/// already). Empty otherwise.
+pub fn ranks_as_nccl_hosts(
+    vars: &dyn Fn(&str) -> Option<String>,
+    rank: usize,
+) -> Vec<(&'static str, String)> {
+    if vars(RANKS_AS_NCCL_HOSTS).as_deref().map(str::trim) != Some("1") {
+        return Vec::new();
+    }
+    let mut out = vec![("NCCL_HOSTID", format!("kiln-rank-{rank}"))];
+    for (k, v) in [
+        ("NCCL_SHM_DISABLE", "1"),
+        ("NCCL_P2P_DISABLE", "1"),
+        ("NCCL_IB_DISABLE", "1"),
+        ("NCCL_SOCKET_IFNAME", "lo"),
+    ] {
+        if vars(k).is_none() {
+            out.push((k, v.to_string()));
+        }
+    }
+    out
+}
+
 /// `nvidia-smi -L`: one `GPU <i>: <name> (UUID: ...)` line per GPU (MIG lines are indented).
 pub fn count_nvidia_smi(out: &str) -> usize {
     out.lines().filter(|l| l.starts_with("GPU ")).count()
@@ -357,6 +389,25 @@ pub fn count_xpu_smi(out: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_become_nccl_hosts_only_when_asked() {
+        let none = |_: &str| None;
+        assert!(ranks_as_nccl_hosts(&none, 3).is_empty());
+        let asked = |k: &str| match k {
+            RANKS_AS_NCCL_HOSTS => Some("1".to_string()),
+            "NCCL_SOCKET_IFNAME" => Some("eth0".to_string()),
+            _ => None,
+        };
+        let got = ranks_as_nccl_hosts(&asked, 3);
+        assert_eq!(got[0], ("NCCL_HOSTID", "kiln-rank-3".to_string()));
+        assert!(got.contains(&("NCCL_SHM_DISABLE", "1".to_string())));
+        assert!(got.contains(&("NCCL_P2P_DISABLE", "1".to_string())));
+        // What the environment sets already stays.
+        assert!(!got.iter().any(|(k, _)| *k == "NCCL_SOCKET_IFNAME"));
+        let zero = |k: &str| (k == RANKS_AS_NCCL_HOSTS).then(|| "0".to_string());
+        assert!(ranks_as_nccl_hosts(&zero, 0).is_empty());
+    }
     use proptest::prelude::*;
 
     fn no_tools(_: &str, _: &[&str]) -> Option<String> {

@@ -12,10 +12,10 @@ mod rank_env;
 mod scheduler;
 
 pub use accel::{
-    AcceleratorKind, Accelerators, MAX_VISIBLE_DEVICES, Probe, VISIBLE_DEVICE_VARS,
-    VisibleDevicesError, accelerators_from_env, accelerators_to_env, count_nvidia_smi,
-    count_rocm_smi, count_xpu_smi, detect_accelerators, device_for_local_rank,
-    parse_visible_devices, rank_device,
+    AcceleratorKind, Accelerators, MAX_VISIBLE_DEVICES, Probe, RANKS_AS_NCCL_HOSTS,
+    VISIBLE_DEVICE_VARS, VisibleDevicesError, accelerators_from_env, accelerators_to_env,
+    count_nvidia_smi, count_rocm_smi, count_xpu_smi, detect_accelerators, device_for_local_rank,
+    parse_visible_devices, rank_device, ranks_as_nccl_hosts,
 };
 pub use hostfile::{Host, HostfileError, parse_hostfile, read_hostfile};
 pub use hostlist::{HostlistError, MAX_HOSTS, expand_hostlist};

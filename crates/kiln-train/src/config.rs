@@ -365,6 +365,16 @@ pub struct TrainingConfig {
     /// gradients are the same bits. A parameter-sharded run recomputes its blocks already.
     #[serde(skip_serializing_if = "ActivationCheckpointing::is_none")]
     pub activation_checkpointing: ActivationCheckpointing,
+    /// Memory of one accelerator (GiB), for the device memory estimate; 0 = ask the device
+    /// (CUDA reports it; other accelerators are then not checked). Ranks sharing one device
+    /// (more ranks on a node than `kiln launch` found GPUs) divide it.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub device_memory_gb: f64,
+}
+
+/// Whether a value is 0 (left out of a written config when it is the default).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// What `training.activation_checkpointing` keeps for the backward pass.
@@ -414,6 +424,7 @@ impl Default for TrainingConfig {
             dtype: Precision::F32,
             master_dtype: Precision::F32,
             activation_checkpointing: ActivationCheckpointing::None,
+            device_memory_gb: 0.0,
         }
     }
 }
@@ -736,7 +747,8 @@ pub struct ParallelismConfig {
     /// (compute on an accelerator, or fewer `training.threads` than cores); where compute
     /// fills every core the thread only competes with it, hence off by default. Needs an
     /// MPI library with MPI_THREAD_MULTIPLE (else the weights are gathered when needed);
-    /// `start` records whether it is on.
+    /// `start` records whether it is on. On CUDA with NCCL the next stage is always gathered
+    /// ahead, on NCCL's stream (no thread), whatever this says.
     pub prefetch: bool,
 }
 
@@ -1071,6 +1083,12 @@ impl TrainingConfig {
             format!("an integer in [1, {MAX_COMPUTE_SHARDS}]"),
         );
         d.real("training.peak_flops", t.peak_flops, Closed(0.0), Inf);
+        d.real(
+            "training.device_memory_gb",
+            t.device_memory_gb,
+            Closed(0.0),
+            Inf,
+        );
 
         d.check(
             "training.global_batch_size",

@@ -3,9 +3,11 @@
 //! code, with burn's generic ops on device tensors and CubeCL kernels compiled by LLVM,
 //! that `cuda`/`rocm` run), checked against flex: the same losses and gradient norms, a
 //! checkpoint moving between devices, bf16 compute on f32 masters, and two MPI ranks
-//! (gradients staged through host memory), and exact resume after SIGKILL on that device (with the kernel choices kept in
-//! the run directory). With `--features kiln/cuda` and two GPUs, the same two-rank check runs
-//! on CUDA with the gradients averaged over NCCL.
+//! (gradients staged through host memory), every sharding mode on two ranks (host-staged, and
+//! the device-buffer collectives NCCL runs, over MPI), checkpoints moving between devices in
+//! sharded runs, and exact resume after SIGKILL on that device (with the kernel choices kept
+//! in the run directory). With `--features kiln/cuda` and a CUDA GPU, NCCL on 2 and 4 ranks
+//! (one GPU: each rank an NCCL host of its own) for every mode.
 //!
 //! Slow by nature: on this runtime a process spends about a minute compiling its kernels
 //! (LLVM) and timing burn's autotune candidates before its first step, and a tiny-model
@@ -271,6 +273,182 @@ fn sigkill_and_resume_on_cubecl_cpu_is_bit_identical() {
     }
 }
 
+/// The largest relative difference in loss or gradient norm between the steps of `got`
+/// and `want` (the same steps).
+fn worst(got: &[(u64, f64, f64, f64)], want: &[(u64, f64, f64, f64)]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|((_, l, n, _), (_, lw, nw, _))| {
+            ((l - lw).abs() / lw.abs()).max((n - nw).abs() / nw.abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Copies rank 0's device cache of run directory `from` (CubeCL's compiled kernels and
+/// autotune decisions) to `to` as the cache of each of `ranks` ranks, so that a process
+/// starting there does not compile again (about a minute a process on this runtime).
+fn seed_caches(from: &Path, to: &Path, ranks: usize) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        let Some(tail) = name.strip_prefix("device-cache-0.db") else {
+            continue;
+        };
+        for r in 0..ranks {
+            let dest = to.join(format!("device-cache-{r}.db{tail}"));
+            std::fs::copy(from.join(&name), dest).unwrap();
+        }
+    }
+}
+
+/// Copies every rank's device cache of run directory `from` to `to`, each as its own rank's.
+fn copy_caches(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let name = e.unwrap().file_name();
+        if name.to_string_lossy().starts_with("device-cache-") {
+            std::fs::copy(from.join(&name), to.join(&name)).unwrap();
+        }
+    }
+}
+
+/// `two_ranks` with `parallelism.shard = mode` and `sets`, on `device`.
+fn sharded(dir: &Path, steps: u64, mode: &str, device: &str, sets: &[&str]) -> Command {
+    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "2", "--timeout", "600"]);
+    cmd.arg("--run-dir").arg(dir).args(["--", common::KILN]);
+    cmd.args(train(dir, device, steps).get_args());
+    cmd.args(["--set", "training.batch_size=2"])
+        .args(["--set", &format!("parallelism.shard={mode}")]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+/// `KILN_COLLECTIVES=device` on `cmd`: the device-buffer collectives NCCL runs (packing
+/// into flat device buffers, reduce-scatter and all-gather results cut into views), with
+/// each flat buffer staged through host MPI instead of NCCL.
+fn on_device_buffers(mut cmd: Command) -> Command {
+    cmd.env("KILN_COLLECTIVES", "device");
+    cmd
+}
+
+/// Two MPI ranks on cubecl-cpu in every sharding mode train the model one flex rank trains
+/// on their whole batch: losses and gradient norms within 1e-3 relative each step (the
+/// two-rank replicated test's tolerance; the reduction order differs, and flex differs from
+/// this runtime by about 1 ulp). Optimizer state and parameters + activation checkpointing
+/// (which a parameter-sharded pass does already: the key must change nothing) run the
+/// host-staged collectives that flex runs; gradients and parameters run the device-buffer
+/// collectives of the NCCL path over MPI (`KILN_COLLECTIVES=device`). Then:
+/// - a parameter-sharded checkpoint written on this device resumes on one flex rank,
+///   replicated, and goes on like the flex run (steps 3 and 4 within 1e-3);
+/// - a flex checkpoint of two gradient-sharded ranks resumes on this device with parameters
+///   sharded, likewise;
+/// - rank 1 of a gradient-sharded run SIGKILLed after the step-2 checkpoint, then the same
+///   command, ends with the uninterrupted run's weights and optimizer shards, to the byte.
+///
+/// Each run after the first starts from the first one's device cache, so that only one
+/// compiles CubeCL's kernels (see `seed_caches`).
+#[test]
+fn sharded_modes_on_cubecl_cpu_match_one_flex_rank_move_between_devices_and_resume_exactly() {
+    let t0 = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |name: &str| tmp.path().join(name);
+    let flex = dir("flex");
+    run(train(&flex, "flex", 4), "flex, 4 steps");
+    let want = steps(&flex);
+    // Steps `from + 1 ..= to` of run directory `d` against the flex run's.
+    let check = |d: &Path, what: &str, from: usize, to: usize| {
+        let got: Vec<_> = (steps(d).into_iter())
+            .filter(|s| s.0 > from as u64)
+            .collect();
+        let want = &want[from..to];
+        eprintln!(
+            "{what}: worst relative difference {:.1e}",
+            worst(&got, want)
+        );
+        assert_close(&got, want, 1e-3);
+    };
+    let first = dir("optimizer");
+    run(
+        sharded(&first, 4, "optimizer", "cubecl-cpu", &[]),
+        "optimizer sharded",
+    );
+    check(&first, "optimizer sharded, host-staged", 0, 4);
+    let cases: [(&str, &str, &[&str], bool); 2] = [
+        ("gradients", "gradients", &[], true),
+        (
+            "parameters-ac",
+            "parameters",
+            &["training.activation_checkpointing=blocks"],
+            false,
+        ),
+    ];
+    for (name, mode, sets, device) in cases {
+        let d = dir(name);
+        seed_caches(&first, &d, 2);
+        let cmd = sharded(&d, 4, mode, "cubecl-cpu", sets);
+        let cmd = if device { on_device_buffers(cmd) } else { cmd };
+        run(cmd, name);
+        check(&d, name, 0, 4);
+    }
+    // Parameters sharded on the device buffers for 2 steps, resumed on one flex rank.
+    let to_flex = dir("to-flex");
+    seed_caches(&first, &to_flex, 2);
+    let cmd = on_device_buffers(sharded(&to_flex, 2, "parameters", "cubecl-cpu", &[]));
+    run(cmd, "parameters sharded, device buffers, 2 steps");
+    check(&to_flex, "parameters sharded, device buffers", 0, 2);
+    run(train(&to_flex, "flex", 4), "resumed on one flex rank");
+    check(
+        &to_flex,
+        "cubecl-cpu parameter shards resumed on flex",
+        2,
+        4,
+    );
+    // Two flex ranks with gradients sharded, resumed on the device with parameters sharded.
+    let from_flex = dir("from-flex");
+    run(
+        sharded(&from_flex, 2, "gradients", "flex", &[]),
+        "flex, gradients sharded, 2 steps",
+    );
+    seed_caches(&first, &from_flex, 2);
+    let cmd = on_device_buffers(sharded(&from_flex, 4, "parameters", "cubecl-cpu", &[]));
+    run(cmd, "resumed on cubecl-cpu, parameters sharded");
+    check(
+        &from_flex,
+        "flex gradient shards resumed on cubecl-cpu",
+        2,
+        4,
+    );
+    // SIGKILL and resume of the gradient-sharded run, from its caches (each rank its own).
+    let (whole, killed) = (dir("gradients"), dir("killed"));
+    copy_caches(&whole, &killed);
+    let mut job = on_device_buffers(sharded(&killed, 4, "gradients", "cubecl-cpu", &[]))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln launch");
+    let limit = std::time::Duration::from_secs(600);
+    let status = common::kill_rank_after_checkpoint(&killed, 2, 1, &mut job, limit);
+    assert!(!status.success(), "a killed rank fails the attempt");
+    let cmd = on_device_buffers(sharded(&killed, 4, "gradients", "cubecl-cpu", &[]));
+    run(cmd, "gradients sharded, resumed after SIGKILL");
+    for file in [
+        "model.safetensors",
+        "checkpoints/step-4/optimizer-00000-of-00002.safetensors",
+        "checkpoints/step-4/optimizer-00001-of-00002.safetensors",
+    ] {
+        assert!(
+            bytes(&whole.join(file)) == bytes(&killed.join(file)),
+            "{file} differs after SIGKILL + resume (gradients sharded, device buffers)"
+        );
+    }
+    eprintln!(
+        "sharded modes on cubecl-cpu: {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
 /// The smoke gate has a baseline per device: 10 steps of the tiny model on `cubecl-cpu`
 /// against `gates/smoke-cubecl-cpu.json`, blessed there with a relative tolerance of 1e-4
 /// (CubeCL compiles for the host's CPU features and tiles its CPU GEMM by the core count, and
@@ -313,32 +491,112 @@ fn cuda_gpus() -> usize {
         .unwrap_or(0)
 }
 
-/// Two MPI ranks on CUDA, one GPU each (`kiln launch` sets `CUDA_VISIBLE_DEVICES`), average
-/// their gradients on the devices over NCCL (the unique id broadcast over MPI) and train the
-/// model one rank trains on half their batch each: the same losses and gradient norms to
-/// float rounding. Needs two GPUs (NCCL refuses two ranks on one GPU): skipped, with the
-/// reason printed, elsewhere, CI included.
+/// `kiln launch --mpi --np RANKS -- kiln train` on CUDA for `steps` steps, the tiny run's
+/// batch of 4 split over the ranks, with `parallelism.shard = mode`; where the machine has
+/// fewer GPUs than ranks, each rank is an NCCL host of its own (`KILN_NCCL_RANKS_AS_HOSTS`:
+/// NCCL's socket transport over loopback, so that several ranks share a GPU).
+#[cfg(feature = "cuda")]
+fn cuda_ranks(dir: &Path, ranks: usize, steps: u64, mode: &str) -> Command {
+    let np = ranks.to_string();
+    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", &np, "--timeout", "600"]);
+    cmd.arg("--run-dir").arg(dir).args(["--", common::KILN]);
+    cmd.args(train(dir, "cuda", steps).get_args());
+    cmd.args(["--set", &format!("training.batch_size={}", 4 / ranks)])
+        .args(["--set", &format!("parallelism.shard={mode}")])
+        .env("KILN_LOG", "info");
+    if cuda_gpus() < ranks {
+        cmd.env("KILN_NCCL_RANKS_AS_HOSTS", "1");
+    }
+    cmd
+}
+
+/// NCCL on CUDA, 2 and 4 ranks (on one GPU: each rank its own NCCL host), for replicated
+/// training and every sharding mode: each trains the model one CUDA rank trains on their
+/// whole batch (losses and gradient norms within 1e-3 relative, the tolerance of the
+/// host-staged two-rank test above), NCCL's results agree with the host-staged path's
+/// (`KILN_COLLECTIVES=host`, the same run otherwise) within 1e-4 relative, and a
+/// parameter-sharded run SIGKILLed after its step-2 checkpoint and resumed ends with the
+/// uninterrupted run's bytes. Skipped, with the reason printed, without a CUDA GPU (CI).
+///
+/// Every run starts from the one-rank run's device cache (compiled kernels, autotune
+/// decisions), so that no process compiles again: about 10 s a launch instead of 70.
 #[cfg(feature = "cuda")]
 #[test]
-fn two_ranks_on_cuda_average_over_nccl_and_match_one_rank() {
+fn nccl_on_cuda_trains_every_mode_like_one_rank_and_like_the_host_path() {
     let gpus = cuda_gpus();
-    if gpus < 2 {
-        eprintln!("skipped: {gpus} CUDA GPU(s) here (nvidia-smi -L); NCCL needs one per rank");
+    if gpus == 0 {
+        eprintln!("skipped: no CUDA GPU here (nvidia-smi -L); NCCL needs one");
         return;
     }
+    let t0 = Instant::now();
     let tmp = tempfile::tempdir().unwrap();
-    let (one, dp) = (tmp.path().join("one"), tmp.path().join("dp"));
+    let one = tmp.path().join("one");
     run(train(&one, "cuda", 4), "cuda, 1 rank, 4 steps");
-    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "2", "--timeout", "600"]);
-    cmd.arg("--run-dir").arg(&dp).args(["--", common::KILN]);
-    cmd.args(train(&dp, "cuda", 4).get_args());
-    cmd.args(["--set", "training.batch_size=2"])
-        .env("KILN_LOG", "info");
-    let out = cmd.output().expect("spawn kiln");
-    assert_ok(&out, "2 MPI ranks on cuda");
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert!(log.contains("over NCCL"), "NCCL was not used:\n{log}");
-    assert_close(&steps(&dp), &steps(&one), 1e-3);
+    let want = steps(&one);
+    let cases: &[(usize, &str)] = &[
+        (2, "parameters"),
+        (2, "none"),
+        (2, "gradients"),
+        (2, "optimizer"),
+        (4, "parameters"),
+        (4, "none"),
+    ];
+    for &(ranks, mode) in cases {
+        let dir = tmp.path().join(format!("{mode}-{ranks}"));
+        seed_caches(&one, &dir, ranks);
+        let t = Instant::now();
+        let out = cuda_ranks(&dir, ranks, 4, mode)
+            .output()
+            .expect("spawn kiln");
+        assert_ok(&out, &format!("{ranks} ranks on cuda, {mode}"));
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(log.contains("over NCCL"), "NCCL was not used:\n{log}");
+        let got = steps(&dir);
+        eprintln!(
+            "{ranks} ranks, {mode}: {:.1} s, worst relative difference to 1 rank {:.1e}",
+            t.elapsed().as_secs_f64(),
+            worst(&got, &want)
+        );
+        assert_close(&got, &want, 1e-3);
+        if ranks == 2 && matches!(mode, "parameters" | "gradients") {
+            let host = tmp.path().join(format!("{mode}-{ranks}-host"));
+            seed_caches(&one, &host, ranks);
+            let mut cmd = cuda_ranks(&host, ranks, 4, mode);
+            cmd.env("KILN_COLLECTIVES", "host");
+            run(cmd, &format!("{ranks} ranks on cuda, {mode}, host-staged"));
+            let staged = steps(&host);
+            eprintln!(
+                "{ranks} ranks, {mode}: NCCL against host-staged MPI {:.1e}",
+                worst(&got, &staged)
+            );
+            assert_close(&got, &staged, 1e-4);
+        }
+    }
+    // SIGKILL of rank 1 after the step-2 checkpoint, then the same command: the bytes of the
+    // uninterrupted run (which ran with the same caches).
+    let whole = tmp.path().join("parameters-2");
+    let killed = tmp.path().join("killed");
+    copy_caches(&whole, &killed);
+    let mut job = cuda_ranks(&killed, 2, 4, "parameters")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln launch");
+    let limit = std::time::Duration::from_secs(300);
+    let status = common::kill_rank_after_checkpoint(&killed, 2, 1, &mut job, limit);
+    assert!(!status.success(), "a killed rank fails the attempt");
+    run(
+        cuda_ranks(&killed, 2, 4, "parameters"),
+        "2 ranks on cuda, resumed",
+    );
+    assert!(
+        bytes(&whole.join("model.safetensors")) == bytes(&killed.join("model.safetensors")),
+        "NCCL, parameters sharded: the weights differ after SIGKILL + resume"
+    );
+    eprintln!(
+        "NCCL tests on {gpus} GPU(s): {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
 }
 
 /// The README's default model and run (`kiln train` on the built-in copy task) on the device

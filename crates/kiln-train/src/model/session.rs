@@ -222,6 +222,8 @@ impl Session {
         config.validate()?;
         // The memory of the model, its optimizer and a step, before any of it is allocated.
         crate::model::budget::check(config, vocab)?;
+        // And of the device, on an accelerator whose memory is known.
+        crate::model::budget::check_device(config, vocab)?;
         tune_allocator();
         set_threads(config.training.threads)?;
         crate::kernels::settings::configure(crate::kernels::settings::Settings::of(config));

@@ -4,6 +4,7 @@
 //! with each stage's weights gathered when used ([`stagewise`]), and the gradient average on
 //! CUDA devices over NCCL ([`nccl`]).
 
+pub mod collective;
 pub mod nccl;
 pub mod shard;
 pub mod stagewise;

@@ -23,10 +23,11 @@ use crate::checkpoint::{self, HostTensor, ShardFile};
 use crate::config::{Config, Shard};
 use crate::error::TrainError;
 use crate::model::{Llama, ParamSpec, Stage};
+use crate::parallel::collective::{self, DeviceCollective, InFlight, Ranks};
 use crate::parallel::stagewise::StageParams;
-use crate::tensor::{DeviceTensor, flatten, from_vec, into_vec, split};
+use crate::tensor::{DeviceTensor, into_vec, split};
 use burn::tensor::{Device, Tensor};
-use kiln_dist::{Background, Collective, Mesh, Pending, Sharded};
+use kiln_dist::{Background, Collective, Mesh, Sharded};
 use kiln_run::layout;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -50,25 +51,39 @@ pub struct ShardPlan {
     rank: usize,
     /// The ranks of a replica, over which the state is cut.
     shards: usize,
-    /// Bytes per all-reduce bucket (`parallelism.bucket_mb`).
-    bucket: usize,
     /// The elements of each parameter in this rank's range (`None`: none).
     ranges: Vec<Option<Range<usize>>>,
     /// The ranks this rank shards with, and those holding the same shard in the other
     /// replicas (`parallelism.dp_replicate`).
     mesh: Mesh,
-    /// With `parameters` and `parallelism.prefetch`, where the next stage's weights are
-    /// gathered while the current one computes (`None`: gathered when needed).
-    background: Option<Background>,
+    /// How the pieces travel between the ranks: host-staged MPI, or NCCL on CUDA devices
+    /// ([`collective::choose`]); with `parameters` and `parallelism.prefetch` on the host
+    /// path, it gathers the next stage's weights while the current one computes.
+    coll: Box<dyn DeviceCollective>,
+    device: Device,
 }
 
 impl ShardPlan {
-    /// The plan of `cfg` for this rank of `comm`; `None` when nothing is sharded, an error
-    /// when `parallelism.dp_replicate` does not divide the ranks. Every rank calls it.
+    /// The plan of `cfg` for this rank of `comm`, on `device`; `None` when nothing is
+    /// sharded, an error when `parallelism.dp_replicate` does not divide the ranks (or the
+    /// device's collectives cannot be set up). Every rank calls it.
     pub fn new(
         cfg: &Config,
         model: &Llama,
         comm: &dyn Collective,
+        device: &Device,
+    ) -> Result<Option<Self>, TrainError> {
+        let choice = collective::Choice::from_env()?;
+        Self::with_collectives(cfg, model, comm, device, choice)
+    }
+
+    /// [`ShardPlan::new`] with the collectives `choice` asks for.
+    pub fn with_collectives(
+        cfg: &Config,
+        model: &Llama,
+        comm: &dyn Collective,
+        device: &Device,
+        choice: collective::Choice,
     ) -> Result<Option<Self>, TrainError> {
         let mode = cfg.parallelism.shard;
         if mode == Shard::None {
@@ -80,16 +95,43 @@ impl ShardPlan {
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
         let ahead = cfg.parallelism.prefetches() && shards > 1;
         let background = ahead.then(|| Background::new(mesh.shard())).flatten();
+        let ranks = Ranks {
+            job: comm,
+            shard: mesh.shard(),
+            replica: mesh.replica(),
+        };
+        let coll = collective::choose_as(choice, ranks, device, bucket, background)?;
         Ok(Some(Self {
             mode,
             groups,
             rank,
             shards,
-            bucket,
             ranges,
             mesh,
-            background,
+            coll,
+            device: device.clone(),
         }))
+    }
+
+    /// The communicators of this plan's collectives, with `job` the job's (read by
+    /// [`DeviceCollective::mean`] only).
+    fn ranks<'a>(&'a self, job: &'a dyn Collective) -> Ranks<'a> {
+        Ranks {
+            job,
+            shard: self.mesh.shard(),
+            replica: self.mesh.replica(),
+        }
+    }
+
+    /// What carries the sharded collectives (host-staged MPI, NCCL), for the `start` event.
+    pub fn describe_collectives(&self) -> String {
+        self.coll.describe()
+    }
+
+    /// Seconds the device spent in this plan's collectives since the last call (NCCL; 0 on
+    /// the host path, whose waits the caller's clock counts).
+    pub fn device_busy_s(&self) -> f64 {
+        self.coll.device_busy_s()
     }
 
     /// The ranks this rank shards the state with (its replica).
@@ -112,9 +154,11 @@ impl ShardPlan {
         self.mode
     }
 
-    /// Whether the next stage's weights are gathered while the current one computes.
+    /// Whether the next stage's weights are gathered while the current one computes (with
+    /// `parameters`: on the host path with `parallelism.prefetch` and an MPI library that
+    /// allows it; always on the device path).
     pub fn prefetches(&self) -> bool {
-        self.background.is_some()
+        self.shards_parameters() && self.shards > 1 && self.coll.gathers_ahead()
     }
 
     /// This rank's range of each tensor (an empty tensor where it has none).
@@ -135,12 +179,22 @@ impl ShardPlan {
     }
 
     /// `flat` (this rank's range of the flattened parameters of `group`) cut into pieces, as
-    /// [`ShardPlan::pieces`] cuts whole tensors.
-    fn cut(&self, group: &Group, flat: &[f32], device: &Device) -> Vec<Tensor<1>> {
+    /// [`ShardPlan::pieces`] cuts whole tensors: on flex copied into tensors of their own
+    /// (as before the device path existed), elsewhere views of `flat` on the device.
+    fn cut(&self, group: &Group, flat: Tensor<1>) -> Vec<Tensor<1>> {
         let lengths = self.ranges[group.params.clone()]
             .iter()
             .map(|r| r.as_ref().map_or(0, Range::len));
-        split(flat, lengths, device)
+        if crate::tensor::on_host_threads(&self.device) {
+            return split(&into_vec(flat), lengths, &self.device);
+        }
+        let mut at = 0;
+        lengths
+            .map(|n| {
+                at += n;
+                flat.clone().slice(at - n..at)
+            })
+            .collect()
     }
 
     /// The loss and this rank's range of the gradients, averaged over the ranks (as pieces,
@@ -151,22 +205,22 @@ impl ShardPlan {
         comm: &dyn Collective,
         loss: f32,
         grads: Vec<Tensor<1>>,
-        device: &Device,
-    ) -> (f32, Vec<Tensor<1>>, f32) {
+    ) -> Result<(f32, Vec<Tensor<1>>, f32), TrainError> {
+        let ranks = self.ranks(comm);
         if self.mode != Shard::Gradients {
             // The replicated run's all-reduce and norm, bit for bit: every rank has the
             // whole averaged gradients here.
-            let reduce = kiln_dist::BucketedAllReduce::new(self.bucket);
-            let (loss, grads) = crate::tensor::mean_over_ranks(&reduce, comm, loss, grads, device);
+            let (loss, grads) = self.coll.mean(ranks, loss, grads)?;
             let norm = crate::optim::global_norm(&grads);
-            return (loss, self.pieces(&grads), norm);
+            return Ok((loss, self.pieces(&grads), norm));
         }
         let flat = self.whole_model();
         let mine = flat.range(self.rank).len();
-        let mut host: Vec<Vec<f32>> = grads.into_iter().map(into_vec).collect();
-        let shard = &self.mesh.reduce_scatter_mean(flat, &mut host)[..mine];
-        let (loss, norm) = self.loss_and_norm(comm, loss, sum_of_squares(shard));
-        (loss, self.cut(&self.groups[0], shard, device), norm)
+        let shard = self.coll.reduce_scatter_mean(ranks, flat, grads)?.wait()?;
+        let shard = shard.slice(0..mine);
+        let sq = self.coll.square_sum(std::slice::from_ref(&shard));
+        let (loss, norm) = self.loss_and_norm(comm, loss, sq);
+        Ok((loss, self.cut(&self.groups[0], shard), norm))
     }
 
     /// The mean of the ranks' losses (every rank of `comm`, the job) and the global norm of
@@ -181,49 +235,32 @@ impl ShardPlan {
     }
 
     /// Replaces `params` with the whole parameters gathered from every rank's updated
-    /// range (`pieces`, this rank's; taken, so that each is copied to the host once). Not
-    /// for the `parameters` mode, which keeps its pieces.
-    pub fn gather(&self, pieces: Vec<Tensor<1>>, params: &mut Vec<Tensor<1>>, device: &Device) {
-        let lengths = params.iter().map(|p| p.dims()[0]);
-        *params = self.all_gather(self.whole_model(), pieces, lengths, device);
+    /// range (`pieces`, this rank's; taken, so that on the host path each is copied to the
+    /// host once). Not for the `parameters` mode, which keeps its pieces.
+    pub fn gather(
+        &self,
+        pieces: Vec<Tensor<1>>,
+        params: &mut Vec<Tensor<1>>,
+    ) -> Result<(), TrainError> {
+        let lengths = params.iter().map(|p| p.dims()[0]).collect();
+        *params = self
+            .all_gather(self.whole_model(), pieces, lengths, false)?
+            .wait()?;
+        Ok(())
     }
 
     /// The whole tensors of `flat` (of `lengths` elements) gathered from the ranges of every
-    /// rank of this rank's replica, of which `pieces` are this rank's.
+    /// rank of this rank's replica, of which `pieces` are this rank's; `ahead`: while the
+    /// caller computes, where the collectives can.
     fn all_gather(
         &self,
         flat: &Sharded,
         pieces: Vec<Tensor<1>>,
-        lengths: impl Iterator<Item = usize>,
-        device: &Device,
-    ) -> Vec<Tensor<1>> {
-        self.all_gather_host(flat, pieces, lengths)
-            .into_iter()
-            .map(|v| from_vec(v, device))
-            .collect()
-    }
-
-    /// [`ShardPlan::all_gather`] into host vectors.
-    fn all_gather_host(
-        &self,
-        flat: &Sharded,
-        pieces: Vec<Tensor<1>>,
-        lengths: impl Iterator<Item = usize>,
-    ) -> Vec<Vec<f32>> {
-        gathered(flat, self.mesh.shard(), &padded(flat, pieces), lengths)
-    }
-
-    /// [`ShardPlan::all_gather_host`] started in the background (`None` without one): the
-    /// pieces are copied to the host here, the collective runs while the caller computes.
-    fn all_gather_later(
-        &self,
-        flat: &Sharded,
-        pieces: Vec<Tensor<1>>,
         lengths: Vec<usize>,
-    ) -> Option<Pending<Vec<Vec<f32>>>> {
-        let background = self.background.as_ref()?;
-        let (flat, mine) = (*flat, padded(flat, pieces));
-        Some(background.start(move |comm| gathered(&flat, comm, &mine, lengths.into_iter())))
+        ahead: bool,
+    ) -> Result<InFlight<Vec<Tensor<1>>>, TrainError> {
+        let ranks = self.ranks(self.mesh.shard());
+        self.coll.all_gather(ranks, flat, pieces, lengths, ahead)
     }
 
     /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
@@ -261,21 +298,26 @@ impl ShardPlan {
     /// The whole parameters gathered from every rank's `pieces`, as host tensors (the final
     /// weights of a parameter-sharded run); every rank calls it, and holds one stage's
     /// whole weights at a time besides what it returns.
-    pub fn whole_host(&self, specs: &[ParamSpec], pieces: &[Tensor<1>]) -> Vec<HostTensor> {
+    pub fn whole_host(
+        &self,
+        specs: &[ParamSpec],
+        pieces: &[Tensor<1>],
+    ) -> Result<Vec<HostTensor>, TrainError> {
         let mut out = Vec::with_capacity(specs.len());
         for g in &self.groups {
             let specs = &specs[g.params.clone()];
-            let lengths = specs.iter().map(ParamSpec::numel);
-            let full = self.all_gather_host(&g.flat, pieces[g.params.clone()].to_vec(), lengths);
+            let lengths = specs.iter().map(ParamSpec::numel).collect();
+            let pieces = pieces[g.params.clone()].to_vec();
+            let full = self.all_gather(&g.flat, pieces, lengths, false)?.wait()?;
             for (spec, values) in specs.iter().zip(full) {
                 out.push(HostTensor::f32(
                     spec.name.clone(),
                     spec.shape.clone(),
-                    values,
+                    into_vec(values),
                 ));
             }
         }
-        out
+        Ok(out)
     }
 
     /// This rank's pieces of the weights, named `<param>@<first element>` (the empty ones
@@ -379,106 +421,86 @@ fn cut(
     (groups, ranges)
 }
 
-/// The whole tensors of `flat` (of `lengths` elements) all-gathered over `comm` from every
-/// rank's padded shard (this rank's is `mine`).
-fn gathered(
-    flat: &Sharded,
-    comm: &dyn Collective,
-    mine: &[f32],
-    lengths: impl Iterator<Item = usize>,
-) -> Vec<Vec<f32>> {
-    let mut full: Vec<Vec<f32>> = lengths.map(|n| vec![0.0; n]).collect();
-    flat.all_gather_into(comm, mine, &mut full);
-    full
-}
-
-/// This rank's `pieces` of `flat` on the host, padded to a whole shard (the padding goes in
-/// with the values: no second allocation).
-fn padded(flat: &Sharded, pieces: Vec<Tensor<1>>) -> Vec<f32> {
-    let have: usize = pieces.iter().map(|p| p.dims()[0]).sum();
-    flatten(pieces, &vec![0.0; flat.shard.saturating_sub(have)])
-}
-
-/// The sum of the squares of `values`, in f64.
-fn sum_of_squares(values: &[f32]) -> f64 {
-    sum_of_squares_from(0.0, values)
-}
-
-/// `acc` plus the squares of `values`, added in order.
-fn sum_of_squares_from(acc: f64, values: &[f32]) -> f64 {
-    values
-        .iter()
-        .fold(acc, |s, &g| s + f64::from(g) * f64::from(g))
-}
-
 /// The [`StageParams`] of a parameter-sharded step: a stage's whole weights all-gathered
 /// from every rank's pieces (this rank's are `pieces`, [`ShardPlan::pieces`] of the whole),
 /// its gradients reduce-scattered (the mean over the ranks) and this rank's range of them
 /// accumulated until [`StageShards::take_grads`].
+///
+/// Overlap: the next expected stage's all-gather is started when a stage is handed out
+/// (on the device path always, on the host path with `parallelism.prefetch`), and a stage's
+/// reduce-scatter is waited for only when the next one is handed over, so that on NCCL it
+/// runs while the backward pass computes the stage before it.
 pub struct StageShards<'a> {
     plan: &'a ShardPlan,
     model: &'a Llama,
     pieces: &'a [Tensor<1>],
-    device: Device,
     /// Per stage, this rank's range of the accumulated gradients (padding included).
-    grads: Vec<Vec<f32>>,
+    grads: Vec<Tensor<1>>,
     /// Seconds spent in the collectives (waiting for them, when they run ahead).
     comm_s: f64,
     /// The stages still expected after the one fetched ahead, next first.
     order: VecDeque<Stage>,
     /// The stage whose weights are being gathered ahead, and the gather.
-    ahead: Option<(Stage, Pending<Vec<Vec<f32>>>)>,
+    ahead: Option<(Stage, InFlight<Vec<Tensor<1>>>)>,
+    /// The last reduce-scatter, not yet added to `grads`: its group and result.
+    reducing: Option<(usize, InFlight<Tensor<1>>)>,
+    /// The first collective that failed (the pass goes on with zeros; the error is
+    /// returned by [`StageShards::take_grads`] or [`StageShards::check`]).
+    failed: Option<TrainError>,
 }
 
 impl<'a> StageShards<'a> {
     /// The stages of `model` cut by `plan` (a `parameters` plan).
-    pub fn new(
-        plan: &'a ShardPlan,
-        model: &'a Llama,
-        pieces: &'a [Tensor<1>],
-        device: &Device,
-    ) -> Self {
+    pub fn new(plan: &'a ShardPlan, model: &'a Llama, pieces: &'a [Tensor<1>]) -> Self {
         Self {
-            grads: plan
-                .groups
-                .iter()
-                .map(|g| vec![0.0; g.flat.shard])
-                .collect(),
+            grads: plan.zeroed_grads(),
             plan,
             model,
             pieces,
-            device: device.clone(),
             comm_s: 0.0,
             order: VecDeque::new(),
             ahead: None,
+            reducing: None,
+            failed: None,
         }
     }
 
-    /// The whole weights of stage `s`, on the host: the gather started ahead, or one now.
-    fn gather_host(&mut self, s: Stage) -> Vec<Vec<f32>> {
+    /// Keeps the first error of a collective.
+    fn keep<T>(&mut self, r: Result<T, TrainError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.failed.get_or_insert(e);
+                None
+            }
+        }
+    }
+
+    /// The whole weights of stage `s`: the gather started ahead, or one now.
+    fn gather_now(&mut self, s: Stage) -> Result<Vec<Tensor<1>>, TrainError> {
         match self.ahead.take() {
             Some((next, pending)) if next == s => pending.wait(),
             other => {
                 // Not the stage expected: the gather started ahead still ran on every
                 // rank (the calls stay matched); this pass fetches nothing ahead any more.
-                drop(other.map(|(_, p)| p.wait()));
+                if let Some((_, p)) = other {
+                    drop(p.wait()?);
+                }
                 self.order.clear();
                 let (flat, pieces, lengths) = self.stage_pieces(s);
-                self.plan
-                    .all_gather_host(&flat, pieces, lengths.into_iter())
+                self.plan.all_gather(&flat, pieces, lengths, false)?.wait()
             }
         }
     }
 
-    /// Starts gathering the next expected stage's weights in the background.
+    /// Starts gathering the next expected stage's weights ahead.
     fn fetch_ahead(&mut self) {
         let Some(next) = self.order.pop_front() else {
             return;
         };
         let (flat, pieces, lengths) = self.stage_pieces(next);
-        self.ahead = (self.plan)
-            .all_gather_later(&flat, pieces, lengths)
-            .map(|p| (next, p));
+        let started = self.plan.all_gather(&flat, pieces, lengths, true);
+        self.ahead = self.keep(started).map(|p| (next, p));
     }
 
     /// What gathering stage `s` takes: its group's cut, this rank's pieces of its
@@ -495,6 +517,14 @@ impl<'a> StageShards<'a> {
         self.comm_s
     }
 
+    /// The error of a collective of this pass, if one failed.
+    pub fn check(&mut self) -> Result<(), TrainError> {
+        match self.failed.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// The group of stage `s` (stages are numbered in [`Llama::stages`] order).
     fn group(&self, s: Stage) -> usize {
         match s {
@@ -504,36 +534,64 @@ impl<'a> StageShards<'a> {
         }
     }
 
-    /// This rank's pieces of the gradients accumulated so far (as [`ShardPlan::pieces`])
-    /// and their sum of squares, and zeros in their place.
-    pub fn take_grads(&mut self) -> (Vec<Tensor<1>>, f64) {
-        let (plan, rank) = (self.plan, self.plan.rank);
-        let mine = |g: &Group| g.flat.range(rank).len();
-        // One running sum in model order, as over the whole range of the other modes.
-        let sq = plan
-            .groups
-            .iter()
-            .zip(&self.grads)
-            .map(|(g, grads)| &grads[..mine(g)])
-            .fold(0.0, sum_of_squares_from);
-        let mut out = Vec::with_capacity(plan.ranges.len());
-        for (g, grads) in plan.groups.iter().zip(&mut self.grads) {
-            out.extend(plan.cut(g, &grads[..mine(g)], &self.device));
-            grads.fill(0.0);
+    /// Waits for the last reduce-scatter and adds it to its stage's gradients.
+    fn finish_reduce(&mut self) {
+        let Some((i, flight)) = self.reducing.take() else {
+            return;
+        };
+        let t0 = Instant::now();
+        let got = flight.wait();
+        self.comm_s += t0.elapsed().as_secs_f64();
+        if let Some(mine) = self.keep(got) {
+            self.grads[i] = self.grads[i].clone() + mine;
         }
-        (out, sq)
+    }
+
+    /// This rank's pieces of the gradients accumulated so far (as [`ShardPlan::pieces`])
+    /// and their sum of squares, and zeros in their place; the error of a collective of the
+    /// pass if one failed.
+    pub fn take_grads(&mut self) -> Result<(Vec<Tensor<1>>, f64), TrainError> {
+        self.finish_reduce();
+        self.check()?;
+        let (plan, rank) = (self.plan, self.plan.rank);
+        let grads = std::mem::replace(&mut self.grads, plan.zeroed_grads());
+        let mine: Vec<Tensor<1>> = (plan.groups.iter().zip(grads))
+            .map(|(g, t)| t.slice(0..g.flat.range(rank).len()))
+            .collect();
+        // One running sum in model order, as over the whole range of the other modes.
+        let sq = plan.coll.square_sum(&mine);
+        let mut out = Vec::with_capacity(plan.ranges.len());
+        for (g, t) in plan.groups.iter().zip(mine) {
+            out.extend(plan.cut(g, t));
+        }
+        Ok((out, sq))
+    }
+}
+
+impl ShardPlan {
+    /// Zeros for this rank's padded shard of every group's gradients.
+    fn zeroed_grads(&self) -> Vec<Tensor<1>> {
+        (self.groups.iter())
+            .map(|g| Tensor::zeros([g.flat.shard], &self.device))
+            .collect()
     }
 }
 
 impl StageParams for StageShards<'_> {
     fn gather(&mut self, s: Stage) -> Vec<Tensor<1>> {
         let t0 = Instant::now();
-        let host = self.gather_host(s);
+        let got = self.gather_now(s);
         self.comm_s += t0.elapsed().as_secs_f64();
+        let got = self.keep(got);
         self.fetch_ahead();
-        host.into_iter()
-            .map(|v| from_vec(v, &self.device))
-            .collect()
+        got.unwrap_or_else(|| {
+            // A collective failed: zeros of the right sizes let the pass end; the error
+            // is what the step returns.
+            let (_, _, lengths) = self.stage_pieces(s);
+            (lengths.into_iter())
+                .map(|n| Tensor::zeros([n], &self.plan.device))
+                .collect()
+        })
     }
 
     fn expect(&mut self, order: Vec<Stage>) {
@@ -544,14 +602,13 @@ impl StageParams for StageShards<'_> {
     }
 
     fn reduce(&mut self, s: Stage, grads: Vec<Tensor<1>>) {
+        self.finish_reduce();
         let i = self.group(s);
-        let mut host: Vec<Vec<f32>> = grads.into_iter().map(into_vec).collect();
         let t0 = Instant::now();
-        let mine = (self.plan.mesh).reduce_scatter_mean(&self.plan.groups[i].flat, &mut host);
+        let ranks = self.plan.ranks(self.plan.mesh.shard());
+        let started = (self.plan.coll).reduce_scatter_mean(ranks, &self.plan.groups[i].flat, grads);
         self.comm_s += t0.elapsed().as_secs_f64();
-        for (a, g) in self.grads[i].iter_mut().zip(mine) {
-            *a += g;
-        }
+        self.reducing = self.keep(started).map(|f| (i, f));
     }
 }
 
@@ -584,7 +641,7 @@ mod tests {
         }
         cfg.parallelism.shard = Shard::None;
         assert!(
-            ShardPlan::new(&cfg, &model, &kiln_dist::Solo)
+            ShardPlan::new(&cfg, &model, &kiln_dist::Solo, &Device::flex())
                 .unwrap()
                 .is_none()
         );

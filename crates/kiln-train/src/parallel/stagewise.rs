@@ -259,6 +259,7 @@ fn input_grad(x: &Tensor<3>, g: &Gradients) -> Tensor<3> {
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::parallel::collective::Choice;
     use crate::parallel::shard::{ShardPlan, StageShards};
     use crate::tensor::to_vec;
     use burn::tensor::TensorData;
@@ -391,11 +392,25 @@ mod tests {
     /// A parameters plan of the tiny model for this rank of `comm`, over `replicas`,
     /// fetching each stage ahead with `prefetch`.
     fn plan(model: &Llama, comm: &dyn Collective, replicas: usize, prefetch: bool) -> ShardPlan {
+        plan_with(model, comm, replicas, prefetch, Choice::Host)
+    }
+
+    /// [`plan`] with the collectives `choice` asks for.
+    fn plan_with(
+        model: &Llama,
+        comm: &dyn Collective,
+        replicas: usize,
+        prefetch: bool,
+        choice: Choice,
+    ) -> ShardPlan {
         let mut cfg = crate::config::Config::default();
         cfg.parallelism.shard = crate::config::Shard::Parameters;
         cfg.parallelism.dp_replicate = replicas;
         cfg.parallelism.prefetch = prefetch;
-        ShardPlan::new(&cfg, model, comm).unwrap().unwrap()
+        let d = Device::flex();
+        ShardPlan::with_collectives(&cfg, model, comm, &d, choice)
+            .unwrap()
+            .unwrap()
     }
 
     #[test]
@@ -405,7 +420,7 @@ mod tests {
         let params = model.init(3, &device);
         let plan = plan(&model, &kiln_dist::Solo, 1, true);
         let pieces = plan.pieces(&params);
-        let mut s = StageShards::new(&plan, &model, &pieces, &device);
+        let mut s = StageShards::new(&plan, &model, &pieces);
         for stage in model.stages() {
             let got = s.gather(stage);
             for (i, t) in model.owned(stage).zip(&got) {
@@ -414,7 +429,7 @@ mod tests {
             s.reduce(stage, got.clone());
             s.reduce(stage, got);
         }
-        let (grads, sq) = s.take_grads();
+        let (grads, sq) = s.take_grads().unwrap();
         let mut want_sq = 0.0f64;
         for (g, p) in grads.iter().zip(&params) {
             let want: Vec<f32> = to_vec(p).iter().map(|v| v * 2.0).collect();
@@ -424,7 +439,7 @@ mod tests {
             assert_eq!(to_vec(g), want, "two reductions add up");
         }
         assert_eq!(sq, want_sq, "their sum of squares");
-        let (grads, sq) = s.take_grads();
+        let (grads, sq) = s.take_grads().unwrap();
         assert!(grads.iter().all(|g| to_vec(g).iter().all(|v| *v == 0.0)));
         assert_eq!(sq, 0.0);
     }
@@ -445,31 +460,40 @@ mod tests {
                     *m += v / world as f32;
                 }
             }
-            let on_ranks = |prefetch: bool| -> Vec<Vec<Vec<f32>>> {
+            let on_ranks = |prefetch: bool, choice: Choice| -> Vec<Vec<Vec<f32>>> {
                 std::thread::scope(|scope| {
                     let handles: Vec<_> = kiln_dist::Threads::job(world)
                         .into_iter()
                         .map(|comm| {
                             let (model, params, device) = (&model, &params, device.clone());
                             scope.spawn(move || {
-                                let plan = plan(model, &comm, replicas, prefetch);
-                                assert_eq!(plan.prefetches(), prefetch);
+                                let plan = plan_with(model, &comm, replicas, prefetch, choice);
+                                // The device path always gathers the next stage ahead.
+                                let ahead = prefetch || choice == Choice::Device;
+                                assert_eq!(plan.prefetches(), ahead);
                                 let mine = plan.pieces(params);
-                                let mut s = StageShards::new(&plan, model, &mine, &device);
+                                let mut s = StageShards::new(&plan, model, &mine);
                                 let (i, t) = batch(comm.rank(), &device);
                                 loss_and_grads(model, &mut s, i, t, 1.0);
-                                s.take_grads().0.iter().map(to_vec).collect()
+                                s.take_grads().unwrap().0.iter().map(to_vec).collect()
                             })
                         })
                         .collect();
                     handles.into_iter().map(|h| h.join().unwrap()).collect()
                 })
             };
-            let pieces = on_ranks(true);
+            let pieces = on_ranks(true, Choice::Host);
             assert_eq!(
                 pieces,
-                on_ranks(false),
+                on_ranks(false, Choice::Host),
                 "{world} ranks: fetched ahead or not"
+            );
+            // The device path's packing (over MPI staged through the host: thread ranks
+            // here) hands back the same bits.
+            assert_eq!(
+                pieces,
+                on_ranks(false, Choice::Device),
+                "{world} ranks: device buffers"
             );
             // Each parameter's gradient: the pieces of a replica's ranks in rank order; the
             // other replicas hold the same pieces.
@@ -496,11 +520,11 @@ mod tests {
         let params = model.init(7, &device);
         std::thread::scope(|scope| {
             for comm in kiln_dist::Threads::job(2) {
-                let (model, params, device) = (&model, &params, device.clone());
+                let (model, params) = (&model, &params);
                 scope.spawn(move || {
                     let plan = plan(model, &comm, 1, true);
                     let mine = plan.pieces(params);
-                    let mut s = StageShards::new(&plan, model, &mine, &device);
+                    let mut s = StageShards::new(&plan, model, &mine);
                     s.expect(vec![Stage::Embed, Stage::Block(0), Stage::Block(1)]);
                     for stage in [Stage::Embed, Stage::Block(1), Stage::Head, Stage::Block(0)] {
                         for (i, t) in model.owned(stage).zip(s.gather(stage)) {
@@ -521,7 +545,7 @@ mod tests {
         let want = to_vec(&model.forward(&params, inputs.clone()).reshape([-1]));
         let plan = plan(&model, &kiln_dist::Solo, 1, true);
         let pieces = plan.pieces(&params);
-        let mut s = StageShards::new(&plan, &model, &pieces, &device);
+        let mut s = StageShards::new(&plan, &model, &pieces);
         let got = to_vec(&logits(&model, &mut s, inputs).reshape([-1]));
         assert_eq!(got, want);
     }

@@ -4,24 +4,26 @@
 //!
 //! | mode | strategy | gradients | update |
 //! | --- | --- | --- | --- |
-//! | `none` | [`Replicated`] | all-reduced whole (NCCL on CUDA, else host-staged MPI) | every rank, everything |
+//! | `none` | [`Replicated`] | all-reduced whole | every rank, everything |
 //! | `optimizer` | [`ShardedState`] | all-reduced whole, this rank's range kept | this rank's range, then all-gathered |
 //! | `gradients` | [`ShardedState`] | reduce-scattered to this rank's range | this rank's range, then all-gathered |
 //! | `parameters` | [`StageWise`] | reduce-scattered stage by stage inside the backward pass | this rank's pieces, in place |
 //!
 //! Every strategy returns the same [`Reduced`]: the loss averaged over all ranks, this rank's
-//! gradients (whole, or its range of each) and their global norm over all ranks.
+//! gradients (whole, or its range of each) and their global norm over all ranks. Every
+//! strategy's collectives go through one [`DeviceCollective`], chosen once per run
+//! ([`collective::choose`]): NCCL on the device on CUDA, host-staged MPI elsewhere.
 
 use super::pass::{Labels, LocalPass, MicroBatches};
 use crate::error::TrainError;
 use crate::model::session::Session;
 use crate::optim::{self, Optimizer};
-use crate::parallel::nccl::Nccl;
+use crate::parallel::collective::{self, DeviceCollective, Ranks};
 use crate::parallel::shard::{ShardPlan, StageShards};
 use crate::parallel::stagewise;
 use crate::tensor::{int_tensor, target_tensor};
 use burn::tensor::Tensor;
-use kiln_dist::{BucketedAllReduce, Collective};
+use kiln_dist::Collective;
 use std::time::Instant;
 
 /// A step's loss and gradients averaged over the ranks.
@@ -66,7 +68,10 @@ pub trait Exchange {
         optimizer: &mut Optimizer,
         grads: Vec<Tensor<1>>,
         update: Update,
-    );
+    ) -> Result<(), TrainError>;
+
+    /// What carries the collectives (host-staged MPI, NCCL), for the `start` event.
+    fn collectives(&self) -> String;
 
     /// What this rank keeps of a sharded run (`None`: everything).
     fn plan(&self) -> Option<&ShardPlan> {
@@ -80,8 +85,8 @@ pub trait Exchange {
     }
 }
 
-/// The exchange of `plan` (`None`: a replicated run) over `comm`'s ranks: on CUDA devices the
-/// replicated gradients are averaged by NCCL on the device, else through host memory. A
+/// The exchange of `plan` (`None`: a replicated run) over `comm`'s ranks, with the
+/// collectives of [`collective::choose`] (the sharded plan chose its own, over its mesh). A
 /// collective: every rank calls it.
 pub fn choose<'c>(
     plan: Option<ShardPlan>,
@@ -92,34 +97,24 @@ pub fn choose<'c>(
     Ok(match plan {
         Some(plan) if plan.shards_parameters() => Box::new(StageWise { plan, comm }),
         Some(plan) => Box::new(ShardedState { plan, comm }),
-        None => {
-            let nccl = match comm.size() > 1 {
-                true => Nccl::join(comm, &session.device)?,
-                false => None,
-            };
-            Box::new(Replicated {
-                comm,
-                host: BucketedAllReduce::new(bucket_bytes),
-                nccl,
-            })
-        }
+        None => Box::new(Replicated {
+            comm,
+            coll: collective::choose(Ranks::replicated(comm), &session.device, bucket_bytes, None)?,
+        }),
     })
 }
 
 /// Every rank holds everything; gradients are all-reduced whole.
 pub struct Replicated<'c> {
     comm: &'c dyn Collective,
-    /// The host-staged average (MPI), in fixed buckets.
-    host: BucketedAllReduce,
-    /// The average on the devices, when they are CUDA devices and there are several ranks.
-    nccl: Option<Nccl>,
+    /// NCCL on CUDA devices with several ranks, else host-staged MPI in fixed buckets.
+    coll: Box<dyn DeviceCollective>,
 }
 
 impl Replicated<'_> {
     /// The loss and gradients averaged over the ranks, and the seconds it took.
     fn average(
         &self,
-        session: &Session,
         loss: f32,
         grads: Vec<Tensor<1>>,
     ) -> Result<(f32, Vec<Tensor<1>>, f64), TrainError> {
@@ -127,15 +122,9 @@ impl Replicated<'_> {
             return Ok((loss, grads, 0.0));
         }
         let t0 = Instant::now();
-        if let Some(nccl) = &self.nccl {
-            let mut sum = [loss];
-            self.comm.all_reduce_sum_f32(&mut sum);
-            let loss = sum[0] * (1.0 / self.comm.size() as f32);
-            return Ok((loss, nccl.mean(grads)?, t0.elapsed().as_secs_f64()));
-        }
-        let (loss, grads) =
-            crate::tensor::mean_over_ranks(&self.host, self.comm, loss, grads, &session.device);
-        Ok((loss, grads, t0.elapsed().as_secs_f64()))
+        let (loss, grads) = self.coll.mean(Ranks::replicated(self.comm), loss, grads)?;
+        let busy = self.coll.device_busy_s();
+        Ok((loss, grads, t0.elapsed().as_secs_f64() + busy))
     }
 }
 
@@ -147,7 +136,7 @@ impl Exchange for Replicated<'_> {
         batches: MicroBatches,
     ) -> Result<Reduced, TrainError> {
         let (loss, grads) = pass.accumulate(session, batches)?;
-        let (loss, grads, comm_s) = self.average(session, loss, grads)?;
+        let (loss, grads, comm_s) = self.average(loss, grads)?;
         let norm = optim::global_norm(&grads);
         Ok(Reduced {
             loss,
@@ -163,8 +152,13 @@ impl Exchange for Replicated<'_> {
         optimizer: &mut Optimizer,
         grads: Vec<Tensor<1>>,
         u: Update,
-    ) {
+    ) -> Result<(), TrainError> {
         optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+        Ok(())
+    }
+
+    fn collectives(&self) -> String {
+        self.coll.describe()
     }
 }
 
@@ -184,12 +178,12 @@ impl Exchange for ShardedState<'_> {
     ) -> Result<Reduced, TrainError> {
         let (loss, grads) = pass.accumulate(session, batches)?;
         let t0 = Instant::now();
-        let (loss, grads, norm) = self.plan.average(self.comm, loss, grads, &session.device);
+        let (loss, grads, norm) = self.plan.average(self.comm, loss, grads)?;
         Ok(Reduced {
             loss,
             grads,
             norm,
-            comm_s: t0.elapsed().as_secs_f64(),
+            comm_s: t0.elapsed().as_secs_f64() + self.plan.device_busy_s(),
         })
     }
 
@@ -199,15 +193,18 @@ impl Exchange for ShardedState<'_> {
         optimizer: &mut Optimizer,
         grads: Vec<Tensor<1>>,
         u: Update,
-    ) {
+    ) -> Result<(), TrainError> {
         let mut pieces = self.plan.pieces(&session.params);
         optimizer.update_clipped(&mut pieces, grads, u.clip, u.lr, u.frozen);
-        self.plan
-            .gather(pieces, &mut session.params, &session.device);
+        self.plan.gather(pieces, &mut session.params)
     }
 
     fn plan(&self) -> Option<&ShardPlan> {
         Some(&self.plan)
+    }
+
+    fn collectives(&self) -> String {
+        self.plan.describe_collectives()
     }
 }
 
@@ -225,21 +222,20 @@ impl Exchange for StageWise<'_> {
         session: &Session,
         batches: MicroBatches,
     ) -> Result<Reduced, TrainError> {
-        let mut stages =
-            StageShards::new(&self.plan, &session.model, &session.params, &session.device);
+        let mut stages = StageShards::new(&self.plan, &session.model, &session.params);
         let (scale, mut loss) = (batches.scale(), 0.0f32);
         for m in 0..batches.count {
             let b = (batches.read)(m)?;
             loss += staged_loss(session, &mut stages, &b.rows, batches.seq, scale, b.labels)?;
         }
         let t0 = Instant::now();
-        let (grads, sq) = stages.take_grads();
+        let (grads, sq) = stages.take_grads()?;
         let (loss, norm) = self.plan.loss_and_norm(self.comm, loss, sq);
         Ok(Reduced {
             loss,
             grads,
             norm,
-            comm_s: stages.comm_s() + t0.elapsed().as_secs_f64(),
+            comm_s: stages.comm_s() + t0.elapsed().as_secs_f64() + self.plan.device_busy_s(),
         })
     }
 
@@ -249,13 +245,18 @@ impl Exchange for StageWise<'_> {
         optimizer: &mut Optimizer,
         grads: Vec<Tensor<1>>,
         u: Update,
-    ) {
+    ) -> Result<(), TrainError> {
         // The session holds this rank's pieces only: they are updated in place.
         optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+        Ok(())
     }
 
     fn plan(&self) -> Option<&ShardPlan> {
         Some(&self.plan)
+    }
+
+    fn collectives(&self) -> String {
+        self.plan.describe_collectives()
     }
 
     fn stages<'s>(&'s self, session: &'s Session) -> Option<StageShards<'s>> {
@@ -263,7 +264,6 @@ impl Exchange for StageWise<'_> {
             &self.plan,
             &session.model,
             &session.params,
-            &session.device,
         ))
     }
 }

@@ -83,7 +83,7 @@ impl<'c> Step<'c> {
         layout: BatchLayout,
         comm: &'c dyn Collective,
     ) -> Result<Self, TrainError> {
-        let plan = ShardPlan::new(cfg, &session.model, comm)?;
+        let plan = ShardPlan::new(cfg, &session.model, comm, &session.device)?;
         let exchange = exchange::choose(plan, comm, session, bucket_bytes(cfg))?;
         Ok(Self::with_exchange(cfg, session, layout, comm, exchange))
     }
@@ -161,6 +161,11 @@ impl<'c> Step<'c> {
         self.layout = layout;
     }
 
+    /// What carries the collectives between the ranks (host-staged MPI, NCCL).
+    pub fn collectives(&self) -> String {
+        self.exchange.collectives()
+    }
+
     /// The debug faults this step injects.
     pub fn faults(&self) -> &Faults {
         &self.faults
@@ -192,7 +197,7 @@ impl<'c> Step<'c> {
             lr,
             frozen: &self.frozen,
         };
-        self.exchange.apply(session, optimizer, g.grads, update);
+        self.exchange.apply(session, optimizer, g.grads, update)?;
         if optimizer.hessian_due() {
             // Seeded by (seed, optimizer step, rank): a resumed run draws the same labels.
             let seed = self.seed

@@ -347,7 +347,10 @@ impl<'a> Trainer<'a> {
         let e = match staged {
             Some(mut s) => {
                 let logits = &mut |x| stagewise::logits(&session.model, &mut s, x);
-                self.eval.run_with(session, syn, step, logits)
+                let e = self.eval.run_with(session, syn, step, logits);
+                // A collective that failed during the eval is the step's error.
+                s.check()?;
+                e
             }
             None => {
                 let mut e = self.eval.run(session, syn, step);
@@ -433,7 +436,9 @@ impl<'a> Trainer<'a> {
     fn write_final_model(&mut self) -> Result<(), TrainError> {
         let session = &self.run.session;
         let (specs, params) = (session.model.specs(), &session.params);
-        let whole = (self.step.parameter_shards()).map(|plan| plan.whole_host(specs, params));
+        let whole = (self.step.parameter_shards())
+            .map(|plan| plan.whole_host(specs, params))
+            .transpose()?;
         let Some(run) = self.journal.run_dir() else {
             return Ok(());
         };

@@ -179,6 +179,7 @@ impl<'a> Trainer<'a> {
             "shard": self.cfg.parallelism.shard.name(),
             "shard_ranks": self.step.shard().map_or(1, ShardPlan::shards),
             "prefetch": self.step.shard().is_some_and(ShardPlan::prefetches),
+            "collectives": self.step.collectives(),
         });
         self.journal.emit(event::START, fields)?;
         if self.cfg.metrics.tensorboard {

@@ -300,8 +300,59 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `kiln doctor --device`: each kernel check (kiln_train::kernels::selfcheck) in f32 and, where
-/// the device has it, bf16, then NCCL's one-rank check; whether all passed.
+/// the device has it, bf16, then NCCL's one-rank check; under `kiln launch` with several ranks
+/// (`WORLD_SIZE` > 1), only NCCL across the ranks (each collective kiln uses, on known values;
+/// the kernel checks are one rank's, a plain `kiln doctor`). Whether all passed (on every
+/// rank).
 fn print_device_checks(name: &str) -> anyhow::Result<bool> {
+    let device = kiln_train::model::session::parse_device(name)?;
+    let env = RankEnv::from_process_env()?;
+    if env.world_size > 1 {
+        let comm = kiln_dist::init(&env, false)?;
+        let mut ok = true;
+        let r = comm.rank();
+        match kiln_train::parallel::nccl::check_ranks(comm.as_ref(), &device) {
+            Ok(None) => println!("nccl:          rank {r}: not used on {name}"),
+            Ok(Some(c)) => {
+                let verdict = if c.passed() { "ok" } else { "FAIL" };
+                println!(
+                    "nccl:          rank {r} of {}: all-reduce {:.1e}, reduce-scatter {:.1e}, all-gather {:.1e} (relative to the known answer) {verdict}",
+                    c.ranks, c.all_reduce, c.reduce_scatter, c.all_gather
+                );
+                ok &= c.passed();
+            }
+            Err(e) => {
+                ok = false;
+                println!("nccl:          rank {r}: ERROR {e}");
+            }
+        }
+        // Every rank's verdict: a rank that failed fails the job.
+        let mut failed = [u64::from(!ok)];
+        comm.all_reduce_max_u64(&mut failed);
+        return Ok(failed[0] == 0);
+    }
+    let mut ok = print_kernel_checks(name)?;
+    match kiln_train::parallel::nccl::check_one_rank(&device) {
+        Ok(None) => {
+            println!("nccl:          not used on {name} (gradients staged through host memory)")
+        }
+        Ok(Some(0.0)) => {
+            println!("nccl:          ok (one rank: joined, reduced, handed back)")
+        }
+        Ok(Some(d)) => {
+            ok = false;
+            println!("nccl:          FAIL (one rank changed the gradients by {d:.2e})");
+        }
+        Err(e) => {
+            ok = false;
+            println!("nccl:          ERROR {e}");
+        }
+    }
+    Ok(ok)
+}
+
+/// Each kernel check in f32 and, where the device has it, bf16; whether all passed.
+fn print_kernel_checks(name: &str) -> anyhow::Result<bool> {
     let device = kiln_train::model::session::parse_device(name)?;
     let mut ok = true;
     for (dtype, checks) in kiln_train::kernels::selfcheck::run_each_type(&device) {
@@ -320,22 +371,6 @@ fn print_device_checks(name: &str) -> anyhow::Result<bool> {
                 c.kernel, c.part, c.rel_diff, c.tolerance, c.values
             );
             ok &= c.passed();
-        }
-    }
-    match kiln_train::parallel::nccl::check_one_rank(&device) {
-        Ok(None) => {
-            println!("nccl:          not used on {name} (gradients staged through host memory)")
-        }
-        Ok(Some(0.0)) => {
-            println!("nccl:          ok (one rank: joined, reduced, handed back)")
-        }
-        Ok(Some(d)) => {
-            ok = false;
-            println!("nccl:          FAIL (one rank changed the gradients by {d:.2e})");
-        }
-        Err(e) => {
-            ok = false;
-            println!("nccl:          ERROR {e}");
         }
     }
     Ok(ok)
