@@ -477,7 +477,7 @@ impl<W: Wire> DeviceCollective for OnDevice<W> {
     }
 
     fn square_sum(&self, tensors: &[Tensor<1>]) -> f64 {
-        crate::kernels::device_square_sum(tensors).unwrap_or_else(|| host_square_sum(tensors))
+        crate::kernels::replicated::device_square_sum(tensors).unwrap_or_else(|| host_square_sum(tensors))
     }
 
     fn gathers_ahead(&self) -> bool {
