@@ -176,40 +176,25 @@ impl StragglerWatch {
     }
 }
 
-/// Names a straggler: a line on stderr (when the attempt echoes) and the `straggler` event in
-/// the run directory's event log (the directory of the attempt's log). The event is appended
-/// as one write of one line, beside the launcher's and the trainer's own.
-pub(crate) fn report(cfg: &crate::supervise::AttemptConfig, s: &Straggler) {
+/// Names a straggler: a line on stderr (when the attempt `echo`es) and the `straggler` event
+/// in the run directory's event log (the directory of the attempt's log, `log_path`).
+pub(crate) fn report(echo: bool, log_path: &std::path::Path, s: &Straggler) {
     let host = s.host.as_deref().unwrap_or("an unknown host");
     let line = format!(
         "rank {} on {host} is a straggler: {:.2} x its peers' work per step ({:.3} s against {:.3} s, median of the last {} steps)",
         s.rank, s.ratio, s.work_s, s.peers_s, s.window
     );
-    if cfg.echo {
+    if echo {
         eprintln!("kiln: {line}");
     }
     tracing::warn!("{line}");
-    let Some(dir) = cfg.log_path.parent() else {
+    let Some(dir) = log_path.parent() else {
         return;
     };
-    let event = kiln_run::Event {
-        time: kiln_run::unix_time(),
-        source: kiln_run::event::source::LAUNCH.into(),
-        event: kiln_run::event::STRAGGLER.into(),
-        fields: match serde_json::to_value(s) {
-            Ok(serde_json::Value::Object(m)) => m,
-            _ => serde_json::Map::new(),
-        },
-    };
-    let mut bytes = serde_json::to_vec(&event).unwrap_or_default();
-    bytes.push(b'\n');
-    let path = dir.join(kiln_run::layout::EVENTS);
-    let written = kiln_run::files::open_append_regular(&path).and_then(|mut f| {
-        use std::io::Write;
-        f.write_all(&bytes)
-    });
+    let written = kiln_run::EventLog::open(dir, kiln_run::event::source::LAUNCH)
+        .and_then(|mut log| log.emit(kiln_run::event::STRAGGLER, s));
     if let Err(e) = written {
-        tracing::warn!("{}: {e}", path.display());
+        tracing::warn!("{e}");
     }
 }
 

@@ -125,20 +125,15 @@ pub fn write_beacon_with_work(
     work_s: Option<f64>,
 ) -> Result<(), BeaconError> {
     write_at(dir, rank, step, phase, time, work_s)?;
-    crate::collective::wrote(dir, rank, step, phase, work_s);
+    // How the collective mark rewrites this beacon (see [`crate::collective`]).
+    let dir = dir.to_path_buf();
+    crate::collective::wrote(
+        phase,
+        Box::new(move |phase| {
+            write_at(&dir, rank, step, phase, crate::unix_time(), work_s).is_ok()
+        }),
+    );
     Ok(())
-}
-
-/// [`write_beacon_with_work`] at the current time, without recording it as this process's
-/// phase (the collective mark, see [`crate::collective`]).
-pub(crate) fn write_line(
-    dir: &Path,
-    rank: usize,
-    step: u64,
-    phase: &str,
-    work_s: Option<f64>,
-) -> Result<(), BeaconError> {
-    write_at(dir, rank, step, phase, crate::unix_time(), work_s)
 }
 
 fn write_at(

@@ -7,7 +7,6 @@
 //! collective. Short collectives (nearly all) cost two uncontended locks and never touch a
 //! file; a process that wrote no beacon is never marked.
 
-use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -21,19 +20,19 @@ pub const MARK_AFTER: Duration = Duration::from_millis(250);
 /// How often the marker looks.
 const LOOK_EVERY: Duration = Duration::from_millis(50);
 
+/// Rewrites this process's last beacon (same rank, step and work time) with another phase,
+/// now; whether it was written. Given by the beacon's writer, so this file needs no part of
+/// the beacon format.
+pub(crate) type Rewrite = Box<dyn Fn(&str) -> bool + Send>;
+
 /// The beacon this process last wrote.
-#[derive(Debug, Clone)]
 struct Last {
-    dir: PathBuf,
-    rank: usize,
-    step: u64,
     phase: String,
-    /// The work time it carried, kept by the mark.
-    work_s: Option<f64>,
+    rewrite: Rewrite,
 }
 
 /// This process's collectives in flight and whether the beacon says so.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct State {
     last: Option<Last>,
     /// Blocking calls in flight (a background thread's included), and since when.
@@ -47,33 +46,17 @@ fn state() -> &'static Mutex<State> {
     STATE.get_or_init(|| Mutex::new(State::default()))
 }
 
-/// Records the beacon this process wrote (see [`crate::write_beacon`]); a mark in place is
-/// replaced by it.
-pub(crate) fn wrote(
-    dir: &std::path::Path,
-    rank: usize,
-    step: u64,
-    phase: &str,
-    work_s: Option<f64>,
-) {
-    wrote_into(state(), dir, rank, step, phase, work_s);
+/// Records the beacon this process wrote (see [`crate::write_beacon`]): its phase and how to
+/// rewrite it; a mark in place is replaced by it.
+pub(crate) fn wrote(phase: &str, rewrite: Rewrite) {
+    wrote_into(state(), phase, rewrite);
 }
 
-fn wrote_into(
-    st: &Mutex<State>,
-    dir: &std::path::Path,
-    rank: usize,
-    step: u64,
-    phase: &str,
-    work_s: Option<f64>,
-) {
+fn wrote_into(st: &Mutex<State>, phase: &str, rewrite: Rewrite) {
     if let Ok(mut s) = st.lock() {
         s.last = Some(Last {
-            dir: dir.to_path_buf(),
-            rank,
-            step,
             phase: phase.to_string(),
-            work_s,
+            rewrite,
         });
         s.marked = false;
     }
@@ -123,7 +106,7 @@ fn end(st: &Mutex<State>) {
     if std::mem::take(&mut s.marked)
         && let Some(l) = &s.last
     {
-        let _ = crate::beacon::write_line(&l.dir, l.rank, l.step, &l.phase, l.work_s);
+        (l.rewrite)(&l.phase);
     }
 }
 
@@ -154,7 +137,7 @@ fn mark_if_due(st: &Mutex<State>, now: Instant) {
         return;
     }
     if let Some(l) = &s.last
-        && crate::beacon::write_line(&l.dir, l.rank, l.step, COLLECTIVE, l.work_s).is_ok()
+        && (l.rewrite)(COLLECTIVE)
     {
         s.marked = true;
     }
@@ -177,8 +160,10 @@ mod tests {
             (b.rank, b.step, b.phase)
         };
         let write = |step, phase: &str| {
-            crate::beacon::write_line(dir.path(), 3, step, phase, None).unwrap();
-            wrote_into(&st, dir.path(), 3, step, phase, None);
+            let at = dir.path().to_path_buf();
+            let rewrite = move |p: &str| crate::write_beacon(&at, 3, step, p, 0.0).is_ok();
+            assert!(rewrite(phase));
+            wrote_into(&st, phase, Box::new(rewrite));
         };
         assert!(!begin(&st), "no beacon yet: nothing to mark");
         end(&st);

@@ -1249,7 +1249,7 @@ impl Domains {
 }
 
 /// With `model.init_from` set, takes the model keys from the Hugging Face directory's
-/// `config.json` ([`crate::model::hf::HfShape`]) into `table`: a key the file (`origin`) or
+/// `config.json` ([`crate::hf_dir::HfShape`]) into `table`: a key the file (`origin`) or
 /// an override already sets to another value is an error naming both; `data.tokenizer`
 /// defaults to the directory's `tokenizer.json`.
 fn resolve_init_from(
@@ -1257,7 +1257,7 @@ fn resolve_init_from(
     origin: &str,
     overrides: &[String],
 ) -> Result<(), ConfigError> {
-    use crate::model::hf;
+    use crate::hf_dir as hf;
     let Some(dir) = table
         .get("model")
         .and_then(|m| m.get("init_from"))

@@ -31,6 +31,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod guards;
+pub mod hf_dir;
 pub mod kernels;
 pub mod model;
 pub mod optim;

@@ -228,7 +228,7 @@ impl Watch {
         }
         let fresh = kiln_run::read_beacons(dir);
         for s in self.stragglers.observe(&fresh, a.start_time) {
-            crate::straggler::report(a.cfg, &s);
+            crate::straggler::report(a.cfg.echo, &a.cfg.log_path, &s);
         }
         self.steps.observe(&fresh, a.start_time, now);
         let advanced = (self.beacons).update(fresh, a.start_time, now);

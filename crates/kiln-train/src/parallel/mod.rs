@@ -1,10 +1,12 @@
 //! The machinery of sharded data parallelism that the step's gradient exchanges
 //! ([`crate::step::exchange`]) use: which piece of the state each rank keeps and the
 //! collectives over those pieces ([`shard`]), the forward and backward pass stage by stage
-//! with each stage's weights gathered when used ([`stagewise`]), and the gradient average on
-//! CUDA devices over NCCL ([`nccl`]).
+//! with each stage's weights gathered when used ([`stagewise`]), the one seam through which
+//! the ranks' tensors meet ([`collective`]: host-staged MPI, or flat device buffers), and
+//! below it how flat buffers travel ([`wire`]: MPI, or NCCL on CUDA devices, [`nccl`]).
 
 pub mod collective;
 pub mod nccl;
 pub mod shard;
 pub mod stagewise;
+pub mod wire;

@@ -22,7 +22,7 @@
 //! NCCL's ring gives every rank the same bits, and the same calls in every run give the same
 //! bits again (exact resume), as the host path's fixed buckets do.
 
-use super::collective::{InFlight, Over, Ranks, Wire};
+use super::wire::{InFlight, Over, Ranks, Wire};
 use crate::error::TrainError;
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{Collective, Sharded};

@@ -1,5 +1,6 @@
 //! Stragglers named for real: a 3-rank data-parallel run in which one rank is slowed by
-//! SIGSTOP/SIGCONT cycling (stopped 40 ms of every 80 ms), on a real MPI (`kiln launch --mpi`)
+//! SIGSTOP/SIGCONT cycling (stopped 15 ms of every 20 ms, a period shorter than a step, so
+//! every step of that rank is slowed alike, as a throttled CPU would be), on a real MPI (`kiln launch --mpi`)
 //! and on the test Slurm; `kiln launch` names that rank (and its host) first in a `straggler`
 //! event and `kiln status` shows it. (On a machine this loaded, CPU contention alone can keep
 //! another rank above the factor for a window: the test asks that the slowed rank is named
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// A trainer whose steps take tens of milliseconds, long against the stop cycle.
+/// A trainer whose steps take about ten milliseconds (400 of them: seconds, even slowed).
 fn train_args(run: &Path, steps: u64) -> Vec<String> {
     let mut a = vec![
         KILN.to_string(),
@@ -40,7 +41,7 @@ fn train_args(run: &Path, steps: u64) -> Vec<String> {
     a
 }
 
-/// Stops and continues `pid` (40 ms of every 80 ms) until `done`.
+/// Stops and continues `pid` (15 ms of every 20 ms: about 4 x its work per step) until `done`.
 fn cycle(pid: i32, done: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         while !done.load(Ordering::Relaxed) {
@@ -48,9 +49,9 @@ fn cycle(pid: i32, done: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
             if unsafe { libc::kill(pid, libc::SIGSTOP) } != 0 {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(40));
+            std::thread::sleep(Duration::from_millis(15));
             unsafe { libc::kill(pid, libc::SIGCONT) };
-            std::thread::sleep(Duration::from_millis(40));
+            std::thread::sleep(Duration::from_millis(5));
         }
     })
 }
