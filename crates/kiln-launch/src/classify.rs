@@ -35,11 +35,14 @@ pub enum Classification {
     Walltime,
     /// kiln got SIGINT/SIGTERM/SIGHUP, forwarded it, and stopped.
     Interrupted,
+    /// A rank stayed slower than its peers (`--straggler-is-node-failure`): kiln stopped
+    /// the ranks so they checkpoint, to retry without its host.
+    Straggler,
 }
 
 impl Classification {
     /// Every class, in the order of [`Classification`]'s definition.
-    pub const ALL: [Classification; 12] = [
+    pub const ALL: [Classification; 13] = [
         Classification::Success,
         Classification::Failed,
         Classification::Deterministic,
@@ -52,6 +55,7 @@ impl Classification {
         Classification::Preempted,
         Classification::Walltime,
         Classification::Interrupted,
+        Classification::Straggler,
     ];
 
     /// The name written to `events.jsonl`.
@@ -69,6 +73,7 @@ impl Classification {
             Classification::Preempted => "preempted",
             Classification::Walltime => "walltime",
             Classification::Interrupted => "interrupted",
+            Classification::Straggler => "straggler",
         }
     }
 
@@ -98,6 +103,7 @@ impl Classification {
                 | Classification::NoHeartbeat
                 | Classification::Signaled
                 | Classification::Preempted
+                | Classification::Straggler
         )
     }
 
@@ -247,6 +253,14 @@ pub const ENDINGS: &[Ending] = {
             Some("--walltime ran out or kiln got SIGUSR1; ranks got SIGTERM/SIGUSR1"),
         ),
         row(
+            Class(Straggler),
+            Code(exit::PREEMPTED),
+            Some(
+                "--straggler-is-node-failure: a rank stayed slower than its peers; the ranks \
+                 got SIGTERM to checkpoint, and its host is swapped for a spare",
+            ),
+        ),
+        row(
             Launcher("spares exhausted"),
             Code(exit::NODES_EXHAUSTED),
             None,
@@ -339,6 +353,7 @@ mod tests {
                 Classification::Signaled,
                 Classification::Walltime,
                 Classification::Interrupted,
+                Classification::Straggler,
             ]
         );
     }
@@ -381,9 +396,10 @@ mod tests {
             let (EndedAs::Class(class), ExitOf::Code(code)) = (e.ended_as, e.exit) else {
                 continue;
             };
-            // A code a program exits with is classified as its row says; the watchdogs'
-            // and the walltime's codes are kiln's own.
-            if !(class.is_hang() || class == Classification::Walltime) {
+            // A code a program exits with is classified as its row says; the watchdogs',
+            // the walltime's and a straggler's codes are kiln's own.
+            let kilns_own = matches!(class, Classification::Walltime | Classification::Straggler);
+            if !(class.is_hang() || kilns_own) {
                 assert_eq!(classify_code(code, false), class, "{code}");
             }
         }

@@ -29,6 +29,8 @@ pub enum Cause {
     Crash,
     /// Its rank's parameters disagreed with the other replicas.
     ReplicaMismatch,
+    /// Its rank stayed slower than its peers (`--straggler-is-node-failure`).
+    Straggler,
 }
 
 impl Cause {
@@ -39,6 +41,7 @@ impl Cause {
             Cause::Hang => "hang",
             Cause::Crash => "crash",
             Cause::ReplicaMismatch => "replica-mismatch",
+            Cause::Straggler => "straggler",
         }
     }
 }
@@ -234,6 +237,9 @@ pub fn diagnose(outcome: &AttemptOutcome, clues: &Clues<'_>) -> Diagnosis {
     if outcome.classification.is_hang() {
         evidence.extend(w.hangs());
     }
+    if outcome.classification == Classification::Straggler {
+        evidence.extend(w.stragglers());
+    }
     if matches!(
         outcome.classification,
         Classification::Failed | Classification::Signaled | Classification::ReplicaMismatch
@@ -324,6 +330,21 @@ impl Witness<'_> {
             .collect()
     }
 
+    /// The hosts of the ranks the attempt was stopped for as stragglers.
+    fn stragglers(&self) -> Vec<Evidence> {
+        let culprits = self.outcome.culprits.iter();
+        culprits
+            .filter_map(|&rank| {
+                Some(Evidence {
+                    host: self.host_of_rank(rank)?,
+                    cause: Cause::Straggler,
+                    source: crate::supervise::source::BEACON.into(),
+                    detail: format!("rank {rank} worked longer per step than its peers"),
+                })
+            })
+            .collect()
+    }
+
     /// The host of the rank that failed first, and what the log's lines (`logged`, those that
     /// are not node failures) say.
     fn crash(&self, logged: Vec<Evidence>) -> Vec<Evidence> {
@@ -365,6 +386,7 @@ fn pick(evidence: Vec<Evidence>, active: usize) -> Diagnosis {
     for cause in [
         Cause::NodeFailure,
         Cause::ReplicaMismatch,
+        Cause::Straggler,
         Cause::Hang,
         Cause::Crash,
     ] {
@@ -515,6 +537,28 @@ mod tests {
             host: host.into(),
             attempt: None,
         }
+    }
+
+    /// An attempt stopped for a straggler names that rank's host (by its place without a
+    /// beacon), and only then: the same culprit in a hang is a hang.
+    #[test]
+    fn a_straggler_names_its_host() {
+        let hosts = hosts();
+        let clues = Clues {
+            hosts: &hosts,
+            ppn: 1,
+            ..Clues::default()
+        };
+        let mut o = AttemptOutcome::not_started(1, String::new());
+        o.classification = Classification::Straggler;
+        o.culprits = vec![2];
+        let d = diagnose(&o, &clues);
+        assert_eq!(
+            (d.cause.as_str(), d.hosts.clone()),
+            ("straggler", vec!["n3".to_string()])
+        );
+        o.classification = Classification::HungStalled;
+        assert_eq!(diagnose(&o, &clues).cause, "hang");
     }
 
     #[test]

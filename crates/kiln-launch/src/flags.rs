@@ -101,6 +101,11 @@ pub struct LaunchRequest {
     /// attempts in a row that got no further), with node scope: swap culprit hosts for spares.
     #[arg(long, help_heading = "Retries")]
     pub auto_retry: bool,
+    /// With --auto-retry: a rank named a straggler (its work per step above 2 x its peers'
+    /// for 20 steps) ends the attempt as a failing node would: the ranks get SIGTERM and
+    /// checkpoint, its host is swapped for a spare and quarantined [default: off].
+    #[arg(long, requires = "auto_retry", help_heading = "Retries")]
+    pub straggler_is_node_failure: bool,
     /// Hosts kept as spares for node scope [default with --auto-retry: about 2 %, at least 1].
     #[arg(long, value_name = "N", help_heading = "Retries")]
     pub spares: Option<usize>,

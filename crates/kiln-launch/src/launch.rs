@@ -534,6 +534,7 @@ impl<'a> Running<'a> {
             expected_ranks: None,
             rank_shims: !self.req.no_rank_env,
             heartbeat_timeout: Some(t.heartbeat),
+            straggler_ends_attempt: self.req.straggler_is_node_failure,
         }
     }
 

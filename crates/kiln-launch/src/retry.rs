@@ -322,8 +322,12 @@ fn deterministic(
 /// a hang is swapped at its Nth such failure).
 fn spares(o: &AttemptOutcome, d: &Diagnosis, strikes: u32, h: &mut History) -> Decision {
     // A failure before any step is most often the program or its input: only a node that
-    // died or a replica that disagreed justifies a spare then.
-    let strong = matches!(d.cause.as_str(), "node-failure" | "replica-mismatch");
+    // died, a replica that disagreed or a straggler the user asked to treat as a node failure
+    // justifies a spare then.
+    let strong = matches!(
+        d.cause.as_str(),
+        "node-failure" | "replica-mismatch" | "straggler"
+    );
     if !d.hosts.is_empty() && strong {
         return Retry {
             replace: d.hosts.clone(),
@@ -840,6 +844,28 @@ mod tests {
 
     /// Node scope swapping a blamed host at its first crash or hang.
     const AT_ONCE: Option<u32> = Some(1);
+
+    /// A straggler's host is swapped at once, even where strikes would wait for a crash's
+    /// third time: the user asked for it to be a node failure.
+    #[test]
+    fn a_straggler_is_swapped_at_once() {
+        let mut h = History::default();
+        let d = decide(
+            &outcome(Classification::Straggler, 75, true),
+            &diag("straggler", &["n3"]),
+            None,
+            RetryLimit::Auto,
+            Some(3),
+            &mut h,
+        );
+        assert_eq!(
+            d,
+            Retry {
+                replace: vec!["n3".to_string()],
+                blind: false
+            }
+        );
+    }
 
     #[test]
     fn policy() {

@@ -77,6 +77,8 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             // --retries and --auto-retry exclude each other.
             retries: w.6.filter(|_| !r.3),
             auto_retry: r.3,
+            // Only with --auto-retry.
+            straggler_is_node_failure: r.3 && w.0,
             spares: w.7,
             strikes: r.6,
             min_nodes: w.8,

@@ -36,6 +36,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         stdout_pty: true,
         expected_ranks: None,
         rank_shims: false,
+        straggler_ends_attempt: false,
         heartbeat_timeout: None,
         startup_timeout: None,
         startup_auto: false,

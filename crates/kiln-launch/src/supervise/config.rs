@@ -53,6 +53,9 @@ pub struct AttemptConfig {
     /// `--heartbeat-timeout`: a rank that beat and then fell silent this long is killed and
     /// ends the attempt (see [`kiln_run::Heartbeat`]); `None`: heartbeats are not watched.
     pub heartbeat_timeout: Option<Duration>,
+    /// A rank named a straggler ends the attempt (`--straggler-is-node-failure`): see
+    /// [`crate::straggler`].
+    pub straggler_ends_attempt: bool,
     /// Startup watchdog: kill when no rank advanced this long after the attempt started (a
     /// wire-up or launch that hangs before the first step); set per attempt by the retry
     /// loop (see [`crate::stall::startup_limit`]); `None`: off.

@@ -142,7 +142,7 @@ fn decided(
     let ranks_code = stop_signal.and(ranks_exit_code(a.cfg, rank_exits));
     let exit_code = v.exit_code.unwrap_or(match v.classification {
         Classification::HungSilent | Classification::HungStalled => exit::WATCHDOG,
-        Classification::Walltime => exit::PREEMPTED,
+        Classification::Walltime | Classification::Straggler => exit::PREEMPTED,
         // After forwarding a stop, the ranks that checkpointed and exited tell the truth
         // about where they stand (75: resumable): their own exits decide, not the launcher's.
         _ => ranks_code.unwrap_or(match (code, stop_signal) {

@@ -65,6 +65,8 @@ pub(super) struct Watch {
     steps: crate::stall::StepClock,
     /// Work times from the beacons: ranks slower than their peers.
     stragglers: crate::straggler::StragglerWatch,
+    /// A straggler named while [`AttemptConfig::straggler_ends_attempt`], not yet acted on.
+    straggler: Option<crate::straggler::Straggler>,
 }
 
 impl Watch {
@@ -85,6 +87,7 @@ impl Watch {
             kill: Escalation::new(a.cfg.grace),
             steps: crate::stall::StepClock::default(),
             stragglers: crate::straggler::StragglerWatch::default(),
+            straggler: None,
         }
     }
 
@@ -105,6 +108,8 @@ impl Watch {
             self.read_progress_dir(a, now);
             let hung = self.liveness(a, now).or_else(|| self.watchdog(a, now));
             self.stop_ranks(a, hung, now);
+            let slow = self.straggler_verdict(a, now);
+            self.stop_ranks(a, slow, now);
             if self.kill.tick(&a.running.groups, now) {
                 // SIGKILL reached the launcher (srun, mpirun); ranks on other nodes, blocked
                 // in a collective and deaf to SIGTERM, would outlive it until the scheduler's
@@ -229,6 +234,9 @@ impl Watch {
         let fresh = kiln_run::read_beacons(dir);
         for s in self.stragglers.observe(&fresh, a.start_time) {
             crate::straggler::report(a.cfg.echo, &a.cfg.log_path, &s);
+            if a.cfg.straggler_ends_attempt {
+                self.straggler.get_or_insert(s);
+            }
         }
         self.steps.observe(&fresh, a.start_time, now);
         let advanced = (self.beacons).update(fresh, a.start_time, now);
@@ -244,6 +252,29 @@ impl Watch {
             return None;
         }
         let v = (self.live).verdict(a.cfg, a.running, &self.statuses, a.ours(), now)?;
+        announce(a.cfg, &v);
+        Some(v)
+    }
+
+    /// A straggler named under `--straggler-is-node-failure`: the ranks are stopped as at the
+    /// walltime (SIGTERM: they checkpoint), its rank named for the retry loop to swap its host.
+    fn straggler_verdict(&mut self, a: &Attempt<'_>, now: Instant) -> Option<Verdict> {
+        if !self.undecided() {
+            return None;
+        }
+        let s = self.straggler.take()?;
+        let v = Verdict {
+            classification: Classification::Straggler,
+            at: now,
+            detect_s: None,
+            culprits: vec![s.rank],
+            culprit_source: Some(super::source::BEACON),
+            message: Some(format!(
+                "rank {} is a straggler ({:.2} x its peers' work per step): ending the attempt to go on without its host",
+                s.rank, s.ratio
+            )),
+            exit_code: None,
+        };
         announce(a.cfg, &v);
         Some(v)
     }

@@ -199,7 +199,9 @@ impl<'a> Trainer<'a> {
     }
 
     /// One optimizer step through the [`Step`]: its gradients, the guards' verdict, and the
-    /// update. `None` when the guards discarded it.
+    /// update. `None` when the guards discarded it. Never inlined: profilers and the
+    /// performance guard (bench/guard, `STEP_FUNCTION`) count the step by this symbol.
+    #[inline(never)]
     fn train_step(&mut self) -> Result<Option<StepMetrics>, TrainError> {
         let t0 = Instant::now();
         self.beacon(event::beacon_phase::TRAIN);

@@ -118,12 +118,14 @@ fn a_slowed_rank_is_named_on_a_real_mpi() {
 }
 
 /// The same on the test Slurm: three nodes, one rank each (srun with PMIx), rank 1 (on n2)
-/// slowed; the straggler is named by its host.
+/// slowed; the straggler is named by its host, and with `--auto-retry
+/// --straggler-is-node-failure` the attempt ends (the ranks checkpoint) and the job goes on
+/// with n2 swapped for the spare n4.
 #[cfg(feature = "mpi")]
 #[test]
-fn a_slowed_rank_is_named_by_its_host_on_slurm() {
+fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
     use common::slurm::{Cluster, wait_until};
-    let cluster = Cluster::start(3, 2);
+    let cluster = Cluster::start(4, 2);
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
@@ -134,10 +136,13 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm() {
             "--nodes",
             "3",
             "--spares",
-            "0",
+            "1",
             "--time",
             "10:00",
             "--launch-arg=--timeout=120",
+            "--launch-arg=--auto-retry",
+            "--launch-arg=--straggler-is-node-failure",
+            "--launch-arg=--backoff=0.2",
             "--",
         ])
         .args(train_args(&run, 600));
@@ -186,4 +191,26 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm() {
     );
     let s = status(&run);
     assert!(s.contains("stragglers: rank 1 on n2"), "{s}");
+    let ev = events();
+    let of = |name: &str| ev.iter().filter(|e| e.event == name).collect::<Vec<_>>();
+    let ends = of("attempt_end");
+    assert_eq!(ends.len(), 2, "{ends:?}");
+    assert_eq!(ends[0].fields["classification"], "straggler");
+    assert_eq!(ends[0].fields["cause"], "straggler");
+    assert_eq!(ends[0].fields["culprit_hosts"], serde_json::json!(["n2"]));
+    let swap = of("node_swap");
+    assert_eq!(
+        (
+            swap[0].fields["host"].as_str(),
+            swap[0].fields["replacement"].as_str()
+        ),
+        (Some("n2"), Some("n4"))
+    );
+    assert_eq!(ends[1].fields["classification"], "success");
+    // The second attempt resumed from the checkpoint the stopped ranks wrote.
+    let resumed = of("resume");
+    assert!(
+        resumed.iter().any(|e| e.fields["step"].as_u64() > Some(0)),
+        "{resumed:?}"
+    );
 }
