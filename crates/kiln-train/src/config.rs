@@ -750,9 +750,32 @@ pub struct ParallelismConfig {
     /// `start` records whether it is on. On CUDA with NCCL the next stage is always gathered
     /// ahead, on NCCL's stream (no thread), whatever this says.
     pub prefetch: bool,
+    /// How the ranks' tensors meet (see [`Collectives`]): `auto` (NCCL on CUDA devices with
+    /// several ranks, host-staged MPI elsewhere), `host` (host-staged MPI everywhere: what
+    /// NCCL's results are compared with) or `device` (NCCL's device-buffer layout over MPI
+    /// staged through host memory: tests of that layout without a GPU).
+    pub collectives: Collectives,
+}
+
+/// How the ranks' tensors meet (`parallelism.collectives`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Collectives {
+    /// NCCL on CUDA devices with several ranks, host-staged MPI elsewhere.
+    #[default]
+    Auto,
+    /// Host-staged MPI on every device.
+    Host,
+    /// The device-buffer layout over MPI staged through host memory.
+    Device,
 }
 
 impl ParallelismConfig {
+    /// Bytes per all-reduce bucket (`bucket_mb`, at least 1 MiB).
+    pub fn bucket_bytes(&self) -> usize {
+        self.bucket_mb.max(1) << 20
+    }
+
     /// Whether a run gathers each stage's weights ahead (`prefetch` with `shard =
     /// "parameters"`; the other modes gather nothing stage by stage).
     pub fn prefetches(&self) -> bool {
@@ -767,6 +790,7 @@ impl Default for ParallelismConfig {
             shard: Shard::None,
             dp_replicate: 1,
             prefetch: false,
+            collectives: Collectives::Auto,
         }
     }
 }
@@ -1393,6 +1417,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("stepz") && err.contains("f.toml"), "{err}");
+    }
+
+    #[test]
+    fn collectives_are_chosen_by_name() {
+        let c = Config::load(None, &["parallelism.collectives=device".into()]).unwrap();
+        assert_eq!(c.parallelism.collectives, Collectives::Device);
+        let err = Config::load(None, &["parallelism.collectives=nccl".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("collectives") && err.contains("nccl"), "{err}");
     }
 
     #[test]

@@ -325,11 +325,11 @@ fn sharded(dir: &Path, steps: u64, mode: &str, device: &str, sets: &[&str]) -> C
     cmd
 }
 
-/// `KILN_COLLECTIVES=device` on `cmd`: the device-buffer collectives NCCL runs (packing
+/// `parallelism.collectives = "device"` on `cmd` (a trainer's command line, last): the device-buffer collectives NCCL runs (packing
 /// into flat device buffers, reduce-scatter and all-gather results cut into views), with
 /// each flat buffer staged through host MPI instead of NCCL.
 fn on_device_buffers(mut cmd: Command) -> Command {
-    cmd.env("KILN_COLLECTIVES", "device");
+    cmd.args(["--set", "parallelism.collectives=device"]);
     cmd
 }
 
@@ -339,7 +339,7 @@ fn on_device_buffers(mut cmd: Command) -> Command {
 /// this runtime by about 1 ulp). Optimizer state and parameters + activation checkpointing
 /// (which a parameter-sharded pass does already: the key must change nothing) run the
 /// host-staged collectives that flex runs; gradients and parameters run the device-buffer
-/// collectives of the NCCL path over MPI (`KILN_COLLECTIVES=device`). Then:
+/// collectives of the NCCL path over MPI (`parallelism.collectives = "device"`). Then:
 /// - a parameter-sharded checkpoint written on this device resumes on one flex rank,
 ///   replicated, and goes on like the flex run (steps 3 and 4 within 1e-3);
 /// - a flex checkpoint of two gradient-sharded ranks resumes on this device with parameters
@@ -514,7 +514,7 @@ fn cuda_ranks(dir: &Path, ranks: usize, steps: u64, mode: &str) -> Command {
 /// training and every sharding mode: each trains the model one CUDA rank trains on their
 /// whole batch (losses and gradient norms within 1e-3 relative, the tolerance of the
 /// host-staged two-rank test above), NCCL's results agree with the host-staged path's
-/// (`KILN_COLLECTIVES=host`, the same run otherwise) within 1e-4 relative, and a
+/// (`parallelism.collectives = "host"`, the same run otherwise) within 1e-4 relative, and a
 /// parameter-sharded run SIGKILLed after its step-2 checkpoint and resumed ends with the
 /// uninterrupted run's bytes. Skipped, with the reason printed, without a CUDA GPU (CI).
 ///
@@ -562,7 +562,7 @@ fn nccl_on_cuda_trains_every_mode_like_one_rank_and_like_the_host_path() {
             let host = tmp.path().join(format!("{mode}-{ranks}-host"));
             seed_caches(&one, &host, ranks);
             let mut cmd = cuda_ranks(&host, ranks, 4, mode);
-            cmd.env("KILN_COLLECTIVES", "host");
+            cmd.args(["--set", "parallelism.collectives=host"]);
             run(cmd, &format!("{ranks} ranks on cuda, {mode}, host-staged"));
             let staged = steps(&host);
             eprintln!(

@@ -4,9 +4,9 @@
 //!
 //! | implementation | chosen | how |
 //! | --- | --- | --- |
-//! | [`HostStaged`] | every device but CUDA (flex, CubeCL's CPU runtime, ROCm, Vulkan, Metal), and CUDA with `KILN_COLLECTIVES=host` | each tensor copied to host memory, MPI in fixed buckets ([`kiln_dist::BucketedAllReduce`], [`kiln_dist::Sharded`]), copied back: exactly the calls kiln made before this seam, so those runs keep their bits |
+//! | [`HostStaged`] | every device but CUDA (flex, CubeCL's CPU runtime, ROCm, Vulkan, Metal), and CUDA with `parallelism.collectives = "host"` | each tensor copied to host memory, MPI in fixed buckets ([`kiln_dist::BucketedAllReduce`], [`kiln_dist::Sharded`]), copied back: exactly the calls kiln made before this seam, so those runs keep their bits |
 //! | [`OnDevice`] over [`Nccl`] | CUDA with several ranks | one flat device buffer per bucket or stage, NCCL's all-reduce, reduce-scatter and all-gather on a stream of kiln's own, ordered against CubeCL's stream by CUDA events (no host synchronisation, no whole-device wait) |
-//! | [`OnDevice`] over [`MpiWire`] | `KILN_COLLECTIVES=device` (tests) | the same device buffers as over NCCL, each flat buffer staged through host memory and MPI: what CI runs to exercise the device-side packing on CubeCL's CPU runtime |
+//! | [`OnDevice`] over [`MpiWire`] | `parallelism.collectives = "device"` (tests) | the same device buffers as over NCCL, each flat buffer staged through host memory and MPI: what CI runs to exercise the device-side packing on CubeCL's CPU runtime |
 //!
 //! Layouts are [`kiln_dist::Sharded`]'s whatever the implementation: a group of tensors
 //! flattened in model order and padded to `ranks x shard` elements, rank `r` owning
@@ -20,6 +20,7 @@
 
 use super::nccl::Nccl;
 use super::wire::{InFlight, MpiWire, Over, Ranks, Wire};
+use crate::config::Collectives;
 use crate::error::TrainError;
 use crate::tensor::{flatten, from_vec, into_vec};
 use burn::tensor::{Device, Tensor};
@@ -77,62 +78,26 @@ pub trait DeviceCollective {
     }
 }
 
-/// Which implementation `KILN_COLLECTIVES` asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Choice {
-    /// NCCL on CUDA devices with several ranks, host-staged MPI elsewhere (unset, `auto`).
-    Auto,
-    /// Host-staged MPI on every device (`host`): NCCL's results can be compared with it.
-    Host,
-    /// The device-side layout over MPI staged through host memory (`device`; tests).
-    Device,
-}
-
-impl Choice {
-    /// `KILN_COLLECTIVES`, or an error naming the values it takes.
-    pub fn from_env() -> Result<Self, TrainError> {
-        match std::env::var("KILN_COLLECTIVES").as_deref() {
-            Err(_) | Ok("" | "auto") => Ok(Self::Auto),
-            Ok("host") => Ok(Self::Host),
-            Ok("device") => Ok(Self::Device),
-            Ok(other) => Err(TrainError::Parallel(format!(
-                "KILN_COLLECTIVES={other:?}: use \"auto\" (NCCL on CUDA, host-staged MPI \
-                 elsewhere), \"host\" (host-staged MPI everywhere) or \"device\" (device \
-                 buffers over host-staged MPI, for tests)"
-            ))),
-        }
-    }
-}
-
-/// The collectives of a run over `ranks` on `device` (every rank calls it: joining NCCL is a
-/// collective): NCCL on CUDA devices when the job has several ranks, host-staged MPI
-/// otherwise ([`Choice`]). `bucket` is the bytes of an all-reduce bucket
-/// (`parallelism.bucket_mb`); `background`, a communicator over the shard's ranks driven by a
-/// thread of its own, gathers stages ahead on the host path (`parallelism.prefetch`).
+/// The collectives of a run over `ranks` on `device`, as `choice`
+/// (`parallelism.collectives`) asks (every rank calls it: joining NCCL is a collective):
+/// NCCL on CUDA devices when the job has several ranks, host-staged MPI otherwise.
+/// `bucket` is the bytes of an all-reduce bucket (`parallelism.bucket_mb`); `background`, a
+/// communicator over the shard's ranks driven by a thread of its own, gathers stages ahead
+/// on the host path (`parallelism.prefetch`).
 pub fn choose(
-    ranks: Ranks,
-    device: &Device,
-    bucket: usize,
-    background: Option<Background>,
-) -> Result<Box<dyn DeviceCollective>, TrainError> {
-    choose_as(Choice::from_env()?, ranks, device, bucket, background)
-}
-
-/// [`choose`] with the implementation asked for by `choice` rather than the environment.
-pub fn choose_as(
-    choice: Choice,
+    choice: Collectives,
     ranks: Ranks,
     device: &Device,
     bucket: usize,
     background: Option<Background>,
 ) -> Result<Box<dyn DeviceCollective>, TrainError> {
     if ranks.job.size() > 1
-        && choice == Choice::Auto
+        && choice == Collectives::Auto
         && let Some(nccl) = Nccl::join_mesh(ranks, device)?
     {
         return Ok(Box::new(OnDevice::new(nccl, bucket, device)));
     }
-    if choice == Choice::Device {
+    if choice == Collectives::Device {
         return Ok(Box::new(OnDevice::new(MpiWire { bucket }, bucket, device)));
     }
     Ok(Box::new(HostStaged {
@@ -501,13 +466,4 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_choice_is_read_from_the_environment_with_a_clear_error() {
-        // Only the parser: the variable is process-wide, so the test does not set it.
-        let err = match std::env::var("KILN_COLLECTIVES") {
-            Ok(_) => return,
-            Err(_) => Choice::from_env().unwrap(),
-        };
-        assert_eq!(err, Choice::Auto);
-    }
 }

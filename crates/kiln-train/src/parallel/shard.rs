@@ -74,25 +74,13 @@ impl ShardPlan {
         comm: &dyn Collective,
         device: &Device,
     ) -> Result<Option<Self>, TrainError> {
-        let choice = collective::Choice::from_env()?;
-        Self::with_collectives(cfg, model, comm, device, choice)
-    }
-
-    /// [`ShardPlan::new`] with the collectives `choice` asks for.
-    pub fn with_collectives(
-        cfg: &Config,
-        model: &Llama,
-        comm: &dyn Collective,
-        device: &Device,
-        choice: collective::Choice,
-    ) -> Result<Option<Self>, TrainError> {
         let mode = cfg.parallelism.shard;
         if mode == Shard::None {
             return Ok(None);
         }
         let mesh = Mesh::new(comm, cfg.parallelism.dp_replicate)?;
         let (rank, shards) = (mesh.shard().rank(), mesh.shard().size());
-        let bucket = cfg.parallelism.bucket_mb.max(1) << 20;
+        let bucket = cfg.parallelism.bucket_bytes();
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
         let ahead = cfg.parallelism.prefetches() && shards > 1;
         let background = ahead.then(|| Background::new(mesh.shard())).flatten();
@@ -101,7 +89,8 @@ impl ShardPlan {
             shard: mesh.shard(),
             replica: mesh.replica(),
         };
-        let coll = collective::choose_as(choice, ranks, device, bucket, background)?;
+        let choice = cfg.parallelism.collectives;
+        let coll = collective::choose(choice, ranks, device, bucket, background)?;
         Ok(Some(Self {
             mode,
             groups,

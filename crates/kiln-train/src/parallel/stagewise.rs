@@ -259,7 +259,7 @@ fn input_grad(x: &Tensor<3>, g: &Gradients) -> Tensor<3> {
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
-    use crate::parallel::collective::Choice;
+    use crate::config::Collectives as Choice;
     use crate::parallel::shard::{ShardPlan, StageShards};
     use crate::tensor::to_vec;
     use burn::tensor::TensorData;
@@ -407,8 +407,9 @@ mod tests {
         cfg.parallelism.shard = crate::config::Shard::Parameters;
         cfg.parallelism.dp_replicate = replicas;
         cfg.parallelism.prefetch = prefetch;
+        cfg.parallelism.collectives = choice;
         let d = Device::flex();
-        ShardPlan::with_collectives(&cfg, model, comm, &d, choice)
+        ShardPlan::new(&cfg, model, comm, &d)
             .unwrap()
             .unwrap()
     }

@@ -104,7 +104,7 @@ pub trait Wire {
 }
 
 /// [`Wire`] over MPI, each flat buffer staged through host memory in kiln's fixed buckets
-/// (`KILN_COLLECTIVES=device`: the device-side packing of [`OnDevice`] without a GPU).
+/// (`parallelism.collectives = "device"`: the device-side packing of [`OnDevice`] without a GPU).
 pub struct MpiWire {
     /// Bytes of an all-reduce bucket.
     pub bucket: usize,

@@ -15,6 +15,7 @@
 //! ([`collective::choose`]): NCCL on the device on CUDA, host-staged MPI elsewhere.
 
 use super::pass::{Labels, LocalPass, MicroBatches};
+use crate::config::ParallelismConfig;
 use crate::error::TrainError;
 use crate::model::session::Session;
 use crate::optim::{self, Optimizer};
@@ -87,20 +88,26 @@ pub trait Exchange {
 }
 
 /// The exchange of `plan` (`None`: a replicated run) over `comm`'s ranks, with the
-/// collectives of [`collective::choose`] (the sharded plan chose its own, over its mesh). A
-/// collective: every rank calls it.
+/// collectives `parallel` asks of [`collective::choose`] (the sharded plan chose its own,
+/// over its mesh). A collective: every rank calls it.
 pub fn choose<'c>(
     plan: Option<ShardPlan>,
     comm: &'c dyn Collective,
     session: &Session,
-    bucket_bytes: usize,
+    parallel: &ParallelismConfig,
 ) -> Result<Box<dyn Exchange + 'c>, TrainError> {
     Ok(match plan {
         Some(plan) if plan.shards_parameters() => Box::new(StageWise { plan, comm }),
         Some(plan) => Box::new(ShardedState { plan, comm }),
         None => Box::new(Replicated {
             comm,
-            coll: collective::choose(Ranks::replicated(comm), &session.device, bucket_bytes, None)?,
+            coll: collective::choose(
+                parallel.collectives,
+                Ranks::replicated(comm),
+                &session.device,
+                parallel.bucket_bytes(),
+                None,
+            )?,
         }),
     })
 }

@@ -69,7 +69,7 @@ impl Step<'static> {
     pub fn single(cfg: &Config, session: &Session) -> Result<Self, TrainError> {
         let layout = BatchLayout::new(&cfg.training, 0, 1).map_err(TrainError::Parallel)?;
         let solo = &kiln_dist::Solo;
-        let exchange = exchange::choose(None, solo, session, bucket_bytes(cfg))?;
+        let exchange = exchange::choose(None, solo, session, &cfg.parallelism)?;
         Ok(Self::with_exchange(cfg, session, layout, solo, exchange))
     }
 }
@@ -84,7 +84,7 @@ impl<'c> Step<'c> {
         comm: &'c dyn Collective,
     ) -> Result<Self, TrainError> {
         let plan = ShardPlan::new(cfg, &session.model, comm, &session.device)?;
-        let exchange = exchange::choose(plan, comm, session, bucket_bytes(cfg))?;
+        let exchange = exchange::choose(plan, comm, session, &cfg.parallelism)?;
         Ok(Self::with_exchange(cfg, session, layout, comm, exchange))
     }
 
@@ -279,7 +279,3 @@ impl<'c> Step<'c> {
     }
 }
 
-/// Bytes per all-reduce bucket (`parallelism.bucket_mb`).
-fn bucket_bytes(cfg: &Config) -> usize {
-    cfg.parallelism.bucket_mb.max(1) << 20
-}
