@@ -258,8 +258,8 @@ fn input_grad(x: &Tensor<3>, g: &Gradients) -> Tensor<3> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
     use crate::config::Collectives as Choice;
+    use crate::config::ModelConfig;
     use crate::parallel::shard::{ShardPlan, StageShards};
     use crate::tensor::to_vec;
     use burn::tensor::TensorData;
@@ -409,9 +409,7 @@ mod tests {
         cfg.parallelism.prefetch = prefetch;
         cfg.parallelism.collectives = choice;
         let d = Device::flex();
-        ShardPlan::new(&cfg, model, comm, &d)
-            .unwrap()
-            .unwrap()
+        ShardPlan::new(&cfg, model, comm, &d).unwrap().unwrap()
     }
 
     #[test]

@@ -278,4 +278,3 @@ impl<'c> Step<'c> {
         self.exchange.stages(session)
     }
 }
-

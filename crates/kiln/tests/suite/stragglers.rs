@@ -140,12 +140,13 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
             "--time",
             "10:00",
             "--launch-arg=--timeout=120",
-            "--launch-arg=--auto-retry",
             "--launch-arg=--straggler-is-node-failure",
             "--launch-arg=--backoff=0.2",
             "--",
         ])
-        .args(train_args(&run, 600));
+        .args(train_args(&run, 600))
+        // Checkpoints on (the SIGTERM of a stopped attempt saves one, which the next resumes).
+        .args(["--set", "checkpoint.interval=100"]);
     for v in [
         "SLURM_JOB_ID",
         "SLURM_JOBID",
