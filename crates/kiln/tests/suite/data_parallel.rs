@@ -743,7 +743,12 @@ fn several_ranks_on_a_kiln_without_mpi_is_a_clear_config_error() {
 fn launch_gate(np: usize, args: &[&str], sets: &[&str]) -> Output {
     let mut cmd = Command::new(common::KILN);
     let np = np.to_string();
-    cmd.args(["launch", "--mpi", "--np", &np, "--timeout", "120", "--"]);
+    // The launch's own run directory (events, attempt logs) in a temporary one, not in the
+    // working directory's runs/.
+    let launch_dir = tempfile::tempdir().expect("a temporary directory");
+    cmd.args(["launch", "--mpi", "--np", &np, "--timeout", "120", "--run-dir"])
+        .arg(launch_dir.path())
+        .arg("--");
     cmd.arg(common::KILN).args(args);
     for s in common::TINY_MODEL.iter().chain(sets) {
         cmd.arg("--set").arg(s);
