@@ -746,9 +746,17 @@ fn launch_gate(np: usize, args: &[&str], sets: &[&str]) -> Output {
     // The launch's own run directory (events, attempt logs) in a temporary one, not in the
     // working directory's runs/.
     let launch_dir = tempfile::tempdir().expect("a temporary directory");
-    cmd.args(["launch", "--mpi", "--np", &np, "--timeout", "120", "--run-dir"])
-        .arg(launch_dir.path())
-        .arg("--");
+    cmd.args([
+        "launch",
+        "--mpi",
+        "--np",
+        &np,
+        "--timeout",
+        "120",
+        "--run-dir",
+    ])
+    .arg(launch_dir.path())
+    .arg("--");
     cmd.arg(common::KILN).args(args);
     for s in common::TINY_MODEL.iter().chain(sets) {
         cmd.arg("--set").arg(s);
