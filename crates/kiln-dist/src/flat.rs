@@ -173,6 +173,21 @@ impl Sharded {
         out
     }
 
+    /// [`Sharded::reduce_scatter_mean`] over `shard`'s ranks, then the mean of that shard over
+    /// `replica`'s ranks (those holding the same shard in the other replicas of a hybrid run;
+    /// one rank without hybrid sharding), a bucketed all-reduce: this rank's shard of the mean
+    /// over every rank of the job.
+    pub fn reduce_scatter_mean_hybrid<P: AsMut<[f32]>>(
+        &self,
+        shard: &dyn Collective,
+        replica: &dyn Collective,
+        full: &mut [P],
+    ) -> Vec<f32> {
+        let mut mine = self.reduce_scatter_mean(shard, full);
+        BucketedAllReduce::new(self.bucket_bytes).mean_in_place(replica, &mut [&mut mine[..]]);
+        mine
+    }
+
     /// The whole buffer from every rank's shard (`mine`, `shard` elements), written into the
     /// concatenation of `full` (`len` elements in all): bucketed all-gather.
     pub fn all_gather_into<P: AsMut<[f32]>>(

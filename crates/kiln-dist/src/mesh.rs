@@ -5,7 +5,7 @@
 //! average their gradients with an all-reduce. Rank `r` holds shard `r % shards` of replica
 //! `r / shards`.
 
-use crate::{BucketedAllReduce, Collective, DistError, Sharded};
+use crate::{Collective, DistError, Sharded};
 
 /// The two groups a rank belongs to in a hybrid-sharded job (see the module documentation).
 pub struct Mesh {
@@ -46,14 +46,9 @@ impl Mesh {
     }
 
     /// This rank's shard of the mean over every rank of the job of the concatenation of
-    /// `full` (only read): the bucketed reduce-scatter over the replica's ranks
-    /// ([`Sharded::reduce_scatter_mean`]), then the mean over the replicas of that shard (a
-    /// bucketed all-reduce).
+    /// `full` (only read), over this mesh ([`Sharded::reduce_scatter_mean_hybrid`]).
     pub fn reduce_scatter_mean<P: AsMut<[f32]>>(&self, flat: &Sharded, full: &mut [P]) -> Vec<f32> {
-        let mut mine = flat.reduce_scatter_mean(self.shard(), full);
-        BucketedAllReduce::new(flat.bucket_bytes)
-            .mean_in_place(self.replica(), &mut [&mut mine[..]]);
-        mine
+        flat.reduce_scatter_mean_hybrid(self.shard(), self.replica(), full)
     }
 }
 

@@ -144,11 +144,7 @@ impl DeviceCollective for HostStaged {
         tensors: Vec<Tensor<1>>,
     ) -> Result<InFlight<Tensor<1>>, TrainError> {
         let mut host: Vec<Vec<f32>> = tensors.into_iter().map(into_vec).collect();
-        // kiln_dist::Mesh::reduce_scatter_mean's calls: over the replica's ranks, then the
-        // mean of that shard over the replicas.
-        let mut mine = flat.reduce_scatter_mean(ranks.shard, &mut host);
-        BucketedAllReduce::new(flat.bucket_bytes())
-            .mean_in_place(ranks.replica, &mut [&mut mine[..]]);
+        let mine = flat.reduce_scatter_mean_hybrid(ranks.shard, ranks.replica, &mut host);
         Ok(InFlight::ready(from_vec(mine, &self.device)))
     }
 

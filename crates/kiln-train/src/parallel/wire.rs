@@ -140,9 +140,8 @@ impl Wire for MpiWire {
     ) -> Result<InFlight<Tensor<1>>, TrainError> {
         let device = send.device();
         let mut host = into_vec(send);
-        let mut mine = flat.reduce_scatter_mean(ranks.shard, &mut [&mut host[..flat.len]]);
-        BucketedAllReduce::new(flat.bucket_bytes())
-            .mean_in_place(ranks.replica, &mut [&mut mine[..]]);
+        let full = &mut [&mut host[..flat.len]];
+        let mine = flat.reduce_scatter_mean_hybrid(ranks.shard, ranks.replica, full);
         Ok(InFlight::ready(from_vec(mine, &device)))
     }
 
