@@ -12,7 +12,7 @@ use crate::common;
 
 use common::KILN;
 use common::slurm::DATA_PARALLEL;
-use common::slurm::{Cluster, wait_until};
+use common::slurm::{Cluster, submit, wait_until};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -128,35 +128,6 @@ fn events(run: &Path) -> Vec<kiln_run::Event> {
 
 fn named<'a>(ev: &'a [kiln_run::Event], name: &str) -> Vec<&'a kiln_run::Event> {
     ev.iter().filter(|e| e.event == name).collect()
-}
-
-/// `kiln submit --scheduler slurm ...` on `cluster`; returns the first job's id.
-fn submit(cluster: &Cluster, run: &Path, flags: &[&str], command: &[String]) -> String {
-    let mut c = cluster.cmd(KILN);
-    c.args(["submit", "--scheduler", "slurm", "--run-dir"])
-        .arg(run)
-        .args(flags)
-        .arg("--")
-        .args(command);
-    for v in [
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "PBS_JOBID",
-        "KILN_PROGRESS_DIR",
-        "RANK",
-        "WORLD_SIZE",
-    ] {
-        c.env_remove(v);
-    }
-    let out = c.output().unwrap();
-    assert!(
-        out.status.success(),
-        "kiln submit: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ev = events(run);
-    let sub = named(&ev, "job_submitted");
-    sub[0].fields["job_id"].as_str().unwrap().to_string()
 }
 
 fn job_output(run: &Path) -> String {

@@ -129,46 +129,22 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
-    let mut c = cluster.cmd(KILN);
-    c.args(["submit", "--scheduler", "slurm", "--run-dir"])
-        .arg(&run)
-        .args([
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
-            "--time",
-            "10:00",
-            "--launch-arg=--timeout=120",
-            "--launch-arg=--straggler-is-node-failure",
-            "--launch-arg=--backoff=0.2",
-            "--",
-        ])
-        .args(train_args(&run, 600))
-        // Checkpoints on (the SIGTERM of a stopped attempt saves one, which the next resumes).
-        .args(["--set", "checkpoint.interval=100"]);
-    for v in [
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "PBS_JOBID",
-        "KILN_PROGRESS_DIR",
-        "RANK",
-        "WORLD_SIZE",
-    ] {
-        c.env_remove(v);
-    }
-    let out = c.output().unwrap();
-    assert!(
-        out.status.success(),
-        "kiln submit: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut command = train_args(&run, 600);
+    // Checkpoints on (the SIGTERM of a stopped attempt saves one, which the next resumes).
+    command.extend(["--set".into(), "checkpoint.interval=100".into()]);
+    let flags = [
+        "--nodes",
+        "3",
+        "--spares",
+        "1",
+        "--time",
+        "10:00",
+        "--launch-arg=--timeout=120",
+        "--launch-arg=--straggler-is-node-failure",
+        "--launch-arg=--backoff=0.2",
+    ];
+    let id = common::slurm::submit(&cluster, &run, &flags, &command);
     let events = || kiln_run::read_events(&run).unwrap_or_default();
-    let id = events()
-        .iter()
-        .find(|e| e.event == "job_submitted")
-        .and_then(|e| e.fields["job_id"].as_str().map(str::to_string))
-        .expect("job_submitted");
     let mut pid = None;
     wait_until(Duration::from_secs(120), "rank 1's trainer", || {
         pid = common::slurm::rank_pid(&dir, &run, 1);

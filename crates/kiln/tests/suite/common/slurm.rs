@@ -384,3 +384,35 @@ pub fn rank_pid(dir: &Path, run: &Path, rank: usize) -> Option<i32> {
     }
     super::trainer_pid(run, rank)
 }
+
+/// `kiln submit --scheduler slurm ...` on `cluster`; returns the first job's id.
+pub fn submit(cluster: &Cluster, run: &Path, flags: &[&str], command: &[String]) -> String {
+    let mut c = cluster.cmd(super::KILN);
+    c.args(["submit", "--scheduler", "slurm", "--run-dir"])
+        .arg(run)
+        .args(flags)
+        .arg("--")
+        .args(command);
+    for v in [
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "PBS_JOBID",
+        "KILN_PROGRESS_DIR",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
+        c.env_remove(v);
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "kiln submit: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = kiln_run::read_events(run).unwrap_or_default();
+    let sub = ev
+        .iter()
+        .find(|e| e.event == "job_submitted")
+        .expect("job_submitted");
+    sub.fields["job_id"].as_str().unwrap().to_string()
+}
