@@ -487,6 +487,15 @@ fn bad_input_names_the_file_line_or_flags() {
         text(&out.stderr)
     );
 
+    // A straggler can only be a node failure where kiln swaps nodes.
+    let (out, _) = run(&["launch", "--straggler-is-node-failure", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--auto-retry"),
+        "{}",
+        text(&out.stderr)
+    );
+
     let (out, _) = run(&["launch", "--progress-regex", "step", "--", "true"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
