@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HACK = ROOT / "crates/kiln-workspace-hack/Cargo.toml"
 BUILDS = [
     ["--workspace", "--features", "kiln/mpi"],
-    ["-p", "kiln-train", "-p", "kiln", "--features", "kiln/mpi,kiln/cubecl-cpu,kiln/cuda"],
+    ["-p", "kiln-train", "-p", "kiln", "--features", "kiln/mpi,kiln/cubecl-cpu,kiln/cuda,kiln/rocm"],
 ]
 MAX_NEW = 2
 BEGIN, END = "# BEGIN GENERATED (scripts/unify-features.py)", "# END GENERATED"

@@ -24,10 +24,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .file("src/shared/cpp_shims/options.cpp");
         #[cfg(feature = "amdgpu")]
         {
-            println!("cargo::rerun-if-changed=src/amdgpu/cpp_shims/lld.cpp");
+            // kiln patch (see src/amdgpu/lld.rs): no LLD shim, the link runs an external LLD.
             println!("cargo::rerun-if-changed=src/amdgpu/cpp_shims/printf.cpp");
-            shim.file("src/amdgpu/cpp_shims/lld.cpp")
-                .file("src/amdgpu/cpp_shims/printf.cpp");
+            shim.file("src/amdgpu/cpp_shims/printf.cpp");
         }
 
         shim.flags(tracel_llvm_bundler::config::get_cxxflags_args(Some(
@@ -38,12 +37,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         shim.warnings(false);
         shim.opt_level(3);
         shim.compile("cubecl_llvm_shim");
-
-        #[cfg(feature = "amdgpu")]
-        {
-            println!("cargo:rustc-link-lib=static=lldELF");
-            println!("cargo:rustc-link-lib=static=lldCommon");
-        }
     }
 
     tracel_llvm_bundler::llvm_sys::link()?;

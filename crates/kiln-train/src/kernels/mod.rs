@@ -36,6 +36,8 @@ pub mod cross_entropy;
 mod device;
 mod host;
 pub mod linear;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod offline;
 pub mod replicated;
 pub mod rms_norm;
 pub mod rope;

@@ -6,6 +6,8 @@
 //! Shapes fill no tile: counts that are not multiples of the 128 units a cube runs, grouped-
 //! query ratios 1, 2 and 3, sequences of 1, 7 and 13, the vocabulary in one chunk and in three.
 
+#[cfg(feature = "rocm")]
+pub use super::attention::cube::flash::ptx::amdgpu as flash_amdgpu;
 #[cfg(feature = "cube")]
 pub use super::attention::cube::flash::ptx::check_slots as flash_fragment_slots;
 #[cfg(feature = "cuda")]

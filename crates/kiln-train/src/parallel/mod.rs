@@ -3,10 +3,12 @@
 //! collectives over those pieces ([`shard`]), the forward and backward pass stage by stage
 //! with each stage's weights gathered when used ([`stagewise`]), the one seam through which
 //! the ranks' tensors meet ([`collective`]: host-staged MPI, or flat device buffers), and
-//! below it how flat buffers travel ([`wire`]: MPI, or NCCL on CUDA devices, [`nccl`]).
+//! below it how flat buffers travel ([`wire`]: MPI, or NCCL on CUDA devices, [`nccl`], and
+//! RCCL on ROCm devices, [`rccl`]).
 
 pub mod collective;
 pub mod nccl;
+pub mod rccl;
 pub mod shard;
 pub mod stagewise;
 pub mod wire;

@@ -424,7 +424,7 @@ fn flash_attention_kernels_assemble_for_sm90_with_tensor_core_products() {
 
 /// A test's full name as libtest knows it (`cube_kernels::NAME`): `module_path!()` less the
 /// test binary's own name, so the child runs the test even if this file moves.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn child_test_name(name: &str) -> String {
     let module = module_path!();
     let inner = module.split_once("::").map_or("", |(_, rest)| rest);
@@ -479,4 +479,223 @@ fn flash_ptx_with_libdevice() {
         }
     }
     assert!(selfcheck::flash_ptx(64, FloatDType::F32, 90).is_err());
+}
+
+/// RCCL is for ROCm devices only: on this device the gradients stay host-staged.
+#[test]
+fn rccl_joins_only_on_rocm_devices() {
+    let joined = kiln_train::parallel::rccl::Rccl::join(&kiln_dist::Solo, &device());
+    assert!(matches!(joined, Ok(None)), "RCCL joined on cubecl-cpu");
+}
+
+/// With no RCCL here, opening it fails with every place it looked and how to fix it: what each
+/// rank logs before the run falls back to host-staged MPI.
+#[cfg(feature = "rocm")]
+#[test]
+fn a_missing_rccl_names_where_it_was_looked_for() {
+    use kiln_train::parallel::rccl::{LIBRARY_VAR, library_candidates};
+    let candidates = library_candidates(&|var| match var {
+        "ROCM_PATH" => Some("/nonexistent/rocm".into()),
+        _ => None,
+    });
+    let Err(err) = kiln_train::parallel::rccl::hip::Library::open(&candidates) else {
+        eprintln!("skipped: this host has an RCCL");
+        return;
+    };
+    for looked in [
+        "/nonexistent/rocm/lib/librccl.so",
+        "/opt/rocm/lib/librccl.so",
+        "librccl.so.1",
+    ] {
+        assert!(err.contains(looked), "{looked} missing from: {err}");
+    }
+    assert!(err.contains(LIBRARY_VAR), "{err}");
+}
+
+/// The AMD GPUs kiln's kernels are compiled for here: MI300X (`gfx942`) and MI200 (`gfx90a`),
+/// CDNA, wave64; and RDNA4 (`gfx1201`), wave32.
+#[cfg(feature = "rocm")]
+const AMD_ARCHS: [&str; 3] = ["gfx942", "gfx90a", "gfx1201"];
+
+/// Those of [`AMD_ARCHS`] the flash kernels are compiled for: CubeCL 0.11.3's AMDGPU backend
+/// lowers tile products to WMMA only (RDNA3 and RDNA4; it panics on CDNA's MFMA), and kiln
+/// launches the flash kernels only on 32-unit planes, which CDNA's wave64 is not; so on an
+/// MI300X or MI200 attention takes the row or product kernels, compiled for them above.
+#[cfg(feature = "rocm")]
+const FLASH_ARCHS: [&str; 1] = ["gfx1201"];
+
+/// kiln's CubeCL kernels compile for AMD GPUs through the backend CubeCL's ROCm runtime uses
+/// (LLVM's AMDGPU target, ROCm's device bitcode for the math functions, an external LLD: the
+/// patched `cubecl-llvm`) and link into code objects, all without a GPU or ROCm: every op's
+/// kernels in f32 and bf16 for each of [`AMD_ARCHS`], and the flash kernels in bf16 at head
+/// dimensions 64 and 128 for [`FLASH_ARCHS`] (not CDNA: see there), each an AMDGPU ELF shared
+/// object (`EM_AMDGPU`, `ET_DYN`) whose entry point is in its symbols, the flash kernels' tile
+/// products on the matrix cores. Whether they compute the right
+/// values on a GPU is `kiln doctor --device rocm`'s check, and nothing has run on one.
+///
+/// The device bitcode is Debian's rocm-device-libs (scripts/install-rocm-device-libs.sh),
+/// ROCm 5.2's, which has no `gfx942` ISA library: the child links `gfx940`'s for it (the same
+/// MI300 instruction set; the library only holds the version number), in a directory of links.
+/// The linker is the Rust toolchain's `rust-lld` (LLD 22) unless `CUBECL_AMDGPU_LINKER` names
+/// another. CubeCL reads these once a process, so the compilation runs in a child process of
+/// this test binary ([`amd_code_objects_offline`]).
+#[cfg(feature = "rocm")]
+#[test]
+fn kernels_link_into_amd_code_objects_for_mi300x_and_mi200() {
+    use std::path::PathBuf;
+    let libs = match std::env::var_os("KILN_ROCM_DEVICE_LIBS_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"))
+            .join("kiln/rocm-device-libs-5.2.3-2"),
+    }
+    .join("usr/lib/x86_64-linux-gnu/amdgcn/bitcode");
+    assert!(
+        libs.join("ocml.bc").is_file(),
+        "no ROCm device bitcode under {}: run scripts/install-rocm-device-libs.sh",
+        libs.display()
+    );
+    let bitcode = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&libs).unwrap() {
+        let entry = entry.unwrap();
+        std::os::unix::fs::symlink(entry.path(), bitcode.path().join(entry.file_name())).unwrap();
+    }
+    let isa_942 = bitcode.path().join("oclc_isa_version_942.bc");
+    if !isa_942.exists() {
+        std::os::unix::fs::symlink(libs.join("oclc_isa_version_940.bc"), &isa_942).unwrap();
+    }
+    let linker = match std::env::var_os("CUBECL_AMDGPU_LINKER") {
+        Some(chosen) => PathBuf::from(chosen),
+        None => {
+            let sysroot = std::process::Command::new("rustc")
+                .args(["--print", "sysroot"])
+                .output()
+                .expect("rustc runs");
+            let sysroot = String::from_utf8(sysroot.stdout).unwrap();
+            let host = std::process::Command::new("rustc")
+                .args(["--print", "host-tuple"])
+                .output()
+                .expect("rustc runs");
+            let host = String::from_utf8(host.stdout).unwrap();
+            PathBuf::from(sysroot.trim())
+                .join("lib/rustlib")
+                .join(host.trim())
+                .join("bin/rust-lld")
+        }
+    };
+    assert!(linker.is_file(), "no linker at {}", linker.display());
+    let (out, dumps) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            // The test's name in this binary: its module path without the crate's name.
+            &child_test_name("amd_code_objects_offline"),
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("CUBECL_ROCM_DEVICE_LIB_PATH", bitcode.path())
+        .env("CUBECL_AMDGPU_LINKER", &linker)
+        // For the assembly (a directory: a build with CubeCL's dumps on writes them there).
+        .env("CUBECL_DEBUG_PLIRON", dumps.path())
+        .env("KILN_AMD_OUT", out.path())
+        .status()
+        .unwrap();
+    assert!(status.success(), "the child test failed: {status}");
+    // The child ran (a name that matched no test would run nothing and pass): it wrote a code
+    // object per kernel, type and architecture.
+    let written = std::fs::read_dir(out.path()).unwrap().count();
+    let ops = kiln_train::kernels::offline::kernels(FloatDType::F32)
+        .unwrap()
+        .len();
+    let flash = FLASH_ARCHS.len() * 2 * 3;
+    assert_eq!(
+        written,
+        AMD_ARCHS.len() * 2 * ops + flash,
+        "code objects written"
+    );
+}
+
+/// `EM_AMDGPU`, the ELF machine of AMD GPU code objects.
+#[cfg(feature = "rocm")]
+const EM_AMDGPU: u16 = 224;
+
+/// Checks that `code` is a loadable AMDGPU code object for `arch` with `entry` among its
+/// symbols: a 64-bit little-endian ELF, `ET_DYN`, `EM_AMDGPU`, HSA's OS ABI.
+#[cfg(feature = "rocm")]
+fn assert_code_object(code: &[u8], entry: &str, what: &str) {
+    assert!(code.len() > 64, "{what}: {} bytes", code.len());
+    assert_eq!(&code[..4], b"\x7fELF", "{what}: not an ELF");
+    assert_eq!(code[4], 2, "{what}: not ELF64");
+    assert_eq!(code[5], 1, "{what}: not little-endian");
+    assert_eq!(
+        code[7], 64,
+        "{what}: OS ABI {} is not ELFOSABI_AMDGPU_HSA",
+        code[7]
+    );
+    let half = |at: usize| u16::from_le_bytes([code[at], code[at + 1]]);
+    assert_eq!(half(16), 3, "{what}: e_type {} is not ET_DYN", half(16));
+    assert_eq!(half(18), EM_AMDGPU, "{what}: e_machine {}", half(18));
+    assert!(
+        code.windows(entry.len()).any(|w| w == entry.as_bytes()),
+        "{what}: no symbol {entry}"
+    );
+}
+
+/// Run by [`kernels_link_into_amd_code_objects_for_mi300x_and_mi200`] with the device
+/// bitcode, the linker and `KILN_AMD_OUT` set.
+#[cfg(feature = "rocm")]
+#[test]
+#[ignore = "run by kernels_link_into_amd_code_objects_for_mi300x_and_mi200"]
+fn amd_code_objects_offline() {
+    use kiln_train::kernels::offline::{amdgpu, kernels};
+    let out = std::path::PathBuf::from(std::env::var_os("KILN_AMD_OUT").unwrap());
+    let mut failed = Vec::new();
+    for arch in AMD_ARCHS {
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            for (name, kernel) in kernels(dtype).unwrap() {
+                let what = format!("{arch} {dtype:?} {name}");
+                match amdgpu(&*kernel, arch) {
+                    Ok(code) => {
+                        assert_code_object(&code.code_object, &code.entrypoint, &what);
+                        let file = out.join(format!("{arch}-{dtype:?}-{name}.hsaco"));
+                        std::fs::write(file, &code.code_object).unwrap();
+                        eprintln!("{what}: {} bytes", code.code_object.len());
+                    }
+                    Err(e) => failed.push(format!("{what}: {e}")),
+                }
+            }
+        }
+    }
+    for arch in FLASH_ARCHS {
+        for hd in [64, 128] {
+            let codes = match selfcheck::flash_amdgpu(hd, FloatDType::BF16, arch) {
+                Ok(codes) => codes,
+                Err(e) => {
+                    failed.push(format!("{arch} flash hd {hd}: {e}"));
+                    continue;
+                }
+            };
+            for (name, code) in ["forward", "dq", "dkv"].iter().zip(&codes) {
+                let what = format!("{arch} flash {name} hd {hd}");
+                assert_code_object(&code.code_object, &code.entrypoint, &what);
+                let asm = code.asm.as_deref().unwrap_or_default();
+                // The tile products on the matrix cores (RDNA's WMMA).
+                let products = asm.matches("v_wmma_f32_16x16x16_bf16").count();
+                assert!(products > 0, "{what}: no matrix-core products\n{asm}");
+                let file = out.join(format!("{arch}-flash-{name}-hd{hd}.hsaco"));
+                std::fs::write(file, &code.code_object).unwrap();
+                eprintln!(
+                    "{what}: {} bytes, {products} matrix-core products",
+                    code.code_object.len()
+                );
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }

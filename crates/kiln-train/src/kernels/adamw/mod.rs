@@ -5,7 +5,7 @@
 
 pub mod cpu;
 #[cfg(feature = "cube")]
-mod cube;
+pub(in crate::kernels) mod cube;
 
 use burn::tensor::Tensor;
 pub use cpu::{AdamWScalars, Fused};

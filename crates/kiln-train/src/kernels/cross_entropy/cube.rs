@@ -328,3 +328,66 @@ pub(super) fn linear_cross_entropy(
         columns.max(1),
     ))
 }
+
+/// The kernels in `e` (targets in i32), defined for no device (see
+/// [`crate::kernels::offline`]): a row's cube of 256 units.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let units = 256;
+    let i = ElemType::Int(cubecl::ir::IntKind::I32);
+    vec![
+        (
+            "fold",
+            Box::new(fold_kernel::FoldKernel::new(
+                settings(units),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                units,
+                [e, i],
+            )),
+        ),
+        (
+            "finish",
+            Box::new(finish_kernel::FinishKernel::new(
+                settings(units),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+            )),
+        ),
+        (
+            "grad",
+            Box::new(grad_kernel::GradKernel::new(
+                settings(units),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                [e, i],
+            )),
+        ),
+    ]
+}

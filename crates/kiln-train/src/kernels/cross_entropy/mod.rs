@@ -7,7 +7,7 @@
 pub(super) mod composed;
 mod cpu;
 #[cfg(feature = "cube")]
-mod cube;
+pub(in crate::kernels) mod cube;
 
 use super::check::{Check, compare, grad_of, values_and_grads};
 use super::coverage::{self, Route};

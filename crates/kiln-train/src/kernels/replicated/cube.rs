@@ -168,3 +168,31 @@ pub(super) fn square_sum(tensors: &[Host1]) -> Option<f64> {
         .ok()?;
     Some(sums.iter().map(|&s| f64::from(s)).sum())
 }
+
+/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    [("sums", false), ("square_sums", true)]
+        .into_iter()
+        .map(|(name, square)| {
+            let k: Box<dyn cubecl_runtime::kernel::CubeKernel> =
+                Box::new(partial_sums_kernel::PartialSumsKernel::new(
+                    settings(256),
+                    p.clone(),
+                    t.clone(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    (),
+                    square,
+                    e,
+                ));
+            (name, k)
+        })
+        .collect()
+}

@@ -6,7 +6,7 @@
 //! `device::matmul::matmul_fixed`). Elsewhere burn's own ops, which are deterministic already.
 
 #[cfg(feature = "cube")]
-mod cube;
+pub(in crate::kernels) mod cube;
 
 use burn::tensor::Tensor;
 

@@ -319,3 +319,80 @@ pub(super) fn rms_norm<const D: usize>(
         eps,
     ))
 }
+
+/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]): a row's cube
+/// of 256 units.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let units = 256;
+    let s = || settings(units);
+    vec![
+        (
+            "forward",
+            Box::new(rms_norm_forward_kernel::RmsNormForwardKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                units,
+                e,
+            )),
+        ),
+        (
+            "dx",
+            Box::new(rms_norm_dx_kernel::RmsNormDxKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                units,
+                e,
+            )),
+        ),
+        (
+            "dw_partial",
+            Box::new(rms_norm_dw_partial_kernel::RmsNormDwPartialKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                e,
+            )),
+        ),
+        (
+            "dw_finish",
+            Box::new(rms_norm_dw_finish_kernel::RmsNormDwFinishKernel::new(
+                s(),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                (),
+                (),
+                e,
+            )),
+        ),
+    ]
+}

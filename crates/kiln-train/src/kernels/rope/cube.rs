@@ -220,3 +220,49 @@ pub(super) fn rope(
         heads,
     ))
 }
+
+/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let s = || settings(256);
+    vec![
+        (
+            "forward",
+            Box::new(rope_forward_kernel::RopeForwardKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                e,
+            )),
+        ),
+        (
+            "backward",
+            Box::new(rope_backward_kernel::RopeBackwardKernel::new(
+                s(),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                e,
+            )),
+        ),
+    ]
+}

@@ -164,3 +164,43 @@ pub(super) fn swiglu<const D: usize>(
         up.into_dispatch(),
     ))
 }
+
+/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let s = || settings(256);
+    vec![
+        (
+            "forward",
+            Box::new(swiglu_forward_kernel::SwigluForwardKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                e,
+            )),
+        ),
+        (
+            "backward",
+            Box::new(swiglu_backward_kernel::SwigluBackwardKernel::new(
+                s(),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                e,
+            )),
+        ),
+    ]
+}

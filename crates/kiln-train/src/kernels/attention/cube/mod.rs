@@ -203,3 +203,29 @@ pub(in crate::kernels) fn causal_attention(
         path,
     ))
 }
+
+/// The row kernels (head dimensions 64 and 128) and the products path's kernels in `e`,
+/// defined for no device (see [`crate::kernels::offline`]); the flash kernels are
+/// [`flash::ptx`]'s.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(in crate::kernels) fn offline(
+    e: cubecl::ir::ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    let mut all = Vec::new();
+    for (hd, names) in [
+        (64, ["rows_forward_hd64", "rows_dq_hd64", "rows_dkv_hd64"]),
+        (
+            128,
+            ["rows_forward_hd128", "rows_dq_hd128", "rows_dkv_hd128"],
+        ),
+    ] {
+        all.extend(
+            names
+                .into_iter()
+                .zip(rows::offline(e, hd))
+                .map(|(n, (_, k))| (n, k)),
+        );
+    }
+    all.extend(products::offline(e));
+    all
+}

@@ -363,3 +363,57 @@ pub(super) fn backward(
     let dv = B::float_reshape(dv, [d.b, d.t, d.kv * d.hd].into());
     (dq, cast(dk), dv)
 }
+
+/// The kernels in `e`, a row's cube of 256 units, defined for no device (see
+/// [`crate::kernels::offline`]).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(super) fn offline(
+    e: ElemType,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let units = 256;
+    vec![
+        (
+            "softmax_rows",
+            Box::new(softmax_rows_kernel::SoftmaxRowsKernel::new(
+                settings(units),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                units,
+                e,
+            )),
+        ),
+        (
+            "score_grads",
+            Box::new(score_grads_kernel::ScoreGradsKernel::new(
+                settings(units),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                units,
+                e,
+            )),
+        ),
+    ]
+}

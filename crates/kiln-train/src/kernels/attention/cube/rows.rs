@@ -433,3 +433,84 @@ pub(super) fn backward(
     );
     (dq, dk, dv)
 }
+
+/// The kernels in `e` at head dimension `hd`, in cubes of [`GPU_BLOCK`] rows, defined for no
+/// device (see [`crate::kernels::offline`]).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(super) fn offline(
+    e: ElemType,
+    hd: usize,
+) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
+    use crate::kernels::offline::{props, settings, tensor};
+    let (p, t) = props(None);
+    let block = GPU_BLOCK;
+    let s = || settings(block);
+    vec![
+        (
+            "forward",
+            Box::new(attention_forward_kernel::AttentionForwardKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                hd,
+                block,
+                e,
+            )),
+        ),
+        (
+            "dq",
+            Box::new(attention_dq_kernel::AttentionDqKernel::new(
+                s(),
+                p.clone(),
+                t.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                hd,
+                block,
+                e,
+            )),
+        ),
+        (
+            "dkv",
+            Box::new(attention_dkv_kernel::AttentionDkvKernel::new(
+                s(),
+                p,
+                t,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                hd,
+                block,
+                e,
+            )),
+        ),
+    ]
+}

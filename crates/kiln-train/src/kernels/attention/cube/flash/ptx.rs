@@ -1,111 +1,38 @@
-//! Checks of the tensor-core path that need no GPU: the kernels' PTX for a GPU, compiled here
-//! by the backend CubeCL's CUDA runtime uses (for a test that it compiles, with tensor-core
-//! instructions and no spills), and the planes' split of each tile product's fragments.
+//! Checks of the tensor-core path that need no GPU: the kernels' PTX for an NVIDIA GPU and their
+//! code objects for an AMD GPU, compiled here by the backends CubeCL's CUDA and ROCm runtimes
+//! use (for tests that they compile, with matrix-core instructions and no spills), and the
+//! planes' split of each tile product's fragments.
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 use super::dkv::flash_dkv_kernel;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 use super::dq::flash_dq_kernel;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 use super::forward::flash_forward_kernel;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 use super::launch::{DEFAULT_SHAPES, fragment_config, gpu_tilings};
 use super::tiles::{FRAG, Product, Split, Tiling, against, back};
 
-/// The PTX of the forward, `dq` and `dk`/`dv` kernels for `sm_{arch}` at head dimension `hd`
-/// in `dtype` (bf16 or f16), compiled here without a device by the backend CubeCL's CUDA
-/// runtime compiles them with (LLVM's NVPTX), in the default tilings: for a test that the
-/// tile products lower to tensor-core instructions and the kernels compile at all, on a
-/// machine with no GPU, and for reading.
-#[cfg(feature = "cuda")]
-pub fn ptx(hd: usize, dtype: burn::tensor::FloatDType, arch: u32) -> Result<[String; 3], String> {
+/// The forward, `dq` and `dk`/`dv` kernels at head dimension `hd` in `dtype` (bf16 or f16), in
+/// the default tilings (planes of 32 units), defined for a device with 16 x 16 x 16 fragments
+/// and no other: what [`ptx`] and [`amdgpu`] compile without a device.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn kernels(
+    hd: usize,
+    dtype: burn::tensor::FloatDType,
+) -> Result<[Box<dyn cubecl_runtime::kernel::CubeKernel>; 3], String> {
+    use crate::kernels::offline::{props, settings, tensor};
     use burn::tensor::FloatDType;
-    use cubecl::Compiler;
-    use cubecl::ir::{
-        AddressType, DeviceIdentity, DeviceProperties, HardwareProperties, MemoryDeviceProperties,
-        features::Features, nvidia::SmArch,
-    };
-    use cubecl::ir::{ElemType, FloatKind};
-    use cubecl::prelude::{CubeDim, ExecutionMode, KernelSettings, TargetProperties};
-    use cubecl_llvm::nvptx::ptx_version::PtxVersion;
-    use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
-    use cubecl_runtime::kernel::CubeKernel;
-    use std::sync::Arc;
 
-    let dtype = match dtype {
-        FloatDType::BF16 => ElemType::Float(FloatKind::BF16),
-        FloatDType::F16 => ElemType::Float(FloatKind::F16),
-        other => {
-            return Err(format!(
-                "the flash kernels' fragments take bf16 or f16, not {other:?}"
-            ));
-        }
-    };
-
-    let hardware = HardwareProperties {
-        load_width: 128,
-        vector_register_count: None,
-        plane_size_min: 32,
-        plane_size_max: 32,
-        max_bindings: 32,
-        max_shared_memory_size: 232_448,
-        max_cube_count: (u32::MAX, u16::MAX as u32, u16::MAX as u32),
-        max_units_per_cube: 1024,
-        max_cube_dim: (1024, 1024, 64),
-        num_streaming_multiprocessors: None,
-        num_tensor_cores: None,
-        min_tensor_cores_dim: None,
-        num_cpu_cores: None,
-        last_level_cache_size: None,
-        max_vector_size: cubecl::ir::VectorSize::MAX,
-        cube_mma_reserved_shared_memory: 0,
-    };
-    let mut props = DeviceProperties::new(
-        Features::default(),
-        MemoryDeviceProperties::new(u64::MAX, 256),
-        hardware,
-        cubecl::profile::TimingMethod::Device,
-        DeviceIdentity {
-            name: "offline".to_string(),
-            fingerprint: "offline".to_string(),
-            physical: None,
-        },
-    );
-    props.features.matmul.cmma.insert(fragment_config(dtype));
-    let (props, target) = (Arc::new(props), Arc::new(TargetProperties::default()));
+    if !matches!(dtype, FloatDType::BF16 | FloatDType::F16) {
+        return Err(format!(
+            "the flash kernels' fragments take bf16 or f16, not {dtype:?}"
+        ));
+    }
+    let dtype = crate::kernels::offline::elem(dtype)?;
+    let (props, target) = props(Some(fragment_config(dtype)));
     let tiles = gpu_tilings(hd, DEFAULT_SHAPES);
-    let settings = |c: &Tiling| {
-        KernelSettings::new(
-            *CubeDim::new_1d(c.units as u32),
-            ExecutionMode::Checked,
-            AddressType::U32,
-        )
-    };
-    let tensor = || cubecl::prelude::TensorCompilationArg {
-        meta: cubecl::prelude::TensorMetaCompilationArg { len: (), rank: () },
-        buffer: cubecl::prelude::BufferCompilationArg { inplace: None },
-    };
-    let compile = |kernel: &dyn CubeKernel| -> Result<String, String> {
-        let mut compiler = PlironCompiler {
-            target: LlvmTarget::Nvptx,
-        };
-        let options = PlironOptions {
-            sm_arch: Some(SmArch::new(arch, false)),
-            // PTX 8.7 (CUDA 12.8's), which the pinned ptxas (scripts/install-cuda-tools.sh)
-            // reads; the runtime emits its driver's version, with the same instructions.
-            ptx_version: PtxVersion::for_driver(12080),
-            ..Default::default()
-        };
-        match compiler.compile(kernel.define(), &options) {
-            Ok(PlironArtifact::NvptxCode(module)) => {
-                // SAFETY: the module's PTX is NUL-terminated.
-                let ptx = unsafe { std::ffi::CStr::from_ptr(module.ptx.as_ptr()) };
-                Ok(ptx.to_string_lossy().into_owned())
-            }
-            Ok(_) => Err("the NVPTX target produced no PTX".into()),
-            Err(e) => Err(format!("{e:?}")),
-        }
-    };
+    let settings = |c: &Tiling| settings(c.units);
     let [cf, cq, ckv] = tiles;
     let forward = flash_forward_kernel::FlashForwardKernel::new(
         settings(&cf),
@@ -164,7 +91,67 @@ pub fn ptx(hd: usize, dtype: burn::tensor::FloatDType, arch: u32) -> Result<[Str
         ckv,
         dtype,
     );
-    Ok([compile(&forward)?, compile(&dq)?, compile(&dkv)?])
+    Ok([Box::new(forward), Box::new(dq), Box::new(dkv)])
+}
+
+/// The PTX of the forward, `dq` and `dk`/`dv` kernels for `sm_{arch}` at head dimension `hd`
+/// in `dtype` (bf16 or f16), compiled here without a device by the backend CubeCL's CUDA
+/// runtime compiles them with (LLVM's NVPTX), in the default tilings: for a test that the
+/// tile products lower to tensor-core instructions and the kernels compile at all, on a
+/// machine with no GPU, and for reading.
+#[cfg(feature = "cuda")]
+pub fn ptx(hd: usize, dtype: burn::tensor::FloatDType, arch: u32) -> Result<[String; 3], String> {
+    use cubecl::Compiler;
+    use cubecl::ir::nvidia::SmArch;
+    use cubecl_llvm::nvptx::ptx_version::PtxVersion;
+    use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
+
+    let compile = |kernel: &dyn cubecl_runtime::kernel::CubeKernel| -> Result<String, String> {
+        let mut compiler = PlironCompiler {
+            target: LlvmTarget::Nvptx,
+        };
+        let options = PlironOptions {
+            sm_arch: Some(SmArch::new(arch, false)),
+            // PTX 8.7 (CUDA 12.8's), which the pinned ptxas (scripts/install-cuda-tools.sh)
+            // reads; the runtime emits its driver's version, with the same instructions.
+            ptx_version: PtxVersion::for_driver(12080),
+            ..Default::default()
+        };
+        match compiler.compile(kernel.define(), &options) {
+            Ok(PlironArtifact::NvptxCode(module)) => {
+                // SAFETY: the module's PTX is NUL-terminated.
+                let ptx = unsafe { std::ffi::CStr::from_ptr(module.ptx.as_ptr()) };
+                Ok(ptx.to_string_lossy().into_owned())
+            }
+            Ok(_) => Err("the NVPTX target produced no PTX".into()),
+            Err(e) => Err(format!("{e:?}")),
+        }
+    };
+    let [forward, dq, dkv] = kernels(hd, dtype)?;
+    Ok([compile(&*forward)?, compile(&*dq)?, compile(&*dkv)?])
+}
+
+/// The forward, `dq` and `dk`/`dv` kernels at head dimension `hd` in `dtype` compiled without a
+/// device for the AMD GPU `arch` by the backend CubeCL's ROCm runtime compiles them with
+/// ([`crate::kernels::offline::amdgpu`]), each a loadable code object.
+///
+/// Only for GPUs with WMMA (RDNA3 and RDNA4: `gfx1100`, `gfx1201`, ...): CubeCL 0.11.3's AMDGPU
+/// backend lowers tile products to no other matrix instructions (it panics on CDNA's MFMA:
+/// `gfx90a`, `gfx942`). At run time kiln launches these kernels only on 32-unit planes
+/// (`launch::tilings`), so CDNA GPUs (wave64) take the row or product kernels anyway.
+#[cfg(feature = "rocm")]
+pub fn amdgpu(
+    hd: usize,
+    dtype: burn::tensor::FloatDType,
+    arch: &str,
+) -> Result<[crate::kernels::offline::AmdCode; 3], String> {
+    use crate::kernels::offline::amdgpu as compile;
+    let [forward, dq, dkv] = kernels(hd, dtype)?;
+    Ok([
+        compile(&*forward, arch)?,
+        compile(&*dq, arch)?,
+        compile(&*dkv, arch)?,
+    ])
 }
 
 /// [`super::tiles::slot`] on the host: the same arithmetic, for plane `plane`.
