@@ -2,7 +2,7 @@
 //! flat host buffer the all-reduce works on, and checksums. A leaf: it imports nothing of
 //! the trainer but the checkpoint's host-tensor type.
 
-use crate::checkpoint::{HostTensor, StoredDtype};
+use crate::checkpoint::{HostTensor, Source, StoredDtype};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use kiln_dist::{BucketedAllReduce, Collective};
 use sha2::{Digest, Sha256};
@@ -80,6 +80,33 @@ impl DeviceTensor {
             },
             values: to_vec(&self.tensor),
         }
+    }
+}
+
+/// Read as its bytes are written: f32 and bf16 tensors as the device holds them (one host
+/// copy, no widening), any other dtype widened to f32.
+impl Source for DeviceTensor {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn dtype(&self) -> StoredDtype {
+        if self.tensor.dtype() == DType::BF16 {
+            StoredDtype::Bf16
+        } else {
+            StoredDtype::F32
+        }
+    }
+    fn write_to(&self, out: &mut dyn std::io::Write) -> std::io::Result<usize> {
+        let data = self.tensor.clone().into_data();
+        let data = match data.dtype() {
+            DType::F32 | DType::BF16 => data,
+            _ => data.convert::<f32>(),
+        };
+        out.write_all(data.as_bytes())?;
+        Ok(data.as_bytes().len())
     }
 }
 

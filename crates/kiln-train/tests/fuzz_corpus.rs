@@ -66,7 +66,7 @@ fn checkpoint_seeds_and_regressions() {
         state: state(7),
         shards: Vec::new(),
     };
-    let saved = checkpoint::save(dir.path(), &ck).unwrap();
+    let saved = checkpoint::save(dir.path(), &ck.contents()).unwrap();
     let read = |name: &str| std::fs::read(saved.join(name)).unwrap();
     let parts: Vec<Vec<u8>> = checkpoint_target::FILES.iter().map(|f| read(f)).collect();
     let join = |parts: &[Vec<u8>]| parts.join(checkpoint_target::SEP);
@@ -100,15 +100,12 @@ fn checkpoint_seeds_and_regressions() {
             .unwrap()
         })
         .collect();
-    let sharded = checkpoint::save(
-        &root,
-        &Checkpoint {
-            optimizer: Vec::new(),
-            shards,
-            ..ck
-        },
-    )
-    .unwrap();
+    let sharded_ck = Checkpoint {
+        optimizer: Vec::new(),
+        shards,
+        ..ck
+    };
+    let sharded = checkpoint::save(&root, &sharded_ck.contents()).unwrap();
     let whole = checkpoint::load(&saved).unwrap().optimizer;
     let assembled = checkpoint::load(&sharded).unwrap().optimizer;
     assert_eq!(whole.len(), assembled.len());

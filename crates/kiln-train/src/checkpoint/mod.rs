@@ -28,7 +28,9 @@
 //! retention that only ever deletes older checkpoints of this run's own lineage.
 
 mod partial;
+mod stream;
 pub use partial::{Keep, Part, load_kept, verify};
+pub use stream::{Hashing, Source, StreamError};
 
 use kiln_run::layout;
 use serde::{Deserialize, Serialize};
@@ -150,32 +152,12 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// Serialises tensors to safetensors bytes. Deterministic: same tensors, same bytes (the
-/// metadata map has a single fixed key, tensors are ordered by the format's rules). f32
-/// tensors are serialised from their memory without a copy; bf16 ones are narrowed first.
-pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let narrowed: Vec<Option<Vec<u16>>> = tensors
-        .iter()
-        .map(|t| match t.dtype {
-            StoredDtype::F32 => None,
-            StoredDtype::Bf16 => Some(t.values.iter().map(|&v| bf16_bits(v)).collect()),
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&narrowed)
-        .map(|(t, narrow)| {
-            // Values in memory are the little-endian bytes safetensors stores on every
-            // platform kiln builds for (x86-64, aarch64).
-            let (dtype, bytes): (_, &[u8]) = match narrow {
-                None => (safetensors::Dtype::F32, bytemuck::cast_slice(&t.values)),
-                Some(bits) => (safetensors::Dtype::BF16, bytemuck::cast_slice(bits)),
-            };
-            safetensors::tensor::TensorView::new(dtype, t.shape.clone(), bytes)
-                .map(|v| (t.name.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize(views, &Some(meta))
+/// metadata map has a single fixed key, tensors are ordered by the format's rules).
+pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, StreamError> {
+    let sources: Vec<&dyn Source> = tensors.iter().map(|t| t as &dyn Source).collect();
+    let mut out = Vec::new();
+    stream::write(&mut out, &sources)?;
+    Ok(out)
 }
 
 /// Parses safetensors bytes into host tensors: F32 and BF16 are read (BF16 widened to f32
@@ -263,6 +245,34 @@ pub struct Checkpoint {
     pub shards: Vec<ShardFile>,
 }
 
+impl Checkpoint {
+    /// What [`save`] writes of it.
+    pub fn contents(&self) -> Contents<'_> {
+        Contents {
+            step: self.step,
+            model: self.model.iter().map(|t| t as &dyn Source).collect(),
+            optimizer: self.optimizer.iter().map(|t| t as &dyn Source).collect(),
+            state: &self.state,
+            shards: &self.shards,
+        }
+    }
+}
+
+/// What a checkpoint is written from: a [`Checkpoint`] in host memory, or the step's own
+/// tensors, each read only as its bytes are written ([`Source`]).
+pub struct Contents<'a> {
+    /// Optimizer step the checkpoint is taken after.
+    pub step: u64,
+    /// Model weights.
+    pub model: Vec<&'a dyn Source>,
+    /// Optimizer state.
+    pub optimizer: Vec<&'a dyn Source>,
+    /// `state.json`.
+    pub state: &'a serde_json::Value,
+    /// A sharded run's shard files, already written (see [`Checkpoint::shards`]).
+    pub shards: &'a [ShardFile],
+}
+
 /// One rank's optimizer shard, written and fsynced in the step's staging directory, to be
 /// moved into the checkpoint rank 0 publishes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -288,8 +298,8 @@ pub fn write_shard(
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let path = dir.join(&name);
     remove_tree(&path)?;
-    let bytes = to_safetensors(tensors).map_err(|e| invalid(&path, e.to_string()))?;
-    let entry = write_synced(&path, &bytes)?;
+    let sources: Vec<&dyn Source> = tensors.iter().map(|t| t as &dyn Source).collect();
+    let entry = write_tensors_synced(&path, &sources)?;
     fsync_dir(&dir)?;
     Ok(ShardFile { name, path, entry })
 }
@@ -305,52 +315,69 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
         .map_err(io_err(dir))
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointError> {
-    let mut f = std::fs::OpenOptions::new()
+/// Creates `path` (it must not exist) and writes it through a hashing, buffered writer with
+/// `fill`; synced. Returns its manifest entry. A failed write leaves what it wrote for the
+/// caller's temporary directory to remove.
+fn write_file_synced(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn Write) -> Result<(), StreamError>,
+) -> Result<ManifestEntry, CheckpointError> {
+    let f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(path)
         .map_err(io_err(path))?;
-    f.write_all(bytes)
-        .and_then(|()| f.sync_all())
+    let mut out = Hashing::new(std::io::BufWriter::with_capacity(1 << 20, f));
+    fill(&mut out).map_err(|e| match e {
+        StreamError::Io(source) => CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+        other => invalid(path, other.to_string()),
+    })?;
+    let (entry, buffered) = out.finish();
+    buffered
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
         .map_err(io_err(path))?;
-    Ok(ManifestEntry {
-        sha256: hex::encode(Sha256::digest(bytes)),
-        bytes: bytes.len() as u64,
-    })
+    Ok(entry)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointError> {
+    write_file_synced(path, |out| Ok(out.write_all(bytes)?))
+}
+
+/// Writes `tensors` as the safetensors file `path`, each tensor read as it is written.
+fn write_tensors_synced(
+    path: &Path,
+    tensors: &[&dyn Source],
+) -> Result<ManifestEntry, CheckpointError> {
+    write_file_synced(path, |out| stream::write(out, tensors))
 }
 
 /// Writes `ckpt`'s files into the directory `tmp`, each synced, then the manifest that lists
 /// them: the model and optimizer state (unless the ranks staged them as shard files, which are
 /// moved in), the training state.
-fn write_contents(tmp: &Path, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
+fn write_contents(tmp: &Path, ckpt: &Contents) -> Result<(), CheckpointError> {
     let mut files = BTreeMap::new();
-    let ser = |t: &[HostTensor], name: &str| {
-        to_safetensors(t).map_err(|e| invalid(&tmp.join(name), e.to_string()))
-    };
     let sharded = |parse: fn(&str) -> Option<(usize, usize)>| {
         ckpt.shards.iter().any(|f| parse(&f.name).is_some())
     };
     if !sharded(layout::parse_model_shard) {
-        let model = ser(&ckpt.model, MODEL_FILE)?;
-        files.insert(
-            MODEL_FILE.to_string(),
-            write_synced(&tmp.join(MODEL_FILE), &model)?,
-        );
+        let entry = write_tensors_synced(&tmp.join(MODEL_FILE), &ckpt.model)?;
+        files.insert(MODEL_FILE.to_string(), entry);
     }
     if !sharded(layout::parse_optimizer_shard) {
-        let opt = ser(&ckpt.optimizer, OPTIMIZER_FILE)?;
-        files.insert(
-            OPTIMIZER_FILE.to_string(),
-            write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
-        );
+        let entry = write_tensors_synced(&tmp.join(OPTIMIZER_FILE), &ckpt.optimizer)?;
+        files.insert(OPTIMIZER_FILE.to_string(), entry);
     }
-    for f in &ckpt.shards {
+    for f in ckpt.shards {
         let to = tmp.join(&f.name);
         std::fs::rename(&f.path, &to).map_err(io_err(&f.path))?;
         files.insert(f.name.clone(), f.entry.clone());
     }
-    let state = serde_json::to_vec_pretty(&ckpt.state).map_err(|e| invalid(tmp, e.to_string()))?;
+    let state = serde_json::to_vec_pretty(ckpt.state).map_err(|e| invalid(tmp, e.to_string()))?;
     files.insert(
         STATE_FILE.to_string(),
         write_synced(&tmp.join(STATE_FILE), &state)?,
@@ -378,7 +405,7 @@ fn publish(root: &Path, tmp: &Path, step: u64) -> Result<(), CheckpointError> {
 }
 
 /// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
-pub fn save(root: &Path, ckpt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
+pub fn save(root: &Path, ckpt: &Contents) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(root).map_err(io_err(root))?;
     let final_dir = root.join(dir_name(ckpt.step));
     let tmp = root.join(format!(
@@ -862,7 +889,7 @@ impl CheckpointManager {
 
     /// Publishes `ckpt`, then moves aside this lineage's checkpoints newer than it (left by
     /// a rollback) and deletes this lineage's oldest beyond `keep`.
-    pub fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+    pub fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
         let path = save(&self.root, ckpt)?;
         let step = ckpt.step;
         let mut superseded = Vec::new();
@@ -1010,7 +1037,7 @@ pub(crate) mod tests {
             shards,
             ..ckpt(9, "a")
         };
-        save(root, &ck).unwrap()
+        save(root, &ck.contents()).unwrap()
     }
 
     fn flip_last_byte(f: &Path) {
@@ -1036,7 +1063,7 @@ pub(crate) mod tests {
     fn a_failed_save_removes_its_temporary_directory() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        save(root, &ckpt(4, "a")).unwrap();
+        save(root, &ckpt(4, "a").contents()).unwrap();
         let gone = ShardFile {
             name: "extra.safetensors".into(),
             path: root.join("staged-elsewhere/extra.safetensors"),
@@ -1049,12 +1076,12 @@ pub(crate) mod tests {
             shards: vec![gone],
             ..ckpt(8, "a")
         };
-        let err = save(root, &ck).unwrap_err().to_string();
+        let err = save(root, &ck.contents()).unwrap_err().to_string();
         assert!(err.contains("staged-elsewhere"), "{err}");
         assert_eq!(leftovers(root), Vec::<String>::new());
         assert_eq!(list_steps(root), vec![4], "the published one stays");
         // The same step saves once the cause is gone.
-        save(root, &ckpt(8, "a")).unwrap();
+        save(root, &ckpt(8, "a").contents()).unwrap();
         assert_eq!(list_steps(root), vec![8, 4]);
     }
 
@@ -1062,8 +1089,8 @@ pub(crate) mod tests {
     fn save_load_round_trip_and_corruption_falls_back() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        save(root, &ckpt(10, "a")).unwrap();
-        save(root, &ckpt(20, "a")).unwrap();
+        save(root, &ckpt(10, "a").contents()).unwrap();
+        save(root, &ckpt(20, "a").contents()).unwrap();
         let (_, c) = load_latest_valid(root, |_, _| panic!("no rejection expected")).unwrap();
         assert_eq!(c.step, 20);
         assert_eq!(c.model, ckpt(20, "a").model);
@@ -1146,7 +1173,7 @@ pub(crate) mod tests {
     fn manifest_may_name_only_the_formats_files_and_never_special_ones() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        let ck = save(root, &ckpt(1, "a")).unwrap();
+        let ck = save(root, &ckpt(1, "a").contents()).unwrap();
         let manifest_path = ck.join(MANIFEST_FILE);
         let good = std::fs::read_to_string(&manifest_path).unwrap();
         for evil in ["../../../../etc/hostname", "/dev/zero", "sub/x", ".."] {
@@ -1177,7 +1204,7 @@ pub(crate) mod tests {
         let root = dir.path();
         // Another run's checkpoints at higher steps, one of them corrupt.
         for s in [40, 50, 60] {
-            save(root, &ckpt(s, "other")).unwrap();
+            save(root, &ckpt(s, "other").contents()).unwrap();
         }
         flip_last_byte(&root.join("step-60/model.safetensors"));
         let opened = CheckpointManager::open(root, 2, false, "mine").unwrap();
@@ -1185,7 +1212,7 @@ pub(crate) mod tests {
         assert_eq!(opened.rejected.len(), 3, "{:?}", opened.rejected);
         let mut m = opened.manager;
         for s in [10, 20, 30] {
-            let report = m.save(&ckpt(s, "mine")).unwrap();
+            let report = m.save(&ckpt(s, "mine").contents()).unwrap();
             assert!(
                 report.pruned.iter().all(|p| !p.ends_with(dir_name(s))),
                 "pruned what it just saved: {report:?}"
@@ -1204,7 +1231,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         for s in [10, 20, 30] {
-            save(root, &ckpt(s, "r1")).unwrap();
+            save(root, &ckpt(s, "r1").contents()).unwrap();
         }
         flip_last_byte(&root.join("step-30/optimizer.safetensors"));
         let opened = CheckpointManager::open(root, 3, true, "new").unwrap();
@@ -1213,7 +1240,7 @@ pub(crate) mod tests {
         assert_eq!(opened.rejected.len(), 1);
         let mut m = opened.manager;
         // Saving step 15 (after an in-memory rollback) moves step 20 aside, keeps 10.
-        let report = m.save(&ckpt(15, "r1")).unwrap();
+        let report = m.save(&ckpt(15, "r1").contents()).unwrap();
         assert_eq!(report.superseded.len(), 1);
         assert_eq!(list_steps(root), vec![15, 10]);
     }

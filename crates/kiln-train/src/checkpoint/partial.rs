@@ -296,7 +296,7 @@ mod tests {
                 optimizer: vec![HostTensor::f32("w.exp_avg".into(), vec![10], m)],
                 ..ckpt(9, "a")
             };
-            return save(root, &ck).unwrap();
+            return save(root, &ck.contents()).unwrap();
         }
         sharded_ckpt(root, &w, &m, &[(0, 4), (4, 4), (8, 2)])
     }

@@ -21,7 +21,9 @@
 //! a machine whose cores the step keeps busy it must yield to the step, not slow it.
 
 use crate::cadence::Every;
-use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointManager, SaveReport};
+use crate::checkpoint::{
+    Checkpoint, CheckpointError, CheckpointManager, Contents, SaveReport, Source,
+};
 use crate::components::journal::{Journal, path_text};
 use crate::error::TrainError;
 use crate::tensor::DeviceTensor;
@@ -47,6 +49,36 @@ pub struct Staged {
 }
 
 impl Staged {
+    /// Writes it into `store`. On the host backend the staged tensors are host memory
+    /// already, the buffers the step has replaced, so each is read as its bytes are written
+    /// and no second copy of the state is ever made. On a device they are first copied to
+    /// the host and released, so that device memory holds them only for that copy, however
+    /// long the write takes.
+    fn save_into(self, store: &mut dyn Store) -> Result<SaveReport, CheckpointError> {
+        if self.on_host() {
+            return store.save(&self.contents());
+        }
+        let ckpt = self.to_host();
+        drop(self);
+        store.save(&ckpt.contents())
+    }
+
+    fn on_host(&self) -> bool {
+        (self.model.iter().chain(&self.optimizer))
+            .all(|t| crate::tensor::on_host_threads(&t.tensor.device()))
+    }
+
+    /// The files' contents, read from the staged tensors as they are written.
+    pub fn contents(&self) -> Contents<'_> {
+        Contents {
+            step: self.step,
+            model: self.model.iter().map(|t| t as &dyn Source).collect(),
+            optimizer: self.optimizer.iter().map(|t| t as &dyn Source).collect(),
+            state: &self.state,
+            shards: &self.shards,
+        }
+    }
+
     /// The host copy the files are written from.
     pub fn to_host(&self) -> Checkpoint {
         Checkpoint {
@@ -87,11 +119,11 @@ type Outcome = Result<Saved, CheckpointError>;
 /// retention.
 pub trait Store: Send {
     /// Publishes `ckpt` and applies retention.
-    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError>;
+    fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError>;
 }
 
 impl Store for CheckpointManager {
-    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+    fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
         CheckpointManager::save(self, ckpt)
     }
 }
@@ -177,9 +209,7 @@ impl Saver {
         match &mut self.mode {
             Mode::Sync(manager) => {
                 let step = staged.step;
-                let ckpt = staged.to_host();
-                drop(staged);
-                let res = manager.save(&ckpt).map(|report| {
+                let res = staged.save_into(manager.as_mut()).map(|report| {
                     let write_s = t0.elapsed().as_secs_f64();
                     Saved {
                         step,
@@ -299,18 +329,14 @@ fn writer(mut manager: BoxedStore, inbox: Receiver<Job>, outbox: Sender<Outcome>
     for job in inbox {
         let t0 = Instant::now();
         let step = job.staged.step;
-        let ckpt = job.staged.to_host();
         let stall_s = job.stall_s;
-        // The device tensors are released as soon as they are copied.
-        drop(job);
-        let res = manager.save(&ckpt).map(|report| Saved {
+        let res = job.staged.save_into(manager.as_mut()).map(|report| Saved {
             step,
             report,
             stall_s,
             write_s: t0.elapsed().as_secs_f64(),
             asynchronous: true,
         });
-        drop(ckpt);
         if outbox.send(res).is_err() {
             return;
         }

@@ -24,7 +24,8 @@
 
 use crate::cadence::Every;
 use crate::checkpoint::{
-    self, Checkpoint, CheckpointError, FILES, MANIFEST_FILE, SaveReport, io_err, remove_tree,
+    self, Checkpoint, CheckpointError, Contents, FILES, MANIFEST_FILE, SaveReport, io_err,
+    remove_tree,
 };
 use crate::components::journal::{Journal, path_text};
 use crate::components::saver::{Saved, Saver, Staged, Store};
@@ -213,7 +214,7 @@ impl Store for SnapshotStore {
     /// Publishes `ckpt`, then deletes every other snapshot but the newest `keep - 1` older
     /// ones and the newest at the anchor interval (the guards' rollback point; newer ones
     /// are left by a rollback: stale) and this process's leftovers.
-    fn save(&mut self, ckpt: &Checkpoint) -> Result<SaveReport, CheckpointError> {
+    fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
         let path = checkpoint::save(&self.root, ckpt)?;
         let mut pruned = Vec::new();
         let steps = checkpoint::list_steps(&self.root);
@@ -627,13 +628,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut store = SnapshotStore::new(dir.path().to_path_buf(), 2, 7);
         for step in (3..=24).step_by(3) {
-            store.save(&ckpt(step, "a")).unwrap();
+            store.save(&ckpt(step, "a").contents()).unwrap();
         }
         // Newest two (24, 21) and the newest multiple of 7 (21 already): nothing else.
         assert_eq!(checkpoint::list_steps(dir.path()), vec![24, 21]);
-        store.save(&ckpt(27, "a")).unwrap();
+        store.save(&ckpt(27, "a").contents()).unwrap();
         assert_eq!(checkpoint::list_steps(dir.path()), vec![27, 24, 21]);
-        store.save(&ckpt(28, "a")).unwrap();
+        store.save(&ckpt(28, "a").contents()).unwrap();
         assert_eq!(checkpoint::list_steps(dir.path()), vec![28, 27]);
         let found = store.verified("a", 21, |_, _| {});
         assert!(found.is_none(), "pruned");
