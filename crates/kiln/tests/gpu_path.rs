@@ -15,7 +15,7 @@
 //! so the runs here are a few steps each. Built only with `--features kiln/cubecl-cpu`.
 #![cfg(feature = "cubecl-cpu")]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
@@ -599,23 +599,10 @@ fn nccl_on_cuda_trains_every_mode_like_one_rank_and_like_the_host_path() {
     );
 }
 
-/// The README's default model and run (`kiln train` on the built-in copy task) on the device
-/// reaches flex's bar (`common::assert_learnt_the_copy_task`; flex's own run, 500 steps, is
-/// `tests/train.rs`), in 300 steps rather than 500: CI's whole run must stay under 45 minutes
-/// and this one took 7 of them at 500. Seed 1234 here: accuracy 1.000 from step 200 on,
-/// held-out loss 1.0547 at step 200 and 1.0488 at 300 (1.0444 at 500). About 5 minutes on 2
-/// cores.
-///
-/// And no matrix product of the training step is autotuned on this runtime (CubeCL's decision
-/// log, `cubecl.toml` in the working directory, holds no matmul): before, two candidates were
-/// close in time for these shapes and fresh processes of one command came out with two
-/// pick-sets (5:2 in 7 runs, different bits from step 4). The projections and the output head
-/// now take a kernel fixed in advance there (`kernels/device/matmul.rs`), so the run has
-/// the same bits every time on a machine. (At the old default LR of 3e-3 the task was learnt
-/// late or not at all for some seeds, on flex too, and seed 1234 on this device did not learn
-/// it by step 500 with two of three kernel choices: see `OptimizerConfig::default`.)
-#[test]
-fn the_default_run_learns_its_task_on_the_device() {
+/// The README's default run (`kiln train` on the built-in copy task) on `cubecl-cpu` for
+/// `steps` steps, with CubeCL's autotune decisions logged (`cubecl.toml` in the working
+/// directory). Returns the temporary directory, the run directory and the decision log.
+fn default_run_on_the_device(steps: u64) -> (tempfile::TempDir, PathBuf, String) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("default");
     let decisions = tmp.path().join("autotune.jsonl");
@@ -624,12 +611,26 @@ fn the_default_run_learns_its_task_on_the_device() {
         decisions.display().to_string()
     );
     std::fs::write(tmp.path().join("cubecl.toml"), config).unwrap();
-    let sets = ["training.device=cubecl-cpu", "training.steps=300"];
+    let steps = format!("training.steps={steps}");
+    let sets = ["training.device=cubecl-cpu", steps.as_str()];
     let cmd = common::default_run(&dir, tmp.path(), &sets);
     run(cmd, "the default run on cubecl-cpu");
-    common::assert_learnt_the_copy_task(&dir);
-    // Each line a decision with its key: a matmul's key has its problem `definition`.
     let log = std::fs::read_to_string(&decisions).expect("CubeCL wrote its decision log");
+    (tmp, dir, log)
+}
+
+/// No matrix product of the default run's training step is autotuned on this runtime
+/// (CubeCL's decision log holds no matmul): before, two candidates were close in time for
+/// these shapes and fresh processes of one command came out with two pick-sets (5:2 in 7
+/// runs, different bits from step 4). The projections and the output head now take a kernel
+/// fixed in advance there (`kernels/device/matmul.rs`), so the run has the same bits every
+/// time on a machine. 20 steps: every kernel of the step and of the eval is chosen by then.
+#[test]
+fn the_default_run_autotunes_no_matrix_product_on_the_device() {
+    let (_tmp, dir, log) = default_run_on_the_device(20);
+    let last = steps(&dir).last().map(|s| s.0);
+    assert_eq!(last, Some(20), "the run trained 20 steps");
+    // Each line a decision with its key: a matmul's key has its problem `definition`.
     let tuned: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("\"definition\""))
@@ -642,4 +643,20 @@ fn the_default_run_learns_its_task_on_the_device() {
         tuned.is_empty(),
         "matmuls autotuned on cubecl-cpu: {tuned:?}"
     );
+}
+
+/// The default run on the device reaches flex's bar (`common::assert_learnt_the_copy_task`;
+/// flex's own run, 500 steps, is the suite's `train::the_default_run_learns_its_task`) in 300
+/// steps. Seed 1234 here: accuracy 1.000 from step 200 on, held-out loss 1.0547 at step 200
+/// and 1.0488 at 300 (1.0444 at 500). About 5 minutes on 2 cores, 82% of this file's run in
+/// CI, so behind `--ignored` (docs/testing.md): the device's numerics are held to flex's
+/// step by step by the tests above, and flex's run learns the task in the suite. (At the old
+/// default LR of 3e-3 the task was learnt late or not at all for some seeds, on flex too,
+/// and seed 1234 on this device did not learn it by step 500 with two of three kernel
+/// choices: see `OptimizerConfig::default`.)
+#[test]
+#[ignore = "5 minutes: run with --ignored (docs/testing.md)"]
+fn the_default_run_learns_its_task_on_the_device() {
+    let (_tmp, dir, _) = default_run_on_the_device(300);
+    common::assert_learnt_the_copy_task(&dir);
 }
