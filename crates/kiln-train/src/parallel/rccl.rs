@@ -486,7 +486,7 @@ pub mod hip {
                 .map_err(|e| TrainError::Collective(format!("RCCL buffer: {e:?}")))?;
             let ptrs: Vec<*mut c_void> = resources
                 .iter()
-                .map(|r| r.resource().ptr as *mut c_void)
+                .map(|r| r.resource().ptr)
                 .collect();
             // SAFETY: waits for every stream of this thread's device (CubeCL's included).
             hip_check("device sync", unsafe { sys::hipDeviceSynchronize() })?;
