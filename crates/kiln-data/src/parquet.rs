@@ -1,18 +1,23 @@
 //! Parquet input for tokenization (FineWeb, Dolma and most Hugging Face datasets ship as
-//! parquet): the documents of one string column, read with the `parquet` crate (arrow-rs).
+//! parquet): the documents of one string column, read with the `parquet` crate (arrow-rs)
+//! through its column reader: tokenization needs only the strings, not arrow's in-memory
+//! format (the crate's `arrow` feature, off: it is a large share of a clean build).
 //!
-//! Only the text column is read (a projection), a batch of rows at a time, so memory stays
-//! bounded by a row group's column chunk however large the file is. Each non-null value is
-//! one document, in file order, exactly as the same text on a JSONL line would be; null
-//! values are skipped (counted in [`ParquetDocs::nulls`]). The column must hold strings
-//! (`string`, `large_string` or `string_view`); a missing column is an error naming the
-//! file and the columns it has.
+//! Only the text column is read, a batch of rows at a time from one page after another, so
+//! memory stays bounded by a page however large the file is. Each non-null value is one
+//! document, in file order, exactly as the same text on a JSONL line would be; null values
+//! are skipped (counted in [`ParquetDocs::nulls`]). The column must be a top-level column of
+//! strings (`BYTE_ARRAY` annotated `STRING`/`UTF8`: arrow's `string`, `large_string` and
+//! `string_view` are all written so); a missing column is an error naming the file and the
+//! columns it has, and a value that is not UTF-8 one naming its row.
 
 use crate::error::{DataError, Result};
-use arrow_array::{Array, ArrayRef, LargeStringArray, StringArray, StringViewArray};
-use arrow_schema::DataType;
-use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::{ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder};
+use parquet::basic::{ConvertedType, LogicalType, Repetition, Type as PhysicalType};
+use parquet::column::reader::{ColumnReader, ColumnReaderImpl};
+use parquet::data_type::{ByteArray, ByteArrayType};
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::schema::types::ColumnDescriptor;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// Rows decoded at a time.
@@ -21,9 +26,21 @@ const BATCH_ROWS: usize = 1024;
 /// The documents of one parquet file's text column, streamed.
 pub struct ParquetDocs {
     path: PathBuf,
-    reader: ParquetRecordBatchReader,
-    /// The current batch's column and the next row in it.
-    current: Option<(ArrayRef, usize)>,
+    file: SerializedFileReader<File>,
+    /// The text column's index among the file's leaf columns, and its maximum definition
+    /// level (0: required; below it, a value is null).
+    column: usize,
+    max_def: i16,
+    /// The next row group to open, and the text column's reader in the current one.
+    next_group: usize,
+    reader: Option<ColumnReaderImpl<ByteArrayType>>,
+    /// The current batch: its definition levels (one per row) and non-null values, and the
+    /// next row and value in it.
+    defs: Vec<i16>,
+    values: Vec<ByteArray>,
+    batch_rows: usize,
+    at_row: usize,
+    at_value: usize,
     /// Rows read so far (for progress and messages).
     rows: u64,
     total_rows: u64,
@@ -42,7 +59,7 @@ fn parquet_err(path: &Path, what: &str, e: impl std::fmt::Display) -> DataError 
 }
 
 /// Runs `f`, turning a panic of the parquet reader on damaged data into an error naming the
-/// file (arrow-rs validates what it reads, but a reader of received files must never take
+/// file (the reader validates what it reads, but a reader of received files must never take
 /// kiln down).
 fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
@@ -51,6 +68,24 @@ fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
             "the parquet reader failed on damaged data; is the file complete?",
         ))
     })
+}
+
+/// What a leaf column holds, when it is not a top-level column of strings.
+fn not_strings(c: &ColumnDescriptor) -> Option<String> {
+    let string = matches!(c.logical_type_ref(), Some(LogicalType::String))
+        || c.converted_type() == ConvertedType::UTF8;
+    let repeated = c.self_type().get_basic_info().repetition() == Repetition::REPEATED;
+    match (c.physical_type(), string) {
+        _ if c.path().parts().len() > 1 || repeated || c.max_rep_level() > 0 => {
+            Some("nested or repeated values".into())
+        }
+        (PhysicalType::BYTE_ARRAY, true) => None,
+        (PhysicalType::BYTE_ARRAY, false) => Some("binary values (BYTE_ARRAY, not STRING)".into()),
+        (t, _) => Some(match c.logical_type_ref() {
+            Some(l) => format!("{t} ({l:?})"),
+            None => t.to_string(),
+        }),
+    }
 }
 
 impl ParquetDocs {
@@ -62,16 +97,21 @@ impl ParquetDocs {
     fn open_unguarded(path: &Path, column: &str) -> Result<Self> {
         let file = kiln_run::files::open_regular(path).map_err(|e| DataError::io(path, e))?;
         let file_bytes = file.metadata().map_err(|e| DataError::io(path, e))?.len();
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file)
+        let file = SerializedFileReader::new(file)
             .map_err(|e| parquet_err(path, "not a readable parquet file", e))?;
-        let schema = builder.schema().clone();
-        let Some((index, field)) = schema
-            .fields()
-            .iter()
-            .enumerate()
-            .find(|(_, f)| f.name() == column)
-        else {
-            let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        let meta = file.metadata().file_metadata();
+        let schema = meta.schema_descr();
+        let wrong = |what: String| {
+            DataError::format(
+                path,
+                format!(
+                    "column {column:?} holds {what}, not strings (choose the text column with --text-column)"
+                ),
+            )
+        };
+        let top = schema.root_schema().get_fields();
+        let Some(field) = top.iter().find(|f| f.name() == column) else {
+            let names: Vec<&str> = top.iter().map(|f| f.name()).collect();
             return Err(DataError::format(
                 path,
                 format!(
@@ -79,31 +119,29 @@ impl ParquetDocs {
                 ),
             ));
         };
-        if !matches!(
-            field.data_type(),
-            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
-        ) {
-            return Err(DataError::format(
-                path,
-                format!(
-                    "column {column:?} holds {}, not strings (choose the text column with --text-column)",
-                    field.data_type()
-                ),
-            ));
+        if field.is_group() {
+            return Err(wrong("nested or repeated values".into()));
         }
-        let total_rows = u64::try_from(builder.metadata().file_metadata().num_rows()).unwrap_or(0);
-        let mask = ProjectionMask::roots(builder.parquet_schema(), [index]);
-        let reader = builder
-            .with_projection(mask)
-            .with_batch_size(BATCH_ROWS)
-            .build()
-            .map_err(|e| parquet_err(path, "cannot read the file", e))?;
+        let (index, leaf) = (schema.columns().iter().enumerate())
+            .find(|(_, c)| c.path().parts() == [column])
+            .ok_or_else(|| wrong("nested or repeated values".into()))?;
+        if let Some(what) = not_strings(leaf) {
+            return Err(wrong(what));
+        }
         Ok(Self {
             path: path.to_path_buf(),
-            reader,
-            current: None,
+            column: index,
+            max_def: leaf.max_def_level(),
+            total_rows: u64::try_from(meta.num_rows()).unwrap_or(0),
+            file,
+            next_group: 0,
+            reader: None,
+            defs: Vec::new(),
+            values: Vec::new(),
+            batch_rows: 0,
+            at_row: 0,
+            at_value: 0,
             rows: 0,
-            total_rows,
             file_bytes,
             nulls: 0,
         })
@@ -135,68 +173,104 @@ impl ParquetDocs {
 
     fn next_unguarded(&mut self) -> Result<Option<String>> {
         loop {
-            if let Some((col, at)) = &mut self.current
-                && *at < col.len()
-            {
-                let i = *at;
-                *at += 1;
+            if self.at_row < self.batch_rows {
+                let null = self.max_def > 0 && self.defs[self.at_row] < self.max_def;
+                self.at_row += 1;
                 self.rows += 1;
-                if col.is_null(i) {
+                if null {
                     self.nulls += 1;
                     continue;
                 }
-                return Ok(Some(string_at(col, i).to_string()));
+                let value = self.values.get(self.at_value).ok_or_else(|| {
+                    DataError::format(&self.path, format!("row {}: a value is missing", self.rows))
+                })?;
+                self.at_value += 1;
+                let text = std::str::from_utf8(value.data()).map_err(|e| {
+                    DataError::format(&self.path, format!("row {}: not UTF-8 ({e})", self.rows))
+                })?;
+                return Ok(Some(text.to_string()));
             }
-            match self.reader.next() {
-                None => return Ok(None),
-                Some(Err(e)) => {
-                    return Err(parquet_err(
-                        &self.path,
-                        &format!("reading the rows after row {}", self.rows),
-                        e,
-                    ));
-                }
-                Some(Ok(batch)) => self.current = Some((batch.column(0).clone(), 0)),
+            if !self.read_batch()? {
+                return Ok(None);
             }
         }
     }
-}
 
-/// Row `i` (not null) of a string column of one of the three string types.
-fn string_at(col: &ArrayRef, i: usize) -> &str {
-    let any = col.as_any();
-    if let Some(a) = any.downcast_ref::<StringArray>() {
-        a.value(i)
-    } else if let Some(a) = any.downcast_ref::<LargeStringArray>() {
-        a.value(i)
-    } else if let Some(a) = any.downcast_ref::<StringViewArray>() {
-        a.value(i)
-    } else {
-        // The type was checked when the file was opened.
-        ""
+    /// Decodes the next batch of rows, opening the next row group when the current one is
+    /// done; false after the last.
+    fn read_batch(&mut self) -> Result<bool> {
+        let read_err = |rows: u64, e: parquet::errors::ParquetError| {
+            parquet_err(&self.path, &format!("reading the rows after row {rows}"), e)
+        };
+        loop {
+            if let Some(reader) = &mut self.reader {
+                self.defs.clear();
+                self.values.clear();
+                let defs = (self.max_def > 0).then_some(&mut self.defs);
+                let (rows, _, _) = reader
+                    .read_records(BATCH_ROWS, defs, None, &mut self.values)
+                    .map_err(|e| read_err(self.rows, e))?;
+                if rows > 0 {
+                    (self.batch_rows, self.at_row, self.at_value) = (rows, 0, 0);
+                    if self.max_def > 0 && self.defs.len() < rows {
+                        return Err(DataError::format(
+                            &self.path,
+                            format!("rows after row {}: definition levels missing", self.rows),
+                        ));
+                    }
+                    return Ok(true);
+                }
+            }
+            if self.next_group >= self.file.num_row_groups() {
+                return Ok(false);
+            }
+            let group = (self.file.get_row_group(self.next_group))
+                .and_then(|g| g.get_column_reader(self.column))
+                .map_err(|e| read_err(self.rows, e))?;
+            self.next_group += 1;
+            self.reader = match group {
+                ColumnReader::ByteArrayColumnReader(r) => Some(r),
+                // The column's type was checked when the file was opened.
+                _ => None,
+            };
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow_array::{Int64Array, RecordBatch};
-    use parquet::arrow::ArrowWriter;
+    use parquet::data_type::Int64Type;
     use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
     use std::sync::Arc;
 
-    /// A parquet file of `texts` (None: null) in column "text" and an id column, with row
+    /// A parquet file of `texts` (None: null) in column "text" after an id column, with row
     /// groups of `group` rows.
     pub(crate) fn write(path: &Path, texts: &[Option<&str>], group: usize) {
-        let text: ArrayRef = Arc::new(StringArray::from(texts.to_vec()));
-        let ids: ArrayRef = Arc::new(Int64Array::from_iter_values(0..texts.len() as i64));
-        let batch = RecordBatch::try_from_iter([("id", ids), ("text", text)]).unwrap();
-        let props = WriterProperties::builder()
-            .set_max_row_group_row_count(Some(group))
-            .build();
+        let schema = "message m { required int64 id; optional binary text (STRING); }";
+        let schema = Arc::new(parse_message_type(schema).unwrap());
+        let props = Arc::new(WriterProperties::builder().build());
         let file = std::fs::File::create(path).unwrap();
-        let mut w = ArrowWriter::try_new(file, batch.schema(), Some(props)).unwrap();
-        w.write(&batch).unwrap();
+        let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
+        for (g, rows) in texts.chunks(group).enumerate() {
+            let mut rg = w.next_row_group().unwrap();
+            let ids: Vec<i64> = (0..rows.len()).map(|i| (g * group + i) as i64).collect();
+            let mut col = rg.next_column().unwrap().unwrap();
+            col.typed::<Int64Type>()
+                .write_batch(&ids, None, None)
+                .unwrap();
+            col.close().unwrap();
+            let defs: Vec<i16> = rows.iter().map(|t| i16::from(t.is_some())).collect();
+            let values: Vec<ByteArray> = rows.iter().flatten().map(|t| (*t).into()).collect();
+            let mut col = rg.next_column().unwrap().unwrap();
+            (col.typed::<ByteArrayType>())
+                .write_batch(&values, Some(&defs), None)
+                .unwrap();
+            col.close().unwrap();
+            rg.close().unwrap();
+        }
         w.close().unwrap();
     }
 
@@ -269,7 +343,7 @@ mod tests {
             "{err}"
         );
         let err = ParquetDocs::open(&p, "id").err().unwrap().to_string();
-        assert!(err.contains("column \"id\" holds Int64"), "{err}");
+        assert!(err.contains("column \"id\" holds INT64"), "{err}");
         let junk = dir.path().join("junk.parquet");
         std::fs::write(&junk, b"PAR1 not really").unwrap();
         let err = ParquetDocs::open(&junk, "text").err().unwrap().to_string();

@@ -6,14 +6,15 @@
 //! KILN_PARQUET_GB=1 cargo test --release -p kiln-data --test parquet_memory -- --ignored --nocapture
 //! ```
 //!
-//! The file is written by the Rust writer (arrow-rs), uncompressed so that its size is the
+//! The file is written by the Rust writer (the `parquet` crate's), uncompressed so that its size is the
 //! text's, in row groups of 64 MiB; the tokenization runs in a child process (this test
 //! binary again) whose peak RSS (VmHWM) is what is measured.
 
-use arrow_array::{ArrayRef, RecordBatch, StringArray};
-use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -54,25 +55,34 @@ fn documents(seed: u64, n: usize) -> Vec<String> {
         .collect()
 }
 
+/// A file of about `bytes` of text in row groups of about 64 MiB; its size.
 fn write_file(path: &Path, bytes: u64) -> u64 {
     let props = WriterProperties::builder()
         .set_compression(Compression::UNCOMPRESSED)
-        .set_max_row_group_bytes(Some(64 << 20))
         .build();
-    let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
-        "text",
-        arrow_schema::DataType::Utf8,
-        true,
-    )]));
+    let schema = parse_message_type("message m { optional binary text (STRING); }").unwrap();
     let file = std::fs::File::create(path).unwrap();
-    let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props)).unwrap();
-    let mut seed = 1u64;
-    while w.bytes_written() as u64 + w.in_progress_size() as u64 <= bytes {
-        let docs = documents(seed, 4096);
-        seed += 1;
-        let col: ArrayRef = Arc::new(StringArray::from(docs));
-        w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
-            .unwrap();
+    let mut w = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+    let (mut seed, mut written) = (1u64, 0u64);
+    while written <= bytes {
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let mut group = 0u64;
+        while group < 64 << 20 && written + group <= bytes {
+            let docs: Vec<ByteArray> = documents(seed, 4096)
+                .into_iter()
+                .map(|d| ByteArray::from(d.into_bytes()))
+                .collect();
+            seed += 1;
+            group += docs.iter().map(|d| d.len() as u64).sum::<u64>();
+            let defs = vec![1i16; docs.len()];
+            (col.typed::<ByteArrayType>())
+                .write_batch(&docs, Some(&defs), None)
+                .unwrap();
+        }
+        col.close().unwrap();
+        rg.close().unwrap();
+        written += group;
     }
     w.close().unwrap();
     std::fs::metadata(path).unwrap().len()
