@@ -252,6 +252,8 @@ pub fn check_store(cfg: &CheckpointConfig, store: &Path) -> Result<(), ConfigErr
         .and_then(|()| std::fs::write(&probe, b"kiln"))
         .and_then(|()| std::fs::remove_file(&probe));
     let Err(e) = written else {
+        // The first snapshot creates the folders again: a run that ends before it leaves none.
+        remove_if_empty(store);
         return Ok(());
     };
     let _ = std::fs::remove_file(&probe);
@@ -330,6 +332,16 @@ pub struct Recovered {
     pub peer_ranks: Vec<usize>,
 }
 
+/// Removes the rank folder `store` and the run's folder above it where they hold nothing
+/// (`remove_dir` refuses a folder that is not empty: snapshots, or another rank's folder that
+/// its own rank removes).
+fn remove_if_empty(store: &Path) {
+    let _ = std::fs::remove_dir(store);
+    if let Some(parent) = store.parent() {
+        let _ = std::fs::remove_dir(parent);
+    }
+}
+
 /// The memory-tier component (see the module documentation).
 pub struct Snapshotter {
     every: Every,
@@ -339,6 +351,14 @@ pub struct Snapshotter {
     saver: Option<Saver>,
     /// Snapshots skipped because the previous one was still being written.
     skipped: u64,
+}
+
+/// A run that ends, however, leaves no empty folder of its tier on the node (its snapshots
+/// stay for a resume; see [`Snapshotter::clear`] and the launcher's cleanup).
+impl Drop for Snapshotter {
+    fn drop(&mut self) {
+        remove_if_empty(self.store.root());
+    }
 }
 
 impl Snapshotter {
@@ -424,10 +444,7 @@ impl Snapshotter {
         if let Err(e) = self.store.clear() {
             tracing::warn!("cannot delete the memory snapshots: {e}");
         }
-        if let Some(parent) = self.store.root().parent() {
-            // Fails while another rank's folder is still there: that rank removes it.
-            let _ = std::fs::remove_dir(parent);
-        }
+        remove_if_empty(self.store.root());
     }
 
     /// The newest snapshot of lineage `run_id` any rank holds, on every rank, or `None` when
@@ -647,5 +664,44 @@ mod tests {
                 .is_none()
         );
         assert_eq!(rejected.len(), 1, "another lineage's is deleted");
+    }
+
+    /// The start-up check and a run that ends without a snapshot leave no folder on the
+    /// node; one that holds snapshots keeps them (a resume needs them), and its run folder
+    /// while another rank's is there.
+    #[test]
+    fn a_run_leaves_no_empty_folder_of_its_tier() {
+        let base = tempfile::tempdir().unwrap();
+        let cfg = CheckpointConfig {
+            snapshot_dir: base.path().display().to_string(),
+            snapshot_interval: 5,
+            ..CheckpointConfig::default()
+        };
+        let run = base.path().join("run");
+        let (r0, r1) = (rank_dir(&cfg, &run, 0), rank_dir(&cfg, &run, 1));
+        check_store(&cfg, &r0).unwrap();
+        assert!(
+            !r0.exists() && !r0.parent().unwrap().exists(),
+            "left by the check"
+        );
+        let t0 = Snapshotter::new(&cfg, &run, 0, 0);
+        std::fs::create_dir_all(&r0).unwrap(); // as a snapshot's write does
+        drop(t0);
+        assert!(
+            !r0.parent().unwrap().exists(),
+            "left by a run without snapshots"
+        );
+        let mut t1 = Snapshotter::new(&cfg, &run, 1, 0);
+        t1.store.save(&ckpt(5, "a").contents()).unwrap();
+        let t0 = Snapshotter::new(&cfg, &run, 0, 0);
+        std::fs::create_dir_all(&r0).unwrap();
+        drop(t0);
+        drop(t1);
+        assert!(!r0.exists(), "rank 0's empty folder");
+        assert_eq!(
+            checkpoint::list_steps(&r1),
+            vec![5],
+            "rank 1's snapshot is kept"
+        );
     }
 }

@@ -484,10 +484,7 @@ pub mod hip {
                 .map(|t| t.client.get_resource::<Server>(t.handle.clone()))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TrainError::Collective(format!("RCCL buffer: {e:?}")))?;
-            let ptrs: Vec<*mut c_void> = resources
-                .iter()
-                .map(|r| r.resource().ptr)
-                .collect();
+            let ptrs: Vec<*mut c_void> = resources.iter().map(|r| r.resource().ptr).collect();
             // SAFETY: waits for every stream of this thread's device (CubeCL's included).
             hip_check("device sync", unsafe { sys::hipDeviceSynchronize() })?;
             call(&ptrs)?;
