@@ -64,6 +64,18 @@ fn stragglers(run: &Path) -> Vec<kiln_run::Event> {
         .collect()
 }
 
+/// The end of the Slurm jobs' output (the ranks' stderr included), for a failure message.
+fn job_output(run: &Path) -> String {
+    let mut text = String::new();
+    for e in std::fs::read_dir(run).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with("job-") {
+            text += &std::fs::read_to_string(e.path()).unwrap_or_default();
+        }
+    }
+    let tail = text.len().saturating_sub(6000);
+    text[text.ceil_char_boundary(tail)..].to_string()
+}
+
 fn status(run: &Path) -> String {
     let o = Command::new(KILN).arg("status").arg(run).output().unwrap();
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -155,7 +167,7 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
     let state = cluster.wait_job(&id, Duration::from_secs(300));
     done.store(true, Ordering::Relaxed);
     slow.join().unwrap();
-    assert_eq!(state, "COMPLETED", "{:#?}", events());
+    assert_eq!(state, "COMPLETED", "{:#?}\n{}", events(), job_output(&run));
     let named = stragglers(&run);
     assert!(!named.is_empty());
     assert_eq!(
@@ -179,7 +191,8 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
             && ends[1..ends.len() - 1]
                 .iter()
                 .all(|e| e.fields["classification"] == "straggler"),
-        "{ends:?}"
+        "{ends:?}\n{}",
+        job_output(&run)
     );
     assert_eq!(ends[0].fields["classification"], "straggler");
     assert_eq!(ends[0].fields["cause"], "straggler");
