@@ -330,12 +330,12 @@ pub(super) fn linear_cross_entropy(
 }
 
 /// The kernels in `e` (targets in i32), defined for no device (see
-/// [`crate::kernels::offline`]): a row's cube of 256 units.
+/// [`crate::kernels::device::offline`]): a row's cube of 256 units.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) fn offline(
     e: ElemType,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     let units = 256;
     let i = ElemType::Int(cubecl::ir::IntKind::I32);

@@ -169,12 +169,12 @@ pub(super) fn square_sum(tensors: &[Host1]) -> Option<f64> {
     Some(sums.iter().map(|&s| f64::from(s)).sum())
 }
 
-/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]).
+/// The kernels in `e`, defined for no device (see [`crate::kernels::device::offline`]).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) fn offline(
     e: ElemType,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     [("sums", false), ("square_sums", true)]
         .into_iter()

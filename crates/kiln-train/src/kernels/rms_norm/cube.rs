@@ -320,13 +320,13 @@ pub(super) fn rms_norm<const D: usize>(
     ))
 }
 
-/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]): a row's cube
+/// The kernels in `e`, defined for no device (see [`crate::kernels::device::offline`]): a row's cube
 /// of 256 units.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) fn offline(
     e: ElemType,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     let units = 256;
     let s = || settings(units);

@@ -221,12 +221,12 @@ pub(super) fn rope(
     ))
 }
 
-/// The kernels in `e`, defined for no device (see [`crate::kernels::offline`]).
+/// The kernels in `e`, defined for no device (see [`crate::kernels::device::offline`]).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) fn offline(
     e: ElemType,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     let s = || settings(256);
     vec![

@@ -205,7 +205,7 @@ pub(in crate::kernels) fn causal_attention(
 }
 
 /// The row kernels (head dimensions 64 and 128) and the products path's kernels in `e`,
-/// defined for no device (see [`crate::kernels::offline`]); the flash kernels are
+/// defined for no device (see [`crate::kernels::device::offline`]); the flash kernels are
 /// [`flash::ptx`]'s.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) fn offline(

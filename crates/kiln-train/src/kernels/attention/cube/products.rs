@@ -365,12 +365,12 @@ pub(super) fn backward(
 }
 
 /// The kernels in `e`, a row's cube of 256 units, defined for no device (see
-/// [`crate::kernels::offline`]).
+/// [`crate::kernels::device::offline`]).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(super) fn offline(
     e: ElemType,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     let units = 256;
     vec![

@@ -435,13 +435,13 @@ pub(super) fn backward(
 }
 
 /// The kernels in `e` at head dimension `hd`, in cubes of [`GPU_BLOCK`] rows, defined for no
-/// device (see [`crate::kernels::offline`]).
+/// device (see [`crate::kernels::device::offline`]).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(super) fn offline(
     e: ElemType,
     hd: usize,
 ) -> Vec<(&'static str, Box<dyn cubecl_runtime::kernel::CubeKernel>)> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     let (p, t) = props(None);
     let block = GPU_BLOCK;
     let s = || settings(block);

@@ -21,7 +21,7 @@ fn kernels(
     hd: usize,
     dtype: burn::tensor::FloatDType,
 ) -> Result<[Box<dyn cubecl_runtime::kernel::CubeKernel>; 3], String> {
-    use crate::kernels::offline::{props, settings, tensor};
+    use crate::kernels::device::offline::{props, settings, tensor};
     use burn::tensor::FloatDType;
 
     if !matches!(dtype, FloatDType::BF16 | FloatDType::F16) {
@@ -29,7 +29,7 @@ fn kernels(
             "the flash kernels' fragments take bf16 or f16, not {dtype:?}"
         ));
     }
-    let dtype = crate::kernels::offline::elem(dtype)?;
+    let dtype = crate::kernels::device::offline::elem(dtype)?;
     let (props, target) = props(Some(fragment_config(dtype)));
     let tiles = gpu_tilings(hd, DEFAULT_SHAPES);
     let settings = |c: &Tiling| settings(c.units);
@@ -133,7 +133,7 @@ pub fn ptx(hd: usize, dtype: burn::tensor::FloatDType, arch: u32) -> Result<[Str
 
 /// The forward, `dq` and `dk`/`dv` kernels at head dimension `hd` in `dtype` compiled without a
 /// device for the AMD GPU `arch` by the backend CubeCL's ROCm runtime compiles them with
-/// ([`crate::kernels::offline::amdgpu`]), each a loadable code object.
+/// ([`crate::kernels::device::offline::amdgpu`]), each a loadable code object.
 ///
 /// Only for GPUs with WMMA (RDNA3 and RDNA4: `gfx1100`, `gfx1201`, ...): CubeCL 0.11.3's AMDGPU
 /// backend lowers tile products to no other matrix instructions (it panics on CDNA's MFMA:
@@ -144,8 +144,8 @@ pub fn amdgpu(
     hd: usize,
     dtype: burn::tensor::FloatDType,
     arch: &str,
-) -> Result<[crate::kernels::offline::AmdCode; 3], String> {
-    use crate::kernels::offline::amdgpu as compile;
+) -> Result<[crate::kernels::device::offline::AmdCode; 3], String> {
+    use crate::kernels::device::offline::amdgpu as compile;
     let [forward, dq, dkv] = kernels(hd, dtype)?;
     Ok([
         compile(&*forward, arch)?,
