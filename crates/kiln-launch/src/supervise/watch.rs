@@ -130,9 +130,16 @@ impl Watch {
     /// on its own, and OpenMPI's mpirun segfaults (in `PMIx_Finalize`) when a SIGTERM reaches
     /// it mid-abort: every rank failure printed its backtrace. There the ranks' shims deliver
     /// the SIGTERM and the launcher is left alone until the SIGKILL after the grace.
+    ///
+    /// A straggler's ranks are healthy and are to checkpoint before the attempt ends; srun,
+    /// sent SIGTERM, kills its step at once ("forcing job termination": SIGKILL to every
+    /// task), which lost that checkpoint whenever a rank took more than a few milliseconds
+    /// to save. There too the shims deliver the SIGTERM.
     fn stop_ranks(&mut self, a: &Attempt<'_>, verdict: Option<Verdict>, now: Instant) {
         if let Some(v) = verdict {
-            if v.classification.is_from_exit_code() && deliver_through_shims(a, Signal::SIGTERM) {
+            let by_shims = v.classification.is_from_exit_code()
+                || v.classification == Classification::Straggler;
+            if by_shims && deliver_through_shims(a, Signal::SIGTERM) {
                 self.kill.arm(now);
             } else {
                 let grace = verdict_grace(a.cfg, &v);

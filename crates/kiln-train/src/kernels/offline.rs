@@ -7,9 +7,9 @@
 
 use burn::tensor::FloatDType;
 
+pub use super::device::offline::Named;
 #[cfg(feature = "rocm")]
 pub use super::device::offline::{AmdCode, amdgpu};
-pub use super::device::offline::Named;
 
 /// Every kernel of kiln's ops but the flash kernels (which take fragment products: see
 /// `attention::cube::flash::ptx`) in `dtype`, with its name.

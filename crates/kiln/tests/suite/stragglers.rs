@@ -1,5 +1,5 @@
 //! Stragglers named for real: a 3-rank data-parallel run in which one rank is slowed by
-//! SIGSTOP/SIGCONT cycling (stopped 15 ms of every 20 ms, a period shorter than a step, so
+//! SIGSTOP/SIGCONT cycling (stopped 15 or 18 ms of every 20 ms, a period shorter than a step, so
 //! every step of that rank is slowed alike, as a throttled CPU would be), on a real MPI (`kiln launch --mpi`)
 //! and on the test Slurm; `kiln launch` names that rank (and its host) first in a `straggler`
 //! event and `kiln status` shows it. (On a machine this loaded, CPU contention alone can keep
@@ -41,17 +41,18 @@ fn train_args(run: &Path, steps: u64) -> Vec<String> {
     a
 }
 
-/// Stops and continues `pid` (15 ms of every 20 ms: about 4 x its work per step) until `done`.
-fn cycle(pid: i32, done: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+/// Stops and continues `pid`, `stopped_ms` of every 20 ms (15: about 4 x its work per step),
+/// until `done`.
+fn cycle(pid: i32, stopped_ms: u64, done: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         while !done.load(Ordering::Relaxed) {
             // SAFETY: kill(2) on a rank process this test started.
             if unsafe { libc::kill(pid, libc::SIGSTOP) } != 0 {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(15));
+            std::thread::sleep(Duration::from_millis(stopped_ms));
             unsafe { libc::kill(pid, libc::SIGCONT) };
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(20 - stopped_ms));
         }
     })
 }
@@ -108,7 +109,7 @@ fn a_slowed_rank_is_named_on_a_real_mpi() {
     });
     let pid = pid.unwrap_or_default();
     let done = Arc::new(AtomicBool::new(false));
-    let slow = cycle(pid, done.clone());
+    let slow = cycle(pid, 15, done.clone());
     let out = job.wait_with_output().unwrap();
     done.store(true, Ordering::Relaxed);
     slow.join().unwrap();
@@ -163,7 +164,9 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
         pid.is_some()
     });
     let done = Arc::new(AtomicBool::new(false));
-    let slow = cycle(pid.unwrap_or_default(), done.clone());
+    // Slowed about 10 x: the slowed rank saves slowly when the attempt is stopped, which
+    // the checkpoint must survive (srun, sent SIGTERM, used to kill the step at once).
+    let slow = cycle(pid.unwrap_or_default(), 18, done.clone());
     let state = cluster.wait_job(&id, Duration::from_secs(300));
     done.store(true, Ordering::Relaxed);
     slow.join().unwrap();
@@ -183,14 +186,17 @@ fn a_slowed_rank_is_named_by_its_host_on_slurm_and_its_host_swapped() {
     let ev = events();
     let of = |name: &str| ev.iter().filter(|e| e.event == name).collect::<Vec<_>>();
     let ends = of("attempt_end");
-    // A later attempt may name a rank that CPU contention alone kept over the factor (2.3x
-    // seen here beside a compiler; the module documentation): its host is swapped for the
-    // second spare. Anything else (a crash) fails the test.
+    // On a loaded machine a later attempt may name a rank that CPU contention alone kept
+    // over the factor (2.3x seen here beside a compiler; the module documentation: its host
+    // is swapped for the second spare), or start slower than the startup watchdog's limit
+    // (10 x the first attempt's startup, 16.7 s, beside a busy loop): retried. Anything else
+    // (a crash) fails the test.
     assert!(
         (2..=3).contains(&ends.len())
             && ends[1..ends.len() - 1]
                 .iter()
-                .all(|e| e.fields["classification"] == "straggler"),
+                .all(|e| ["straggler", "hung-silent"]
+                    .contains(&e.fields["classification"].as_str().unwrap_or_default())),
         "{ends:?}\n{}",
         job_output(&run)
     );

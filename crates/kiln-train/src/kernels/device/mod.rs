@@ -12,8 +12,8 @@
 
 #[cfg(feature = "cuda")]
 mod cublas;
+pub(in crate::kernels) mod matmul;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(in crate::kernels) mod offline;
-pub(in crate::kernels) mod matmul;
 pub(in crate::kernels) mod reduce;
 pub(in crate::kernels) mod tensors;
