@@ -12,7 +12,7 @@
 //! columns it has, and a value that is not UTF-8 one naming its row.
 
 use crate::error::{DataError, Result};
-use parquet::basic::{ConvertedType, LogicalType, Repetition, Type as PhysicalType};
+use parquet::basic::{ConvertedType, LogicalType, Type as PhysicalType};
 use parquet::column::reader::{ColumnReader, ColumnReaderImpl};
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -70,15 +70,12 @@ fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-/// What a leaf column holds, when it is not a top-level column of strings.
+/// What a top-level leaf column holds, when it is not strings.
 fn not_strings(c: &ColumnDescriptor) -> Option<String> {
     let string = matches!(c.logical_type_ref(), Some(LogicalType::String))
         || c.converted_type() == ConvertedType::UTF8;
-    let repeated = c.self_type().get_basic_info().repetition() == Repetition::REPEATED;
     match (c.physical_type(), string) {
-        _ if c.path().parts().len() > 1 || repeated || c.max_rep_level() > 0 => {
-            Some("nested or repeated values".into())
-        }
+        _ if c.max_rep_level() > 0 => Some("nested or repeated values".into()),
         (PhysicalType::BYTE_ARRAY, true) => None,
         (PhysicalType::BYTE_ARRAY, false) => Some("binary values (BYTE_ARRAY, not STRING)".into()),
         (t, _) => Some(match c.logical_type_ref() {
@@ -351,5 +348,38 @@ mod tests {
             err.contains("junk.parquet") && err.contains("not a readable parquet"),
             "{err}"
         );
+    }
+
+    /// A column of lists or a group named as the text column is refused naming what it holds,
+    /// as is one of bytes not annotated as strings.
+    #[test]
+    fn repeated_nested_and_binary_columns_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, schema) in [
+            ("list", "message m { repeated binary text (STRING); }"),
+            (
+                "group",
+                "message m { optional group text { optional binary t (STRING); } }",
+            ),
+            ("binary", "message m { optional binary text; }"),
+        ] {
+            let p = dir.path().join(format!("{name}.parquet"));
+            let schema = Arc::new(parse_message_type(schema).unwrap());
+            let props = Arc::new(WriterProperties::builder().build());
+            let file = std::fs::File::create(&p).unwrap();
+            SerializedFileWriter::new(file, schema, props)
+                .unwrap()
+                .close()
+                .unwrap();
+            let err = ParquetDocs::open(&p, "text").err().unwrap().to_string();
+            let what = match name {
+                "binary" => "holds binary values",
+                _ => "holds nested or repeated values",
+            };
+            assert!(
+                err.contains(&format!("{name}.parquet")) && err.contains(what),
+                "{err}"
+            );
+        }
     }
 }
