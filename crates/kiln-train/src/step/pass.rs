@@ -122,7 +122,7 @@ impl LocalPass {
         let (mut loss, mut grads) = iter.next().unwrap_or_default();
         for (l, g) in iter {
             loss += l;
-            grads = grads.into_iter().zip(g).map(|(a, b)| a + b).collect();
+            grads = grads.into_par_iter().zip(g).map(|(a, b)| a + b).collect();
         }
         (loss, grads)
     }
