@@ -513,6 +513,13 @@ impl<'c> Checkpoints<'c> {
         }
     }
 
+    /// A replica check failed: this rank's memory snapshots may hold weights from after the
+    /// corruption (only the checks tell, and the last one failed), so they go and a resume
+    /// falls back to the persistent tier, which saves nothing a check has not passed.
+    pub fn distrust_memory(&mut self, journal: &mut Journal) {
+        self.memory.clear(journal);
+    }
+
     /// The run is complete and its final checkpoint published: the memory tier goes.
     pub fn complete(&mut self, journal: &mut Journal) {
         self.memory.clear(journal);

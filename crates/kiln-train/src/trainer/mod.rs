@@ -325,6 +325,7 @@ impl<'a> Trainer<'a> {
             event::REPLICA_MISMATCH,
             json!({"step": step, "ranks": m.ranks, "checksums": m.checksums}),
         )?;
+        self.checkpoints.distrust_memory(&mut self.journal);
         Err(TrainError::ReplicaMismatch {
             step,
             ranks: m.ranks,

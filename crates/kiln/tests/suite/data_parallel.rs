@@ -205,7 +205,14 @@ fn kill_one_rank_then_resume(np: usize, sets: &[&str]) {
 fn sigterm_to_one_rank_makes_all_ranks_checkpoint_at_one_step_and_exit_75() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("term");
-    let mut job = launch(3, &rd, &["training.steps=100000", "checkpoint.interval=0"])
+    // The memory tier off: a preempted (exit 75) run keeps its snapshots for the resume this
+    // test never runs.
+    let sets = [
+        "training.steps=100000",
+        "checkpoint.interval=0",
+        "checkpoint.snapshot_interval=0",
+    ];
+    let mut job = launch(3, &rd, &sets)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -699,15 +706,30 @@ fn a_sharded_resume_reads_only_its_own_pieces() {
 fn a_corrupted_replica_is_named_and_stops_the_run_before_it_is_saved() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("sdc");
+    let shm = tmp.path().join("shm");
+    let tier = format!("checkpoint.snapshot_dir={}", shm.display());
     let out = run(
         3,
         &rd,
         &[
             "debug.corrupt_replica_rank=1",
             "debug.corrupt_replica_at_step=6",
+            &tier,
         ],
     );
     assert_eq!(out.status.code(), Some(76), "{}", text(&out));
+    // The memory tier held a snapshot (step 5) no check had passed: it went with the run.
+    let left: Vec<_> = walkdir(&shm)
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "snapshots left after a replica mismatch: {left:?}"
+    );
     let ev = events(&rd, "train");
     let mismatch = ev
         .iter()
@@ -874,4 +896,20 @@ fn smoke_gates_several_ranks_with_rank_0_recording_and_a_baseline_per_rank_count
         "{}",
         text(&out)
     );
+}
+
+/// Every path under `dir` (none when it does not exist).
+fn walkdir(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
 }

@@ -107,7 +107,13 @@ fn retention_never_deletes_what_a_fresh_run_just_saved() {
 fn a_second_trainer_on_the_same_directory_is_refused_naming_the_holder() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("run");
-    let mut first = cmd(&rd, &["training.steps=100000", "checkpoint.interval=0"])
+    // The memory tier off: the first trainer is SIGKILLed and would leave its snapshots.
+    let sets = [
+        "training.steps=100000",
+        "checkpoint.interval=0",
+        "checkpoint.snapshot_interval=0",
+    ];
+    let mut first = cmd(&rd, &sets)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
