@@ -719,17 +719,10 @@ fn a_corrupted_replica_is_named_and_stops_the_run_before_it_is_saved() {
     );
     assert_eq!(out.status.code(), Some(76), "{}", text(&out));
     // The memory tier held a snapshot (step 5) no check had passed: it went with the run.
-    let left: Vec<_> = walkdir(&shm)
-        .into_iter()
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
-        })
-        .collect();
-    assert!(
-        left.is_empty(),
-        "snapshots left after a replica mismatch: {left:?}"
-    );
+    for rank in 0..3 {
+        let left = common::snapshot_steps(&shm, rank);
+        assert!(left.is_empty(), "rank {rank} kept snapshots {left:?}");
+    }
     let ev = events(&rd, "train");
     let mismatch = ev
         .iter()
@@ -896,20 +889,4 @@ fn smoke_gates_several_ranks_with_rank_0_recording_and_a_baseline_per_rank_count
         "{}",
         text(&out)
     );
-}
-
-/// Every path under `dir` (none when it does not exist).
-fn walkdir(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                todo.push(p.clone());
-            }
-            out.push(p);
-        }
-    }
-    out
 }

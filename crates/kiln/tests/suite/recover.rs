@@ -7,11 +7,11 @@
 
 #![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common;
+use crate::common::{self, rank_store, snapshot_steps};
 
 // Long enough (a few seconds) that the snapshot writer, which skips a snapshot rather than
 // stall the step, has published two well before the end even on a loaded machine: at 400
@@ -84,28 +84,6 @@ fn events(rd: &Path, name: &str) -> Vec<serde_json::Value> {
     let mut all = common::events(rd);
     all.retain(|e| e["event"] == name);
     all
-}
-
-/// Rank `rank`'s snapshot directory under the snapshot dir `shm` (one run per `shm`).
-fn rank_store(shm: &Path, rank: usize) -> Option<PathBuf> {
-    let run = std::fs::read_dir(shm).ok()?.flatten().next()?.path();
-    Some(run.join(format!("rank-{rank}")))
-}
-
-/// The published snapshot steps of `rank`, newest first.
-fn snapshot_steps(shm: &Path, rank: usize) -> Vec<u64> {
-    let Some(store) = rank_store(shm, rank) else {
-        return Vec::new();
-    };
-    let mut steps: Vec<u64> = std::fs::read_dir(store)
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    steps
 }
 
 /// Waits until every one of `ranks` holds two snapshots.

@@ -231,3 +231,25 @@ pub fn assert_learnt_the_copy_task(dir: &Path) -> serde_json::Value {
     assert!(loss.is_some_and(|l| l <= 1.06), "{last}");
     last
 }
+
+/// Rank `rank`'s snapshot directory under the snapshot dir `shm` (one run per `shm`).
+pub fn rank_store(shm: &Path, rank: usize) -> Option<std::path::PathBuf> {
+    let run = std::fs::read_dir(shm).ok()?.flatten().next()?.path();
+    Some(run.join(format!("rank-{rank}")))
+}
+
+/// The published snapshot steps of `rank`, newest first.
+pub fn snapshot_steps(shm: &Path, rank: usize) -> Vec<u64> {
+    let Some(store) = rank_store(shm, rank) else {
+        return Vec::new();
+    };
+    let mut steps: Vec<u64> = std::fs::read_dir(store)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    steps
+}
