@@ -82,6 +82,22 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointEr
     }
 }
 
+/// `std::fs::create_dir_all` for a folder that other processes share and remove when it is
+/// empty: the ranks of one node keep their memory snapshots under one run folder, which a
+/// rank that ends (or that only checked it could write there) removes when it holds nothing.
+/// Between `create_dir_all`'s making of that folder and of the rank's own inside it, another
+/// rank can remove it, and the second `mkdir` then fails with `NotFound`: made again, a few
+/// times, that is not an error (a rank saw it end a 3-rank start under load with exit 78).
+pub(crate) fn create_shared_dir_all(path: &Path) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        match std::fs::create_dir_all(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 16 => tries += 1,
+            done => return done,
+        }
+    }
+}
+
 fn invalid(path: &Path, reason: impl Into<String>) -> CheckpointError {
     CheckpointError::Invalid {
         path: path.to_path_buf(),
@@ -406,7 +422,7 @@ fn publish(root: &Path, tmp: &Path, step: u64) -> Result<(), CheckpointError> {
 
 /// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
 pub fn save(root: &Path, ckpt: &Contents) -> Result<PathBuf, CheckpointError> {
-    std::fs::create_dir_all(root).map_err(io_err(root))?;
+    create_shared_dir_all(root).map_err(io_err(root))?;
     let final_dir = root.join(dir_name(ckpt.step));
     let tmp = root.join(format!(
         ".tmp-{}-{}",

@@ -24,8 +24,8 @@
 
 use crate::cadence::Every;
 use crate::checkpoint::{
-    self, Checkpoint, CheckpointError, Contents, FILES, MANIFEST_FILE, SaveReport, io_err,
-    remove_tree,
+    self, Checkpoint, CheckpointError, Contents, FILES, MANIFEST_FILE, SaveReport,
+    create_shared_dir_all, io_err, remove_tree,
 };
 use crate::components::journal::{Journal, path_text};
 use crate::components::saver::{Saved, Saver, Staged, Store};
@@ -172,7 +172,7 @@ impl SnapshotStore {
             .join(format!(".tmp-peer-{name}-{}", std::process::id()));
         let dir = self.root.join(&name);
         remove_tree(&tmp)?;
-        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        create_shared_dir_all(&tmp).map_err(io_err(&tmp))?;
         let mut rest = framed;
         for file in SENT {
             let bytes = take_frame(&mut rest).ok_or_else(|| CheckpointError::Invalid {
@@ -248,7 +248,7 @@ pub fn check_store(cfg: &CheckpointConfig, store: &Path) -> Result<(), ConfigErr
         return Ok(());
     }
     let probe = store.join(format!(".tmp-probe-{}", std::process::id()));
-    let written = std::fs::create_dir_all(store)
+    let written = create_shared_dir_all(store)
         .and_then(|()| std::fs::write(&probe, b"kiln"))
         .and_then(|()| std::fs::remove_file(&probe));
     let Err(e) = written else {
@@ -664,6 +664,41 @@ mod tests {
                 .is_none()
         );
         assert_eq!(rejected.len(), 1, "another lineage's is deleted");
+    }
+
+    /// The ranks of one node check their stores at the same time: one rank's check removes
+    /// the shared run folder while it is empty, which another rank's `create_dir_all` has just
+    /// made and is about to make its own folder in. Neither check may fail for that (a 3-rank
+    /// start under load ended with exit 78, "cannot write").
+    #[test]
+    fn ranks_checking_their_stores_together_do_not_fail_each_other() {
+        let base = tempfile::tempdir().unwrap();
+        let cfg = CheckpointConfig {
+            snapshot_dir: base.path().display().to_string(),
+            snapshot_interval: 5,
+            ..CheckpointConfig::default()
+        };
+        let run = base.path().join("run");
+        let checks: Vec<_> = (0..3)
+            .map(|rank| {
+                let (cfg, store) = (cfg.clone(), rank_dir(&cfg, &run, rank));
+                std::thread::spawn(move || {
+                    (0..3000)
+                        .filter_map(|_| check_store(&cfg, &store).err())
+                        .map(|e| e.to_string())
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for (rank, check) in checks.into_iter().enumerate() {
+            let failed = check.join().unwrap();
+            assert!(
+                failed.is_empty(),
+                "rank {rank}: {} failed, first: {}",
+                failed.len(),
+                failed[0]
+            );
+        }
     }
 
     /// The start-up check and a run that ends without a snapshot leave no folder on the
