@@ -586,22 +586,40 @@ fn kernels_link_into_amd_code_objects_for_mi300x_and_mi200() {
     };
     assert!(linker.is_file(), "no linker at {}", linker.display());
     let (out, dumps) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            // The test's name in this binary: its module path without the crate's name.
-            &child_test_name("amd_code_objects_offline"),
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("CUBECL_ROCM_DEVICE_LIB_PATH", bitcode.path())
-        .env("CUBECL_AMDGPU_LINKER", &linker)
-        // For the assembly (a directory: a build with CubeCL's dumps on writes them there).
-        .env("CUBECL_DEBUG_PLIRON", dumps.path())
-        .env("KILN_AMD_OUT", out.path())
-        .status()
-        .unwrap();
-    assert!(status.success(), "the child test failed: {status}");
+    // One child per architecture's ops and one for the flash kernels, all at once: each
+    // compiles on one core, and the others would wait (this binary runs one test at a time).
+    let parts = AMD_ARCHS
+        .iter()
+        .map(|arch| format!("ops:{arch}"))
+        .chain(["flash".to_string()]);
+    let children: Vec<_> = parts
+        .map(|part| {
+            let child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    // The test's name in this binary: its module path without the crate's name.
+                    &child_test_name("amd_code_objects_offline"),
+                    "--ignored",
+                    "--nocapture",
+                ])
+                .env("CUBECL_ROCM_DEVICE_LIB_PATH", bitcode.path())
+                .env("CUBECL_AMDGPU_LINKER", &linker)
+                // For the assembly (a directory: a build with CubeCL's dumps on writes them there).
+                .env("CUBECL_DEBUG_PLIRON", dumps.path())
+                .env("KILN_AMD_OUT", out.path())
+                .env("KILN_AMD_PART", &part)
+                .spawn()
+                .unwrap();
+            (part, child)
+        })
+        .collect();
+    for (part, mut child) in children {
+        let status = child.wait().unwrap();
+        assert!(
+            status.success(),
+            "the child test for {part} failed: {status}"
+        );
+    }
     // The child ran (a name that matched no test would run nothing and pass): it wrote a code
     // object per kernel, type and architecture.
     let written = std::fs::read_dir(out.path()).unwrap().count();
@@ -643,15 +661,26 @@ fn assert_code_object(code: &[u8], entry: &str, what: &str) {
 }
 
 /// Run by [`kernels_link_into_amd_code_objects_for_mi300x_and_mi200`] with the device
-/// bitcode, the linker and `KILN_AMD_OUT` set.
+/// bitcode, the linker and `KILN_AMD_OUT` set, and `KILN_AMD_PART` saying what to compile:
+/// `ops:<arch>` (every op's kernels for that architecture) or `flash` (the flash kernels).
 #[cfg(feature = "rocm")]
 #[test]
 #[ignore = "run by kernels_link_into_amd_code_objects_for_mi300x_and_mi200"]
 fn amd_code_objects_offline() {
     use kiln_train::kernels::offline::{amdgpu, kernels};
     let out = std::path::PathBuf::from(std::env::var_os("KILN_AMD_OUT").unwrap());
+    let part = std::env::var("KILN_AMD_PART").unwrap();
+    let ops_archs: Vec<&str> = AMD_ARCHS
+        .into_iter()
+        .filter(|arch| part == format!("ops:{arch}"))
+        .collect();
+    let flash_archs: &[&str] = if part == "flash" { &FLASH_ARCHS } else { &[] };
+    assert!(
+        !ops_archs.is_empty() || !flash_archs.is_empty(),
+        "KILN_AMD_PART={part} names nothing to compile"
+    );
     let mut failed = Vec::new();
-    for arch in AMD_ARCHS {
+    for arch in ops_archs {
         for dtype in [FloatDType::F32, FloatDType::BF16] {
             for (name, kernel) in kernels(dtype).unwrap() {
                 let what = format!("{arch} {dtype:?} {name}");
@@ -667,7 +696,7 @@ fn amd_code_objects_offline() {
             }
         }
     }
-    for arch in FLASH_ARCHS {
+    for &arch in flash_archs {
         for hd in [64, 128] {
             let codes = match selfcheck::flash_amdgpu(hd, FloatDType::BF16, arch) {
                 Ok(codes) => codes,
