@@ -86,13 +86,16 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointEr
 /// empty: the ranks of one node keep their memory snapshots under one run folder, which a
 /// rank that ends (or that only checked it could write there) removes when it holds nothing.
 /// Between `create_dir_all`'s making of that folder and of the rank's own inside it, another
-/// rank can remove it, and the second `mkdir` then fails with `NotFound`: made again, a few
-/// times, that is not an error (a rank saw it end a 3-rank start under load with exit 78).
+/// rank can remove it, and the second `mkdir` then fails with `NotFound`; or another rank
+/// made it first and a third removed it before `create_dir_all` saw it there, which fails with
+/// `AlreadyExists`. Made again, a few times, neither is an error (a rank saw the first end a
+/// 3-rank start under load with exit 78).
 pub(crate) fn create_shared_dir_all(path: &Path) -> std::io::Result<()> {
+    use std::io::ErrorKind::{AlreadyExists, NotFound};
     let mut tries = 0;
     loop {
         match std::fs::create_dir_all(path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 16 => tries += 1,
+            Err(e) if matches!(e.kind(), NotFound | AlreadyExists) && tries < 16 => tries += 1,
             done => return done,
         }
     }
