@@ -666,6 +666,16 @@ mod tests {
         assert_eq!(rejected.len(), 1, "another lineage's is deleted");
     }
 
+    /// A memory tier (a snapshot every 5 steps) kept under `base`, and a run directory there.
+    fn tier_in(base: &Path) -> (CheckpointConfig, PathBuf) {
+        let cfg = CheckpointConfig {
+            snapshot_dir: base.display().to_string(),
+            snapshot_interval: 5,
+            ..CheckpointConfig::default()
+        };
+        (cfg, base.join("run"))
+    }
+
     /// The ranks of one node check their stores at the same time: one rank's check removes
     /// the shared run folder while it is empty, which another rank's `create_dir_all` has just
     /// made and is about to make its own folder in. Neither check may fail for that (a 3-rank
@@ -673,12 +683,7 @@ mod tests {
     #[test]
     fn ranks_checking_their_stores_together_do_not_fail_each_other() {
         let base = tempfile::tempdir().unwrap();
-        let cfg = CheckpointConfig {
-            snapshot_dir: base.path().display().to_string(),
-            snapshot_interval: 5,
-            ..CheckpointConfig::default()
-        };
-        let run = base.path().join("run");
+        let (cfg, run) = tier_in(base.path());
         let checks: Vec<_> = (0..3)
             .map(|rank| {
                 let (cfg, store) = (cfg.clone(), rank_dir(&cfg, &run, rank));
@@ -707,12 +712,7 @@ mod tests {
     #[test]
     fn a_run_leaves_no_empty_folder_of_its_tier() {
         let base = tempfile::tempdir().unwrap();
-        let cfg = CheckpointConfig {
-            snapshot_dir: base.path().display().to_string(),
-            snapshot_interval: 5,
-            ..CheckpointConfig::default()
-        };
-        let run = base.path().join("run");
+        let (cfg, run) = tier_in(base.path());
         let (r0, r1) = (rank_dir(&cfg, &run, 0), rank_dir(&cfg, &run, 1));
         check_store(&cfg, &r0).unwrap();
         assert!(
