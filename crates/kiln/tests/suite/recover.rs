@@ -398,15 +398,7 @@ fn finish_identical_tail(rd: &Path, shm: &Path, reference: &[u8]) {
 
 /// The persistent checkpoints of the run in `rd`, newest first.
 fn checkpoint_steps(rd: &Path) -> Vec<u64> {
-    let mut steps: Vec<u64> = std::fs::read_dir(rd.join("checkpoints"))
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    steps
+    kiln_train::checkpoint::list_steps(&rd.join("checkpoints"))
 }
 
 /// A run (one rank, snapshots every 3 steps, `extra` on top) stopped with SIGTERM once it

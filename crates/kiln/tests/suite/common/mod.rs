@@ -240,16 +240,7 @@ pub fn rank_store(shm: &Path, rank: usize) -> Option<std::path::PathBuf> {
 
 /// The published snapshot steps of `rank`, newest first.
 pub fn snapshot_steps(shm: &Path, rank: usize) -> Vec<u64> {
-    let Some(store) = rank_store(shm, rank) else {
-        return Vec::new();
-    };
-    let mut steps: Vec<u64> = std::fs::read_dir(store)
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    steps
+    rank_store(shm, rank)
+        .map(|store| kiln_train::checkpoint::list_steps(&store))
+        .unwrap_or_default()
 }
