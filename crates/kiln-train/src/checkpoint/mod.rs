@@ -88,8 +88,8 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointEr
 /// Between `create_dir_all`'s making of that folder and of the rank's own inside it, another
 /// rank can remove it, and the second `mkdir` then fails with `NotFound`; or another rank
 /// made it first and a third removed it before `create_dir_all` saw it there, which fails with
-/// `AlreadyExists`. Made again, a few times, neither is an error (a rank saw the first end a
-/// 3-rank start under load with exit 78).
+/// `AlreadyExists`. Made again, a few times, neither is an error (it would refuse the
+/// rank's start with exit 78, or skip a snapshot).
 pub(crate) fn create_shared_dir_all(path: &Path) -> std::io::Result<()> {
     use std::io::ErrorKind::{AlreadyExists, NotFound};
     let mut tries = 0;
