@@ -1,7 +1,7 @@
 //! Asking the scheduler which hosts are gone: the strongest evidence of a node failure.
 
 use crate::pool::same_host;
-use crate::probe::probe_tool;
+use crate::probe::{SCHEDULER_TIMEOUT, probe_tool_within};
 use kiln_topology::expand_hostlist;
 
 /// Which of `hosts` the scheduler says are lost (left the job, down, drained, failing), with
@@ -61,8 +61,11 @@ pub fn slurm_bad_nodes(sinfo: &str) -> Vec<(String, String)> {
 impl HostHealth for SlurmHealth {
     fn lost(&self, hosts: &[String]) -> Vec<(String, String)> {
         let mut lost: Vec<(String, String)> = Vec::new();
-        if let Some(out) = probe_tool("scontrol", &["show", "job", &self.job_id, "-o"])
-            && let Some(nodes) = slurm_job_nodes(&out)
+        if let Some(out) = probe_tool_within(
+            "scontrol",
+            &["show", "job", &self.job_id, "-o"],
+            SCHEDULER_TIMEOUT,
+        ) && let Some(nodes) = slurm_job_nodes(&out)
             && !nodes.is_empty()
         {
             for h in hosts.iter().filter(|h| !nodes.contains(h)) {
@@ -73,7 +76,11 @@ impl HostHealth for SlurmHealth {
             }
         }
         let list = hosts.join(",");
-        if let Some(out) = probe_tool("sinfo", &["-h", "-N", "-n", &list, "-o", "%N %T"]) {
+        if let Some(out) = probe_tool_within(
+            "sinfo",
+            &["-h", "-N", "-n", &list, "-o", "%N %T"],
+            SCHEDULER_TIMEOUT,
+        ) {
             for (h, why) in slurm_bad_nodes(&out) {
                 if hosts.contains(&h) && !lost.iter().any(|(x, _)| *x == h) {
                     lost.push((h, why));
@@ -90,7 +97,7 @@ pub struct PbsHealth;
 
 impl HostHealth for PbsHealth {
     fn lost(&self, hosts: &[String]) -> Vec<(String, String)> {
-        let Some(out) = probe_tool("pbsnodes", &["-l"]) else {
+        let Some(out) = probe_tool_within("pbsnodes", &["-l"], SCHEDULER_TIMEOUT) else {
             return Vec::new();
         };
         out.lines()

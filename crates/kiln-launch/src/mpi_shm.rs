@@ -12,7 +12,9 @@
 //!   ended, and on every node when the launch ends.
 //!
 //! The job id (which mpirun gives every rank as `OMPI_MCA_ess_base_jobid`) names exactly
-//! those files: no other job's segment is touched.
+//! those files: no other job's segment is touched. The record also names the job's session
+//! directory on the node, which a SIGKILLed `mpirun` leaves in `$TMPDIR` (8 MiB), and which
+//! goes with the segments (see [`kiln_run::node_state`]).
 
 use kiln_run::node_state::{MPI_SHM_DIR, mpi_segments, write_mpi_record};
 use std::path::{Path, PathBuf};
@@ -27,11 +29,16 @@ fn jobid() -> Option<String> {
         .filter(|j| !j.trim().is_empty())
 }
 
+/// The variable in which Open MPI 4 tells a rank its job's session directory on the node
+/// (`$TMPDIR/ompi.<host>.<uid>/pid.<mpirun's pid>`).
+pub const SESSION_ENV: &str = "OMPI_MCA_orte_jobfam_session_dir";
+
 /// Records, in the progress directory `dir`, that `rank` runs on this host in this Open MPI
-/// job (nothing outside one).
+/// job, and the job's session directory here (nothing outside one).
 pub fn record_job(dir: &Path, rank: usize) {
+    let session = std::env::var_os(SESSION_ENV).map(PathBuf::from);
     if let Some(job) = jobid()
-        && let Err(e) = write_mpi_record(dir, rank, &job)
+        && let Err(e) = write_mpi_record(dir, rank, &job, session.as_deref())
     {
         eprintln!(
             "kiln launch --as-rank: recording the MPI job in {}: {e}",

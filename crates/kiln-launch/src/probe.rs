@@ -9,9 +9,20 @@ use std::time::{Duration, Instant};
 /// and detection must not hang a launch.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a scheduler query may take: `sinfo` and `scontrol` wait on slurmctld, which is
+/// slowest exactly when nodes fail (it is killing steps and updating node states), and each
+/// RPC of theirs waits up to Slurm's `MessageTimeout` (10 s by default). A query that gave up
+/// after 5 s there lost the one piece of evidence that tells a node failure from a crash.
+pub const SCHEDULER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Runs `program args`; its stdout if it exits 0 within 5 s, else `None` (absent, failed or
 /// hung; a hung tool is killed).
 pub fn probe_tool(program: &str, args: &[&str]) -> Option<String> {
+    probe_tool_within(program, args, PROBE_TIMEOUT)
+}
+
+/// [`probe_tool`] with its own deadline.
+pub fn probe_tool_within(program: &str, args: &[&str], timeout: Duration) -> Option<String> {
     find_in_path(program)?;
     let mut child = Command::new(program)
         .args(args)
@@ -26,7 +37,7 @@ pub fn probe_tool(program: &str, args: &[&str]) -> Option<String> {
         let _ = stdout.read_to_end(&mut out);
         out
     });
-    let until = Instant::now() + PROBE_TIMEOUT;
+    let until = Instant::now() + timeout;
     let status = loop {
         match child.try_wait() {
             Ok(Some(s)) => break Some(s),

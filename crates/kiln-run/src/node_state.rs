@@ -19,7 +19,11 @@
 //! (`vader_segment.<host>.<uid>.<jobid>.<local rank>`, 4 MiB; `sm_segment.` in Open MPI
 //! 5). The launcher removes those of its own host after each attempt ([`release_mpi`]) and
 //! every node's at the end ([`release`]); only files of this user named for a recorded job
-//! are touched.
+//! are touched. The same records name the job's Open MPI session directory on the node
+//! (`$TMPDIR/ompi.<host>.<uid>/pid.<mpirun's pid>`, 8 MiB of PMIx stores, which `mpirun`
+//! removes only when it exits on its own: one that kiln stops with SIGKILL, after a hang or
+//! when its ranks ignore SIGTERM, leaves it); it goes the same way, once no process of that
+//! pid runs on the node ([`mpi_session_removable`]).
 
 use crate::layout;
 use serde::{Deserialize, Serialize};
@@ -39,6 +43,10 @@ pub struct NodeRecord {
     /// segments on the node go once the attempt ended.
     #[serde(default)]
     pub mpi_jobs: Vec<String>,
+    /// Open MPI session directories of those jobs on the node (Open MPI 4's
+    /// `OMPI_MCA_orte_jobfam_session_dir`), removed with the segments.
+    #[serde(default)]
+    pub mpi_sessions: Vec<PathBuf>,
     /// When it was written, Unix seconds.
     pub time: f64,
 }
@@ -56,13 +64,20 @@ pub fn write_node_record(dir: &Path, rank: usize, paths: &[PathBuf]) -> std::io:
         rank,
         paths: paths.to_vec(),
         mpi_jobs: Vec::new(),
+        mpi_sessions: Vec::new(),
         time: crate::unix_time(),
     };
     write_record(&dir.join(record_name(rank, host)), &record)
 }
 
-/// Records (atomically) in `dir` that `rank` runs on this host in Open MPI job `jobid`.
-pub fn write_mpi_record(dir: &Path, rank: usize, jobid: &str) -> std::io::Result<()> {
+/// Records (atomically) in `dir` that `rank` runs on this host in Open MPI job `jobid`, whose
+/// session directory here is `session`.
+pub fn write_mpi_record(
+    dir: &Path,
+    rank: usize,
+    jobid: &str,
+    session: Option<&Path>,
+) -> std::io::Result<()> {
     let host = crate::this_host();
     let jobid: String = jobid.chars().filter(char::is_ascii_digit).collect();
     let record = NodeRecord {
@@ -70,6 +85,7 @@ pub fn write_mpi_record(dir: &Path, rank: usize, jobid: &str) -> std::io::Result
         rank,
         paths: Vec::new(),
         mpi_jobs: vec![jobid.clone()],
+        mpi_sessions: session.into_iter().map(Path::to_path_buf).collect(),
         time: crate::unix_time(),
     };
     let name = format!("{}-mpi-{jobid}", record_name(rank, host));
@@ -119,6 +135,31 @@ pub fn mpi_segments(shm: &Path, jobid: &str, uid: u32, local_rank: Option<usize>
         })
         .map(|e| e.path())
         .collect()
+}
+
+/// Whether `path` may be removed as an ended Open MPI job's session directory: a directory
+/// (not a link) of this user named `pid.<P>` inside `ompi.<host>.<uid>`, where no process
+/// `P` runs on this node (`mpirun`'s, or its daemon's, is gone).
+pub fn mpi_session_removable(path: &Path, uid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let name = |p: &Path| p.file_name().and_then(|n| n.to_str()).map(str::to_owned);
+    let pid = name(path)
+        .and_then(|n| n.strip_prefix("pid.").map(str::to_owned))
+        .and_then(|p| p.parse::<i32>().ok())
+        .filter(|&p| p > 0);
+    let top = path.parent().and_then(name).is_some_and(|n| {
+        n.strip_prefix("ompi.")
+            .and_then(|rest| rest.rsplit_once('.'))
+            .is_some_and(|(_, u)| u == uid.to_string())
+    });
+    let Some(pid) = pid.filter(|_| top) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 sends nothing; it only asks whether the process exists.
+    let gone = unsafe { libc::kill(pid, 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    gone && std::fs::symlink_metadata(path)
+        .is_ok_and(|m| m.is_dir() && !m.file_type().is_symlink() && m.uid() == uid)
 }
 
 /// This process's user id.
@@ -217,6 +258,15 @@ fn release_in(dir: &Path, host: &str, shm: &Path, tiers: bool) -> Released {
                 }
             }
         }
+        for session in &record.mpi_sessions {
+            if out.removed.contains(session) || !mpi_session_removable(session, uid()) {
+                continue;
+            }
+            match std::fs::remove_dir_all(session) {
+                Ok(()) => out.removed.push(session.clone()),
+                Err(e) => out.failed.push((session.clone(), e.to_string())),
+            }
+        }
         if !tiers {
             let _ = std::fs::remove_file(file);
             continue;
@@ -272,6 +322,7 @@ mod tests {
                 rank,
                 paths,
                 mpi_jobs: Vec::new(),
+                mpi_sessions: Vec::new(),
                 time: 1.0,
             };
             let text = serde_json::to_string(&r).unwrap();
@@ -330,7 +381,7 @@ mod tests {
         );
         assert!(mpi_segments(shm.path(), "not a number", me, None).is_empty());
         // After an attempt: the recorded job's segments go, the memory tier's record stays.
-        write_mpi_record(progress.path(), 3, "79822849").unwrap();
+        write_mpi_record(progress.path(), 3, "79822849", None).unwrap();
         let tier = shm.path().join("kiln-00112233aabbccdd");
         std::fs::create_dir(&tier).unwrap();
         write_node_record(progress.path(), 3, std::slice::from_ref(&tier)).unwrap();
@@ -339,5 +390,51 @@ mod tests {
         assert!(tier.exists());
         assert_eq!(read_node_records(progress.path()).len(), 1);
         assert!(shm.path().join(&names[2]).exists() && shm.path().join(&names[3]).exists());
+    }
+
+    /// A pid that no process has: a child's, once it was waited for.
+    fn ended_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    fn only_ended_jobs_session_directories_of_this_user_are_released() {
+        let tmp = tempfile::tempdir().unwrap();
+        let progress = tempfile::tempdir().unwrap();
+        let me = uid();
+        let (dead, live) = (ended_pid(), std::process::id());
+        let session = |top: &str, leaf: String| {
+            let p = tmp.path().join(top).join(leaf);
+            std::fs::create_dir_all(p.join("0/1")).unwrap();
+            std::fs::write(p.join("pmix_dstor_ds21"), b"x").unwrap();
+            p
+        };
+        let top = format!("ompi.vm.{me}");
+        let ended = session(&top, format!("pid.{dead}"));
+        let running = session(&top, format!("pid.{live}"));
+        let odd = session(&top, "pid.x".into());
+        let elsewhere = session(&format!("other.vm.{me}"), format!("pid.{dead}"));
+        let other_user = session(&format!("ompi.vm.{}", me + 1), format!("pid.{dead}"));
+        let link = tmp.path().join(&top).join(format!("pid.{}", ended_pid()));
+        std::os::unix::fs::symlink(&odd, &link).unwrap();
+        assert!(mpi_session_removable(&ended, me));
+        for kept in [&running, &odd, &elsewhere, &other_user, &link] {
+            assert!(!mpi_session_removable(kept, me), "{}", kept.display());
+        }
+        for (rank, path) in [&ended, &running, &odd, &elsewhere, &link]
+            .into_iter()
+            .enumerate()
+        {
+            write_mpi_record(progress.path(), rank, &format!("{}", 7 + rank), Some(path)).unwrap();
+        }
+        let r = release_mpi(progress.path(), crate::this_host());
+        assert_eq!(r.removed, vec![ended.clone()], "{r:?}");
+        assert!(r.failed.is_empty(), "{r:?}");
+        assert!(!ended.exists());
+        assert!(running.exists() && odd.exists() && elsewhere.exists() && other_user.exists());
+        assert!(read_node_records(progress.path()).is_empty());
     }
 }

@@ -506,3 +506,50 @@ fn a_launch_that_gives_up_leaves_no_mpi_segments() {
         assert_eq!(mpi_segments_of(j), Vec::<String>::new(), "job {j:x}");
     }
 }
+
+/// Open MPI 4 keeps a job's session directory (`$TMPDIR/ompi.<host>.<uid>/pid.<mpirun's
+/// pid>`, 8 MiB of PMIx stores) until `mpirun` exits on its own; an `mpirun` that kiln must
+/// SIGKILL (here: ranks that ignore SIGTERM, silent past `--timeout`) left it behind, one per
+/// such attempt. The launcher removes it once the attempt ended.
+#[cfg(feature = "mpi")]
+#[test]
+fn an_mpirun_killed_with_its_attempt_leaves_no_session_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let seen = dir.path().join("sessions");
+    let script = format!(
+        "echo \"$OMPI_MCA_orte_jobfam_session_dir\" >> {seen}; trap '' TERM; sleep 60",
+        seen = seen.display()
+    );
+    let mut cmd = common::kiln_cmd(&[
+        "launch",
+        "--mpi",
+        "--np",
+        "2",
+        "--timeout",
+        "2",
+        "--grace",
+        "0.5",
+        "--retries",
+        "1",
+        "--backoff",
+        "0.2",
+        "--run-dir",
+    ]);
+    cmd.arg(&rd).args(["--", "sh", "-c", &script]);
+    let out = cmd.output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{log}");
+    let mut sessions: Vec<String> = std::fs::read_to_string(&seen)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    sessions.sort();
+    sessions.dedup();
+    assert_eq!(sessions.len(), 2, "one per attempt: {sessions:?}\n{log}");
+    for s in &sessions {
+        assert!(s.contains("/ompi.") && s.contains("/pid."), "{s}");
+        assert!(!std::path::Path::new(s).exists(), "{s} is left\n{log}");
+    }
+}
