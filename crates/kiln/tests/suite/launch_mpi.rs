@@ -397,19 +397,7 @@ fn kill_ranks_under_mpirun(
         quoted.join(" ")
     );
     let np = np.to_string();
-    let mut cmd = common::kiln_cmd(&[
-        "launch",
-        "--mpi",
-        "--np",
-        &np,
-        "--retries",
-        "1",
-        "--backoff",
-        "0.2",
-        "--run-dir",
-    ]);
-    cmd.arg(&rd).args(["--", "sh", "-c", &script]);
-    let mut job = cmd
+    let mut job = retried_mpi_launch(&rd, &np, &[], &script)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -462,6 +450,27 @@ fn kill_ranks_under_mpirun(
     ids.sort_unstable();
     ids.dedup();
     (code, ids)
+}
+
+/// `kiln launch --mpi` of `sh -c script` on `np` ranks into run directory `rd`, with one
+/// retry 0.2 s after a failed attempt, and `extra` flags.
+#[cfg(feature = "mpi")]
+fn retried_mpi_launch(rd: &std::path::Path, np: &str, extra: &[&str], script: &str) -> Command {
+    let mut args = vec![
+        "launch",
+        "--mpi",
+        "--np",
+        np,
+        "--retries",
+        "1",
+        "--backoff",
+        "0.2",
+    ];
+    args.extend_from_slice(extra);
+    args.push("--run-dir");
+    let mut cmd = common::kiln_cmd(&args);
+    cmd.arg(rd).args(["--", "sh", "-c", script]);
+    cmd
 }
 
 /// The files in /dev/shm of this user's Open MPI job `jobid`.
@@ -521,22 +530,7 @@ fn an_mpirun_killed_with_its_attempt_leaves_no_session_directory() {
         "echo \"$OMPI_MCA_orte_jobfam_session_dir\" >> {seen}; trap '' TERM; sleep 60",
         seen = seen.display()
     );
-    let mut cmd = common::kiln_cmd(&[
-        "launch",
-        "--mpi",
-        "--np",
-        "2",
-        "--timeout",
-        "2",
-        "--grace",
-        "0.5",
-        "--retries",
-        "1",
-        "--backoff",
-        "0.2",
-        "--run-dir",
-    ]);
-    cmd.arg(&rd).args(["--", "sh", "-c", &script]);
+    let mut cmd = retried_mpi_launch(&rd, "2", &["--timeout", "2", "--grace", "0.5"], &script);
     let out = cmd.output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{log}");
