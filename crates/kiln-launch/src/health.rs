@@ -1,7 +1,7 @@
 //! Asking the scheduler which hosts are gone: the strongest evidence of a node failure.
 
 use crate::pool::same_host;
-use crate::probe::{SCHEDULER_TIMEOUT, probe_tool_within};
+use crate::probe::{SCHEDULER_TIMEOUT, find_in_path, probe_tool_within};
 use kiln_topology::expand_hostlist;
 
 /// Which of `hosts` the scheduler says are lost (left the job, down, drained, failing), with
@@ -58,14 +58,27 @@ pub fn slurm_bad_nodes(sinfo: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The scheduler's answer to `program args` (within [`SCHEDULER_TIMEOUT`]); when a scheduler
+/// tool that exists gives none, says so on the launcher's log, since the diagnosis then goes
+/// without the scheduler's word on its hosts.
+fn ask_scheduler(program: &str, args: &[&str]) -> Option<String> {
+    let out = probe_tool_within(program, args, SCHEDULER_TIMEOUT);
+    if out.is_none() && find_in_path(program).is_some() {
+        eprintln!(
+            "kiln: `{program} {}` gave no answer within {} s (failed or timed out): the hosts' \
+             states are unknown to this diagnosis",
+            args.join(" "),
+            SCHEDULER_TIMEOUT.as_secs()
+        );
+    }
+    out
+}
+
 impl HostHealth for SlurmHealth {
     fn lost(&self, hosts: &[String]) -> Vec<(String, String)> {
         let mut lost: Vec<(String, String)> = Vec::new();
-        if let Some(out) = probe_tool_within(
-            "scontrol",
-            &["show", "job", &self.job_id, "-o"],
-            SCHEDULER_TIMEOUT,
-        ) && let Some(nodes) = slurm_job_nodes(&out)
+        if let Some(out) = ask_scheduler("scontrol", &["show", "job", &self.job_id, "-o"])
+            && let Some(nodes) = slurm_job_nodes(&out)
             && !nodes.is_empty()
         {
             for h in hosts.iter().filter(|h| !nodes.contains(h)) {
@@ -76,11 +89,7 @@ impl HostHealth for SlurmHealth {
             }
         }
         let list = hosts.join(",");
-        if let Some(out) = probe_tool_within(
-            "sinfo",
-            &["-h", "-N", "-n", &list, "-o", "%N %T"],
-            SCHEDULER_TIMEOUT,
-        ) {
+        if let Some(out) = ask_scheduler("sinfo", &["-h", "-N", "-n", &list, "-o", "%N %T"]) {
             for (h, why) in slurm_bad_nodes(&out) {
                 if hosts.contains(&h) && !lost.iter().any(|(x, _)| *x == h) {
                     lost.push((h, why));
@@ -97,7 +106,7 @@ pub struct PbsHealth;
 
 impl HostHealth for PbsHealth {
     fn lost(&self, hosts: &[String]) -> Vec<(String, String)> {
-        let Some(out) = probe_tool_within("pbsnodes", &["-l"], SCHEDULER_TIMEOUT) else {
+        let Some(out) = ask_scheduler("pbsnodes", &["-l"]) else {
             return Vec::new();
         };
         out.lines()

@@ -205,7 +205,7 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
     let failed = ends[0];
     assert_eq!(
         failed.fields["cause"], "node-failure",
-        "{:?}",
+        "{:?}\n{out}",
         failed.fields
     );
     assert_eq!(failed.fields["culprit_hosts"], serde_json::json!(["n2"]));
