@@ -141,17 +141,21 @@ pub fn mpi_segments(shm: &Path, jobid: &str, uid: u32, local_rank: Option<usize>
 /// (not a link) of this user named `pid.<P>` inside `ompi.<host>.<uid>`, where no process
 /// `P` runs on this node (`mpirun`'s, or its daemon's, is gone).
 pub fn mpi_session_removable(path: &Path, uid: u32) -> bool {
+    use std::ffi::OsStr;
     use std::os::unix::fs::MetadataExt;
-    let name = |p: &Path| p.file_name().and_then(|n| n.to_str()).map(str::to_owned);
-    let pid = name(path)
-        .and_then(|n| n.strip_prefix("pid.").map(str::to_owned))
+    let pid = path
+        .file_name()
+        .and_then(OsStr::to_str)
+        .and_then(|n| n.strip_prefix("pid."))
         .and_then(|p| p.parse::<i32>().ok())
         .filter(|&p| p > 0);
-    let top = path.parent().and_then(name).is_some_and(|n| {
-        n.strip_prefix("ompi.")
-            .and_then(|rest| rest.rsplit_once('.'))
-            .is_some_and(|(_, u)| u == uid.to_string())
-    });
+    let top = path
+        .parent()
+        .and_then(Path::file_name)
+        .and_then(OsStr::to_str)
+        .and_then(|n| n.strip_prefix("ompi."))
+        .and_then(|rest| rest.rsplit_once('.'))
+        .is_some_and(|(_, u)| u == uid.to_string());
     let Some(pid) = pid.filter(|_| top) else {
         return false;
     };
