@@ -18,9 +18,9 @@
 //! must be refused without being opened (`regressions/checkpoint/manifest-*`).
 
 use kiln_train::checkpoint::{
-    self, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE, STATE_FILE,
+    self, Checksum, ChecksumKind, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestEntry,
+    OPTIMIZER_FILE, STATE_FILE,
 };
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 
 /// Separates the parts of a multi-file fuzz input.
@@ -68,13 +68,18 @@ pub fn run(data: &[u8]) {
     for (name, bytes) in names.iter().zip(&parts).skip(1) {
         std::fs::write(ck.join(name), bytes).expect("write a part");
     }
+    // Both checksums a manifest may carry: SHA-256 (persistent) and XXH3-128 (memory tier).
+    let kind = match data.len() % 2 {
+        0 => ChecksumKind::Sha256,
+        _ => ChecksumKind::Xxh3_128,
+    };
     let manifest = if parts[0].is_empty() {
         let files: BTreeMap<String, ManifestEntry> = names[1..]
             .iter()
             .zip(&parts[1..])
             .map(|(name, bytes)| {
                 let entry = ManifestEntry {
-                    sha256: hex::encode(Sha256::digest(bytes)),
+                    sum: Checksum::of(kind, bytes),
                     bytes: bytes.len() as u64,
                 };
                 (name.to_string(), entry)

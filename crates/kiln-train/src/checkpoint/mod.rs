@@ -1,5 +1,6 @@
 //! Checkpoints: `RUN_DIR/checkpoints/step-<N>/` holds `model.safetensors`,
-//! `optimizer.safetensors`, `state.json` and `manifest.json` (SHA-256 and size of each file).
+//! `optimizer.safetensors`, `state.json` and `manifest.json` (checksum and size of each file:
+//! SHA-256 here, XXH3-128 in the memory tier's snapshots; see `checksum.rs`).
 //! A sharded run (`parallelism.shard`) has no `optimizer.safetensors`: each rank writes its
 //! own shard, `optimizer-<r>-of-<n>.safetensors`, in parallel (tensors named
 //! `<param>.<slot>@<first element>`, a contiguous piece of the flattened state), and rank 0
@@ -27,14 +28,15 @@
 //! moving rejected and foreign checkpoints aside (`checkpoints/rejected/`, never deleted), and
 //! retention that only ever deletes older checkpoints of this run's own lineage.
 
+mod checksum;
 mod partial;
 mod stream;
+pub use checksum::{Checksum, ChecksumKind};
 pub use partial::{Keep, Part, load_kept, verify};
 pub use stream::{Hashing, Source, StreamError};
 
 use kiln_run::layout;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Write};
@@ -233,8 +235,9 @@ fn decode(bytes: &[u8], dtype: StoredDtype) -> Vec<f32> {
 /// One file's entry in `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ManifestEntry {
-    /// Lower-case hex SHA-256 of the file.
-    pub sha256: String,
+    /// The file's checksum (SHA-256, or XXH3-128 in a memory-tier snapshot).
+    #[serde(flatten)]
+    pub sum: Checksum,
     /// Size in bytes.
     pub bytes: u64,
 }
@@ -318,7 +321,7 @@ pub fn write_shard(
     let path = dir.join(&name);
     remove_tree(&path)?;
     let sources: Vec<&dyn Source> = tensors.iter().map(|t| t as &dyn Source).collect();
-    let entry = write_tensors_synced(&path, &sources)?;
+    let entry = write_tensors_synced(&path, ChecksumKind::Sha256, &sources)?;
     fsync_dir(&dir)?;
     Ok(ShardFile { name, path, entry })
 }
@@ -339,6 +342,7 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
 /// caller's temporary directory to remove.
 fn write_file_synced(
     path: &Path,
+    kind: ChecksumKind,
     fill: impl FnOnce(&mut dyn Write) -> Result<(), StreamError>,
 ) -> Result<ManifestEntry, CheckpointError> {
     let f = std::fs::OpenOptions::new()
@@ -346,7 +350,7 @@ fn write_file_synced(
         .create_new(true)
         .open(path)
         .map_err(io_err(path))?;
-    let mut out = Hashing::new(std::io::BufWriter::with_capacity(1 << 20, f));
+    let mut out = Hashing::new(std::io::BufWriter::with_capacity(1 << 20, f), kind);
     fill(&mut out).map_err(|e| match e {
         StreamError::Io(source) => CheckpointError::Io {
             path: path.to_path_buf(),
@@ -363,32 +367,37 @@ fn write_file_synced(
     Ok(entry)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestEntry, CheckpointError> {
-    write_file_synced(path, |out| Ok(out.write_all(bytes)?))
+fn write_synced(
+    path: &Path,
+    kind: ChecksumKind,
+    bytes: &[u8],
+) -> Result<ManifestEntry, CheckpointError> {
+    write_file_synced(path, kind, |out| Ok(out.write_all(bytes)?))
 }
 
 /// Writes `tensors` as the safetensors file `path`, each tensor read as it is written.
 fn write_tensors_synced(
     path: &Path,
+    kind: ChecksumKind,
     tensors: &[&dyn Source],
 ) -> Result<ManifestEntry, CheckpointError> {
-    write_file_synced(path, |out| stream::write(out, tensors))
+    write_file_synced(path, kind, |out| stream::write(out, tensors))
 }
 
 /// Writes `ckpt`'s files into the directory `tmp`, each synced, then the manifest that lists
 /// them: the model and optimizer state (unless the ranks staged them as shard files, which are
 /// moved in), the training state.
-fn write_contents(tmp: &Path, ckpt: &Contents) -> Result<(), CheckpointError> {
+fn write_contents(tmp: &Path, ckpt: &Contents, kind: ChecksumKind) -> Result<(), CheckpointError> {
     let mut files = BTreeMap::new();
     let sharded = |parse: fn(&str) -> Option<(usize, usize)>| {
         ckpt.shards.iter().any(|f| parse(&f.name).is_some())
     };
     if !sharded(layout::parse_model_shard) {
-        let entry = write_tensors_synced(&tmp.join(MODEL_FILE), &ckpt.model)?;
+        let entry = write_tensors_synced(&tmp.join(MODEL_FILE), kind, &ckpt.model)?;
         files.insert(MODEL_FILE.to_string(), entry);
     }
     if !sharded(layout::parse_optimizer_shard) {
-        let entry = write_tensors_synced(&tmp.join(OPTIMIZER_FILE), &ckpt.optimizer)?;
+        let entry = write_tensors_synced(&tmp.join(OPTIMIZER_FILE), kind, &ckpt.optimizer)?;
         files.insert(OPTIMIZER_FILE.to_string(), entry);
     }
     for f in ckpt.shards {
@@ -399,11 +408,11 @@ fn write_contents(tmp: &Path, ckpt: &Contents) -> Result<(), CheckpointError> {
     let state = serde_json::to_vec_pretty(ckpt.state).map_err(|e| invalid(tmp, e.to_string()))?;
     files.insert(
         STATE_FILE.to_string(),
-        write_synced(&tmp.join(STATE_FILE), &state)?,
+        write_synced(&tmp.join(STATE_FILE), kind, &state)?,
     );
     let manifest = serde_json::to_vec_pretty(&Manifest { version: 1, files })
         .map_err(|e| invalid(tmp, e.to_string()))?;
-    write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
+    write_synced(&tmp.join(MANIFEST_FILE), kind, &manifest)?;
     Ok(())
 }
 
@@ -423,8 +432,17 @@ fn publish(root: &Path, tmp: &Path, step: u64) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-/// Writes `ckpt` as `root/step-<N>` atomically and returns its path.
+/// Writes `ckpt` as `root/step-<N>` atomically with SHA-256 checksums and returns its path.
 pub fn save(root: &Path, ckpt: &Contents) -> Result<PathBuf, CheckpointError> {
+    save_with(root, ckpt, ChecksumKind::Sha256)
+}
+
+/// [`save`] with the files' checksums of `kind`.
+pub fn save_with(
+    root: &Path,
+    ckpt: &Contents,
+    kind: ChecksumKind,
+) -> Result<PathBuf, CheckpointError> {
     create_shared_dir_all(root).map_err(io_err(root))?;
     let final_dir = root.join(dir_name(ckpt.step));
     let tmp = root.join(format!(
@@ -436,7 +454,7 @@ pub fn save(root: &Path, ckpt: &Contents) -> Result<PathBuf, CheckpointError> {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
-    let written = write_contents(&tmp, ckpt)
+    let written = write_contents(&tmp, ckpt, kind)
         .and_then(|()| fsync_dir(&tmp))
         .and_then(|()| publish(root, &tmp, ckpt.step));
     if written.is_err() {
@@ -658,17 +676,13 @@ fn load_shards(
     Ok(out)
 }
 
-/// Reads one file of `dir` listed in `manifest` and checks its size and SHA-256.
+/// Reads one file of `dir` listed in `manifest` and checks its size and checksum.
 fn read_verified(dir: &Path, manifest: &Manifest, name: &str) -> Result<Vec<u8>, CheckpointError> {
     let path = dir.join(name);
     let entry = &manifest.files[name];
     let bytes = read_bounded(&path, Some(entry.bytes), entry.bytes)?;
-    let sum = hex::encode(Sha256::digest(&bytes));
-    if sum != entry.sha256 {
-        return Err(invalid(
-            &path,
-            format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
-        ));
+    if let Some(why) = entry.sum.mismatch(&Checksum::of(entry.sum.kind(), &bytes)) {
+        return Err(invalid(&path, why));
     }
     Ok(bytes)
 }
@@ -1087,7 +1101,7 @@ pub(crate) mod tests {
             name: "extra.safetensors".into(),
             path: root.join("staged-elsewhere/extra.safetensors"),
             entry: ManifestEntry {
-                sha256: String::new(),
+                sum: Checksum::Sha256(String::new()),
                 bytes: 0,
             },
         };

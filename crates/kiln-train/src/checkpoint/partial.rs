@@ -8,13 +8,13 @@
 //! tensors' byte ranges follow each other and match their shapes and dtypes); the crate has
 //! no reader for part of a file, so the ranges are read here with `pread`.
 
+use super::checksum::Hasher;
 use super::{
     Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE,
     STATE_FILE, StoredDtype, decode, invalid, open_regular, parse_state, read_manifest,
     read_verified, stored_dtype,
 };
 use kiln_run::layout;
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
@@ -57,7 +57,7 @@ pub fn verify(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         }
         let path = dir.join(name);
         let (mut file, size) = open_listed(&path, entry)?;
-        let mut hash = Sha256::new();
+        let mut hash = Hasher::new(entry.sum.kind());
         let mut buf = vec![0u8; CHUNK];
         loop {
             let n = file
@@ -68,12 +68,8 @@ pub fn verify(dir: &Path) -> Result<Checkpoint, CheckpointError> {
             }
             hash.update(&buf[..n]);
         }
-        let sum = hex::encode(hash.finalize());
-        if sum != entry.sha256 {
-            return Err(invalid(
-                &path,
-                format!("SHA-256 {sum} != {} in manifest (corrupt)", entry.sha256),
-            ));
+        if let Some(why) = entry.sum.mismatch(&hash.finish()) {
+            return Err(invalid(&path, why));
         }
         header(&file, size, &path)?;
     }

@@ -9,8 +9,8 @@
 //! The bytes are exactly [`safetensors::serialize`]'s (the same header, the tensors in the
 //! format's order: dtype alignment descending, then name), which a test holds.
 
+use super::checksum::{ChecksumKind, Hasher};
 use super::{HostTensor, ManifestEntry, StoredDtype, bf16_bits};
-use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 use std::io::Write;
 
@@ -136,19 +136,19 @@ pub fn write(out: &mut dyn Write, tensors: &[&dyn Source]) -> Result<(), StreamE
     Ok(())
 }
 
-/// A writer that hashes (SHA-256) and counts the bytes it passes on.
+/// A writer that hashes and counts the bytes it passes on.
 pub struct Hashing<W> {
     inner: W,
-    sha: Sha256,
+    hash: Hasher,
     bytes: u64,
 }
 
 impl<W: Write> Hashing<W> {
-    /// Hashing what goes into `inner`.
-    pub fn new(inner: W) -> Self {
+    /// Hashing what goes into `inner` with `kind`.
+    pub fn new(inner: W, kind: ChecksumKind) -> Self {
         Self {
             inner,
-            sha: Sha256::new(),
+            hash: Hasher::new(kind),
             bytes: 0,
         }
     }
@@ -156,7 +156,7 @@ impl<W: Write> Hashing<W> {
     /// The manifest entry of what was written, and the inner writer.
     pub fn finish(self) -> (ManifestEntry, W) {
         let entry = ManifestEntry {
-            sha256: hex::encode(self.sha.finalize()),
+            sum: self.hash.finish(),
             bytes: self.bytes,
         };
         (entry, self.inner)
@@ -166,7 +166,7 @@ impl<W: Write> Hashing<W> {
 impl<W: Write> Write for Hashing<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let n = self.inner.write(buf)?;
-        self.sha.update(&buf[..n]);
+        self.hash.update(&buf[..n]);
         self.bytes += n as u64;
         Ok(n)
     }
@@ -178,6 +178,7 @@ impl<W: Write> Write for Hashing<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::checksum::Checksum;
 
     fn t(name: &str, dtype: StoredDtype, shape: Vec<usize>) -> HostTensor {
         let n: usize = shape.iter().product();
@@ -226,12 +227,14 @@ mod tests {
             t("empty", StoredDtype::F32, vec![0]),
         ];
         let sources: Vec<&dyn Source> = tensors.iter().map(|t| t as &dyn Source).collect();
-        let mut out = Hashing::new(Vec::new());
-        write(&mut out, &sources).unwrap();
-        let (entry, bytes) = out.finish();
-        assert_eq!(bytes, reference(&tensors));
-        assert_eq!(entry.bytes, bytes.len() as u64);
-        assert_eq!(entry.sha256, hex::encode(Sha256::digest(&bytes)));
+        for kind in [ChecksumKind::Sha256, ChecksumKind::Xxh3_128] {
+            let mut out = Hashing::new(Vec::new(), kind);
+            write(&mut out, &sources).unwrap();
+            let (entry, bytes) = out.finish();
+            assert_eq!(bytes, reference(&tensors));
+            assert_eq!(entry.bytes, bytes.len() as u64);
+            assert_eq!(entry.sum, Checksum::of(kind, &bytes));
+        }
     }
 
     #[test]

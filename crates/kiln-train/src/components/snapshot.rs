@@ -1,8 +1,8 @@
 //! [`Snapshotter`]: the memory tier of checkpoints. Every rank snapshots its state every
 //! `checkpoint.snapshot_interval` steps into node-local memory
 //! (`<snapshot_dir>/kiln-<hash of the run directory>/rank-<R>/step-<N>`, `/dev/shm` by
-//! default), in the checkpoint format: written by [`checkpoint::save`] (temporary directory,
-//! manifest of SHA-256 sums, atomic rename) on a writer thread of its own ([`Saver`]), and
+//! default), in the checkpoint format: written by [`checkpoint::save_with`] (temporary directory,
+//! manifest of XXH3-128 sums (see `checkpoint/checksum.rs` for why not SHA-256), atomic rename) on a writer thread of its own ([`Saver`]), and
 //! read back by [`checkpoint::load`], which verifies every file. Staging costs no copy (see
 //! [`crate::components::saver`]); a snapshot due while the previous one is still being written is
 //! skipped rather than waited for: this tier must never stall the step. Retention keeps the
@@ -24,7 +24,7 @@
 
 use crate::cadence::Every;
 use crate::checkpoint::{
-    self, Checkpoint, CheckpointError, Contents, FILES, MANIFEST_FILE, SaveReport,
+    self, Checkpoint, CheckpointError, ChecksumKind, Contents, FILES, MANIFEST_FILE, SaveReport,
     create_shared_dir_all, io_err, remove_tree,
 };
 use crate::components::journal::{Journal, path_text};
@@ -215,7 +215,7 @@ impl Store for SnapshotStore {
     /// ones and the newest at the anchor interval (the guards' rollback point; newer ones
     /// are left by a rollback: stale) and this process's leftovers.
     fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
-        let path = checkpoint::save(&self.root, ckpt)?;
+        let path = checkpoint::save_with(&self.root, ckpt, ChecksumKind::Xxh3_128)?;
         let mut pruned = Vec::new();
         let steps = checkpoint::list_steps(&self.root);
         let anchor = steps

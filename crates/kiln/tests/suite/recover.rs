@@ -291,7 +291,7 @@ fn a_corrupt_snapshot_is_rejected_and_the_one_before_it_used() {
     let rejected = events(&rd, "snapshot_rejected");
     assert_eq!(rejected.len(), 1, "{rejected:?}");
     assert!(
-        rejected[0]["reason"].as_str().unwrap().contains("SHA-256"),
+        rejected[0]["reason"].as_str().unwrap().contains("XXH3-128"),
         "{rejected:?}"
     );
     let r = the_resume(&rd);
