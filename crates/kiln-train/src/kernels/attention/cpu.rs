@@ -23,7 +23,7 @@
 use super::dims::Dims;
 use crate::kernels::host::math::{exp, lane_max, lane_sum};
 use crate::kernels::host::matmul::{View, raw};
-use crate::kernels::host::tensors::{contiguous, dims, tensor, values};
+use crate::kernels::host::tensors::{contiguous, dims, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -33,6 +33,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::Tensor;
 use multiversion::multiversion;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Query rows per block of work.
 const ROWS: usize = 64;
@@ -138,6 +139,11 @@ impl Shared {
         Self(v.as_mut_ptr(), v.len())
     }
 
+    /// A buffer that may be uninitialised: only written through the pointer.
+    fn of_uninit(v: &mut [MaybeUninit<f32>]) -> Self {
+        Self(v.as_mut_ptr().cast(), v.len())
+    }
+
     /// The start of the buffer (a method, so closures capture the whole `Shared`, which is
     /// `Sync`, rather than its raw pointer field).
     fn ptr(self) -> *mut f32 {
@@ -199,9 +205,30 @@ fn forward(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor, scale: f64) -> (FlexT
     let (q, k, v) = (contiguous(q), contiguous(k), contiguous(v));
     let (qs, ks, vs) = (values(&q), values(&k), values(&v));
     let t = d.t;
-    let mut y = vec![0.0f32; d.b * t * d.heads() * d.hd];
-    let mut p = vec![0.0f32; d.b * d.kv * d.groups * t * t];
-    let (ys, ps) = (Shared::of(&mut y), Shared::of(&mut p));
+    // Written whole: the blocks cover every (batch, head, position), and each writes its
+    // rows of `y` (a product, not accumulated) and its rows of `p`, visible columns and zeros.
+    let (y, (p, ())) = written(d.b * t * d.heads() * d.hd, |y| {
+        written(d.b * d.kv * d.groups * t * t, |p| {
+            forward_into(&d, (qs, ks, vs), scale, y, p)
+        })
+    });
+    let heads = d.heads();
+    (
+        tensor(y, [d.b, t, heads * d.hd]),
+        tensor(p, [d.b, d.kv, d.groups * t, t]),
+    )
+}
+
+/// [`forward`]'s blocks, writing every element of `y` and `p`.
+fn forward_into(
+    d: &Dims,
+    (qs, ks, vs): (&[f32], &[f32], &[f32]),
+    scale: f64,
+    y: &mut [MaybeUninit<f32>],
+    p: &mut [MaybeUninit<f32>],
+) {
+    let t = d.t;
+    let (ys, ps) = (Shared::of_uninit(y), Shared::of_uninit(p));
     d.blocks().par_iter().for_each(|blk| {
         let (row0, cols) = (d.q_row(blk), blk.cols());
         let qv = View::new(qs, row0 * d.hd, (blk.rows, d.hd), (d.hd as isize, 1));
@@ -229,14 +256,10 @@ fn forward(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor, scale: f64) -> (FlexT
             for r in 0..blk.rows {
                 let dst = ps.ptr().add((row0 + r) * t);
                 std::ptr::copy_nonoverlapping(s.as_ptr().add(r * cols), dst, cols);
+                std::ptr::write_bytes(dst.add(cols), 0, t - cols);
             }
         }
     });
-    let heads = d.heads();
-    (
-        tensor(y, [d.b, t, heads * d.hd]),
-        tensor(p, [d.b, d.kv, d.groups * t, t]),
-    )
 }
 
 /// `(dq, dk, dv)` from the output gradient `dy` and the forward's inputs and probabilities.
@@ -250,9 +273,32 @@ fn backward(
     let (dys, qs, ks, vs, ps) = (values(&dy), values(q), values(k), values(v), values(p));
     let t = d.t;
     // Per block of query rows: ds = softmax backward of (dy @ v^T), and dq = ds @ k.
-    let mut ds = vec![0.0f32; ps.len()];
-    let mut dq = vec![0.0f32; qs.len()];
-    let (dss, dqs) = (Shared::of(&mut ds), Shared::of(&mut dq));
+    // Written whole: the blocks cover every row of `ds` (visible columns and zeros) and of
+    // `dq` (a product, not accumulated).
+    let (ds, (dq, ())) = written(ps.len(), |ds| {
+        written(qs.len(), |dq| {
+            ds_dq_into(&d, (dys, ks, vs, ps), scale, ds, dq)
+        })
+    });
+    let (dk, dv) = dk_dv(&d, (dys, qs, ps), &ds);
+    (
+        tensor(dq, dims(q)),
+        tensor(dk, dims(k)),
+        tensor(dv, [d.b, t, d.kv * d.hd]),
+    )
+}
+
+/// Per block of query rows: `ds` = softmax backward of (dy @ v^T), and `dq = ds @ k`; writes
+/// every element of both.
+fn ds_dq_into(
+    d: &Dims,
+    (dys, ks, vs, ps): (&[f32], &[f32], &[f32], &[f32]),
+    scale: f64,
+    ds: &mut [MaybeUninit<f32>],
+    dq: &mut [MaybeUninit<f32>],
+) {
+    let t = d.t;
+    let (dss, dqs) = (Shared::of_uninit(ds), Shared::of_uninit(dq));
     d.blocks().par_iter().for_each(|blk| {
         let (row0, cols) = (d.q_row(blk), blk.cols());
         let (at, ld) = d.out_at(blk);
@@ -286,16 +332,21 @@ fn backward(
             for r in 0..blk.rows {
                 let dst = dss.ptr().add((row0 + r) * t);
                 std::ptr::copy_nonoverlapping(g.as_ptr().add(r * cols), dst, cols);
+                std::ptr::write_bytes(dst.add(cols), 0, t - cols);
             }
         }
     });
-    // Per (batch, kv head), over its blocks in order: dk += ds^T @ q, dv += p^T @ dy.
-    let mut dk = vec![0.0f32; ks.len()];
-    let mut dv = vec![0.0f32; vs.len()];
+}
+
+/// Per (batch, kv head), over its blocks in order: `dk += ds^T @ q`, `dv += p^T @ dy`.
+fn dk_dv(d: &Dims, (dys, qs, ps): (&[f32], &[f32], &[f32]), ds: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let t = d.t;
+    let (ks_len, vs_len) = (d.b * d.kv * t * d.hd, d.b * t * d.kv * d.hd);
+    let mut dk = vec![0.0f32; ks_len];
+    let mut dv = vec![0.0f32; vs_len];
     let (dks, dvs) = (Shared::of(&mut dk), Shared::of(&mut dv));
     let blocks = d.blocks();
     let per_head = blocks.len() / (d.b * d.kv).max(1);
-    let ds = &ds;
     blocks.par_chunks(per_head.max(1)).for_each(|head_blocks| {
         for blk in head_blocks {
             let (row0, cols) = (d.q_row(blk), blk.cols());
@@ -314,11 +365,7 @@ fn backward(
             }
         }
     });
-    (
-        tensor(dq, dims(q)),
-        tensor(dk, dims(k)),
-        tensor(dv, [d.b, t, d.kv * d.hd]),
-    )
+    (dk, dv)
 }
 
 /// The attention core recorded as one autodiff op over `q`, `k`, `v`.

@@ -19,8 +19,8 @@
 //! linear + cross-entropy op (the matmul is inside the loop over blocks).
 
 use crate::kernels::host::math::{exp, lane_max, lane_sum};
-use crate::kernels::host::matmul::{View, gemm_into};
-use crate::kernels::host::tensors::{ROW_BLOCK, contiguous, dims, scalar, tensor, values};
+use crate::kernels::host::matmul::{View, gemm_into, gemm_write};
+use crate::kernels::host::tensors::{ROW_BLOCK, contiguous, dims, scalar, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -31,6 +31,7 @@ use burn::tensor::DType;
 use burn::tensor::{Int, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Token rows per block: the block's logits are `CHUNK * vocab` floats (16 MiB at a
 /// vocabulary of 8192). Fixed, so results do not depend on the thread count.
@@ -89,33 +90,49 @@ fn forward(h: &FlexTensor, w: &FlexTensor, targets: &FlexTensor, need: (bool, bo
     let (need_dh, need_dw) = need;
     let grads = need_dh || need_dw;
     let inv_n = 1.0 / n as f32;
-    let mut logits = vec![0.0f32; CHUNK.min(n) * v];
-    let mut row_loss = vec![0.0f32; n];
-    let mut dh = vec![0.0f32; if need_dh { n * d } else { 0 }];
-    let mut dw = vec![0.0f32; if need_dw { d * v } else { 0 }];
-    for (c, start) in (0..n).step_by(CHUNK).enumerate() {
-        let rows = CHUNK.min(n - start);
-        let hc = View::rows(hs, n, d).row_range(start, rows);
-        let lc = &mut logits[..rows * v];
-        // logits = h[block] @ w
-        gemm_into(lc, v, hc, wm, false, true);
-        lc.par_chunks_mut(ROW_BLOCK * v)
-            .zip(row_loss[start..start + rows].par_chunks_mut(ROW_BLOCK))
-            .enumerate()
-            .for_each(|(b, (lb, loss))| {
-                let first = start + b * ROW_BLOCK;
-                rows_block(lb, &tg[first..first + loss.len()], loss, v, inv_n, grads);
-            });
-        let dlogits = View::rows(lc, rows, v);
-        if need_dh {
-            // d h[block] = dlogits @ w^T
-            gemm_into(&mut dh[start * d..], d, dlogits, wm.t(), false, true);
-        }
-        if need_dw {
-            // d w += h[block]^T @ dlogits
-            gemm_into(&mut dw, v, hc.t(), dlogits, c > 0, true);
-        }
-    }
+    // Written whole: every row's loss by `rows_block`, every row of `dh` by its chunk's
+    // product, and `dw` by the first chunk's product (the later ones add to it).
+    let (row_loss, (dh, dw)) = written(n, |row_loss| {
+        let dh_len = if need_dh { n * d } else { 0 };
+        written(dh_len, |dh| {
+            let mut logits: Vec<f32> = Vec::new();
+            let mut dw: Option<Vec<f32>> = None;
+            for (c, start) in (0..n).step_by(CHUNK).enumerate() {
+                let rows = CHUNK.min(n - start);
+                let hc = View::rows(hs, n, d).row_range(start, rows);
+                // logits = h[block] @ w; the first block (the largest) makes the buffer.
+                if c == 0 {
+                    logits = written(rows * v, |l| gemm_write(l, v, hc, wm, true)).0;
+                } else {
+                    gemm_into(&mut logits[..rows * v], v, hc, wm, false, true);
+                }
+                let lc = &mut logits[..rows * v];
+                lc.par_chunks_mut(ROW_BLOCK * v)
+                    .zip(row_loss[start..start + rows].par_chunks_mut(ROW_BLOCK))
+                    .enumerate()
+                    .for_each(|(b, (lb, loss))| {
+                        let first = start + b * ROW_BLOCK;
+                        rows_block(lb, &tg[first..first + loss.len()], loss, v, inv_n, grads);
+                    });
+                let dlogits = View::rows(lc, rows, v);
+                if need_dh {
+                    // d h[block] = dlogits @ w^T
+                    gemm_write(&mut dh[start * d..], d, dlogits, wm.t(), true);
+                }
+                if need_dw {
+                    // d w += h[block]^T @ dlogits
+                    match &mut dw {
+                        None => {
+                            dw = Some(written(d * v, |o| gemm_write(o, v, hc.t(), dlogits, true)).0)
+                        }
+                        Some(acc) => gemm_into(acc, v, hc.t(), dlogits, true, true),
+                    }
+                }
+            }
+            // No rows: no product wrote it, and the gradient of no rows is zero.
+            dw.unwrap_or_else(|| vec![0.0; if need_dw { d * v } else { 0 }])
+        })
+    });
     let total: f64 = row_loss.iter().map(|&l| f64::from(l)).sum();
     Output {
         loss: tensor(vec![(total / n as f64) as f32], [1]),
@@ -130,7 +147,7 @@ fn forward(h: &FlexTensor, w: &FlexTensor, targets: &FlexTensor, need: (bool, bo
 fn rows_block(
     l: &mut [f32],
     targets: &[usize],
-    loss: &mut [f32],
+    loss: &mut [MaybeUninit<f32>],
     v: usize,
     inv_n: f32,
     grads: bool,
@@ -146,7 +163,7 @@ fn rows_block(
         } else {
             lane_sum(v, |j| exp(row[j] - m))
         };
-        *out = m + sum.ln() - target_logit;
+        out.write(m + sum.ln() - target_logit);
         if grads {
             let k = inv_n / sum;
             for x in row.iter_mut() {

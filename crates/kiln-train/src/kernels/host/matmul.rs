@@ -11,6 +11,7 @@
 //! (the matmul overwrites all of it), which would make this module unnecessary.
 
 use burn::backend::flex::FlexTensor;
+use std::mem::MaybeUninit;
 
 /// Below this many multiply-adds a product runs on the calling thread (flex's threshold).
 const PARALLEL_MIN: usize = 192 * 192 * 192;
@@ -135,6 +136,30 @@ pub(in crate::kernels) fn gemm_into(
     // SAFETY: `dst` holds the m x n result at row stride `ld` (checked above); `a` and `b`
     // were checked to lie inside their slices when they were made (`View::new`).
     unsafe { raw(dst.as_mut_ptr(), ld, a, b, accumulate, parallel) }
+}
+
+/// `dst = a @ b` into a buffer that may be uninitialised (row stride `ld`): every element of
+/// the `a.rows x b.cols` block is written, none is read.
+pub(in crate::kernels) fn gemm_write(
+    dst: &mut [MaybeUninit<f32>],
+    ld: usize,
+    a: View,
+    b: View,
+    parallel: bool,
+) {
+    let (m, n) = (a.rows, b.cols);
+    assert_eq!(a.cols, b.rows, "matmul: inner dimensions differ");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        ld >= n && dst.len() >= (m - 1) * ld + n,
+        "matmul: destination too small"
+    );
+    // SAFETY: `dst` holds the m x n result at row stride `ld` (checked above); without
+    // `accumulate`, `gemm` writes every element of it (zeros when the inner dimension is 0)
+    // and reads none.
+    unsafe { raw(dst.as_mut_ptr().cast(), ld, a, b, false, parallel) }
 }
 
 /// `a @ b` as a new row-major vector, written once (never zero-filled first).

@@ -10,7 +10,7 @@
 //! element-wise kernels.
 
 use crate::kernels::host::math::lane_sum;
-use crate::kernels::host::tensors::{ROW_BLOCK, contiguous, dims, tensor, values};
+use crate::kernels::host::tensors::{ROW_BLOCK, contiguous, dims, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -20,6 +20,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::Tensor;
 use multiversion::multiversion;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// `(y, inv_rms, x contiguous)` for `x` `[.., d]` and `w` `[d]`.
 fn forward(x: &FlexTensor, w: &FlexTensor, eps: f64) -> (FlexTensor, FlexTensor) {
@@ -40,20 +41,30 @@ fn forward_keep(x: &FlexTensor, w: &FlexTensor, eps: f64) -> (FlexTensor, FlexTe
         ws.len()
     );
     let rows = xs.len() / d.max(1);
-    let mut y = vec![0.0f32; xs.len()];
-    let mut inv = vec![0.0f32; rows];
-    y.par_chunks_mut(ROW_BLOCK * d)
-        .zip(inv.par_chunks_mut(ROW_BLOCK))
-        .enumerate()
-        .for_each(|(b, (yb, ib))| {
-            let xb = &xs[b * ROW_BLOCK * d..][..yb.len()];
-            forward_block(xb, ws, yb, ib, eps as f32);
-        });
+    // Written whole: the blocks tile `y` (rows of `d`) and `inv` (one per row), and each
+    // writes every row of its block.
+    let (y, (inv, ())) = written(xs.len(), |y| {
+        written(rows, |inv| {
+            y.par_chunks_mut(ROW_BLOCK * d)
+                .zip(inv.par_chunks_mut(ROW_BLOCK))
+                .enumerate()
+                .for_each(|(b, (yb, ib))| {
+                    let xb = &xs[b * ROW_BLOCK * d..][..yb.len()];
+                    forward_block(xb, ws, yb, ib, eps as f32);
+                })
+        })
+    });
     (tensor(y, shape), tensor(inv, [rows]), x)
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn forward_block(x: &[f32], w: &[f32], y: &mut [f32], inv: &mut [f32], eps: f32) {
+fn forward_block(
+    x: &[f32],
+    w: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    inv: &mut [MaybeUninit<f32>],
+    eps: f32,
+) {
     let d = w.len();
     for ((xr, yr), ir) in x
         .chunks_exact(d)
@@ -62,9 +73,9 @@ fn forward_block(x: &[f32], w: &[f32], y: &mut [f32], inv: &mut [f32], eps: f32)
     {
         let mean = lane_sum(d, |i| xr[i] * xr[i]) / d as f32;
         let r = 1.0 / (mean + eps).sqrt();
-        *ir = r;
+        ir.write(r);
         for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-            *yv = xv * r * wv;
+            yv.write(xv * r * wv);
         }
     }
 }
@@ -80,24 +91,25 @@ fn backward(
     let shape = dims(x);
     let (dys, xs, ws, invs) = (values(&dy), values(x), values(w), values(inv));
     let d = ws.len();
-    let mut dx = vec![0.0f32; xs.len()];
-    let dw_parts: Vec<Vec<f32>> = dx
-        .par_chunks_mut(ROW_BLOCK * d)
-        .enumerate()
-        .map(|(b, dxb)| {
-            let at = b * ROW_BLOCK * d;
-            let mut dw = vec![0.0f32; d];
-            backward_block(
-                &dys[at..][..dxb.len()],
-                &xs[at..][..dxb.len()],
-                ws,
-                &invs[b * ROW_BLOCK..],
-                dxb,
-                &mut dw,
-            );
-            dw
-        })
-        .collect();
+    // Written whole: the blocks tile `dx` and each writes every row of its block.
+    let (dx, dw_parts) = written(xs.len(), |dx| {
+        dx.par_chunks_mut(ROW_BLOCK * d)
+            .enumerate()
+            .map(|(b, dxb)| {
+                let at = b * ROW_BLOCK * d;
+                let mut dw = vec![0.0f32; d];
+                backward_block(
+                    &dys[at..][..dxb.len()],
+                    &xs[at..][..dxb.len()],
+                    ws,
+                    &invs[b * ROW_BLOCK..],
+                    dxb,
+                    &mut dw,
+                );
+                dw
+            })
+            .collect::<Vec<Vec<f32>>>()
+    });
     let mut dw = vec![0.0f32; d];
     for part in &dw_parts {
         for (a, p) in dw.iter_mut().zip(part) {
@@ -108,14 +120,21 @@ fn backward(
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn backward_block(dy: &[f32], x: &[f32], w: &[f32], inv: &[f32], dx: &mut [f32], dw: &mut [f32]) {
+fn backward_block(
+    dy: &[f32],
+    x: &[f32],
+    w: &[f32],
+    inv: &[f32],
+    dx: &mut [MaybeUninit<f32>],
+    dw: &mut [f32],
+) {
     let d = w.len();
     let rows = dy.chunks_exact(d).zip(x.chunks_exact(d));
     for (((dyr, xr), dx), &r) in rows.zip(dx.chunks_exact_mut(d)).zip(inv) {
         let dot = lane_sum(d, |i| dyr[i] * w[i] * xr[i]);
         let c = r * r * dot / d as f32;
         for i in 0..d {
-            dx[i] = r * (dyr[i] * w[i] - xr[i] * c);
+            dx[i].write(r * (dyr[i] * w[i] - xr[i] * c));
             dw[i] += dyr[i] * xr[i] * r;
         }
     }

@@ -9,7 +9,7 @@
 //! rotate-half layout (burn-nn's `RotaryEncoding` is the interleaved one and is composed),
 //! with a fused backward.
 
-use crate::kernels::host::tensors::{contiguous, dims, tensor, values};
+use crate::kernels::host::tensors::{contiguous, dims, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -19,6 +19,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::Tensor;
 use multiversion::multiversion;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Shape facts: batch, positions, heads, head dim.
 #[derive(Debug, Clone, Copy)]
@@ -59,42 +60,44 @@ fn forward(x: &FlexTensor, cos: &FlexTensor, sin: &FlexTensor, heads: usize) -> 
         "rope: tables shorter than the sequence"
     );
     let row = d.heads * d.hd;
-    let mut y = vec![0.0f32; xs.len()];
-    // One task per (batch, head): its output [t, hd] is contiguous.
-    y.par_chunks_mut(d.t * d.hd)
-        .enumerate()
-        .for_each(|(bh, out)| {
-            let (bi, h) = (bh / d.heads, bh % d.heads);
-            for (s, o) in out.chunks_exact_mut(d.hd).enumerate() {
-                let src = &xs[(bi * d.t + s) * row + h * d.hd..][..d.hd];
-                let table = s * d.hd..(s + 1) * d.hd;
-                rotate(src, &cs[table.clone()], &ss[table], o);
-            }
-        });
+    // One task per (batch, head): its output [t, hd] is contiguous. Written whole: the tasks
+    // tile `y` and `rotate` writes every element of each row.
+    let (y, ()) = written(xs.len(), |y| {
+        y.par_chunks_mut(d.t * d.hd)
+            .enumerate()
+            .for_each(|(bh, out)| {
+                let (bi, h) = (bh / d.heads, bh % d.heads);
+                for (s, o) in out.chunks_exact_mut(d.hd).enumerate() {
+                    let src = &xs[(bi * d.t + s) * row + h * d.hd..][..d.hd];
+                    let table = s * d.hd..(s + 1) * d.hd;
+                    rotate(src, &cs[table.clone()], &ss[table], o);
+                }
+            })
+    });
     tensor(y, [d.b, d.heads, d.t, d.hd])
 }
 
 /// `o = x * cos + rotate_half(x) * sin`, `rotate_half(x) = [-x2, x1]`.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn rotate(x: &[f32], c: &[f32], s: &[f32], o: &mut [f32]) {
+fn rotate(x: &[f32], c: &[f32], s: &[f32], o: &mut [MaybeUninit<f32>]) {
     let half = x.len() / 2;
     for j in 0..half {
-        o[j] = x[j] * c[j] + (-x[j + half]) * s[j];
+        o[j].write(x[j] * c[j] + (-x[j + half]) * s[j]);
     }
     for j in half..x.len() {
-        o[j] = x[j] * c[j] + x[j - half] * s[j];
+        o[j].write(x[j] * c[j] + x[j - half] * s[j]);
     }
 }
 
 /// The transpose of [`rotate`]: `dx = dy * cos + [dy2 * sin2, -dy1 * sin1]`.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn rotate_back(dy: &[f32], c: &[f32], s: &[f32], dx: &mut [f32]) {
+fn rotate_back(dy: &[f32], c: &[f32], s: &[f32], dx: &mut [MaybeUninit<f32>]) {
     let half = dy.len() / 2;
     for j in 0..half {
-        dx[j] = dy[j] * c[j] + dy[j + half] * s[j + half];
+        dx[j].write(dy[j] * c[j] + dy[j + half] * s[j + half]);
     }
     for j in half..dy.len() {
-        dx[j] = dy[j] * c[j] - dy[j - half] * s[j - half];
+        dx[j].write(dy[j] * c[j] - dy[j - half] * s[j - half]);
     }
 }
 
@@ -102,15 +105,17 @@ fn backward(dy: &FlexTensor, cos: &FlexTensor, sin: &FlexTensor, d: Dims) -> Fle
     let dy = contiguous(dy);
     let (dys, cs, ss) = (values(&dy), values(cos), values(sin));
     let row = d.heads * d.hd;
-    let mut dx = vec![0.0f32; dys.len()];
-    // One task per (batch, position) row of dx.
-    dx.par_chunks_mut(row).enumerate().for_each(|(bs, out)| {
-        let (bi, s) = (bs / d.t, bs % d.t);
-        let table = s * d.hd..(s + 1) * d.hd;
-        for (h, o) in out.chunks_exact_mut(d.hd).enumerate() {
-            let src = &dys[((bi * d.heads + h) * d.t + s) * d.hd..][..d.hd];
-            rotate_back(src, &cs[table.clone()], &ss[table.clone()], o);
-        }
+    // One task per (batch, position) row of dx. Written whole: the rows tile `dx` (`row` is
+    // `heads` chunks of `hd`) and `rotate_back` writes every element of each chunk.
+    let (dx, ()) = written(dys.len(), |dx| {
+        dx.par_chunks_mut(row).enumerate().for_each(|(bs, out)| {
+            let (bi, s) = (bs / d.t, bs % d.t);
+            let table = s * d.hd..(s + 1) * d.hd;
+            for (h, o) in out.chunks_exact_mut(d.hd).enumerate() {
+                let src = &dys[((bi * d.heads + h) * d.t + s) * d.hd..][..d.hd];
+                rotate_back(src, &cs[table.clone()], &ss[table.clone()], o);
+            }
+        })
     });
     tensor(dx, [d.b, d.t, row])
 }

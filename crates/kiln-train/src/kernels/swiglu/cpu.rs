@@ -8,7 +8,7 @@
 //! multithreaded flex element-wise kernels.
 
 use crate::kernels::host::math::sigmoid;
-use crate::kernels::host::tensors::{contiguous, dims, tensor, values};
+use crate::kernels::host::tensors::{contiguous, dims, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -18,6 +18,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::Tensor;
 use multiversion::multiversion;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Elements per block of work.
 const BLOCK: usize = 1 << 14;
@@ -26,18 +27,20 @@ fn forward(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
     let (g, u) = (contiguous(gate), contiguous(up));
     let (gs, us) = (values(&g), values(&u));
     assert_eq!(gs.len(), us.len(), "swiglu: gate and up differ in size");
-    let mut y = vec![0.0f32; gs.len()];
-    y.par_chunks_mut(BLOCK).enumerate().for_each(|(b, yb)| {
-        let at = b * BLOCK;
-        forward_block(&gs[at..][..yb.len()], &us[at..][..yb.len()], yb);
+    // Written whole: the blocks tile `y` and each writes every element of its block.
+    let (y, ()) = written(gs.len(), |y| {
+        y.par_chunks_mut(BLOCK).enumerate().for_each(|(b, yb)| {
+            let at = b * BLOCK;
+            forward_block(&gs[at..][..yb.len()], &us[at..][..yb.len()], yb);
+        })
     });
     tensor(y, dims(&g))
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn forward_block(g: &[f32], u: &[f32], y: &mut [f32]) {
+fn forward_block(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) {
     for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-        *y = g * sigmoid(g) * u;
+        y.write(g * sigmoid(g) * u);
     }
 }
 
@@ -45,27 +48,36 @@ fn forward_block(g: &[f32], u: &[f32], y: &mut [f32]) {
 fn backward(dy: &FlexTensor, gate: &FlexTensor, up: &FlexTensor) -> (FlexTensor, FlexTensor) {
     let dy = contiguous(dy);
     let (dys, gs, us) = (values(&dy), values(gate), values(up));
-    let mut dg = vec![0.0f32; gs.len()];
-    let mut du = vec![0.0f32; gs.len()];
-    dg.par_chunks_mut(BLOCK)
-        .zip(du.par_chunks_mut(BLOCK))
-        .enumerate()
-        .for_each(|(b, (dgb, dub))| {
-            let at = b * BLOCK;
-            let n = dgb.len();
-            backward_block(&dys[at..][..n], &gs[at..][..n], &us[at..][..n], dgb, dub);
-        });
+    // Written whole: the blocks tile both outputs and each writes every element of its block.
+    let (dg, (du, ())) = written(gs.len(), |dg| {
+        written(gs.len(), |du| {
+            dg.par_chunks_mut(BLOCK)
+                .zip(du.par_chunks_mut(BLOCK))
+                .enumerate()
+                .for_each(|(b, (dgb, dub))| {
+                    let at = b * BLOCK;
+                    let n = dgb.len();
+                    backward_block(&dys[at..][..n], &gs[at..][..n], &us[at..][..n], dgb, dub);
+                })
+        })
+    });
     let shape = dims(gate);
     (tensor(dg, shape.clone()), tensor(du, shape))
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq+avx512bw", "x86_64+avx2+fma"))]
-fn backward_block(dy: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) {
+fn backward_block(
+    dy: &[f32],
+    g: &[f32],
+    u: &[f32],
+    dg: &mut [MaybeUninit<f32>],
+    du: &mut [MaybeUninit<f32>],
+) {
     for i in 0..dy.len() {
         let s = sigmoid(g[i]);
         let silu = g[i] * s;
-        du[i] = dy[i] * silu;
-        dg[i] = dy[i] * u[i] * (s * (1.0 + g[i] * (1.0 - s)));
+        du[i].write(dy[i] * silu);
+        dg[i].write(dy[i] * u[i] * (s * (1.0 + g[i] * (1.0 - s))));
     }
 }
 
