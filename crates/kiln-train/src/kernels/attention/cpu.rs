@@ -22,7 +22,7 @@
 
 use super::dims::Dims;
 use crate::kernels::host::math::{exp, lane_max, lane_sum};
-use crate::kernels::host::matmul::{View, raw};
+use crate::kernels::host::matmul::{View, product, raw};
 use crate::kernels::host::tensors::{contiguous, dims, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -232,20 +232,7 @@ fn forward_into(
     d.blocks().par_iter().for_each(|blk| {
         let (row0, cols) = (d.q_row(blk), blk.cols());
         let qv = View::new(qs, row0 * d.hd, (blk.rows, d.hd), (d.hd as isize, 1));
-        let mut s = Vec::<f32>::with_capacity(blk.rows * cols);
-        // SAFETY: `s` has room for rows x cols; gemm writes all of it without reading it
-        // (accumulate = false), so it is initialised before `set_len`.
-        unsafe {
-            raw(
-                s.as_mut_ptr(),
-                cols,
-                qv,
-                d.k_view(ks, blk.b, blk.kv, cols).t(),
-                false,
-                false,
-            );
-            s.set_len(blk.rows * cols);
-        }
+        let mut s = product(qv, d.k_view(ks, blk.b, blk.kv, cols).t(), false);
         softmax_rows(&mut s, cols, blk.i0, scale as f32);
         let probs = View::rows(&s, blk.rows, cols);
         let (at, ld) = d.out_at(blk);
@@ -303,19 +290,7 @@ fn ds_dq_into(
         let (row0, cols) = (d.q_row(blk), blk.cols());
         let (at, ld) = d.out_at(blk);
         let dyv = View::new(dys, at, (blk.rows, d.hd), (ld as isize, 1));
-        let mut g = Vec::<f32>::with_capacity(blk.rows * cols);
-        // SAFETY: as in `forward`: gemm writes every element of the rows x cols buffer.
-        unsafe {
-            raw(
-                g.as_mut_ptr(),
-                cols,
-                dyv,
-                d.v_view(vs, blk.b, blk.kv, cols).t(),
-                false,
-                false,
-            );
-            g.set_len(blk.rows * cols);
-        }
+        let mut g = product(dyv, d.v_view(vs, blk.b, blk.kv, cols).t(), false);
         let prow = &ps[row0 * t..(row0 + blk.rows) * t];
         softmax_rows_backward(&mut g, prow, cols, t, blk.i0, scale as f32);
         let dsv = View::rows(&g, blk.rows, cols);

@@ -19,7 +19,7 @@
 //! linear + cross-entropy op (the matmul is inside the loop over blocks).
 
 use crate::kernels::host::math::{exp, lane_max, lane_sum};
-use crate::kernels::host::matmul::{View, gemm_into, gemm_write};
+use crate::kernels::host::matmul::{View, gemm_into, gemm_write, product};
 use crate::kernels::host::tensors::{ROW_BLOCK, contiguous, dims, scalar, tensor, values, written};
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -102,7 +102,7 @@ fn forward(h: &FlexTensor, w: &FlexTensor, targets: &FlexTensor, need: (bool, bo
                 let hc = View::rows(hs, n, d).row_range(start, rows);
                 // logits = h[block] @ w; the first block (the largest) makes the buffer.
                 if c == 0 {
-                    logits = written(rows * v, |l| gemm_write(l, v, hc, wm, true)).0;
+                    logits = product(hc, wm, true);
                 } else {
                     gemm_into(&mut logits[..rows * v], v, hc, wm, false, true);
                 }
@@ -122,9 +122,7 @@ fn forward(h: &FlexTensor, w: &FlexTensor, targets: &FlexTensor, need: (bool, bo
                 if need_dw {
                     // d w += h[block]^T @ dlogits
                     match &mut dw {
-                        None => {
-                            dw = Some(written(d * v, |o| gemm_write(o, v, hc.t(), dlogits, true)).0)
-                        }
+                        None => dw = Some(product(hc.t(), dlogits, true)),
                         Some(acc) => gemm_into(acc, v, hc.t(), dlogits, true, true),
                     }
                 }

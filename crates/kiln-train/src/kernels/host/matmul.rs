@@ -10,6 +10,7 @@
 //! Upstream: flex's `FlexTensor::empty` should allocate f32-aligned memory without zeroing
 //! (the matmul overwrites all of it), which would make this module unnecessary.
 
+use super::tensors::written;
 use burn::backend::flex::FlexTensor;
 use std::mem::MaybeUninit;
 
@@ -124,18 +125,27 @@ pub(in crate::kernels) fn gemm_into(
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(k, b.rows, "matmul: inner dimensions differ");
-    if m == 0 || n == 0 {
+    if !fits(dst.len(), ld, a, b) {
         return;
     }
+    // SAFETY: `dst` holds the m x n result at row stride `ld` (checked by `fits`); `a` and
+    // `b` were checked to lie inside their slices when they were made (`View::new`).
+    unsafe { raw(dst.as_mut_ptr(), ld, a, b, accumulate, parallel) }
+}
+
+/// Whether `a @ b` has any element, after checking that its operands agree and that a
+/// destination of `len` elements holds it at row stride `ld` (panics otherwise).
+fn fits(len: usize, ld: usize, a: View, b: View) -> bool {
+    let (m, n) = (a.rows, b.cols);
+    assert_eq!(a.cols, b.rows, "matmul: inner dimensions differ");
+    if m == 0 || n == 0 {
+        return false;
+    }
     assert!(
-        ld >= n && dst.len() >= (m - 1) * ld + n,
+        ld >= n && len >= (m - 1) * ld + n,
         "matmul: destination too small"
     );
-    // SAFETY: `dst` holds the m x n result at row stride `ld` (checked above); `a` and `b`
-    // were checked to lie inside their slices when they were made (`View::new`).
-    unsafe { raw(dst.as_mut_ptr(), ld, a, b, accumulate, parallel) }
+    true
 }
 
 /// `dst = a @ b` into a buffer that may be uninitialised (row stride `ld`): every element of
@@ -147,16 +157,10 @@ pub(in crate::kernels) fn gemm_write(
     b: View,
     parallel: bool,
 ) {
-    let (m, n) = (a.rows, b.cols);
-    assert_eq!(a.cols, b.rows, "matmul: inner dimensions differ");
-    if m == 0 || n == 0 {
+    if !fits(dst.len(), ld, a, b) {
         return;
     }
-    assert!(
-        ld >= n && dst.len() >= (m - 1) * ld + n,
-        "matmul: destination too small"
-    );
-    // SAFETY: `dst` holds the m x n result at row stride `ld` (checked above); without
+    // SAFETY: `dst` holds the m x n result at row stride `ld` (checked by `fits`); without
     // `accumulate`, `gemm` writes every element of it (zeros when the inner dimension is 0)
     // and reads none.
     unsafe { raw(dst.as_mut_ptr().cast(), ld, a, b, false, parallel) }
@@ -164,20 +168,8 @@ pub(in crate::kernels) fn gemm_write(
 
 /// `a @ b` as a new row-major vector, written once (never zero-filled first).
 pub(in crate::kernels) fn product(a: View, b: View, parallel: bool) -> Vec<f32> {
-    let (m, n) = (a.rows, b.cols);
-    assert_eq!(a.cols, b.rows, "matmul: inner dimensions differ");
-    let len = m * n;
-    let mut out = Vec::<f32>::with_capacity(len);
-    if len > 0 {
-        // SAFETY: the buffer has room for the m x n result at row stride n; `gemm` without
-        // `read_dst` writes every element of it (zeros when the inner dimension is 0) and
-        // reads none, so all `len` elements are initialised when `set_len` runs.
-        unsafe {
-            raw(out.as_mut_ptr(), n, a, b, false, parallel);
-            out.set_len(len);
-        }
-    }
-    out
+    let n = b.cols;
+    written(a.rows * n, |out| gemm_write(out, n, a, b, parallel)).0
 }
 
 /// # Safety
