@@ -1,9 +1,10 @@
 //! [`Snapshotter`]: the memory tier of checkpoints. Every rank snapshots its state every
 //! `checkpoint.snapshot_interval` steps into node-local memory
 //! (`<snapshot_dir>/kiln-<hash of the run directory>/rank-<R>/step-<N>`, `/dev/shm` by
-//! default), in the checkpoint format: written by [`checkpoint::save_with`] (temporary directory,
-//! manifest of XXH3-128 sums (see `checkpoint/checksum.rs` for why not SHA-256), atomic rename) on a writer thread of its own ([`Saver`]), and
-//! read back by [`checkpoint::load`], which verifies every file. Staging costs no copy (see
+//! default), in the checkpoint format: written by [`checkpoint::save_with`] (temporary
+//! directory, manifest of XXH3-128 sums (`checkpoint/checksum.rs` says why not SHA-256),
+//! atomic rename) on a writer thread of its own ([`Saver`]), and read back by
+//! [`checkpoint::load`], which verifies every file. Staging costs no copy (see
 //! [`crate::components::saver`]); a snapshot due while the previous one is still being written is
 //! skipped rather than waited for: this tier must never stall the step. Retention keeps the
 //! newest `checkpoint.snapshot_keep`; a successful run deletes its folder, and under
