@@ -151,6 +151,15 @@ mod tests {
             fn all_reduce_sum_f32(&self, _: &mut [f32]) {}
             fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
             fn all_reduce_max_u64(&self, _: &mut [u64]) {}
+            fn all_reduce_max_f32(&self, _: &mut [f32]) {}
+            fn all_to_allv_f32(&self, s: &[f32], _: &[usize], r: &mut [f32], _: &[usize]) {
+                r.copy_from_slice(s);
+            }
+            fn send_recv_f32(&self, _: usize, s: &[f32], _: usize, r: &mut [f32]) {
+                r.copy_from_slice(s);
+            }
+            fn send_f32(&self, _: usize, _: &[f32]) {}
+            fn recv_f32(&self, _: usize, _: &mut [f32]) {}
             fn reduce_scatter_sum_f32(&self, s: &[f32], r: &mut [f32]) {
                 r.copy_from_slice(s);
             }

@@ -25,7 +25,7 @@ pub use mpi_engine::Mpi;
 pub mod yeet;
 
 mod mesh;
-pub use mesh::Mesh;
+pub use mesh::{DeviceMesh, Dim, Dims, MeshShape};
 
 mod flat;
 pub use flat::{BucketedAllReduce, Sharded};
@@ -38,13 +38,11 @@ use kiln_topology::RankEnv;
 /// Errors setting up collectives.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
-    /// The ranks cannot be cut into equal replicas.
-    #[error(
-        "parallelism.dp_replicate = {replicas} does not divide the {ranks} ranks of this job into equal replicas; use a divisor of {ranks}"
-    )]
-    Replicas {
-        /// Replicas asked for.
-        replicas: usize,
+    /// A mesh whose dims do not multiply to the job's ranks.
+    #[error("the device mesh {mesh} does not have the {ranks} rank(s) of this job")]
+    Shape {
+        /// The mesh's dims and sizes.
+        mesh: String,
         /// Ranks of the job.
         ranks: usize,
     },
@@ -94,6 +92,8 @@ pub trait Collective: Send {
     fn all_reduce_sum_f64(&self, buf: &mut [f64]);
     /// Element-wise maximum of `buf` over all ranks, written back into `buf`.
     fn all_reduce_max_u64(&self, buf: &mut [u64]);
+    /// Element-wise maximum of `buf` over all ranks (f32), written back into `buf`.
+    fn all_reduce_max_f32(&self, buf: &mut [f32]);
     /// Element-wise sum of `send` over all ranks, of which this rank receives block
     /// `rank()` (`send` is `size()` blocks of `recv.len()` elements: MPI_Reduce_scatter_block).
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]);
@@ -102,6 +102,33 @@ pub trait Collective: Send {
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]);
     /// Every rank's `value`, in rank order.
     fn all_gather_u64(&self, value: u64) -> Vec<u64>;
+    /// `send` is `size()` blocks of equal length, block `r` for rank `r`; `recv` (as long)
+    /// gets block `r` from rank `r` (MPI_Alltoall).
+    fn all_to_all_f32(&self, send: &[f32], recv: &mut [f32]) {
+        let n = self.size();
+        let counts = vec![send.len() / n.max(1); n];
+        self.all_to_allv_f32(send, &counts, recv, &counts);
+    }
+    /// [`Collective::all_to_all_f32`] with blocks of their own lengths: `send` is
+    /// `send_counts[r]` elements for each rank `r` in rank order, `recv` gets
+    /// `recv_counts[r]` elements from each rank `r` in rank order (MPI_Alltoallv). The
+    /// counts must agree: rank `a`'s `send_counts[b]` is rank `b`'s `recv_counts[a]`.
+    fn all_to_allv_f32(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    );
+    /// Sends `send` to rank `to` and receives `recv` (exactly its length) from rank `from`
+    /// at once (MPI_Sendrecv): what a pipeline's neighbours exchange without either blocking
+    /// the other. Rank `to` must make the matching call with this rank as its `from`.
+    fn send_recv_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]);
+    /// Sends `buf` to rank `to` (MPI_Send; may wait until `to` receives it). Every send is
+    /// matched by a [`Collective::recv_f32`] on `to`, in order.
+    fn send_f32(&self, to: usize, buf: &[f32]);
+    /// Receives `buf` (exactly its length) from rank `from` (MPI_Recv).
+    fn recv_f32(&self, from: usize, buf: &mut [f32]);
     /// Copies `buf` of rank `root` into `buf` of every rank (all ranks pass the same length).
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]);
     /// Copies `buf` of rank `root` into `buf` of every rank, whatever its length elsewhere:

@@ -124,6 +124,18 @@ impl Collective for Mpi {
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::max());
         buf.copy_from_slice(&out);
     }
+    fn all_reduce_max_f32(&self, buf: &mut [f32]) {
+        if buf.is_empty() {
+            return;
+        }
+        let _waiting = kiln_run::collective::waiting();
+        let mut scratch = self.scratch_f32.borrow_mut();
+        scratch.clear();
+        scratch.resize(buf.len(), 0.0);
+        self.world
+            .all_reduce_into(&*buf, &mut scratch[..], SystemOperation::max());
+        buf.copy_from_slice(&scratch);
+    }
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         if recv.is_empty() {
             return;
@@ -144,6 +156,64 @@ impl Collective for Mpi {
         let mut out = vec![0u64; self.size()];
         self.world.all_gather_into(&value, &mut out[..]);
         out
+    }
+    fn all_to_allv_f32(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) {
+        // MPI counts and displacements are C ints: a block past 2^31 elements is refused by
+        // the conversion (every rank knows the counts, so every rank stops the same way).
+        let ints = |counts: &[usize]| -> Option<(Vec<i32>, Vec<i32>)> {
+            let counts: Vec<i32> = counts
+                .iter()
+                .map(|&c| i32::try_from(c).ok())
+                .collect::<Option<_>>()?;
+            let mut at = 0i32;
+            let displs = counts
+                .iter()
+                .map(|&c| {
+                    let d = at;
+                    at = at.saturating_add(c);
+                    d
+                })
+                .collect();
+            Some((counts, displs))
+        };
+        let (Some((sc, sd)), Some((rc, rd))) = (ints(send_counts), ints(recv_counts)) else {
+            self.abort(70);
+        };
+        let _waiting = kiln_run::collective::waiting();
+        // Empty buffers are not handed to MPI (see the module documentation): a one-element
+        // stand-in, of which zero counts move nothing.
+        let (stand_in, mut stand_in_mut) = ([0.0f32], [0.0f32]);
+        let send = if send.is_empty() { &stand_in[..] } else { send };
+        let recv = if recv.is_empty() {
+            &mut stand_in_mut[..]
+        } else {
+            recv
+        };
+        let sb = mpi::datatype::Partition::new(send, &sc[..], &sd[..]);
+        let mut rb = mpi::datatype::PartitionMut::new(recv, &rc[..], &rd[..]);
+        self.world.all_to_all_varcount_into(&sb, &mut rb);
+    }
+    fn send_recv_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]) {
+        let _waiting = kiln_run::collective::waiting();
+        let (dest, source) = (
+            self.world.process_at_rank(to as i32),
+            self.world.process_at_rank(from as i32),
+        );
+        mpi::point_to_point::send_receive_into(send, &dest, recv, &source);
+    }
+    fn send_f32(&self, to: usize, buf: &[f32]) {
+        let _waiting = kiln_run::collective::waiting();
+        self.world.process_at_rank(to as i32).send(buf);
+    }
+    fn recv_f32(&self, from: usize, buf: &mut [f32]) {
+        let _waiting = kiln_run::collective::waiting();
+        self.world.process_at_rank(from as i32).receive_into(buf);
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) {
         if buf.is_empty() {

@@ -7,7 +7,8 @@
 //! contract exactly.
 
 use crate::Collective;
-use std::sync::{Arc, Barrier, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 
 /// One rank of a job whose ranks are threads (see the module documentation).
 #[derive(Clone)]
@@ -17,8 +18,15 @@ pub struct Threads {
     shared: Arc<Shared>,
 }
 
+/// Messages sent and not yet received, by (sender, receiver), oldest first.
+type Mailboxes = HashMap<(usize, usize), VecDeque<Vec<f32>>>;
+
 struct Shared {
     slots: Mutex<Vec<Vec<u8>>>,
+    /// Point-to-point messages not received yet, by (from, to), in the order sent.
+    mail: Mutex<Mailboxes>,
+    /// Signalled whenever a message is posted.
+    posted: Condvar,
     /// Where the first rank of each group a split makes leaves the group's exchange for
     /// the others (indexed by that rank).
     splits: Mutex<Vec<Option<Arc<Shared>>>>,
@@ -29,6 +37,8 @@ impl Shared {
     fn new(size: usize) -> Arc<Self> {
         Arc::new(Shared {
             slots: Mutex::new(vec![Vec::new(); size]),
+            mail: Mutex::new(HashMap::new()),
+            posted: Condvar::new(),
             splits: Mutex::new(vec![None; size]),
             barrier: Barrier::new(size),
         })
@@ -77,6 +87,29 @@ impl Threads {
             .collect()
     }
 
+    /// Posts `buf` for rank `to`.
+    fn post(&self, to: usize, buf: &[f32]) {
+        let mut mail = lock(&self.shared.mail);
+        let queue = mail.entry((self.rank, to)).or_default();
+        queue.push_back(buf.to_vec());
+        self.shared.posted.notify_all();
+    }
+
+    /// The oldest message from rank `from` to this rank, waiting for it.
+    fn take(&self, from: usize) -> Vec<f32> {
+        let mut mail = lock(&self.shared.mail);
+        loop {
+            if let Some(m) = mail
+                .get_mut(&(from, self.rank))
+                .and_then(VecDeque::pop_front)
+            {
+                return m;
+            }
+            mail =
+                (self.shared.posted.wait(mail)).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
     /// Element-wise sum in rank order.
     fn sum<T: bytemuck::Pod + std::ops::Add<Output = T>>(&self, buf: &mut [T]) {
         let all = self.gather(buf);
@@ -111,6 +144,12 @@ impl Collective for Threads {
             *v = all.iter().map(|r| r[i]).max().unwrap_or(*v);
         }
     }
+    fn all_reduce_max_f32(&self, buf: &mut [f32]) {
+        let all = self.gather(buf);
+        for (i, v) in buf.iter_mut().enumerate() {
+            *v = all.iter().map(|r| r[i]).fold(f32::NEG_INFINITY, f32::max);
+        }
+    }
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         let mut all = send.to_vec();
         self.sum(&mut all);
@@ -125,6 +164,33 @@ impl Collective for Threads {
     }
     fn all_gather_u64(&self, value: u64) -> Vec<u64> {
         self.gather(&[value]).into_iter().flatten().collect()
+    }
+    fn all_to_allv_f32(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) {
+        let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
+        let all_counts = self.gather(&counts);
+        let all = self.gather(send);
+        let mut at = 0;
+        for (r, want) in recv_counts.iter().enumerate() {
+            let from: usize = all_counts[r][..self.rank].iter().sum::<u64>() as usize;
+            recv[at..at + want].copy_from_slice(&all[r][from..from + want]);
+            at += want;
+        }
+    }
+    fn send_recv_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]) {
+        self.post(to, send);
+        recv.copy_from_slice(&self.take(from));
+    }
+    fn send_f32(&self, to: usize, buf: &[f32]) {
+        self.post(to, buf);
+    }
+    fn recv_f32(&self, from: usize, buf: &mut [f32]) {
+        buf.copy_from_slice(&self.take(from));
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) {
         let all = self.exchange(buf.to_vec());

@@ -13,8 +13,8 @@
 
 use crate::plot::{Panel, Series, write_plots};
 use crate::{GatesError, io_err};
-use kiln_dist::Collective;
 use kiln_train::data::TrainData;
+use kiln_train::mesh::DeviceMesh;
 use kiln_train::step::{At, BatchLayout, Step};
 use kiln_train::{Config, Session};
 use serde::Serialize;
@@ -130,12 +130,10 @@ pub fn run(
     progress: &mut dyn FnMut(&LrPoint),
 ) -> Result<LrFindResult, GatesError> {
     opts.check()?;
-    let ranks = kiln_topology::RankEnv::from_process_env()
-        .map_err(|e| GatesError::Invalid(format!("rank environment: {e}")))?;
-    let comm = kiln_dist::init(&ranks, config.parallelism.prefetches())
-        .map_err(|e| GatesError::Train(kiln_train::TrainError::Dist(e)))?;
-    let comm = comm.as_ref();
-    sweep(config, opts, comm, progress).inspect_err(|e| {
+    let mesh =
+        kiln_train::mesh::start(&config.parallelism).map_err(|e| GatesError::Train(e.into()))?;
+    let comm = mesh.world();
+    sweep(config, opts, &mesh, progress).inspect_err(|e| {
         if comm.size() > 1 {
             tracing::error!("rank {}: {e}", comm.rank());
             comm.abort(kiln_run::exit::ExitCoded::exit_code(e));
@@ -143,21 +141,21 @@ pub fn run(
     })
 }
 
-/// The sweep on this rank of `comm`.
+/// The sweep on this rank of `mesh`.
 fn sweep(
     config: &Config,
     opts: &LrFindOptions,
-    comm: &dyn Collective,
+    mesh: &DeviceMesh,
     progress: &mut dyn FnMut(&LrPoint),
 ) -> Result<LrFindResult, GatesError> {
     let invalid = |e: String| GatesError::Invalid(format!("data: {e}"));
-    let layout = BatchLayout::new(&config.training, comm.rank(), comm.size())
-        .map_err(GatesError::Invalid)?;
+    let layout = BatchLayout::of(&config.training, mesh).map_err(GatesError::Invalid)?;
+    let comm = mesh.world();
     let samples = opts.steps.saturating_mul(layout.global_batch());
     let data = TrainData::open(config, samples, None).map_err(invalid)?;
     let vocab = data.vocab(config).map_err(invalid)?;
     let mut s = Session::new(config, vocab)?;
-    let (step, mut optimizer) = Step::for_run(config, &mut s, layout, comm)?;
+    let (step, mut optimizer) = Step::for_run(config, &mut s, layout, mesh)?;
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);
     let mut blowup = None;

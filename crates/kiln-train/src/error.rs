@@ -77,6 +77,18 @@ pub enum TrainError {
     },
 }
 
+impl From<crate::mesh::MeshError> for TrainError {
+    /// A layout that does not fit the job is a config error, as the rank environment's;
+    /// the collectives' errors keep their own.
+    fn from(e: crate::mesh::MeshError) -> Self {
+        use crate::mesh::MeshError;
+        match e {
+            MeshError::Dist(e) => Self::Dist(e),
+            MeshError::Layout(_) | MeshError::RankEnv(_) => Self::Parallel(e.to_string()),
+        }
+    }
+}
+
 impl exit::ExitCoded for TrainError {
     fn exit_code(&self) -> i32 {
         TrainError::exit_code(self)

@@ -7,7 +7,8 @@
 //!   [`cadence`] ("every N steps"), [`config`] (the TOML sections), [`checkpoint`] (the
 //!   on-disk format: atomic, verified checkpoints, shards and retention), [`run_dir`] (the
 //!   locked run directory), [`guards`] (spike and sanity checks without tensors), and
-//!   [`tensor`] (host copies, named device tensors, checksums);
+//!   [`tensor`] (host copies, named device tensors, checksums); [`mesh`] (the ranks of the
+//!   job as one device mesh, built once, and the `parallelism` section it is built from);
 //! - [`kernels`]: the fused kernels, CPU and CubeCL, with their backward passes;
 //! - [`model`]: the model (parameters and the forward pass), its [`model::session`] (a model
 //!   and its parameters on a device) and [`model::budget`] (memory and threads checked before
@@ -33,6 +34,7 @@ pub mod error;
 pub mod guards;
 pub mod hf_dir;
 pub mod kernels;
+pub mod mesh;
 pub mod model;
 pub mod optim;
 pub mod parallel;

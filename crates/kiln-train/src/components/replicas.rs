@@ -4,9 +4,9 @@
 //! names a silently corrupted or desynced rank before its weights are written.
 
 use crate::cadence::Every;
+use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::tensor::params_checksum;
 use burn::tensor::Tensor;
-use kiln_dist::Collective;
 
 /// Ranks whose parameters differ from the majority's.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,21 +36,35 @@ impl ReplicaCheck {
     }
 
     /// Compares the checksums of the ranks that hold the same values (a collective: every
-    /// rank calls it at the same step). The state is cut into `shards` pieces (1: whole on
-    /// every rank); the ranks holding piece `s` are `s`, `s + shards`, `s + 2 shards`, ...
-    /// (the replicas of a hybrid-sharded run, `parallelism.dp_replicate`). Every rank gets
-    /// every checksum, so all come to the same verdict.
-    pub fn compare(comm: &dyn Collective, params: &[Tensor<1>], shards: usize) -> Option<Mismatch> {
-        let shards = shards.max(1);
-        if comm.size() <= shards {
-            return None; // no two ranks hold the same piece
+    /// rank of `mesh` calls it at the same step): those that differ from this one along the
+    /// dims `same` only (the data-parallel dims, or with the parameters sharded the replicas
+    /// of each shard). Every rank gets every checksum, so all come to the same verdict.
+    pub fn compare(mesh: &DeviceMesh, same: Dims, params: &[Tensor<1>]) -> Option<Mismatch> {
+        let shape = mesh.shape();
+        if shape.group_size(same) == 1 {
+            return None; // no two ranks hold the same values
         }
-        let sums = comm.all_gather_u64(params_checksum(params));
-        let mut ranks: Vec<usize> = (0..shards)
-            .flat_map(|s| {
-                let holders: Vec<usize> = (s..sums.len()).step_by(shards).collect();
+        let sums = mesh.world().all_gather_u64(params_checksum(params));
+        // Ranks in one class hold the same values: their coordinates agree off `same`.
+        let class = |r: usize| {
+            let mut c = shape.coords(r);
+            for d in Dim::ALL.into_iter().filter(|d| same.contains(*d)) {
+                c[d as usize] = 0;
+            }
+            c
+        };
+        let mut classes: Vec<([usize; 5], Vec<usize>)> = Vec::new();
+        for r in 0..sums.len() {
+            match classes.iter_mut().find(|(c, _)| *c == class(r)) {
+                Some((_, holders)) => holders.push(r),
+                None => classes.push((class(r), vec![r])),
+            }
+        }
+        let mut ranks: Vec<usize> = classes
+            .iter()
+            .flat_map(|(_, holders)| {
                 let values: Vec<u64> = holders.iter().map(|&r| sums[r]).collect();
-                minority_ranks(&values).into_iter().map(move |i| holders[i])
+                minority_ranks(&values).into_iter().map(|i| holders[i])
             })
             .collect();
         ranks.sort_unstable();
@@ -88,6 +102,7 @@ mod tests {
     /// replica of four shards, nothing is compared.
     #[test]
     fn replicas_of_each_shard_are_compared_with_each_other() {
+        use crate::mesh::{DeviceMesh, Dim, Dims, MeshShape};
         let verdicts: Vec<_> = std::thread::scope(|scope| {
             let handles: Vec<_> = kiln_dist::Threads::job(4)
                 .into_iter()
@@ -97,8 +112,17 @@ mod tests {
                         let bad = if r == 3 { 0.5 } else { 0.0 };
                         let v = [(r % 2) as f32 + bad, 1.0];
                         let piece = Tensor::<1>::from_floats(v, &Device::flex());
-                        let hybrid = ReplicaCheck::compare(&comm, std::slice::from_ref(&piece), 2);
-                        (hybrid, ReplicaCheck::compare(&comm, &[piece], 4))
+                        let hybrid = MeshShape::default()
+                            .with(Dim::DpReplicate, 2)
+                            .with(Dim::DpShard, 2);
+                        let mesh = DeviceMesh::new(Box::new(comm.clone()), hybrid, &[Dims::DP]);
+                        let mesh = mesh.unwrap();
+                        let same = Dims::one(Dim::DpReplicate);
+                        let hybrid =
+                            ReplicaCheck::compare(&mesh, same, std::slice::from_ref(&piece));
+                        let sharded = MeshShape::default().with(Dim::DpShard, 4);
+                        let mesh = DeviceMesh::new(Box::new(comm), sharded, &[Dims::DP]).unwrap();
+                        (hybrid, ReplicaCheck::compare(&mesh, same, &[piece]))
                     })
                 })
                 .collect();

@@ -33,7 +33,7 @@ pub trait DeviceCollective {
     /// What carries them, for the log and the `start` event.
     fn describe(&self) -> String;
 
-    /// The mean over every rank of the job of `loss` and of each of `tensors` (whole).
+    /// The mean over every data-parallel rank of `loss` and of each of `tensors` (whole).
     fn mean(
         &self,
         ranks: Ranks,
@@ -42,7 +42,7 @@ pub trait DeviceCollective {
     ) -> Result<(f32, Vec<Tensor<1>>), TrainError>;
 
     /// This rank's shard (`flat.shard` elements, zeros past the buffer's end) of the mean over
-    /// every rank of the job of the concatenation of `tensors` (`flat.len` elements cut as
+    /// every data-parallel rank of the concatenation of `tensors` (`flat.len` elements cut as
     /// `flat`): reduce-scattered over the shard's ranks, then averaged over the replicas.
     fn reduce_scatter_mean(
         &self,
@@ -92,13 +92,13 @@ pub fn choose(
     bucket: usize,
     background: Option<Background>,
 ) -> Result<Box<dyn DeviceCollective>, TrainError> {
-    if ranks.job.size() > 1
+    if ranks.dp.size() > 1
         && choice == Collectives::Auto
         && let Some(nccl) = Nccl::join_mesh(ranks, device)?
     {
         return Ok(Box::new(OnDevice::new(nccl, bucket, device)));
     }
-    if ranks.job.size() > 1
+    if ranks.dp.size() > 1
         && choice == Collectives::Auto
         && let Some(rccl) = crate::parallel::rccl::Rccl::join_mesh(ranks, device)?
     {
@@ -137,7 +137,7 @@ impl DeviceCollective for HostStaged {
         let reduce = BucketedAllReduce::new(self.bucket);
         Ok(crate::tensor::mean_over_ranks(
             &reduce,
-            ranks.job,
+            ranks.dp,
             loss,
             tensors,
             &self.device,
@@ -305,8 +305,8 @@ impl<W: Wire> DeviceCollective for OnDevice<W> {
         tensors: Vec<Tensor<1>>,
     ) -> Result<(f32, Vec<Tensor<1>>), TrainError> {
         let mut sum = [loss];
-        ranks.job.all_reduce_sum_f32(&mut sum);
-        let loss = sum[0] * (1.0 / ranks.job.size() as f32);
+        ranks.dp.all_reduce_sum_f32(&mut sum);
+        let loss = sum[0] * (1.0 / ranks.dp.size() as f32);
         let lengths: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
         // Every bucket is queued before the first is waited for: NCCL reduces one while
         // CubeCL packs the next.
@@ -316,7 +316,7 @@ impl<W: Wire> DeviceCollective for OnDevice<W> {
             let n = lengths[b.clone()].iter().sum();
             let part: Vec<Tensor<1>> = tensors.by_ref().take(b.len()).collect();
             let (buf, fresh) = pack(part, n, &self.device);
-            queued.push((b, self.wire.all_reduce_mean(ranks, Over::Job, buf, fresh)?));
+            queued.push((b, self.wire.all_reduce_mean(ranks, Over::Dp, buf, fresh)?));
         }
         let mut out = Vec::with_capacity(lengths.len());
         for (b, flight) in queued {
@@ -367,8 +367,9 @@ impl<W: Wire> DeviceCollective for OnDevice<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mesh::{DeviceMesh, Dim, Dims, MeshShape};
     use crate::tensor::to_vec;
-    use kiln_dist::{Mesh, Threads};
+    use kiln_dist::Threads;
 
     #[test]
     fn buckets_hold_whole_tensors_and_close_at_the_size() {
@@ -410,11 +411,15 @@ mod tests {
                 .map(|job| {
                     scope.spawn(move || {
                         let d = Device::flex();
-                        let mesh = Mesh::new(&job, replicas).unwrap();
+                        let shape = MeshShape::default()
+                            .with(Dim::DpReplicate, replicas)
+                            .with(Dim::DpShard, world / replicas);
+                        let r = job.rank();
+                        let mesh = DeviceMesh::new(Box::new(job), shape, &[Dims::DP]).unwrap();
                         let ranks = Ranks {
-                            job: &job,
-                            shard: mesh.shard(),
-                            replica: mesh.replica(),
+                            dp: mesh.world(),
+                            shard: mesh.group(Dim::DpShard),
+                            replica: mesh.group(Dim::DpReplicate),
                         };
                         let host = HostStaged {
                             bucket,
@@ -424,9 +429,8 @@ mod tests {
                         let dev = OnDevice::new(MpiWire { bucket }, bucket, &d);
                         let impls: [&dyn DeviceCollective; 2] = [&host, &dev];
                         let total: usize = LENGTHS.iter().sum();
-                        let flat = Sharded::new(total, mesh.shard().size(), bucket);
+                        let flat = Sharded::new(total, ranks.shard.size(), bucket);
                         impls.map(|c| {
-                            let r = job.rank();
                             let (loss, mean) =
                                 c.mean(ranks, r as f32, tensors(r, &LENGTHS, &d)).unwrap();
                             let shard = c
@@ -434,7 +438,7 @@ mod tests {
                                 .unwrap()
                                 .wait()
                                 .unwrap();
-                            let mine = flat.range(mesh.shard().rank()).len();
+                            let mine = flat.range(ranks.shard.rank()).len();
                             let piece = shard.clone().slice(0..mine);
                             let whole = c
                                 .all_gather(ranks, &flat, vec![piece], LENGTHS.to_vec(), true)

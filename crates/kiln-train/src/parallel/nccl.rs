@@ -61,7 +61,7 @@ impl Nccl {
     pub fn mean(&self, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, TrainError> {
         let lengths: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
         let flat = Tensor::cat(grads, 0);
-        let flat = self.all_reduce(Over::Job, flat, false)?.wait()?;
+        let flat = self.all_reduce(Over::Dp, flat, false)?.wait()?;
         let mut at = 0;
         Ok(lengths
             .into_iter()
@@ -227,7 +227,7 @@ pub fn check_ranks(
             w.max((g - want).abs() / want.abs().max(1e-30))
         })
     };
-    let reduced = (nccl.all_reduce(Over::Job, from_vec(mine.clone(), device), false)?).wait()?;
+    let reduced = (nccl.all_reduce(Over::Dp, from_vec(mine.clone(), device), false)?).wait()?;
     let all_reduce = worst(&to_vec(&reduced), &mean);
     let flat = Sharded::new(n, size, 1 << 20);
     let padded = {
@@ -401,7 +401,7 @@ mod cuda {
             // Every rank learns whether any lacks the library, so none waits for the others
             // in a communicator that never forms.
             let mut missing = [u64::from(!present)];
-            ranks.job.all_reduce_max_u64(&mut missing);
+            ranks.dp.all_reduce_max_u64(&mut missing);
             if missing[0] != 0 {
                 return Err(error(
                     "its library was not found as libnccl.so (or libnccl.so.<CUDA major>) on \
@@ -424,8 +424,8 @@ mod cuda {
                 driver::stream::create(driver::stream::StreamKind::NonBlocking)
                     .map_err(|e| error(format!("stream: {e:?}")))?,
             );
-            let job = Comm::join(ranks.job)?;
-            let shard = (ranks.shard.size() != ranks.job.size())
+            let job = Comm::join(ranks.dp)?;
+            let shard = (ranks.shard.size() != ranks.dp.size())
                 .then(|| Comm::join(ranks.shard))
                 .transpose()?;
             let replica = (ranks.replica.size() > 1)
@@ -440,7 +440,7 @@ mod cuda {
             };
             tracing::info!(
                 version = nccl::get_nccl_version().unwrap_or(0),
-                ranks = ranks.job.size(),
+                ranks = ranks.dp.size(),
                 "collectives on the device over NCCL: {}",
                 mesh.describe()
             );
@@ -527,7 +527,7 @@ mod cuda {
             in_place: bool,
         ) -> Result<InFlight<Tensor<1>>, TrainError> {
             let (c, ranks) = match over {
-                Over::Job => (self.job.comm, self.job.ranks),
+                Over::Dp => (self.job.comm, self.job.ranks),
                 Over::Replica => match &self.replica {
                     Some(r) => (r.comm, r.ranks),
                     None => return Ok(InFlight::ready(buf)),

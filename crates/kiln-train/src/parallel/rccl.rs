@@ -361,7 +361,7 @@ pub mod hip {
             let Some(ordinal) = ordinal(device) else {
                 return Ok(None);
             };
-            let lib = match agree(ranks.job, open_library()) {
+            let lib = match agree(ranks.dp, open_library()) {
                 Ok(lib) => lib,
                 Err(why) => {
                     tracing::warn!("collectives over host-staged MPI, not RCCL: {why}");
@@ -385,8 +385,8 @@ pub mod hip {
                 stream,
                 lib,
             };
-            mesh.job = mesh.communicator(ranks.job)?;
-            if ranks.shard.size() != ranks.job.size() {
+            mesh.job = mesh.communicator(ranks.dp)?;
+            if ranks.shard.size() != ranks.dp.size() {
                 mesh.shard = Some(mesh.communicator(ranks.shard)?);
             }
             if ranks.replica.size() > 1 {
@@ -394,7 +394,7 @@ pub mod hip {
             }
             tracing::info!(
                 version = mesh.lib.version(),
-                ranks = ranks.job.size(),
+                ranks = ranks.dp.size(),
                 "collectives on the device over RCCL: {}",
                 mesh.describe()
             );
@@ -502,7 +502,7 @@ pub mod hip {
             buf: Tensor<1>,
         ) -> Result<InFlight<Tensor<1>>, TrainError> {
             let (c, ranks) = match over {
-                Over::Job => (self.job.comm, self.job.ranks),
+                Over::Dp => (self.job.comm, self.job.ranks),
                 Over::Replica => match &self.replica {
                     Some(r) => (r.comm, r.ranks),
                     None => return Ok(InFlight::ready(buf)),

@@ -22,13 +22,14 @@
 use crate::checkpoint::{self, HostTensor, ShardFile};
 use crate::config::{Config, Shard};
 use crate::error::TrainError;
+use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::model::{Llama, ParamSpec, Stage};
 use crate::parallel::collective::{self, DeviceCollective};
 use crate::parallel::stagewise::StageParams;
 use crate::parallel::wire::{InFlight, Ranks};
 use crate::tensor::{DeviceTensor, into_vec, split};
 use burn::tensor::{Device, Tensor};
-use kiln_dist::{Background, Collective, Mesh, Sharded};
+use kiln_dist::{Background, Collective, Sharded};
 use kiln_run::layout;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -44,7 +45,7 @@ struct Group {
 }
 
 /// This rank's part of a sharded run's state (see the module documentation).
-pub struct ShardPlan {
+pub struct ShardPlan<'m> {
     mode: Shard,
     /// The whole model, or with `parameters` each stage in [`Llama::stages`] order.
     groups: Vec<Group>,
@@ -54,9 +55,9 @@ pub struct ShardPlan {
     shards: usize,
     /// The elements of each parameter in this rank's range (`None`: none).
     ranges: Vec<Option<Range<usize>>>,
-    /// The ranks this rank shards with, and those holding the same shard in the other
-    /// replicas (`parallelism.dp_replicate`).
-    mesh: Mesh,
+    /// The job's mesh: this rank shards with the ranks of its `dp_shard` group, and those
+    /// of its `dp_replicate` group hold the same shard in the other replicas.
+    mesh: &'m DeviceMesh,
     /// How the pieces travel between the ranks: host-staged MPI, or NCCL on CUDA devices
     /// ([`collective::choose`]); with `parameters` and `parallelism.prefetch` on the host
     /// path, it gathers the next stage's weights while the current one computes.
@@ -64,31 +65,26 @@ pub struct ShardPlan {
     device: Device,
 }
 
-impl ShardPlan {
-    /// The plan of `cfg` for this rank of `comm`, on `device`; `None` when nothing is
+impl<'m> ShardPlan<'m> {
+    /// The plan of `cfg` for this rank of `mesh`, on `device`; `None` when nothing is
     /// sharded, an error when `parallelism.dp_replicate` does not divide the ranks (or the
     /// device's collectives cannot be set up). Every rank calls it.
     pub fn new(
         cfg: &Config,
         model: &Llama,
-        comm: &dyn Collective,
+        mesh: &'m DeviceMesh,
         device: &Device,
     ) -> Result<Option<Self>, TrainError> {
         let mode = cfg.parallelism.shard;
         if mode == Shard::None {
             return Ok(None);
         }
-        let mesh = Mesh::new(comm, cfg.parallelism.dp_replicate)?;
-        let (rank, shards) = (mesh.shard().rank(), mesh.shard().size());
+        let ranks = data_parallel(mesh);
+        let (rank, shards) = (ranks.shard.rank(), ranks.shard.size());
         let bucket = cfg.parallelism.bucket_bytes();
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
         let ahead = cfg.parallelism.prefetches() && shards > 1;
-        let background = ahead.then(|| Background::new(mesh.shard())).flatten();
-        let ranks = Ranks {
-            job: comm,
-            shard: mesh.shard(),
-            replica: mesh.replica(),
-        };
+        let background = ahead.then(|| Background::new(ranks.shard)).flatten();
         let choice = cfg.parallelism.collectives;
         let coll = collective::choose(choice, ranks, device, bucket, background)?;
         Ok(Some(Self {
@@ -103,14 +99,9 @@ impl ShardPlan {
         }))
     }
 
-    /// The communicators of this plan's collectives, with `job` the job's (read by
-    /// [`DeviceCollective::mean`] only).
-    fn ranks<'a>(&'a self, job: &'a dyn Collective) -> Ranks<'a> {
-        Ranks {
-            job,
-            shard: self.mesh.shard(),
-            replica: self.mesh.replica(),
-        }
+    /// The communicators of this plan's collectives.
+    fn ranks(&self) -> Ranks<'m> {
+        data_parallel(self.mesh)
     }
 
     /// What carries the sharded collectives (host-staged MPI, NCCL), for the `start` event.
@@ -125,8 +116,8 @@ impl ShardPlan {
     }
 
     /// The ranks this rank shards the state with (its replica).
-    pub fn shard_group(&self) -> &dyn Collective {
-        self.mesh.shard()
+    pub fn shard_group(&self) -> &'m dyn Collective {
+        self.mesh.group(Dim::DpShard)
     }
 
     /// The ranks of a replica, over which the state is cut.
@@ -192,11 +183,10 @@ impl ShardPlan {
     /// the `parameters` mode, whose gradients are averaged stage by stage ([`StageShards`]).
     pub fn average(
         &self,
-        comm: &dyn Collective,
         loss: f32,
         grads: Vec<Tensor<1>>,
     ) -> Result<(f32, Vec<Tensor<1>>, f32), TrainError> {
-        let ranks = self.ranks(comm);
+        let ranks = self.ranks();
         if self.mode != Shard::Gradients {
             // The replicated run's all-reduce and norm, bit for bit: every rank has the
             // whole averaged gradients here.
@@ -209,19 +199,20 @@ impl ShardPlan {
         let shard = self.coll.reduce_scatter_mean(ranks, flat, grads)?.wait()?;
         let shard = shard.slice(0..mine);
         let sq = self.coll.square_sum(std::slice::from_ref(&shard));
-        let (loss, norm) = self.loss_and_norm(comm, loss, sq);
+        let (loss, norm) = self.loss_and_norm(loss, sq);
         Ok((loss, self.cut(&self.groups[0], shard), norm))
     }
 
-    /// The mean of the ranks' losses (every rank of `comm`, the job) and the global norm of
+    /// The mean of the data-parallel ranks' losses and the global norm of
     /// gradients of which every rank of a replica holds its own range, whose sum of squares
     /// is `sq` (the replicas hold the same ranges).
-    pub fn loss_and_norm(&self, comm: &dyn Collective, loss: f32, sq: f64) -> (f32, f32) {
+    pub fn loss_and_norm(&self, loss: f32, sq: f64) -> (f32, f32) {
+        let ranks = self.ranks();
         let mut l = [loss];
-        comm.all_reduce_sum_f32(&mut l);
+        ranks.dp.all_reduce_sum_f32(&mut l);
         let mut sq = [sq];
-        self.mesh.shard().all_reduce_sum_f64(&mut sq);
-        (l[0] / comm.size() as f32, sq[0].sqrt() as f32)
+        ranks.shard.all_reduce_sum_f64(&mut sq);
+        (l[0] / ranks.dp.size() as f32, sq[0].sqrt() as f32)
     }
 
     /// Replaces `params` with the whole parameters gathered from every rank's updated
@@ -249,8 +240,8 @@ impl ShardPlan {
         lengths: Vec<usize>,
         ahead: bool,
     ) -> Result<InFlight<Vec<Tensor<1>>>, TrainError> {
-        let ranks = self.ranks(self.mesh.shard());
-        self.coll.all_gather(ranks, flat, pieces, lengths, ahead)
+        self.coll
+            .all_gather(self.ranks(), flat, pieces, lengths, ahead)
     }
 
     /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
@@ -343,7 +334,7 @@ impl ShardPlan {
         (specs, pieces): (&[ParamSpec], &[Tensor<1>]),
     ) -> Result<Vec<ShardFile>, TrainError> {
         let (rank, ranks) = (self.rank, self.shards);
-        let writes = self.mesh.replica().rank() == 0;
+        let writes = self.mesh.coord(Dim::DpReplicate) == 0;
         let mut files = Vec::new();
         if writes {
             let host: Vec<HostTensor> = state.iter().map(DeviceTensor::to_host).collect();
@@ -364,7 +355,10 @@ impl ShardPlan {
                 (true, m) => serde_json::to_vec(m).unwrap_or_default(),
                 (false, _) => Vec::new(),
             };
-            comm.broadcast_vec(self.mesh.job_rank(0, r), &mut bytes);
+            let writer = self
+                .mesh
+                .rank_with(&[(Dim::DpReplicate, 0), (Dim::DpShard, r)]);
+            comm.broadcast_vec(writer, &mut bytes);
             let got: Result<Vec<ShardFile>, String> = serde_json::from_slice(&bytes)
                 .unwrap_or_else(|e| Err(format!("unreadable shard report of rank {r}: {e}")));
             all.extend(got.map_err(|e| {
@@ -411,6 +405,15 @@ fn cut(
     (groups, ranges)
 }
 
+/// The data-parallel groups of `mesh`.
+fn data_parallel(mesh: &DeviceMesh) -> Ranks<'_> {
+    Ranks {
+        dp: mesh.group(Dims::DP),
+        shard: mesh.group(Dim::DpShard),
+        replica: mesh.group(Dim::DpReplicate),
+    }
+}
+
 /// The [`StageParams`] of a parameter-sharded step: a stage's whole weights all-gathered
 /// from every rank's pieces (this rank's are `pieces`, [`ShardPlan::pieces`] of the whole),
 /// its gradients reduce-scattered (the mean over the ranks) and this rank's range of them
@@ -421,7 +424,7 @@ fn cut(
 /// reduce-scatter is waited for only when the next one is handed over, so that on NCCL it
 /// runs while the backward pass computes the stage before it.
 pub struct StageShards<'a> {
-    plan: &'a ShardPlan,
+    plan: &'a ShardPlan<'a>,
     model: &'a Llama,
     pieces: &'a [Tensor<1>],
     /// Per stage, this rank's range of the accumulated gradients (padding included).
@@ -441,7 +444,7 @@ pub struct StageShards<'a> {
 
 impl<'a> StageShards<'a> {
     /// The stages of `model` cut by `plan` (a `parameters` plan).
-    pub fn new(plan: &'a ShardPlan, model: &'a Llama, pieces: &'a [Tensor<1>]) -> Self {
+    pub fn new(plan: &'a ShardPlan<'a>, model: &'a Llama, pieces: &'a [Tensor<1>]) -> Self {
         Self {
             grads: plan.zeroed_grads(),
             plan,
@@ -558,7 +561,7 @@ impl<'a> StageShards<'a> {
     }
 }
 
-impl ShardPlan {
+impl ShardPlan<'_> {
     /// Zeros for this rank's padded shard of every group's gradients.
     fn zeroed_grads(&self) -> Vec<Tensor<1>> {
         (self.groups.iter())
@@ -595,7 +598,7 @@ impl StageParams for StageShards<'_> {
         self.finish_reduce();
         let i = self.group(s);
         let t0 = Instant::now();
-        let ranks = self.plan.ranks(self.plan.mesh.shard());
+        let ranks = self.plan.ranks();
         let started = (self.plan.coll).reduce_scatter_mean(ranks, &self.plan.groups[i].flat, grads);
         self.comm_s += t0.elapsed().as_secs_f64();
         self.reducing = self.keep(started).map(|f| (i, f));
@@ -630,8 +633,9 @@ mod tests {
             }
         }
         cfg.parallelism.shard = Shard::None;
+        let mesh = DeviceMesh::along(Box::new(kiln_dist::Solo), Dim::DpReplicate);
         assert!(
-            ShardPlan::new(&cfg, &model, &kiln_dist::Solo, &Device::flex())
+            ShardPlan::new(&cfg, &model, &mesh, &Device::flex())
                 .unwrap()
                 .is_none()
         );

@@ -260,6 +260,7 @@ mod tests {
     use super::*;
     use crate::config::Collectives as Choice;
     use crate::config::ModelConfig;
+    use crate::mesh::DeviceMesh;
     use crate::parallel::shard::{ShardPlan, StageShards};
     use crate::tensor::to_vec;
     use burn::tensor::TensorData;
@@ -389,27 +390,38 @@ mod tests {
         }
     }
 
-    /// A parameters plan of the tiny model for this rank of `comm`, over `replicas`,
-    /// fetching each stage ahead with `prefetch`.
-    fn plan(model: &Llama, comm: &dyn Collective, replicas: usize, prefetch: bool) -> ShardPlan {
-        plan_with(model, comm, replicas, prefetch, Choice::Host)
-    }
-
-    /// [`plan`] with the collectives `choice` asks for.
-    fn plan_with(
-        model: &Llama,
-        comm: &dyn Collective,
-        replicas: usize,
-        prefetch: bool,
-        choice: Choice,
-    ) -> ShardPlan {
+    /// The config of a parameter-sharded run over `replicas` replicas.
+    fn sharded(replicas: usize) -> crate::config::Config {
         let mut cfg = crate::config::Config::default();
         cfg.parallelism.shard = crate::config::Shard::Parameters;
         cfg.parallelism.dp_replicate = replicas;
+        cfg
+    }
+
+    /// The mesh of a parameter-sharded run of `comm`'s ranks over `replicas` replicas.
+    fn mesh(comm: impl Collective + 'static, replicas: usize) -> DeviceMesh {
+        crate::mesh::build(Box::new(comm), &sharded(replicas).parallelism).unwrap()
+    }
+
+    /// A parameters plan of the tiny model for this rank of `mesh`, fetching each stage
+    /// ahead with `prefetch`.
+    fn plan<'m>(model: &Llama, mesh: &'m DeviceMesh, prefetch: bool) -> ShardPlan<'m> {
+        plan_with(model, mesh, prefetch, Choice::Host)
+    }
+
+    /// [`plan`] with the collectives `choice` asks for.
+    fn plan_with<'m>(
+        model: &Llama,
+        mesh: &'m DeviceMesh,
+        prefetch: bool,
+        choice: Choice,
+    ) -> ShardPlan<'m> {
+        let replicas = mesh.shape().size(crate::mesh::Dim::DpReplicate);
+        let mut cfg = sharded(replicas);
         cfg.parallelism.prefetch = prefetch;
         cfg.parallelism.collectives = choice;
         let d = Device::flex();
-        ShardPlan::new(&cfg, model, comm, &d).unwrap().unwrap()
+        ShardPlan::new(&cfg, model, mesh, &d).unwrap().unwrap()
     }
 
     #[test]
@@ -417,7 +429,8 @@ mod tests {
         let device = Device::flex();
         let model = Llama::new(&tiny(), 40);
         let params = model.init(3, &device);
-        let plan = plan(&model, &kiln_dist::Solo, 1, true);
+        let mesh = mesh(kiln_dist::Solo, 1);
+        let plan = plan(&model, &mesh, true);
         let pieces = plan.pieces(&params);
         let mut s = StageShards::new(&plan, &model, &pieces);
         for stage in model.stages() {
@@ -466,13 +479,15 @@ mod tests {
                         .map(|comm| {
                             let (model, params, device) = (&model, &params, device.clone());
                             scope.spawn(move || {
-                                let plan = plan_with(model, &comm, replicas, prefetch, choice);
+                                let rank = comm.rank();
+                                let mesh = mesh(comm, replicas);
+                                let plan = plan_with(model, &mesh, prefetch, choice);
                                 // The device path always gathers the next stage ahead.
                                 let ahead = prefetch || choice == Choice::Device;
                                 assert_eq!(plan.prefetches(), ahead);
                                 let mine = plan.pieces(params);
                                 let mut s = StageShards::new(&plan, model, &mine);
-                                let (i, t) = batch(comm.rank(), &device);
+                                let (i, t) = batch(rank, &device);
                                 loss_and_grads(model, &mut s, i, t, 1.0);
                                 s.take_grads().unwrap().0.iter().map(to_vec).collect()
                             })
@@ -521,7 +536,8 @@ mod tests {
             for comm in kiln_dist::Threads::job(2) {
                 let (model, params) = (&model, &params);
                 scope.spawn(move || {
-                    let plan = plan(model, &comm, 1, true);
+                    let mesh = mesh(comm, 1);
+                    let plan = plan(model, &mesh, true);
                     let mine = plan.pieces(params);
                     let mut s = StageShards::new(&plan, model, &mine);
                     s.expect(vec![Stage::Embed, Stage::Block(0), Stage::Block(1)]);
@@ -542,7 +558,8 @@ mod tests {
         let params = model.init(9, &device);
         let (inputs, _) = batch(0, &device);
         let want = to_vec(&model.forward(&params, inputs.clone()).reshape([-1]));
-        let plan = plan(&model, &kiln_dist::Solo, 1, true);
+        let mesh = mesh(kiln_dist::Solo, 1);
+        let plan = plan(&model, &mesh, true);
         let pieces = plan.pieces(&params);
         let mut s = StageShards::new(&plan, &model, &pieces);
         let got = to_vec(&logits(&model, &mut s, inputs).reshape([-1]));

@@ -8,11 +8,12 @@ use crate::tensor::{from_vec, into_vec};
 use burn::tensor::Tensor;
 use kiln_dist::{BucketedAllReduce, Collective, Sharded};
 
-/// The MPI communicators a run's collectives go over.
+/// The MPI communicators a data-parallel run's collectives go over: groups of the job's
+/// [`crate::mesh::DeviceMesh`].
 #[derive(Clone, Copy)]
 pub struct Ranks<'a> {
-    /// Every rank of the job (the replicated mean, the loss).
-    pub job: &'a dyn Collective,
+    /// Every data-parallel rank (the replicated mean, the loss).
+    pub dp: &'a dyn Collective,
     /// The ranks a sharded state is cut over (the job, or one replica of a hybrid run).
     pub shard: &'a dyn Collective,
     /// The ranks holding the same shard in the other replicas (one rank without hybrid
@@ -21,11 +22,11 @@ pub struct Ranks<'a> {
 }
 
 impl<'a> Ranks<'a> {
-    /// A replicated run over `job`: the state is "cut" over every rank, one replica.
-    pub fn replicated(job: &'a dyn Collective) -> Self {
+    /// A replicated run over `dp`: the state is "cut" over every rank, one replica.
+    pub fn replicated(dp: &'a dyn Collective) -> Self {
         Self {
-            job,
-            shard: job,
+            dp,
+            shard: dp,
             replica: &kiln_dist::Solo,
         }
     }
@@ -60,8 +61,8 @@ impl<T: 'static> InFlight<T> {
 /// Which communicator of [`Ranks`] an all-reduce goes over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Over {
-    /// Every rank of the job.
-    Job,
+    /// Every data-parallel rank.
+    Dp,
     /// The ranks holding the same shard.
     Replica,
 }
@@ -124,7 +125,7 @@ impl Wire for MpiWire {
     ) -> Result<InFlight<Tensor<1>>, TrainError> {
         let device = buf.device();
         let comm = match over {
-            Over::Job => ranks.job,
+            Over::Dp => ranks.dp,
             Over::Replica => ranks.replica,
         };
         let mut host = into_vec(buf);

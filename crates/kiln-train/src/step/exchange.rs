@@ -76,7 +76,7 @@ pub trait Exchange {
     fn collectives(&self) -> String;
 
     /// What this rank keeps of a sharded run (`None`: everything).
-    fn plan(&self) -> Option<&ShardPlan> {
+    fn plan(&self) -> Option<&ShardPlan<'_>> {
         None
     }
 
@@ -87,23 +87,23 @@ pub trait Exchange {
     }
 }
 
-/// The exchange of `plan` (`None`: a replicated run) over `comm`'s ranks, with the
-/// collectives `parallel` asks of [`collective::choose`] (the sharded plan chose its own,
+/// The exchange of `plan` (`None`: a replicated run) over the data-parallel ranks `dp`, with
+/// the collectives `parallel` asks of [`collective::choose`] (the sharded plan chose its own,
 /// over its mesh). A collective: every rank calls it.
 pub fn choose<'c>(
-    plan: Option<ShardPlan>,
-    comm: &'c dyn Collective,
+    plan: Option<ShardPlan<'c>>,
+    dp: &'c dyn Collective,
     session: &Session,
     parallel: &ParallelismConfig,
 ) -> Result<Box<dyn Exchange + 'c>, TrainError> {
     Ok(match plan {
-        Some(plan) if plan.shards_parameters() => Box::new(StageWise { plan, comm }),
-        Some(plan) => Box::new(ShardedState { plan, comm }),
+        Some(plan) if plan.shards_parameters() => Box::new(StageWise { plan }),
+        Some(plan) => Box::new(ShardedState { plan }),
         None => Box::new(Replicated {
-            comm,
+            comm: dp,
             coll: collective::choose(
                 parallel.collectives,
-                Ranks::replicated(comm),
+                Ranks::replicated(dp),
                 &session.device,
                 parallel.bucket_bytes(),
                 None,
@@ -114,6 +114,7 @@ pub fn choose<'c>(
 
 /// Every rank holds everything; gradients are all-reduced whole.
 pub struct Replicated<'c> {
+    /// The data-parallel ranks.
     comm: &'c dyn Collective,
     /// NCCL on CUDA devices with several ranks, else host-staged MPI in fixed buckets.
     coll: Box<dyn DeviceCollective>,
@@ -173,8 +174,7 @@ impl Exchange for Replicated<'_> {
 /// `optimizer` and `gradients`: every rank holds the whole parameters and its range of the
 /// optimizer's state; it updates its range, then the ranks all-gather the whole.
 pub struct ShardedState<'c> {
-    plan: ShardPlan,
-    comm: &'c dyn Collective,
+    plan: ShardPlan<'c>,
 }
 
 impl Exchange for ShardedState<'_> {
@@ -186,7 +186,7 @@ impl Exchange for ShardedState<'_> {
     ) -> Result<Reduced, TrainError> {
         let (loss, grads) = pass.accumulate(session, batches)?;
         let t0 = Instant::now();
-        let (loss, grads, norm) = self.plan.average(self.comm, loss, grads)?;
+        let (loss, grads, norm) = self.plan.average(loss, grads)?;
         Ok(Reduced {
             loss,
             grads,
@@ -207,7 +207,7 @@ impl Exchange for ShardedState<'_> {
         self.plan.gather(pieces, &mut session.params)
     }
 
-    fn plan(&self) -> Option<&ShardPlan> {
+    fn plan(&self) -> Option<&ShardPlan<'_>> {
         Some(&self.plan)
     }
 
@@ -219,8 +219,7 @@ impl Exchange for ShardedState<'_> {
 /// `parameters`: every rank holds only its pieces of the parameters; each stage's weights are
 /// gathered when it runs and its gradients reduce-scattered as the backward pass leaves it.
 pub struct StageWise<'c> {
-    plan: ShardPlan,
-    comm: &'c dyn Collective,
+    plan: ShardPlan<'c>,
 }
 
 impl Exchange for StageWise<'_> {
@@ -238,7 +237,7 @@ impl Exchange for StageWise<'_> {
         }
         let t0 = Instant::now();
         let (grads, sq) = stages.take_grads()?;
-        let (loss, norm) = self.plan.loss_and_norm(self.comm, loss, sq);
+        let (loss, norm) = self.plan.loss_and_norm(loss, sq);
         Ok(Reduced {
             loss,
             grads,
@@ -259,7 +258,7 @@ impl Exchange for StageWise<'_> {
         Ok(())
     }
 
-    fn plan(&self) -> Option<&ShardPlan> {
+    fn plan(&self) -> Option<&ShardPlan<'_>> {
         Some(&self.plan)
     }
 

@@ -1,6 +1,7 @@
 //! [`BatchLayout`]: which global samples each rank trains on at each step.
 
 use crate::config::TrainingConfig;
+use crate::mesh::{DeviceMesh, Dims};
 use std::ops::Range;
 
 /// How the global batch of a step is cut: `world` ranks, each running `accum` micro-batches
@@ -18,7 +19,7 @@ pub struct BatchLayout {
     pub accum: usize,
     /// Data-parallel ranks.
     pub world: usize,
-    /// This rank.
+    /// This rank's index among them.
     pub rank: usize,
     /// Tokens per sequence.
     pub seq: usize,
@@ -40,6 +41,13 @@ impl BatchLayout {
         } else {
             Ok(layout)
         }
+    }
+
+    /// The layout of `training` on `mesh`'s data-parallel ranks (the ranks of one
+    /// data-parallel index train on the same samples).
+    pub fn of(training: &TrainingConfig, mesh: &DeviceMesh) -> Result<Self, String> {
+        let ranks = mesh.shape().group_size(Dims::DP);
+        Self::new(training, mesh.index(Dims::DP), ranks)
     }
 
     /// This layout with the accumulation that makes the global batch `global`.

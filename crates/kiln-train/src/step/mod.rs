@@ -16,6 +16,7 @@ pub use layout::BatchLayout;
 use crate::config::{ActivationCheckpointing, Config};
 use crate::data::{SampleError, TokenSource};
 use crate::error::TrainError;
+use crate::mesh::{DeviceMesh, Dims};
 use crate::model::session::Session;
 use crate::optim::{self, Optimizer};
 use crate::parallel::shard::{ShardPlan, StageShards};
@@ -60,6 +61,7 @@ pub struct Step<'c> {
     faults: Faults,
     /// How the gradients reach every rank and the parameters (`parallelism.shard`).
     exchange: Box<dyn Exchange + 'c>,
+    /// The data-parallel ranks.
     comm: &'c dyn Collective,
 }
 
@@ -75,29 +77,31 @@ impl Step<'static> {
 }
 
 impl<'c> Step<'c> {
-    /// The step of `cfg` for `session`'s model on `layout`, averaging over `comm`'s ranks
-    /// (every rank calls it); an error when the ranks cannot form the config's replicas.
+    /// The step of `cfg` for `session`'s model on `layout`, averaging over `mesh`'s
+    /// data-parallel ranks (every rank calls it); an error when the device's collectives
+    /// cannot be set up.
     pub fn new(
         cfg: &Config,
         session: &Session,
         layout: BatchLayout,
-        comm: &'c dyn Collective,
+        mesh: &'c DeviceMesh,
     ) -> Result<Self, TrainError> {
-        let plan = ShardPlan::new(cfg, &session.model, comm, &session.device)?;
-        let exchange = exchange::choose(plan, comm, session, &cfg.parallelism)?;
-        Ok(Self::with_exchange(cfg, session, layout, comm, exchange))
+        let plan = ShardPlan::new(cfg, &session.model, mesh, &session.device)?;
+        let dp = mesh.group(Dims::DP);
+        let exchange = exchange::choose(plan, dp, session, &cfg.parallelism)?;
+        Ok(Self::with_exchange(cfg, session, layout, dp, exchange))
     }
 
-    /// The step of a run and the optimizer it updates, for this rank of `comm` (every rank
+    /// The step of a run and the optimizer it updates, for this rank of `mesh` (every rank
     /// calls it): with parameters sharded, `session` keeps only this rank's pieces of its
     /// parameters and the optimizer the state of this rank's ranges.
     pub fn for_run(
         cfg: &Config,
         session: &mut Session,
         layout: BatchLayout,
-        comm: &'c dyn Collective,
+        mesh: &'c DeviceMesh,
     ) -> Result<(Self, Optimizer), TrainError> {
-        let step = Self::new(cfg, session, layout, comm)?;
+        let step = Self::new(cfg, session, layout, mesh)?;
         if let Some(plan) = step.parameter_shards() {
             // Copied out: a slice may be a view that keeps the whole tensor alive.
             let pieces = plan.pieces(&session.params);
@@ -141,13 +145,13 @@ impl<'c> Step<'c> {
     }
 
     /// What this rank keeps of a sharded run, if it is one.
-    pub fn shard(&self) -> Option<&ShardPlan> {
+    pub fn shard(&self) -> Option<&ShardPlan<'_>> {
         self.exchange.plan()
     }
 
     /// The plan of a parameter-sharded run, whose ranks keep only their pieces of the
     /// parameters (`parallelism.shard = "parameters"`).
-    pub fn parameter_shards(&self) -> Option<&ShardPlan> {
+    pub fn parameter_shards(&self) -> Option<&ShardPlan<'_>> {
         self.shard().filter(|p| p.shards_parameters())
     }
 

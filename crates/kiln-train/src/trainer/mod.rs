@@ -2,8 +2,8 @@
 //! for themselves: the [`Step`] computes and applies each step; the [`GuardRail`] judges it
 //! and rolls back; the [`Checkpoints`] (the whole checkpoint lifecycle), the [`Evaluator`] and the [`ReplicaCheck`] each
 //! know when they are due; the [`Journal`] reports (the writer rank's run directory and the
-//! caller's observer). [`train`] owns the collective that joins data-parallel ranks, since
-//! it is the one that must end them all when one fails.
+//! caller's observer). [`train`] owns the job's device mesh ([`crate::mesh`]), since it is
+//! the one that must end every rank when one fails.
 //!
 //! Everything that decides what the next step computes is state saved in each checkpoint:
 //! weights, the optimizer's state (keyed by parameter name) and step count, and the
@@ -27,6 +27,7 @@ use crate::components::replicas::ReplicaCheck;
 use crate::components::startup::{Startup, phase};
 use crate::config::Config;
 use crate::error::TrainError;
+use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::optim;
 use crate::parallel::shard::ShardPlan;
 use crate::parallel::stagewise;
@@ -98,6 +99,9 @@ struct Trainer<'a> {
     eval: Evaluator,
     replicas: ReplicaCheck,
     journal: Journal<'a>,
+    /// The job's ranks as a mesh, and their groups.
+    mesh: &'a DeviceMesh,
+    /// Every rank of the job (`mesh`'s world): what every rank agrees on goes over it.
     comm: &'a dyn Collective,
     stop: Arc<AtomicUsize>,
     facts: RunFacts,
@@ -114,12 +118,10 @@ struct Trainer<'a> {
 /// know about ends all of them (MPI_Abort) so that none waits forever in a collective.
 pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainReport, TrainError> {
     let mut startup = Startup::begin();
-    let rank_env = kiln_topology::RankEnv::from_process_env()
-        .map_err(|e| TrainError::Parallel(format!("rank environment: {e}")))?;
-    let comm = kiln_dist::init(&rank_env, opts.config.parallelism.prefetches())?;
-    let comm = comm.as_ref();
+    let mesh = crate::mesh::start(&opts.config.parallelism)?;
+    let comm = mesh.world();
     startup.mark(phase::MPI_INIT);
-    let mut trainer = Trainer::new(opts, comm, observer, startup).inspect_err(|e| {
+    let mut trainer = Trainer::new(opts, &mesh, observer, startup).inspect_err(|e| {
         if !e.is_collective() {
             abort_all(comm, e);
         }
@@ -315,9 +317,14 @@ impl<'a> Trainer<'a> {
     /// that differ from the majority are named and the run stops before their weights can
     /// be saved.
     fn check_replicas(&mut self) -> Result<(), TrainError> {
-        let shards = self.step.parameter_shards().map_or(1, ShardPlan::shards);
+        // The ranks that hold the same parameters: every data-parallel rank, or with the
+        // parameters sharded, those of the same shard in each replica.
+        let same = match self.step.parameter_shards() {
+            Some(_) => Dims::one(Dim::DpReplicate),
+            None => Dims::DP,
+        };
         let params = &self.run.session.params;
-        let Some(m) = ReplicaCheck::compare(self.comm, params, shards) else {
+        let Some(m) = ReplicaCheck::compare(self.mesh, same, params) else {
             return Ok(());
         };
         let step = self.run.state.step;

@@ -13,12 +13,12 @@ use crate::components::startup::{Startup, phase};
 use crate::config::Config;
 use crate::data::TrainData;
 use crate::error::{TrainError, io};
+use crate::mesh::DeviceMesh;
 use crate::model::session::{Session, sha256_hex};
 use crate::parallel::shard::ShardPlan;
 use crate::run_dir::RunDir;
 use crate::state::{RunState, TrainState};
 use crate::step::{BatchLayout, Step};
-use kiln_dist::Collective;
 use kiln_run::{EventLog, event};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -75,10 +75,11 @@ impl<'a> Trainer<'a> {
     /// written as the `exit` event before it is returned.
     pub(super) fn new(
         opts: &TrainOptions,
-        comm: &'a dyn Collective,
+        mesh: &'a DeviceMesh,
         observer: &'a mut dyn Observer,
         mut startup: Startup,
     ) -> Result<Self, TrainError> {
+        let comm = mesh.world();
         let cfg = opts.config.clone();
         cfg.validate()?;
         let opened = (comm.rank() == 0).then(|| open_run_dir(opts)).transpose()?;
@@ -88,7 +89,7 @@ impl<'a> Trainer<'a> {
             .as_ref()
             .map_or_else(String::new, |f| f.run_id.clone());
         let mut journal = Journal::new(writer, observer);
-        let (layout, data, session) = match build(&cfg, comm, &opts.run_dir, &mut startup) {
+        let (layout, data, session) = match build(&cfg, mesh, &opts.run_dir, &mut startup) {
             Ok(parts) => parts,
             Err(e) => {
                 let fields = json!({"reason": "error", "code": e.exit_code(), "step": 0, "error": e.to_string()});
@@ -97,7 +98,7 @@ impl<'a> Trainer<'a> {
             }
         };
         let mut session = session;
-        let (step, optimizer) = Step::for_run(&cfg, &mut session, layout, comm)?;
+        let (step, optimizer) = Step::for_run(&cfg, &mut session, layout, mesh)?;
         let facts = RunFacts::new(&cfg, &session);
         let id = Identity {
             model_hash: facts.model_hash.clone(),
@@ -119,6 +120,7 @@ impl<'a> Trainer<'a> {
             },
             cfg,
             journal,
+            mesh,
             comm,
             stop: Arc::new(AtomicUsize::new(0)),
             facts,
@@ -194,13 +196,13 @@ impl<'a> Trainer<'a> {
 /// memory snapshots included, are refused before the data is indexed for them).
 fn build(
     cfg: &Config,
-    comm: &dyn Collective,
+    mesh: &DeviceMesh,
     run_dir: &Path,
     startup: &mut Startup,
 ) -> Result<(BatchLayout, TrainData, Session), TrainError> {
-    let layout =
-        BatchLayout::new(&cfg.training, comm.rank(), comm.size()).map_err(TrainError::Parallel)?;
-    let store = crate::components::snapshot::rank_dir(&cfg.checkpoint, run_dir, comm.rank());
+    let layout = BatchLayout::of(&cfg.training, mesh).map_err(TrainError::Parallel)?;
+    let rank = mesh.world().rank();
+    let store = crate::components::snapshot::rank_dir(&cfg.checkpoint, run_dir, rank);
     crate::components::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
     let known = crate::model::budget::known_vocab(cfg);
     crate::model::budget::check_run(cfg, known, &store)?;
@@ -212,7 +214,7 @@ fn build(
         crate::model::budget::check_run(cfg, vocab, &store)?;
     }
     startup.mark(phase::DATA_OPEN);
-    crate::model::session::keep_device_cache(cfg, run_dir, comm.rank());
+    crate::model::session::keep_device_cache(cfg, run_dir, rank);
     let session = Session::new(cfg, vocab)?;
     Ok((layout, data, session))
 }
