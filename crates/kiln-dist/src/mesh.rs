@@ -60,6 +60,9 @@ impl Dims {
     pub const NONE: Dims = Dims(0);
     /// The data-parallel ranks: `dp_replicate` x `dp_shard`, which train on different samples.
     pub const DP: Dims = Dims(1 << 1 | 1 << 2);
+    /// The ranks whose pieces of a model make it whole when its state is sharded over the
+    /// data-parallel ranks and its matrices over the tensor-parallel ones: `dp_shard` x `tp`.
+    pub const PIECES: Dims = Dims(1 << 2 | 1 << 4);
     /// Every dim: the whole job.
     pub const ALL: Dims = Dims(0b1_1111);
 

@@ -726,13 +726,26 @@ pub struct DebugConfig {
     pub corrupt_replica_rank: usize,
 }
 
+/// The sequences of each compute shard of a micro-batch of `rows` sequences split over
+/// `shards` threads (`training.compute_shards`): equal shards of `rows / shards` rounded up,
+/// the last one what is left.
+pub fn piece_sizes(rows: usize, shards: usize) -> Vec<usize> {
+    let shards = shards.clamp(1, rows.max(1));
+    let per = rows.div_ceil(shards).max(1);
+    (0..rows)
+        .step_by(per)
+        .map(|at| per.min(rows - at))
+        .collect()
+}
+
 impl Config {
-    /// The checkpoint settings as the run uses them: the memory tier is off in a sharded
-    /// run (`parallelism.shard`), whose ranks each hold a different piece of the state, so a
-    /// snapshot one rank lost could not be healed from a peer.
+    /// The checkpoint settings as the run uses them: the memory tier is off in a sharded or
+    /// tensor-parallel run (`parallelism.shard`, `parallelism.tp`), whose ranks each hold a
+    /// different piece of the state, so a snapshot one rank lost could not be healed from a
+    /// peer.
     pub fn effective_checkpoint(&self) -> CheckpointConfig {
         let mut c = self.checkpoint.clone();
-        if self.parallelism.shard != Shard::None {
+        if self.parallelism.shard != Shard::None || self.parallelism.tp > 1 {
             c.snapshot_interval = 0;
         }
         c
@@ -826,6 +839,7 @@ impl Config {
     /// The domains of the parallelism, checkpoint, metrics and debug keys.
     fn other_domains(&self, d: &mut Domains) {
         d.at_least("parallelism.dp_replicate", self.parallelism.dp_replicate, 1);
+        d.at_least("parallelism.tp", self.parallelism.tp, 1);
         d.at_least("checkpoint.keep_latest_k", self.checkpoint.keep_latest_k, 1);
         d.at_least("checkpoint.snapshot_keep", self.checkpoint.snapshot_keep, 1);
         d.at_least("metrics.log_interval", self.metrics.log_interval, 1);
@@ -871,6 +885,12 @@ impl Config {
             ));
         }
         for rule in self.parallelism.rules() {
+            d.rule(rule);
+        }
+        let whole_matrices = (o.kind != OptimizerKind::Adamw).then(|| o.kind.name());
+        let model = (m.n_heads, m.n_kv_heads, m.ffn_hidden);
+        let pieces = piece_sizes(t.batch_size, t.compute_shards);
+        for rule in (self.parallelism).tensor_rules(model, &pieces, whole_matrices) {
             d.rule(rule);
         }
         if self.parallelism.shard != Shard::None {

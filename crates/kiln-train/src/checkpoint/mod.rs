@@ -30,9 +30,10 @@
 
 mod checksum;
 mod partial;
+pub mod region;
 mod stream;
 pub use checksum::{Checksum, ChecksumKind};
-pub use partial::{Keep, Part, load_kept, verify};
+pub use partial::{Keep, Part, Want, load_kept, verify};
 pub use stream::{Hashing, Source, StreamError};
 
 use kiln_run::layout;
@@ -119,6 +120,16 @@ pub enum StoredDtype {
     F32,
     /// bfloat16.
     Bf16,
+}
+
+impl StoredDtype {
+    /// Bytes per element.
+    pub fn width(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
 }
 
 /// A named tensor on the host. Values are held as f32 whatever the stored dtype (every bf16
@@ -627,51 +638,56 @@ fn check_shard_set(
 }
 
 /// The tensors of a sharded checkpoint's shards (names `parse` reads): every shard read and
-/// verified, and each tensor assembled from its pieces (`<name>@<start>`), which must tile
-/// it without a gap.
+/// verified, and each tensor assembled from its pieces (`<name>@<where>`, see
+/// [`region`]), which must tile it without a gap or an overlap.
 fn load_shards(
     dir: &Path,
     manifest: &Manifest,
     parse: fn(&str) -> Option<(usize, usize)>,
 ) -> Result<Vec<HostTensor>, CheckpointError> {
-    let mut pieces: BTreeMap<String, Vec<(usize, Vec<f32>)>> = BTreeMap::new();
+    let mut pieces: BTreeMap<String, Vec<(region::Region, Vec<f32>)>> = BTreeMap::new();
     let names = manifest.files.keys().filter(|n| parse(n).is_some());
     for name in names {
         let path = dir.join(name);
         for t in from_safetensors(&read_verified(dir, manifest, name)?, &path)? {
-            let piece = t
-                .name
-                .rsplit_once('@')
-                .and_then(|(base, at)| Some((base.to_string(), at.parse::<usize>().ok()?)));
-            let Some((base, at)) = piece else {
+            let Some((base, r)) = region::Region::parse(&t.name, t.values.len()) else {
                 return Err(invalid(
                     &path,
-                    format!(
-                        "tensor {} is not a shard piece (<name>@<first element>)",
-                        t.name
-                    ),
+                    format!("tensor {} is not a shard piece (<name>@<where>)", t.name),
                 ));
             };
-            pieces.entry(base).or_default().push((at, t.values));
+            pieces
+                .entry(base.to_string())
+                .or_default()
+                .push((r, t.values));
         }
     }
     let mut out = Vec::with_capacity(pieces.len());
-    for (name, mut parts) in pieces {
-        parts.sort_by_key(|(at, _)| *at);
-        let mut values = Vec::new();
-        for (at, part) in parts {
-            if at != values.len() {
-                return Err(invalid(
-                    dir,
-                    format!(
-                        "tensor {name} has a gap or overlap at element {} (its shards do not tile it)",
-                        values.len()
-                    ),
-                ));
+    for (name, parts) in pieces {
+        let boxes: Vec<&Vec<std::ops::Range<usize>>> =
+            parts.iter().filter_map(|(r, _)| r.boxed.as_ref()).collect();
+        let shape: Vec<usize> = match boxes.first() {
+            Some(first) => (0..first.len())
+                .map(|d| {
+                    boxes
+                        .iter()
+                        .map(|b| b.get(d).map_or(0, |r| r.end))
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect(),
+            None => vec![parts.iter().map(|(r, _)| r.within.end).max().unwrap_or(0)],
+        };
+        let n = shape.iter().product();
+        let mut a = region::Assembly::new(shape.clone(), region::Region::flat(0..n));
+        let fault = |why: String| invalid(dir, format!("tensor {name}: {why}"));
+        for (r, values) in &parts {
+            if let Some(part) = a.needs(r) {
+                a.put(r, part.clone(), &values[part]).map_err(&fault)?;
             }
-            values.extend_from_slice(&part);
         }
-        out.push(HostTensor::f32(name, vec![values.len()], values));
+        let values = a.finish().map_err(fault)?;
+        out.push(HostTensor::f32(name, shape, values));
     }
     Ok(out)
 }

@@ -9,6 +9,7 @@
 //! no reader for part of a file, so the ranges are read here with `pread`.
 
 use super::checksum::Hasher;
+use super::region::{Assembly, Region};
 use super::{
     Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE,
     STATE_FILE, StoredDtype, decode, invalid, open_regular, parse_state, read_manifest,
@@ -18,7 +19,6 @@ use kiln_run::layout;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
-use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -32,8 +32,18 @@ pub enum Part {
 }
 
 /// What a loader keeps of the tensor `name` of `part`: `None` all of it (with its shape),
-/// `Some(range)` those elements of it, flattened (a tensor of shape `[range.len()]`).
-pub type Keep<'a> = &'a dyn Fn(Part, &str) -> Option<Range<usize>>;
+/// `Some(want)` the elements of `want.region` (a tensor of shape `[want.region.len()]`).
+pub type Keep<'a> = &'a dyn Fn(Part, &str) -> Option<Want>;
+
+/// The elements of a tensor a loader keeps: a region of the whole tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    /// The whole tensor's shape, which a box of it needs when the checkpoint wrote the
+    /// tensor flat (pieces written as boxes say it themselves).
+    pub shape: Vec<usize>,
+    /// The elements kept.
+    pub region: Region,
+}
 
 /// Reads a shard file's name: its rank and the rank count.
 type ParseShard = fn(&str) -> Option<(usize, usize)>;
@@ -113,16 +123,15 @@ fn open_listed(path: &Path, entry: &ManifestEntry) -> Result<(File, u64), Checkp
     Ok((file, size))
 }
 
-/// One tensor being read: what is kept of it and where its pieces were.
-struct Reading {
+/// One piece of a tensor in a file: where its bytes are and which elements it holds.
+struct Piece {
+    file: usize,
+    /// Offset of its first byte in the file.
+    offset: u64,
     dtype: StoredDtype,
-    /// The tensor's shape in a whole file (a sharded tensor's is its flat length).
+    /// Its shape in the file.
     shape: Vec<usize>,
-    kept: Option<Range<usize>>,
-    /// `(first element, elements)` of every piece, to check that they tile the tensor.
-    pieces: Vec<(usize, usize)>,
-    /// The kept elements read so far, by the first element of each run.
-    values: Vec<(usize, Vec<f32>)>,
+    region: Region,
 }
 
 /// The tensors of `part`, each cut to what `keep` asks.
@@ -137,102 +146,141 @@ fn read_part(
         Part::Optimizer => (OPTIMIZER_FILE, layout::parse_optimizer_shard),
     };
     let sharded = !manifest.files.contains_key(whole);
-    let mut reading: BTreeMap<String, Reading> = BTreeMap::new();
-    let files = manifest.files.iter().filter(|(n, _)| match sharded {
+    let mut files = Vec::new();
+    let mut tensors: BTreeMap<String, Vec<Piece>> = BTreeMap::new();
+    let listed = manifest.files.iter().filter(|(n, _)| match sharded {
         true => parse(n).is_some(),
         false => n.as_str() == whole,
     });
-    for (name, entry) in files {
+    for (name, entry) in listed {
         let path = dir.join(name);
         let (file, size) = open_listed(&path, entry)?;
         let (start, meta) = header(&file, size, &path)?;
         for (tname, info) in meta.tensors() {
-            let (base, at) = match sharded {
-                true => piece_of(&tname).ok_or_else(|| {
-                    invalid(
-                        &path,
-                        format!("tensor {tname} is not a shard piece (<name>@<first element>)"),
-                    )
-                })?,
-                false => (tname.clone(), 0),
-            };
-            let dtype = stored_dtype(info.dtype, &tname, &path)?;
-            let width = info.dtype.size();
             let numel: usize = info.shape.iter().product();
-            let r = reading.entry(base.clone()).or_insert_with(|| Reading {
-                dtype,
+            let (base, region) = match sharded {
+                true => Region::parse(&tname, numel)
+                    .map(|(b, r)| (b.to_string(), r))
+                    .ok_or_else(|| {
+                        invalid(
+                            &path,
+                            format!("tensor {tname} is not a shard piece (<name>@<where>)"),
+                        )
+                    })?,
+                false => (tname.clone(), Region::flat(0..numel)),
+            };
+            tensors.entry(base).or_default().push(Piece {
+                file: files.len(),
+                offset: start + info.data_offsets.0 as u64,
+                dtype: stored_dtype(info.dtype, &tname, &path)?,
                 shape: info.shape.clone(),
-                kept: keep(part, &base),
-                pieces: Vec::new(),
-                values: Vec::new(),
+                region,
             });
-            r.pieces.push((at, numel));
-            let want = r.kept.clone().unwrap_or(0..usize::MAX);
-            // `at` comes from the file: no overflow whatever it says.
-            let (lo, hi) = (want.start.max(at), want.end.min(at.saturating_add(numel)));
-            if lo >= hi {
-                continue;
-            }
-            let offset = start + (info.data_offsets.0 + (lo - at) * width) as u64;
-            let mut bytes = vec![0u8; (hi - lo) * width];
-            file.read_exact_at(&mut bytes, offset)
-                .map_err(|e| invalid(&path, format!("unreadable: {e}")))?;
-            r.values.push((lo, decode(&bytes, dtype)));
         }
+        files.push((file, path));
     }
-    reading
+    tensors
         .into_iter()
-        .map(|(name, r)| assemble(dir, name, r))
+        .map(|(name, pieces)| {
+            let want = keep(part, &name);
+            assemble(dir, &files, name, pieces, want)
+        })
         .collect()
 }
 
-/// `<name>@<first element>` split.
-fn piece_of(name: &str) -> Option<(String, usize)> {
-    let (base, at) = name.rsplit_once('@')?;
-    Some((base.to_string(), at.parse().ok()?))
-}
-
-/// The tensor `name` from its pieces: they must tile it from element 0, and the kept
-/// range must lie inside it.
-fn assemble(dir: &Path, name: String, mut r: Reading) -> Result<HostTensor, CheckpointError> {
-    r.pieces.sort_unstable();
-    let mut len = 0;
-    for &(at, n) in &r.pieces {
-        if at != len {
-            return Err(invalid(
-                dir,
-                format!(
-                    "tensor {name} has a gap or overlap at element {len} (its shards do not tile it)"
-                ),
-            ));
+/// The tensor `name` (or what `want` keeps of it) from its pieces, reading only the bytes
+/// of each piece that it needs: they must tile what is kept.
+fn assemble(
+    dir: &Path,
+    files: &[(File, std::path::PathBuf)],
+    name: String,
+    pieces: Vec<Piece>,
+    want: Option<Want>,
+) -> Result<HostTensor, CheckpointError> {
+    let dtype = pieces.first().map_or(StoredDtype::F32, |p| p.dtype);
+    let whole = whole_shape(&pieces);
+    let written_flat = pieces.iter().all(|p| p.region.boxed.is_none());
+    let numel: usize = whole.iter().product();
+    let (shape, region, out_shape) = match want {
+        Some(w) => {
+            let n = w.region.len();
+            // A box of a tensor written flat needs the loader's shape of it.
+            let shape = match written_flat && w.region.boxed.is_some() {
+                true => w.shape,
+                false => whole.clone(),
+            };
+            (shape, w.region, vec![n])
         }
-        len += n;
-    }
-    let (range, shape) = match (r.kept, r.pieces.len()) {
-        (None, 1) => (0..len, r.shape),
-        (None, _) => (0..len, vec![len]),
-        (Some(k), _) => (k.clone(), vec![k.len()]),
+        None => {
+            let out = match pieces.as_slice() {
+                [one] if one.region.boxed.is_none() => one.shape.clone(),
+                _ => whole.clone(),
+            };
+            (whole.clone(), Region::flat(0..numel), out)
+        }
     };
-    if range.end > len {
-        return Err(invalid(
-            dir,
-            format!(
-                "tensor {name} has {len} elements; this run needs elements {}..{} of it",
-                range.start, range.end
-            ),
-        ));
+    let fault = |why: String| invalid(dir, format!("tensor {name}: {why}"));
+    let fits = match &region.boxed {
+        None => region.within.end <= numel,
+        Some(b) => b.len() == shape.len() && b.iter().zip(&shape).all(|(r, &n)| r.end <= n),
+    };
+    if !fits || shape.iter().product::<usize>() != numel {
+        let wanted = match &region.boxed {
+            None => format!("elements {}..{}", region.within.start, region.within.end),
+            Some(b) => format!("the box {}", super::region::box_text(b)),
+        };
+        return Err(fault(format!(
+            "has {numel} elements; this run needs {wanted} of it (its shape is {whole:?})"
+        )));
     }
-    r.values.sort_unstable_by_key(|(at, _)| *at);
-    let mut values = Vec::with_capacity(range.len());
-    for (_, v) in r.values {
-        values.extend(v);
+    let mut a = Assembly::new(shape, region);
+    for p in &pieces {
+        let Some(part) = a.needs(&p.region) else {
+            continue;
+        };
+        let width = p.dtype.width();
+        let (file, path) = &files[p.file];
+        let mut bytes = vec![0u8; part.len() * width];
+        let at = p.offset + (part.start * width) as u64;
+        file.read_exact_at(&mut bytes, at)
+            .map_err(|e| invalid(path, format!("unreadable: {e}")))?;
+        a.put(&p.region, part, &decode(&bytes, p.dtype))
+            .map_err(&fault)?;
     }
+    let values = a.finish().map_err(fault)?;
     Ok(HostTensor {
         name,
-        shape,
-        dtype: r.dtype,
+        shape: out_shape,
+        dtype,
         values,
     })
+}
+
+/// The whole shape of a tensor written as `pieces`: the ends of their boxes, or read flat,
+/// the end of the last piece.
+fn whole_shape(pieces: &[Piece]) -> Vec<usize> {
+    let boxes: Vec<&Vec<std::ops::Range<usize>>> = pieces
+        .iter()
+        .filter_map(|p| p.region.boxed.as_ref())
+        .collect();
+    match boxes.first() {
+        Some(first) => (0..first.len())
+            .map(|d| {
+                boxes
+                    .iter()
+                    .map(|b| b.get(d).map_or(0, |r| r.end))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect(),
+        None => vec![
+            pieces
+                .iter()
+                .map(|p| p.region.within.end)
+                .max()
+                .unwrap_or(0),
+        ],
+    }
 }
 
 /// The header of the safetensors file `file` (`size` bytes): where its data starts and what
@@ -306,7 +354,12 @@ mod tests {
             assert_eq!(verify(&dir).unwrap().step, 9);
             // Across the shards' borders, none, and all.
             for want in [3..9, 0..0, 0..10, 9..10] {
-                let keep = |_: Part, _: &str| Some(want.clone());
+                let keep = |_: Part, _: &str| {
+                    Some(Want {
+                        shape: vec![10],
+                        region: Region::flat(want.clone()),
+                    })
+                };
                 let got = load_kept(&dir, &keep).unwrap();
                 assert_eq!(got.step, 9);
                 for (g, a) in [
@@ -325,7 +378,12 @@ mod tests {
             let whole = |_: Part, _: &str| None;
             let got = load_kept(&dir, &whole).unwrap();
             assert_eq!((got.model, got.optimizer), (all.model, all.optimizer));
-            let beyond = |_: Part, _: &str| Some(5..11);
+            let beyond = |_: Part, _: &str| {
+                Some(Want {
+                    shape: vec![10],
+                    region: Region::flat(5..11),
+                })
+            };
             let err = load_kept(&dir, &beyond).unwrap_err().to_string();
             assert!(
                 err.contains("has 10 elements; this run needs elements 5..11"),

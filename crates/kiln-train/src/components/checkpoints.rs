@@ -12,7 +12,8 @@
 //!   every rank, the guards' rollback point as an uninterrupted run would hold it, and the
 //!   batch layout kept across a change of rank count (the `resized` event).
 
-use crate::checkpoint::{self, Checkpoint, CheckpointManager, Rejection, ShardFile};
+use crate::checkpoint::region::Region;
+use crate::checkpoint::{self, Checkpoint, CheckpointManager, HostTensor, Rejection, ShardFile};
 use crate::components::guard_rail::GuardRail;
 use crate::components::journal::{Journal, path_text};
 use crate::components::saver::{Checkpointer, Saver, Staged};
@@ -20,6 +21,7 @@ use crate::components::snapshot::{Recovered, Snapshotter};
 use crate::config::{Config, Shard};
 use crate::data::TrainData;
 use crate::error::TrainError;
+use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::model::ParamSpec;
 use crate::optim::Optimizer;
 use crate::run_dir::RunDir;
@@ -28,6 +30,7 @@ use crate::step::{BatchLayout, Step};
 use kiln_dist::Collective;
 use kiln_run::event;
 use serde_json::json;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -46,10 +49,10 @@ pub struct Found {
 /// Scans the checkpoints of the run directory `run` (the writer rank, which holds its lock)
 /// and records the run's lineage in it.
 pub fn scan(run: &RunDir, cfg: &Config) -> Result<Found, TrainError> {
-    // A sharded run's ranks read their own pieces once the plan exists: here the candidate
-    // is only verified, without holding its tensors.
-    let load = match cfg.parallelism.shard {
-        Shard::None => checkpoint::load,
+    // A sharded or tensor-parallel run's ranks read their own pieces once the plan exists:
+    // here the candidate is only verified, without holding its tensors.
+    let load = match (cfg.parallelism.shard, cfg.parallelism.tp) {
+        (Shard::None, 1) => checkpoint::load,
         _ => checkpoint::verify,
     };
     let mut opened = CheckpointManager::open_with(
@@ -120,6 +123,9 @@ pub struct Checkpoints<'c> {
     cfg: Config,
     run_dir: PathBuf,
     id: Identity,
+    /// The job's mesh: who writes which pieces.
+    mesh: &'c DeviceMesh,
+    /// Every rank of the job (`mesh`'s world).
     comm: &'c dyn Collective,
     persistent: Checkpointer,
     memory: Snapshotter,
@@ -135,9 +141,10 @@ impl<'c> Checkpoints<'c> {
         cfg: &Config,
         run_dir: &Path,
         id: Identity,
-        comm: &'c dyn Collective,
+        mesh: &'c DeviceMesh,
         found: Option<Found>,
     ) -> Self {
+        let comm = mesh.world();
         let (saver, resume, rejected) = match found {
             Some(f) => (Some(f.saver), f.resume, f.rejected),
             None => (None, None, Vec::new()),
@@ -154,6 +161,7 @@ impl<'c> Checkpoints<'c> {
             cfg: cfg.clone(),
             run_dir: run_dir.to_path_buf(),
             id,
+            mesh,
             comm,
             found: resume,
             rejected,
@@ -186,7 +194,7 @@ impl<'c> Checkpoints<'c> {
         }
         let specs = run.session.model.specs();
         let loaded = match (chosen, persistent) {
-            (Some(c), _) if step.shard().is_none() => Some(c),
+            (Some(c), _) if !writes_pieces(step, self.mesh) => Some(c),
             // Rank 0 verified it without reading its tensors: this rank's pieces now.
             (Some((dir, _)), _) => Some((dir.clone(), read_checkpoint(step, specs, &dir)?)),
             (None, Some(at)) => {
@@ -432,30 +440,123 @@ impl<'c> Checkpoints<'c> {
         self.complete_state(run);
         let shards = self.write_shards(run, step)?;
         let before_s = before_s + t0.elapsed().as_secs_f64();
-        let pieces = step.parameter_shards().is_some();
+        // What the ranks wrote in pieces is not staged whole: the weights of a
+        // parameter-sharded or tensor-parallel run, the optimizer state of any such run.
+        let tensor_parallel = self.mesh.shape().size(Dim::Tp) > 1;
+        let pieces = step.parameter_shards().is_some() || tensor_parallel;
         let run = &*run;
         let staged = || {
             let mut s = stage(run);
             if pieces {
-                s.model = Vec::new(); // in the shards
+                s.model = Vec::new();
+            }
+            if tensor_parallel {
+                s.optimizer = Vec::new();
             }
             Staged { shards, ..s }
         };
         (self.persistent).save(run.state.step, before_s, staged, journal)
     }
 
-    /// In a sharded run, every rank writes its shards now (in parallel, on this thread: the
-    /// ranks then exchange what they wrote); rank 0 publishes them with its checkpoint.
-    /// Empty otherwise.
+    /// In a run whose ranks hold different pieces of the state (sharded, or cut by tensor
+    /// parallelism), every rank of the first replica writes its pieces now, in parallel, on
+    /// this thread (the ranks then exchange what they wrote; rank 0 publishes them with its
+    /// checkpoint). Empty otherwise.
     fn write_shards(&self, run: &RunState, step: &Step) -> Result<Vec<ShardFile>, TrainError> {
-        let Some(plan) = step.shard() else {
+        if !writes_pieces(step, self.mesh) {
             return Ok(Vec::new());
-        };
-        let root = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+        }
+        let mesh = self.mesh;
+        let (writer, writers) = (
+            mesh.index(Dims::PIECES),
+            mesh.shape().group_size(Dims::PIECES),
+        );
         let specs = run.session.model.specs();
-        let state = run.optimizer.named_state(specs);
-        let weights = (specs, run.session.params.as_slice());
-        plan.write_shards(self.comm, &root, run.state.step, &state, weights)
+        let ranges = step.shard().map(|p| p.ranges());
+        let first_tp = mesh.coord(Dim::Tp) == 0;
+        // The elements of parameter `i` this rank holds: its range with sharded state, else
+        // its whole tensor (`None`: none).
+        let held = |i: usize| match ranges {
+            Some(r) => r[i].clone(),
+            None => Some(0..specs[i].numel()),
+        };
+        let state_region = |i: usize| region_of(&specs[i], held(i), first_tp);
+        let weights_ranged = step.parameter_shards().is_some();
+        // Whole weights (not ranged) are held alike by every rank of a `dp_shard` group:
+        // written by its first.
+        let first_shard = mesh.coord(Dim::DpShard) == 0;
+        let weight_region = |i: usize| match (weights_ranged, first_shard) {
+            (true, _) => state_region(i),
+            (false, true) => region_of(&specs[i], Some(0..specs[i].numel()), first_tp),
+            (false, false) => None,
+        };
+        let mut files = Vec::new();
+        if mesh.coord(Dim::DpReplicate) == 0 {
+            let state = run.optimizer.state_pieces(specs, &state_region);
+            let host: Vec<HostTensor> = state.iter().map(|t| t.to_host()).collect();
+            files.push((
+                kiln_run::layout::checkpoint_optimizer_shard(writer, writers),
+                host,
+            ));
+            if weights_ranged || mesh.shape().size(Dim::Tp) > 1 {
+                let weights = (specs.iter().zip(&run.session.params).enumerate())
+                    .filter_map(|(i, (spec, t))| {
+                        let region = weight_region(i)?;
+                        Some(HostTensor::f32(
+                            region.name(&spec.name),
+                            vec![region.len()],
+                            crate::tensor::to_vec(t),
+                        ))
+                    })
+                    .collect();
+                files.push((
+                    kiln_run::layout::checkpoint_model_shard(writer, writers),
+                    weights,
+                ));
+            }
+        }
+        let root = self.run_dir.join(kiln_run::layout::CHECKPOINTS);
+        let at = run.state.step;
+        let mine: Result<Vec<ShardFile>, String> = (files.into_iter())
+            .map(|(name, t)| checkpoint::write_shard(&root, at, name, &t))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string());
+        self.gather_reports(at, mine, (writer, writers))
+    }
+
+    /// Every writer's files of the checkpoint of `step` (this rank is writer `writer` of
+    /// `writers` when it is in the first replica, and wrote `mine`), on every rank: on rank 0 the shards to publish; an error
+    /// when any writer failed (every rank gets it, so all stop).
+    fn gather_reports(
+        &self,
+        step: u64,
+        mine: Result<Vec<ShardFile>, String>,
+        (writer, writers): (usize, usize),
+    ) -> Result<Vec<ShardFile>, TrainError> {
+        let mesh = self.mesh;
+        let tp = mesh.shape().size(Dim::Tp);
+        let mut all = Vec::with_capacity(writers * 2);
+        for w in 0..writers {
+            let me = mesh.coord(Dim::DpReplicate) == 0 && w == writer;
+            let mut bytes = match me {
+                true => serde_json::to_vec(&mine).unwrap_or_default(),
+                false => Vec::new(),
+            };
+            let at = [
+                (Dim::DpReplicate, 0),
+                (Dim::DpShard, w / tp),
+                (Dim::Tp, w % tp),
+            ];
+            self.comm.broadcast_vec(mesh.rank_with(&at), &mut bytes);
+            let got: Result<Vec<ShardFile>, String> = serde_json::from_slice(&bytes)
+                .unwrap_or_else(|e| Err(format!("unreadable shard report of writer {w}: {e}")));
+            all.extend(got.map_err(|e| {
+                TrainError::Parallel(format!(
+                    "writer {w} could not write its shards of step {step}: {e}"
+                ))
+            })?);
+        }
+        Ok(all)
     }
 
     /// Snapshots `run`'s current state into this rank's memory tier (every rank, its own).
@@ -577,18 +678,64 @@ fn report_resize(
     Ok(())
 }
 
-/// Reads the checkpoint `dir` as this rank of `step`'s run keeps it: in a sharded run only
-/// its own pieces ([`crate::parallel::shard::ShardPlan::read_checkpoint`]), else all of it,
-/// verified.
+/// Whether the ranks of `step`'s run on `mesh` write their pieces of the state (sharded, or
+/// cut by tensor parallelism) rather than rank 0 the whole.
+fn writes_pieces(step: &Step, mesh: &DeviceMesh) -> bool {
+    step.shard().is_some() || mesh.shape().size(Dim::Tp) > 1
+}
+
+/// The region of the whole tensor of `spec` in a checkpoint piece holding `held` (elements
+/// of this rank's tensor; `None`: none): its box's elements, or of a tensor every
+/// tensor-parallel rank holds whole, a flat range written by the first of them only.
+fn region_of(spec: &ParamSpec, held: Option<Range<usize>>, first_tp: bool) -> Option<Region> {
+    let held = held?;
+    match spec.placement.is_whole() {
+        true => first_tp.then(|| Region::flat(held)),
+        false => Some(Region::boxed(spec.placement.boxed.clone(), held)),
+    }
+}
+
+/// Reads the checkpoint `dir` as this rank of `step`'s run keeps it: in a run whose ranks
+/// hold pieces only its own elements of each tensor (its range with sharded state, its box
+/// under tensor parallelism: see [`checkpoint::load_kept`], which reads only those bytes and
+/// leaves hashing to [`checkpoint::verify`] on rank 0), else all of it, verified.
 fn read_checkpoint(
     step: &Step,
     specs: &[ParamSpec],
     dir: &Path,
 ) -> Result<Checkpoint, checkpoint::CheckpointError> {
-    match step.shard() {
-        Some(plan) => plan.read_checkpoint(dir, specs),
-        None => checkpoint::load(dir),
+    let ranges = step.shard().map(|p| p.ranges());
+    let cut = specs.iter().any(|s| !s.placement.is_whole());
+    if ranges.is_none() && !cut {
+        return checkpoint::load(dir);
     }
+    let weights_ranged = step.parameter_shards().is_some();
+    let index: std::collections::HashMap<&str, usize> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.as_str(), i))
+        .collect();
+    let keep = |part: checkpoint::Part, name: &str| {
+        let (param, ranged) = match part {
+            checkpoint::Part::Weights => (name, weights_ranged),
+            // `<param>.<slot>`
+            checkpoint::Part::Optimizer => (name.rsplit_once('.')?.0, ranges.is_some()),
+        };
+        let i = *index.get(param)?;
+        let spec = &specs[i];
+        let held = match (ranged, ranges) {
+            (true, Some(r)) => r[i].clone().unwrap_or(0..0),
+            _ if spec.placement.is_whole() => return None,
+            _ => 0..spec.numel(),
+        };
+        let region = match spec.placement.is_whole() {
+            true => Region::flat(held),
+            false => Region::boxed(spec.placement.boxed.clone(), held),
+        };
+        let shape = spec.placement.global.clone();
+        Some(checkpoint::Want { shape, region })
+    };
+    checkpoint::load_kept(dir, &keep)
 }
 
 /// A checkpoint of `run` staged from the live tensors (references, no copy). In a sharded

@@ -9,6 +9,8 @@
 //! (`dp_replicate` = all of them, `dp_shard` = 1), with it `parallelism.dp_replicate` of them
 //! are (1 unless hybrid), and the state is cut over the `dp_shard` ranks of each.
 
+pub mod autograd;
+pub mod placement;
 pub mod settings;
 
 pub use kiln_dist::{DeviceMesh, Dim, Dims, MeshShape};
@@ -30,13 +32,22 @@ pub enum MeshError {
     RankEnv(String),
 }
 
-/// The groups a run uses besides each single dim's: the data-parallel ranks together.
-const FLATTENED: &[Dims] = &[Dims::DP];
+/// The groups a run uses besides each single dim's: the data-parallel ranks together, and
+/// the ranks whose pieces of the parameters make them whole (the `dp_shard` ranks of a
+/// parameter-sharded run by the `tp` ranks).
+const FLATTENED: &[Dims] = &[Dims::DP, Dims::PIECES];
 
 /// The mesh shape of `p` over `ranks` ranks; an error naming the key that does not divide
 /// them, and what would.
 pub fn shape(p: &ParallelismConfig, ranks: usize) -> Result<MeshShape, String> {
-    let dp = ranks;
+    let tp = p.tp.max(1);
+    if !ranks.is_multiple_of(tp) {
+        return Err(format!(
+            "parallelism.tp = {tp} does not divide the {ranks} ranks of this job; use a divisor of {ranks}, or {} ranks",
+            ranks.div_ceil(tp) * tp
+        ));
+    }
+    let dp = ranks / tp;
     let replicas = match p.shard {
         Shard::None => dp,
         _ => p.dp_replicate,
@@ -48,7 +59,8 @@ pub fn shape(p: &ParallelismConfig, ranks: usize) -> Result<MeshShape, String> {
     }
     Ok(MeshShape::default()
         .with(Dim::DpReplicate, replicas)
-        .with(Dim::DpShard, dp / replicas))
+        .with(Dim::DpShard, dp / replicas)
+        .with(Dim::Tp, tp))
 }
 
 /// The mesh of `p` over `world`'s ranks (every rank calls it: its groups are split from

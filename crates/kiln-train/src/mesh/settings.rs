@@ -34,6 +34,16 @@ pub struct ParallelismConfig {
     /// NCCL's results are compared with) or `device` (NCCL's device-buffer layout over MPI
     /// staged through host memory: tests of that layout without a GPU).
     pub collectives: Collectives,
+    /// Tensor parallelism: each matrix cut over this many consecutive ranks (Megatron's and
+    /// torchtitan's layout: attention by heads, the MLP by its hidden units, the embedding and
+    /// the output head by the vocabulary), with sequence parallelism on the norms and the
+    /// loss computed on the cut logits. The data-parallel ranks are the job's ranks over
+    /// `tp`; each of them is `tp` ranks training on the same samples. Cuts the memory of the
+    /// weights, gradients and optimizer state by `tp`, at the price of two all-gathers and
+    /// two reduce-scatters of a block's activations per block and pass: for a node's fast
+    /// links. Must divide the ranks, `model.n_heads`, `model.ffn_hidden`, the vocabulary
+    /// and each compute shard's sequences; needs `optimizer.kind = "adamw"`.
+    pub tp: usize,
 }
 
 /// How the ranks' tensors meet (`parallelism.collectives`).
@@ -62,6 +72,59 @@ impl ParallelismConfig {
         out
     }
 
+    /// What tensor parallelism cannot cut of a model of `heads` query heads sharing `kv`
+    /// K/V heads and `ffn` hidden units, trained on compute shards of `pieces` sequences
+    /// each, one message per key. `whole_matrices`: the optimizer, when it needs each matrix
+    /// whole (Muon's orthogonalisation, SophiaG's Hessian pass over the whole logits).
+    pub fn tensor_rules(
+        &self,
+        (heads, kv, ffn): (usize, usize, usize),
+        pieces: &[usize],
+        whole_matrices: Option<&str>,
+    ) -> Vec<String> {
+        let tp = self.tp;
+        if tp <= 1 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let divisors = |n: usize| {
+            let d: Vec<String> = (1..=n)
+                .filter(|d| n.is_multiple_of(*d))
+                .map(|d| d.to_string())
+                .collect();
+            d.join(", ")
+        };
+        if !heads.is_multiple_of(tp) {
+            out.push(format!(
+                "parallelism.tp = {tp} must divide model.n_heads = {heads} (each rank computes its block of the heads); use one of {}",
+                divisors(heads)
+            ));
+        } else if heads.is_multiple_of(kv) {
+            let (per, groups) = (heads / tp, heads / kv);
+            if !per.is_multiple_of(groups) && !groups.is_multiple_of(per) {
+                out.push(format!(
+                    "parallelism.tp = {tp} gives each rank {per} query heads, which neither fill whole groups of model.n_heads / model.n_kv_heads = {groups} nor fit in one: use a tp that divides model.n_kv_heads = {kv}, or a multiple of it dividing {heads}"
+                ));
+            }
+        }
+        if !ffn.is_multiple_of(tp) {
+            out.push(format!(
+                "parallelism.tp = {tp} must divide model.ffn_hidden = {ffn} (each rank computes its block of the MLP)"
+            ));
+        }
+        if let Some(&bad) = pieces.iter().find(|p| !p.is_multiple_of(tp)) {
+            out.push(format!(
+                "parallelism.tp = {tp} must divide the sequences of each compute shard ({bad} of training.batch_size split over training.compute_shards): sequence parallelism keeps each rank's share of them; use a batch size that {tp} x compute_shards divides"
+            ));
+        }
+        if let Some(kind) = whole_matrices {
+            out.push(format!(
+                "parallelism.tp = {tp} cuts every matrix over ranks, and optimizer.kind = {kind:?} needs each matrix whole; use optimizer.kind = \"adamw\" with tensor parallelism"
+            ));
+        }
+        out
+    }
+
     /// Bytes per all-reduce bucket (`bucket_mb`, at least 1 MiB).
     pub fn bucket_bytes(&self) -> usize {
         self.bucket_mb.max(1) << 20
@@ -82,6 +145,7 @@ impl Default for ParallelismConfig {
             dp_replicate: 1,
             prefetch: false,
             collectives: Collectives::Auto,
+            tp: 1,
         }
     }
 }

@@ -22,6 +22,9 @@ pub mod session;
 
 use crate::config::{ModelConfig, Precision};
 use crate::kernels;
+use crate::mesh::Dim;
+use crate::mesh::autograd::{self, Flow, Group};
+use crate::mesh::placement::Placement;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::module::embedding;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
@@ -43,12 +46,15 @@ pub enum Init {
 pub struct ParamSpec {
     /// Hugging Face Llama-style name, e.g. `model.layers.0.self_attn.q_proj.weight`.
     pub name: String,
-    /// Logical shape (`[in, out]` for matrices).
+    /// Logical shape of this rank's tensor (`[in, out]` for matrices): the whole tensor's,
+    /// or under tensor parallelism this rank's box of it ([`ParamSpec::placement`]).
     pub shape: Vec<usize>,
     /// Initialisation.
     pub init: Init,
     /// Norm weight or embedding (excluded from weight decay by default).
     pub is_norm_or_embedding: bool,
+    /// The whole tensor and this rank's box of it.
+    pub placement: Placement,
 }
 
 impl ParamSpec {
@@ -99,6 +105,8 @@ pub struct Llama {
     head: Option<usize>,
     /// dtype of the matmuls (`training.dtype`).
     compute: DType,
+    /// The tensor-parallel ranks this model's matrices are cut over (one rank: none).
+    tp: Group,
 }
 
 /// The burn dtype of a config precision.
@@ -109,32 +117,55 @@ pub fn dtype_of(p: Precision) -> DType {
     }
 }
 
-/// The parameter list as [`Llama::new`] lays it out; each method returns the new index.
-struct Specs(Vec<ParamSpec>);
+/// The parameter list as [`Llama::new`] lays it out, each parameter cut over `parts`
+/// tensor-parallel ranks as its role says, this rank's box being block `index`; each method
+/// returns the new index.
+struct Specs {
+    specs: Vec<ParamSpec>,
+    parts: usize,
+    index: usize,
+}
 
 impl Specs {
-    /// A norm's weight of `len` ones.
+    /// A norm's weight of `len` ones (whole on every rank).
     fn norm(&mut self, name: String, len: usize) -> usize {
-        self.push(name, vec![len], Init::Ones, true)
+        self.push(name, Placement::whole(&[len]), Init::Ones, true)
     }
 
-    /// A projection's weight, normal with standard deviation `std`.
-    fn weight(&mut self, name: String, shape: Vec<usize>, std: f64) -> usize {
-        self.push(name, shape, Init::Normal(std), false)
+    /// A projection's weight, normal with standard deviation `std`, cut along `dim` (`None`:
+    /// whole on every rank).
+    fn weight(&mut self, name: String, shape: [usize; 2], std: f64, dim: Option<usize>) -> usize {
+        self.push(name, self.place(&shape, dim), Init::Normal(std), false)
+    }
+
+    /// The placement of a tensor of `shape` cut along `dim`.
+    fn place(&self, shape: &[usize], dim: Option<usize>) -> Placement {
+        match dim {
+            Some(dim) => Placement::cut(shape, dim, Dim::Tp, self.parts, self.index),
+            None => Placement::whole(shape),
+        }
     }
 
     /// Any parameter; `norm_or_emb`: a norm's weight or the embedding (excluded from weight
     /// decay by default).
-    fn push(&mut self, name: String, shape: Vec<usize>, init: Init, norm_or_emb: bool) -> usize {
-        self.0.push(ParamSpec {
+    fn push(&mut self, name: String, placement: Placement, init: Init, norm_or_emb: bool) -> usize {
+        self.specs.push(ParamSpec {
             name,
-            shape,
+            shape: placement.local_shape(),
             init,
             is_norm_or_embedding: norm_or_emb,
+            placement,
         });
-        self.0.len() - 1
+        self.specs.len() - 1
     }
 }
+
+/// The tensor dims a block's matrices are cut along (stored `[in, out]`): the projections
+/// into the heads and the MLP by their outputs (column-parallel), those back to the residual
+/// stream by their inputs (row-parallel); K and V by their heads when the ranks divide them,
+/// else whole on every rank.
+const COLUMNS: Option<usize> = Some(1);
+const ROWS: Option<usize> = Some(0);
 
 impl BlockParams {
     /// Lays out decoder block `l`'s parameters, in Hugging Face's names and order.
@@ -143,6 +174,7 @@ impl BlockParams {
         let (d, f, std) = (cfg.d_model, cfg.ffn_hidden, cfg.init_std);
         let hd = d / cfg.n_heads;
         let kv = cfg.n_kv_heads * hd;
+        let kv_cut = cfg.n_kv_heads.is_multiple_of(specs.parts).then_some(1);
         // The projections that write the residual stream, scaled down with depth if asked.
         let out_std = if cfg.scale_residual_init {
             std / (2.0 * cfg.n_layers as f64).sqrt()
@@ -150,10 +182,10 @@ impl BlockParams {
             std
         };
         let attn_norm = specs.norm(p("input_layernorm.weight"), d);
-        let wq = specs.weight(p("self_attn.q_proj.weight"), vec![d, d], std);
-        let wk = specs.weight(p("self_attn.k_proj.weight"), vec![d, kv], std);
-        let wv = specs.weight(p("self_attn.v_proj.weight"), vec![d, kv], std);
-        let wo = specs.weight(p("self_attn.o_proj.weight"), vec![d, d], out_std);
+        let wq = specs.weight(p("self_attn.q_proj.weight"), [d, d], std, COLUMNS);
+        let wk = specs.weight(p("self_attn.k_proj.weight"), [d, kv], std, kv_cut);
+        let wv = specs.weight(p("self_attn.v_proj.weight"), [d, kv], std, kv_cut);
+        let wo = specs.weight(p("self_attn.o_proj.weight"), [d, d], out_std, ROWS);
         let (q_norm, k_norm) = match cfg.qk_norm {
             true => (
                 Some(specs.norm(p("self_attn.q_norm.weight"), hd)),
@@ -170,9 +202,9 @@ impl BlockParams {
             q_norm,
             k_norm,
             mlp_norm: specs.norm(p("post_attention_layernorm.weight"), d),
-            w_gate: specs.weight(p("mlp.gate_proj.weight"), vec![d, f], std),
-            w_up: specs.weight(p("mlp.up_proj.weight"), vec![d, f], std),
-            w_down: specs.weight(p("mlp.down_proj.weight"), vec![f, d], out_std),
+            w_gate: specs.weight(p("mlp.gate_proj.weight"), [d, f], std, COLUMNS),
+            w_up: specs.weight(p("mlp.up_proj.weight"), [d, f], std, COLUMNS),
+            w_down: specs.weight(p("mlp.down_proj.weight"), [f, d], out_std, ROWS),
         }
     }
 }
@@ -180,11 +212,36 @@ impl BlockParams {
 impl Llama {
     /// Lays out the parameters of a model of this shape and vocabulary.
     pub fn new(cfg: &ModelConfig, vocab: usize) -> Self {
-        let mut specs = Specs(Vec::new());
+        Self::lay_out(cfg, vocab, Group::solo())
+    }
+
+    /// The parameters of a model of this shape and vocabulary, cut over the ranks of `tp`
+    /// (tensor parallelism, Megatron's layout: see [`COLUMNS`]; the embedding and the output
+    /// head by the vocabulary, the norms whole on every rank). The config's rules say which
+    /// shapes `tp` may cut ([`crate::config::Config::validate`]); the vocabulary is checked
+    /// here.
+    pub fn tensor_parallel(cfg: &ModelConfig, vocab: usize, tp: Group) -> Result<Self, String> {
+        if !vocab.is_multiple_of(tp.size()) {
+            return Err(format!(
+                "parallelism.tp = {} does not divide the vocabulary of {vocab} tokens (the embedding and the output head are cut by it); set model.vocab_size to a multiple of {} at least {vocab}",
+                tp.size(),
+                tp.size()
+            ));
+        }
+        Ok(Self::lay_out(cfg, vocab, tp))
+    }
+
+    fn lay_out(cfg: &ModelConfig, vocab: usize, tp: Group) -> Self {
+        let mut specs = Specs {
+            specs: Vec::new(),
+            parts: tp.size(),
+            index: tp.rank(),
+        };
         let (d, std) = (cfg.d_model, cfg.init_std);
+        let place = specs.place(&[vocab, d], ROWS);
         let embed = specs.push(
             "model.embed_tokens.weight".into(),
-            vec![vocab, d],
+            place,
             Init::Normal(std),
             true,
         );
@@ -193,16 +250,17 @@ impl Llama {
             .collect();
         let final_norm = specs.norm("model.norm.weight".into(), d);
         let head = (!cfg.tie_embeddings)
-            .then(|| specs.weight("lm_head.weight".into(), vec![d, vocab], std));
+            .then(|| specs.weight("lm_head.weight".into(), [d, vocab], std, COLUMNS));
         Self {
             cfg: cfg.clone(),
             vocab,
-            specs: specs.0,
+            specs: specs.specs,
             embed,
             blocks,
             final_norm,
             head,
             compute: DType::F32,
+            tp,
         }
     }
 
@@ -242,7 +300,37 @@ impl Llama {
 
     /// Parameter `i` (a norm weight) in f32.
     fn weight_f32(&self, p: &[Tensor<1>], i: usize) -> Tensor<1> {
-        p[i].clone().cast(FloatDType::F32)
+        self.param(p, i).cast(FloatDType::F32)
+    }
+
+    /// Parameter `i` as the forward pass uses it. Under tensor parallelism a parameter every
+    /// rank holds whole (a norm's weight; K and V when the ranks do not divide their heads)
+    /// is used by each rank on its share only (its sequences, its heads), so it enters
+    /// through copy-to: its gradient is the sum of the ranks' shares, on every rank.
+    fn param(&self, p: &[Tensor<1>], i: usize) -> Tensor<1> {
+        match self.specs[i].placement.is_whole() {
+            true => autograd::exchange(p[i].clone(), Flow::CopyTo, &self.tp),
+            false => p[i].clone(),
+        }
+    }
+
+    /// The tensor-parallel ranks' sequences gathered, in rank order: sequence parallelism
+    /// keeps this rank's sequences of the micro-batch in the residual stream (the norms and
+    /// the residual adds computed once), and the layers that cut the matrices take every
+    /// rank's. The identity on one rank.
+    fn enter(&self, h: Tensor<3>) -> Tensor<3> {
+        autograd::exchange(h, Flow::GatherRows, &self.tp)
+    }
+
+    /// The ranks' partial results (a row-parallel product, the embedding of a vocabulary
+    /// share) summed, each rank keeping its sequences. The identity on one rank.
+    fn leave(&self, y: Tensor<3>) -> Tensor<3> {
+        autograd::exchange(y, Flow::ScatterRows, &self.tp)
+    }
+
+    /// The tensor-parallel ranks this model is cut over.
+    pub fn tensor_ranks(&self) -> &Group {
+        &self.tp
     }
 
     /// The parameters' names, shapes and roles, in a fixed order.
@@ -262,7 +350,9 @@ impl Llama {
 
     /// Total number of parameters.
     pub fn num_params(&self) -> usize {
-        self.specs.iter().map(ParamSpec::numel).sum()
+        (self.specs.iter())
+            .map(|s| s.placement.global.iter().product::<usize>())
+            .sum()
     }
 
     /// Training FLOPs per token (6N for the matmuls plus attention's 12*L*d*T), as in
@@ -316,7 +406,9 @@ impl Llama {
         self.specs
             .iter()
             .map(|s| {
-                let n = s.numel();
+                // The whole tensor is drawn, so that every cut of the model (tensor
+                // parallelism) starts from the same values as one rank; this rank keeps its box.
+                let n = s.placement.global.iter().product();
                 let values: Vec<f32> = match s.init {
                     Init::Ones => vec![1.0; n],
                     Init::Normal(std) => {
@@ -327,6 +419,8 @@ impl Llama {
                         }
                     }
                 };
+                let values = s.placement.take(&values);
+                let n = values.len();
                 Tensor::from_data(TensorData::new(values, [n]), device)
             })
             .collect()
@@ -340,10 +434,17 @@ impl Llama {
     /// The last stage without the loss: next-token logits `[batch, seq, vocab]` of the
     /// residual stream `x` `[batch, seq, d_model]` (final norm, output head).
     pub fn head_logits(&self, p: &[Tensor<1>], x: Tensor<3>) -> Tensor<3> {
-        let [b, t, d] = x.dims();
         let h = rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps);
-        self.mm(h.reshape([b * t, d]), self.head_matrix(p))
-            .reshape([b, t, self.vocab])
+        let h = self.enter(h);
+        let [b, t, d] = h.dims();
+        let logits = self.mm(h.reshape([b * t, d]), self.head_matrix(p));
+        // Each tensor-parallel rank has its share of the vocabulary: gathered (as rows of
+        // the transpose) into the whole.
+        let logits = match self.tp.size() {
+            1 => logits,
+            _ => autograd::exchange(logits.transpose(), Flow::GatherRows, &self.tp).transpose(),
+        };
+        logits.reshape([b, t, self.vocab])
     }
 
     /// Mean next-token cross-entropy of `inputs` predicting `targets` (both `[batch, seq]`).
@@ -373,29 +474,46 @@ impl Llama {
     /// The first stage: the embeddings of `tokens` `[batch, seq]`, `[batch, seq, d_model]`
     /// in f32.
     pub fn embed(&self, p: &[Tensor<1>], tokens: Tensor<2, Int>) -> Tensor<3> {
-        embedding(self.mat(p, self.embed), tokens).cast(FloatDType::F32)
+        let w = self.mat(p, self.embed);
+        if self.tp.size() == 1 {
+            return embedding(w, tokens).cast(FloatDType::F32);
+        }
+        // A vocabulary-parallel embedding: this rank's rows of the table embed the tokens
+        // in its share, zeros the others; the ranks' sums are the embeddings.
+        let rows = self.specs[self.embed].placement.boxed[0].clone();
+        let local = tokens.sub_scalar(rows.start as i64);
+        let inside = (local.clone().greater_equal_elem(0))
+            .bool_and(local.clone().lower_elem(rows.len() as i64));
+        let ids = local.clamp(0, rows.len() as i64 - 1);
+        let e = embedding(w, ids).cast(FloatDType::F32);
+        self.leave(e * inside.float().unsqueeze_dim::<3>(2))
     }
 
     /// Block `l` on the residual stream `x` `[batch, seq, d_model]`.
     #[inline(never)]
     pub fn block(&self, p: &[Tensor<1>], l: usize, x: Tensor<3>, rope: &RopeTables) -> Tensor<3> {
-        let [b, t, _] = x.dims();
         let (blk, eps) = (&self.blocks[l], self.cfg.norm_eps);
-        let h = rms_norm(x.clone(), self.weight_f32(p, blk.attn_norm), eps);
-        let x = x + self.attention(p, blk, h, rope, b, t);
-        let h = rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps);
+        let h = self.enter(rms_norm(x.clone(), self.weight_f32(p, blk.attn_norm), eps));
+        let [b, t, _] = h.dims();
+        let x = x + self.leave(self.attention(p, blk, h, rope, b, t));
+        let h = self.enter(rms_norm(x.clone(), self.weight_f32(p, blk.mlp_norm), eps));
         let gate = self.mm(h.clone(), self.mat(p, blk.w_gate));
         let up = self.mm(h, self.mat(p, blk.w_up));
-        x + self.mm(kernels::swiglu::swiglu(gate, up), self.mat(p, blk.w_down))
+        let down = self.mm(kernels::swiglu::swiglu(gate, up), self.mat(p, blk.w_down));
+        x + self.leave(down)
     }
 
     /// The last stage: the mean next-token cross-entropy of the residual stream `x`
     /// `[batch, seq, d_model]` predicting `targets` `[batch, seq]` (final norm, output head).
     pub fn head_loss(&self, p: &[Tensor<1>], x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let [b, t, d] = x.dims();
-        let n = b * t;
         let h = rms_norm(x, self.weight_f32(p, self.final_norm), self.cfg.norm_eps);
+        let h = self.enter(h);
+        let [b, t, d] = h.dims();
+        let n = b * t;
         let h = h.reshape([n, d]);
+        if self.tp.size() > 1 {
+            return self.vocab_parallel_loss(p, h, targets.reshape([n]));
+        }
         if self.compute == DType::F32 {
             // The fused output head + cross-entropy (the logits are never materialised
             // whole); it falls back to the composed ops where no kernel covers it.
@@ -417,9 +535,44 @@ impl Llama {
         logp.gather(1, targets.reshape([n, 1])).mean().neg()
     }
 
+    /// The mean cross-entropy of the logits `h @ head` (`h` `[n, d]`) against `targets` `[n]`
+    /// when each tensor-parallel rank holds a share of the vocabulary (loss parallelism): the
+    /// logits stay cut, and the softmax's maximum, its sum and the target's logit are reduced
+    /// over the ranks, so every rank gets the whole loss and the gradient of its share.
+    fn vocab_parallel_loss(
+        &self,
+        p: &[Tensor<1>],
+        h: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> Tensor<1> {
+        let [n, _] = h.dims();
+        let logits = self.mm(h, self.head_matrix(p));
+        let [_, share] = logits.dims();
+        // Subtracted for stability only: a constant to the gradient.
+        let max = autograd::max(logits.clone().max_dim(1), &self.tp);
+        let z = logits - max;
+        let sum = autograd::exchange(z.clone().exp().sum_dim(1), Flow::ReduceFrom, &self.tp);
+        let rows = self.head_columns();
+        let local = targets.sub_scalar(rows.start as i64);
+        let inside =
+            (local.clone().greater_equal_elem(0)).bool_and(local.clone().lower_elem(share as i64));
+        let ids = local.clamp(0, share as i64 - 1).reshape([n, 1]);
+        let picked = z.gather(1, ids) * inside.float().reshape([n, 1]);
+        let picked = autograd::exchange(picked, Flow::ReduceFrom, &self.tp);
+        (sum.log() - picked).mean()
+    }
+
+    /// The vocabulary entries of this rank's share of the output head's columns.
+    fn head_columns(&self) -> std::ops::Range<usize> {
+        match self.head {
+            Some(i) => self.specs[i].placement.boxed[1].clone(),
+            None => self.specs[self.embed].placement.boxed[0].clone(),
+        }
+    }
+
     fn mat(&self, p: &[Tensor<1>], i: usize) -> Tensor<2> {
         let s = &self.specs[i].shape;
-        p[i].clone().reshape([s[0], s[1]])
+        self.param(p, i).reshape([s[0], s[1]])
     }
 
     fn head_matrix(&self, p: &[Tensor<1>]) -> Tensor<2> {
@@ -427,6 +580,19 @@ impl Llama {
             Some(i) => self.mat(p, i),
             None => self.mat(p, self.embed).transpose(),
         }
+    }
+
+    /// The query heads and the K/V heads this rank computes: all of them on one rank, else
+    /// its block of the query heads and the K/V heads they share (Hugging Face's grouping:
+    /// query head `h` uses K/V head `h / (n_heads / n_kv_heads)`).
+    pub fn local_heads(&self) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (nh, nkv) = (self.cfg.n_heads, self.cfg.n_kv_heads);
+        let (parts, r) = (self.tp.size(), self.tp.rank());
+        let per = nh / parts;
+        let groups = nh / nkv;
+        let heads = r * per..(r + 1) * per;
+        let kv = heads.start / groups..heads.end.div_ceil(groups);
+        (heads, kv)
     }
 
     /// Causal grouped-query attention. K/V are never repeated: the `groups` query heads that
@@ -444,23 +610,31 @@ impl Llama {
         t: usize,
     ) -> Tensor<3> {
         let cfg = &self.cfg;
-        let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
-        let hd = cfg.d_model / nh;
+        let (heads, kv) = self.local_heads();
+        let (nh, hd) = (heads.len(), cfg.d_model / cfg.n_heads);
+        let nkv = kv.len();
         let groups = nh / nkv;
         let qkv = self.qkv_dtype(&h.device());
         let q = self
             .mm_to(h.clone(), self.mat(p, blk.wq), qkv)
             .reshape([b, t, nh, hd]);
-        let k = self
-            .mm_to(h.clone(), self.mat(p, blk.wk), qkv)
-            .reshape([b, t, nkv, hd]);
+        // This rank's K/V heads: its columns of K and V, or, where every rank holds them
+        // whole, the ones its query heads share.
+        let kv_of = |w: usize| {
+            let y = self.mm_to(h.clone(), self.mat(p, w), qkv);
+            match self.specs[w].placement.is_whole() && self.tp.size() > 1 {
+                true => y.slice([0..b, 0..t, kv.start * hd..kv.end * hd]),
+                false => y,
+            }
+        };
+        let k = kv_of(blk.wk).reshape([b, t, nkv, hd]);
         // V stays in the projection's [b, t, kv * hd] layout: the attention kernel reads it
         // (and writes its result as [b, t, heads * hd]) through strided views, no copies.
-        let v = self.mm_to(h, self.mat(p, blk.wv), qkv);
+        let v = kv_of(blk.wv);
         let (q, k) = match (blk.q_norm, blk.k_norm) {
             (Some(qn), Some(kn)) => (
-                rms_norm(q, p[qn].clone().cast(qkv), cfg.norm_eps),
-                rms_norm(k, p[kn].clone().cast(qkv), cfg.norm_eps),
+                rms_norm(q, self.param(p, qn).cast(qkv), cfg.norm_eps),
+                rms_norm(k, self.param(p, kn).cast(qkv), cfg.norm_eps),
             ),
             _ => (q, k),
         };

@@ -356,6 +356,17 @@ impl Session {
                 .get(name.as_str())
                 .ok_or_else(|| mismatch(format!("tensor {name} is missing")))?;
             let range = ranges.map_or(0..s.numel(), |r| r[i].clone().unwrap_or(0..0));
+            // A whole tensor for a parameter this rank holds a box of (tensor parallelism):
+            // the box first.
+            let boxed;
+            let t = match s.placement.is_whole() {
+                false if t.values.len() == s.placement.global.iter().product::<usize>() => {
+                    let values = s.placement.take(&t.values);
+                    boxed = HostTensor::f32(t.name.clone(), s.shape.clone(), values);
+                    &boxed
+                }
+                _ => *t,
+            };
             let values = t
                 .elements(&s.shape, range, ranges.is_some())
                 .ok_or_else(|| {

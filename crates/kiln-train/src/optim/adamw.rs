@@ -225,6 +225,7 @@ mod tests {
             shape: vec![2],
             init: crate::model::Init::Ones,
             is_norm_or_embedding: false,
+            placement: crate::mesh::placement::Placement::whole(&[2]),
         };
         let mut opt = AdamW::new(&cfg, std::slice::from_ref(&spec), &device);
         let mut p = vec![Tensor::<1>::from_floats([1.0, -2.0], &device)];

@@ -21,6 +21,7 @@ pub use muon::{Muon, newton_schulz};
 pub use sophia::SophiaG;
 
 use crate::checkpoint::HostTensor;
+use crate::checkpoint::region::Region;
 use crate::config::{LrSchedulerConfig, OptimizerConfig, OptimizerKind, ScheduleKind};
 use crate::model::ParamSpec;
 use crate::tensor::DeviceTensor;
@@ -320,6 +321,30 @@ impl Optimizer {
                 out.push(DeviceTensor {
                     name,
                     shape,
+                    tensor: t.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// This rank's pieces of the state for a checkpoint written in pieces: the state of
+    /// parameter `i` under the name of `region_of(i)` (`<param>.<slot>@<where>`, see
+    /// [`crate::checkpoint::region`]), left out where that is `None`.
+    pub fn state_pieces(
+        &self,
+        specs: &[ParamSpec],
+        region_of: &dyn Fn(usize) -> Option<Region>,
+    ) -> Vec<DeviceTensor> {
+        let mut out = Vec::new();
+        for (suffix, tensors) in self.slots() {
+            for (i, (spec, t)) in specs.iter().zip(tensors).enumerate() {
+                let (Some(t), Some(region)) = (t, region_of(i)) else {
+                    continue;
+                };
+                out.push(DeviceTensor {
+                    name: region.name(&format!("{}.{suffix}", spec.name)),
+                    shape: vec![region.len()],
                     tensor: t.clone(),
                 });
             }

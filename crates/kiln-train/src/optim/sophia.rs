@@ -140,6 +140,7 @@ mod tests {
             shape: vec![3],
             init: crate::model::Init::Ones,
             is_norm_or_embedding: false,
+            placement: crate::mesh::placement::Placement::whole(&[3]),
         };
         // rho * tokens = 0.01 * 100 = 1.
         let mut opt = SophiaG::new(&cfg, std::slice::from_ref(&spec), &device, 100);

@@ -11,4 +11,5 @@ pub mod nccl;
 pub mod rccl;
 pub mod shard;
 pub mod stagewise;
+pub mod tensor;
 pub mod wire;

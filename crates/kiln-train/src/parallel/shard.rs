@@ -19,7 +19,7 @@
 //! file per rank), written by that rank in parallel ([`ShardPlan::write_shards`]); rank 0
 //! publishes them under one manifest (see [`crate::checkpoint`]).
 
-use crate::checkpoint::{self, HostTensor, ShardFile};
+use crate::checkpoint::HostTensor;
 use crate::config::{Config, Shard};
 use crate::error::TrainError;
 use crate::mesh::{DeviceMesh, Dim, Dims};
@@ -27,13 +27,11 @@ use crate::model::{Llama, ParamSpec, Stage};
 use crate::parallel::collective::{self, DeviceCollective};
 use crate::parallel::stagewise::StageParams;
 use crate::parallel::wire::{InFlight, Ranks};
-use crate::tensor::{DeviceTensor, into_vec, split};
+use crate::tensor::{into_vec, split};
 use burn::tensor::{Device, Tensor};
 use kiln_dist::{Background, Collective, Sharded};
-use kiln_run::layout;
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::path::Path;
 use std::time::Instant;
 
 /// Parameters flattened and cut over the ranks together.
@@ -183,6 +181,7 @@ impl<'m> ShardPlan<'m> {
     /// the `parameters` mode, whose gradients are averaged stage by stage ([`StageShards`]).
     pub fn average(
         &self,
+        model: &Llama,
         loss: f32,
         grads: Vec<Tensor<1>>,
     ) -> Result<(f32, Vec<Tensor<1>>, f32), TrainError> {
@@ -191,16 +190,29 @@ impl<'m> ShardPlan<'m> {
             // The replicated run's all-reduce and norm, bit for bit: every rank has the
             // whole averaged gradients here.
             let (loss, grads) = self.coll.mean(ranks, loss, grads)?;
-            let norm = crate::optim::global_norm(&grads);
+            let norm = crate::parallel::tensor::global_norm(model, &grads);
             return Ok((loss, self.pieces(&grads), norm));
         }
         let flat = self.whole_model();
         let mine = flat.range(self.rank).len();
         let shard = self.coll.reduce_scatter_mean(ranks, flat, grads)?.wait()?;
         let shard = shard.slice(0..mine);
-        let sq = self.coll.square_sum(std::slice::from_ref(&shard));
+        let pieces = self.cut(&self.groups[0], shard.clone());
+        let sq = self.square_sum(model, std::slice::from_ref(&shard), &pieces);
         let (loss, norm) = self.loss_and_norm(loss, sq);
-        Ok((loss, self.cut(&self.groups[0], shard), norm))
+        Ok((loss, pieces, norm))
+    }
+
+    /// The sum of squares this rank counts in the global norm of gradients of which it holds
+    /// `flat` (its ranges, concatenated) cut into `pieces` (one per parameter): over
+    /// `flat`, in one running sum in model order, without tensor parallelism (the bits of
+    /// every run before it); else each element once over the `tp` ranks
+    /// ([`crate::parallel::tensor::counted_square_sum`]).
+    fn square_sum(&self, model: &Llama, flat: &[Tensor<1>], pieces: &[Tensor<1>]) -> f64 {
+        match self.mesh.shape().size(Dim::Tp) {
+            1 => self.coll.square_sum(flat),
+            _ => crate::parallel::tensor::counted_square_sum(model, pieces),
+        }
     }
 
     /// The mean of the data-parallel ranks' losses and the global norm of
@@ -212,6 +224,7 @@ impl<'m> ShardPlan<'m> {
         ranks.dp.all_reduce_sum_f32(&mut l);
         let mut sq = [sq];
         ranks.shard.all_reduce_sum_f64(&mut sq);
+        self.mesh.group(Dim::Tp).all_reduce_sum_f64(&mut sq);
         (l[0] / ranks.dp.size() as f32, sq[0].sqrt() as f32)
     }
 
@@ -244,33 +257,6 @@ impl<'m> ShardPlan<'m> {
             .all_gather(self.ranks(), flat, pieces, lengths, ahead)
     }
 
-    /// Reads the checkpoint `dir` as this rank keeps it: its range of each optimizer tensor
-    /// and, with `parameters`, of each weight; the other weights whole (see
-    /// [`checkpoint::load_kept`]: only those bytes are read, and the tensor files are not
-    /// hashed, which [`checkpoint::verify`] did on rank 0).
-    pub fn read_checkpoint(
-        &self,
-        dir: &Path,
-        specs: &[ParamSpec],
-    ) -> Result<checkpoint::Checkpoint, checkpoint::CheckpointError> {
-        let index: std::collections::HashMap<&str, usize> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.as_str(), i))
-            .collect();
-        let keep = |part: checkpoint::Part, name: &str| {
-            let param = match part {
-                checkpoint::Part::Weights if !self.shards_parameters() => return None,
-                checkpoint::Part::Weights => name,
-                // `<param>.<slot>`
-                checkpoint::Part::Optimizer => name.rsplit_once('.')?.0,
-            };
-            let i = *index.get(param)?;
-            Some(self.ranges[i].clone().unwrap_or(0..0))
-        };
-        checkpoint::load_kept(dir, &keep)
-    }
-
     /// Whether each rank keeps only its pieces of the parameters (`parameters`).
     pub fn shards_parameters(&self) -> bool {
         self.mode == Shard::Parameters
@@ -299,75 +285,6 @@ impl<'m> ShardPlan<'m> {
             }
         }
         Ok(out)
-    }
-
-    /// This rank's pieces of the weights, named `<param>@<first element>` (the empty ones
-    /// left out).
-    fn named_pieces(&self, specs: &[ParamSpec], pieces: &[Tensor<1>]) -> Vec<HostTensor> {
-        specs
-            .iter()
-            .zip(pieces)
-            .zip(&self.ranges)
-            .filter_map(|((spec, t), r)| {
-                let r = r.as_ref()?;
-                let piece = DeviceTensor {
-                    name: format!("{}@{}", spec.name, r.start),
-                    shape: vec![r.len()],
-                    tensor: t.clone(),
-                };
-                Some(piece.to_host())
-            })
-            .collect()
-    }
-
-    /// Writes this rank's shards for the checkpoint of `step` into its staging directory
-    /// under `root` (its optimizer pieces `state`; with `parameters` also its weight
-    /// `pieces`), and tells every rank of `comm` (the job) every writer's files: on rank 0
-    /// the shards to publish; an error when any writer failed (every rank gets it, so all
-    /// stop). The ranks of the first replica write; the other replicas hold the same shards.
-    pub fn write_shards(
-        &self,
-        comm: &dyn Collective,
-        root: &Path,
-        step: u64,
-        state: &[DeviceTensor],
-        (specs, pieces): (&[ParamSpec], &[Tensor<1>]),
-    ) -> Result<Vec<ShardFile>, TrainError> {
-        let (rank, ranks) = (self.rank, self.shards);
-        let writes = self.mesh.coord(Dim::DpReplicate) == 0;
-        let mut files = Vec::new();
-        if writes {
-            let host: Vec<HostTensor> = state.iter().map(DeviceTensor::to_host).collect();
-            files.push((layout::checkpoint_optimizer_shard(rank, ranks), host));
-        }
-        if writes && self.shards_parameters() {
-            let weights = self.named_pieces(specs, pieces);
-            files.push((layout::checkpoint_model_shard(rank, ranks), weights));
-        }
-        let mine: Result<Vec<ShardFile>, String> = files
-            .into_iter()
-            .map(|(name, t)| checkpoint::write_shard(root, step, name, &t))
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string());
-        let mut all = Vec::with_capacity(self.shards * 2);
-        for r in 0..self.shards {
-            let mut bytes = match (writes && r == self.rank, &mine) {
-                (true, m) => serde_json::to_vec(m).unwrap_or_default(),
-                (false, _) => Vec::new(),
-            };
-            let writer = self
-                .mesh
-                .rank_with(&[(Dim::DpReplicate, 0), (Dim::DpShard, r)]);
-            comm.broadcast_vec(writer, &mut bytes);
-            let got: Result<Vec<ShardFile>, String> = serde_json::from_slice(&bytes)
-                .unwrap_or_else(|e| Err(format!("unreadable shard report of rank {r}: {e}")));
-            all.extend(got.map_err(|e| {
-                TrainError::Parallel(format!(
-                    "rank {r} could not write its shards of step {step}: {e}"
-                ))
-            })?);
-        }
-        Ok(all)
     }
 }
 
@@ -551,12 +468,12 @@ impl<'a> StageShards<'a> {
         let mine: Vec<Tensor<1>> = (plan.groups.iter().zip(grads))
             .map(|(g, t)| t.slice(0..g.flat.range(rank).len()))
             .collect();
-        // One running sum in model order, as over the whole range of the other modes.
-        let sq = plan.coll.square_sum(&mine);
         let mut out = Vec::with_capacity(plan.ranges.len());
-        for (g, t) in plan.groups.iter().zip(mine) {
-            out.extend(plan.cut(g, t));
+        for (g, t) in plan.groups.iter().zip(&mine) {
+            out.extend(plan.cut(g, t.clone()));
         }
+        // One running sum in model order, as over the whole range of the other modes.
+        let sq = plan.square_sum(self.model, &mine, &out);
         Ok((out, sq))
     }
 }

@@ -18,7 +18,7 @@ use super::pass::{Labels, LocalPass, MicroBatches};
 use crate::config::ParallelismConfig;
 use crate::error::TrainError;
 use crate::model::session::Session;
-use crate::optim::{self, Optimizer};
+use crate::optim::Optimizer;
 use crate::parallel::collective::{self, DeviceCollective};
 use crate::parallel::shard::{ShardPlan, StageShards};
 use crate::parallel::stagewise;
@@ -146,7 +146,7 @@ impl Exchange for Replicated<'_> {
     ) -> Result<Reduced, TrainError> {
         let (loss, grads) = pass.accumulate(session, batches)?;
         let (loss, grads, comm_s) = self.average(loss, grads)?;
-        let norm = optim::global_norm(&grads);
+        let norm = crate::parallel::tensor::global_norm(&session.model, &grads);
         Ok(Reduced {
             loss,
             grads,
@@ -186,7 +186,7 @@ impl Exchange for ShardedState<'_> {
     ) -> Result<Reduced, TrainError> {
         let (loss, grads) = pass.accumulate(session, batches)?;
         let t0 = Instant::now();
-        let (loss, grads, norm) = self.plan.average(loss, grads)?;
+        let (loss, grads, norm) = self.plan.average(&session.model, loss, grads)?;
         Ok(Reduced {
             loss,
             grads,

@@ -101,6 +101,7 @@ impl<'c> Step<'c> {
         layout: BatchLayout,
         mesh: &'c DeviceMesh,
     ) -> Result<(Self, Optimizer), TrainError> {
+        crate::parallel::tensor::apply(session, mesh)?;
         let step = Self::new(cfg, session, layout, mesh)?;
         if let Some(plan) = step.parameter_shards() {
             // Copied out: a slice may be a view that keeps the whole tensor alive.

@@ -110,14 +110,16 @@ impl LocalPass {
         }
         let per = rows.len().div_ceil(threads);
         let n = rows.len() as f64;
-        let results: Vec<(f32, Vec<Tensor<1>>)> = rows
-            .par_chunks(per)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let s = scale * chunk.len() as f64 / n;
-                piece_loss_and_grads(session, chunk, seq, s, labels, (i, recompute))
-            })
-            .collect();
+        let piece = |(i, chunk): (usize, &[Vec<u32>])| {
+            let s = scale * chunk.len() as f64 / n;
+            piece_loss_and_grads(session, chunk, seq, s, labels, (i, recompute))
+        };
+        let results: Vec<(f32, Vec<Tensor<1>>)> = match session.model.tensor_ranks().size() {
+            // Tensor parallelism: the same pieces one after the other, whose collectives on
+            // the model's one communicator must not interleave.
+            1 => rows.par_chunks(per).enumerate().map(piece).collect(),
+            _ => rows.chunks(per).enumerate().map(piece).collect(),
+        };
         let mut iter = results.into_iter();
         let (mut loss, mut grads) = iter.next().unwrap_or_default();
         for (l, g) in iter {

@@ -29,10 +29,10 @@ use crate::config::Config;
 use crate::error::TrainError;
 use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::optim;
-use crate::parallel::shard::ShardPlan;
 use crate::parallel::stagewise;
 use crate::state::RunState;
 use crate::step::{At, Step};
+use burn::tensor::{Int, Tensor};
 use kiln_dist::Collective;
 use kiln_run::{event, exit};
 use serde_json::json;
@@ -136,6 +136,25 @@ pub fn train(opts: &TrainOptions, observer: &mut dyn Observer) -> Result<TrainRe
     })
 }
 
+/// `logits` of the rows of `x` `[batch, seq]` with the last row repeated until `tp` divides
+/// them (a tensor-parallel model keeps each rank's share of the rows), and only the given
+/// rows' logits kept.
+fn padded(
+    tp: usize,
+    x: Tensor<2, Int>,
+    logits: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
+) -> Tensor<3> {
+    let [b, t] = x.dims();
+    let pad = (tp - b % tp) % tp;
+    if pad == 0 || b == 0 {
+        return logits(x);
+    }
+    let last = x.clone().slice([b - 1..b, 0..t]).repeat_dim(0, pad);
+    let y = logits(Tensor::cat(vec![x, last], 0));
+    let [_, _, v] = y.dims();
+    y.slice([0..b, 0..t, 0..v])
+}
+
 /// Ends every rank with `e`'s exit code (MPI_Abort), so no rank waits in a collective.
 fn abort_all(comm: &dyn Collective, e: &TrainError) {
     if comm.size() > 1 {
@@ -207,6 +226,7 @@ impl<'a> Trainer<'a> {
     fn train_step(&mut self) -> Result<Option<StepMetrics>, TrainError> {
         let t0 = Instant::now();
         self.beacon(event::beacon_phase::TRAIN);
+        let pieces_over = self.pieces_over(false);
         let (cfg, run) = (&self.cfg, &mut self.run);
         let lr = optim::lr_at(
             &cfg.lr_scheduler,
@@ -226,7 +246,7 @@ impl<'a> Trainer<'a> {
             loss,
             norm: grad_norm,
             grads: &g.grads,
-            pieces_over: self.step.shard().map(ShardPlan::shard_group),
+            pieces_over,
         };
         let saved_at = self.checkpoints.saved_at();
         if let Verdict::Discard = self
@@ -273,7 +293,8 @@ impl<'a> Trainer<'a> {
         let layout = *self.step.layout();
         let tokens = layout.global_batch() * layout.seq as u64;
         let tps = tokens as f64 / dt.max(1e-9);
-        let peak = self.facts.peak_flops * layout.world as f64;
+        // Every rank's device, the tensor-parallel ones too.
+        let peak = self.facts.peak_flops * self.comm.size() as f64;
         StepMetrics {
             step: self.run.state.step,
             total_steps: self.facts.total,
@@ -300,7 +321,7 @@ impl<'a> Trainer<'a> {
         let step = self.run.state.step;
         let logged = self.facts.log_every.due_or_last(step, self.facts.total);
         self.journal.step(m, logged)?;
-        let pieces_over = self.step.parameter_shards().map(ShardPlan::shard_group);
+        let pieces_over = self.pieces_over(true);
         self.guards
             .after_step(&self.run, pieces_over, &mut self.journal)?;
         if self.replicas.due(step) {
@@ -310,6 +331,22 @@ impl<'a> Trainer<'a> {
             self.evaluate()?;
         }
         Ok(())
+    }
+
+    /// The ranks whose pieces of the gradients (`parameters`: of the parameters) make them
+    /// whole, whose verdicts the guards combine: those a sharded state is cut over, by those
+    /// tensor parallelism cuts the matrices over (`None`: this rank holds them whole).
+    fn pieces_over(&self, parameters: bool) -> Option<&'a dyn Collective> {
+        let sharded = match parameters {
+            true => self.step.parameter_shards().is_some(),
+            false => self.step.shard().is_some(),
+        };
+        let dims = match sharded {
+            true => Dims::PIECES,
+            false => Dims::one(Dim::Tp),
+        };
+        let mesh: &'a DeviceMesh = self.mesh;
+        (mesh.shape().group_size(dims) > 1).then(|| mesh.group(dims))
     }
 
     /// Compares a checksum of the parameters of the ranks that hold the same ones (every
@@ -340,13 +377,14 @@ impl<'a> Trainer<'a> {
     }
 
     /// Held-out eval on the writer rank (the others go on to the next step's all-reduce and
-    /// wait there); with parameters sharded, on every rank, which gather each stage's
-    /// weights together (the observer's extra scores, which need the whole model, are left
-    /// out).
+    /// wait there); with parameters sharded or matrices cut (tensor parallelism), on every
+    /// rank, which compute each batch together (the observer's extra scores, which need the
+    /// whole model on one rank, are left out).
     fn evaluate(&mut self) -> Result<(), TrainError> {
         let session = &self.run.session;
         let staged = self.step.stage_shards(session);
-        if !self.journal.is_writer() && staged.is_none() {
+        let tp = self.mesh.shape().size(Dim::Tp);
+        if !self.journal.is_writer() && staged.is_none() && tp == 1 {
             return Ok(());
         }
         let Some(syn) = self.run.data.synthetic.as_ref() else {
@@ -356,11 +394,16 @@ impl<'a> Trainer<'a> {
         let step = self.run.state.step;
         let e = match staged {
             Some(mut s) => {
-                let logits = &mut |x| stagewise::logits(&session.model, &mut s, x);
+                let logits =
+                    &mut |x| padded(tp, x, |x| stagewise::logits(&session.model, &mut s, x));
                 let e = self.eval.run_with(session, syn, step, logits);
                 // A collective that failed during the eval is the step's error.
                 s.check()?;
                 e
+            }
+            None if tp > 1 => {
+                let logits = &mut |x| padded(tp, x, |x| session.model.forward(&session.params, x));
+                self.eval.run_with(session, syn, step, logits)
             }
             None => {
                 let mut e = self.eval.run(session, syn, step);
@@ -441,18 +484,33 @@ impl<'a> Trainer<'a> {
         Ok(self.report(Outcome::Completed))
     }
 
-    /// `model.safetensors` in the run directory (writer rank); with parameters sharded,
-    /// every rank takes part in gathering the whole weights.
+    /// `model.safetensors` in the run directory (writer rank); with parameters sharded or
+    /// matrices cut (tensor parallelism), every rank takes part in gathering the whole
+    /// weights.
     fn write_final_model(&mut self) -> Result<(), TrainError> {
         let session = &self.run.session;
         let (specs, params) = (session.model.specs(), &session.params);
-        let whole = (self.step.parameter_shards())
+        let gathered = (self.step.parameter_shards())
             .map(|plan| plan.whole_host(specs, params))
             .transpose()?;
+        let tp = self.mesh.shape().size(Dim::Tp);
+        if gathered.is_none() && tp == 1 && !self.journal.is_writer() {
+            return Ok(());
+        }
+        let host = match (gathered, tp) {
+            (Some(h), 1) => h,
+            (None, 1) => session.host_params(),
+            (h, _) => {
+                let local = match h {
+                    Some(h) => h.into_iter().map(|t| t.values).collect(),
+                    None => params.iter().map(crate::tensor::to_vec).collect(),
+                };
+                crate::parallel::tensor::whole(&session.model, local)
+            }
+        };
         let Some(run) = self.journal.run_dir() else {
             return Ok(());
         };
-        let host = whole.unwrap_or_else(|| session.host_params());
         let bytes = crate::checkpoint::to_safetensors(&host).map_err(|e| TrainError::Io {
             path: run.path().join(kiln_run::layout::FINAL_MODEL),
             source: std::io::Error::other(e.to_string()),

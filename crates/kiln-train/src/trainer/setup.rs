@@ -106,7 +106,7 @@ impl<'a> Trainer<'a> {
         };
         let (seed, world) = (cfg.training.seed, layout.world as u64);
         let mut t = Self {
-            checkpoints: Checkpoints::new(&cfg, &opts.run_dir, id, comm, found),
+            checkpoints: Checkpoints::new(&cfg, &opts.run_dir, id, mesh, found),
             step,
             guards: GuardRail::new(&cfg.guards),
             startup,
@@ -180,6 +180,7 @@ impl<'a> Trainer<'a> {
             "engine": self.comm.describe(), "run_id": self.run.state.run_id,
             "shard": self.cfg.parallelism.shard.name(),
             "shard_ranks": self.step.shard().map_or(1, ShardPlan::shards),
+            "tp": self.mesh.shape().size(crate::mesh::Dim::Tp),
             "prefetch": self.step.shard().is_some_and(ShardPlan::prefetches),
             "collectives": self.step.collectives(),
         });
