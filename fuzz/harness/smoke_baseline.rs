@@ -33,7 +33,7 @@ pub fn run(data: &[u8]) {
         }
     }
     assert_eq!(
-        smoke::compare(&base, &base, true, 0.25),
+        smoke::compare(&base, &base, smoke::Setup::Same, 0.25),
         Verdict::Identical,
         "{base:?}"
     );
@@ -44,8 +44,8 @@ pub fn run(data: &[u8]) {
         r.loss_bits = "0x3f800000".into();
     }
     for (a, b) in [(&base, &other), (&other, &base)] {
-        for check in [true, false] {
-            let v = smoke::compare(a, b, check, 0.25);
+        for setup in [smoke::Setup::Same, smoke::Setup::Layout, smoke::Setup::Any] {
+            let v = smoke::compare(a, b, setup, 0.25);
             let text = smoke::report(&v, a, b, Path::new("b.json"));
             assert!(text.starts_with("smoke: "), "{text}");
         }

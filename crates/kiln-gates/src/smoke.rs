@@ -373,16 +373,34 @@ pub fn check_mem_tolerance(mem_tolerance: f64) -> Result<(), GatesError> {
     }
 }
 
+/// Which differences between a run's setup and its baseline's a comparison accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setup {
+    /// None: the same config and rank count (the default).
+    Same,
+    /// The layout's (`parallelism.*` keys and the rank count): the same training on other
+    /// ranks, compared within the baseline's tolerance, which must not be 0.
+    Layout,
+    /// Any (`--ignore-config`).
+    Any,
+}
+
 /// The report that refuses a run of `config` (its TOML) on `ranks` ranks against `baseline`
-/// (read from `path`) before it starts, when their configs or rank counts differ; `None`
-/// when they agree.
-pub fn refuse_config(baseline: &SmokeRun, config: &str, ranks: u64, path: &Path) -> Option<String> {
+/// (read from `path`) before it starts, when their setups differ beyond what `setup`
+/// accepts; `None` when they agree.
+pub fn refuse_config(
+    baseline: &SmokeRun,
+    config: &str,
+    ranks: u64,
+    path: &Path,
+    setup: Setup,
+) -> Option<String> {
     let planned = SmokeRun {
         config: config.to_string(),
         ranks,
         ..baseline.clone()
     };
-    let diffs = setup_differences(baseline, &planned);
+    let diffs = setup_differences(baseline, &planned, setup);
     if diffs.is_empty() {
         return None;
     }
@@ -394,30 +412,44 @@ pub fn refuse_config(baseline: &SmokeRun, config: &str, ranks: u64, path: &Path)
     ))
 }
 
-/// How the setups of two runs differ: their configs' keys, and the number of ranks
-/// (`ranks`), whose average sums in another order.
-fn setup_differences(baseline: &SmokeRun, run: &SmokeRun) -> Vec<(String, String, String)> {
-    let mut diffs = config_differences(&baseline.config, &run.config);
-    if baseline.ranks != run.ranks {
+/// How the setups of two runs differ beyond what `setup` accepts: their configs' keys, and
+/// the number of ranks (`ranks`), whose average sums in another order. A layout comparison
+/// against a baseline that compares bits is itself a difference: another layout sums in
+/// another order.
+fn setup_differences(
+    baseline: &SmokeRun,
+    run: &SmokeRun,
+    setup: Setup,
+) -> Vec<(String, String, String)> {
+    let mut diffs = match setup {
+        Setup::Any => return Vec::new(),
+        Setup::Same => config_differences(&baseline.config, &run.config),
+        Setup::Layout => config_differences(&baseline.config, &run.config)
+            .into_iter()
+            .filter(|(key, _, _)| !key.starts_with("parallelism."))
+            .collect(),
+    };
+    if setup == Setup::Same && baseline.ranks != run.ranks {
         let (b, r) = (baseline.ranks.to_string(), run.ranks.to_string());
         diffs.push(("ranks (data-parallel)".to_string(), b, r));
+    }
+    if setup == Setup::Layout && baseline.tolerance == 0.0 {
+        diffs.push((
+            "tolerance (a layout comparison needs a baseline blessed with --tolerance)".into(),
+            "0 (bits)".into(),
+            "> 0".into(),
+        ));
     }
     diffs
 }
 
-/// Compares `run` with `baseline`. `check_config`: refuse differing configs or rank counts.
-/// `mem_tolerance`: allowed relative growth of peak memory (0.25 = 25 %; negative disables).
-pub fn compare(
-    baseline: &SmokeRun,
-    run: &SmokeRun,
-    check_config: bool,
-    mem_tolerance: f64,
-) -> Verdict {
-    if check_config {
-        let differences = setup_differences(baseline, run);
-        if !differences.is_empty() {
-            return Verdict::ConfigMismatch(differences);
-        }
+/// Compares `run` with `baseline`; `setup`: which differences of config and rank count are
+/// accepted. `mem_tolerance`: allowed relative growth of peak memory (0.25 = 25 %; negative
+/// disables).
+pub fn compare(baseline: &SmokeRun, run: &SmokeRun, setup: Setup, mem_tolerance: f64) -> Verdict {
+    let differences = setup_differences(baseline, run, setup);
+    if !differences.is_empty() {
+        return Verdict::ConfigMismatch(differences);
     }
     let mut first = None;
     let mut differing = 0usize;
@@ -450,7 +482,9 @@ pub fn compare(
             run: run.records.len(),
         };
     }
-    if mem_tolerance >= 0.0 && run.peak_rss_mib > baseline.peak_rss_mib * (1.0 + mem_tolerance) {
+    // Another layout holds another share of the model: its memory is not the baseline's.
+    let mem_checked = mem_tolerance >= 0.0 && setup != Setup::Layout;
+    if mem_checked && run.peak_rss_mib > baseline.peak_rss_mib * (1.0 + mem_tolerance) {
         return Verdict::MemoryGrew {
             baseline: baseline.peak_rss_mib,
             run: run.peak_rss_mib,
@@ -617,19 +651,20 @@ mod tests {
             ranks: 2,
             ..one.clone()
         };
-        let Verdict::ConfigMismatch(diffs) = compare(&one, &two, true, 0.25) else {
+        let Verdict::ConfigMismatch(diffs) = compare(&one, &two, Setup::Same, 0.25) else {
             panic!("not refused");
         };
         assert_eq!(
             diffs,
             [("ranks (data-parallel)".into(), "1".into(), "2".into())]
         );
-        let refusal = refuse_config(&one, &one.config, 3, Path::new("b.json")).unwrap();
+        let refusal =
+            refuse_config(&one, &one.config, 3, Path::new("b.json"), Setup::Same).unwrap();
         assert!(
             refusal.contains("ranks (data-parallel): baseline 1, this run 3"),
             "{refusal}"
         );
-        assert!(refuse_config(&one, &one.config, 1, Path::new("b.json")).is_none());
+        assert!(refuse_config(&one, &one.config, 1, Path::new("b.json"), Setup::Same).is_none());
         // A baseline written before the field existed was made on one rank.
         let mut old = serde_json::to_value(&one).unwrap();
         old.as_object_mut().unwrap().remove("ranks");
@@ -641,25 +676,28 @@ mod tests {
     fn first_difference_is_reported_with_ulps() {
         let a = fake(&[(2.0, 1.0), (1.5, 0.5)]);
         let b = fake(&[(2.0, 1.0), (f32::from_bits(1.5f32.to_bits() + 2), 0.5)]);
-        assert_eq!(compare(&a, &a, true, 0.25), Verdict::Identical);
-        let v = compare(&a, &b, true, 0.25);
+        assert_eq!(compare(&a, &a, Setup::Same, 0.25), Verdict::Identical);
+        let v = compare(&a, &b, Setup::Same, 0.25);
         let text = report(&v, &a, &b, Path::new("base.json"));
         assert!(text.contains("first differing step: 2 (loss)"), "{text}");
         assert!(text.contains("2 ULPs"), "{text}");
         let mut c = a.clone();
         c.peak_rss_mib = 200.0;
         assert!(matches!(
-            compare(&a, &c, true, 0.25),
+            compare(&a, &c, Setup::Same, 0.25),
             Verdict::MemoryGrew { .. }
         ));
         // With a tolerance, a difference within it passes and one beyond it fails.
         let mut tolerant = a.clone();
         tolerant.tolerance = 1e-6;
-        assert_eq!(compare(&tolerant, &b, true, 0.25), Verdict::Identical);
+        assert_eq!(
+            compare(&tolerant, &b, Setup::Same, 0.25),
+            Verdict::Identical
+        );
         let text = report(&Verdict::Identical, &tolerant, &b, Path::new("b"));
         assert!(text.contains("within 1e-6 (relative)"), "{text}");
         tolerant.tolerance = 1e-9;
-        let v = compare(&tolerant, &b, true, 0.25);
+        let v = compare(&tolerant, &b, Setup::Same, 0.25);
         assert!(
             matches!(v, Verdict::NumericsDiffer { step: 2, .. }),
             "{v:?}"
@@ -669,7 +707,7 @@ mod tests {
         let nan = fake(&[(2.0, 1.0), (f32::NAN, 0.5)]);
         tolerant.tolerance = 0.5;
         assert!(matches!(
-            compare(&tolerant, &nan, true, 0.25),
+            compare(&tolerant, &nan, Setup::Same, 0.25),
             Verdict::NumericsDiffer { .. }
         ));
         assert!(check_tolerance(0.0).is_ok() && check_tolerance(1e-3).is_ok());
@@ -678,7 +716,7 @@ mod tests {
         }
         let mut d = a.clone();
         d.config = "[training]\nsteps = 3\n".into();
-        let text = report(&compare(&a, &d, true, 0.25), &a, &d, Path::new("b"));
+        let text = report(&compare(&a, &d, Setup::Same, 0.25), &a, &d, Path::new("b"));
         assert!(
             text.contains("training.steps: baseline 2, this run 3"),
             "{text}"

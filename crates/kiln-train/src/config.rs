@@ -724,6 +724,10 @@ pub struct DebugConfig {
     pub corrupt_replica_at_step: u64,
     /// The rank whose parameters `corrupt_replica_at_step` perturbs.
     pub corrupt_replica_rank: usize,
+    /// Report each step's loss divided once more by the data-parallel rank count: the wrong
+    /// reduction of a tensor-parallel run whose reported loss was the true loss over the
+    /// data-parallel world size, injected so that the smoke gate is seen to catch it.
+    pub wrong_loss_reduction: bool,
 }
 
 /// The sequences of each compute shard of a micro-batch of `rows` sequences split over

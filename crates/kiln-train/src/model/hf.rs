@@ -264,12 +264,14 @@ pub fn load_weights(dir: &Path, specs: &[ParamSpec]) -> Result<Vec<HostTensor>, 
     Ok(out)
 }
 
-/// The Hugging Face shape of parameter `s`.
+/// The Hugging Face shape of parameter `s`: its whole tensor's, whatever box of it this rank
+/// holds (tensor parallelism cuts it after the import, [`crate::model::session::Session`]).
 fn hf_shape(s: &ParamSpec) -> Vec<usize> {
-    if is_linear(&s.name, &s.shape) {
-        vec![s.shape[1], s.shape[0]]
+    let whole = &s.placement.global;
+    if is_linear(&s.name, whole) {
+        vec![whole[1], whole[0]]
     } else {
-        s.shape.clone()
+        whole.clone()
     }
 }
 

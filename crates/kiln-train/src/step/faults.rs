@@ -44,6 +44,15 @@ impl Faults {
         }
     }
 
+    /// The loss a step reports, `loss` being the true one over `dp` data-parallel ranks
+    /// (`debug.wrong_loss_reduction` divides it by `dp` once more).
+    pub fn reported_loss(&self, loss: f32, dp: usize) -> f32 {
+        match self.debug.wrong_loss_reduction {
+            true => loss / dp as f32,
+            false => loss,
+        }
+    }
+
     /// Which parameters the update leaves alone (`debug.freeze_params`: a name fragment).
     pub fn frozen(&self, specs: &[ParamSpec]) -> Vec<bool> {
         let pattern = &self.debug.freeze_params;

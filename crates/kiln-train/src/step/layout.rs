@@ -55,7 +55,7 @@ impl BatchLayout {
         let per_micro = (self.micro * self.world) as u64;
         if global == 0 || !global.is_multiple_of(per_micro) {
             return Err(format!(
-                "the global batch of {global} sequences cannot be split over {} rank(s) x batch_size {}: it must be a multiple of {per_micro}; change training.batch_size or the number of ranks",
+                "the global batch of {global} sequences cannot be split over {} data-parallel rank(s) x batch_size {}: it must be a multiple of {per_micro}; change training.batch_size or the number of ranks",
                 self.world, self.micro
             ));
         }

@@ -234,7 +234,7 @@ impl<'c> Step<'c> {
         let r = self.exchange.gradients(&self.pass, session, batches)?;
         Ok(Gradients {
             at,
-            loss: r.loss,
+            loss: self.faults.reported_loss(r.loss, self.layout.world),
             grads: r.grads,
             norm: r.norm,
             allreduce_s: r.comm_s,

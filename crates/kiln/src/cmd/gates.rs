@@ -47,8 +47,15 @@ pub struct SmokeArgs {
     pub overrides: Vec<String>,
     /// Compare even if the config differs from the baseline's (to check that a change which
     /// should not touch numerics, such as a thread count, really does not).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "layout")]
     pub ignore_config: bool,
+    /// Compare the same training on another layout (tensor parallelism, sharding, another
+    /// rank count: the `parallelism.*` keys and the ranks may differ from the baseline's,
+    /// every other key must match) within the tolerance the baseline was blessed with, e.g.
+    /// `kiln launch --mpi --np 4 -- kiln smoke --layout --set parallelism.tp=2` against a
+    /// one-rank baseline blessed with `--tolerance 1e-4`. Memory is not compared.
+    #[arg(long)]
+    pub layout: bool,
     /// Allowed relative growth of peak memory over the baseline (0.25 = 25 %); negative
     /// disables the memory check.
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true)]
@@ -219,8 +226,13 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     let config = smoke::smoke_config(&base, steps);
     // Refuse before spending minutes on a run that cannot be compared.
     let ranks = kiln_topology::RankEnv::from_process_env()?.world_size as u64;
-    if let Some(b) = baseline.as_ref().filter(|_| !a.bless && !a.ignore_config)
-        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), ranks, &a.baseline)
+    let setup = match (a.ignore_config, a.layout) {
+        (true, _) => smoke::Setup::Any,
+        (false, true) => smoke::Setup::Layout,
+        (false, false) => smoke::Setup::Same,
+    };
+    if let Some(b) = baseline.as_ref().filter(|_| !a.bless)
+        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), ranks, &a.baseline, setup)
     {
         println!("{refusal}");
         return Ok(ExitCode::FAILURE);
@@ -254,7 +266,7 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     let Some(baseline) = baseline else {
         anyhow::bail!("no baseline to compare with");
     };
-    let verdict = smoke::compare(&baseline, &run, !a.ignore_config, a.mem_tolerance);
+    let verdict = smoke::compare(&baseline, &run, setup, a.mem_tolerance);
     println!("{}", smoke::report(&verdict, &baseline, &run, &a.baseline));
     Ok(if verdict == smoke::Verdict::Identical {
         ExitCode::SUCCESS

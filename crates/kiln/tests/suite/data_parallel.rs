@@ -8,10 +8,11 @@
 #![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
 use crate::common;
+use crate::common::ranks::{self, assert_ok, events, step_lines, text, wait_for_step, weights};
 
 /// Short runs of the tiny model; every rank one thread.
 const DP: &[&str] = &[
@@ -26,99 +27,13 @@ const DP: &[&str] = &[
     "guards.replica_check_interval=4",
 ];
 
-/// `kiln launch --mpi --np N -- kiln train` on run directory `rd`, with `sets` on top.
+/// `kiln launch --mpi --np N -- kiln train` of the tiny model with [`DP`] and `sets` on top.
 fn launch(np: usize, rd: &Path, sets: &[&str]) -> Command {
-    let mut cmd = Command::new(common::KILN);
-    cmd.args([
-        "launch",
-        "--mpi",
-        "--np",
-        &np.to_string(),
-        "--timeout",
-        "120",
-    ])
-    .arg("--run-dir")
-    .arg(rd)
-    .args([
-        "--",
-        common::KILN,
-        "train",
-        "--no-progress-bar",
-        "--run-dir",
-    ])
-    .arg(rd);
-    for s in common::TINY_MODEL.iter().chain(DP).chain(sets) {
-        cmd.arg("--set").arg(s);
-    }
-    for v in [
-        "PBS_JOBID",
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "KILN_PROGRESS_DIR",
-    ] {
-        cmd.env_remove(v);
-    }
-    cmd
+    ranks::launch(np, rd, &[DP, sets].concat())
 }
 
 fn run(np: usize, rd: &Path, sets: &[&str]) -> Output {
     launch(np, rd, sets).output().expect("spawn kiln launch")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn events(rd: &Path, source: &str) -> Vec<serde_json::Value> {
-    let mut all = common::events(rd);
-    all.retain(|e| e["source"] == source);
-    all
-}
-
-fn step_lines(rd: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(rd.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m.get("step_time_s").is_some())
-        .collect()
-}
-
-fn weights(rd: &Path) -> Vec<u8> {
-    std::fs::read(rd.join("model.safetensors")).expect("final weights")
-}
-
-fn assert_ok(out: &Output) {
-    assert_eq!(out.status.code(), Some(0), "{}", text(out));
-}
-
-/// Waits until the run's metrics reach `step`, then returns.
-fn wait_for_step(rd: &Path, step: u64, child: &mut Child) {
-    let t0 = Instant::now();
-    loop {
-        if step_lines(rd)
-            .last()
-            .and_then(|m| m["step"].as_u64())
-            .is_some_and(|s| s >= step)
-        {
-            return;
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("the job ended ({status}) before step {step}");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "never reached step {step}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[cfg(feature = "mpi")]

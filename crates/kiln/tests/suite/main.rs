@@ -27,6 +27,7 @@ mod slurm;
 mod soak;
 mod stragglers;
 mod submit;
+mod tensor_parallel;
 mod tensorboard;
 mod train;
 mod yeet;

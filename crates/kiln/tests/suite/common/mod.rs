@@ -2,6 +2,7 @@
 // Each test binary uses a different subset.
 #![allow(dead_code)]
 
+pub mod ranks;
 pub mod slurm;
 
 use std::path::Path;
