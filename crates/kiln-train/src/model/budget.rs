@@ -35,6 +35,12 @@
 //! gradients (`4 P / R`) and, as activations, every block's input (`4 N L d`) plus one
 //! block's and the head's; a checkpoint copies `24 P / R` (its shards, serialised), and the
 //! final weights, gathered to the writer rank, `8 P` (host copy, serialised).
+//! Tensor parallelism (`parallelism.tp`): a rank holds `1/tp` of every part above that scales
+//! with `P` (the matrices are cut; the norms, a negligible share, are counted cut too), and of
+//! a layer's activations but the two block inputs it gathers whole (`2 d` a token); the
+//! logits and eval are `1/tp`; the data-parallel ranks that shard the state are the job's
+//! over `tp`. When a run does not fit, the least `tp` that would is named beside the
+//! sharding advice.
 //! With `training.activation_checkpointing = "blocks"` the activations are those of the
 //! parameter-sharded step: every block's input plus one block's and the head's.
 //! When a run does not fit, the error names the least sharding (`"gradients"`, then
@@ -215,12 +221,41 @@ fn job_ranks() -> usize {
     kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size)
 }
 
-/// [`estimate`] for one of `ranks` data-parallel ranks (what sharding leaves to each).
+/// Tensor parallelism's share of one rank: its `1/tp` of the parameters (the matrices are
+/// cut; the norms, under 0.1 % of a model, are counted cut too), the data-parallel ranks
+/// (`ranks / tp`), and a factor on what the step keeps per token of a layer.
+struct TensorShare {
+    tp: f64,
+    dp_ranks: usize,
+}
+
+impl TensorShare {
+    fn of(config: &Config, ranks: usize) -> Self {
+        let tp = config.parallelism.tp.max(1);
+        Self {
+            tp: tp as f64,
+            dp_ranks: (ranks / tp).max(1),
+        }
+    }
+
+    /// A layer's activations per token on one rank: its heads' and hidden units' share, plus
+    /// the two block inputs gathered whole (sequence parallelism keeps `1/tp` of the rest).
+    fn layer(&self, per_token_layer: f64, d: f64) -> f64 {
+        match self.tp {
+            1.0 => per_token_layer,
+            tp => per_token_layer / tp + 2.0 * d,
+        }
+    }
+}
+
+/// [`estimate`] for one of `ranks` ranks (what sharding and tensor parallelism leave to each).
 pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     let m = &config.model;
     let t = &config.training;
     let g = &config.guards;
-    let p = param_count(m, vocab);
+    let share = TensorShare::of(config, ranks);
+    let ranks = share.dp_ranks;
+    let p = param_count(m, vocab) / share.tp;
     let (d, f, v) = (m.d_model as f64, m.ffn_hidden as f64, vocab as f64);
     let (heads, layers) = (m.n_heads as f64, m.n_layers as f64);
     let kv = m.n_kv_heads as f64 * d / heads.max(1.0);
@@ -234,10 +269,10 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
     };
     let shards = t.compute_shards.clamp(1, t.batch_size.max(1)) as f64;
     let scores = heads * seq; // attention scores per token and layer
-    let per_token_layer = 24.0 * d + 5.0 * f + 6.0 * kv + 3.0 * scores;
+    let per_token_layer = share.layer(24.0 * d + 5.0 * f + 6.0 * kv + 3.0 * scores, d);
     // Saved for backward in every layer, plus the gradients of one layer's scores and the
     // logits' softmax and gradient while the backward pass runs.
-    let head = 2.0 * scores + 3.5 * v + 2.0 * d;
+    let head = (2.0 * scores + 3.5 * v) / share.tp + 2.0 * d;
     // Every block's input kept, one block's activations (recomputed) and the head's: a
     // parameter-sharded step, or activation checkpointing.
     let staged = 4.0 * tokens * (layers * d + per_token_layer + head);
@@ -246,7 +281,7 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
         ActivationCheckpointing::None => 4.0 * tokens * (layers * per_token_layer + head),
     };
     // The held-out eval runs micro-batches of batch_size rows, forward only.
-    let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v);
+    let eval = 4.0 * tokens * (24.0 * d + 5.0 * f + 3.0 * heads * seq + 3.0 * v) / share.tp;
     // The state is cut over the ranks of one replica (`parallelism.dp_replicate`).
     let r = (ranks / config.parallelism.dp_replicate.max(1)).max(1) as f64;
     // Per shard: the autodiff copy of the weights and their gradients; plus the sum.
@@ -273,7 +308,7 @@ pub fn estimate_on(config: &Config, vocab: usize, ranks: usize) -> Estimate {
             } else {
                 16.0
             };
-            let step = stages * largest_stage(m, vocab) + 4.0 * p / r + staged;
+            let step = stages * largest_stage(m, vocab) / share.tp + 4.0 * p / r + staged;
             ((12.0 / r), (24.0 / r).max(8.0), step, staged)
         }
     };
@@ -324,14 +359,16 @@ pub fn device_estimate_on(config: &Config, vocab: usize, ranks: usize) -> Option
         return None;
     }
     let m = &config.model;
-    let p = param_count(m, vocab);
+    let share = TensorShare::of(config, ranks);
+    let ranks = share.dp_ranks;
+    let p = param_count(m, vocab) / share.tp;
     let (d, f) = (m.d_model as f64, m.ffn_hidden as f64);
     let layers = m.n_layers as f64;
     let kv = m.n_kv_heads as f64 * d / (m.n_heads.max(1) as f64);
     let tokens = t.batch_size as f64 * t.seq_len as f64;
     let bf16 = t.dtype == crate::config::Precision::Bf16;
     let (b, cast) = if bf16 { (2.0, 2.0) } else { (4.0, 0.0) };
-    let block = b * tokens * (24.0 * d + 5.0 * f + 6.0 * kv);
+    let block = b * tokens * share.layer(24.0 * d + 5.0 * f + 6.0 * kv, d);
     // One attention chunk's scores, probabilities and their gradients; one head chunk's
     // logits, with their softmax and gradient.
     let transient = (4.0 * ATTENTION_CHUNK)
@@ -348,7 +385,7 @@ pub fn device_estimate_on(config: &Config, vocab: usize, ranks: usize) -> Option
     };
     let (state, step, activations) = match config.parallelism.shard {
         Shard::Parameters => {
-            let s = largest_stage(m, vocab);
+            let s = largest_stage(m, vocab) / share.tp;
             let backward = 4.0 * p / r + (16.0 + cast) * s + staged;
             (with_copies(12.0 / r, 4.0 / r) * p, backward, staged)
         }
@@ -527,7 +564,35 @@ fn sharding_advice_by(
     limit: f64,
     need: &dyn Fn(&Config, usize) -> f64,
 ) -> Option<String> {
-    mode_advice(config, ranks, limit, need).or_else(|| replica_advice(config, ranks, limit, need))
+    let tp = tensor_advice(config, ranks, limit, need);
+    let more = mode_advice(config, ranks, limit, need)
+        .or_else(|| replica_advice(config, ranks, limit, need));
+    match (tp, more) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or_default() + &b.unwrap_or_default()),
+    }
+}
+
+/// The least tensor parallelism beyond the config's (`parallelism.tp`, dividing these
+/// ranks and what the model's rules ask it to divide) that fits on these ranks.
+fn tensor_advice(
+    config: &Config,
+    ranks: usize,
+    limit: f64,
+    need_of: &dyn Fn(&Config, usize) -> f64,
+) -> Option<String> {
+    let tp = (config.parallelism.tp + 1..=ranks).find(|&tp| {
+        let mut cut = config.clone();
+        cut.parallelism.tp = tp;
+        let laid_out = crate::mesh::shape(&cut.parallelism, ranks).is_ok();
+        laid_out && cut.validate().is_ok() && need_of(&cut, ranks) <= limit
+    })?;
+    let mut cut = config.clone();
+    cut.parallelism.tp = tp;
+    Some(format!(
+        "; or set parallelism.tp = {tp} (the matrices cut over {tp} ranks: about {} a rank)",
+        human_bytes(need_of(&cut, ranks))
+    ))
 }
 
 /// With hybrid sharding (`parallelism.dp_replicate` = D > 1), the most replicas below D that
@@ -1041,6 +1106,25 @@ mod tests {
             "{advice}"
         );
         assert_eq!(sharding_advice(&four, 16, 4, need(&sharded, 4) - 1.0), None);
+    }
+
+    /// Tensor parallelism cuts the state and most activations by tp; a run that does not
+    /// fit on its ranks is told the tp that would.
+    #[test]
+    fn tensor_parallelism_cuts_a_ranks_share_and_is_advised() {
+        let one = config(&[]);
+        let tp2 = config(&["parallelism.tp=2"]);
+        let (a, b) = (estimate_on(&one, 16, 2), estimate_on(&tp2, 16, 2));
+        assert!((b.resident - a.resident / 2.0).abs() < 1e-6 * a.resident);
+        assert!(b.activations < a.activations && b.step < a.step);
+        let need = |c: &Config, r: usize| estimate_on(c, 16, r).need();
+        let limit = need(&tp2, 2);
+        assert!(need(&one, 2) > limit);
+        let advice = sharding_advice(&one, 16, 2, limit).unwrap();
+        assert!(
+            advice.contains("parallelism.tp = 2 (the matrices cut over 2 ranks"),
+            "{advice}"
+        );
     }
 
     #[test]
