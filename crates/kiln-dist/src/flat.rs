@@ -228,18 +228,6 @@ mod tests {
     use super::*;
     use crate::Threads;
 
-    /// Runs `f` on each of `ranks` thread ranks; their results in rank order.
-    fn on_ranks<T: Send + 'static>(
-        ranks: usize,
-        f: impl Fn(&Threads) -> T + Send + Sync + Copy + 'static,
-    ) -> Vec<T> {
-        let handles: Vec<_> = Threads::job(ranks)
-            .into_iter()
-            .map(|comm| std::thread::spawn(move || f(&comm)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
     const LENGTHS: [usize; 7] = [0, 5, 1, 0, 13, 7, 2];
 
     /// Rank `r`'s buffer cut into slices of [`LENGTHS`].
@@ -263,7 +251,7 @@ mod tests {
     fn the_mean_of_slices_is_the_mean_of_their_concatenation_bit_for_bit() {
         for bucket_bytes in [4usize, 12, 20, 1 << 20] {
             let reduce = BucketedAllReduce::new(bucket_bytes);
-            let got = on_ranks(3, move |comm| {
+            let got = Threads::each(3, move |comm| {
                 let mut parts = rank_parts(comm.rank());
                 let whole = reduce.mean(comm, &parts.concat());
                 reduce.mean_in_place(comm, &mut parts);
@@ -284,7 +272,7 @@ mod tests {
     #[test]
     fn sharded_collectives_of_slices_are_those_of_their_concatenation() {
         for (ranks, bucket_bytes) in [(1usize, 8usize), (2, 8), (3, 12), (3, 1 << 20), (4, 4)] {
-            let got = on_ranks(ranks, move |comm| {
+            let got = Threads::each(ranks, move |comm| {
                 let sh = Sharded::new(28, comm.size(), bucket_bytes);
                 let mut parts = rank_parts(comm.rank());
                 let flat = sh.reduce_scatter_mean(comm, &mut [parts.concat()]);

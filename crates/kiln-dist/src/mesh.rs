@@ -281,19 +281,6 @@ mod tests {
     use super::*;
     use crate::{Sharded, Threads};
 
-    fn on_ranks<T: Send>(ranks: usize, f: impl Fn(&Threads) -> T + Sync) -> Vec<T> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = Threads::job(ranks)
-                .into_iter()
-                .map(|c| {
-                    let f = &f;
-                    s.spawn(move || f(&c))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    }
-
     #[test]
     fn coordinates_are_the_rank_in_mixed_radix_tp_fastest() {
         let shape = MeshShape::default()
@@ -333,7 +320,7 @@ mod tests {
             .with(Dim::DpReplicate, 2)
             .with(Dim::DpShard, 2)
             .with(Dim::Tp, 2);
-        let got = on_ranks(8, |world| {
+        let got = Threads::each(8, |world| {
             let m = DeviceMesh::new(Box::new(world.clone()), shape, &[Dims::DP]).unwrap();
             let members = |dims: Dims| {
                 let g = m.group(dims);
@@ -384,7 +371,7 @@ mod tests {
         let shape = MeshShape::default()
             .with(Dim::DpReplicate, 2)
             .with(Dim::DpShard, 3);
-        let got = on_ranks(6, |world| {
+        let got = Threads::each(6, |world| {
             let mesh = DeviceMesh::new(Box::new(world.clone()), shape, &[Dims::DP]).unwrap();
             let r = world.rank();
             let (shard, replica) = (mesh.group(Dim::DpShard), mesh.group(Dim::DpReplicate));

@@ -71,6 +71,22 @@ impl Mpi {
     }
 }
 
+impl Mpi {
+    /// `buf` reduced by `op` over the ranks, written back (through the scratch buffer: see
+    /// the module documentation).
+    fn all_reduce_f32(&self, buf: &mut [f32], op: SystemOperation) {
+        if buf.is_empty() {
+            return;
+        }
+        let _waiting = kiln_run::collective::waiting();
+        let mut scratch = self.scratch_f32.borrow_mut();
+        scratch.clear();
+        scratch.resize(buf.len(), 0.0);
+        self.world.all_reduce_into(&*buf, &mut scratch[..], op);
+        buf.copy_from_slice(&scratch);
+    }
+}
+
 impl Collective for Mpi {
     fn rank(&self) -> usize {
         self.world.rank() as usize
@@ -85,16 +101,7 @@ impl Collective for Mpi {
         format!("mpi ({first}{threads})")
     }
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
-        if buf.is_empty() {
-            return;
-        }
-        let _waiting = kiln_run::collective::waiting();
-        let mut scratch = self.scratch_f32.borrow_mut();
-        scratch.clear();
-        scratch.resize(buf.len(), 0.0);
-        self.world
-            .all_reduce_into(&*buf, &mut scratch[..], SystemOperation::sum());
-        buf.copy_from_slice(&scratch);
+        self.all_reduce_f32(buf, SystemOperation::sum());
     }
     fn all_reduce_sum_f32_into(&self, send: &[f32], recv: &mut [f32]) {
         if send.is_empty() {
@@ -125,16 +132,7 @@ impl Collective for Mpi {
         buf.copy_from_slice(&out);
     }
     fn all_reduce_max_f32(&self, buf: &mut [f32]) {
-        if buf.is_empty() {
-            return;
-        }
-        let _waiting = kiln_run::collective::waiting();
-        let mut scratch = self.scratch_f32.borrow_mut();
-        scratch.clear();
-        scratch.resize(buf.len(), 0.0);
-        self.world
-            .all_reduce_into(&*buf, &mut scratch[..], SystemOperation::max());
-        buf.copy_from_slice(&scratch);
+        self.all_reduce_f32(buf, SystemOperation::max());
     }
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         if recv.is_empty() {

@@ -65,6 +65,23 @@ impl Threads {
             .collect()
     }
 
+    /// `f` run by each rank of a job of `size` thread ranks, on a thread of its own; the
+    /// results in rank order (what tests of code that shards over ranks do).
+    pub fn each<T: Send>(size: usize, f: impl Fn(&Threads) -> T + Sync) -> Vec<T> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = Threads::job(size)
+                .into_iter()
+                .map(|c| {
+                    let f = &f;
+                    s.spawn(move || f(&c))
+                })
+                .collect();
+            (handles.into_iter())
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        })
+    }
+
     /// Every rank's `mine`, in rank order.
     fn exchange(&self, mine: Vec<u8>) -> Vec<Vec<u8>> {
         lock(&self.shared.slots)[self.rank] = mine;
@@ -237,22 +254,9 @@ mod tests {
     use super::*;
     use crate::Sharded;
 
-    fn run<T: Send>(size: usize, f: impl Fn(&Threads) -> T + Sync) -> Vec<T> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = Threads::job(size)
-                .into_iter()
-                .map(|c| {
-                    let f = &f;
-                    s.spawn(move || f(&c))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    }
-
     #[test]
     fn the_collectives_follow_the_contract() {
-        let out = run(3, |c| {
+        let out = Threads::each(3, |c| {
             let r = c.rank() as f32;
             let mut sum = [r, 1.0];
             c.all_reduce_sum_f32(&mut sum);
@@ -288,7 +292,7 @@ mod tests {
     #[test]
     fn sharded_gather_and_reduce_scatter_round_trip_over_three_ranks() {
         let full: Vec<f32> = (0..10).map(|i| i as f32).collect();
-        let out = run(3, |c| {
+        let out = Threads::each(3, |c| {
             let sh = Sharded::new(full.len(), 3, 8);
             let mut mine = full[sh.range(c.rank())].to_vec();
             mine.resize(sh.shard, 0.0);

@@ -54,15 +54,7 @@ fn exchanges(c: &dyn Collective) {
 
 #[test]
 fn ranks_as_threads_follow_the_contract() {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = Threads::job(3)
-            .into_iter()
-            .map(|c| s.spawn(move || exchanges(&c)))
-            .collect();
-        for h in handles {
-            h.join().unwrap();
-        }
-    });
+    Threads::each(3, |c| exchanges(c));
 }
 
 #[test]

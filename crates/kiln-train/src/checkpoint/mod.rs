@@ -664,20 +664,8 @@ fn load_shards(
     }
     let mut out = Vec::with_capacity(pieces.len());
     for (name, parts) in pieces {
-        let boxes: Vec<&Vec<std::ops::Range<usize>>> =
-            parts.iter().filter_map(|(r, _)| r.boxed.as_ref()).collect();
-        let shape: Vec<usize> = match boxes.first() {
-            Some(first) => (0..first.len())
-                .map(|d| {
-                    boxes
-                        .iter()
-                        .map(|b| b.get(d).map_or(0, |r| r.end))
-                        .max()
-                        .unwrap_or(0)
-                })
-                .collect(),
-            None => vec![parts.iter().map(|(r, _)| r.within.end).max().unwrap_or(0)],
-        };
+        let regions: Vec<&region::Region> = parts.iter().map(|(r, _)| r).collect();
+        let shape = region::whole_shape(&regions);
         let n = shape.iter().product();
         let mut a = region::Assembly::new(shape.clone(), region::Region::flat(0..n));
         let fault = |why: String| invalid(dir, format!("tensor {name}: {why}"));

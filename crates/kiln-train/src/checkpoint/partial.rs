@@ -198,7 +198,8 @@ fn assemble(
     want: Option<Want>,
 ) -> Result<HostTensor, CheckpointError> {
     let dtype = pieces.first().map_or(StoredDtype::F32, |p| p.dtype);
-    let whole = whole_shape(&pieces);
+    let regions: Vec<&Region> = pieces.iter().map(|p| &p.region).collect();
+    let whole = super::region::whole_shape(&regions);
     let written_flat = pieces.iter().all(|p| p.region.boxed.is_none());
     let numel: usize = whole.iter().product();
     let (shape, region, out_shape) = match want {
@@ -254,33 +255,6 @@ fn assemble(
         dtype,
         values,
     })
-}
-
-/// The whole shape of a tensor written as `pieces`: the ends of their boxes, or read flat,
-/// the end of the last piece.
-fn whole_shape(pieces: &[Piece]) -> Vec<usize> {
-    let boxes: Vec<&Vec<std::ops::Range<usize>>> = pieces
-        .iter()
-        .filter_map(|p| p.region.boxed.as_ref())
-        .collect();
-    match boxes.first() {
-        Some(first) => (0..first.len())
-            .map(|d| {
-                boxes
-                    .iter()
-                    .map(|b| b.get(d).map_or(0, |r| r.end))
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect(),
-        None => vec![
-            pieces
-                .iter()
-                .map(|p| p.region.within.end)
-                .max()
-                .unwrap_or(0),
-        ],
-    }
 }
 
 /// The header of the safetensors file `file` (`size` bytes): where its data starts and what

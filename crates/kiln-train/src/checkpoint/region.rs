@@ -88,6 +88,24 @@ impl Region {
     }
 }
 
+/// The whole shape of a tensor written as pieces of `regions`: the ends of their boxes, or
+/// when it was written flat, the end of its last piece.
+pub fn whole_shape(regions: &[&Region]) -> Vec<usize> {
+    let boxes: Vec<&Vec<Range<usize>>> = regions.iter().filter_map(|r| r.boxed.as_ref()).collect();
+    match boxes.iter().map(|b| b.len()).max() {
+        Some(n) => (0..n)
+            .map(|d| {
+                boxes
+                    .iter()
+                    .map(|b| b.get(d).map_or(0, |r| r.end))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect(),
+        None => vec![regions.iter().map(|r| r.within.end).max().unwrap_or(0)],
+    }
+}
+
 /// Elements of a box.
 fn volume(b: &[Range<usize>]) -> usize {
     b.iter().map(Range::len).product()
@@ -258,6 +276,16 @@ impl Assembly {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_of_a_three_dim_box_are_in_row_major_order() {
+        let mut runs = Vec::new();
+        for_each_row(&[2, 3, 4], &[1..2, 0..2, 1..3], |at, n| runs.push((at, n)));
+        assert_eq!(runs, vec![(13, 2), (17, 2)]);
+        let mut none = 0;
+        for_each_row(&[2, 3], &[0..0, 0..3], |_, _| none += 1);
+        assert_eq!(none, 0);
+    }
 
     #[test]
     fn names_are_read_back() {

@@ -291,16 +291,7 @@ mod tests {
     use kiln_dist::Threads;
 
     fn on_ranks<T: Send>(ranks: usize, f: impl Fn(&Group) -> T + Sync) -> Vec<T> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = Threads::job(ranks)
-                .into_iter()
-                .map(|c| {
-                    let f = &f;
-                    s.spawn(move || f(&Group::split(&c)))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        Threads::each(ranks, |c| f(&Group::split(c)))
     }
 
     fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {

@@ -8,6 +8,7 @@
 //! further, into flat ranges ([`crate::parallel::shard`]).
 
 use super::Dim;
+use crate::checkpoint::region::{box_text, for_each_row};
 use std::ops::Range;
 
 /// Where one parameter's values live (see the module documentation).
@@ -78,46 +79,7 @@ impl Placement {
 
     /// The box as `a:b,c:d` (one range a dim), the suffix of a checkpoint piece's name.
     pub fn box_name(&self) -> String {
-        boxed_name(&self.boxed)
-    }
-}
-
-/// A box as `a:b,c:d` (one range a dim).
-pub fn boxed_name(boxed: &[Range<usize>]) -> String {
-    boxed
-        .iter()
-        .map(|r| format!("{}:{}", r.start, r.end))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// Calls `f(first, len)` for each run of the box `boxed` in the row-major layout of a tensor
-/// of `shape`: one run per index of every dim but the last, in order.
-pub fn for_each_row(shape: &[usize], boxed: &[Range<usize>], mut f: impl FnMut(usize, usize)) {
-    let Some((last, outer)) = boxed.split_last() else {
-        f(0, 1);
-        return;
-    };
-    if boxed.iter().any(|r| r.is_empty()) {
-        return;
-    }
-    let mut index: Vec<usize> = outer.iter().map(|r| r.start).collect();
-    loop {
-        let row = index.iter().zip(shape).fold(0, |acc, (&i, &n)| acc * n + i);
-        f(row * shape[shape.len() - 1] + last.start, last.len());
-        // The next index, last outer dim fastest.
-        let mut d = outer.len();
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < outer[d].end {
-                break;
-            }
-            index[d] = outer[d].start;
-        }
+        box_text(&self.boxed)
     }
 }
 
@@ -146,15 +108,5 @@ mod tests {
         assert_eq!(col.take(&whole)[..4], [3.0, 4.0, 5.0, 9.0]);
         assert_eq!(col.box_name(), "0:4,3:6");
         assert!(Placement::whole(&shape).is_whole() && !col.is_whole());
-    }
-
-    #[test]
-    fn runs_of_a_three_dim_box_are_in_row_major_order() {
-        let mut runs = Vec::new();
-        for_each_row(&[2, 3, 4], &[1..2, 0..2, 1..3], |at, n| runs.push((at, n)));
-        assert_eq!(runs, vec![(13, 2), (17, 2)]);
-        let mut none = 0;
-        for_each_row(&[2, 3], &[0..0, 0..3], |_, _| none += 1);
-        assert_eq!(none, 0);
     }
 }

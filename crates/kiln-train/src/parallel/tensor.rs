@@ -169,18 +169,10 @@ mod tests {
     }
 
     fn on_tp(c: &Config, tp: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = Threads::job(tp)
-                .into_iter()
-                .map(|comm| {
-                    scope.spawn(move || {
-                        let shape = MeshShape::default().with(Dim::Tp, tp);
-                        let mesh = DeviceMesh::new(Box::new(comm), shape, &[]).unwrap();
-                        loss_and_grads(c, &mesh)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        Threads::each(tp, |comm| {
+            let shape = MeshShape::default().with(Dim::Tp, tp);
+            let mesh = DeviceMesh::new(Box::new(comm.clone()), shape, &[]).unwrap();
+            loss_and_grads(c, &mesh)
         })
     }
 

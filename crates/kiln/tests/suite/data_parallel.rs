@@ -9,7 +9,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
 
 use crate::common;
 use crate::common::ranks::{self, assert_ok, events, step_lines, text, wait_for_step, weights};
@@ -89,30 +88,7 @@ fn sigkill_of_one_rank_then_the_same_command_ends_bit_identical() {
 /// command: it resumes once and ends with the weights of an uninterrupted run.
 #[cfg(feature = "mpi")]
 fn kill_one_rank_then_resume(np: usize, sets: &[&str]) {
-    let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("reference");
-    assert_ok(&run(np, &reference, sets));
-    let rd = tmp.path().join("killed");
-    let mut job = launch(np, &rd, sets)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_step(&rd, 10, &mut job);
-    let status = common::kill_rank_after_checkpoint(&rd, 8, 1, &mut job, Duration::from_secs(120));
-    assert_ne!(status.code(), Some(0), "a killed rank fails the attempt");
-    assert!(
-        !rd.join("model.safetensors").exists(),
-        "the job did not finish"
-    );
-    let out = run(np, &rd, sets);
-    assert_ok(&out);
-    let resumed = events(&rd, "train")
-        .into_iter()
-        .filter(|e| e["event"] == "resume")
-        .count();
-    assert_eq!(resumed, 1, "{}", text(&out));
-    assert_eq!(weights(&reference), weights(&rd), "resume is not exact");
+    ranks::kill_one_rank_then_resume(&|rd| launch(np, rd, sets));
 }
 
 #[cfg(feature = "mpi")]

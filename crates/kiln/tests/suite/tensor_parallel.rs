@@ -6,11 +6,10 @@
 #![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::process::{Command, Output};
 
 use crate::common;
-use crate::common::ranks::{self, assert_ok, events, step_lines, text, wait_for_step, weights};
+use crate::common::ranks::{self, assert_ok, events, step_lines, text};
 
 /// The tiny model with 4 query heads sharing 2 K/V heads (tp = 2 cuts K and V by their
 /// heads, tp = 4 keeps them whole), a global batch of 8 sequences on every layout; every
@@ -111,30 +110,7 @@ fn every_tensor_parallel_layout_trains_like_one_rank() {
 #[test]
 fn a_tensor_parallel_run_sigkilled_resumes_bit_identical() {
     for (np, sets) in [(2usize, &[TP2][..]), (4, &[TP2, FSDP][..])] {
-        let tmp = tempfile::tempdir().unwrap();
-        let reference = tmp.path().join("reference");
-        assert_ok(&run(np, &reference, sets));
-        let rd = tmp.path().join("killed");
-        let mut job = launch(np, &rd, sets)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for_step(&rd, 10, &mut job);
-        let timeout = Duration::from_secs(120);
-        let status = common::kill_rank_after_checkpoint(&rd, 8, 1, &mut job, timeout);
-        assert_ne!(status.code(), Some(0), "a killed rank fails the attempt");
-        let out = run(np, &rd, sets);
-        assert_ok(&out);
-        let resumed = events(&rd, "train")
-            .into_iter()
-            .filter(|e| e["event"] == "resume");
-        assert_eq!(resumed.count(), 1, "{}", text(&out));
-        assert_eq!(
-            weights(&reference),
-            weights(&rd),
-            "{np} ranks {sets:?}: not exact"
-        );
+        ranks::kill_one_rank_then_resume(&|rd| launch(np, rd, sets));
     }
 }
 
@@ -234,20 +210,10 @@ fn the_smoke_gate_compares_layouts_and_catches_a_wrong_loss_reduction() {
     let tmp = tempfile::tempdir().unwrap();
     let baseline = tmp.path().join("one-rank.json");
     let gate = |np: usize, extra: &[&str]| -> Output {
-        let mut cmd = Command::new(common::KILN);
-        cmd.args([
-            "launch",
-            "--mpi",
-            "--np",
-            &np.to_string(),
-            "--timeout",
-            "120",
-        ])
-        .arg("--run-dir")
-        .arg(tmp.path().join(format!("launch-{np}-{}", extra.len())))
-        .args(["--", common::KILN, "smoke", "--steps", "6", "--baseline"])
-        .arg(&baseline)
-        .args(extra);
+        let mut cmd = ranks::launcher(np, &tmp.path().join(format!("launch-{np}-{}", extra.len())));
+        cmd.args(["--", common::KILN, "smoke", "--steps", "6", "--baseline"])
+            .arg(&baseline)
+            .args(extra);
         for s in common::TINY_MODEL.iter().chain(TP) {
             cmd.arg("--set").arg(s);
         }
