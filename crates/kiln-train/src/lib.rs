@@ -16,7 +16,8 @@
 //!   schedules); [`data`] (token sources, the built-in corpus);
 //! - [`state`]: the run's one owned state ([`state::RunState`]) and the exact-resume
 //!   [`TrainState`];
-//! - [`parallel`]: sharded data parallelism's machinery (the shard plan and its collectives,
+//! - [`parallel`]: what drives the model over the mesh, one module a dimension: tensor
+//!   parallelism, sharded data parallelism's machinery (the shard plan and its collectives,
 //!   the stage-by-stage pass, NCCL);
 //! - [`step`]: the one training step every driver calls: the local pass, the gradient
 //!   exchange chosen once per run, the batch layout over ranks, the debug faults;

@@ -1,5 +1,7 @@
-//! The machinery of sharded data parallelism that the step's gradient exchanges
-//! ([`crate::step::exchange`]) use: which piece of the state each rank keeps and the
+//! What drives or wraps the model over the mesh's ranks, one module a dimension: tensor
+//! parallelism ([`tensor`]: the model's matrices cut over the `tp` ranks) and the machinery
+//! of sharded data parallelism that the step's gradient exchanges ([`crate::step::exchange`])
+//! use: which piece of the state each rank keeps and the
 //! collectives over those pieces ([`shard`]), the forward and backward pass stage by stage
 //! with each stage's weights gathered when used ([`stagewise`]), the one seam through which
 //! the ranks' tensors meet ([`collective`]: host-staged MPI, or flat device buffers), and

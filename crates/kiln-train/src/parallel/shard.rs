@@ -16,7 +16,8 @@
 //! losses agree with a replicated run to float rounding, not bit for bit.
 //!
 //! A sharded checkpoint has one optimizer file per rank (and with `parameters` one weights
-//! file per rank), written by that rank in parallel ([`ShardPlan::write_shards`]); rank 0
+//! file per rank), written by that rank in parallel from its [`ShardPlan::ranges`] (the
+//! checkpoint lifecycle, [`crate::components::checkpoints`], decides who writes what); rank 0
 //! publishes them under one manifest (see [`crate::checkpoint`]).
 
 use crate::checkpoint::HostTensor;
