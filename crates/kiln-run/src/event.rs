@@ -42,6 +42,9 @@ pub const PEAK_MEMORY: &str = "peak_memory";
 pub const CHECKPOINT_LOADED: &str = "checkpoint_loaded";
 /// A checkpoint failed verification and was moved aside (fields: path, reason, moved_to).
 pub const CHECKPOINT_REJECTED: &str = "checkpoint_rejected";
+/// A checkpoint's temporary directory left by a writer killed mid-save, deleted at the next
+/// start (`path`, `bytes`).
+pub const CHECKPOINT_LEFTOVER_REMOVED: &str = "checkpoint_leftover_removed";
 /// A checkpoint was published (fields: step, path, seconds, pruned).
 pub const CHECKPOINT_SAVED: &str = "checkpoint_saved";
 /// The run resumed (fields: step, data_cursor, path, tier: one of [`tier`], source_rank and

@@ -796,6 +796,9 @@ pub struct Opened {
     pub resume: Option<(PathBuf, Checkpoint)>,
     /// Checkpoints moved aside (corrupt, torn, foreign).
     pub rejected: Vec<Rejection>,
+    /// The temporary directories of earlier writers killed mid-save, deleted, with their
+    /// bytes.
+    pub reclaimed: Vec<(PathBuf, u64)>,
 }
 
 /// The newest checkpoint under `root` (of `steps`, newest first) that `load` accepts; each
@@ -872,6 +875,7 @@ impl CheckpointManager {
         new_run_id: &str,
         load: fn(&Path) -> Result<Checkpoint, CheckpointError>,
     ) -> Result<Opened, CheckpointError> {
+        let reclaimed = remove_dead_writers_leftovers(root)?;
         let mut rejected = Vec::new();
         let steps = list_steps(root);
         let chosen = match resume {
@@ -902,6 +906,7 @@ impl CheckpointManager {
             },
             resume: chosen,
             rejected,
+            reclaimed,
         })
     }
 
@@ -992,6 +997,45 @@ impl CheckpointManager {
         }
         Ok(())
     }
+}
+
+/// Deletes the temporary and replaced directories (`.tmp-*`, `.old-*`) of every earlier writer
+/// of `root` and returns them with their bytes: the caller owns the directory (it holds the run
+/// directory's lock, [`crate::run_dir::RunDir`]), so no other process writes there, and a writer
+/// killed mid-save (SIGKILL, a lost node, a preemption) would otherwise leave up to a whole
+/// checkpoint there for ever.
+fn remove_dead_writers_leftovers(root: &Path) -> Result<Vec<(PathBuf, u64)>, CheckpointError> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(Vec::new());
+    };
+    let mut removed = Vec::new();
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(".tmp-") || name.starts_with(".old-") {
+            let bytes = tree_bytes(&e.path());
+            remove_tree(&e.path())?;
+            removed.push((e.path(), bytes));
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// Bytes of the regular files under `path` (not following links).
+fn tree_bytes(path: &Path) -> u64 {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return 0;
+    };
+    if !meta.is_dir() {
+        return if meta.is_file() { meta.len() } else { 0 };
+    }
+    std::fs::read_dir(path).map_or(0, |entries| {
+        entries
+            .filter_map(Result::ok)
+            .map(|e| tree_bytes(&e.path()))
+            .sum()
+    })
 }
 
 /// Moves `dir` into `root/rejected/` (a free name) with a note of `reason`.
@@ -1120,6 +1164,36 @@ pub(crate) mod tests {
         // The same step saves once the cause is gone.
         save(root, &ckpt(8, "a").contents()).unwrap();
         assert_eq!(list_steps(root), vec![8, 4]);
+    }
+
+    /// Issue 60: a writer SIGKILLed mid-save left `.tmp-step-<N>-<pid>` (and a replace its
+    /// `.old-...`) for ever, since only the current process's were removed. The next owner
+    /// of the directory removes every one, whoever wrote it, and says how much.
+    #[test]
+    fn opening_removes_the_temporary_folders_of_killed_writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        save(root, &ckpt(4, "a").contents()).unwrap();
+        for name in [".tmp-step-8-4242", ".tmp-step-12-77", ".old-step-4-4242"] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+            std::fs::write(root.join(name).join("model.safetensors"), [0u8; 100]).unwrap();
+        }
+        let opened = CheckpointManager::open(root, 3, true, "b").unwrap();
+        assert_eq!(leftovers(root), Vec::<String>::new());
+        assert!(!root.join(".old-step-4-4242").exists());
+        let names: Vec<String> = (opened.reclaimed.iter())
+            .map(|(p, _)| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [".old-step-4-4242", ".tmp-step-12-77", ".tmp-step-8-4242"]
+        );
+        assert!(opened.reclaimed.iter().all(|(_, b)| *b == 100));
+        assert_eq!(
+            opened.resume.map(|(_, c)| c.step),
+            Some(4),
+            "the checkpoint stays"
+        );
     }
 
     #[test]

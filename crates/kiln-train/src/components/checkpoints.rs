@@ -44,6 +44,8 @@ pub struct Found {
     pub resume: Option<(PathBuf, Checkpoint)>,
     /// Checkpoints moved aside.
     pub rejected: Vec<Rejection>,
+    /// Temporary directories of writers killed mid-save, deleted (path, bytes).
+    pub reclaimed: Vec<(PathBuf, u64)>,
 }
 
 /// Scans the checkpoints of the run directory `run` (the writer rank, which holds its lock)
@@ -79,6 +81,7 @@ pub fn scan(run: &RunDir, cfg: &Config) -> Result<Found, TrainError> {
         saver: Saver::new(opened.manager, cfg.checkpoint.asynchronous),
         resume: opened.resume,
         rejected: opened.rejected,
+        reclaimed: opened.reclaimed,
     })
 }
 
@@ -132,6 +135,7 @@ pub struct Checkpoints<'c> {
     /// What the writer rank's scan found, until [`Checkpoints::load`] uses it.
     found: Option<(PathBuf, Checkpoint)>,
     rejected: Vec<Rejection>,
+    reclaimed: Vec<(PathBuf, u64)>,
 }
 
 impl<'c> Checkpoints<'c> {
@@ -145,9 +149,9 @@ impl<'c> Checkpoints<'c> {
         found: Option<Found>,
     ) -> Self {
         let comm = mesh.world();
-        let (saver, resume, rejected) = match found {
-            Some(f) => (Some(f.saver), f.resume, f.rejected),
-            None => (None, None, Vec::new()),
+        let (saver, resume, rejected, reclaimed) = match found {
+            Some(f) => (Some(f.saver), f.resume, f.rejected, f.reclaimed),
+            None => (None, None, Vec::new(), Vec::new()),
         };
         let memory = Snapshotter::new(
             &cfg.effective_checkpoint(),
@@ -165,6 +169,7 @@ impl<'c> Checkpoints<'c> {
             comm,
             found: resume,
             rejected,
+            reclaimed,
         }
     }
 
@@ -309,6 +314,17 @@ impl<'c> Checkpoints<'c> {
     }
 
     fn report_rejected(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        for (path, bytes) in std::mem::take(&mut self.reclaimed) {
+            journal.emit(
+                event::CHECKPOINT_LEFTOVER_REMOVED,
+                json!({"path": path_text(&path), "bytes": bytes}),
+            )?;
+            journal.note(&format!(
+                "removed {} left by a writer killed mid-save ({})",
+                path.display(),
+                kiln_run::host::human_bytes(bytes as f64)
+            ));
+        }
         for r in std::mem::take(&mut self.rejected) {
             journal.emit(
                 event::CHECKPOINT_REJECTED,

@@ -1244,3 +1244,78 @@ fn a_checkpoint_that_fills_the_disk_leaves_the_space_for_the_retry() {
     );
     assert!(second.contains("checkpoints"), "{second}");
 }
+
+/// Issue 60: a trainer SIGKILLed while it writes a checkpoint (a preemption, a lost node)
+/// left `checkpoints/.tmp-step-<N>-<pid>` for ever: the rerun removed only its own process's.
+/// The next start removes every killed writer's, says so (`checkpoint_leftover_removed`, with
+/// its bytes), and resumes.
+#[test]
+fn a_writer_killed_mid_save_leaves_nothing_behind_after_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    // About 40M parameters: a checkpoint of about 500 MB, long enough to be caught writing.
+    let sets = [
+        "model.d_model=768",
+        "model.n_layers=6",
+        "model.n_heads=6",
+        "model.n_kv_heads=2",
+        "model.ffn_hidden=2048",
+        "training.batch_size=1",
+        "training.seq_len=16",
+        "training.compute_shards=1",
+        "training.steps=4",
+        "checkpoint.interval=2",
+        "checkpoint.async=false",
+        "checkpoint.snapshot_interval=0",
+        "guards.snapshot_interval=0",
+        "guards.frozen_check_interval=0",
+        "eval.interval=0",
+        "eval.samples=0",
+    ];
+    let tmp_dirs = |rd: &Path| -> Vec<String> {
+        std::fs::read_dir(rd.join("checkpoints"))
+            .map(|d| {
+                d.filter_map(|e| Some(e.ok()?.file_name().to_str()?.to_string()))
+                    .filter(|n| n.starts_with(".tmp-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut child = train_cmd(&rd, &sets)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while tmp_dirs(&rd).is_empty() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before a save was caught in flight"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "no save started");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap(); // SIGKILL, by PID
+    child.wait().unwrap();
+    let left = tmp_dirs(&rd);
+    assert_eq!(left.len(), 1, "{left:?}");
+    let out = train_cmd(&rd, &sets).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        tmp_dirs(&rd),
+        Vec::<String>::new(),
+        "a killed writer's folder stays"
+    );
+    let removed: Vec<serde_json::Value> = common::events(&rd)
+        .into_iter()
+        .filter(|e| e["event"] == "checkpoint_leftover_removed")
+        .collect();
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    assert!(removed[0]["path"].as_str().unwrap().ends_with(&left[0]));
+    assert!(removed[0]["bytes"].as_u64().unwrap() > 0, "{removed:?}");
+}
