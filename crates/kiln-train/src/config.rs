@@ -766,6 +766,25 @@ impl Config {
     /// Loads a file (or the defaults when `path` is None), applies `--set` overrides and
     /// validates the result.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        Self::load_for(path, overrides, None)
+    }
+
+    /// [`Config::load`] for a run in `run_dir`: when `model.init_from`'s directory is gone,
+    /// the model keys the run recorded from it when it started (`RUN_DIR/config.toml`) stand
+    /// in for it, so that the same command resumes the run.
+    pub fn load_for_run(
+        path: Option<&Path>,
+        overrides: &[String],
+        run_dir: &Path,
+    ) -> Result<Self, ConfigError> {
+        Self::load_for(path, overrides, Some(run_dir))
+    }
+
+    fn load_for(
+        path: Option<&Path>,
+        overrides: &[String],
+        run_dir: Option<&Path>,
+    ) -> Result<Self, ConfigError> {
         let (mut table, origin) = match path {
             Some(p) => {
                 let text = kiln_run::files::read_to_string_limited(p, MAX_CONFIG_BYTES, "a config")
@@ -785,7 +804,7 @@ impl Config {
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        resolve_init_from(&mut table, &origin, overrides)?;
+        resolve_init_from(&mut table, &origin, overrides, run_dir)?;
         let origin = if overrides.is_empty() {
             origin
         } else {
@@ -1197,6 +1216,7 @@ fn resolve_init_from(
     table: &mut toml::Table,
     origin: &str,
     overrides: &[String],
+    run_dir: Option<&Path>,
 ) -> Result<(), ConfigError> {
     use crate::hf_dir as hf;
     let Some(dir) = table
@@ -1212,6 +1232,9 @@ fn resolve_init_from(
         origin: format!("model.init_from = {dir:?}"),
         message,
     };
+    if !Path::new(&dir).is_dir() {
+        return shape_without_init_from(table, &dir, run_dir).map_err(invalid);
+    }
     let shape = hf::HfShape::read(Path::new(&dir)).map_err(|e| invalid(e.to_string()))?;
     let json = Path::new(&dir).join(hf::CONFIG_JSON);
     let model = table
@@ -1259,6 +1282,53 @@ fn resolve_init_from(
             toml::Value::String(tokenizer.display().to_string()),
         );
     }
+    Ok(())
+}
+
+/// The model's shape when `model.init_from`'s directory `dir` is gone (only a fresh start
+/// reads its weights; a run resuming from its checkpoint needs only the shape): the keys of
+/// a config that recorded them (`table` itself: a run's `config.toml`), else those the run in
+/// `run_dir` recorded when it started from `dir`. An error saying so when neither has them.
+fn shape_without_init_from(
+    table: &mut toml::Table,
+    dir: &str,
+    run_dir: Option<&Path>,
+) -> Result<(), String> {
+    use crate::hf_dir::HfShape;
+    let model = |t: &toml::Table| t.get("model").and_then(toml::Value::as_table).cloned();
+    let has_shape = |m: &toml::Table| HfShape::KEYS.iter().all(|k| m.contains_key(*k));
+    if model(table).is_some_and(|m| has_shape(&m)) {
+        return Ok(());
+    }
+    let recorded_path = run_dir.map(|d| d.join(kiln_run::layout::CONFIG));
+    let recorded = (recorded_path.as_ref())
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|text| toml::from_str::<toml::Table>(&text).ok())
+        .and_then(|t| model(&t))
+        .filter(|m| m.get("init_from").and_then(toml::Value::as_str) == Some(dir))
+        .filter(has_shape);
+    let Some(recorded) = recorded else {
+        return Err(format!(
+            "{dir} is not a directory: a fresh start reads its weights and config.json; a run that started from it resumes without it (its run directory's config.toml recorded the model's shape: the same command with that --run-dir, or `kiln train RUN_DIR/config.toml`)"
+        ));
+    };
+    let given = model(table).unwrap_or_default();
+    let mut merged = given.clone();
+    for key in HfShape::KEYS {
+        match (given.get(key), recorded.get(key)) {
+            (Some(g), Some(r)) if g != r => {
+                return Err(format!(
+                    "model.{key} = {g} differs from {r}, which the run recorded from {dir} in {} (the folder is gone; drop the setting or make it match)",
+                    recorded_path.map_or_else(String::new, |p| p.display().to_string())
+                ));
+            }
+            (None, Some(r)) => {
+                merged.insert(key.to_string(), r.clone());
+            }
+            _ => {}
+        }
+    }
+    table.insert("model".into(), toml::Value::Table(merged));
     Ok(())
 }
 

@@ -141,6 +141,20 @@ impl HfShape {
         Ok(shape)
     }
 
+    /// The `[model]` keys [`HfShape::keys`] sets, in its order.
+    pub const KEYS: [&str; 10] = [
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_hidden",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+        "qk_norm",
+    ];
+
     /// The `[model]` keys of kiln's config this shape sets.
     pub fn keys(&self) -> Vec<ShapeKey> {
         let int = |v: usize| toml::Value::Integer(i64::try_from(v).unwrap_or(i64::MAX));

@@ -147,6 +147,11 @@ impl<'a> Trainer<'a> {
             &mut self.guards,
             &mut self.journal,
         )?;
+        // The run's config, once the start is accepted: a start refused above (a checkpoint
+        // of another model) leaves the config the run was trained with, which export reads.
+        if let Some(run) = self.journal.run_dir() {
+            run.write_file(kiln_run::layout::CONFIG, self.cfg.to_toml().as_bytes())?;
+        }
         self.emit_start(resumed_from.as_deref())?;
         self.startup.mark(phase::CHECKPOINT_LOAD);
         Ok(())
@@ -220,12 +225,11 @@ fn build(
     Ok((layout, data, session))
 }
 
-/// The writer rank's side of the run directory: locks it, writes the config, opens the logs
-/// and scans the checkpoints.
+/// The writer rank's side of the run directory: locks it, opens the logs and scans the
+/// checkpoints (the config is written once the start is accepted, [`Trainer::setup`]).
 fn open_run_dir(opts: &TrainOptions) -> Result<(Writer, checkpoints::Found), TrainError> {
     let cfg = &opts.config;
     let run = RunDir::lock(&opts.run_dir)?;
-    run.write_file(kiln_run::layout::CONFIG, cfg.to_toml().as_bytes())?;
     let mut events = EventLog::open(run.path(), event::source::TRAIN)?;
     let (metrics, cut) = run.open_log(kiln_run::layout::METRICS)?;
     if cut > 0 {

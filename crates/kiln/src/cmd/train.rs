@@ -180,7 +180,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let _heartbeat = kiln_run::Heartbeat::start();
     // A bad config is exit 78 like any other invalid input (never retried by kiln launch),
     // whether it is found here or once training starts (ConfigError and TrainError say so).
-    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    let config = Config::load_for_run(args.config.as_deref(), &args.overrides, &args.run_dir)?;
     if args.print_config {
         print!("{}", config.to_toml());
         return Ok(ExitCode::SUCCESS);

@@ -151,3 +151,58 @@ fn bad_init_from_is_refused_naming_what_is_wrong() {
         "{text}"
     );
 }
+
+/// Issue 60: a run started from Hugging Face weights could not resume once their folder was
+/// gone: the same command, and `kiln train RUN/config.toml`, exited 78 "not a directory",
+/// though only a fresh start reads the folder. Both resume now, from the shape the run
+/// recorded; a fresh start without the folder is refused, saying how such a run resumes.
+#[test]
+fn a_run_started_from_hugging_face_weights_resumes_once_their_folder_is_gone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let sets = [RUN, &["training.steps=2", "checkpoint.interval=0"]].concat();
+    let o = common::train_cmd(&src, &sets).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let hf = tmp.path().join("hf");
+    let (code, text) = output({
+        let mut c = Command::new(KILN);
+        c.arg("export").arg(&src).args(["--to", "hf"]).arg(&hf);
+        c
+    });
+    assert_eq!(code, 0, "{text}");
+    let run = tmp.path().join("run");
+    let (code, text) = output(init_cmd(
+        &run,
+        &hf,
+        &["training.steps=4", "checkpoint.interval=2"],
+    ));
+    assert_eq!(code, 0, "{text}");
+    std::fs::remove_dir_all(&hf).unwrap();
+    // The last checkpoint lost: the same command resumes from step 2 without the folder.
+    std::fs::remove_dir_all(run.join("checkpoints/step-4")).unwrap();
+    std::fs::remove_file(run.join("model.safetensors")).unwrap();
+    let (code, text) = output(init_cmd(
+        &run,
+        &hf,
+        &["training.steps=4", "checkpoint.interval=2"],
+    ));
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("resumed from"), "{text}");
+    // So does the run's recorded config.
+    let mut c = common::kiln_cmd(&["train", "--no-progress-bar"]);
+    c.arg(run.join("config.toml")).arg("--run-dir").arg(&run);
+    c.args(["--set", "training.steps=6"]);
+    let (code, text) = output(c);
+    assert_eq!(code, 0, "{text}");
+    // A fresh start needs the folder.
+    let (code, text) = output(init_cmd(
+        &tmp.path().join("fresh"),
+        &hf,
+        &["training.steps=2"],
+    ));
+    assert_eq!(code, 78, "{text}");
+    assert!(
+        text.contains("is not a directory") && text.contains("resumes without it"),
+        "{text}"
+    );
+}

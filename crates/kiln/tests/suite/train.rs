@@ -214,6 +214,45 @@ fn changed_model_shape_refuses_to_resume() {
     );
 }
 
+/// Issue 60: a start refused for a changed model key (exit 78) had already rewritten
+/// `RUN/config.toml` with the refused settings, and `kiln export RUN` then wrote them beside
+/// weights trained with others (rope_theta 500000 for a model trained at 10000). A refused
+/// start changes nothing in the run directory's config, and export takes the trained one.
+#[test]
+fn a_refused_start_leaves_the_runs_config_as_it_was() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    run_to_end(&dir, &["training.steps=4"]);
+    let before = std::fs::read(dir.join("config.toml")).unwrap();
+    let out = train_cmd(&dir, &["training.steps=8", "model.rope_theta=500000"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(78),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = std::fs::read(dir.join("config.toml")).unwrap();
+    assert!(before == after, "the refused start rewrote config.toml");
+    let hf = tmp.path().join("hf");
+    let out = Command::new(KILN)
+        .arg("export")
+        .arg(&dir)
+        .args(["--to", "hf"])
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(json["rope_theta"].as_f64(), Some(10000.0), "{json}");
+}
+
 #[test]
 fn bad_config_errors_name_the_problem() {
     let tmp = tempfile::tempdir().unwrap();
