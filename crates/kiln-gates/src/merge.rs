@@ -61,13 +61,16 @@ pub fn normalised_weights(given: Option<&[f64]>, n: usize) -> Result<Vec<f64>, G
             "--weights {bad}: every weight must be a finite number >= 0"
         )));
     }
-    let sum: f64 = w.iter().sum();
-    if sum <= 0.0 || !sum.is_finite() {
+    // Scaled by the largest first: weights near f64's limit sum without overflowing (their
+    // ratios are what counts).
+    let largest = w.iter().copied().fold(0.0f64, f64::max);
+    if largest <= 0.0 {
         return Err(GatesError::Usage(
             "--weights: the weights sum to 0; give at least one positive weight".into(),
         ));
     }
-    Ok(w.iter().map(|x| x / sum).collect())
+    let sum: f64 = w.iter().map(|x| x / largest).sum();
+    Ok(w.iter().map(|x| x / largest / sum).collect())
 }
 
 /// One checkpoint, read and rebuilt.
@@ -249,6 +252,15 @@ mod tests {
         assert_eq!(
             normalised_weights(Some(&[1.0, 3.0]), 2).unwrap(),
             [0.25, 0.75]
+        );
+        // Issue 60: weights whose sum overflows f64 were "summing to 0".
+        assert_eq!(
+            normalised_weights(Some(&[1e308, 1e308]), 2).unwrap(),
+            [0.5, 0.5]
+        );
+        assert_eq!(
+            normalised_weights(Some(&[f64::MAX, 0.0, f64::MAX]), 3).unwrap(),
+            [0.5, 0.0, 0.5]
         );
         for (w, want) in [
             (vec![1.0], "1 value(s) for 2"),

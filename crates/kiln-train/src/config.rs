@@ -840,6 +840,32 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_default()
     }
 
+    /// The effective config as TOML with every key, those [`Config::to_toml`] leaves out at
+    /// their defaults too (`kiln train --print-config`). The recorded config leaves them out
+    /// so that its hash, and the model hash a checkpoint carries, stay what kiln wrote before
+    /// the keys existed.
+    pub fn to_toml_every_key(&self) -> String {
+        let Ok(mut table) = toml::Table::try_from(self) else {
+            return self.to_toml();
+        };
+        let mut set = |section: &str, key: &str, value: toml::Value| {
+            if let Some(t) = table.get_mut(section).and_then(toml::Value::as_table_mut) {
+                t.entry(key.to_string()).or_insert(value);
+            }
+        };
+        let t = &self.training;
+        set("model", "init_from", self.model.init_from.clone().into());
+        let ac = toml::Value::try_from(t.activation_checkpointing);
+        set(
+            "training",
+            "activation_checkpointing",
+            ac.unwrap_or("none".into()),
+        );
+        set("training", "device_memory_gb", t.device_memory_gb.into());
+        set("metrics", "tensorboard", self.metrics.tensorboard.into());
+        toml::to_string_pretty(&table).unwrap_or_default()
+    }
+
     /// Checks every numeric key's domain (finite, sign, range) and the rules that tie keys
     /// together; an error lists every key that is out of its domain with its value and the
     /// allowed range.
@@ -1362,6 +1388,36 @@ fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError
 
 #[cfg(test)]
 mod tests {
+    /// Issue 60: `--print-config` left out the keys the recorded config skips at their
+    /// defaults; it names every key a config sets when none is at its default.
+    #[test]
+    fn every_key_is_printed() {
+        let keys = |text: &str| -> Vec<String> {
+            let t: toml::Table = toml::from_str(text).unwrap();
+            let mut out: Vec<String> = t
+                .iter()
+                .flat_map(|(s, v)| {
+                    let inner = v.as_table().cloned().unwrap_or_default();
+                    inner.keys().map(|k| format!("{s}.{k}")).collect::<Vec<_>>()
+                })
+                .collect();
+            out.sort();
+            out
+        };
+        let mut set = Config::default();
+        set.model.init_from = "hf".into();
+        set.training.activation_checkpointing = ActivationCheckpointing::Blocks;
+        set.training.device_memory_gb = 80.0;
+        set.metrics.tensorboard = true;
+        let printed = Config::default().to_toml_every_key();
+        assert_eq!(keys(&printed), keys(&set.to_toml()));
+        assert!(printed.contains("tensorboard = false"), "{printed}");
+        assert_eq!(
+            Config::from_toml(&printed, "printed").unwrap(),
+            Config::default()
+        );
+    }
+
     #[test]
     fn flash_tilings_parse_and_bad_ones_are_refused() {
         assert_eq!(

@@ -182,7 +182,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     // whether it is found here or once training starts (ConfigError and TrainError say so).
     let config = Config::load_for_run(args.config.as_deref(), &args.overrides, &args.run_dir)?;
     if args.print_config {
-        print!("{}", config.to_toml());
+        print!("{}", config.to_toml_every_key());
         return Ok(ExitCode::SUCCESS);
     }
     let live = !args.no_progress_bar && std::io::stderr().is_terminal();
