@@ -83,7 +83,7 @@ impl<'o> Journal<'o> {
             // A rollback returns to `to_step`: the steps after it come again.
             let back = fields.get("to_step").and_then(Value::as_u64);
             if let Some(to) = back {
-                tb.cut_after(to)?;
+                tb.rollback_to(to)?;
             }
             let step = fields.get("step").and_then(Value::as_u64).or(back);
             tb.text(

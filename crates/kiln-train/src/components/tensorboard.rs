@@ -227,6 +227,33 @@ impl TensorBoard {
         self.file.set_len(keep).map_err(io(path))
     }
 
+    /// A guard's rollback to `step`: the file cut after it as [`TensorBoard::cut_after`] does
+    /// (the later steps come again), but the guards' texts of the steps cut (what made the
+    /// guard roll back: the non-finite parameters, the spike) written again at `step`, so that
+    /// the reason stays beside the rollback. The texts keep their own step in their fields.
+    pub fn rollback_to(&mut self, step: u64) -> Result<(), TrainError> {
+        let path = &self.path;
+        let mut read = File::open(path).map_err(io(path))?;
+        read.rewind().map_err(io(path))?;
+        let mut guards = Vec::new();
+        scan(&mut BufReader::new(read), |e| {
+            let later = u64::try_from(e.step).is_ok_and(|s| s > step);
+            if let (true, Some(What::Summary(summary))) = (later, &e.what) {
+                let texts = summary
+                    .value
+                    .iter()
+                    .filter(|v| v.tag.starts_with("guards/"));
+                guards.extend(texts.cloned());
+            }
+            true
+        });
+        self.cut_after(step)?;
+        if guards.is_empty() {
+            return Ok(());
+        }
+        self.summary(step, guards)
+    }
+
     /// The event file.
     pub fn path(&self) -> &Path {
         &self.path
@@ -361,6 +388,38 @@ mod tests {
         tb.cut_after(2).unwrap();
         tb.scalars(3, &[("train/loss", 1.0)]).unwrap();
         assert_eq!(steps(&path), [1, 2, 3]);
+    }
+
+    /// Issue 60: a guard's rollback cut the file back, and with it the text of the guard
+    /// event that caused it (the non-finite parameters): only `guards/rollback` was left.
+    /// The cut texts are written again at the rollback's step; the scalars stay cut.
+    #[test]
+    fn a_rollback_keeps_the_guards_texts_that_caused_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tb = TensorBoard::open(dir.path(), 0).unwrap();
+        for s in 1..=4 {
+            tb.scalars(s, &[("train/loss", 1.0)]).unwrap();
+        }
+        tb.text(4, "guards/nonfinite_skip", "{\"params\": [\"w\"]}")
+            .unwrap();
+        tb.rollback_to(2).unwrap();
+        tb.text(2, "guards/rollback", "{\"to_step\": 2}").unwrap();
+        let path = tb.path().to_path_buf();
+        let mut tags = Vec::new();
+        scan(&mut File::open(&path).unwrap(), |e| {
+            if let Some(What::Summary(sm)) = &e.what {
+                tags.extend(sm.value.iter().map(|v| (e.step, v.tag.clone())));
+            }
+            true
+        });
+        let want = [
+            (1, "train/loss"),
+            (2, "train/loss"),
+            (2, "guards/nonfinite_skip"),
+            (2, "guards/rollback"),
+        ];
+        let want: Vec<(i64, String)> = want.iter().map(|(s, t)| (*s, t.to_string())).collect();
+        assert_eq!(tags, want);
     }
 
     proptest! {
