@@ -501,6 +501,9 @@ pub struct TokenizeStats {
     pub documents: u64,
     pub tokens: u64,
     pub input_bytes: u64,
+    /// Bytes of the documents' text (UTF-8) tokenized: what the throughput is of (the
+    /// input's bytes are a parquet file's compressed ones).
+    pub text_bytes: u64,
     pub seconds: f64,
     pub tokens_per_second: f64,
     pub dtype: DType,
@@ -654,7 +657,7 @@ fn write_dataset(
     let total = src.total_bytes();
     let bar = crate::progress::bytes_bar(total, "tokenize");
     let mut reader = src.reader();
-    let (mut docs, mut split) = (0u64, 0u64);
+    let (mut docs, mut split, mut text_bytes) = (0u64, 0u64, 0u64);
     let batch = opts.batch_docs.max(1);
     let enc_err = |e: tokenizers::Error| DataError::Tokenizer {
         path: tokenizer_path.to_path_buf(),
@@ -674,6 +677,7 @@ fn write_dataset(
             })
             .collect();
         split += texts.iter().filter(|t| t.len() > PIECE_BYTES).count() as u64;
+        text_bytes += texts.iter().map(|t| t.len() as u64).sum::<u64>();
         for ids in encoded {
             builder.add_document(&ids?)?;
             docs += 1;
@@ -702,6 +706,7 @@ fn write_dataset(
         documents: docs,
         tokens,
         input_bytes: reader.bytes(),
+        text_bytes,
         seconds,
         tokens_per_second: tokens as f64 / seconds.max(1e-9),
         dtype,

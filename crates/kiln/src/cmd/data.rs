@@ -268,14 +268,14 @@ fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&stats)?);
     } else {
         println!(
-            "{}: {} documents, {} tokens ({}) in {:.2}s: {:.0} tokens/s, {:.1} MB/s",
+            "{}: {} documents, {} tokens ({}) in {:.2}s: {:.0} tokens/s, {:.1} MB/s of text",
             a.output_prefix.display(),
             stats.documents,
             stats.tokens,
             stats.dtype.name(),
             stats.seconds,
             stats.tokens_per_second,
-            stats.input_bytes as f64 / stats.seconds.max(1e-9) / 1e6
+            stats.text_bytes as f64 / stats.seconds.max(1e-9) / 1e6
         );
         if stats.null_rows > 0 {
             println!(
