@@ -411,8 +411,12 @@ fn recovery_lines(events: &[kiln_run::Event]) -> String {
         .filter(|e| e.event == event::STRAGGLER)
         .map(|e| {
             let f = |k: &str| e.fields.get(k).map_or("?".into(), fmt_value);
+            let cost = e.fields.get("cost").and_then(Value::as_f64);
+            let cost = cost.map_or(String::new(), |c| {
+                format!(", costing the job {:.0} % of its speed", c * 100.0)
+            });
             format!(
-                "rank {} on {} at step {}: {} x its peers ({} s against {} s a step)",
+                "rank {} on {} at step {}: {} x its peers ({} s against {} s a step){cost}",
                 f("rank"),
                 f("host"),
                 f("step"),

@@ -101,9 +101,14 @@ pub struct LaunchRequest {
     /// attempts in a row that got no further), with node scope: swap culprit hosts for spares.
     #[arg(long, help_heading = "Retries")]
     pub auto_retry: bool,
-    /// With --auto-retry: a rank named a straggler (its work per step above 2 x its peers'
-    /// for 20 steps) ends the attempt as a failing node would: the ranks get SIGTERM and
-    /// checkpoint, its host is swapped for a spare and quarantined [default: off].
+    /// The share of the job's speed a rank must cost it for 20 steps in a row to be named a
+    /// straggler: at r x its peers' work per step (beacons' `<work_s>`) it costs 1 - 1/r of
+    /// the speed, every rank waiting for it [default: 0.25, a rank at 4/3 of its peers'].
+    #[arg(long, value_name = "SHARE", help_heading = "Watchdogs")]
+    pub straggler_cost: Option<f64>,
+    /// With --auto-retry: a rank named a straggler (--straggler-cost) ends the attempt as a
+    /// failing node would: the ranks get SIGTERM and checkpoint, its host is swapped for a
+    /// spare and quarantined [default: off].
     #[arg(long, requires = "auto_retry", help_heading = "Retries")]
     pub straggler_is_node_failure: bool,
     /// Hosts kept as spares for node scope [default with --auto-retry: about 2 %, at least 1].

@@ -155,6 +155,7 @@ struct Timing {
     regex: ProgressRegex,
     backoff: Backoff,
     walltime: Option<Duration>,
+    straggler_cost: f64,
 }
 
 fn timing(req: &LaunchRequest) -> Result<Timing, String> {
@@ -178,6 +179,15 @@ fn timing(req: &LaunchRequest) -> Result<Timing, String> {
             .as_deref()
             .map(|w| limits::clock_time("--walltime", w))
             .transpose()?,
+        straggler_cost: match req.straggler_cost {
+            None => crate::straggler::COST,
+            Some(c) if c > 0.0 && c < 1.0 => c,
+            Some(c) => {
+                return Err(format!(
+                    "--straggler-cost {c}: must be a share of the job's speed in (0, 1), e.g. 0.25"
+                ));
+            }
+        },
     })
 }
 
@@ -535,6 +545,7 @@ impl<'a> Running<'a> {
             rank_shims: !self.req.no_rank_env,
             heartbeat_timeout: Some(t.heartbeat),
             straggler_ends_attempt: self.req.straggler_is_node_failure,
+            straggler_cost: t.straggler_cost,
         }
     }
 

@@ -79,6 +79,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             auto_retry: r.3,
             // Only with --auto-retry.
             straggler_is_node_failure: r.3 && w.0,
+            straggler_cost: None,
             spares: w.7,
             strikes: r.6,
             min_nodes: w.8,

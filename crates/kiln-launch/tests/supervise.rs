@@ -37,6 +37,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         expected_ranks: None,
         rank_shims: false,
         straggler_ends_attempt: false,
+        straggler_cost: kiln_launch::straggler::COST,
         heartbeat_timeout: None,
         startup_timeout: None,
         startup_auto: false,

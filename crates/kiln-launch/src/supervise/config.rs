@@ -56,6 +56,9 @@ pub struct AttemptConfig {
     /// A rank named a straggler ends the attempt (`--straggler-is-node-failure`): see
     /// [`crate::straggler`].
     pub straggler_ends_attempt: bool,
+    /// The share of the job's speed a rank must cost it to be named a straggler
+    /// (`--straggler-cost`, [`crate::straggler::COST`] by default).
+    pub straggler_cost: f64,
     /// Startup watchdog: kill when no rank advanced this long after the attempt started (a
     /// wire-up or launch that hangs before the first step); set per attempt by the retry
     /// loop (see [`crate::stall::startup_limit`]); `None`: off.

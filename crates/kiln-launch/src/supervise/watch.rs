@@ -86,7 +86,7 @@ impl Watch {
             live: LiveRanks::new(),
             kill: Escalation::new(a.cfg.grace),
             steps: crate::stall::StepClock::default(),
-            stragglers: crate::straggler::StragglerWatch::default(),
+            stragglers: crate::straggler::StragglerWatch::costing(a.cfg.straggler_cost),
             straggler: None,
         }
     }

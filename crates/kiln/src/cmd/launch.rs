@@ -35,7 +35,11 @@ Launcher (chosen from the detected scheduler, see `kiln doctor`):
 Progress and watchdogs:
   Progress is the largest step number matched by --progress-regex in the output (ANSI codes
   stripped, invalid UTF-8 tolerated), and per-rank beacon files $KILN_PROGRESS_DIR/rank-<R>
-  holding `<step> <phase> <unix_time> <host>` (kiln's trainer writes them; any program may).
+  holding `<step> <phase> <unix_time> <host> [<work_s>]` (kiln's trainer writes them; any
+  program may). `<work_s>`, the seconds the rank worked on its step before (its step less
+  its wait for the others), names stragglers: a rank that costs the job a quarter of its
+  speed for 20 steps in a row (a `straggler` event, with --straggler-is-node-failure a node
+  failure).
   --timeout fires on silence (no output, no beacon update); --stall-timeout fires when output
   continues but progress stops, armed once the first progress is seen. Without
   --stall-timeout, ranks that write beacons are stopped when progress stalls for 10 x the
