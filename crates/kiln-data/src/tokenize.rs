@@ -511,6 +511,9 @@ pub struct TokenizeStats {
     pub split_documents: u64,
     /// Null values of parquet text columns, skipped (no document).
     pub null_rows: u64,
+    /// Temporary outputs of earlier writers killed before they finished, removed (path,
+    /// bytes).
+    pub abandoned_removed: Vec<(String, u64)>,
 }
 
 /// Where to end the piece of `text` that starts at `start`: at most `piece` bytes on, before
@@ -585,6 +588,7 @@ pub fn tokenize(
         None => None,
     };
     prepare_output(tokenizer_path, src, output_prefix)?;
+    let abandoned = remove_abandoned_outputs(output_prefix);
     let dtype = DType::optimal(vocab);
     let written = write_dataset(&tok, tokenizer_path, src, output_prefix, opts, (eos, dtype));
     if written.is_err() {
@@ -602,7 +606,64 @@ pub fn tokenize(
         remove_partial_outputs(output_prefix);
         return Err(e);
     }
-    Ok(stats)
+    Ok(TokenizeStats {
+        abandoned_removed: abandoned,
+        ..stats
+    })
+}
+
+/// How long another process's temporary output may stay untouched before it counts as a
+/// killed writer's whatever host wrote it (a writer on another host of a shared file system,
+/// whose process this host cannot see, appends to its file as it goes).
+const ABANDONED_AFTER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// Deletes what writers of `prefix` killed before they finished left
+/// (`PREFIX.bin.tmp.<pid>.<n>` and the `.idx`'s and sidecar's likewise): the files of a process
+/// that no longer runs on this host, and any untouched for [`ABANDONED_AFTER`]. A live
+/// writer's are kept (two writers of one output race, but neither loses its file). Returns
+/// each file removed with its bytes.
+fn remove_abandoned_outputs(prefix: &Path) -> Vec<(String, u64)> {
+    let finals = [
+        crate::indexed::bin_path(prefix),
+        crate::indexed::idx_path(prefix),
+        sidecar_path(prefix),
+    ];
+    let mut removed = Vec::new();
+    for path in finals {
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            continue;
+        };
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        let stem = format!("{}.tmp.", name.to_string_lossy());
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.filter_map(std::result::Result::ok) {
+            let file = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = file
+                .strip_prefix(&stem)
+                .and_then(|rest| rest.split_once('.'))
+                .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(meta) = e.metadata() else {
+                continue;
+            };
+            let idle = meta.modified().ok().and_then(|t| t.elapsed().ok());
+            let gone = !Path::new("/proc").join(pid.to_string()).exists();
+            let stale = idle.is_some_and(|d| d >= ABANDONED_AFTER);
+            let abandoned = pid != std::process::id() && meta.is_file() && (gone || stale);
+            if abandoned && std::fs::remove_file(e.path()).is_ok() {
+                removed.push((e.path().display().to_string(), meta.len()));
+            }
+        }
+    }
+    removed
 }
 
 /// Deletes what this process left of an unfinished dataset at `prefix`: the temporary
@@ -712,6 +773,7 @@ fn write_dataset(
         dtype,
         split_documents: split,
         null_rows: reader.nulls(),
+        abandoned_removed: Vec::new(),
     };
     Ok((stats, sidecar))
 }

@@ -277,6 +277,12 @@ fn tokenize_cmd(a: TokenizeArgs) -> anyhow::Result<ExitCode> {
             stats.tokens_per_second,
             stats.text_bytes as f64 / stats.seconds.max(1e-9) / 1e6
         );
+        for (path, bytes) in &stats.abandoned_removed {
+            println!(
+                "  removed {path} ({}) left by a writer killed before it finished",
+                kiln_run::host::human_bytes(*bytes as f64)
+            );
+        }
         if stats.null_rows > 0 {
             println!(
                 "  {} null row(s) of the parquet text column were skipped",

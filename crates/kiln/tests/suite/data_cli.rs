@@ -521,3 +521,35 @@ fn a_bad_corpus_list_exits_78_as_it_does_for_train() {
         &[],
     );
 }
+
+/// Issue 60: a killed `kiln data tokenize` left `PREFIX.bin.tmp.<pid>.0`, and the next
+/// successful run of the same command kept it (GBs on real shards). It removes a dead
+/// writer's now, and says so; a live process's is kept.
+#[test]
+fn tokenize_removes_what_a_killed_run_of_it_left() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    small_tokenizer(d);
+    std::fs::write(d.join("a.txt"), "ant bee cat\n\ndog eel fox\n").unwrap();
+    // A process that ran and is gone, and one that runs (this test's).
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    std::fs::create_dir_all(d.join("shards")).unwrap();
+    let left = d.join(format!("shards/a.bin.tmp.{dead}.0"));
+    std::fs::write(&left, vec![7u8; 4096]).unwrap();
+    let live = d.join(format!("shards/a.idx.tmp.{}.3", std::process::id()));
+    std::fs::write(&live, b"in flight").unwrap();
+    let out = ok(
+        &[
+            "tokenize", "-t", "tok.json", "-i", "a.txt", "-o", "shards/a",
+        ],
+        d,
+    );
+    assert!(!left.exists(), "{out}");
+    assert!(
+        out.contains("left by a writer killed before it finished"),
+        "{out}"
+    );
+    assert!(live.exists(), "a live writer's file was removed");
+}
