@@ -649,34 +649,13 @@ fn several_ranks_on_a_kiln_without_mpi_is_a_clear_config_error() {
 /// directory: the gates verbs write where their flags say).
 #[cfg(feature = "mpi")]
 fn launch_gate(np: usize, args: &[&str], sets: &[&str]) -> Output {
-    let mut cmd = Command::new(common::KILN);
-    let np = np.to_string();
     // The launch's own run directory (events, attempt logs) in a temporary one, not in the
     // working directory's runs/.
     let launch_dir = tempfile::tempdir().expect("a temporary directory");
-    cmd.args([
-        "launch",
-        "--mpi",
-        "--np",
-        &np,
-        "--timeout",
-        "120",
-        "--run-dir",
-    ])
-    .arg(launch_dir.path())
-    .arg("--");
-    cmd.arg(common::KILN).args(args);
+    let mut cmd = ranks::launcher(np, launch_dir.path());
+    cmd.arg("--").arg(common::KILN).args(args);
     for s in common::TINY_MODEL.iter().chain(sets) {
         cmd.arg("--set").arg(s);
-    }
-    for v in [
-        "PBS_JOBID",
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "RANK",
-        "WORLD_SIZE",
-    ] {
-        cmd.env_remove(v);
     }
     cmd.output().expect("spawn kiln launch")
 }

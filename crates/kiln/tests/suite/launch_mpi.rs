@@ -17,21 +17,8 @@ fn mpirun_starts_two_ranks_that_see_rank_and_world_size() {
     );
     let dir = tempfile::tempdir().unwrap();
     let rd = dir.path().join("run");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    cmd.args(["launch", "--mpi", "--np", "2", "--timeout", "60", "--run-dir"])
-        .arg(&rd)
-        .args(["--", "sh", "-c", "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT\""]);
-    for v in [
-        "PBS_JOBID",
-        "SLURM_JOB_ID",
-        "SLURM_JOBID",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "KILN_PROGRESS_DIR",
-    ] {
-        cmd.env_remove(v);
-    }
+    let mut cmd = crate::common::ranks::launcher(2, &rd);
+    cmd.args(["--", "sh", "-c", "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT\""]);
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
