@@ -705,10 +705,7 @@ fn writes_pieces(step: &Step, mesh: &DeviceMesh) -> bool {
 /// tensor-parallel rank holds whole, a flat range written by the first of them only.
 fn region_of(spec: &ParamSpec, held: Option<Range<usize>>, first_tp: bool) -> Option<Region> {
     let held = held?;
-    match spec.placement.is_whole() {
-        true => first_tp.then(|| Region::flat(held)),
-        false => Some(Region::boxed(spec.placement.boxed.clone(), held)),
-    }
+    (first_tp || !spec.placement.is_whole()).then(|| spec.placement.region(held))
 }
 
 /// Reads the checkpoint `dir` as this rank of `step`'s run keeps it: in a run whose ranks
@@ -744,10 +741,7 @@ fn read_checkpoint(
             _ if spec.placement.is_whole() => return None,
             _ => 0..spec.numel(),
         };
-        let region = match spec.placement.is_whole() {
-            true => Region::flat(held),
-            false => Region::boxed(spec.placement.boxed.clone(), held),
-        };
+        let region = spec.placement.region(held);
         let shape = spec.placement.global.clone();
         Some(checkpoint::Want { shape, region })
     };

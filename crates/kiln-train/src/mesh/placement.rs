@@ -8,7 +8,7 @@
 //! further, into flat ranges ([`crate::parallel::shard`]).
 
 use super::Dim;
-use crate::checkpoint::region::{box_text, for_each_row};
+use crate::checkpoint::region::{Region, box_text, for_each_row};
 use std::ops::Range;
 
 /// Where one parameter's values live (see the module documentation).
@@ -75,6 +75,15 @@ impl Placement {
             whole[at..at + len].copy_from_slice(&local[from..from + len]);
             from += len;
         });
+    }
+
+    /// Where elements `held` of this rank's tensor lie in the whole tensor, as a checkpoint
+    /// piece names them: a flat range of a tensor held whole, a range of this rank's box.
+    pub fn region(&self, held: Range<usize>) -> Region {
+        match self.is_whole() {
+            true => Region::flat(held),
+            false => Region::boxed(self.boxed.clone(), held),
+        }
     }
 
     /// The box as `a:b,c:d` (one range a dim), the suffix of a checkpoint piece's name.
