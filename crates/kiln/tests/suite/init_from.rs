@@ -51,20 +51,26 @@ fn events(run: &Path, name: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
-#[test]
-fn export_then_init_from_is_bit_exact_and_resume_ignores_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    let sets = [RUN, &["training.steps=4", "checkpoint.interval=0"]].concat();
-    let o = common::train_cmd(&src, &sets).output().unwrap();
+/// A run of the tiny model in `src` trained `steps` steps, exported to a Hugging Face
+/// directory `hf`.
+fn exported(src: &Path, steps: u64, hf: &Path) {
+    let steps = format!("training.steps={steps}");
+    let sets = [RUN, &[steps.as_str(), "checkpoint.interval=0"]].concat();
+    let o = common::train_cmd(src, &sets).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let hf = tmp.path().join("hf");
     let (code, text) = output({
         let mut c = Command::new(KILN);
-        c.arg("export").arg(&src).args(["--to", "hf"]).arg(&hf);
+        c.arg("export").arg(src).args(["--to", "hf"]).arg(hf);
         c
     });
     assert_eq!(code, 0, "{text}");
+}
+
+#[test]
+fn export_then_init_from_is_bit_exact_and_resume_ignores_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, hf) = (tmp.path().join("src"), tmp.path().join("hf"));
+    exported(&src, 4, &hf);
 
     // The exported run's weights, and the new run's starting ones.
     let loaded = kiln_gates::mc::load_model(&src, None).unwrap();
@@ -159,17 +165,8 @@ fn bad_init_from_is_refused_naming_what_is_wrong() {
 #[test]
 fn a_run_started_from_hugging_face_weights_resumes_once_their_folder_is_gone() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    let sets = [RUN, &["training.steps=2", "checkpoint.interval=0"]].concat();
-    let o = common::train_cmd(&src, &sets).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let hf = tmp.path().join("hf");
-    let (code, text) = output({
-        let mut c = Command::new(KILN);
-        c.arg("export").arg(&src).args(["--to", "hf"]).arg(&hf);
-        c
-    });
-    assert_eq!(code, 0, "{text}");
+    let (src, hf) = (tmp.path().join("src"), tmp.path().join("hf"));
+    exported(&src, 2, &hf);
     let run = tmp.path().join("run");
     let (code, text) = output(init_cmd(
         &run,

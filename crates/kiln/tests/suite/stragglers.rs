@@ -82,37 +82,38 @@ fn status(run: &Path) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A 3-rank `kiln launch --mpi` of `steps` steps in `run` whose rank 2 is stopped
+/// `stopped_ms` of every 20 ms from its start to the job's end; the job's output.
 #[cfg(feature = "mpi")]
-#[test]
-fn a_slowed_rank_is_named_on_a_real_mpi() {
-    let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("run");
-    let mut cmd = common::kiln_cmd(&[
-        "launch",
-        "--mpi",
-        "--np",
-        "3",
-        "--timeout",
-        "120",
-        "--run-dir",
-    ]);
-    cmd.arg(&run).arg("--").args(train_args(&run, 400));
-    let job = cmd
-        .stdout(std::process::Stdio::null())
+fn with_rank_2_slowed(run: &Path, steps: u64, stopped_ms: u64) -> std::process::Output {
+    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "3", "--timeout", "120"]);
+    cmd.arg("--run-dir")
+        .arg(run)
+        .arg("--")
+        .args(train_args(run, steps));
+    let job = (cmd.stdout(std::process::Stdio::null()))
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut pid = None;
     common::slurm::wait_until(Duration::from_secs(60), "rank 2's trainer", || {
-        pid = common::trainer_pid(&run, 2);
+        pid = common::trainer_pid(run, 2);
         pid.is_some()
     });
-    let pid = pid.unwrap_or_default();
     let done = Arc::new(AtomicBool::new(false));
-    let slow = cycle(pid, 15, done.clone());
+    let slow = cycle(pid.unwrap_or_default(), stopped_ms, done.clone());
     let out = job.wait_with_output().unwrap();
     done.store(true, Ordering::Relaxed);
     slow.join().unwrap();
+    out
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_slowed_rank_is_named_on_a_real_mpi() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = with_rank_2_slowed(&run, 400, 15);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let named = stragglers(&run);
@@ -139,25 +140,7 @@ fn a_slowed_rank_is_named_on_a_real_mpi() {
 fn a_rank_at_half_speed_is_named_with_what_it_costs() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "3", "--timeout", "120"]);
-    cmd.arg("--run-dir")
-        .arg(&run)
-        .arg("--")
-        .args(train_args(&run, 800));
-    let job = (cmd.stdout(std::process::Stdio::null()))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut pid = None;
-    common::slurm::wait_until(Duration::from_secs(60), "rank 2's trainer", || {
-        pid = common::trainer_pid(&run, 2);
-        pid.is_some()
-    });
-    let done = Arc::new(AtomicBool::new(false));
-    let slow = cycle(pid.unwrap_or_default(), 10, done.clone());
-    let out = job.wait_with_output().unwrap();
-    done.store(true, Ordering::Relaxed);
-    slow.join().unwrap();
+    let out = with_rank_2_slowed(&run, 1600, 10);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let named = stragglers(&run);
