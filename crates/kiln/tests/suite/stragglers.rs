@@ -4,7 +4,7 @@
 //! and on the test Slurm; `kiln launch` names that rank (and its host) first in a `straggler`
 //! event and `kiln status` shows it. (On a machine this loaded, CPU contention alone can keep
 //! another rank above the factor for a window: the test asks that the slowed rank is named
-//! first, not that no other ever is.)
+//! as the worst, not that no other ever is.)
 
 use crate::common;
 
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// A trainer whose steps take about ten milliseconds (400 of them: seconds, even slowed).
+/// A trainer of `steps` steps of about ten milliseconds each.
 fn train_args(run: &Path, steps: u64) -> Vec<String> {
     let mut a = vec![
         KILN.to_string(),
@@ -82,16 +82,19 @@ fn status(run: &Path) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// A 3-rank `kiln launch --mpi` of `steps` steps in `run` whose rank 2 is stopped
-/// `stopped_ms` of every 20 ms from its start to the job's end; the job's output.
+/// A 3-rank `kiln launch --mpi` in `run` whose rank 2 is stopped `stopped_ms` of every 20 ms
+/// from its start until the launcher names it a straggler (at most two minutes), then
+/// preempted (SIGTERM to the launcher, by its PID): the job's output. The job runs until the
+/// naming, not for a fixed number of steps: the detector needs two windows of beacon reads
+/// (every 200 ms), which a fixed step count ran out of on a faster machine (CI's, at 400).
 #[cfg(feature = "mpi")]
-fn with_rank_2_slowed(run: &Path, steps: u64, stopped_ms: u64) -> std::process::Output {
+fn with_rank_2_slowed(run: &Path, stopped_ms: u64) -> std::process::Output {
     let mut cmd = common::kiln_cmd(&["launch", "--mpi", "--np", "3", "--timeout", "120"]);
     cmd.arg("--run-dir")
         .arg(run)
         .arg("--")
-        .args(train_args(run, steps));
-    let job = (cmd.stdout(std::process::Stdio::null()))
+        .args(train_args(run, 1_000_000));
+    let mut job = (cmd.stdout(std::process::Stdio::null()))
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -102,10 +105,27 @@ fn with_rank_2_slowed(run: &Path, steps: u64, stopped_ms: u64) -> std::process::
     });
     let done = Arc::new(AtomicBool::new(false));
     let slow = cycle(pid.unwrap_or_default(), stopped_ms, done.clone());
-    let out = job.wait_with_output().unwrap();
+    let named = || stragglers(run).iter().any(|e| e.fields["rank"] == 2);
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    while !named() && std::time::Instant::now() < until {
+        if job.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     done.store(true, Ordering::Relaxed);
     slow.join().unwrap();
-    out
+    // SAFETY: kill(2) on the launcher this test started (a no-op error if it ended).
+    unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
+    job.wait_with_output().unwrap()
+}
+
+/// The job of [`with_rank_2_slowed`] ended as preempted (the ranks' exit 75): not by a fault.
+#[cfg(feature = "mpi")]
+fn preempted(out: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(kiln_run::exit::PREEMPTED), "{err}");
+    err
 }
 
 #[cfg(feature = "mpi")]
@@ -113,16 +133,15 @@ fn with_rank_2_slowed(run: &Path, steps: u64, stopped_ms: u64) -> std::process::
 fn a_slowed_rank_is_named_on_a_real_mpi() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let out = with_rank_2_slowed(&run, 400, 15);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let err = preempted(&with_rank_2_slowed(&run, 15));
+    // Rank 2 named, at more than twice its peers' work, and worse than any other rank CPU
+    // contention on this machine made the launcher name.
     let named = stragglers(&run);
-    assert!(!named.is_empty(), "{err}");
-    assert_eq!(named[0].fields["rank"], 2, "{named:?}");
-    assert!(
-        named[0].fields["ratio"].as_f64().unwrap() > 2.0,
-        "{named:?}"
-    );
+    let ratio = |e: &kiln_run::Event| e.fields["ratio"].as_f64().unwrap_or_default();
+    let two = named.iter().find(|e| e.fields["rank"] == 2);
+    let two = two.unwrap_or_else(|| panic!("rank 2 not named: {named:?}\n{err}"));
+    assert!(ratio(two) > 2.0, "{named:?}");
+    assert!(named.iter().all(|e| ratio(e) <= ratio(two)), "{named:?}");
     assert!(
         err.contains("rank 2 on") && err.contains("is a straggler"),
         "{err}"
@@ -140,9 +159,7 @@ fn a_slowed_rank_is_named_on_a_real_mpi() {
 fn a_rank_at_half_speed_is_named_with_what_it_costs() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let out = with_rank_2_slowed(&run, 1600, 10);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let err = preempted(&with_rank_2_slowed(&run, 10));
     let named = stragglers(&run);
     let two = named.iter().find(|e| e.fields["rank"] == 2);
     let two = two.unwrap_or_else(|| panic!("rank 2 not named: {named:?}\n{err}"));
