@@ -166,6 +166,7 @@ pub fn status(run_dir: &Path) -> Result<String, GatesError> {
     out.push_str(&progress_lines(&metrics, total));
     out.push_str(&eval_line(&metrics));
     out.push_str(&checkpoints_line(run_dir));
+    out.push_str(&memory_tier_line(run_dir));
     out.push_str(&event_lines(&events, saved_checkpoints(run_dir, &events)));
     out.push_str(&goodput(&events));
     Ok(out)
@@ -221,6 +222,24 @@ fn checkpoints_line(run_dir: &Path) -> String {
         false => "",
     };
     format!("checkpoints: {list}{final_weights}\n")
+}
+
+/// The run's memory tier on this host (in the snapshot directory of its `config.toml`):
+/// what it holds, and whether a later kiln start would reclaim it.
+fn memory_tier_line(run_dir: &Path) -> String {
+    let config = std::fs::read_to_string(run_dir.join(layout::CONFIG)).unwrap_or_default();
+    let table: toml::Table = toml::from_str(&config).unwrap_or_default();
+    let dir = table
+        .get("checkpoint")
+        .and_then(|c| c.get("snapshot_dir"))
+        .and_then(toml::Value::as_str)
+        .unwrap_or_default();
+    let folder = kiln_train::components::snapshot::run_folder(dir, run_dir);
+    let host = kiln_run::host_name();
+    match kiln_train::components::snapshot::tiers::Held::of(&folder) {
+        Some(held) => format!("memory tier on {host}: {}\n", held.describe()),
+        None => format!("memory tier on {host}: none\n"),
+    }
 }
 
 /// How many persistent checkpoints the run saved: the steps of its `checkpoint_saved`

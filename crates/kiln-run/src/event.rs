@@ -74,6 +74,9 @@ pub const ROLLBACK_POINT_LOST: &str = "rollback_point_lost";
 /// Ranks without the agreed memory snapshot received it from a peer (fields: step,
 /// source_rank, ranks, bytes, seconds).
 pub const SNAPSHOT_FROM_PEER: &str = "snapshot_from_peer";
+/// A kiln start reclaimed another run's memory tier on its node that no resume could use
+/// (fields: folder, run_dir, removed (the whole folder, else older snapshots), why, bytes).
+pub const MEMORY_TIER_RECLAIMED: &str = "memory_tier_reclaimed";
 /// How long each phase from the process's start to its first step took, on the writer rank
 /// (fields: process_start (unix time), mpi_init_s, run_dir_s, data_open_s, model_init_s,
 /// checkpoint_load_s, first_step_s).

@@ -86,6 +86,11 @@ pub const SNAPSHOT_ROOT_PREFIX: &str = "kiln-";
 /// `step-<N>` directories in the checkpoint format.
 pub const SNAPSHOT_RANK_PREFIX: &str = "rank-";
 
+/// The owner record in a run's memory-snapshot folder (JSON: the absolute run directory and
+/// the guards' rollback interval), which lets a later kiln start on the node tell whether
+/// the folder can still be used and reclaim it when it cannot.
+pub const SNAPSHOT_OWNER: &str = "owner.json";
+
 /// A run's memory-snapshot folder, keyed by a hash of its run directory.
 pub fn snapshot_root(run_key: &str) -> String {
     format!("{SNAPSHOT_ROOT_PREFIX}{run_key}")

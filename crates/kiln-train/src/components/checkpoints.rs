@@ -186,6 +186,7 @@ impl<'c> Checkpoints<'c> {
         journal: &mut Journal,
     ) -> Result<Option<PathBuf>, TrainError> {
         self.report_rejected(journal)?;
+        self.memory.report_reclaimed(journal)?;
         let chosen = self.found.take();
         let persistent = self.agree_on_lineage(run, chosen.as_ref().map(|(_, c)| c.step));
         if !self.cfg.checkpoint.resume {

@@ -143,7 +143,9 @@ Prints, with the reason for each: the scheduler (PBS_JOBID/PBS_NODEFILE, SLURM_J
 SLURM_JOB_NODELIST, or none), the hosts, the accelerators per node (CUDA_VISIBLE_DEVICES,
 ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, ZE_AFFINITY_MASK, or nvidia-smi/rocm-smi/xpu-smi),
 this process's rank environment (from RANK, OMPI_COMM_WORLD_*, PMI_*, PALS_*, SLURM_*), the
-launchers found in PATH, and the launcher `kiln launch` would use.
+launchers found in PATH, the launcher `kiln launch` would use, and the memory tiers this node
+holds (each run's memory snapshots: its run directory, steps, size, and whether the next kiln
+start here reclaims it; see docs/recovery.md).
 
 With --device, it also checks that device before a long run trusts it: each of kiln's fused
 kernels against its composed twin (values and every gradient; f32, and bf16 where the device
@@ -162,6 +164,10 @@ pub struct DoctorArgs {
     /// cubecl-cpu, flex): kiln's fused kernels against their composed twins, and NCCL on CUDA.
     #[arg(long, value_name = "DEVICE")]
     pub device: Option<String>,
+    /// The node-local snapshot directory whose memory tiers to list (as
+    /// `checkpoint.snapshot_dir`; default /dev/shm, else the system's temporary directory).
+    #[arg(long, value_name = "DIR", default_value = "")]
+    pub snapshot_dir: String,
 }
 
 fn env_var(k: &str) -> Option<String> {
@@ -293,6 +299,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         let at = find_in_path(tool).map_or("not found".to_string(), |p| p.display().to_string());
         println!("{:<14} {at}", format!("{tool}:"));
     }
+    print_memory_tiers(&args.snapshot_dir);
     if let Some(name) = &args.device {
         ok &= print_device_checks(name)?;
     }
@@ -301,6 +308,24 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The memory tiers this node holds in `snapshot_dir`, each with what the next kiln start here
+/// does with it (see `kiln_train::components::snapshot::tiers`).
+fn print_memory_tiers(snapshot_dir: &str) {
+    use kiln_train::components::snapshot::tiers;
+    let base = tiers::base_dir(snapshot_dir);
+    let held = tiers::survey(&base);
+    let total: u64 = held.iter().map(|h| h.bytes).sum();
+    println!(
+        "memory tiers:  {} in {} ({})",
+        held.len(),
+        base.display(),
+        kiln_run::host::human_bytes(total as f64)
+    );
+    for h in held {
+        println!("  {}", h.describe());
+    }
 }
 
 /// `kiln doctor --device`: each kernel check (kiln_train::kernels::selfcheck) in f32 and, where

@@ -608,3 +608,121 @@ fn a_launch_that_ends_at_the_walltime_keeps_its_memory_tier_only_where_it_resume
         }
     }
 }
+
+/// This run's memory-tier folder in `shm` (several runs share it in the test below).
+fn tier_of(rd: &Path, shm: &Path) -> std::path::PathBuf {
+    kiln_train::components::snapshot::run_folder(&shm.display().to_string(), rd)
+}
+
+/// Runs one rank in `rd` until it holds two snapshots, then sends it `sig` (SIGKILL, or
+/// SIGTERM: it checkpoints after its snapshots) and waits for it.
+fn interrupt(rd: &Path, shm: &Path, sig: i32) {
+    let mut child = command(1, rd, shm)
+        .args(["--set", "guards.snapshot_interval=0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let store = tier_of(rd, shm).join("rank-0");
+    let t0 = Instant::now();
+    while kiln_train::checkpoint::list_steps(&store).len() < 2 {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "ended before two snapshots"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "no two snapshots");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    signal(child.id() as i32, sig);
+    assert!(
+        !child.wait().unwrap().success(),
+        "the interrupted run must not succeed"
+    );
+}
+
+/// Issue 60: memory tiers outlived their use (four folders in /dev/shm after a day of
+/// ordinary runs, tens of GB each on a 7B model). The next kiln start on the node reclaims the
+/// other runs' tiers that no resume can use (a run directory gone; snapshots older than the
+/// run's newest checkpoint), says so in its events, and keeps the one a resume needs, which
+/// `kiln status` and `kiln doctor` show and from which that run then resumes.
+#[test]
+fn tiers_no_resume_can_use_are_reclaimed_by_the_next_start_on_the_node() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shm = tmp.path().join("shm");
+    let [gone, stopped, kept, other] =
+        ["gone", "stopped", "kept", "other"].map(|n| tmp.path().join(n));
+    interrupt(&gone, &shm, libc::SIGKILL);
+    interrupt(&stopped, &shm, libc::SIGTERM);
+    assert!(
+        tier_of(&stopped, &shm).exists(),
+        "a stopped run keeps its tier"
+    );
+    // Its start reclaims the stopped run's tier: every snapshot is older than its checkpoint.
+    interrupt(&kept, &shm, libc::SIGKILL);
+    let reclaimed = events(&kept, "memory_tier_reclaimed");
+    assert_eq!(reclaimed.len(), 1, "{reclaimed:?}");
+    assert_eq!(
+        reclaimed[0]["folder"],
+        tier_of(&stopped, &shm).display().to_string()
+    );
+    assert_eq!(reclaimed[0]["removed"], true);
+    assert!(
+        reclaimed[0]["why"]
+            .as_str()
+            .unwrap()
+            .contains("older than its run's newest checkpoint")
+    );
+    assert!(reclaimed[0]["bytes"].as_u64().unwrap() > 0);
+    assert!(!tier_of(&stopped, &shm).exists());
+
+    let doctor = common::kiln_cmd(&["doctor", "--snapshot-dir"])
+        .arg(&shm)
+        .output()
+        .unwrap();
+    let doctor = String::from_utf8_lossy(&doctor.stdout);
+    assert!(doctor.contains("memory tiers:  2 in"), "{doctor}");
+    assert_eq!(
+        doctor
+            .matches("kept: its run has no persistent checkpoint")
+            .count(),
+        2,
+        "{doctor}"
+    );
+    let status = common::kiln_cmd(&["status"]).arg(&kept).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.contains("memory tier on ") && status.contains("2 snapshots"),
+        "{status}"
+    );
+
+    std::fs::remove_dir_all(&gone).unwrap();
+    let mut short = command(1, &other, &shm);
+    let out = short.args(["--set", "training.steps=10"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reclaimed = events(&other, "memory_tier_reclaimed");
+    assert_eq!(reclaimed.len(), 1, "{reclaimed:?}");
+    assert!(
+        reclaimed[0]["why"].as_str().unwrap().contains("is gone"),
+        "{reclaimed:?}"
+    );
+    let left: Vec<std::path::PathBuf> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(
+        left,
+        [tier_of(&kept, &shm)],
+        "only the tier a resume needs is left"
+    );
+
+    let held = kiln_train::checkpoint::list_steps(&tier_of(&kept, &shm).join("rank-0"));
+    run_ok(1, &kept, &shm);
+    let resumed = events(&kept, "resume");
+    assert_eq!(resumed.last().unwrap()["tier"], "memory", "{resumed:?}");
+    assert_eq!(resumed.last().unwrap()["step"], held[0]);
+}

@@ -12,7 +12,9 @@
 //! removes it on every node when the job ends there for good (under a scheduler: a failure
 //! after the last retry, a walltime stop; see `kiln launch --memory-tier-at-end`). A resume that finds this
 //! lineage's snapshots older than the persistent checkpoint it resumes from deletes them
-//! ([`SnapshotStore::remove_stale`]), but for the guards' rollback point.
+//! ([`SnapshotStore::remove_stale`]), but for the guards' rollback point. Every start also
+//! reclaims other runs' tiers on its node that no resume can use ([`tiers`]: each folder
+//! holds an owner record for that).
 //!
 //! Recovery ([`Snapshotter::recover`]): every rank finds the newest snapshot of the run's
 //! lineage that verifies (a corrupt or foreign one is deleted and reported, never used), the
@@ -39,6 +41,8 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+pub mod tiers;
+
 /// How a rank reads a persistent checkpoint (all of it, or in a sharded run its own pieces).
 pub type Read<'a> = &'a dyn Fn(&Path) -> Result<Checkpoint, CheckpointError>;
 
@@ -49,6 +53,8 @@ pub struct SnapshotStore {
     keep: usize,
     /// The guards' rollback interval: the newest snapshot at a multiple of it is kept too.
     anchor: Every,
+    /// The owner record each save makes sure the run's folder (`root`'s parent) holds.
+    owner: Option<tiers::Owner>,
 }
 
 /// The files of a snapshot, in the order they are sent to a peer.
@@ -62,6 +68,15 @@ impl SnapshotStore {
             root,
             keep: keep.max(1),
             anchor: Every(anchor),
+            owner: None,
+        }
+    }
+
+    /// The same store, whose saves make sure the run's folder holds `owner`'s record.
+    pub fn owned_by(self, owner: tiers::Owner) -> Self {
+        Self {
+            owner: Some(owner),
+            ..self
         }
     }
 
@@ -217,6 +232,12 @@ impl Store for SnapshotStore {
     /// are left by a rollback: stale) and this process's leftovers.
     fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
         let path = checkpoint::save_with(&self.root, ckpt, ChecksumKind::Xxh3_128)?;
+        if let (Some(owner), Some(folder)) = (&self.owner, self.root.parent()) {
+            // Without it a later start on this node could not tell when to reclaim the tier.
+            if let Err(e) = owner.ensure_in(folder) {
+                tracing::warn!("cannot write the memory tier's owner record: {e}");
+            }
+        }
         let mut pruned = Vec::new();
         let steps = checkpoint::list_steps(&self.root);
         let anchor = steps
@@ -283,20 +304,15 @@ pub fn check_store(cfg: &CheckpointConfig, store: &Path) -> Result<(), ConfigErr
 
 /// Where the memory snapshots of the run in `run_dir` live on this node, for `rank`.
 pub fn rank_dir(cfg: &CheckpointConfig, run_dir: &Path, rank: usize) -> PathBuf {
-    let base = if cfg.snapshot_dir.is_empty() {
-        let shm = Path::new("/dev/shm");
-        if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        }
-    } else {
-        PathBuf::from(&cfg.snapshot_dir)
-    };
+    run_folder(&cfg.snapshot_dir, run_dir).join(layout::snapshot_rank(rank))
+}
+
+/// The memory-tier folder of the run in `run_dir` on this node, in `snapshot_dir`
+/// (`checkpoint.snapshot_dir`; every rank's [`rank_dir`] is in it).
+pub fn run_folder(snapshot_dir: &str, run_dir: &Path) -> PathBuf {
     let abs = std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf());
     let key = hex::encode(&Sha256::digest(abs.as_os_str().as_encoded_bytes())[..8]);
-    base.join(layout::snapshot_root(&key))
-        .join(layout::snapshot_rank(rank))
+    tiers::base_dir(snapshot_dir).join(layout::snapshot_root(&key))
 }
 
 /// Records, for `kiln launch`, that this rank keeps the run's memory-tier folder (the
@@ -338,7 +354,16 @@ pub struct Recovered {
 /// its own rank removes).
 fn remove_if_empty(store: &Path) {
     let _ = std::fs::remove_dir(store);
-    if let Some(parent) = store.parent() {
+    let Some(parent) = store.parent() else {
+        return;
+    };
+    let others = std::fs::read_dir(parent).map(|entries| {
+        let names = entries.filter_map(Result::ok).map(|e| e.file_name());
+        names.filter(|n| n != layout::SNAPSHOT_OWNER).count()
+    });
+    // Only its owner record left: a rank saving later writes it again with its snapshot.
+    if others.is_ok_and(|n| n == 0) {
+        let _ = std::fs::remove_file(parent.join(layout::SNAPSHOT_OWNER));
         let _ = std::fs::remove_dir(parent);
     }
 }
@@ -352,6 +377,8 @@ pub struct Snapshotter {
     saver: Option<Saver>,
     /// Snapshots skipped because the previous one was still being written.
     skipped: u64,
+    /// Other runs' tiers on this node reclaimed at the start, not yet reported.
+    reclaimed: Vec<(tiers::Held, u64)>,
 }
 
 /// A run that ends, however, leaves no empty folder of its tier on the node (its snapshots
@@ -367,8 +394,17 @@ impl Snapshotter {
     /// `snapshot_interval` is 0). `anchor` is the guards' rollback interval
     /// (`guards.snapshot_interval`): the snapshot at its newest multiple is always taken and
     /// kept, so that a resumed run can roll back where an uninterrupted one would.
+    /// Other runs' tiers in the same snapshot directory that no resume can use are reclaimed
+    /// here ([`tiers::reclaim`]), and reported by [`Snapshotter::report_reclaimed`].
     pub fn new(cfg: &CheckpointConfig, run_dir: &Path, rank: usize, anchor: u64) -> Self {
-        let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep, anchor);
+        let folder = run_folder(&cfg.snapshot_dir, run_dir);
+        let owner = tiers::Owner {
+            run_dir: std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
+            anchor,
+        };
+        let store = SnapshotStore::new(rank_dir(cfg, run_dir, rank), cfg.snapshot_keep, anchor)
+            .owned_by(owner);
+        let reclaimed = tiers::reclaim(&tiers::base_dir(&cfg.snapshot_dir), &folder);
         let saver = (cfg.snapshot_interval > 0)
             .then(|| Saver::with_priority(store.clone(), cfg.asynchronous, false));
         if saver.is_some() {
@@ -380,7 +416,35 @@ impl Snapshotter {
             store,
             saver,
             skipped: 0,
+            reclaimed,
         }
+    }
+
+    /// Reports the tiers reclaimed at the start: a line on stderr (any rank: each node's
+    /// first start reclaims its own) and a `memory_tier_reclaimed` event (the writer rank's).
+    pub fn report_reclaimed(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
+        for (held, bytes) in std::mem::take(&mut self.reclaimed) {
+            let (removed, why) = match &held.fate {
+                tiers::Fate::Remove(why) => (true, why.as_str()),
+                tiers::Fate::Trim(_, why) | tiers::Fate::Keep(why) => (false, why.as_str()),
+            };
+            let run_dir = held.owner.as_ref().map(|o| path_text(&o.run_dir));
+            let line = format!(
+                "reclaimed {} of memory tier {} on {}: {why}",
+                kiln_run::host::human_bytes(bytes as f64),
+                held.folder.display(),
+                kiln_run::host_name()
+            );
+            tracing::warn!("{line}");
+            journal.note(&line);
+            journal.emit(
+                event::MEMORY_TIER_RECLAIMED,
+                json!({"folder": path_text(&held.folder), "run_dir": run_dir,
+                       "removed": removed, "why": why, "bytes": bytes,
+                       "host": kiln_run::host_name()}),
+            )?;
+        }
+        Ok(())
     }
 
     /// Whether a snapshot is due after `step` (an applied step at the interval or at the
