@@ -944,12 +944,6 @@ impl Config {
         }
         if self.parallelism.shard != Shard::None {
             let shard = self.parallelism.shard.name();
-            if o.kind != OptimizerKind::Adamw {
-                d.rule(format!(
-                    "parallelism.shard = {shard:?} shards AdamW's state only; use optimizer.kind = \"adamw\" or parallelism.shard = \"none\" ({} keeps whole-matrix state)",
-                    o.kind.name()
-                ));
-            }
             if t.master_dtype != Precision::F32 {
                 d.rule(format!(
                     "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
@@ -1501,11 +1495,13 @@ mod tests {
             let sets = ["parallelism.shard=gradients".to_string(), extra.to_string()];
             Config::load(None, &sets).unwrap_err().to_string()
         };
-        let err = refused("optimizer.kind=muon");
-        assert!(
-            err.contains("parallelism.shard") && err.contains("optimizer.kind"),
-            "{err}"
-        );
+        for kind in ["muon", "sophiag"] {
+            let sets = [
+                "parallelism.shard=parameters".into(),
+                format!("optimizer.kind={kind}"),
+            ];
+            assert!(Config::load(None, &sets).is_ok(), "{kind} shards");
+        }
         let err = refused("training.master_dtype=bf16");
         assert!(err.contains("training.master_dtype"), "{err}");
         let err = Config::load(None, &["parallelism.shard=params".into()])

@@ -503,6 +503,15 @@ impl Llama {
         x + self.leave(down)
     }
 
+    /// The last stage's loss of the residual stream `x` against `targets` (the data's:
+    /// [`Llama::head_loss`]; sampled: [`sampled_label_loss`] of [`Llama::head_logits`]).
+    pub fn head_loss_against(&self, p: &[Tensor<1>], x: Tensor<3>, targets: Targets) -> Tensor<1> {
+        match targets {
+            Targets::Data(t) => self.head_loss(p, x, *t),
+            Targets::Sampled(seed) => sampled_label_loss(self.head_logits(p, x), seed),
+        }
+    }
+
     /// The last stage: the mean next-token cross-entropy of the residual stream `x`
     /// `[batch, seq, d_model]` predicting `targets` `[batch, seq]` (final norm, output head).
     pub fn head_loss(&self, p: &[Tensor<1>], x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
@@ -663,6 +672,42 @@ impl Llama {
         };
         self.mm(y, self.mat(p, blk.wo))
     }
+}
+
+/// What a loss is computed against.
+pub enum Targets {
+    /// The data's next tokens, `[batch, seq]` (boxed: a tensor handle is large).
+    Data(Box<Tensor<2, Int>>),
+    /// Labels sampled from the model's own softmax with this seed (SophiaG's
+    /// Gauss-Newton-Bartlett estimator): [`sampled_label_loss`].
+    Sampled(u64),
+}
+
+/// Mean cross-entropy of `logits` (`[batch, seq, vocab]`) against labels sampled from their
+/// own softmax (drawn on the host from a seeded ChaCha8 stream, so reproducible on every
+/// backend).
+pub fn sampled_label_loss(logits: Tensor<3>, seed: u64) -> Tensor<1> {
+    use rand::Rng;
+    let device = logits.device();
+    let [b, t, v] = logits.dims();
+    let logp = log_softmax(logits.reshape([b * t, v]), 1);
+    let host = crate::tensor::to_vec(&logp.clone().detach().reshape([b * t * v]));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let labels: Vec<i64> = host
+        .chunks_exact(v.max(1))
+        .map(|row| {
+            let u: f64 = rng.r#gen();
+            let mut acc = 0.0f64;
+            let pick = row.iter().position(|&lp| {
+                acc += f64::from(lp).exp();
+                acc > u
+            });
+            // Rounding can leave the total just under u: take the last token then.
+            pick.unwrap_or(row.len() - 1) as i64
+        })
+        .collect();
+    let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
+    logp.gather(1, labels).mean().neg()
 }
 
 /// RMSNorm over the last dimension, in f32: x / sqrt(mean(x^2) + eps) * w.

@@ -24,10 +24,6 @@ pub struct AdamW {
     pub exp_avg_sq: Vec<Option<Tensor<1>>>,
     /// Number of updates applied (PyTorch's `step`), for bias correction.
     pub step: u64,
-    /// In a sharded run, the elements of each parameter whose state this rank keeps (the
-    /// moments then hold that range only, and the update is given that range of the
-    /// parameter and gradient); `None` when every owned parameter's state is whole.
-    pub ranges: Option<Vec<Option<Range<usize>>>>,
 }
 
 /// Whether `spec` is decayed under `cfg` (norm weights and embeddings only on request).
@@ -38,39 +34,14 @@ pub(crate) fn decays(cfg: &OptimizerConfig, spec: &ParamSpec) -> bool {
 impl AdamW {
     /// Zero state for all these parameters.
     pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
-        Self::owning(cfg, specs, device, &vec![true; specs.len()])
-    }
-
-    /// Zero state for the parameters whose `owned` flag is set; the others are never touched.
-    pub fn owning(
-        cfg: &OptimizerConfig,
-        specs: &[ParamSpec],
-        device: &Device,
-        owned: &[bool],
-    ) -> Self {
-        let whole: Vec<Option<Range<usize>>> = (specs.iter().zip(owned))
-            .map(|(s, &own)| own.then(|| 0..s.numel()))
-            .collect();
+        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
         Self::zeroed(cfg, specs, device, &whole)
     }
 
-    /// Zero state for the elements `ranges[i]` of each parameter `i` (a rank's shard of a
-    /// sharded run; `None`: none of that parameter). The arithmetic is element-wise, so a
-    /// range updates exactly as the same elements of a whole parameter would.
-    pub fn sharded(
-        cfg: &OptimizerConfig,
-        specs: &[ParamSpec],
-        device: &Device,
-        ranges: &[Option<Range<usize>>],
-    ) -> Self {
-        Self {
-            ranges: Some(ranges.to_vec()),
-            ..Self::zeroed(cfg, specs, device, ranges)
-        }
-    }
-
-    /// Zero moments as long as each of `ranges` (`None`: no state for that parameter).
-    fn zeroed(
+    /// Zero moments as long as each of `ranges` (`None`: no state for that parameter; a
+    /// rank's shard of a sharded run keeps a range of each). The arithmetic is element-wise,
+    /// so a range updates exactly as the same elements of a whole parameter would.
+    pub(crate) fn zeroed(
         cfg: &OptimizerConfig,
         specs: &[ParamSpec],
         device: &Device,
@@ -87,7 +58,6 @@ impl AdamW {
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
             step: 0,
-            ranges: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG), global
-//! gradient-norm clipping and the LR schedules.
+//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG), replicated or
+//! sharded (a range of each parameter per rank), global gradient-norm clipping and the LR
+//! schedules.
 //!
 //! Written here rather than taken from burn because burn's optimizers (a) key their state by
 //! a per-process parameter id, which does not survive reloading weights (the restored state
@@ -125,16 +126,60 @@ pub fn role(spec: &ParamSpec) -> Role {
     if adam { Role::Adam } else { Role::Hidden }
 }
 
-/// The optimizer of a run (`optimizer.kind`). Every kind is deterministic, so data-parallel
-/// ranks, which see identical all-reduced gradients, stay identical.
+/// Whole matrices from the pieces the ranks hold, for an optimizer whose update needs each
+/// matrix whole (Muon's Newton-Schulz) in a sharded run, where every rank keeps a range of
+/// each parameter ([`crate::parallel::shard::ShardPlan`] does it over the ranks).
+pub trait Wholes {
+    /// For each `i` where `pieces[i]` is `Some` (the same `i` on every rank of the group):
+    /// the whole parameter `i` (flat) assembled from every rank's piece, `f(i, whole)`
+    /// computed once (by one rank, the matrix's owner), and this rank's piece of the result
+    /// returned in its place. `None` where `pieces[i]` is `None`. A collective over the
+    /// ranks that shard the state: every rank calls it with the same `i`s.
+    fn map_whole(
+        &self,
+        pieces: Vec<Option<Tensor<1>>>,
+        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+    ) -> Vec<Option<Tensor<1>>>;
+}
+
+/// Parameters held whole (a replicated run): [`Wholes::map_whole`] is `f` on each.
+pub struct Unsharded;
+
+impl Wholes for Unsharded {
+    fn map_whole(
+        &self,
+        pieces: Vec<Option<Tensor<1>>>,
+        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+    ) -> Vec<Option<Tensor<1>>> {
+        let each = pieces.into_iter().enumerate();
+        each.map(|(i, p)| p.map(|p| f(i, p))).collect()
+    }
+}
+
+/// The update rule of an [`Optimizer`].
 #[derive(Debug, Clone)]
-pub enum Optimizer {
+pub enum Rule {
     /// AdamW for every parameter.
     AdamW(AdamW),
     /// Muon for hidden matrices, AdamW for the rest.
     Muon(Muon),
     /// SophiaG for every parameter.
     SophiaG(SophiaG),
+}
+
+/// The optimizer of a run (`optimizer.kind`), replicated or, in a sharded run, over this
+/// rank's range of each parameter. Every kind is deterministic, so data-parallel ranks,
+/// which see identical all-reduced gradients, stay identical; the element-wise rules update
+/// a range exactly as the same elements of a whole parameter, and Muon's orthogonalisation
+/// sees each whole matrix ([`Wholes`]).
+#[derive(Debug, Clone)]
+pub struct Optimizer {
+    /// The update rule and its state.
+    pub rule: Rule,
+    /// In a sharded run, the elements of each parameter whose state this rank keeps (the
+    /// state then holds that range only, and the update is given that range of the
+    /// parameter and gradient); `None` when the state is whole.
+    ranges: Option<Vec<Option<Range<usize>>>>,
 }
 
 impl Optimizer {
@@ -146,87 +191,86 @@ impl Optimizer {
         device: &Device,
         tokens_per_step: u64,
     ) -> Self {
-        match cfg.kind {
-            OptimizerKind::Adamw => Self::AdamW(AdamW::new(cfg, specs, device)),
-            OptimizerKind::Muon => Self::Muon(Muon::new(cfg, specs, device)),
-            OptimizerKind::Sophiag => {
-                Self::SophiaG(SophiaG::new(cfg, specs, device, tokens_per_step))
-            }
+        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
+        Self {
+            rule: Rule::zeroed(cfg, specs, device, tokens_per_step, &whole),
+            ranges: None,
         }
     }
 
-    /// Zero AdamW state for a rank's shard of a sharded run: the elements `ranges[i]` of
-    /// each parameter `i` (see [`AdamW::sharded`]).
+    /// Zero state for a rank's shard of a sharded run: the elements `ranges[i]` of each
+    /// parameter `i` (`None`: none of it).
     pub fn sharded(
         cfg: &OptimizerConfig,
         specs: &[ParamSpec],
         device: &Device,
+        tokens_per_step: u64,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        Self::AdamW(AdamW::sharded(cfg, specs, device, ranges))
+        Self {
+            rule: Rule::zeroed(cfg, specs, device, tokens_per_step, ranges),
+            ranges: Some(ranges.to_vec()),
+        }
     }
 
     /// The elements of each parameter whose state this rank keeps, in a sharded run.
     pub fn shard_ranges(&self) -> Option<&[Option<Range<usize>>]> {
-        match self {
-            Self::AdamW(o) => o.ranges.as_deref(),
-            _ => None,
-        }
+        self.ranges.as_deref()
     }
 
     /// Which optimizer this is.
     pub fn kind(&self) -> OptimizerKind {
-        match self {
-            Self::AdamW(_) => OptimizerKind::Adamw,
-            Self::Muon(_) => OptimizerKind::Muon,
-            Self::SophiaG(_) => OptimizerKind::Sophiag,
+        match &self.rule {
+            Rule::AdamW(_) => OptimizerKind::Adamw,
+            Rule::Muon(_) => OptimizerKind::Muon,
+            Rule::SophiaG(_) => OptimizerKind::Sophiag,
         }
     }
 
     /// Updates applied so far (PyTorch's `step`).
     pub fn step(&self) -> u64 {
-        match self {
-            Self::AdamW(o) => o.step,
-            Self::Muon(o) => o.adam.step,
-            Self::SophiaG(o) => o.step,
+        match &self.rule {
+            Rule::AdamW(o) => o.step,
+            Rule::Muon(o) => o.adam.step,
+            Rule::SophiaG(o) => o.step,
         }
     }
 
     /// Sets the update count (on resume).
     pub fn set_step(&mut self, step: u64) {
-        match self {
-            Self::AdamW(o) => o.step = step,
-            Self::Muon(o) => o.adam.step = step,
-            Self::SophiaG(o) => o.step = step,
+        match &mut self.rule {
+            Rule::AdamW(o) => o.step = step,
+            Rule::Muon(o) => o.adam.step = step,
+            Rule::SophiaG(o) => o.step = step,
         }
     }
 
     /// [`Optimizer::update`] of gradients clipped by `grad_scale` (from
     /// [`clip_coefficient`]): bit-identical to [`clip_by_global_norm`] then `update`. AdamW
-    /// on f32 parameters folds the scaling into its fused pass over each parameter.
+    /// on f32 parameters folds the scaling into its fused pass over each parameter. In a
+    /// sharded run `params` and `grads` are this rank's ranges, and `wholes` gathers the
+    /// matrices a rule needs whole.
     pub fn update_clipped(
         &mut self,
         params: &mut [Tensor<1>],
         grads: Vec<Tensor<1>>,
-        grad_scale: Option<f64>,
-        lr: f64,
+        (grad_scale, lr): (Option<f64>, f64),
         frozen: &[bool],
+        wholes: &dyn Wholes,
     ) {
         let f32_params = params.iter().all(|p| p.dtype() == DType::F32);
-        match self {
-            Self::AdamW(o) if f32_params => o.update_clipped(params, grads, grad_scale, lr, frozen),
-            _ => {
-                let grads = match grad_scale {
-                    Some(c) => grads.into_iter().map(|g| g.mul_scalar(c)).collect(),
-                    None => grads,
-                };
-                self.update(params, grads, lr, frozen)
-            }
+        if let (Rule::AdamW(o), true) = (&mut self.rule, f32_params) {
+            return o.update_clipped(params, grads, grad_scale, lr, frozen);
         }
+        let grads = match grad_scale {
+            Some(c) => grads.into_iter().map(|g| g.mul_scalar(c)).collect(),
+            None => grads,
+        };
+        self.update_in(params, grads, lr, frozen, wholes)
     }
 
-    /// One update of every parameter whose `frozen` flag is false. Parameters stored in
-    /// bf16 are updated in f32 and rounded back.
+    /// One update of every parameter (held whole) whose `frozen` flag is false. Parameters
+    /// stored in bf16 are updated in f32 and rounded back.
     pub fn update(
         &mut self,
         params: &mut [Tensor<1>],
@@ -234,67 +278,65 @@ impl Optimizer {
         lr: f64,
         frozen: &[bool],
     ) {
-        let narrow = params
-            .first()
-            .map(Tensor::dtype)
-            .filter(|d| *d != DType::F32);
-        let Some(master) = narrow else {
-            return self.update_f32(params, grads, lr, frozen);
-        };
-        let mut wide: Vec<Tensor<1>> = params
-            .iter()
-            .map(|p| p.clone().cast(FloatDType::F32))
-            .collect();
-        self.update_f32(&mut wide, grads, lr, frozen);
-        for (p, w) in params.iter_mut().zip(wide) {
-            *p = w.cast(master);
-        }
+        self.update_in(params, grads, lr, frozen, &Unsharded)
     }
 
-    fn update_f32(
+    fn update_in(
         &mut self,
         params: &mut [Tensor<1>],
         grads: Vec<Tensor<1>>,
         lr: f64,
         frozen: &[bool],
+        wholes: &dyn Wholes,
     ) {
-        match self {
-            Self::AdamW(o) => o.update(params, grads, lr, frozen),
-            Self::Muon(o) => o.update(params, grads, lr, frozen),
-            Self::SophiaG(o) => o.update(params, grads, lr, frozen),
+        let narrow = params
+            .first()
+            .map(Tensor::dtype)
+            .filter(|d| *d != DType::F32);
+        let Some(master) = narrow else {
+            return self.rule.update_f32(params, grads, lr, frozen, wholes);
+        };
+        let mut wide: Vec<Tensor<1>> = params
+            .iter()
+            .map(|p| p.clone().cast(FloatDType::F32))
+            .collect();
+        self.rule.update_f32(&mut wide, grads, lr, frozen, wholes);
+        for (p, w) in params.iter_mut().zip(wide) {
+            *p = w.cast(master);
         }
     }
 
     /// Whether the update just applied is one after which SophiaG wants a fresh Hessian
     /// estimate ([`Optimizer::update_hessian`]); never for the other kinds.
     pub fn hessian_due(&self) -> bool {
-        match self {
-            Self::SophiaG(o) => o.hessian_due(),
+        match &self.rule {
+            Rule::SophiaG(o) => o.hessian_due(),
             _ => false,
         }
     }
 
     /// Folds a Gauss-Newton-Bartlett estimate into SophiaG's Hessian EMA: `grads` are the
-    /// gradients of the mean loss against labels sampled from the model itself.
+    /// gradients of the mean loss against labels sampled from the model itself (in a
+    /// sharded run, this rank's ranges of them).
     pub fn update_hessian(&mut self, grads: Vec<Tensor<1>>) {
-        if let Self::SophiaG(o) = self {
+        if let Rule::SophiaG(o) = &mut self.rule {
             o.update_hessian(grads);
         }
     }
 
     fn slots(&self) -> Vec<StateSlot<'_>> {
-        match self {
-            Self::AdamW(o) => o.slots(),
-            Self::Muon(o) => o.slots(),
-            Self::SophiaG(o) => o.slots(),
+        match &self.rule {
+            Rule::AdamW(o) => o.slots(),
+            Rule::Muon(o) => o.slots(),
+            Rule::SophiaG(o) => o.slots(),
         }
     }
 
     fn slots_mut(&mut self) -> Vec<StateSlotMut<'_>> {
-        match self {
-            Self::AdamW(o) => o.slots_mut(),
-            Self::Muon(o) => o.slots_mut(),
-            Self::SophiaG(o) => o.slots_mut(),
+        match &mut self.rule {
+            Rule::AdamW(o) => o.slots_mut(),
+            Rule::Muon(o) => o.slots_mut(),
+            Rule::SophiaG(o) => o.slots_mut(),
         }
     }
 
@@ -362,7 +404,7 @@ impl Optimizer {
         (tensors, step): (&[HostTensor], u64),
     ) -> Result<Self, String> {
         let mut o = match shard {
-            Some(ranges) => Self::sharded(cfg, specs, device, ranges),
+            Some(ranges) => Self::sharded(cfg, specs, device, tokens_per_step, ranges),
             None => Self::new(cfg, specs, device, tokens_per_step),
         };
         o.load_host_state(specs, tensors, device)?;
@@ -414,6 +456,40 @@ impl Optimizer {
             }
         }
         Ok(())
+    }
+}
+
+impl Rule {
+    /// Zero state of `cfg`'s rule for the elements `ranges[i]` of each parameter `i`.
+    fn zeroed(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        tokens_per_step: u64,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
+        match cfg.kind {
+            OptimizerKind::Adamw => Self::AdamW(AdamW::zeroed(cfg, specs, device, ranges)),
+            OptimizerKind::Muon => Self::Muon(Muon::zeroed(cfg, specs, device, ranges)),
+            OptimizerKind::Sophiag => {
+                Self::SophiaG(SophiaG::zeroed(cfg, specs, device, tokens_per_step, ranges))
+            }
+        }
+    }
+
+    fn update_f32(
+        &mut self,
+        params: &mut [Tensor<1>],
+        grads: Vec<Tensor<1>>,
+        lr: f64,
+        frozen: &[bool],
+        wholes: &dyn Wholes,
+    ) {
+        match self {
+            Self::AdamW(o) => o.update(params, grads, lr, frozen),
+            Self::Muon(o) => o.update(params, grads, lr, frozen, wholes),
+            Self::SophiaG(o) => o.update(params, grads, lr, frozen),
+        }
     }
 }
 

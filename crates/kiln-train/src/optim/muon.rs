@@ -13,11 +13,12 @@
 //! The two agree to bf16 rounding (see `scripts/muon-parity.py` for the measured difference).
 
 use super::adamw::AdamW;
-use super::{Role, StateSlot, StateSlotMut, role};
+use super::{Role, StateSlot, StateSlotMut, Wholes, role};
 use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
 use crate::kernels::replicated;
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
+use std::ops::Range;
 
 /// The quintic's coefficients (Keller Jordan's, PyTorch's defaults).
 pub const NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
@@ -83,8 +84,25 @@ pub struct Muon {
 impl Muon {
     /// Zero state for these parameters; roles from [`super::role`].
     pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
+        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
+        Self::zeroed(cfg, specs, device, &whole)
+    }
+
+    /// Zero state as long as each of `ranges` (`None`: none for that parameter; a rank's
+    /// shard of a sharded run keeps a range of each): momentum for the hidden matrices,
+    /// AdamW's moments for the rest.
+    pub(crate) fn zeroed(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
         let hidden: Vec<bool> = specs.iter().map(|s| role(s) == Role::Hidden).collect();
-        let adam_owned: Vec<bool> = hidden.iter().map(|h| !h).collect();
+        let only = |keep: bool| -> Vec<Option<Range<usize>>> {
+            (ranges.iter().zip(&hidden))
+                .map(|(r, &h)| r.clone().filter(|_| h == keep))
+                .collect()
+        };
         Self {
             cfg: cfg.muon.clone(),
             weight_decay: cfg.weight_decay,
@@ -94,42 +112,58 @@ impl Muon {
                 .zip(&hidden)
                 .map(|(s, &h)| h.then(|| [s.shape[0], s.shape[1]]))
                 .collect(),
-            momentum: specs
-                .iter()
-                .zip(&hidden)
-                .map(|(s, &h)| h.then(|| Tensor::zeros([s.numel()], device)))
+            momentum: (only(true).into_iter())
+                .map(|r| r.map(|r| Tensor::zeros([r.len()], device)))
                 .collect(),
-            adam: AdamW::owning(cfg, specs, device, &adam_owned),
+            adam: AdamW::zeroed(cfg, specs, device, &only(false)),
         }
     }
 
-    /// One update: Muon for the hidden matrices, AdamW (one step count) for the rest.
+    /// One update: Muon for the hidden matrices, AdamW (one step count) for the rest. The
+    /// momentum and Nesterov steps are element-wise (on this rank's range of each matrix in
+    /// a sharded run); the orthogonalisation needs each matrix whole, which `wholes` gives
+    /// it (one owner rank per matrix in a sharded run: [`Wholes`]).
     pub fn update(
         &mut self,
         params: &mut [Tensor<1>],
         grads: Vec<Tensor<1>>,
         lr: f64,
         frozen: &[bool],
+        wholes: &dyn Wholes,
     ) {
         let mom = self.cfg.momentum;
+        let mut bufs = vec![None; grads.len()];
+        let mut updates = vec![None; grads.len()];
         for (i, g) in grads.iter().enumerate() {
-            let (Some([inp, out]), Some(buf)) = (self.shapes[i], &self.momentum[i]) else {
-                continue;
-            };
-            if frozen.get(i).copied().unwrap_or(false) {
+            if self.shapes[i].is_none() || frozen.get(i).copied().unwrap_or(false) {
                 continue;
             }
+            // A rank holding none of this matrix still takes part in its orthogonalisation.
+            let Some(buf) = &self.momentum[i] else {
+                updates[i] = Some(Tensor::empty([0], &g.device()));
+                continue;
+            };
             let buf = lerp(buf.clone(), g.clone(), 1.0 - mom);
-            let update = if self.cfg.nesterov {
+            updates[i] = Some(if self.cfg.nesterov {
                 lerp(g.clone(), buf.clone(), mom)
             } else {
                 buf.clone()
-            };
+            });
+            bufs[i] = Some(buf);
+        }
+        let (shapes, steps) = (&self.shapes, self.cfg.ns_steps);
+        let orthogonalised = wholes.map_whole(updates, &|i, update| {
+            let [inp, out] = shapes[i].unwrap_or([update.dims()[0], 1]);
             // PyTorch orientation: [out, in], the transpose of kiln's [in, out].
             let torch_view = update.reshape([inp, out]).transpose();
-            let ortho = newton_schulz(torch_view, self.cfg.ns_steps)
+            newton_schulz(torch_view, steps)
                 .transpose()
-                .reshape([inp * out]);
+                .reshape([inp * out])
+        });
+        for (i, (ortho, buf)) in orthogonalised.into_iter().zip(bufs).enumerate() {
+            let (Some(ortho), Some(buf), Some([inp, out])) = (ortho, buf, self.shapes[i]) else {
+                continue;
+            };
             let mut p = params[i].clone();
             if self.decay[i] && self.weight_decay != 0.0 {
                 p = p.mul_scalar(1.0 - lr * self.weight_decay);

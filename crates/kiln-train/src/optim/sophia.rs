@@ -17,6 +17,7 @@ use super::{StateSlot, StateSlotMut};
 use crate::config::{OptimizerConfig, SophiaConfig};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
+use std::ops::Range;
 
 /// State suffix of the momentum (the authors' name).
 pub const EXP_AVG: &str = "exp_avg";
@@ -50,10 +51,23 @@ impl SophiaG {
         device: &Device,
         tokens_per_step: u64,
     ) -> Self {
+        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
+        Self::zeroed(cfg, specs, device, tokens_per_step, &whole)
+    }
+
+    /// Zero state as long as each of `ranges` (`None`: none for that parameter; a rank's
+    /// shard of a sharded run keeps a range of each). Every operation is element-wise, so a
+    /// range updates exactly as the same elements of a whole parameter would.
+    pub(crate) fn zeroed(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        tokens_per_step: u64,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
         let zeros = || {
-            specs
-                .iter()
-                .map(|s| Some(Tensor::zeros([s.numel()], device)))
+            (ranges.iter())
+                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
                 .collect::<Vec<_>>()
         };
         Self {

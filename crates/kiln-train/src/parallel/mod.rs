@@ -2,7 +2,8 @@
 //! parallelism ([`tensor`]: the model's matrices cut over the `tp` ranks) and the machinery
 //! of sharded data parallelism that the step's gradient exchanges ([`crate::step::exchange`])
 //! use: which piece of the state each rank keeps and the
-//! collectives over those pieces ([`shard`]), the forward and backward pass stage by stage
+//! collectives over those pieces ([`shard`]), the whole matrices an optimizer needs from
+//! them ([`whole`]: Muon's, one owner rank per matrix), the forward and backward pass stage by stage
 //! with each stage's weights gathered when used ([`stagewise`]), the one seam through which
 //! the ranks' tensors meet ([`collective`]: host-staged MPI, or flat device buffers), and
 //! below it how flat buffers travel ([`wire`]: MPI, or NCCL on CUDA devices, [`nccl`], and
@@ -14,4 +15,5 @@ pub mod rccl;
 pub mod shard;
 pub mod stagewise;
 pub mod tensor;
+pub mod whole;
 pub mod wire;

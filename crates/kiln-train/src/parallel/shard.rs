@@ -27,6 +27,7 @@ use crate::mesh::{DeviceMesh, Dim, Dims};
 use crate::model::{Llama, ParamSpec, Stage};
 use crate::parallel::collective::{self, DeviceCollective};
 use crate::parallel::stagewise::StageParams;
+use crate::parallel::whole;
 use crate::parallel::wire::{InFlight, Ranks};
 use crate::tensor::{into_vec, split};
 use burn::tensor::{Device, Tensor};
@@ -54,6 +55,10 @@ pub struct ShardPlan<'m> {
     shards: usize,
     /// The elements of each parameter in this rank's range (`None`: none).
     ranges: Vec<Option<Range<usize>>>,
+    /// Every rank's of the replica (empty where it has none), for whole matrices.
+    all_ranges: Vec<Vec<Range<usize>>>,
+    /// Each parameter's cost as a whole matrix ([`whole::cost`]).
+    costs: Vec<f64>,
     /// The job's mesh: this rank shards with the ranks of its `dp_shard` group, and those
     /// of its `dp_replicate` group hold the same shard in the other replicas.
     mesh: &'m DeviceMesh,
@@ -82,6 +87,15 @@ impl<'m> ShardPlan<'m> {
         let (rank, shards) = (ranks.shard.rank(), ranks.shard.size());
         let bucket = cfg.parallelism.bucket_bytes();
         let (groups, ranges) = cut(mode, model, rank, shards, bucket);
+        let all_ranges = (0..shards)
+            .map(|r| cut(mode, model, r, shards, bucket).1)
+            .map(|rs| rs.into_iter().map(|r| r.unwrap_or(0..0)).collect())
+            .collect();
+        let costs = model
+            .specs()
+            .iter()
+            .map(|s| whole::cost(&s.shape))
+            .collect();
         let ahead = cfg.parallelism.prefetches() && shards > 1;
         let background = ahead.then(|| Background::new(ranks.shard)).flatten();
         let choice = cfg.parallelism.collectives;
@@ -92,6 +106,8 @@ impl<'m> ShardPlan<'m> {
             rank,
             shards,
             ranges,
+            all_ranges,
+            costs,
             mesh,
             coll,
             device: device.clone(),
@@ -286,6 +302,22 @@ impl<'m> ShardPlan<'m> {
             }
         }
         Ok(out)
+    }
+}
+
+/// Muon's whole matrices: each gathered to one owner rank of the replica and its result's
+/// pieces scattered back ([`whole`]), on the host through MPI.
+impl crate::optim::Wholes for ShardPlan<'_> {
+    fn map_whole(
+        &self,
+        pieces: Vec<Option<Tensor<1>>>,
+        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+    ) -> Vec<Option<Tensor<1>>> {
+        let at = whole::Pieces {
+            ranges: &self.all_ranges,
+            costs: &self.costs,
+        };
+        whole::map_whole(self.ranks().shard, &at, pieces, f, &self.device)
     }
 }
 

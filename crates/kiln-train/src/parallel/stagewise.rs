@@ -17,7 +17,7 @@
 //! out the same bits (tested on one rank; over ranks the mean is a reduce-scatter's). The same
 //! pass over a rank's own whole weights ([`LocalStages`]) is activation checkpointing.
 
-use crate::model::{Llama, RopeTables, Stage};
+use crate::model::{Llama, RopeTables, Stage, Targets};
 use burn::tensor::{Device, FloatDType, Gradients, Int, Tensor};
 
 /// Where the stages' whole weights come from and where their gradients go.
@@ -151,13 +151,13 @@ impl Placed {
     }
 }
 
-/// The loss of `inputs` predicting `targets` (both `[batch, seq]`) times `scale`, stage by
-/// stage (see the module documentation); each stage's weight gradients go to `params`.
+/// The loss of `inputs` (`[batch, seq]`) predicting `targets` times `scale`, stage by stage
+/// (see the module documentation); each stage's weight gradients go to `params`.
 pub fn loss_and_grads(
     model: &Llama,
     params: &mut dyn StageParams,
     inputs: Tensor<2, Int>,
-    targets: Tensor<2, Int>,
+    targets: Targets,
     scale: f64,
 ) -> f32 {
     let device = inputs.device();
@@ -176,7 +176,11 @@ pub fn loss_and_grads(
     );
     let x = x.autodiff().require_grad();
     p.load(model, params, Stage::Head, true);
-    let mut loss = model.head_loss(&p.all, x.clone(), targets.autodiff());
+    let targets = match targets {
+        Targets::Data(t) => Targets::Data(Box::new(t.autodiff())),
+        sampled => sampled,
+    };
+    let mut loss = model.head_loss_against(&p.all, x.clone(), targets);
     if scale != 1.0 {
         loss = loss.mul_scalar(scale);
     }
@@ -347,7 +351,13 @@ mod tests {
             params,
             order: Vec::new(),
         };
-        let staged_loss = loss_and_grads(&model, &mut w, inputs, targets, 0.5);
+        let staged_loss = loss_and_grads(
+            &model,
+            &mut w,
+            inputs,
+            Targets::Data(Box::new(targets)),
+            0.5,
+        );
         let mut stages = model.stages();
         stages.reverse();
         assert_eq!(w.order, stages, "each stage handed over once, last first");
@@ -488,7 +498,7 @@ mod tests {
                                 let mine = plan.pieces(params);
                                 let mut s = StageShards::new(&plan, model, &mine);
                                 let (i, t) = batch(rank, &device);
-                                loss_and_grads(model, &mut s, i, t, 1.0);
+                                loss_and_grads(model, &mut s, i, Targets::Data(Box::new(t)), 1.0);
                                 s.take_grads().unwrap().0.iter().map(to_vec).collect()
                             })
                         })

@@ -17,6 +17,7 @@
 use super::pass::{Labels, LocalPass, MicroBatches};
 use crate::config::ParallelismConfig;
 use crate::error::TrainError;
+use crate::model::Targets;
 use crate::model::session::Session;
 use crate::optim::Optimizer;
 use crate::parallel::collective::{self, DeviceCollective};
@@ -162,7 +163,8 @@ impl Exchange for Replicated<'_> {
         grads: Vec<Tensor<1>>,
         u: Update,
     ) -> Result<(), TrainError> {
-        optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+        let whole = &crate::optim::Unsharded;
+        optimizer.update_clipped(&mut session.params, grads, (u.clip, u.lr), u.frozen, whole);
         Ok(())
     }
 
@@ -203,7 +205,7 @@ impl Exchange for ShardedState<'_> {
         u: Update,
     ) -> Result<(), TrainError> {
         let mut pieces = self.plan.pieces(&session.params);
-        optimizer.update_clipped(&mut pieces, grads, u.clip, u.lr, u.frozen);
+        optimizer.update_clipped(&mut pieces, grads, (u.clip, u.lr), u.frozen, &self.plan);
         self.plan.gather(pieces, &mut session.params)
     }
 
@@ -254,7 +256,8 @@ impl Exchange for StageWise<'_> {
         u: Update,
     ) -> Result<(), TrainError> {
         // The session holds this rank's pieces only: they are updated in place.
-        optimizer.update_clipped(&mut session.params, grads, u.clip, u.lr, u.frozen);
+        let (params, plan) = (&mut session.params, &self.plan);
+        optimizer.update_clipped(params, grads, (u.clip, u.lr), u.frozen, plan);
         Ok(())
     }
 
@@ -285,14 +288,15 @@ fn staged_loss(
     scale: f64,
     labels: Labels,
 ) -> Result<f32, TrainError> {
-    let Labels::Data { poison } = labels else {
-        // The config refuses SophiaG with sharding (its Hessian pass would come here).
-        return Err(TrainError::Parallel(
-            "sampled labels are not supported with parallelism.shard = \"parameters\"".into(),
-        ));
-    };
     let inputs = int_tensor(rows, seq, &session.device);
-    let targets = target_tensor(rows, seq, &session.device);
+    let (targets, poison) = match labels {
+        Labels::Data { poison } => (
+            Targets::Data(Box::new(target_tensor(rows, seq, &session.device))),
+            poison,
+        ),
+        // SophiaG's Hessian pass: labels drawn from the model's own predictions.
+        Labels::Sampled { seed } => (Targets::Sampled(seed), false),
+    };
     // A poisoned batch (a debug fault) makes the loss and every gradient NaN, as it does
     // in the replicated step.
     let scale = if poison { f64::NAN } else { scale };

@@ -111,12 +111,10 @@ impl<'c> Step<'c> {
             session.params = crate::tensor::split(&flat, lengths, &session.device);
         }
         let (specs, device) = (session.model.specs(), &session.device);
+        let tokens = step.layout.global_batch() * step.layout.seq as u64;
         let optimizer = match step.shard() {
-            Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, device, plan.ranges()),
-            None => {
-                let tokens = layout.global_batch() * layout.seq as u64;
-                Optimizer::new(&cfg.optimizer, specs, device, tokens)
-            }
+            Some(plan) => Optimizer::sharded(&cfg.optimizer, specs, device, tokens, plan.ranges()),
+            None => Optimizer::new(&cfg.optimizer, specs, device, tokens),
         };
         Ok((step, optimizer))
     }
@@ -188,7 +186,8 @@ impl<'c> Step<'c> {
 
     /// Applies `g` with learning rate `lr`: the clipping folded into the optimizer's pass
     /// (same bits as clipping first), then, when SophiaG wants one, its Hessian estimate
-    /// from the updated model on the same batch (SophiaG is never sharded).
+    /// from the updated model on the same batch (in a sharded run, reduced to this rank's
+    /// ranges as the gradients are).
     pub fn apply(
         &self,
         session: &mut Session,

@@ -5,11 +5,10 @@
 //! scheduling.
 
 use crate::error::TrainError;
-use crate::model::Llama;
 use crate::model::session::Session;
 use crate::parallel::stagewise::{self, LocalStages};
 use crate::tensor::{int_tensor, target_tensor};
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor};
 use rayon::prelude::*;
 
 /// What the loss is computed against.
@@ -157,7 +156,8 @@ fn piece_loss_and_grads(
         }
         Labels::Sampled { seed } => {
             let seed = seed ^ (piece as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            (sampled_label_loss(model, &leaves, inputs, seed), false)
+            let logits = model.forward(&leaves, inputs);
+            (crate::model::sampled_label_loss(logits, seed), false)
         }
     };
     if scale != 1.0 {
@@ -197,41 +197,9 @@ fn recomputed_loss_and_grads(
     let inputs = int_tensor(chunk, seq, &session.device);
     let targets = target_tensor(chunk, seq, &session.device);
     let scale = if poison { f64::NAN } else { scale };
+    let targets = crate::model::Targets::Data(Box::new(targets));
     let loss = stagewise::loss_and_grads(model, &mut stages, inputs, targets, scale);
     (loss, stages.into_grads())
-}
-
-/// Mean cross-entropy of the model's logits against labels sampled from its own softmax
-/// (drawn on the host from a seeded ChaCha8 stream, so reproducible on every backend).
-fn sampled_label_loss(
-    model: &Llama,
-    params: &[Tensor<1>],
-    inputs: Tensor<2, Int>,
-    seed: u64,
-) -> Tensor<1> {
-    use rand::{Rng, SeedableRng};
-    let device = inputs.device();
-    let [b, t] = inputs.dims();
-    let v = model.vocab();
-    let logp =
-        burn::tensor::activation::log_softmax(model.forward(params, inputs).reshape([b * t, v]), 1);
-    let host = crate::tensor::to_vec(&logp.clone().detach().reshape([b * t * v]));
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let labels: Vec<i64> = host
-        .chunks_exact(v.max(1))
-        .map(|row| {
-            let u: f64 = rng.r#gen();
-            let mut acc = 0.0f64;
-            let pick = row.iter().position(|&lp| {
-                acc += f64::from(lp).exp();
-                acc > u
-            });
-            // Rounding can leave the total just under u: take the last token then.
-            pick.unwrap_or(row.len() - 1) as i64
-        })
-        .collect();
-    let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b * t, 1]), &device);
-    logp.gather(1, labels).mean().neg()
 }
 
 #[cfg(test)]
