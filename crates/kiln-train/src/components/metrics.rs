@@ -36,6 +36,10 @@ pub struct StepMetrics {
     /// Seconds of this step spent averaging gradients over the ranks (host copies and the
     /// bucketed all-reduce); 0 with one rank.
     pub allreduce_s: f64,
+    /// Seconds of this step spent in the optimizer's update: with a sharded state also the
+    /// gather of the updated parameters and Muon's whole matrices, and SophiaG's Hessian pass
+    /// on the steps that estimate it.
+    pub update_s: f64,
 }
 
 /// Evaluation on held-out data.

@@ -10,6 +10,11 @@
 //! The owner computes `f` on exactly the whole the replicated run would (the pieces tile it,
 //! and the element-wise steps before it give the same bits on any range): the result is the
 //! replicated run's, bit for bit.
+//!
+//! A replicated run ([`Spread`]) shares the work the same way: every rank holds every whole
+//! matrix, each computes only the matrices it owns and broadcasts the results, so that N
+//! data-parallel ranks each orthogonalise about 1/N of the model instead of all of it (the
+//! same bits as every rank computing everything).
 
 use crate::tensor::{from_vec, into_vec};
 use burn::tensor::{Device, Tensor};
@@ -136,6 +141,67 @@ pub fn map_whole(
     out
 }
 
+/// [`crate::optim::Wholes`] of a replicated run over the data-parallel ranks `group`: each
+/// rank computes the matrices it owns (by [`owners`] of their `costs`, one per parameter) and
+/// broadcasts the results; every rank ends with every result.
+pub struct Spread<'a> {
+    /// The data-parallel ranks.
+    pub group: &'a dyn Collective,
+    /// Per parameter, [`cost`].
+    pub costs: &'a [f64],
+}
+
+impl crate::optim::Wholes for Spread<'_> {
+    fn map_whole(
+        &self,
+        pieces: Vec<Option<Tensor<1>>>,
+        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+    ) -> Vec<Option<Tensor<1>>> {
+        let (me, n) = (self.group.rank(), self.group.size());
+        if n == 1 {
+            return crate::optim::Unsharded.map_whole(pieces, f);
+        }
+        let which: Vec<usize> = (0..pieces.len()).filter(|&i| pieces[i].is_some()).collect();
+        let costs: Vec<f64> = which.iter().map(|&i| self.costs[i]).collect();
+        let owner_of = owners(&costs, n);
+        // Each rank's matrices, in parameter order: this rank's computed first (all of them,
+        // while the others compute theirs), then every rank's broadcast in turn.
+        let owned_by = |r: usize| -> Vec<usize> {
+            (which.iter().zip(&owner_of))
+                .filter(|(_, o)| **o == r)
+                .map(|(&i, _)| i)
+                .collect()
+        };
+        let lengths: Vec<usize> = (pieces.iter())
+            .map(|p| p.as_ref().map_or(0, |t| t.dims()[0]))
+            .collect();
+        let device = pieces.iter().flatten().next().map(Tensor::device);
+        let mut pieces = pieces;
+        let mine: Vec<f32> = (owned_by(me).into_iter())
+            .filter_map(|i| Some(into_vec(f(i, pieces[i].take()?))))
+            .flatten()
+            .collect();
+        let mut out: Vec<Option<Tensor<1>>> = vec![None; pieces.len()];
+        let Some(device) = device else {
+            return out;
+        };
+        for r in 0..n {
+            let list = owned_by(r);
+            let mut buf = match r == me {
+                true => mine.clone(),
+                false => vec![0.0f32; list.iter().map(|&i| lengths[i]).sum()],
+            };
+            self.group.broadcast_bytes(r, bytemuck::cast_slice_mut(&mut buf));
+            let mut at = 0;
+            for i in list {
+                out[i] = Some(from_vec(buf[at..at + lengths[i]].to_vec(), &device));
+                at += lengths[i];
+            }
+        }
+        out
+    }
+}
+
 /// Where each source rank's block starts in a buffer of blocks of `counts`.
 fn source_offsets(counts: &[usize]) -> Vec<usize> {
     let mut at = 0;
@@ -152,6 +218,40 @@ fn source_offsets(counts: &[usize]) -> Vec<usize> {
 mod tests {
     use super::*;
     use kiln_dist::Threads;
+
+    /// Every rank of a replicated run ends with `f` of every whole, each computed once.
+    #[test]
+    fn a_replicated_run_computes_each_whole_once_and_every_rank_gets_all() {
+        use crate::optim::Wholes;
+        let device = Device::flex();
+        let sizes = [6usize, 3, 8];
+        let got = Threads::each(2, |comm| {
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let spread = Spread {
+                group: comm,
+                costs: &[6.0, 3.0, 8.0],
+            };
+            let pieces = (0..3)
+                .map(|i| Some(from_vec(vec![i as f32; sizes[i]], &device)))
+                .collect();
+            let f = |i: usize, t: Tensor<1>| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                t.add_scalar(10.0 * i as f64)
+            };
+            let out = spread.map_whole(pieces, &f);
+            let out: Vec<Vec<f32>> = out.into_iter().map(|t| into_vec(t.unwrap())).collect();
+            (out, calls.into_inner())
+        });
+        let expect: Vec<Vec<f32>> = (0..3).map(|i| vec![11.0 * i as f32; sizes[i]]).collect();
+        for (r, (out, _)) in got.iter().enumerate() {
+            assert_eq!(out, &expect, "rank {r}");
+        }
+        assert_eq!(
+            got.iter().map(|(_, c)| c).sum::<usize>(),
+            3,
+            "each whole once"
+        );
+    }
 
     #[test]
     fn owners_spread_the_cost_largest_first() {

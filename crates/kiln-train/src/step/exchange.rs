@@ -4,7 +4,7 @@
 //!
 //! | mode | strategy | gradients | update |
 //! | --- | --- | --- | --- |
-//! | `none` | [`Replicated`] | all-reduced whole | every rank, everything |
+//! | `none` | [`Replicated`] | all-reduced whole | every rank, everything (Muon's orthogonalisation shared out) |
 //! | `optimizer` | [`ShardedState`] | all-reduced whole, this rank's range kept | this rank's range, then all-gathered |
 //! | `gradients` | [`ShardedState`] | reduce-scattered to this rank's range | this rank's range, then all-gathered |
 //! | `parameters` | [`StageWise`] | reduce-scattered stage by stage inside the backward pass | this rank's pieces, in place |
@@ -102,6 +102,9 @@ pub fn choose<'c>(
         Some(plan) => Box::new(ShardedState { plan }),
         None => Box::new(Replicated {
             comm: dp,
+            costs: (session.model.specs().iter())
+                .map(|s| crate::parallel::whole::cost(&s.shape))
+                .collect(),
             coll: collective::choose(
                 parallel.collectives,
                 Ranks::replicated(dp),
@@ -117,6 +120,9 @@ pub fn choose<'c>(
 pub struct Replicated<'c> {
     /// The data-parallel ranks.
     comm: &'c dyn Collective,
+    /// Each parameter's cost as a whole matrix: the ranks share Muon's orthogonalisation by
+    /// it ([`crate::parallel::whole::Spread`]).
+    costs: Vec<f64>,
     /// NCCL on CUDA devices with several ranks, else host-staged MPI in fixed buckets.
     coll: Box<dyn DeviceCollective>,
 }
@@ -163,8 +169,11 @@ impl Exchange for Replicated<'_> {
         grads: Vec<Tensor<1>>,
         u: Update,
     ) -> Result<(), TrainError> {
-        let whole = &crate::optim::Unsharded;
-        optimizer.update_clipped(&mut session.params, grads, (u.clip, u.lr), u.frozen, whole);
+        let whole = crate::parallel::whole::Spread {
+            group: self.comm,
+            costs: &self.costs,
+        };
+        optimizer.update_clipped(&mut session.params, grads, (u.clip, u.lr), u.frozen, &whole);
         Ok(())
     }
 

@@ -256,7 +256,9 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         }
         let data = run.data.source.as_ref();
+        let t_update = Instant::now();
         (self.step).apply(&mut run.session, &mut run.optimizer, data, g, lr)?;
+        let update_s = t_update.elapsed().as_secs_f64();
         let layout = *self.step.layout();
         let st = &mut run.state;
         st.step += 1;
@@ -276,11 +278,13 @@ impl<'a> Trainer<'a> {
             lr,
             dt,
             at.base,
-            allreduce_s,
+            (allreduce_s, update_s),
         )))
     }
 
-    /// The metrics of the step just applied, which took `dt` seconds from sample `first_sample`.
+    /// The metrics of the step just applied, which took `dt` seconds from sample
+    /// `first_sample`, of which `allreduce_s` averaging the gradients and `update_s` in the
+    /// optimizer's update.
     fn metrics(
         &self,
         loss: f32,
@@ -288,7 +292,7 @@ impl<'a> Trainer<'a> {
         lr: f64,
         dt: f64,
         first_sample: u64,
-        allreduce_s: f64,
+        (allreduce_s, update_s): (f64, f64),
     ) -> StepMetrics {
         let layout = *self.step.layout();
         let tokens = layout.global_batch() * layout.seq as u64;
@@ -312,6 +316,7 @@ impl<'a> Trainer<'a> {
             first_sample,
             global_batch: layout.global_batch(),
             allreduce_s,
+            update_s,
         }
     }
 
