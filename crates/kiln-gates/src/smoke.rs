@@ -26,6 +26,62 @@ use sha2::{Digest, Sha256};
 use std::path::Path;
 use std::time::Instant;
 
+/// Where a smoke run finds the baseline for the CPU it runs on.
+#[derive(Debug)]
+pub enum Baseline {
+    /// The file to compare with, and its run.
+    Found(std::path::PathBuf, SmokeRun),
+    /// None for this CPU kind: the file named was blessed on another kind, whose SIMD
+    /// kernels may sum in another order, and no baseline of this kind is beside it.
+    OtherKind {
+        /// The file given.
+        given: std::path::PathBuf,
+        /// Its run (blessed on `run.cpu`; a baseline for this kind takes its step count).
+        run: Box<SmokeRun>,
+        /// Where this kind's baseline would be ([`kind_path`]).
+        wanted: std::path::PathBuf,
+    },
+}
+
+/// The baseline of this CPU's kind for the file `path`: `path` itself when it was blessed on
+/// this kind, or when it compares within a tolerance (a CubeCL device: the tolerance covers
+/// the summation order); else `path`'s sibling for this kind ([`kind_path`]).
+///
+/// Bit-exact numerics depend on the SIMD level of the matrix products burn and gemm pick at
+/// run time (AVX-512 and AVX2 kernels accumulate in different orders; kiln's own kernels do
+/// not: 16 explicit lanes, no FMA): a baseline blessed with AVX-512 differed from an AVX2 run
+/// by 1 ULP in a gradient norm. One baseline per CPU kind keeps the gate bit-exact on each.
+pub fn baseline_for_this_cpu(path: &Path) -> Result<Baseline, GatesError> {
+    let run = load(path)?;
+    let here = cpu_description();
+    if run.cpu == here || run.tolerance > 0.0 {
+        return Ok(Baseline::Found(path.to_path_buf(), run));
+    }
+    let wanted = kind_path(path, &here);
+    if wanted.exists() {
+        let run = load(&wanted)?;
+        return Ok(Baseline::Found(wanted, run));
+    }
+    Ok(Baseline::OtherKind {
+        given: path.to_path_buf(),
+        run: Box::new(run),
+        wanted,
+    })
+}
+
+/// The baseline file of CPU kind `cpu` beside `path`: `<stem>@<kind>.json`, the kind's
+/// spaces as dashes (`gates/smoke-default@x86_64-avx2.json`).
+pub fn kind_path(path: &Path, cpu: &str) -> std::path::PathBuf {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+    let kind = cpu.replace(' ', "-");
+    let name = match ext {
+        Some(e) => format!("{}@{kind}.{e}", stem.unwrap_or_default()),
+        None => format!("{}@{kind}", stem.unwrap_or_default()),
+    };
+    path.with_file_name(name)
+}
+
 /// Format tag of smoke baseline files.
 pub const FORMAT: &str = "kiln-smoke/1";
 
@@ -103,7 +159,8 @@ pub fn smoke_config(base: &Config, steps: u64) -> Config {
     c
 }
 
-/// The CPU description stored in a baseline.
+/// The CPU description stored in a baseline: the architecture and the SIMD level kernels
+/// pick at run time (its kind, for [`baseline_for_this_cpu`]).
 pub fn cpu_description() -> String {
     #[cfg(target_arch = "x86_64")]
     {
@@ -584,6 +641,21 @@ pub fn report(
             (r / b - 1.0) * 100.0,
             tolerance * 100.0
         ),
+    }
+}
+
+#[cfg(test)]
+mod kind_tests {
+    use super::*;
+
+    #[test]
+    fn each_cpu_kind_has_its_baseline_beside_the_given_one() {
+        let p = Path::new("gates/smoke-default.json");
+        assert_eq!(
+            kind_path(p, "x86_64 avx2"),
+            Path::new("gates/smoke-default@x86_64-avx2.json")
+        );
+        assert_eq!(kind_path(Path::new("b"), "aarch64"), Path::new("b@aarch64"));
     }
 }
 

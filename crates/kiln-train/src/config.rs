@@ -154,6 +154,10 @@ pub enum OptimizerKind {
     /// SophiaG: clipped, Hessian-preconditioned momentum with the Gauss-Newton-Bartlett
     /// estimate of the diagonal Hessian every `sophia.hessian_interval` steps.
     Sophiag,
+    /// SPAM: Adam with spike-aware clipping of each gradient element against its second
+    /// moment, and the moments reset every `spam.reset_interval` steps (each reset followed by
+    /// a cosine warmup of the update).
+    Spam,
 }
 
 impl OptimizerKind {
@@ -163,16 +167,18 @@ impl OptimizerKind {
             Self::Adamw => "adamw",
             Self::Muon => "muon",
             Self::Sophiag => "sophiag",
+            Self::Spam => "spam",
         }
     }
 }
 
-/// The optimizer: AdamW (default), Muon or SophiaG, with PyTorch's semantics and defaults.
-/// `lr`, the schedule, weight decay and clipping apply to all three.
+/// The optimizer: AdamW (default), Muon, SophiaG or SPAM, with their reference
+/// implementations' semantics and defaults. `lr`, the schedule, weight decay and clipping
+/// apply to all of them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// `adamw`, `muon` or `sophiag`.
+    /// `adamw`, `muon`, `sophiag` or `spam`.
     pub kind: OptimizerKind,
     /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
@@ -192,6 +198,9 @@ pub struct OptimizerConfig {
     pub muon: MuonConfig,
     /// SophiaG's settings (`kind = "sophiag"`).
     pub sophia: SophiaConfig,
+    /// SPAM's settings (`kind = "spam"`; beta1, beta2, eps and weight decay are the keys
+    /// above).
+    pub spam: SpamConfig,
 }
 
 impl Default for OptimizerConfig {
@@ -211,6 +220,7 @@ impl Default for OptimizerConfig {
             max_grad_norm: 1.0,
             muon: MuonConfig::default(),
             sophia: SophiaConfig::default(),
+            spam: SpamConfig::default(),
         }
     }
 }
@@ -269,6 +279,34 @@ impl Default for SophiaConfig {
         Self {
             rho: 0.01,
             hessian_interval: 10,
+        }
+    }
+}
+
+/// SPAM (Huang et al. 2025, "SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM
+/// Training"; the defaults are the paper's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpamConfig {
+    /// Reset both moments every this many steps (the paper's Delta T).
+    pub reset_interval: u64,
+    /// Steps of the cosine warmup of the update after each reset (the paper's N).
+    pub warmup_steps: u64,
+    /// A gradient element is a spike when its square exceeds this many times its second
+    /// moment (theta); it is clipped to that bound, keeping its sign.
+    pub threshold: f64,
+    /// Steps after the start and after each reset before spikes are clipped (the second
+    /// moment is still filling; the reference's `grad_accu_steps`).
+    pub clip_after: u64,
+}
+
+impl Default for SpamConfig {
+    fn default() -> Self {
+        Self {
+            reset_interval: 500,
+            warmup_steps: 150,
+            threshold: 5000.0,
+            clip_after: 20,
         }
     }
 }
@@ -1005,6 +1043,8 @@ impl OptimizerConfig {
             "an integer in [1, 99] (5 is the usual)".into(),
         );
         d.real("optimizer.sophia.rho", o.sophia.rho, Open(0.0), Inf);
+        d.at_least("optimizer.spam.reset_interval", o.spam.reset_interval, 1);
+        d.real("optimizer.spam.threshold", o.spam.threshold, Open(0.0), Inf);
         d.at_least(
             "optimizer.sophia.hessian_interval",
             o.sophia.hessian_interval,

@@ -1,4 +1,4 @@
-//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG), replicated or
+//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG, SPAM), replicated or
 //! sharded (a range of each parameter per rank), global gradient-norm clipping and the LR
 //! schedules.
 //!
@@ -16,10 +16,12 @@
 mod adamw;
 mod muon;
 mod sophia;
+mod spam;
 
 pub use adamw::AdamW;
 pub use muon::{Muon, newton_schulz};
 pub use sophia::SophiaG;
+pub use spam::Spam;
 
 use crate::checkpoint::HostTensor;
 use crate::checkpoint::region::Region;
@@ -165,6 +167,8 @@ pub enum Rule {
     Muon(Muon),
     /// SophiaG for every parameter.
     SophiaG(SophiaG),
+    /// SPAM for every parameter.
+    Spam(Spam),
 }
 
 /// The optimizer of a run (`optimizer.kind`), replicated or, in a sharded run, over this
@@ -224,6 +228,7 @@ impl Optimizer {
             Rule::AdamW(_) => OptimizerKind::Adamw,
             Rule::Muon(_) => OptimizerKind::Muon,
             Rule::SophiaG(_) => OptimizerKind::Sophiag,
+            Rule::Spam(_) => OptimizerKind::Spam,
         }
     }
 
@@ -233,6 +238,7 @@ impl Optimizer {
             Rule::AdamW(o) => o.step,
             Rule::Muon(o) => o.adam.step,
             Rule::SophiaG(o) => o.step,
+            Rule::Spam(o) => o.step,
         }
     }
 
@@ -242,6 +248,7 @@ impl Optimizer {
             Rule::AdamW(o) => o.step = step,
             Rule::Muon(o) => o.adam.step = step,
             Rule::SophiaG(o) => o.step = step,
+            Rule::Spam(o) => o.step = step,
         }
     }
 
@@ -329,6 +336,7 @@ impl Optimizer {
             Rule::AdamW(o) => o.slots(),
             Rule::Muon(o) => o.slots(),
             Rule::SophiaG(o) => o.slots(),
+            Rule::Spam(o) => o.slots(),
         }
     }
 
@@ -337,6 +345,7 @@ impl Optimizer {
             Rule::AdamW(o) => o.slots_mut(),
             Rule::Muon(o) => o.slots_mut(),
             Rule::SophiaG(o) => o.slots_mut(),
+            Rule::Spam(o) => o.slots_mut(),
         }
     }
 
@@ -474,6 +483,7 @@ impl Rule {
             OptimizerKind::Sophiag => {
                 Self::SophiaG(SophiaG::zeroed(cfg, specs, device, tokens_per_step, ranges))
             }
+            OptimizerKind::Spam => Self::Spam(Spam::zeroed(cfg, specs, device, ranges)),
         }
     }
 
@@ -489,6 +499,7 @@ impl Rule {
             Self::AdamW(o) => o.update(params, grads, lr, frozen),
             Self::Muon(o) => o.update(params, grads, lr, frozen, wholes),
             Self::SophiaG(o) => o.update(params, grads, lr, frozen),
+            Self::Spam(o) => o.update(params, grads, lr, frozen),
         }
     }
 }

@@ -191,7 +191,8 @@ impl crate::optim::Wholes for Spread<'_> {
                 true => mine.clone(),
                 false => vec![0.0f32; list.iter().map(|&i| lengths[i]).sum()],
             };
-            self.group.broadcast_bytes(r, bytemuck::cast_slice_mut(&mut buf));
+            self.group
+                .broadcast_bytes(r, bytemuck::cast_slice_mut(&mut buf));
             let mut at = 0;
             for i in list {
                 out[i] = Some(from_vec(buf[at..at + lengths[i]].to_vec(), &device));

@@ -18,8 +18,13 @@ prints the first differing step, both values and their distance in ULPs.
 The baseline keeps the effective config it was made with; a run with a different config (other
 --set values, another --steps) is refused with the differing keys named, unless --ignore-config.
 
+A baseline is per kind of CPU (the SIMD level of the matrix products: x86_64 avx512f, avx2,
+...): where FILE was blessed on another kind, the gate compares with FILE's sibling for this
+kind (gates/smoke-default@x86_64-avx2.json), and where there is none it says so and compares
+nothing (exit 0); --bless then writes that sibling, never over another kind's baseline.
+
 Exit codes:
-  0   identical to the baseline (or --bless wrote it)
+  0   identical to the baseline (or --bless wrote it; or no baseline of this CPU kind: said)
   1   numerics, step count or memory differ, or the config differs; or reading or writing
       failed (the message names the file)
   2   a bad flag value (--steps, --mem-tolerance); nothing ran
@@ -217,7 +222,14 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     smoke::check_mem_tolerance(a.mem_tolerance)?;
     smoke::check_tolerance(a.tolerance).map_err(|e| anyhow::anyhow!("--{e}"))?;
     let base = Config::load(a.config.as_deref(), &a.overrides)?;
-    let baseline = smoke_baseline(&a)?;
+    let (path, baseline) = match smoke_baseline(&a)? {
+        Ok(found) => found,
+        Err(why) => {
+            // Not a failure of this tree: nothing of this CPU kind to compare it with.
+            println!("{why}");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
     // --steps is at least 1 (clap checks it), a baseline's step count too (smoke::load).
     let steps = a
         .steps
@@ -232,7 +244,7 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
         (false, false) => smoke::Setup::Same,
     };
     if let Some(b) = baseline.as_ref().filter(|_| !a.bless)
-        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), ranks, &a.baseline, setup)
+        && let Some(refusal) = smoke::refuse_config(b, &config.to_toml(), ranks, &path, setup)
     {
         println!("{refusal}");
         return Ok(ExitCode::FAILURE);
@@ -252,10 +264,10 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     };
     if a.bless {
         run.tolerance = a.tolerance;
-        smoke::save(&run, &a.baseline)?;
+        smoke::save(&run, &path)?;
         println!(
             "smoke: blessed {} ({} steps, last loss {}, peak memory {:.1} MiB, {:.1}s)",
-            a.baseline.display(),
+            path.display(),
             run.records.len(),
             run.records.last().map_or(f32::NAN, |r| r.loss),
             run.peak_rss_mib,
@@ -267,7 +279,7 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("no baseline to compare with");
     };
     let verdict = smoke::compare(&baseline, &run, setup, a.mem_tolerance);
-    println!("{}", smoke::report(&verdict, &baseline, &run, &a.baseline));
+    println!("{}", smoke::report(&verdict, &baseline, &run, &path));
     Ok(if verdict == smoke::Verdict::Identical {
         ExitCode::SUCCESS
     } else {
@@ -275,16 +287,35 @@ pub fn smoke(a: SmokeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// The smoke baseline to compare with (`None` when blessing a new one).
-fn smoke_baseline(a: &SmokeArgs) -> anyhow::Result<Option<smoke::SmokeRun>> {
+/// The smoke baseline to compare with and its file (`None` when blessing a new one), or, where
+/// the file given was blessed on another kind of CPU and none of this kind is beside it, why
+/// nothing can be compared.
+type Found = Result<(PathBuf, Option<smoke::SmokeRun>), String>;
+
+fn smoke_baseline(a: &SmokeArgs) -> anyhow::Result<Found> {
     if a.bless && !a.baseline.exists() {
-        return Ok(None);
+        return Ok(Ok((a.baseline.clone(), None)));
     }
-    let why = match a.baseline.exists() {
-        true => "reading the smoke baseline",
-        false => "no baseline: create one with `kiln smoke --bless` (and --baseline FILE)",
-    };
-    Ok(Some(smoke::load(&a.baseline).context(why)?))
+    if !a.baseline.exists() {
+        anyhow::bail!(
+            "{}: no baseline: create one with `kiln smoke --bless` (and --baseline FILE)",
+            a.baseline.display()
+        );
+    }
+    let found = smoke::baseline_for_this_cpu(&a.baseline).context("reading the smoke baseline")?;
+    Ok(match found {
+        smoke::Baseline::Found(path, run) => Ok((path, Some(run))),
+        // Blessed with the other kind's step count, beside it.
+        smoke::Baseline::OtherKind { wanted, run, .. } if a.bless => Ok((wanted, Some(*run))),
+        smoke::Baseline::OtherKind { given, run, wanted } => Err(format!(
+            "smoke: NOT COMPARED: no baseline for this kind of CPU ({}). {} was blessed on {}, whose SIMD matrix products sum in another order, so its bits cannot be compared here. Bless one for this kind (after checking this tree is the one you trust): `kiln smoke --bless --baseline {}` writes {}",
+            smoke::cpu_description(),
+            given.display(),
+            run.cpu,
+            given.display(),
+            wanted.display()
+        )),
+    })
 }
 
 /// Progress of a long gate (lr-find, eval): a live bar on a terminal, else (a pipe, a batch

@@ -260,37 +260,53 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
     }
 }
 
-/// Issue 59: Muon and SophiaG shard in every mode. Muon's Newton-Schulz sees each whole
+/// Issue 59: Muon, SophiaG and SPAM shard in every mode. Muon's Newton-Schulz sees each whole
 /// matrix on one owner rank (gathered from the ranks' ranges and scattered back), SophiaG is
-/// element-wise and its Hessian pass (sampled labels) is reduced like the gradients. With
+/// element-wise and its Hessian pass (sampled labels) is reduced like the gradients, SPAM is
+/// element-wise (here with its reset every 6 updates, so that the 24 steps reset and clip). With
 /// `optimizer` the gradients are the replicated run's, so the weights are too, bit for bit;
 /// `gradients` and `parameters` reduce in another order: losses and eval within 1e-4
 /// relative, as for AdamW. On 2 and 3 ranks (3 does not divide the model's elements, so
 /// matrices straddle the ranks unevenly), with the Hessian estimated every 3 steps.
 #[cfg(feature = "mpi")]
 #[test]
-fn sharded_muon_and_sophiag_train_like_their_replicated_runs() {
+fn sharded_muon_sophiag_and_spam_train_like_their_replicated_runs() {
     let tmp = tempfile::tempdir().unwrap();
-    for kind in ["muon", "sophiag"] {
+    for kind in ["muon", "sophiag", "spam"] {
         let opt = format!("optimizer.kind={kind}");
-        let every = "optimizer.sophia.hessian_interval=3";
+        let every: &[&str] = match kind {
+            "spam" => &[
+                "optimizer.spam.reset_interval=6",
+                "optimizer.spam.clip_after=3",
+            ],
+            _ => &["optimizer.sophia.hessian_interval=3"],
+        };
+        let with = |more: &[&str]| -> Vec<String> {
+            let mut v = vec![opt.clone()];
+            v.extend(every.iter().chain(more).map(|s| s.to_string()));
+            v
+        };
         for np in [2, 3] {
             let replicated = tmp.path().join(format!("{kind}-{np}"));
-            assert_ok(&run(np, &replicated, &[&opt, every]));
+            assert_ok(&run(np, &replicated, &strs(&with(&[]))));
             let rd = tmp.path().join(format!("{kind}-optimizer-{np}"));
-            assert_ok(&run(np, &rd, &[&opt, every, SHARD_OPTIMIZER]));
+            assert_ok(&run(np, &rd, &strs(&with(&[SHARD_OPTIMIZER]))));
             assert!(weights(&replicated) == weights(&rd), "{kind}, {np} ranks");
             for (mode, set) in [
                 ("gradients", SHARD_GRADIENTS),
                 ("parameters", SHARD_PARAMETERS),
             ] {
                 let rd = tmp.path().join(format!("{kind}-{mode}-{np}"));
-                assert_ok(&run(np, &rd, &[&opt, every, set]));
+                assert_ok(&run(np, &rd, &strs(&with(&[set]))));
                 trains_like(&replicated, &rd, &format!("{kind}, {mode}, {np} ranks"));
                 check_shard_files(&rd.join("checkpoints/step-24"), np, mode == "parameters");
             }
         }
     }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }
 
 /// Sharded Muon and SophiaG resume bit-identically after a rank is SIGKILLed (their state

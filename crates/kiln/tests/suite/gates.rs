@@ -41,6 +41,55 @@ fn smoke_passes_against_the_committed_default_baseline() {
     assert!(out.contains("smoke: PASS: 20 steps bit-identical"), "{out}");
 }
 
+/// Issue 61: on an AMD EPYC with AVX2 the committed baseline (blessed with AVX-512) failed on
+/// an unchanged tree, 1 ULP in a gradient norm: the SIMD level of the matrix products changes
+/// their summation order. A baseline blessed on another kind of CPU is not compared (the
+/// gate says which kind lacks one and exits 0), `--bless` then writes that kind's baseline
+/// beside it (never over the other kind's), and the gate compares with it bit for bit.
+#[test]
+fn smoke_keeps_a_baseline_per_cpu_kind_and_says_which_kind_lacks_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("tiny.json");
+    let b = base.to_str().unwrap();
+    let (code, out) = kiln(
+        &["smoke", "--steps", "3", "--bless", "--baseline", b],
+        &tiny(),
+    );
+    assert_eq!(code, 0, "{out}");
+    // As if blessed on another kind of CPU.
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    v["cpu"] = "x86_64 avx9000".into();
+    std::fs::write(&base, serde_json::to_string(&v).unwrap()).unwrap();
+    let other = std::fs::read(&base).unwrap();
+    let (code, out) = kiln(&["smoke", "--baseline", b], &tiny());
+    assert_eq!(code, 0, "{out}");
+    let here = kiln_gates::smoke::cpu_description();
+    let sibling = kiln_gates::smoke::kind_path(&base, &here);
+    assert!(
+        out.contains("NOT COMPARED") && out.contains("x86_64 avx9000"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&here) && out.contains(&sibling.display().to_string()),
+        "{out}"
+    );
+    let (code, out) = kiln(&["smoke", "--bless", "--baseline", b], &tiny());
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("blessed {}", sibling.display())),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read(&base).unwrap(),
+        other,
+        "the other kind's baseline is kept"
+    );
+    let (code, out) = kiln(&["smoke", "--baseline", b], &tiny());
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PASS: 3 steps bit-identical"), "{out}");
+}
+
 #[test]
 fn smoke_fails_readably_when_numerics_change() {
     let dir = tempfile::tempdir().unwrap();

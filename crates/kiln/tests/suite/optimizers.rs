@@ -64,18 +64,28 @@ fn tensors(path: &Path) -> Vec<(String, String)> {
 }
 
 fn sigkill_resume_is_bit_identical(kind: &str) {
+    sigkill_resume_is_bit_identical_with(kind, &[]);
+}
+
+/// A run of optimizer `kind` with `extra` settings, SIGKILLed at steps 6 and 15 and resumed,
+/// ends with the weights and optimizer state of an uninterrupted run.
+fn sigkill_resume_is_bit_identical_with(kind: &str, extra: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let opt = format!("optimizer.kind={kind}");
+    let sets: Vec<&str> = [opt.as_str()]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
     let reference = tmp.path().join("reference");
-    run_to_end(&reference, &[&opt]);
+    run_to_end(&reference, &sets);
     let dir = tmp.path().join("killed");
     for at in [6, 15] {
-        let mut child = spawn_until_step(&dir, &[&opt], at);
+        let mut child = spawn_until_step(&dir, &sets, at);
         // SAFETY: kill(2) on the child we spawned.
         assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
         assert!(!child.wait().unwrap().success());
     }
-    run_to_end(&dir, &[&opt]);
+    run_to_end(&dir, &sets);
     let resumes = events(&dir)
         .iter()
         .filter(|e| e["event"] == "resume")
@@ -101,6 +111,20 @@ fn muon_resumes_bit_exactly_after_sigkill() {
 #[test]
 fn sophiag_resumes_bit_exactly_after_sigkill() {
     sigkill_resume_is_bit_identical("sophiag");
+}
+
+/// SPAM with a reset every 6 updates (and spikes clipped from the 3rd after it), so that the
+/// 24-step run resets three times and the kill lands between resets.
+#[test]
+fn spam_resumes_bit_exactly_after_sigkill_across_its_resets() {
+    sigkill_resume_is_bit_identical_with(
+        "spam",
+        &[
+            "optimizer.spam.reset_interval=6",
+            "optimizer.spam.warmup_steps=2",
+            "optimizer.spam.clip_after=3",
+        ],
+    );
 }
 
 #[test]
