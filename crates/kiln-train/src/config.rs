@@ -158,6 +158,9 @@ pub enum OptimizerKind {
     /// moment, and the moments reset every `spam.reset_interval` steps (each reset followed by
     /// a cosine warmup of the update).
     Spam,
+    /// Schedule-Free AdamW: no decay schedule (a constant LR after the warmup); trains at a
+    /// point y between its iterate z and their average x, which it evaluates and publishes.
+    ScheduleFreeAdamw,
 }
 
 impl OptimizerKind {
@@ -168,6 +171,7 @@ impl OptimizerKind {
             Self::Muon => "muon",
             Self::Sophiag => "sophiag",
             Self::Spam => "spam",
+            Self::ScheduleFreeAdamw => "schedule_free_adamw",
         }
     }
 }
@@ -178,7 +182,7 @@ impl OptimizerKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// `adamw`, `muon`, `sophiag` or `spam`.
+    /// `adamw`, `muon`, `sophiag`, `spam` or `schedule_free_adamw`.
     pub kind: OptimizerKind,
     /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
@@ -201,6 +205,9 @@ pub struct OptimizerConfig {
     /// SPAM's settings (`kind = "spam"`; beta1, beta2, eps and weight decay are the keys
     /// above).
     pub spam: SpamConfig,
+    /// Schedule-Free AdamW's settings (`kind = "schedule_free_adamw"`; beta1, beta2, eps and
+    /// weight decay are the keys above, the warmup is `lr_scheduler.warmup_steps`).
+    pub schedule_free: ScheduleFreeConfig,
 }
 
 impl Default for OptimizerConfig {
@@ -221,6 +228,7 @@ impl Default for OptimizerConfig {
             muon: MuonConfig::default(),
             sophia: SophiaConfig::default(),
             spam: SpamConfig::default(),
+            schedule_free: ScheduleFreeConfig::default(),
         }
     }
 }
@@ -307,6 +315,25 @@ impl Default for SpamConfig {
             warmup_steps: 150,
             threshold: 5000.0,
             clip_after: 20,
+        }
+    }
+}
+
+/// Schedule-Free AdamW (Defazio et al. 2024; the defaults are the authors' package's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleFreeConfig {
+    /// The averaging weight of update k grows as (k + 1)^r.
+    pub r: f64,
+    /// ... and as the largest LR so far to this power (warmup steps weigh less).
+    pub weight_lr_power: f64,
+}
+
+impl Default for ScheduleFreeConfig {
+    fn default() -> Self {
+        Self {
+            r: 0.0,
+            weight_lr_power: 2.0,
         }
     }
 }
@@ -979,6 +1006,20 @@ impl Config {
         let pieces = piece_sizes(t.batch_size, t.compute_shards);
         for rule in (self.parallelism).tensor_rules(model, &pieces, whole_matrices) {
             d.rule(rule);
+        }
+        if o.kind == OptimizerKind::ScheduleFreeAdamw {
+            if self.lr_scheduler.kind != ScheduleKind::Constant {
+                d.rule(format!(
+                    "optimizer.kind = \"schedule_free_adamw\" replaces the decay schedule: set lr_scheduler.kind = \"constant\" (its warmup, lr_scheduler.warmup_steps, is the method's), not {:?}",
+                    format!("{:?}", self.lr_scheduler.kind).to_lowercase()
+                ));
+            }
+            if matches!(self.parallelism.shard, Shard::Optimizer | Shard::Gradients) {
+                d.rule(format!(
+                    "optimizer.kind = \"schedule_free_adamw\" publishes its average of the weights and its iterate, which parallelism.shard = {:?} keeps on different ranks (whole weights, sharded iterate): use parallelism.shard = \"parameters\" or \"none\"",
+                    self.parallelism.shard.name()
+                ));
+            }
         }
         if self.parallelism.shard != Shard::None {
             let shard = self.parallelism.shard.name();

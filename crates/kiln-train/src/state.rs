@@ -45,6 +45,9 @@ pub struct TrainState {
     /// before there was a choice hold AdamW's).
     #[serde(default = "adamw")]
     pub optimizer: String,
+    /// The optimizer's scalars beside its tensors (Schedule-Free's `lr_max`, `weight_sum`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub optimizer_scalars: Vec<(String, f64)>,
     /// LR schedule kind.
     pub schedule: String,
     /// Learning rate of the last step.
@@ -87,6 +90,7 @@ impl TrainState {
             seed,
             optimizer_step: 0,
             optimizer: adamw(),
+            optimizer_scalars: Vec::new(),
             schedule: String::new(),
             lr: 0.0,
             model_hash: String::new(),

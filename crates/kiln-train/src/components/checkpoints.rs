@@ -27,6 +27,7 @@ use crate::optim::Optimizer;
 use crate::run_dir::RunDir;
 use crate::state::{RunState, TrainState, new_run_id};
 use crate::step::{BatchLayout, Step};
+use burn::tensor::Tensor;
 use kiln_dist::Collective;
 use kiln_run::event;
 use serde_json::json;
@@ -430,6 +431,19 @@ impl<'c> Checkpoints<'c> {
         let device = &run.session.device;
         run.optimizer = Optimizer::restore(&cfg.optimizer, specs, device, (tokens, shard), saved)
             .map_err(mismatch)?;
+        run.optimizer
+            .set_scalars(&st.optimizer_scalars)
+            .map_err(mismatch)?;
+        // The checkpoint published the optimizer's weights (Schedule-Free's average): training
+        // goes on from the point it trains at.
+        let dtype = run.session.params.first().map(Tensor::dtype);
+        if let Some(point) = dtype.and_then(|d| run.optimizer.training_point(d)) {
+            for (p, y) in run.session.params.iter_mut().zip(point) {
+                if let Some(y) = y {
+                    *p = y;
+                }
+            }
+        }
         if st.run_id.is_empty() {
             st.run_id = run.state.run_id.clone();
         }
@@ -516,7 +530,9 @@ impl<'c> Checkpoints<'c> {
                 host,
             ));
             if weights_ranged || mesh.shape().size(Dim::Tp) > 1 {
-                let weights = (specs.iter().zip(&run.session.params).enumerate())
+                let published = run.optimizer.published(&run.session.params);
+                let params = published.as_ref().unwrap_or(&run.session.params);
+                let weights = (specs.iter().zip(params).enumerate())
                     .filter_map(|(i, (spec, t))| {
                         let region = weight_region(i)?;
                         Some(HostTensor::f32(
@@ -651,6 +667,7 @@ impl<'c> Checkpoints<'c> {
         let st = &mut run.state;
         st.optimizer_step = run.optimizer.step();
         st.optimizer = run.optimizer.kind().name().to_string();
+        st.optimizer_scalars = run.optimizer.scalars();
         st.schedule = format!("{:?}", self.cfg.lr_scheduler.kind).to_lowercase();
         st.model_hash = self.id.model_hash.clone();
         st.config_hash = self.id.config_hash.clone();
@@ -756,9 +773,13 @@ fn stage(run: &RunState) -> Staged {
         Some(_) => Vec::new(),
         None => run.optimizer.named_state(run.session.model.specs()),
     };
+    let model = match run.optimizer.published(&run.session.params) {
+        Some(x) => run.session.named(&x),
+        None => run.session.named_params(),
+    };
     Staged {
         step: run.state.step,
-        model: run.session.named_params(),
+        model,
         optimizer,
         state: serde_json::to_value(&run.state).unwrap_or_default(),
         shards: Vec::new(),

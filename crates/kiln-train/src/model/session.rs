@@ -288,6 +288,17 @@ impl Session {
         sha256_hex(&toml::to_string(&m).unwrap_or_default())
     }
 
+    /// The same model with other parameters (an optimizer's published weights to evaluate or
+    /// save: [`crate::optim::Optimizer::published`]).
+    pub fn with_params(&self, params: Vec<Tensor<1>>) -> Self {
+        Self {
+            config: self.config.clone(),
+            device: self.device.clone(),
+            model: self.model.clone(),
+            params,
+        }
+    }
+
     /// Parameters as named host tensors (logical shapes).
     pub fn host_params(&self) -> Vec<HostTensor> {
         self.named_params()
@@ -298,10 +309,15 @@ impl Session {
 
     /// Parameters as named tensors on the device (references, no copy).
     pub fn named_params(&self) -> Vec<DeviceTensor> {
+        self.named(&self.params)
+    }
+
+    /// `tensors` (one per parameter, in `model.specs()` order) under the parameters' names.
+    pub fn named(&self, tensors: &[Tensor<1>]) -> Vec<DeviceTensor> {
         self.model
             .specs()
             .iter()
-            .zip(&self.params)
+            .zip(tensors)
             .map(|(s, t)| DeviceTensor {
                 name: s.name.clone(),
                 shape: s.shape.clone(),

@@ -1,4 +1,5 @@
-//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG, SPAM), replicated or
+//! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG, SPAM, Schedule-Free
+//! AdamW), replicated or
 //! sharded (a range of each parameter per rank), global gradient-norm clipping and the LR
 //! schedules.
 //!
@@ -15,11 +16,13 @@
 
 mod adamw;
 mod muon;
+mod schedule_free;
 mod sophia;
 mod spam;
 
 pub use adamw::AdamW;
 pub use muon::{Muon, newton_schulz};
+pub use schedule_free::ScheduleFree;
 pub use sophia::SophiaG;
 pub use spam::Spam;
 
@@ -101,6 +104,16 @@ pub fn clip_coefficient(norm: f32, max_norm: f64) -> Option<f64> {
     (coef < 1.0).then_some(coef)
 }
 
+/// PyTorch's `lerp(start, end, w)` arithmetic: `start + w (end - start)` for |w| < 0.5,
+/// else `end - (end - start)(1 - w)`.
+pub(crate) fn lerp(start: Tensor<1>, end: Tensor<1>, w: f64) -> Tensor<1> {
+    if w.abs() < 0.5 {
+        start.clone() + (end - start).mul_scalar(w)
+    } else {
+        end.clone() - (end - start).mul_scalar(1.0 - w)
+    }
+}
+
 /// One slot of per-parameter state (`exp_avg`, `momentum_buffer`, ...): `None` for the
 /// parameters the slot does not cover.
 pub(crate) type StateSlot<'a> = (&'static str, &'a Vec<Option<Tensor<1>>>);
@@ -169,6 +182,8 @@ pub enum Rule {
     SophiaG(SophiaG),
     /// SPAM for every parameter.
     Spam(Spam),
+    /// Schedule-Free AdamW for every parameter.
+    ScheduleFree(ScheduleFree),
 }
 
 /// The optimizer of a run (`optimizer.kind`), replicated or, in a sharded run, over this
@@ -229,6 +244,7 @@ impl Optimizer {
             Rule::Muon(_) => OptimizerKind::Muon,
             Rule::SophiaG(_) => OptimizerKind::Sophiag,
             Rule::Spam(_) => OptimizerKind::Spam,
+            Rule::ScheduleFree(_) => OptimizerKind::ScheduleFreeAdamw,
         }
     }
 
@@ -239,6 +255,7 @@ impl Optimizer {
             Rule::Muon(o) => o.adam.step,
             Rule::SophiaG(o) => o.step,
             Rule::Spam(o) => o.step,
+            Rule::ScheduleFree(o) => o.step,
         }
     }
 
@@ -249,6 +266,7 @@ impl Optimizer {
             Rule::Muon(o) => o.adam.step = step,
             Rule::SophiaG(o) => o.step = step,
             Rule::Spam(o) => o.step = step,
+            Rule::ScheduleFree(o) => o.step = step,
         }
     }
 
@@ -331,12 +349,58 @@ impl Optimizer {
         }
     }
 
+    /// The weights to evaluate and publish (checkpoints, snapshots, the final weights) of the
+    /// parameters `params` this optimizer trains (this rank's pieces in a sharded run), when
+    /// they are not the parameters themselves: Schedule-Free's average `x` of its training
+    /// point `y` and iterate `z`. In the parameters' dtype.
+    pub fn published(&self, params: &[Tensor<1>]) -> Option<Vec<Tensor<1>>> {
+        let Rule::ScheduleFree(o) = &self.rule else {
+            return None;
+        };
+        let dtype = params.first().map(Tensor::dtype)?;
+        let wide: Vec<Tensor<1>> = params
+            .iter()
+            .map(|p| p.clone().cast(FloatDType::F32))
+            .collect();
+        let x = o.published(&wide);
+        Some(x.into_iter().map(|t| t.cast(dtype)).collect())
+    }
+
+    /// What a resume puts back in place of the published weights (see
+    /// [`Optimizer::published`]): Schedule-Free's training point `y`, each in `dtype`;
+    /// `None` for the other kinds and before the first update.
+    pub fn training_point(&self, dtype: DType) -> Option<Vec<Option<Tensor<1>>>> {
+        let Rule::ScheduleFree(o) = &self.rule else {
+            return None;
+        };
+        let y = o.training_point()?;
+        Some(y.iter().map(|t| t.clone().map(|t| t.cast(dtype))).collect())
+    }
+
+    /// The optimizer's scalars `state.json` records beside the step (Schedule-Free's
+    /// `lr_max` and weight sum; none for the other kinds).
+    pub fn scalars(&self) -> Vec<(String, f64)> {
+        match &self.rule {
+            Rule::ScheduleFree(o) => o.scalars(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Restores [`Optimizer::scalars`] from a checkpoint's; an error names a missing one.
+    pub fn set_scalars(&mut self, saved: &[(String, f64)]) -> Result<(), String> {
+        match &mut self.rule {
+            Rule::ScheduleFree(o) => o.set_scalars(saved),
+            _ => Ok(()),
+        }
+    }
+
     fn slots(&self) -> Vec<StateSlot<'_>> {
         match &self.rule {
             Rule::AdamW(o) => o.slots(),
             Rule::Muon(o) => o.slots(),
             Rule::SophiaG(o) => o.slots(),
             Rule::Spam(o) => o.slots(),
+            Rule::ScheduleFree(o) => o.slots(),
         }
     }
 
@@ -346,6 +410,7 @@ impl Optimizer {
             Rule::Muon(o) => o.slots_mut(),
             Rule::SophiaG(o) => o.slots_mut(),
             Rule::Spam(o) => o.slots_mut(),
+            Rule::ScheduleFree(o) => o.slots_mut(),
         }
     }
 
@@ -484,6 +549,9 @@ impl Rule {
                 Self::SophiaG(SophiaG::zeroed(cfg, specs, device, tokens_per_step, ranges))
             }
             OptimizerKind::Spam => Self::Spam(Spam::zeroed(cfg, specs, device, ranges)),
+            OptimizerKind::ScheduleFreeAdamw => {
+                Self::ScheduleFree(ScheduleFree::zeroed(cfg, specs, device, ranges))
+            }
         }
     }
 
@@ -500,6 +568,7 @@ impl Rule {
             Self::Muon(o) => o.update(params, grads, lr, frozen, wholes),
             Self::SophiaG(o) => o.update(params, grads, lr, frozen),
             Self::Spam(o) => o.update(params, grads, lr, frozen),
+            Self::ScheduleFree(o) => o.update(params, grads, lr, frozen),
         }
     }
 }

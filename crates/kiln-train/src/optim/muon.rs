@@ -13,7 +13,7 @@
 //! The two agree to bf16 rounding (see `scripts/muon-parity.py` for the measured difference).
 
 use super::adamw::AdamW;
-use super::{Role, StateSlot, StateSlotMut, Wholes, role};
+use super::{Role, StateSlot, StateSlotMut, Wholes, lerp, role};
 use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
 use crate::kernels::replicated;
 use crate::model::ParamSpec;
@@ -59,16 +59,6 @@ pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
         x = x.clone().mul_scalar(a) + replicated::replicated_matmul(update, x);
     }
     if tall { x.transpose() } else { x }
-}
-
-/// PyTorch's `lerp(start, end, w)` arithmetic: `start + w (end - start)` for |w| < 0.5,
-/// else `end - (end - start)(1 - w)`.
-fn lerp(start: Tensor<1>, end: Tensor<1>, w: f64) -> Tensor<1> {
-    if w.abs() < 0.5 {
-        start.clone() + (end - start).mul_scalar(w)
-    } else {
-        end.clone() - (end - start).mul_scalar(1.0 - w)
-    }
 }
 
 /// The LR of a matrix of `out x in` (PyTorch's `_adjust_lr`).

@@ -386,7 +386,10 @@ impl<'a> Trainer<'a> {
     /// rank, which compute each batch together (the observer's extra scores, which need the
     /// whole model on one rank, are left out).
     fn evaluate(&mut self) -> Result<(), TrainError> {
-        let session = &self.run.session;
+        // The optimizer's published weights where they are not the ones it trains at.
+        let shown = (self.run.optimizer.published(&self.run.session.params))
+            .map(|x| self.run.session.with_params(x));
+        let session = shown.as_ref().unwrap_or(&self.run.session);
         let staged = self.step.stage_shards(session);
         let tp = self.mesh.shape().size(Dim::Tp);
         if !self.journal.is_writer() && staged.is_none() && tp == 1 {
@@ -493,7 +496,9 @@ impl<'a> Trainer<'a> {
     /// matrices cut (tensor parallelism), every rank takes part in gathering the whole
     /// weights.
     fn write_final_model(&mut self) -> Result<(), TrainError> {
-        let session = &self.run.session;
+        let shown = (self.run.optimizer.published(&self.run.session.params))
+            .map(|x| self.run.session.with_params(x));
+        let session = shown.as_ref().unwrap_or(&self.run.session);
         let (specs, params) = (session.model.specs(), &session.params);
         let gathered = (self.step.parameter_shards())
             .map(|plan| plan.whole_host(specs, params))

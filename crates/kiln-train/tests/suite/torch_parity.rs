@@ -1,6 +1,7 @@
 //! kiln's Muon (and the AdamW it runs for embeddings, norms and the head) against PyTorch's
 //! `torch.optim.Muon` / `torch.optim.AdamW` on the same weights and gradients, two steps;
-//! kiln's SPAM against its authors' arithmetic (`scripts/spam-parity.py`), fourteen.
+//! kiln's SPAM against its authors' arithmetic (`scripts/spam-parity.py`), fourteen; kiln's
+//! Schedule-Free AdamW against the authors' `schedulefree` package, twelve.
 //!
 //! Gated: needs a Python with torch >= 2.9 (which has `torch.optim.Muon`) and safetensors;
 //! run with `KILN_TORCH_PYTHON=bench/.venv/bin/python cargo test --release -p kiln-train
@@ -271,4 +272,123 @@ fn spam_matches_the_reference_arithmetic() {
         r["spam_vs_reference"]["max_abs"].as_f64().unwrap() < 1e-6,
         "{r}"
     );
+}
+
+/// Issue 59: kiln's Schedule-Free AdamW against the authors' package
+/// (`schedulefree.AdamWScheduleFree`, foreach off) on the same weights and 12 updates of
+/// random gradients, through a warmup of 4 (kiln's constant schedule's warmup is the
+/// reference's `warmup_steps`) with decay and r = 0.5: the training point y (the parameters)
+/// and the published x (the reference's weights after `eval()`) both within 1e-6.
+#[test]
+fn schedule_free_adamw_matches_the_authors_package() {
+    let Ok(python) = std::env::var("KILN_TORCH_PYTHON") else {
+        eprintln!(
+            "skipped: set KILN_TORCH_PYTHON to a python with torch, safetensors and schedulefree"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = Llama::new(
+        &ModelConfig {
+            d_model: 32,
+            n_layers: 1,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_hidden: 64,
+            ..ModelConfig::default()
+        },
+        16,
+    );
+    let (specs, device) = (model.specs(), Device::flex());
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::ScheduleFreeAdamw,
+        lr: 0.01,
+        weight_decay: 0.1,
+        schedule_free: kiln_train::config::ScheduleFreeConfig {
+            r: 0.5,
+            weight_lr_power: 2.0,
+        },
+        ..OptimizerConfig::default()
+    };
+    let sched = kiln_train::config::LrSchedulerConfig {
+        kind: kiln_train::config::ScheduleKind::Constant,
+        warmup_steps: 4,
+        ..Default::default()
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let (mut inputs, mut params) = (Vec::new(), Vec::new());
+    for s in specs {
+        let v = random(s.numel(), 0.1, &mut rng);
+        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
+        params.push(Tensor::<1>::from_data(
+            TensorData::new(v, [s.numel()]),
+            &device,
+        ));
+    }
+    let mut opt = Optimizer::new(&cfg, specs, &device, 1);
+    let steps = 12;
+    for k in 1..=steps {
+        let grads: Vec<Tensor<1>> = specs
+            .iter()
+            .map(|s| {
+                let v = random(s.numel(), 0.01, &mut rng);
+                inputs.push(HostTensor::f32(
+                    format!("{}.g{k}", s.name),
+                    s.shape.clone(),
+                    v.clone(),
+                ));
+                Tensor::from_data(TensorData::new(v, [s.numel()]), &device)
+            })
+            .collect();
+        let lr = kiln_train::optim::lr_at(&sched, cfg.lr, k - 1, steps);
+        opt.update(&mut params, grads, lr, &vec![false; specs.len()]);
+    }
+    let host = |ts: &[Tensor<1>]| -> Vec<HostTensor> {
+        (specs.iter().zip(ts))
+            .map(|(s, p)| {
+                HostTensor::f32(
+                    s.name.clone(),
+                    s.shape.clone(),
+                    kiln_train::tensor::to_vec(p),
+                )
+            })
+            .collect()
+    };
+    let x = opt.published(&params).expect("schedule-free publishes x");
+    for (name, t) in [
+        ("inputs", inputs),
+        ("kiln_y", host(&params)),
+        ("kiln_x", host(&x)),
+    ] {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        std::fs::write(path, to_safetensors(&t).unwrap()).unwrap();
+    }
+    let decayed: Vec<&str> = (specs.iter())
+        .filter(|s| !s.is_norm_or_embedding)
+        .map(|s| s.name.as_str())
+        .collect();
+    let setup = serde_json::json!({
+        "lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
+        "eps": cfg.eps, "warmup_steps": sched.warmup_steps, "r": cfg.schedule_free.r,
+        "weight_lr_power": cfg.schedule_free.weight_lr_power, "steps": steps, "decayed": decayed,
+    });
+    std::fs::write(dir.path().join("setup.json"), setup.to_string()).unwrap();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/schedule-free-parity.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
+    println!("{r:#}");
+    assert!(r["x_moved"].as_f64().unwrap() > 1e-3, "{r}");
+    assert!(r["y"].as_f64().unwrap() < 1e-6, "{r}");
+    assert!(r["x"].as_f64().unwrap() < 1e-6, "{r}");
 }

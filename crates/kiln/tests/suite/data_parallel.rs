@@ -260,7 +260,8 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
     }
 }
 
-/// Issue 59: Muon, SophiaG and SPAM shard in every mode. Muon's Newton-Schulz sees each whole
+/// Issue 59: Muon, SophiaG and SPAM shard in every mode, Schedule-Free AdamW with its
+/// parameters. Muon's Newton-Schulz sees each whole
 /// matrix on one owner rank (gathered from the ranks' ranges and scattered back), SophiaG is
 /// element-wise and its Hessian pass (sampled labels) is reduced like the gradients, SPAM is
 /// element-wise (here with its reset every 6 updates, so that the 24 steps reset and clip). With
@@ -270,15 +271,16 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
 /// matrices straddle the ranks unevenly), with the Hessian estimated every 3 steps.
 #[cfg(feature = "mpi")]
 #[test]
-fn sharded_muon_sophiag_and_spam_train_like_their_replicated_runs() {
+fn sharded_optimizers_train_like_their_replicated_runs() {
     let tmp = tempfile::tempdir().unwrap();
-    for kind in ["muon", "sophiag", "spam"] {
+    for kind in ["muon", "sophiag", "spam", "schedule_free_adamw"] {
         let opt = format!("optimizer.kind={kind}");
         let every: &[&str] = match kind {
             "spam" => &[
                 "optimizer.spam.reset_interval=6",
                 "optimizer.spam.clip_after=3",
             ],
+            "schedule_free_adamw" => &["lr_scheduler.kind=constant"],
             _ => &["optimizer.sophia.hessian_interval=3"],
         };
         let with = |more: &[&str]| -> Vec<String> {
@@ -289,13 +291,21 @@ fn sharded_muon_sophiag_and_spam_train_like_their_replicated_runs() {
         for np in [2, 3] {
             let replicated = tmp.path().join(format!("{kind}-{np}"));
             assert_ok(&run(np, &replicated, &strs(&with(&[]))));
-            let rd = tmp.path().join(format!("{kind}-optimizer-{np}"));
-            assert_ok(&run(np, &rd, &strs(&with(&[SHARD_OPTIMIZER]))));
-            assert!(weights(&replicated) == weights(&rd), "{kind}, {np} ranks");
-            for (mode, set) in [
+            // Schedule-Free shards its weights with its state only (the config says why).
+            let split_state = kind != "schedule_free_adamw";
+            if split_state {
+                let rd = tmp.path().join(format!("{kind}-optimizer-{np}"));
+                assert_ok(&run(np, &rd, &strs(&with(&[SHARD_OPTIMIZER]))));
+                assert!(weights(&replicated) == weights(&rd), "{kind}, {np} ranks");
+            }
+            let modes = [
                 ("gradients", SHARD_GRADIENTS),
                 ("parameters", SHARD_PARAMETERS),
-            ] {
+            ];
+            let modes = modes
+                .into_iter()
+                .filter(|(m, _)| split_state || *m == "parameters");
+            for (mode, set) in modes {
                 let rd = tmp.path().join(format!("{kind}-{mode}-{np}"));
                 assert_ok(&run(np, &rd, &strs(&with(&[set]))));
                 trains_like(&replicated, &rd, &format!("{kind}, {mode}, {np} ranks"));

@@ -270,8 +270,8 @@ fn smoke_passes_against_the_committed_bf16_baseline() {
 }
 
 #[test]
-fn lr_find_sweeps_muon_and_sophiag() {
-    for kind in ["muon", "sophiag"] {
+fn lr_find_sweeps_muon_sophiag_and_spam() {
+    for kind in ["muon", "sophiag", "spam"] {
         let dir = tempfile::tempdir().unwrap();
         let out_dir = dir.path().join("lr");
         let mut sets = tiny();

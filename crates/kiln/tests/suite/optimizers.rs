@@ -127,6 +127,70 @@ fn spam_resumes_bit_exactly_after_sigkill_across_its_resets() {
     );
 }
 
+/// Schedule-Free AdamW publishes x (checkpoints, the final weights) and trains at y, which
+/// its state keeps and a resume puts back: SIGKILLed twice, it ends bit-identical to an
+/// uninterrupted run (with its lr_max and weight sum from state.json). Its checkpoints' weights
+/// are x: not the training point y in the optimizer file.
+#[test]
+fn schedule_free_adamw_resumes_bit_exactly_and_publishes_its_average() {
+    let constant = ["lr_scheduler.kind=constant", "lr_scheduler.warmup_steps=4"];
+    sigkill_resume_is_bit_identical_with("schedule_free_adamw", &constant);
+    let tmp = tempfile::tempdir().unwrap();
+    let sets: Vec<&str> = ["optimizer.kind=schedule_free_adamw", "training.steps=4"]
+        .into_iter()
+        .chain(constant)
+        .collect();
+    run_to_end(tmp.path(), &sets);
+    let ck = tmp.path().join("checkpoints/step-4");
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("state.json")).unwrap()).unwrap();
+    let scalars = state["optimizer_scalars"].to_string();
+    assert!(
+        scalars.contains("lr_max") && scalars.contains("weight_sum"),
+        "{state}"
+    );
+    let names: Vec<String> = tensors(&ck.join("optimizer.safetensors"))
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for slot in [".z", ".exp_avg_sq", ".y"] {
+        assert!(names.iter().any(|n| n.ends_with(slot)), "{slot}: {names:?}");
+    }
+    let model = std::fs::read(ck.join("model.safetensors")).unwrap();
+    assert!(
+        model == std::fs::read(tmp.path().join("model.safetensors")).unwrap(),
+        "the final weights are the checkpoint's x"
+    );
+}
+
+/// Its rules: no decay schedule (it replaces one), and no sharding that keeps whole weights
+/// beside a sharded state.
+#[test]
+fn schedule_free_adamw_refuses_a_decay_schedule_and_split_state() {
+    for (set, key) in [
+        ("lr_scheduler.kind=cosine", "lr_scheduler.kind"),
+        ("parallelism.shard=gradients", "parallelism.shard"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = common::train_cmd(
+            dir.path(),
+            &sets(&[
+                "optimizer.kind=schedule_free_adamw",
+                "lr_scheduler.kind=constant",
+                set,
+            ]),
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(kiln_run::exit::CONFIG), "{err}");
+        assert!(
+            err.contains(key) && err.contains("schedule_free_adamw"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn optimizer_state_is_keyed_by_parameter_name_and_kind_is_checked_on_resume() {
     let tmp = tempfile::tempdir().unwrap();
