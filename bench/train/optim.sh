@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Optimizer benchmark, side by side in one run, on 2 ranks x 1 thread: kiln's AdamW, Muon and
-# SophiaG, each replicated (parallelism.shard = none) and sharded (gradients), beside PyTorch
+# Optimizer benchmark, side by side in one run, on 2 ranks x 1 thread: kiln's AdamW, Muon, Mano,
+# SophiaG, SPAM and Schedule-Free AdamW, each replicated (parallelism.shard = none) and sharded
+# (gradients; Schedule-Free: parameters, the sharding it takes), beside PyTorch
 # DDP with torch.optim.AdamW and torch.optim.Muon (bench/train/optim_ref.py: Muon for the
 # blocks' matrices, AdamW for the rest, as kiln splits them). Two models: the reference model
 # of bench.sh (~15.7M, batch 8 x 256 per rank) and the ~107M model of tp.sh (batch 4 x 256).
@@ -95,12 +96,14 @@ print(json.dumps(dict(peer="pytorch", model=sys.argv[2], optimizer=sys.argv[3], 
 
 echo "steps=$steps (+$warmup warmup) models=[$models] load=$(cut -d' ' -f1-3 /proc/loadavg)"
 for m in $models; do
-  for o in adamw muon sophiag; do
-    for s in none gradients; do
+  for o in adamw muon mano sophiag spam schedule_free_adamw; do
+    sharded=gradients
+    [ "$o" = schedule_free_adamw ] && sharded=parameters
+    for s in none $sharded; do
       echo "$m: kiln $o shard=$s" >&2
       run_kiln "$m" "$o" "$s" || echo "kiln $m $o $s failed" >&2
     done
-    if [ "$o" != sophiag ]; then
+    if [ "$o" = adamw ] || [ "$o" = muon ]; then
       echo "$m: pytorch $o" >&2
       run_torch "$m" "$o"
     fi

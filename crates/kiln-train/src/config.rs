@@ -161,6 +161,10 @@ pub enum OptimizerKind {
     /// Schedule-Free AdamW: no decay schedule (a constant LR after the warmup); trains at a
     /// point y between its iterate z and their average x, which it evaluates and publishes.
     ScheduleFreeAdamw,
+    /// Mano: momentum projected onto the tangent space of each hidden matrix's rows or
+    /// columns (alternating) and normalised along them, no Newton-Schulz; AdamW for
+    /// embeddings, norms and the output head.
+    Mano,
 }
 
 impl OptimizerKind {
@@ -172,6 +176,7 @@ impl OptimizerKind {
             Self::Sophiag => "sophiag",
             Self::Spam => "spam",
             Self::ScheduleFreeAdamw => "schedule_free_adamw",
+            Self::Mano => "mano",
         }
     }
 }
@@ -182,7 +187,7 @@ impl OptimizerKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// `adamw`, `muon`, `sophiag`, `spam` or `schedule_free_adamw`.
+    /// `adamw`, `muon`, `sophiag`, `spam`, `schedule_free_adamw` or `mano`.
     pub kind: OptimizerKind,
     /// Peak learning rate (Muon: of both its Muon and its AdamW parameters).
     pub lr: f64,
@@ -208,6 +213,9 @@ pub struct OptimizerConfig {
     /// Schedule-Free AdamW's settings (`kind = "schedule_free_adamw"`; beta1, beta2, eps and
     /// weight decay are the keys above, the warmup is `lr_scheduler.warmup_steps`).
     pub schedule_free: ScheduleFreeConfig,
+    /// Mano's settings (`kind = "mano"`; eps and weight decay are the keys above, and the
+    /// AdamW of its other parameters takes beta1 and beta2).
+    pub mano: ManoConfig,
 }
 
 impl Default for OptimizerConfig {
@@ -229,6 +237,7 @@ impl Default for OptimizerConfig {
             sophia: SophiaConfig::default(),
             spam: SpamConfig::default(),
             schedule_free: ScheduleFreeConfig::default(),
+            mano: ManoConfig::default(),
         }
     }
 }
@@ -334,6 +343,25 @@ impl Default for ScheduleFreeConfig {
         Self {
             r: 0.0,
             weight_lr_power: 2.0,
+        }
+    }
+}
+
+/// Mano (Gu & Xie 2026; the defaults are the authors' `mano.py`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ManoConfig {
+    /// Heavy-ball momentum coefficient.
+    pub momentum: f64,
+    /// Nesterov momentum (off in the paper's version, on in the authors' later `mano_v2`).
+    pub nesterov: bool,
+}
+
+impl Default for ManoConfig {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: false,
         }
     }
 }
@@ -1085,6 +1113,12 @@ impl OptimizerConfig {
         );
         d.real("optimizer.sophia.rho", o.sophia.rho, Open(0.0), Inf);
         d.at_least("optimizer.spam.reset_interval", o.spam.reset_interval, 1);
+        d.real(
+            "optimizer.mano.momentum",
+            o.mano.momentum,
+            Closed(0.0),
+            Open(1.0),
+        );
         d.real("optimizer.spam.threshold", o.spam.threshold, Open(0.0), Inf);
         d.at_least(
             "optimizer.sophia.hessian_interval",

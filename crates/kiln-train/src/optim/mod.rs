@@ -1,5 +1,5 @@
 //! The optimizers behind one seam ([`Optimizer`]: AdamW, Muon, SophiaG, SPAM, Schedule-Free
-//! AdamW), replicated or
+//! AdamW, Mano), replicated or
 //! sharded (a range of each parameter per rank), global gradient-norm clipping and the LR
 //! schedules.
 //!
@@ -15,12 +15,14 @@
 //! an update smaller than half a bf16 step of the weight is lost.
 
 mod adamw;
+mod mano;
 mod muon;
 mod schedule_free;
 mod sophia;
 mod spam;
 
 pub use adamw::AdamW;
+pub use mano::Mano;
 pub use muon::{Muon, newton_schulz};
 pub use schedule_free::ScheduleFree;
 pub use sophia::SophiaG;
@@ -145,15 +147,16 @@ pub fn role(spec: &ParamSpec) -> Role {
 /// matrix whole (Muon's Newton-Schulz) in a sharded run, where every rank keeps a range of
 /// each parameter ([`crate::parallel::shard::ShardPlan`] does it over the ranks).
 pub trait Wholes {
-    /// For each `i` where `pieces[i]` is `Some` (the same `i` on every rank of the group):
-    /// the whole parameter `i` (flat) assembled from every rank's piece, `f(i, whole)`
-    /// computed once (by one rank, the matrix's owner), and this rank's piece of the result
-    /// returned in its place. `None` where `pieces[i]` is `None`. A collective over the
-    /// ranks that shard the state: every rank calls it with the same `i`s.
+    /// For each `i` where `pieces[i]` is `Some` (the same `i`, with as many tensors, on every
+    /// rank of the group): this rank's pieces of one or more tensors of parameter `i`'s size
+    /// (Muon: its update; Mano: its update and its weights), each assembled whole (flat) from
+    /// every rank's piece, `f(i, wholes)` computed once (by one rank, the matrix's owner), and
+    /// this rank's piece of the result returned in its place. `None` where `pieces[i]` is
+    /// `None`. A collective over the ranks that shard the state.
     fn map_whole(
         &self,
-        pieces: Vec<Option<Tensor<1>>>,
-        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+        pieces: Vec<Option<Vec<Tensor<1>>>>,
+        f: &dyn Fn(usize, Vec<Tensor<1>>) -> Tensor<1>,
     ) -> Vec<Option<Tensor<1>>>;
 }
 
@@ -163,8 +166,8 @@ pub struct Unsharded;
 impl Wholes for Unsharded {
     fn map_whole(
         &self,
-        pieces: Vec<Option<Tensor<1>>>,
-        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+        pieces: Vec<Option<Vec<Tensor<1>>>>,
+        f: &dyn Fn(usize, Vec<Tensor<1>>) -> Tensor<1>,
     ) -> Vec<Option<Tensor<1>>> {
         let each = pieces.into_iter().enumerate();
         each.map(|(i, p)| p.map(|p| f(i, p))).collect()
@@ -184,6 +187,8 @@ pub enum Rule {
     Spam(Spam),
     /// Schedule-Free AdamW for every parameter.
     ScheduleFree(ScheduleFree),
+    /// Mano for hidden matrices, AdamW for the rest.
+    Mano(Mano),
 }
 
 /// The optimizer of a run (`optimizer.kind`), replicated or, in a sharded run, over this
@@ -245,6 +250,7 @@ impl Optimizer {
             Rule::SophiaG(_) => OptimizerKind::Sophiag,
             Rule::Spam(_) => OptimizerKind::Spam,
             Rule::ScheduleFree(_) => OptimizerKind::ScheduleFreeAdamw,
+            Rule::Mano(_) => OptimizerKind::Mano,
         }
     }
 
@@ -256,6 +262,7 @@ impl Optimizer {
             Rule::SophiaG(o) => o.step,
             Rule::Spam(o) => o.step,
             Rule::ScheduleFree(o) => o.step,
+            Rule::Mano(o) => o.adam.step,
         }
     }
 
@@ -267,6 +274,7 @@ impl Optimizer {
             Rule::SophiaG(o) => o.step = step,
             Rule::Spam(o) => o.step = step,
             Rule::ScheduleFree(o) => o.step = step,
+            Rule::Mano(o) => o.adam.step = step,
         }
     }
 
@@ -401,6 +409,7 @@ impl Optimizer {
             Rule::SophiaG(o) => o.slots(),
             Rule::Spam(o) => o.slots(),
             Rule::ScheduleFree(o) => o.slots(),
+            Rule::Mano(o) => o.slots(),
         }
     }
 
@@ -411,6 +420,7 @@ impl Optimizer {
             Rule::SophiaG(o) => o.slots_mut(),
             Rule::Spam(o) => o.slots_mut(),
             Rule::ScheduleFree(o) => o.slots_mut(),
+            Rule::Mano(o) => o.slots_mut(),
         }
     }
 
@@ -552,6 +562,7 @@ impl Rule {
             OptimizerKind::ScheduleFreeAdamw => {
                 Self::ScheduleFree(ScheduleFree::zeroed(cfg, specs, device, ranges))
             }
+            OptimizerKind::Mano => Self::Mano(Mano::zeroed(cfg, specs, device, ranges)),
         }
     }
 
@@ -569,6 +580,7 @@ impl Rule {
             Self::SophiaG(o) => o.update(params, grads, lr, frozen),
             Self::Spam(o) => o.update(params, grads, lr, frozen),
             Self::ScheduleFree(o) => o.update(params, grads, lr, frozen),
+            Self::Mano(o) => o.update(params, grads, lr, frozen, wholes),
         }
     }
 }

@@ -143,19 +143,20 @@ impl Muon {
             }
             // A rank holding none of this matrix still takes part in its orthogonalisation.
             let Some(buf) = &self.momentum[i] else {
-                updates[i] = Some(Tensor::empty([0], &g.device()));
+                updates[i] = Some(vec![Tensor::empty([0], &g.device())]);
                 continue;
             };
             let buf = lerp(buf.clone(), g.clone(), 1.0 - mom);
-            updates[i] = Some(if self.cfg.nesterov {
+            updates[i] = Some(vec![if self.cfg.nesterov {
                 lerp(g.clone(), buf.clone(), mom)
             } else {
                 buf.clone()
-            });
+            }]);
             bufs[i] = Some(buf);
         }
         let (shapes, steps) = (&self.shapes, self.cfg.ns_steps);
-        let orthogonalised = wholes.map_whole(updates, &|i, update| {
+        let orthogonalised = wholes.map_whole(updates, &|i, mut update| {
+            let update = update.swap_remove(0);
             let [inp, out] = shapes[i].unwrap_or([update.dims()[0], 1]);
             // PyTorch orientation: [out, in], the transpose of kiln's [in, out].
             let torch_view = update.reshape([inp, out]).transpose();

@@ -310,8 +310,8 @@ impl<'m> ShardPlan<'m> {
 impl crate::optim::Wholes for ShardPlan<'_> {
     fn map_whole(
         &self,
-        pieces: Vec<Option<Tensor<1>>>,
-        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+        pieces: Vec<Option<Vec<Tensor<1>>>>,
+        f: &dyn Fn(usize, Vec<Tensor<1>>) -> Tensor<1>,
     ) -> Vec<Option<Tensor<1>>> {
         let at = whole::Pieces {
             ranges: &self.all_ranges,

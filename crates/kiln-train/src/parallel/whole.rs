@@ -63,12 +63,17 @@ pub struct Pieces<'a> {
 pub fn map_whole(
     group: &dyn Collective,
     at: &Pieces,
-    pieces: Vec<Option<Tensor<1>>>,
-    f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+    pieces: Vec<Option<Vec<Tensor<1>>>>,
+    f: &dyn Fn(usize, Vec<Tensor<1>>) -> Tensor<1>,
     device: &Device,
 ) -> Vec<Option<Tensor<1>>> {
     let (me, n) = (group.rank(), group.size());
     let which: Vec<usize> = (0..pieces.len()).filter(|&i| pieces[i].is_some()).collect();
+    // Tensors per parameter (the same on every rank).
+    let inputs: Vec<usize> = pieces
+        .iter()
+        .map(|p| p.as_ref().map_or(0, Vec::len))
+        .collect();
     let costs: Vec<f64> = which.iter().map(|&i| at.costs[i]).collect();
     let owner_of = owners(&costs, n);
     // Matrices by owner, each list in parameter order.
@@ -81,19 +86,21 @@ pub fn map_whole(
     let by_owner: Vec<Vec<usize>> = (0..n).map(owned_by).collect();
     let len = |r: usize, i: usize| at.ranges[r][i].len();
 
-    // 1. Every rank's pieces to their matrices' owners.
-    let mut mine: Vec<Option<Vec<f32>>> = pieces.into_iter().map(|p| p.map(into_vec)).collect();
+    // 1. Every rank's pieces to their matrices' owners (each matrix's tensors in turn).
+    let mut mine: Vec<Option<Vec<Tensor<1>>>> = pieces;
     let mut send = Vec::new();
     let mut send_counts = vec![0; n];
     for (d, list) in by_owner.iter().enumerate() {
         for &i in list {
-            let piece = mine[i].take().unwrap_or_default();
-            send_counts[d] += piece.len();
-            send.extend(piece);
+            for piece in mine[i].take().unwrap_or_default() {
+                let piece = into_vec(piece);
+                send_counts[d] += piece.len();
+                send.extend(piece);
+            }
         }
     }
     let recv_counts: Vec<usize> = (0..n)
-        .map(|s| by_owner[me].iter().map(|&i| len(s, i)).sum())
+        .map(|s| by_owner[me].iter().map(|&i| inputs[i] * len(s, i)).sum())
         .collect();
     let mut recv = vec![0.0f32; recv_counts.iter().sum()];
     group.all_to_allv_f32(&send, &send_counts, &mut recv, &recv_counts);
@@ -103,13 +110,16 @@ pub fn map_whole(
     let results: Vec<Vec<f32>> = (by_owner[me].iter())
         .map(|&i| {
             let total: usize = (0..n).map(|r| len(r, i)).sum();
-            let mut whole = vec![0.0f32; total];
+            let mut wholes = vec![vec![0.0f32; total]; inputs[i]];
             for (s, at_s) in from.iter_mut().enumerate() {
                 let r = at.ranges[s][i].clone();
-                whole[r.clone()].copy_from_slice(&recv[*at_s..*at_s + r.len()]);
-                *at_s += r.len();
+                for whole in wholes.iter_mut() {
+                    whole[r.clone()].copy_from_slice(&recv[*at_s..*at_s + r.len()]);
+                    *at_s += r.len();
+                }
             }
-            into_vec(f(i, from_vec(whole, device)))
+            let wholes = wholes.into_iter().map(|w| from_vec(w, device)).collect();
+            into_vec(f(i, wholes))
         })
         .collect();
 
@@ -154,8 +164,8 @@ pub struct Spread<'a> {
 impl crate::optim::Wholes for Spread<'_> {
     fn map_whole(
         &self,
-        pieces: Vec<Option<Tensor<1>>>,
-        f: &dyn Fn(usize, Tensor<1>) -> Tensor<1>,
+        pieces: Vec<Option<Vec<Tensor<1>>>>,
+        f: &dyn Fn(usize, Vec<Tensor<1>>) -> Tensor<1>,
     ) -> Vec<Option<Tensor<1>>> {
         let (me, n) = (self.group.rank(), self.group.size());
         if n == 1 {
@@ -172,10 +182,11 @@ impl crate::optim::Wholes for Spread<'_> {
                 .map(|(&i, _)| i)
                 .collect()
         };
+        let first = |p: &Option<Vec<Tensor<1>>>| p.as_ref().and_then(|v| v.first().cloned());
         let lengths: Vec<usize> = (pieces.iter())
-            .map(|p| p.as_ref().map_or(0, |t| t.dims()[0]))
+            .map(|p| first(p).map_or(0, |t| t.dims()[0]))
             .collect();
-        let device = pieces.iter().flatten().next().map(Tensor::device);
+        let device = pieces.iter().find_map(first).map(|t| t.device());
         let mut pieces = pieces;
         let mine: Vec<f32> = (owned_by(me).into_iter())
             .filter_map(|i| Some(into_vec(f(i, pieces[i].take()?))))
@@ -233,11 +244,11 @@ mod tests {
                 costs: &[6.0, 3.0, 8.0],
             };
             let pieces = (0..3)
-                .map(|i| Some(from_vec(vec![i as f32; sizes[i]], &device)))
+                .map(|i| Some(vec![from_vec(vec![i as f32; sizes[i]], &device)]))
                 .collect();
-            let f = |i: usize, t: Tensor<1>| {
+            let f = |i: usize, mut t: Vec<Tensor<1>>| {
                 calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                t.add_scalar(10.0 * i as f64)
+                t.remove(0).add_scalar(10.0 * i as f64)
             };
             let out = spread.map_whole(pieces, &f);
             let out: Vec<Vec<f32>> = out.into_iter().map(|t| into_vec(t.unwrap())).collect();
@@ -278,8 +289,10 @@ mod tests {
         let costs: Vec<f64> = sizes.iter().map(|&s| s as f64).collect();
         let whole =
             |i: usize| -> Vec<f32> { (0..sizes[i]).map(|e| (i * 100 + e) as f32).collect() };
-        let f = |i: usize, t: Tensor<1>| {
-            let mut v = into_vec(t);
+        // Two tensors per matrix, the whole and its double: f reverses their difference.
+        let f = |i: usize, mut t: Vec<Tensor<1>>| {
+            let (a, b) = (t.remove(0), t.remove(0));
+            let mut v = into_vec(b - a);
             v.reverse();
             from_vec(
                 v.into_iter().map(|x| x + i as f32).collect(),
@@ -288,10 +301,9 @@ mod tests {
         };
         let got = Threads::each(3, |comm| {
             let r = comm.rank();
-            let pieces: Vec<Option<Tensor<1>>> = (0..4)
-                .map(|i| {
-                    (i != 1).then(|| from_vec(whole(i)[ranges[r][i].clone()].to_vec(), &device))
-                })
+            let piece = |i: usize| from_vec(whole(i)[ranges[r][i].clone()].to_vec(), &device);
+            let pieces: Vec<Option<Vec<Tensor<1>>>> = (0..4)
+                .map(|i| (i != 1).then(|| vec![piece(i), piece(i).mul_scalar(2.0)]))
                 .collect();
             let at = Pieces {
                 ranges: &ranges,

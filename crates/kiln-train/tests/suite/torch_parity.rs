@@ -392,3 +392,111 @@ fn schedule_free_adamw_matches_the_authors_package() {
     assert!(r["y"].as_f64().unwrap() < 1e-6, "{r}");
     assert!(r["x"].as_f64().unwrap() < 1e-6, "{r}");
 }
+
+/// Issue 59: kiln's Mano against its authors' step (scripts/mano-parity.py, `mano.py`
+/// rewritten in torch) on the same weights and 6 updates (three of each axis), the
+/// embeddings, norms and head against torch.optim.AdamW: every weight within 1e-6.
+#[test]
+fn mano_matches_the_authors_step() {
+    let Ok(python) = std::env::var("KILN_TORCH_PYTHON") else {
+        eprintln!("skipped: set KILN_TORCH_PYTHON to a python with torch and safetensors");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = Llama::new(
+        &ModelConfig {
+            d_model: 32,
+            n_layers: 1,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_hidden: 64,
+            ..ModelConfig::default()
+        },
+        16,
+    );
+    let (specs, device) = (model.specs(), Device::flex());
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::Mano,
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..OptimizerConfig::default()
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let (mut inputs, mut params) = (Vec::new(), Vec::new());
+    for s in specs {
+        let v = random(s.numel(), 0.1, &mut rng);
+        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
+        params.push(Tensor::<1>::from_data(
+            TensorData::new(v, [s.numel()]),
+            &device,
+        ));
+    }
+    let mut opt = Optimizer::new(&cfg, specs, &device, 1);
+    let steps = 6;
+    for k in 1..=steps {
+        let grads: Vec<Tensor<1>> = specs
+            .iter()
+            .map(|s| {
+                let v = random(s.numel(), 0.01, &mut rng);
+                inputs.push(HostTensor::f32(
+                    format!("{}.g{k}", s.name),
+                    s.shape.clone(),
+                    v.clone(),
+                ));
+                Tensor::from_data(TensorData::new(v, [s.numel()]), &device)
+            })
+            .collect();
+        opt.update(&mut params, grads, cfg.lr, &vec![false; specs.len()]);
+    }
+    let after: Vec<HostTensor> = (specs.iter().zip(&params))
+        .map(|(s, p)| {
+            HostTensor::f32(
+                s.name.clone(),
+                s.shape.clone(),
+                kiln_train::tensor::to_vec(p),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.path().join("inputs.safetensors"),
+        to_safetensors(&inputs).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("kiln.safetensors"),
+        to_safetensors(&after).unwrap(),
+    )
+    .unwrap();
+    let names = |keep: &dyn Fn(&kiln_train::model::ParamSpec) -> bool| -> Vec<String> {
+        specs
+            .iter()
+            .filter(|s| keep(s))
+            .map(|s| s.name.clone())
+            .collect()
+    };
+    let setup = serde_json::json!({
+        "lr": cfg.lr, "weight_decay": cfg.weight_decay, "eps": cfg.eps,
+        "betas": [cfg.beta1, cfg.beta2], "momentum": cfg.mano.momentum,
+        "nesterov": cfg.mano.nesterov, "steps": steps,
+        "hidden": names(&|s| role(s) == Role::Hidden),
+        "decayed": names(&|s| !s.is_norm_or_embedding),
+    });
+    std::fs::write(dir.path().join("setup.json"), setup.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mano-parity.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
+    println!("{r:#}");
+    assert!(r["mano_moved"].as_f64().unwrap() > 1e-3, "{r}");
+    assert!(r["mano"].as_f64().unwrap() < 1e-6, "{r}");
+    assert!(r["adamw"].as_f64().unwrap() < 1e-6, "{r}");
+}

@@ -260,8 +260,9 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
     }
 }
 
-/// Issue 59: Muon, SophiaG and SPAM shard in every mode, Schedule-Free AdamW with its
-/// parameters. Muon's Newton-Schulz sees each whole
+/// Issue 59: Muon, SophiaG, SPAM and Mano shard in every mode, Schedule-Free AdamW with its
+/// parameters. Mano's projection and norms, like Muon's Newton-Schulz, see each whole matrix
+/// on its owner rank. Muon's Newton-Schulz sees each whole
 /// matrix on one owner rank (gathered from the ranks' ranges and scattered back), SophiaG is
 /// element-wise and its Hessian pass (sampled labels) is reduced like the gradients, SPAM is
 /// element-wise (here with its reset every 6 updates, so that the 24 steps reset and clip). With
@@ -273,7 +274,7 @@ fn sharded_runs_train_like_the_replicated_run_on_two_and_three_ranks() {
 #[test]
 fn sharded_optimizers_train_like_their_replicated_runs() {
     let tmp = tempfile::tempdir().unwrap();
-    for kind in ["muon", "sophiag", "spam", "schedule_free_adamw"] {
+    for kind in ["muon", "sophiag", "spam", "schedule_free_adamw", "mano"] {
         let opt = format!("optimizer.kind={kind}");
         let every: &[&str] = match kind {
             "spam" => &[

@@ -270,8 +270,8 @@ fn smoke_passes_against_the_committed_bf16_baseline() {
 }
 
 #[test]
-fn lr_find_sweeps_muon_sophiag_and_spam() {
-    for kind in ["muon", "sophiag", "spam"] {
+fn lr_find_sweeps_every_optimizer_kind() {
+    for kind in ["muon", "sophiag", "spam", "mano", "schedule_free_adamw"] {
         let dir = tempfile::tempdir().unwrap();
         let out_dir = dir.path().join("lr");
         let mut sets = tiny();
@@ -279,6 +279,8 @@ fn lr_find_sweeps_muon_sophiag_and_spam() {
         sets.push(&k);
         // 30 steps: SophiaG takes three Hessian estimates on the way.
         sets.push("optimizer.sophia.hessian_interval=10");
+        // Schedule-Free refuses a decay schedule (lr-find sweeps the LR itself anyway).
+        sets.push("lr_scheduler.kind=constant");
         let (code, out) = kiln(
             &[
                 "lr-find",

@@ -1286,8 +1286,20 @@ fn a_writer_killed_mid_save_leaves_nothing_behind_after_the_next_start() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Caught once the writer has put bytes in its folder (the report says how many it frees:
+    // a kill right after the folder's creation left 0, which the test took for a defect).
+    let written = |rd: &Path| -> u64 {
+        let folders = tmp_dirs(rd)
+            .into_iter()
+            .map(|n| rd.join("checkpoints").join(n));
+        let files = folders.flat_map(|f| std::fs::read_dir(f).into_iter().flatten().flatten());
+        files
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    };
     let t0 = Instant::now();
-    while tmp_dirs(&rd).is_empty() {
+    while written(&rd) == 0 {
         assert!(
             child.try_wait().unwrap().is_none(),
             "the run ended before a save was caught in flight"

@@ -113,6 +113,11 @@ fn sophiag_resumes_bit_exactly_after_sigkill() {
     sigkill_resume_is_bit_identical("sophiag");
 }
 
+#[test]
+fn mano_resumes_bit_exactly_after_sigkill() {
+    sigkill_resume_is_bit_identical("mano");
+}
+
 /// SPAM with a reset every 6 updates (and spikes clipped from the 3rd after it), so that the
 /// 24-step run resets three times and the kill lands between resets.
 #[test]
