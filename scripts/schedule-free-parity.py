@@ -4,7 +4,7 @@ AdamWScheduleFree, foreach off), on the same weights and gradients.
 
 Called by crates/kiln-train/tests/suite/torch_parity.rs with a directory holding
 inputs.safetensors (weights `<name>`, gradients `<name>.g<k>`, k = 1..steps),
-kiln_y.safetensors (kiln's parameters after the updates: the training point y) and
+kiln.safetensors (kiln's parameters after the updates: the training point y) and
 kiln_x.safetensors (kiln's published weights: x), and setup.json. Prints one JSON line:
 the largest difference of y (the reference's parameters in train mode) and of x (after its
 `eval()`).
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 d = sys.argv[1]
 setup = json.load(open(f"{d}/setup.json"))
 inp = load_file(f"{d}/inputs.safetensors")
-ky = load_file(f"{d}/kiln_y.safetensors")
+ky = load_file(f"{d}/kiln.safetensors")
 kx = load_file(f"{d}/kiln_x.safetensors")
 names = sorted(k for k in inp if ".g" not in k)
 params = {n: torch.nn.Parameter(inp[n].clone()) for n in names}

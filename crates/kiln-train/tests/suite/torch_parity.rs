@@ -151,6 +151,123 @@ fn muon_matches_torch_optim_muon() {
     }
 }
 
+/// What a reference-script comparison is run on: a one-layer model, `steps` updates of
+/// `cfg` from random weights with random gradients (times 100 on every 7th element at the
+/// updates in `spikes`), each at the LR `lr(k)` of update `k` (0-based).
+struct Case {
+    cfg: OptimizerConfig,
+    steps: u64,
+    seed: u64,
+    spikes: &'static [u64],
+}
+
+/// Runs `case` with kiln's optimizer and writes, into `dir`, `inputs.safetensors` (weights
+/// `<name>`, gradients `<name>.g<k>`, k from 1) and `kiln.safetensors` (the parameters after
+/// the updates); returns the optimizer, the parameters and the specs.
+fn run_kiln(
+    case: &Case,
+    lr: &dyn Fn(u64) -> f64,
+    dir: &Path,
+) -> (Optimizer, Vec<Tensor<1>>, Vec<kiln_train::model::ParamSpec>) {
+    let model_cfg = ModelConfig {
+        d_model: 32,
+        n_layers: 1,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn_hidden: 64,
+        ..ModelConfig::default()
+    };
+    let model = Llama::new(&model_cfg, 16);
+    let (specs, device) = (model.specs().to_vec(), Device::flex());
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(case.seed);
+    let tensor =
+        |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+    let (mut inputs, mut params) = (Vec::new(), Vec::new());
+    for s in &specs {
+        let v = random(s.numel(), 0.1, &mut rng);
+        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
+        params.push(tensor(v));
+    }
+    let mut opt = Optimizer::new(&case.cfg, &specs, &device, 1);
+    for k in 1..=case.steps {
+        let mut grads = Vec::new();
+        for s in &specs {
+            let mut v = random(s.numel(), 0.01, &mut rng);
+            if case.spikes.contains(&k) {
+                v.iter_mut().step_by(7).for_each(|g| *g *= 100.0);
+            }
+            let name = format!("{}.g{k}", s.name);
+            inputs.push(HostTensor::f32(name, s.shape.clone(), v.clone()));
+            grads.push(tensor(v));
+        }
+        opt.update(&mut params, grads, lr(k - 1), &vec![false; specs.len()]);
+    }
+    write_tensors(dir, "inputs", &inputs);
+    write_tensors(dir, "kiln", &host(&specs, &params));
+    (opt, params, specs)
+}
+
+fn host(specs: &[kiln_train::model::ParamSpec], ts: &[Tensor<1>]) -> Vec<HostTensor> {
+    (specs.iter().zip(ts))
+        .map(|(s, t)| {
+            HostTensor::f32(
+                s.name.clone(),
+                s.shape.clone(),
+                kiln_train::tensor::to_vec(t),
+            )
+        })
+        .collect()
+}
+
+fn write_tensors(dir: &Path, name: &str, tensors: &[HostTensor]) {
+    let path = dir.join(format!("{name}.safetensors"));
+    std::fs::write(path, to_safetensors(tensors).unwrap()).unwrap();
+}
+
+/// The names of the parameters `keep` selects.
+fn names(
+    specs: &[kiln_train::model::ParamSpec],
+    keep: &dyn Fn(&kiln_train::model::ParamSpec) -> bool,
+) -> Vec<String> {
+    specs
+        .iter()
+        .filter(|s| keep(s))
+        .map(|s| s.name.clone())
+        .collect()
+}
+
+/// Writes `setup` and runs `scripts/<script>` on `dir` with `python`: its last line, as JSON.
+fn run_script(
+    python: &str,
+    script: &str,
+    dir: &Path,
+    setup: serde_json::Value,
+) -> serde_json::Value {
+    std::fs::write(dir.join("setup.json"), setup.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../scripts")
+        .join(script);
+    let out = Command::new(python).arg(&script).arg(dir).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
+    println!("{r:#}");
+    r
+}
+
+/// The python of the gated tests, or `None` (the test says it skipped).
+fn peer_python() -> Option<String> {
+    let python = std::env::var("KILN_TORCH_PYTHON").ok();
+    if python.is_none() {
+        eprintln!("skipped: set KILN_TORCH_PYTHON (scripts/peer-venv.sh)");
+    }
+    python
+}
+
 /// Issue 59: kiln's SPAM against the authors' arithmetic (scripts/spam-parity.py, their
 /// `SPAM.py` step rewritten in torch, dense) on the same weights and 14 updates of random
 /// gradients with spikes (some elements x100 at updates 5 and 11), with a reset every 6
@@ -159,23 +276,8 @@ fn muon_matches_torch_optim_muon() {
 /// f32; measured in the output).
 #[test]
 fn spam_matches_the_reference_arithmetic() {
-    let Ok(python) = std::env::var("KILN_TORCH_PYTHON") else {
-        eprintln!("skipped: set KILN_TORCH_PYTHON to a python with torch and safetensors");
-        return;
-    };
+    let Some(python) = peer_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let model = Llama::new(
-        &ModelConfig {
-            d_model: 32,
-            n_layers: 1,
-            n_heads: 4,
-            n_kv_heads: 2,
-            ffn_hidden: 64,
-            ..ModelConfig::default()
-        },
-        16,
-    );
-    let (specs, device) = (model.specs(), Device::flex());
     let spam = kiln_train::config::SpamConfig {
         reset_interval: 6,
         warmup_steps: 3,
@@ -190,80 +292,20 @@ fn spam_matches_the_reference_arithmetic() {
         spam: spam.clone(),
         ..OptimizerConfig::default()
     };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let (mut inputs, mut params) = (Vec::new(), Vec::new());
-    for s in specs {
-        let v = random(s.numel(), 0.1, &mut rng);
-        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
-        params.push(Tensor::<1>::from_data(
-            TensorData::new(v, [s.numel()]),
-            &device,
-        ));
-    }
-    let mut opt = Optimizer::new(&cfg, specs, &device, 1);
-    let steps = 14;
-    for k in 1..=steps {
-        let grads: Vec<Tensor<1>> = specs
-            .iter()
-            .map(|s| {
-                let mut v = random(s.numel(), 0.01, &mut rng);
-                if k == 5 || k == 11 {
-                    v.iter_mut().step_by(7).for_each(|g| *g *= 100.0);
-                }
-                inputs.push(HostTensor::f32(
-                    format!("{}.g{k}", s.name),
-                    s.shape.clone(),
-                    v.clone(),
-                ));
-                Tensor::from_data(TensorData::new(v, [s.numel()]), &device)
-            })
-            .collect();
-        opt.update(&mut params, grads, cfg.lr, &vec![false; specs.len()]);
-    }
-    let after: Vec<HostTensor> = (specs.iter().zip(&params))
-        .map(|(s, p)| {
-            HostTensor::f32(
-                s.name.clone(),
-                s.shape.clone(),
-                kiln_train::tensor::to_vec(p),
-            )
-        })
-        .collect();
-    std::fs::write(
-        dir.path().join("inputs.safetensors"),
-        to_safetensors(&inputs).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("kiln.safetensors"),
-        to_safetensors(&after).unwrap(),
-    )
-    .unwrap();
-    let decayed: Vec<&str> = (specs.iter())
-        .filter(|s| !s.is_norm_or_embedding)
-        .map(|s| s.name.as_str())
-        .collect();
+    let case = Case {
+        cfg: cfg.clone(),
+        steps: 14,
+        seed: 7,
+        spikes: &[5, 11],
+    };
+    let (_, _, specs) = run_kiln(&case, &|_| cfg.lr, dir.path());
     let setup = serde_json::json!({
         "lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
         "eps": cfg.eps, "reset_interval": spam.reset_interval, "warmup_steps": spam.warmup_steps,
-        "threshold": spam.threshold, "clip_after": spam.clip_after, "steps": steps,
-        "decayed": decayed,
+        "threshold": spam.threshold, "clip_after": spam.clip_after, "steps": case.steps,
+        "decayed": names(&specs, &|s| !s.is_norm_or_embedding),
     });
-    std::fs::write(dir.path().join("setup.json"), setup.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/spam-parity.py");
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
-    println!("{r:#}");
+    let r = run_script(&python, "spam-parity.py", dir.path(), setup);
     assert!(
         r["spam_vs_reference"]["max_moved"].as_f64().unwrap() > 1e-3,
         "{r}"
@@ -281,25 +323,8 @@ fn spam_matches_the_reference_arithmetic() {
 /// and the published x (the reference's weights after `eval()`) both within 1e-6.
 #[test]
 fn schedule_free_adamw_matches_the_authors_package() {
-    let Ok(python) = std::env::var("KILN_TORCH_PYTHON") else {
-        eprintln!(
-            "skipped: set KILN_TORCH_PYTHON to a python with torch, safetensors and schedulefree"
-        );
-        return;
-    };
+    let Some(python) = peer_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let model = Llama::new(
-        &ModelConfig {
-            d_model: 32,
-            n_layers: 1,
-            n_heads: 4,
-            n_kv_heads: 2,
-            ffn_hidden: 64,
-            ..ModelConfig::default()
-        },
-        16,
-    );
-    let (specs, device) = (model.specs(), Device::flex());
     let cfg = OptimizerConfig {
         kind: OptimizerKind::ScheduleFreeAdamw,
         lr: 0.01,
@@ -315,79 +340,23 @@ fn schedule_free_adamw_matches_the_authors_package() {
         warmup_steps: 4,
         ..Default::default()
     };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    let (mut inputs, mut params) = (Vec::new(), Vec::new());
-    for s in specs {
-        let v = random(s.numel(), 0.1, &mut rng);
-        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
-        params.push(Tensor::<1>::from_data(
-            TensorData::new(v, [s.numel()]),
-            &device,
-        ));
-    }
-    let mut opt = Optimizer::new(&cfg, specs, &device, 1);
-    let steps = 12;
-    for k in 1..=steps {
-        let grads: Vec<Tensor<1>> = specs
-            .iter()
-            .map(|s| {
-                let v = random(s.numel(), 0.01, &mut rng);
-                inputs.push(HostTensor::f32(
-                    format!("{}.g{k}", s.name),
-                    s.shape.clone(),
-                    v.clone(),
-                ));
-                Tensor::from_data(TensorData::new(v, [s.numel()]), &device)
-            })
-            .collect();
-        let lr = kiln_train::optim::lr_at(&sched, cfg.lr, k - 1, steps);
-        opt.update(&mut params, grads, lr, &vec![false; specs.len()]);
-    }
-    let host = |ts: &[Tensor<1>]| -> Vec<HostTensor> {
-        (specs.iter().zip(ts))
-            .map(|(s, p)| {
-                HostTensor::f32(
-                    s.name.clone(),
-                    s.shape.clone(),
-                    kiln_train::tensor::to_vec(p),
-                )
-            })
-            .collect()
+    let case = Case {
+        cfg: cfg.clone(),
+        steps: 12,
+        seed: 3,
+        spikes: &[],
     };
+    let lr = |k: u64| kiln_train::optim::lr_at(&sched, cfg.lr, k, case.steps);
+    let (opt, params, specs) = run_kiln(&case, &lr, dir.path());
     let x = opt.published(&params).expect("schedule-free publishes x");
-    for (name, t) in [
-        ("inputs", inputs),
-        ("kiln_y", host(&params)),
-        ("kiln_x", host(&x)),
-    ] {
-        let path = dir.path().join(format!("{name}.safetensors"));
-        std::fs::write(path, to_safetensors(&t).unwrap()).unwrap();
-    }
-    let decayed: Vec<&str> = (specs.iter())
-        .filter(|s| !s.is_norm_or_embedding)
-        .map(|s| s.name.as_str())
-        .collect();
+    write_tensors(dir.path(), "kiln_x", &host(&specs, &x));
     let setup = serde_json::json!({
         "lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
         "eps": cfg.eps, "warmup_steps": sched.warmup_steps, "r": cfg.schedule_free.r,
-        "weight_lr_power": cfg.schedule_free.weight_lr_power, "steps": steps, "decayed": decayed,
+        "weight_lr_power": cfg.schedule_free.weight_lr_power, "steps": case.steps,
+        "decayed": names(&specs, &|s| !s.is_norm_or_embedding),
     });
-    std::fs::write(dir.path().join("setup.json"), setup.to_string()).unwrap();
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/schedule-free-parity.py");
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
-    println!("{r:#}");
+    let r = run_script(&python, "schedule-free-parity.py", dir.path(), setup);
     assert!(r["x_moved"].as_f64().unwrap() > 1e-3, "{r}");
     assert!(r["y"].as_f64().unwrap() < 1e-6, "{r}");
     assert!(r["x"].as_f64().unwrap() < 1e-6, "{r}");
@@ -398,104 +367,29 @@ fn schedule_free_adamw_matches_the_authors_package() {
 /// embeddings, norms and head against torch.optim.AdamW: every weight within 1e-6.
 #[test]
 fn mano_matches_the_authors_step() {
-    let Ok(python) = std::env::var("KILN_TORCH_PYTHON") else {
-        eprintln!("skipped: set KILN_TORCH_PYTHON to a python with torch and safetensors");
-        return;
-    };
+    let Some(python) = peer_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let model = Llama::new(
-        &ModelConfig {
-            d_model: 32,
-            n_layers: 1,
-            n_heads: 4,
-            n_kv_heads: 2,
-            ffn_hidden: 64,
-            ..ModelConfig::default()
-        },
-        16,
-    );
-    let (specs, device) = (model.specs(), Device::flex());
     let cfg = OptimizerConfig {
         kind: OptimizerKind::Mano,
         lr: 0.01,
         weight_decay: 0.1,
         ..OptimizerConfig::default()
     };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    let (mut inputs, mut params) = (Vec::new(), Vec::new());
-    for s in specs {
-        let v = random(s.numel(), 0.1, &mut rng);
-        inputs.push(HostTensor::f32(s.name.clone(), s.shape.clone(), v.clone()));
-        params.push(Tensor::<1>::from_data(
-            TensorData::new(v, [s.numel()]),
-            &device,
-        ));
-    }
-    let mut opt = Optimizer::new(&cfg, specs, &device, 1);
-    let steps = 6;
-    for k in 1..=steps {
-        let grads: Vec<Tensor<1>> = specs
-            .iter()
-            .map(|s| {
-                let v = random(s.numel(), 0.01, &mut rng);
-                inputs.push(HostTensor::f32(
-                    format!("{}.g{k}", s.name),
-                    s.shape.clone(),
-                    v.clone(),
-                ));
-                Tensor::from_data(TensorData::new(v, [s.numel()]), &device)
-            })
-            .collect();
-        opt.update(&mut params, grads, cfg.lr, &vec![false; specs.len()]);
-    }
-    let after: Vec<HostTensor> = (specs.iter().zip(&params))
-        .map(|(s, p)| {
-            HostTensor::f32(
-                s.name.clone(),
-                s.shape.clone(),
-                kiln_train::tensor::to_vec(p),
-            )
-        })
-        .collect();
-    std::fs::write(
-        dir.path().join("inputs.safetensors"),
-        to_safetensors(&inputs).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("kiln.safetensors"),
-        to_safetensors(&after).unwrap(),
-    )
-    .unwrap();
-    let names = |keep: &dyn Fn(&kiln_train::model::ParamSpec) -> bool| -> Vec<String> {
-        specs
-            .iter()
-            .filter(|s| keep(s))
-            .map(|s| s.name.clone())
-            .collect()
+    let case = Case {
+        cfg: cfg.clone(),
+        steps: 6,
+        seed: 5,
+        spikes: &[],
     };
+    let (_, _, specs) = run_kiln(&case, &|_| cfg.lr, dir.path());
     let setup = serde_json::json!({
         "lr": cfg.lr, "weight_decay": cfg.weight_decay, "eps": cfg.eps,
         "betas": [cfg.beta1, cfg.beta2], "momentum": cfg.mano.momentum,
-        "nesterov": cfg.mano.nesterov, "steps": steps,
-        "hidden": names(&|s| role(s) == Role::Hidden),
-        "decayed": names(&|s| !s.is_norm_or_embedding),
+        "nesterov": cfg.mano.nesterov, "steps": case.steps,
+        "hidden": names(&specs, &|s| role(s) == Role::Hidden),
+        "decayed": names(&specs, &|s| !s.is_norm_or_embedding),
     });
-    std::fs::write(dir.path().join("setup.json"), setup.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mano-parity.py");
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
-    println!("{r:#}");
+    let r = run_script(&python, "mano-parity.py", dir.path(), setup);
     assert!(r["mano_moved"].as_f64().unwrap() > 1e-3, "{r}");
     assert!(r["mano"].as_f64().unwrap() < 1e-6, "{r}");
     assert!(r["adamw"].as_f64().unwrap() < 1e-6, "{r}");
