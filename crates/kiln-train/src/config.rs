@@ -1029,10 +1029,18 @@ impl Config {
         for rule in self.parallelism.rules() {
             d.rule(rule);
         }
-        let whole_matrices = (o.kind != OptimizerKind::Adamw).then(|| o.kind.name());
+        let why = match o.kind {
+            OptimizerKind::Adamw => None,
+            OptimizerKind::Muon | OptimizerKind::Mano => Some("needs each matrix whole"),
+            OptimizerKind::Sophiag => Some("estimates its Hessian from the whole logits"),
+            OptimizerKind::Spam | OptimizerKind::ScheduleFreeAdamw => {
+                Some("has not been validated on matrices cut over ranks yet")
+            }
+        };
         let model = (m.n_heads, m.n_kv_heads, m.ffn_hidden);
         let pieces = piece_sizes(t.batch_size, t.compute_shards);
-        for rule in (self.parallelism).tensor_rules(model, &pieces, whole_matrices) {
+        let optimizer = why.map(|why| (o.kind.name(), why));
+        for rule in (self.parallelism).tensor_rules(model, &pieces, optimizer) {
             d.rule(rule);
         }
         if o.kind == OptimizerKind::ScheduleFreeAdamw {

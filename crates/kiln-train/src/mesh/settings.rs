@@ -74,13 +74,14 @@ impl ParallelismConfig {
 
     /// What tensor parallelism cannot cut of a model of `heads` query heads sharing `kv`
     /// K/V heads and `ffn` hidden units, trained on compute shards of `pieces` sequences
-    /// each, one message per key. `whole_matrices`: the optimizer, when it needs each matrix
-    /// whole (Muon's orthogonalisation, SophiaG's Hessian pass over the whole logits).
+    /// each, one message per key. `optimizer`: the optimizer's kind and why tensor
+    /// parallelism does not take it (Muon's orthogonalisation needs whole matrices, ...), for
+    /// every kind but AdamW.
     pub fn tensor_rules(
         &self,
         (heads, kv, ffn): (usize, usize, usize),
         pieces: &[usize],
-        whole_matrices: Option<&str>,
+        optimizer: Option<(&str, &str)>,
     ) -> Vec<String> {
         let tp = self.tp;
         if tp <= 1 {
@@ -117,9 +118,9 @@ impl ParallelismConfig {
                 "parallelism.tp = {tp} must divide the sequences of each compute shard ({bad} of training.batch_size split over training.compute_shards): sequence parallelism keeps each rank's share of them; use a batch size that {tp} x compute_shards divides"
             ));
         }
-        if let Some(kind) = whole_matrices {
+        if let Some((kind, why)) = optimizer {
             out.push(format!(
-                "parallelism.tp = {tp} cuts every matrix over ranks, and optimizer.kind = {kind:?} needs each matrix whole; use optimizer.kind = \"adamw\" with tensor parallelism"
+                "parallelism.tp = {tp} cuts every matrix over ranks, and optimizer.kind = {kind:?} {why}; use optimizer.kind = \"adamw\" with tensor parallelism"
             ));
         }
         out
