@@ -420,31 +420,9 @@ impl Snapshotter {
         }
     }
 
-    /// Reports the tiers reclaimed at the start: a line on stderr (any rank: each node's
-    /// first start reclaims its own) and a `memory_tier_reclaimed` event (the writer rank's).
+    /// Reports the tiers reclaimed at the start ([`tiers::report`]).
     pub fn report_reclaimed(&mut self, journal: &mut Journal) -> Result<(), TrainError> {
-        for (held, bytes) in std::mem::take(&mut self.reclaimed) {
-            let (removed, why) = match &held.fate {
-                tiers::Fate::Remove(why) => (true, why.as_str()),
-                tiers::Fate::Trim(_, why) | tiers::Fate::Keep(why) => (false, why.as_str()),
-            };
-            let run_dir = held.owner.as_ref().map(|o| path_text(&o.run_dir));
-            let line = format!(
-                "reclaimed {} of memory tier {} on {}: {why}",
-                kiln_run::host::human_bytes(bytes as f64),
-                held.folder.display(),
-                kiln_run::host_name()
-            );
-            tracing::warn!("{line}");
-            journal.note(&line);
-            journal.emit(
-                event::MEMORY_TIER_RECLAIMED,
-                json!({"folder": path_text(&held.folder), "run_dir": run_dir,
-                       "removed": removed, "why": why, "bytes": bytes,
-                       "host": kiln_run::host_name()}),
-            )?;
-        }
-        Ok(())
+        tiers::report(std::mem::take(&mut self.reclaimed), journal)
     }
 
     /// Whether a snapshot is due after `step` (an applied step at the interval or at the

@@ -19,9 +19,12 @@
 //! run's own.
 
 use crate::checkpoint::{self, remove_tree};
-use kiln_run::layout;
+use crate::components::journal::{Journal, path_text};
+use crate::error::TrainError;
+use kiln_run::{event, layout};
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 
 /// The owner record of a run's tier folder.
@@ -296,6 +299,33 @@ pub fn reclaim(base: &Path, own: &Path) -> Vec<(Held, u64)> {
         }
     }
     out
+}
+
+/// Reports tiers [`reclaim`] freed: a line on stderr (any rank: each node's first start
+/// reclaims its own), a note and a `memory_tier_reclaimed` event (the writer rank's).
+pub fn report(reclaimed: Vec<(Held, u64)>, journal: &mut Journal) -> Result<(), TrainError> {
+    for (held, bytes) in reclaimed {
+        let (removed, why) = match &held.fate {
+            Fate::Remove(why) => (true, why.as_str()),
+            Fate::Trim(_, why) | Fate::Keep(why) => (false, why.as_str()),
+        };
+        let run_dir = held.owner.as_ref().map(|o| path_text(&o.run_dir));
+        let line = format!(
+            "reclaimed {} of memory tier {} on {}: {why}",
+            kiln_run::host::human_bytes(bytes as f64),
+            held.folder.display(),
+            kiln_run::host_name()
+        );
+        tracing::warn!("{line}");
+        journal.note(&line);
+        journal.emit(
+            event::MEMORY_TIER_RECLAIMED,
+            json!({"folder": path_text(&held.folder), "run_dir": run_dir,
+                   "removed": removed, "why": why, "bytes": bytes,
+                   "host": kiln_run::host_name()}),
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
