@@ -1,7 +1,7 @@
 //! AdamW with PyTorch's arithmetic (decoupled decay first, then the bias-corrected Adam
 //! step), over all parameters or, inside Muon, over the parameters Muon leaves to it.
 
-use super::{StateSlot, StateSlotMut};
+use super::{StateSlot, StateSlotMut, zeros};
 use crate::config::OptimizerConfig;
 use crate::kernels::adamw::{self, AdamWScalars};
 use crate::model::ParamSpec;
@@ -32,12 +32,6 @@ pub(crate) fn decays(cfg: &OptimizerConfig, spec: &ParamSpec) -> bool {
 }
 
 impl AdamW {
-    /// Zero state for all these parameters.
-    pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
-        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
-        Self::zeroed(cfg, specs, device, &whole)
-    }
-
     /// Zero moments as long as each of `ranges` (`None`: no state for that parameter; a
     /// rank's shard of a sharded run keeps a range of each). The arithmetic is element-wise,
     /// so a range updates exactly as the same elements of a whole parameter would.
@@ -47,16 +41,11 @@ impl AdamW {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let zeros = || {
-            (ranges.iter())
-                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
-                .collect::<Vec<_>>()
-        };
         Self {
             cfg: cfg.clone(),
             decay: specs.iter().map(|s| decays(cfg, s)).collect(),
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
+            exp_avg: zeros(ranges, device),
+            exp_avg_sq: zeros(ranges, device),
             step: 0,
         }
     }
@@ -197,7 +186,12 @@ mod tests {
             is_norm_or_embedding: false,
             placement: crate::mesh::placement::Placement::whole(&[2]),
         };
-        let mut opt = AdamW::new(&cfg, std::slice::from_ref(&spec), &device);
+        let mut opt = AdamW::zeroed(
+            &cfg,
+            std::slice::from_ref(&spec),
+            &device,
+            &[Some(0..spec.numel())],
+        );
         let mut p = vec![Tensor::<1>::from_floats([1.0, -2.0], &device)];
         let g = vec![Tensor::<1>::from_floats([0.5, 0.25], &device)];
         opt.update(&mut p, g, 0.1, &[false]);

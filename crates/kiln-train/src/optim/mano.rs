@@ -15,7 +15,7 @@
 //! whole: in a sharded run its owner rank computes them ([`Wholes`]).
 
 use super::adamw::AdamW;
-use super::{Role, StateSlot, StateSlotMut, Wholes, role};
+use super::{HiddenSplit, StateSlot, StateSlotMut, Wholes};
 use crate::config::{ManoConfig, OptimizerConfig};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
@@ -59,24 +59,15 @@ impl Mano {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let hidden: Vec<bool> = specs.iter().map(|s| role(s) == Role::Hidden).collect();
-        let only = |keep: bool| -> Vec<Option<Range<usize>>> {
-            (ranges.iter().zip(&hidden))
-                .map(|(r, &h)| r.clone().filter(|_| h == keep))
-                .collect()
-        };
+        let split = HiddenSplit::new(cfg, specs, device, ranges);
         Self {
             cfg: cfg.mano.clone(),
             eps: cfg.eps,
             weight_decay: cfg.weight_decay,
             decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
-            shapes: (specs.iter().zip(&hidden))
-                .map(|(s, &h)| h.then(|| [s.shape[0], s.shape[1]]))
-                .collect(),
-            momentum: (only(true).into_iter())
-                .map(|r| r.map(|r| Tensor::zeros([r.len()], device)))
-                .collect(),
-            adam: AdamW::zeroed(cfg, specs, device, &only(false)),
+            shapes: split.shapes,
+            momentum: split.momentum,
+            adam: split.adam,
         }
     }
 

@@ -116,6 +116,54 @@ pub(crate) fn lerp(start: Tensor<1>, end: Tensor<1>, w: f64) -> Tensor<1> {
     }
 }
 
+/// Every element of each parameter: the ranges of state held whole (a replicated run).
+pub(crate) fn whole(specs: &[ParamSpec]) -> Vec<Option<Range<usize>>> {
+    specs.iter().map(|s| Some(0..s.numel())).collect()
+}
+
+/// One slot of state: zeros as long as each of `ranges` (`None` where it is `None`: no state
+/// for that parameter; a rank's shard of a sharded run keeps a range of each).
+pub(crate) fn zeros(ranges: &[Option<Range<usize>>], device: &Device) -> Vec<Option<Tensor<1>>> {
+    (ranges.iter())
+        .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
+        .collect()
+}
+
+/// How Muon and Mano split the parameters ([`role`]): each hidden matrix's `[in, out]` and
+/// zero momentum over its range, and the AdamW of the other parameters.
+pub(crate) struct HiddenSplit {
+    /// `[in, out]` of each hidden matrix, `None` for the AdamW parameters.
+    pub shapes: Vec<Option<[usize; 2]>>,
+    /// Zero momentum buffers of the hidden matrices (their ranges).
+    pub momentum: Vec<Option<Tensor<1>>>,
+    /// The AdamW of the rest.
+    pub adam: AdamW,
+}
+
+impl HiddenSplit {
+    /// The split of `specs`, with state as long as each of `ranges`.
+    pub fn new(
+        cfg: &OptimizerConfig,
+        specs: &[ParamSpec],
+        device: &Device,
+        ranges: &[Option<Range<usize>>],
+    ) -> Self {
+        let hidden: Vec<bool> = specs.iter().map(|s| role(s) == Role::Hidden).collect();
+        let only = |keep: bool| -> Vec<Option<Range<usize>>> {
+            (ranges.iter().zip(&hidden))
+                .map(|(r, &h)| r.clone().filter(|_| h == keep))
+                .collect()
+        };
+        Self {
+            shapes: (specs.iter().zip(&hidden))
+                .map(|(s, &h)| h.then(|| [s.shape[0], s.shape[1]]))
+                .collect(),
+            momentum: zeros(&only(true), device),
+            adam: AdamW::zeroed(cfg, specs, device, &only(false)),
+        }
+    }
+}
+
 /// One slot of per-parameter state (`exp_avg`, `momentum_buffer`, ...): `None` for the
 /// parameters the slot does not cover.
 pub(crate) type StateSlot<'a> = (&'static str, &'a Vec<Option<Tensor<1>>>);
@@ -215,9 +263,8 @@ impl Optimizer {
         device: &Device,
         tokens_per_step: u64,
     ) -> Self {
-        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
         Self {
-            rule: Rule::zeroed(cfg, specs, device, tokens_per_step, &whole),
+            rule: Rule::zeroed(cfg, specs, device, tokens_per_step, &whole(specs)),
             ranges: None,
         }
     }

@@ -13,7 +13,7 @@
 //! The two agree to bf16 rounding (see `scripts/muon-parity.py` for the measured difference).
 
 use super::adamw::AdamW;
-use super::{Role, StateSlot, StateSlotMut, Wholes, lerp, role};
+use super::{HiddenSplit, StateSlot, StateSlotMut, Wholes, lerp};
 use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
 use crate::kernels::replicated;
 use crate::model::ParamSpec;
@@ -85,12 +85,6 @@ pub struct Muon {
 }
 
 impl Muon {
-    /// Zero state for these parameters; roles from [`super::role`].
-    pub fn new(cfg: &OptimizerConfig, specs: &[ParamSpec], device: &Device) -> Self {
-        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
-        Self::zeroed(cfg, specs, device, &whole)
-    }
-
     /// Zero state as long as each of `ranges` (`None`: none for that parameter; a rank's
     /// shard of a sharded run keeps a range of each): momentum for the hidden matrices,
     /// AdamW's moments for the rest.
@@ -100,25 +94,14 @@ impl Muon {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let hidden: Vec<bool> = specs.iter().map(|s| role(s) == Role::Hidden).collect();
-        let only = |keep: bool| -> Vec<Option<Range<usize>>> {
-            (ranges.iter().zip(&hidden))
-                .map(|(r, &h)| r.clone().filter(|_| h == keep))
-                .collect()
-        };
+        let split = HiddenSplit::new(cfg, specs, device, ranges);
         Self {
             cfg: cfg.muon.clone(),
             weight_decay: cfg.weight_decay,
             decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
-            shapes: specs
-                .iter()
-                .zip(&hidden)
-                .map(|(s, &h)| h.then(|| [s.shape[0], s.shape[1]]))
-                .collect(),
-            momentum: (only(true).into_iter())
-                .map(|r| r.map(|r| Tensor::zeros([r.len()], device)))
-                .collect(),
-            adam: AdamW::zeroed(cfg, specs, device, &only(false)),
+            shapes: split.shapes,
+            momentum: split.momentum,
+            adam: split.adam,
         }
     }
 
@@ -194,6 +177,7 @@ impl Muon {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::{Role, role};
     use burn::tensor::TensorData;
 
     fn matrix(rows: usize, cols: usize, seed: u64) -> Tensor<2> {

@@ -20,7 +20,7 @@
 //! swap rounds `y` through `x`). `lr_max` and the weight sum are saved in `state.json`.
 //! Element-wise: a rank's range of a parameter updates as those elements of the whole.
 
-use super::{StateSlot, StateSlotMut, lerp};
+use super::{StateSlot, StateSlotMut, lerp, zeros};
 use crate::config::{OptimizerConfig, ScheduleFreeConfig};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
@@ -64,18 +64,13 @@ impl ScheduleFree {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let zeros = || {
-            (ranges.iter())
-                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
-                .collect::<Vec<_>>()
-        };
         Self {
             opt: cfg.clone(),
             cfg: cfg.schedule_free.clone(),
             decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
-            z: zeros(),
-            exp_avg_sq: zeros(),
-            y: zeros(),
+            z: zeros(ranges, device),
+            exp_avg_sq: zeros(ranges, device),
+            y: zeros(ranges, device),
             step: 0,
             lr_max: -1.0,
             weight_sum: 0.0,

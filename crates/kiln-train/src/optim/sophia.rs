@@ -13,7 +13,7 @@
 //! [`crate::step::Step`] with sampled labels). `B * g_hat^2` estimates the diagonal
 //! of the Gauss-Newton matrix; the authors fold the `B` into the update, as here.
 
-use super::{StateSlot, StateSlotMut};
+use super::{StateSlot, StateSlotMut, zeros};
 use crate::config::{OptimizerConfig, SophiaConfig};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
@@ -44,17 +44,6 @@ pub struct SophiaG {
 }
 
 impl SophiaG {
-    /// Zero state for these parameters.
-    pub fn new(
-        cfg: &OptimizerConfig,
-        specs: &[ParamSpec],
-        device: &Device,
-        tokens_per_step: u64,
-    ) -> Self {
-        let whole: Vec<Option<Range<usize>>> = specs.iter().map(|s| Some(0..s.numel())).collect();
-        Self::zeroed(cfg, specs, device, tokens_per_step, &whole)
-    }
-
     /// Zero state as long as each of `ranges` (`None`: none for that parameter; a rank's
     /// shard of a sharded run keeps a range of each). Every operation is element-wise, so a
     /// range updates exactly as the same elements of a whole parameter would.
@@ -65,11 +54,6 @@ impl SophiaG {
         tokens_per_step: u64,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let zeros = || {
-            (ranges.iter())
-                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
-                .collect::<Vec<_>>()
-        };
         Self {
             cfg: cfg.sophia.clone(),
             beta1: cfg.beta1,
@@ -77,8 +61,8 @@ impl SophiaG {
             weight_decay: cfg.weight_decay,
             decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
             tokens_per_step: tokens_per_step.max(1) as f64,
-            exp_avg: zeros(),
-            hessian: zeros(),
+            exp_avg: zeros(ranges, device),
+            hessian: zeros(ranges, device),
             step: 0,
         }
     }
@@ -157,7 +141,13 @@ mod tests {
             placement: crate::mesh::placement::Placement::whole(&[3]),
         };
         // rho * tokens = 0.01 * 100 = 1.
-        let mut opt = SophiaG::new(&cfg, std::slice::from_ref(&spec), &device, 100);
+        let mut opt = SophiaG::zeroed(
+            &cfg,
+            std::slice::from_ref(&spec),
+            &device,
+            100,
+            &[Some(0..3)],
+        );
         let mut p = vec![Tensor::<1>::zeros([3], &device)];
         // Without a Hessian estimate yet, every coordinate moves by lr * sign(m).
         let g = || vec![Tensor::<1>::from_floats([2.0, -0.5, 0.0], &device)];

@@ -17,7 +17,7 @@
 //! Everything is element-wise: a rank's range of a parameter updates as those elements of
 //! the whole would.
 
-use super::{StateSlot, StateSlotMut};
+use super::{StateSlot, StateSlotMut, zeros};
 use crate::config::{OptimizerConfig, SpamConfig};
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
@@ -50,17 +50,12 @@ impl Spam {
         device: &Device,
         ranges: &[Option<Range<usize>>],
     ) -> Self {
-        let zeros = || {
-            (ranges.iter())
-                .map(|r| r.as_ref().map(|r| Tensor::zeros([r.len()], device)))
-                .collect::<Vec<_>>()
-        };
         Self {
             cfg: cfg.spam.clone(),
             opt: cfg.clone(),
             decay: specs.iter().map(|s| super::adamw::decays(cfg, s)).collect(),
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
+            exp_avg: zeros(ranges, device),
+            exp_avg_sq: zeros(ranges, device),
             step: 0,
         }
     }
