@@ -188,7 +188,7 @@ impl crate::optim::Wholes for Spread<'_> {
             .collect();
         let device = pieces.iter().find_map(first).map(|t| t.device());
         let mut pieces = pieces;
-        let mine: Vec<f32> = (owned_by(me).into_iter())
+        let mut mine: Vec<f32> = (owned_by(me).into_iter())
             .filter_map(|i| Some(into_vec(f(i, pieces[i].take()?))))
             .flatten()
             .collect();
@@ -199,7 +199,7 @@ impl crate::optim::Wholes for Spread<'_> {
         for r in 0..n {
             let list = owned_by(r);
             let mut buf = match r == me {
-                true => mine.clone(),
+                true => std::mem::take(&mut mine),
                 false => vec![0.0f32; list.iter().map(|&i| lengths[i]).sum()],
             };
             self.group

@@ -141,8 +141,12 @@ fn modified(path: &Path) -> Option<std::time::SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-/// What becomes of `folder`, owned by `owner` (see the module documentation).
-fn fate_of(folder: &Path, owner: Option<&Owner>) -> Fate {
+/// Each rank folder of a tier and the steps of its snapshots, newest first (read once).
+type Ranks = [(PathBuf, Vec<u64>)];
+
+/// What becomes of a tier folder owned by `owner` whose rank folders hold `ranks` (see the
+/// module documentation).
+fn fate_of(owner: Option<&Owner>, ranks: &Ranks) -> Fate {
     let Some(owner) = owner else {
         return Fate::Keep("no owner record (an older kiln's, or being created)".into());
     };
@@ -153,11 +157,8 @@ fn fate_of(folder: &Path, owner: Option<&Owner>) -> Fate {
     if training(run) {
         return Fate::Keep(format!("its run is training ({} is held)", layout::LOCK));
     }
-    let ranks = rank_folders(folder);
-    let snapshots: Vec<PathBuf> = ranks
-        .iter()
-        .flat_map(|r| checkpoint::list_steps(r).into_iter().map(move |s| (r, s)))
-        .map(|(r, s)| r.join(checkpoint::dir_name(s)))
+    let snapshots: Vec<PathBuf> = (ranks.iter())
+        .flat_map(|(r, steps)| steps.iter().map(move |&s| r.join(checkpoint::dir_name(s))))
         .collect();
     let newest_snapshot = snapshots.iter().filter_map(|p| modified(p)).max();
     let finished = modified(&run.join(layout::FINAL_MODEL));
@@ -173,9 +174,8 @@ fn fate_of(folder: &Path, owner: Option<&Owner>) -> Fate {
     let Some(&floor) = checkpoints.first() else {
         return Fate::Keep("its run has no persistent checkpoint: a resume would use it".into());
     };
-    let stale: Vec<PathBuf> = ranks
-        .iter()
-        .flat_map(|r| stale_in(r, owner.anchor, floor))
+    let stale: Vec<PathBuf> = (ranks.iter())
+        .flat_map(|(r, steps)| stale_in(r, steps, owner.anchor, floor))
         .collect();
     let why =
         format!("older than its run's newest checkpoint (step {floor}), which a resume takes");
@@ -188,16 +188,15 @@ fn fate_of(folder: &Path, owner: Option<&Owner>) -> Fate {
     }
 }
 
-/// The snapshots of one rank's store `rank` below `floor` but the newest at a multiple of
-/// `anchor` at or before it: what [`super::SnapshotStore::remove_stale`] deletes at a resume.
-fn stale_in(rank: &Path, anchor: u64, floor: u64) -> Vec<PathBuf> {
-    let steps = checkpoint::list_steps(rank);
+/// The snapshots of one rank's store `rank` (of `steps`, newest first) below `floor` but the
+/// newest at a multiple of `anchor` at or before it: what
+/// [`super::SnapshotStore::remove_stale`] deletes at a resume.
+fn stale_in(rank: &Path, steps: &[u64], anchor: u64, floor: u64) -> Vec<PathBuf> {
     let keep = steps
         .iter()
         .copied()
         .find(|&s| s <= floor && anchor > 0 && s % anchor == 0);
-    steps
-        .into_iter()
+    (steps.iter().copied())
         .filter(|&s| s < floor && Some(s) != keep)
         .map(|s| rank.join(checkpoint::dir_name(s)))
         .collect()
@@ -222,28 +221,29 @@ pub fn survey(base: &Path) -> Vec<Held> {
     folders.iter().filter_map(|f| Held::of(f)).collect()
 }
 
-/// The tier folder `folder` as it is now.
-fn held(folder: &Path) -> Held {
-    let owner = Owner::read(folder);
-    let mut steps: Vec<u64> = rank_folders(folder)
-        .iter()
-        .flat_map(|r| checkpoint::list_steps(r))
-        .collect();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    Held {
-        fate: fate_of(folder, owner.as_ref()),
-        bytes: size_of(folder),
-        folder: folder.to_path_buf(),
-        owner,
-        steps,
-    }
-}
-
 impl Held {
-    /// The folder as it is now (`None` where it holds no tier).
+    /// The folder as it is now (`None` where it holds no tier: neither an owner record nor
+    /// a rank folder).
     pub fn of(folder: &Path) -> Option<Self> {
-        let tier = folder.join(layout::SNAPSHOT_OWNER).exists() || !rank_folders(folder).is_empty();
-        tier.then(|| held(folder))
+        let ranks: Vec<(PathBuf, Vec<u64>)> = (rank_folders(folder).into_iter())
+            .map(|r| {
+                let steps = checkpoint::list_steps(&r);
+                (r, steps)
+            })
+            .collect();
+        if ranks.is_empty() && !folder.join(layout::SNAPSHOT_OWNER).exists() {
+            return None;
+        }
+        let owner = Owner::read(folder);
+        let mut steps: Vec<u64> = ranks.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+        steps.sort_unstable_by(|a, b| b.cmp(a));
+        Some(Held {
+            fate: fate_of(owner.as_ref(), &ranks),
+            bytes: size_of(folder),
+            folder: folder.to_path_buf(),
+            owner,
+            steps,
+        })
     }
 
     /// One line: the folder, its owner, its snapshots and size, and its fate.
