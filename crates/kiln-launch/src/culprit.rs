@@ -315,6 +315,9 @@ impl Witness<'_> {
                         "rank {rank} stopped advancing with the others, and its process was stopped or idle while theirs ran"
                     ),
                     source::HEARTBEAT => format!("rank {rank} sent no heartbeat"),
+                    source::AGENT => {
+                        format!("the agent of rank {rank}'s node dropped its connection or fell silent")
+                    }
                     source::EXIT_RECORD | source::EXIT_STATUS => {
                         format!("rank {rank} failed first")
                     }

@@ -84,6 +84,12 @@ pub struct LaunchRequest {
         help_heading = "Watchdogs"
     )]
     pub grace: f64,
+    /// How the ranks report to kiln under a launcher: `tcp`, one agent per node that keeps a
+    /// connection to kiln (the ranks' files stay in node memory); `files`, every rank's files
+    /// in the run directory (one machine; on a cluster's shared filesystem it costs ~50
+    /// metadata operations a rank-second). See docs/recovery.md.
+    #[arg(long, value_name = "PLANE", value_parser = ["tcp", "files"], default_value = "tcp", help_heading = "Watchdogs")]
+    pub control_plane: String,
     /// Stop the job after this long, all attempts together (SIGTERM so ranks can checkpoint);
     /// seconds or H:MM:SS.
     #[arg(long, value_name = "TIME", help_heading = "Watchdogs")]

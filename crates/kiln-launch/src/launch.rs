@@ -255,6 +255,39 @@ fn set_up(req: &LaunchRequest, dirs: &Dirs) -> Result<(Setup, Vec<String>), Laun
     Ok((setup, command))
 }
 
+/// Variable naming the address the ranks reach this machine's control-plane server at
+/// [default: 127.0.0.1 when every rank runs here, else this machine's host name].
+pub const PLANE_HOST_ENV: &str = "KILN_PLANE_HOST";
+
+/// Starts the control plane's server under `--control-plane tcp`, when ranks run under a
+/// launcher through their shims (a local launch's ranks are kiln's own children: it watches
+/// them directly), and tells `setup` to export its address and secret to the ranks.
+fn start_plane(
+    req: &LaunchRequest,
+    setup: &mut Setup,
+) -> Result<Option<std::sync::Arc<crate::plane::server::Server>>, LaunchError> {
+    use crate::plane::{Plane, server::Server};
+    let tcp = crate::plane::Plane::parse(&req.control_plane) == Some(Plane::Tcp);
+    if !tcp || req.no_rank_env || setup.launcher == Launcher::Local {
+        return Ok(None);
+    }
+    let local = setup.all_local();
+    let host = env_var(PLANE_HOST_ENV)
+        .filter(|h| !h.trim().is_empty())
+        .unwrap_or_else(|| match local {
+            true => "127.0.0.1".into(),
+            false => kiln_run::host_name(),
+        });
+    let bind: std::net::IpAddr = match local {
+        true => std::net::Ipv4Addr::LOCALHOST.into(),
+        false => std::net::Ipv4Addr::UNSPECIFIED.into(),
+    };
+    let server = Server::start((bind, 0).into())
+        .map_err(|e| LaunchError::Io(format!("control plane: listening on {bind}: {e}")))?;
+    setup.use_plane(format!("{host}:{}", server.port()), server.secret().to_string());
+    Ok(Some(std::sync::Arc::new(server)))
+}
+
 /// What each rank runs first under a launcher: `kiln launch --as-rank` with the flags it
 /// needs, written from the flags' one definition; nothing with `--no-rank-env`.
 fn rank_shim(req: &LaunchRequest) -> Result<Vec<String>, LaunchError> {
@@ -485,6 +518,8 @@ struct Running<'a> {
     events: EventLog,
     /// The batch job this launch runs in.
     job_id: Option<String>,
+    /// The control plane's server, under `--control-plane tcp` with a launcher.
+    plane: Option<std::sync::Arc<crate::plane::server::Server>>,
     /// The job's place in a chain of batch jobs (`kiln submit`).
     chain: Option<ChainJob>,
     started: Instant,
@@ -505,12 +540,15 @@ impl<'a> Running<'a> {
             .map_err(|e| LaunchError::Io(e.to_string()))?;
         let job_id = job_id_of(&setup.scheduler.value);
         let chain = chain_job(req, &setup, job_id.as_deref());
+        let mut setup = setup;
+        let plane = start_plane(req, &mut setup)?;
         let mut run = Running {
             req,
             setup,
             dirs,
             events,
             job_id,
+            plane,
             chain,
             started,
         };
@@ -533,6 +571,7 @@ impl<'a> Running<'a> {
             progress_regex: Some(t.regex),
             progress_dir: Some(self.dirs.progress.clone()),
             clear_progress_dir: self.dirs.own_progress,
+            plane: self.plane.clone(),
             attempt: None,
             grace: t.grace,
             deadline: t.walltime.map(|w| self.started + w),
@@ -798,6 +837,8 @@ impl<'a> Running<'a> {
                     "argv": setup.procs.iter().map(|p| &p.argv).collect::<Vec<_>>(),
                     "command": command,
                     "progress_dir": self.dirs.progress,
+                    "control_plane": self.plane.as_ref().map_or("files", |_| "tcp"),
+                    "control_plane_port": self.plane.as_ref().map(|p| p.port()),
                     "kiln_version": env!("CARGO_PKG_VERSION"),
                 }),
             )
@@ -844,6 +885,9 @@ pub fn release_node(keep_memory_tier: bool) -> i32 {
         return exit::USAGE;
     };
     let dir = std::path::Path::new(&dir);
+    // The control plane's node directories of agents killed with their ranks.
+    let base = crate::plane::node::base_dir();
+    crate::plane::node::sweep(&base, crate::plane::node::SWEEP_AT_END);
     let r = match keep_memory_tier {
         true => kiln_run::node_state::release_mpi(dir, host),
         false => kiln_run::node_state::release(dir, host),

@@ -17,6 +17,7 @@ mod launch;
 mod limits;
 mod mpi_shm;
 mod plan;
+pub mod plane;
 mod pool;
 mod probe;
 mod progress;

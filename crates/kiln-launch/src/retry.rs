@@ -749,6 +749,11 @@ impl Recovery<'_> {
         if let Some(dir) = &cfg.progress_dir {
             kiln_run::node_state::release_mpi(dir, kiln_run::this_host());
         }
+        // Node directories of the control plane whose agent was killed with its rank.
+        if cfg.plane.is_some() {
+            let base = crate::plane::node::base_dir();
+            crate::plane::node::sweep(&base, crate::plane::node::SWEEP_AT_END);
+        }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = self.diagnose(&outcome, plan, &log_tail);
         let mut fields = outcome_json(attempt, &argv, &plan.hosts, &log_name, &outcome);

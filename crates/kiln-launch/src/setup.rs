@@ -79,6 +79,9 @@ pub struct Setup {
     /// The processes to start (for `active`).
     pub procs: Vec<ProcSpec>,
     planning: Planning,
+    /// The control plane's address and secret for the ranks' shims (set once its server
+    /// runs; empty under the `files` plane): exported to every attempt, never printed.
+    plane_env: Vec<(String, String)>,
 }
 
 /// What [`Setup::plan_for`] makes every attempt's plan from, besides the detected facts.
@@ -238,6 +241,7 @@ pub fn prepare(
         .collect::<Result<Vec<_>, _>>()?;
     let mut setup = Setup {
         planning: Planning::new(opts, &scheduler.value, template, rank_devices),
+        plane_env: Vec::new(),
         scheduler,
         hosts,
         accelerators,
@@ -536,6 +540,24 @@ impl Setup {
         }
     }
 
+    /// Exports the control plane's `host:port` and secret to every later attempt's ranks.
+    pub fn use_plane(&mut self, addr: String, secret: String) {
+        self.plane_env = vec![
+            (crate::plane::ADDR_ENV.to_string(), addr),
+            (crate::plane::SECRET_ENV.to_string(), secret),
+        ];
+    }
+
+    /// Whether the ranks run on this machine only (the control plane is then reached on the
+    /// loopback address).
+    pub fn all_local(&self) -> bool {
+        match self.launcher {
+            Launcher::Local => true,
+            Launcher::Mpirun => !self.planning.user_hostfile,
+            _ => false,
+        }
+    }
+
     /// The variables every rank of an attempt on the hosts `names` sees.
     fn exports(&self, names: &[String], attempt: &str) -> Vec<(String, String)> {
         let p = &self.planning;
@@ -556,6 +578,7 @@ impl Setup {
             ),
             (kiln_run::ATTEMPT_ENV.to_string(), attempt.to_string()),
         ];
+        exports.extend(self.plane_env.iter().cloned());
         // Python block-buffers stdout into a pipe: a rank whose output kiln watches must
         // flush every line, or the silence watchdog sees nothing (ezpz does the same).
         if !p.python_unbuffered_set {

@@ -114,9 +114,16 @@ pub fn run_as_rank(
     let Some((program, args)) = command.split_first() else {
         return Err(ShimError::NoCommand);
     };
-    let progress_dir = std::env::var_os(PROGRESS_DIR_ENV)
+    let shared_dir = std::env::var_os(PROGRESS_DIR_ENV)
         .filter(|d| !d.is_empty())
         .map(PathBuf::from);
+    let seat = take_seat();
+    // Under the `tcp` control plane the rank's records go to its node's directory, which the
+    // node agent forwards; else to the run's progress directory.
+    let progress_dir = match &seat {
+        Some(s) => Some(s.dir().to_path_buf()),
+        None => shared_dir.clone(),
+    };
     let record = |code: Option<i32>, signal: Option<i32>| match &progress_dir {
         Some(dir) => match write_exit_record(dir, env.rank, code, signal, unix_time()) {
             Ok(()) => true,
@@ -129,10 +136,14 @@ pub fn run_as_rank(
     };
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
-    if let Some(dir) = &progress_dir {
+    if let Some(dir) = &shared_dir {
         crate::mpi_shm::record_job(dir, env.rank);
     }
     let mut cmd = rank_command(program, args, &env)?;
+    if let (Some(s), Some(shared)) = (&seat, &shared_dir) {
+        cmd.env(PROGRESS_DIR_ENV, s.dir());
+        cmd.env(kiln_run::node_state::NODE_STATE_DIR_ENV, shared);
+    }
     let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
     if let Some((_, write)) = &beat_pipe {
         crate::heartbeat::hand_to_child(&mut cmd, write);
@@ -147,6 +158,9 @@ pub fn run_as_rank(
                 source,
             };
             record(Some(e.exit_code()), None);
+            if let Some(s) = seat {
+                s.leave();
+            }
             return Err(e);
         }
     };
@@ -168,7 +182,29 @@ pub fn run_as_rank(
     end_leftovers(Pid::from_raw(pgid));
     // A rank killed before MPI_Finalize leaves its Open MPI segment in /dev/shm (4 MiB).
     crate::mpi_shm::remove_own_segment(env.local_rank);
+    // The node agent's shim stays until the node's other ranks are done and reported.
+    if let Some(s) = seat {
+        s.leave();
+    }
     Ok(exit_to_launcher(exit, recorded))
+}
+
+/// This rank's seat on its node under the `tcp` control plane (see [`crate::plane::node`]);
+/// `None` under the `files` plane, or when the node directory cannot be made (said on stderr:
+/// the rank then reports nowhere, and the launch's watchdogs see a silent rank).
+fn take_seat() -> Option<crate::plane::node::Seat> {
+    let cfg = crate::plane::agent_config_from_env(kiln_run::this_attempt())?;
+    let dir = cfg.dir.clone();
+    match crate::plane::node::Seat::take(cfg) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!(
+                "kiln launch --as-rank: the node's control-plane directory {}: {e}",
+                dir.display()
+            );
+            None
+        }
+    }
 }
 
 /// The program as this rank: its rank variables, its own process group, its local rank's

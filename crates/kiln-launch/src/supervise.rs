@@ -17,6 +17,7 @@ mod exits;
 mod liveness;
 mod outcome;
 mod output;
+mod reports;
 mod spawn;
 mod watch;
 mod watchdog;
@@ -46,13 +47,8 @@ pub fn run_attempt(
         source,
     })?;
     let log = Arc::new(Mutex::new(log));
-    if let (Some(dir), true) = (&cfg.progress_dir, cfg.clear_progress_dir) {
-        kiln_run::clear_rank_files(dir);
-    }
-    // An addressed request stays: an earlier attempt's shim may not have read its SIGKILL
-    // yet, and this attempt's shims leave it alone (see `kiln_run::write_stop_request`).
-    if let (Some(dir), None) = (&cfg.progress_dir, &cfg.attempt) {
-        kiln_run::clear_stop_request(dir);
+    if let Some(r) = cfg.reports() {
+        r.begin(cfg);
     }
     let handled_stops = stop().map_or(0, |s| s.count);
     let shared = Arc::new(Mutex::new(Shared::started(start)));

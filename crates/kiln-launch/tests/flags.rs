@@ -74,6 +74,7 @@ fn request() -> impl Strategy<Value = LaunchRequest> {
             grace: w.4,
             heartbeat_timeout: r.5,
             walltime: w.5,
+            control_plane: if r.3 { "files" } else { "tcp" }.to_string(),
             // --retries and --auto-retry exclude each other.
             retries: w.6.filter(|_| !r.3),
             auto_retry: r.3,

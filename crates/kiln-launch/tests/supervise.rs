@@ -28,6 +28,7 @@ fn config(dir: &Path, procs: Vec<ProcSpec>) -> AttemptConfig {
         ),
         progress_dir: None,
         clear_progress_dir: false,
+        plane: None,
         attempt: None,
         grace: Duration::from_secs(1),
         deadline: None,

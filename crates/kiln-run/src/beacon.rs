@@ -252,8 +252,8 @@ fn parse_exit_record(rank: usize, text: &str) -> Option<ExitRecord> {
 }
 
 /// Reads every `exit-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
-pub fn read_exit_records(dir: &Path) -> Vec<ExitRecord> {
-    let mut records: Vec<ExitRecord> = read_rank_files(dir, layout::EXIT_RECORD_PREFIX)
+pub fn read_exit_records(dir: &(impl RankFiles + ?Sized)) -> Vec<ExitRecord> {
+    let mut records: Vec<ExitRecord> = (dir.rank_files(layout::EXIT_RECORD_PREFIX))
         .into_iter()
         .filter_map(|(rank, text)| parse_exit_record(rank, &text))
         .collect();
@@ -308,8 +308,8 @@ pub fn write_liveness(
 }
 
 /// Reads every `live-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
-pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
-    let mut v: Vec<Liveness> = read_rank_files(dir, layout::LIVENESS_PREFIX)
+pub fn read_liveness(dir: &(impl RankFiles + ?Sized)) -> Vec<Liveness> {
+    let mut v: Vec<Liveness> = (dir.rank_files(layout::LIVENESS_PREFIX))
         .into_iter()
         .filter_map(|(rank, text)| {
             let mut it = text.split_whitespace();
@@ -331,8 +331,32 @@ pub fn read_liveness(dir: &Path) -> Vec<Liveness> {
     v
 }
 
-/// `(rank, contents)` of every readable `<prefix><rank>` file in `dir`. Reads are bounded:
-/// a beacon is one short line, and the directory may be shared with foreign programs.
+/// Where the ranks' records are read from: a progress directory (the `files` control plane),
+/// or what the node agents sent the supervisor (`kiln launch`'s `tcp` plane keeps them in
+/// memory under the same file names).
+pub trait RankFiles {
+    /// `(rank, contents)` of every `<prefix><rank>` record, in no particular order.
+    fn rank_files(&self, prefix: &str) -> Vec<(usize, String)>;
+}
+
+impl RankFiles for Path {
+    fn rank_files(&self, prefix: &str) -> Vec<(usize, String)> {
+        read_rank_files(self, prefix)
+    }
+}
+
+impl RankFiles for PathBuf {
+    fn rank_files(&self, prefix: &str) -> Vec<(usize, String)> {
+        read_rank_files(self, prefix)
+    }
+}
+
+/// The largest record read: a beacon or record is one short line, and the directory may be
+/// shared with foreign programs.
+pub const MAX_RECORD: u64 = 4096;
+
+/// `(rank, contents)` of every readable `<prefix><rank>` file in `dir`. Reads are bounded
+/// ([`MAX_RECORD`]).
 pub(crate) fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> {
     use std::io::Read;
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -349,12 +373,29 @@ pub(crate) fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> 
             let mut text = String::new();
             std::fs::File::open(e.path())
                 .ok()?
-                .take(4096)
+                .take(MAX_RECORD)
                 .read_to_string(&mut text)
                 .ok()?;
             Some((rank, text))
         })
         .collect()
+}
+
+/// The prefixes of the ranks' record files: beacons, exit, liveness and lost records.
+pub const RECORD_PREFIXES: [&str; 4] = [
+    layout::BEACON_PREFIX,
+    layout::EXIT_RECORD_PREFIX,
+    layout::LIVENESS_PREFIX,
+    layout::LOST_PREFIX,
+];
+
+/// Whether `name` is a rank's record file (`rank-3`, `exit-0`, ...): what a node agent
+/// forwards.
+pub fn is_record_name(name: &str) -> bool {
+    RECORD_PREFIXES.iter().any(|p| {
+        name.strip_prefix(p)
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+    })
 }
 
 /// Removes every beacon and exit record (and their temporary files) from `dir`.
@@ -364,11 +405,8 @@ pub fn clear_rank_files(dir: &Path) {
     };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = [
-            "rank-", "exit-", "live-", "lost-", ".rank-", ".exit-", ".live-", ".lost-",
-        ]
-        .iter()
-        .any(|p| name.starts_with(p));
+        let ours = (RECORD_PREFIXES.iter())
+            .any(|p| name.starts_with(p) || name.strip_prefix('.').is_some_and(|n| n.starts_with(p)));
         if ours {
             let _ = std::fs::remove_file(e.path());
         }
@@ -377,8 +415,8 @@ pub fn clear_rank_files(dir: &Path) {
 
 /// Reads every `rank-<R>` beacon in `dir`, sorted by rank. Files that do not parse are
 /// ignored (a foreign program may write garbage; it must not crash the supervisor).
-pub fn read_beacons(dir: &Path) -> Vec<Beacon> {
-    let mut beacons: Vec<Beacon> = read_rank_files(dir, layout::BEACON_PREFIX)
+pub fn read_beacons(dir: &(impl RankFiles + ?Sized)) -> Vec<Beacon> {
+    let mut beacons: Vec<Beacon> = (dir.rank_files(layout::BEACON_PREFIX))
         .into_iter()
         .filter_map(|(rank, text)| parse_beacon(rank, &text))
         .collect();

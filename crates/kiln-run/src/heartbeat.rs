@@ -129,8 +129,8 @@ pub fn write_lost_record(
 }
 
 /// Reads every `lost-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
-pub fn read_lost_records(dir: &Path) -> Vec<LostRecord> {
-    let mut v: Vec<LostRecord> = crate::beacon::read_rank_files(dir, layout::LOST_PREFIX)
+pub fn read_lost_records(dir: &(impl crate::RankFiles + ?Sized)) -> Vec<LostRecord> {
+    let mut v: Vec<LostRecord> = (dir.rank_files(layout::LOST_PREFIX))
         .into_iter()
         .filter_map(|(rank, text)| {
             let mut it = text.split_whitespace();

@@ -29,6 +29,21 @@ use crate::layout;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// Variable naming the directory that holds the node records when it is not
+/// `$KILN_PROGRESS_DIR`: under `kiln launch`'s TCP control plane a rank's progress directory
+/// is node-local (its node agent reads it), while the records must reach the launch, in the
+/// run's own progress directory.
+pub const NODE_STATE_DIR_ENV: &str = "KILN_NODE_STATE_DIR";
+
+/// Where this rank records what it keeps on its node: `$KILN_NODE_STATE_DIR`, else
+/// `$KILN_PROGRESS_DIR`; `None` outside `kiln launch`.
+pub fn records_dir() -> Option<PathBuf> {
+    [NODE_STATE_DIR_ENV, crate::PROGRESS_DIR_ENV]
+        .into_iter()
+        .find_map(|k| std::env::var_os(k).filter(|d| !d.is_empty()))
+        .map(PathBuf::from)
+}
+
 /// One rank's record of what it keeps on its node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {

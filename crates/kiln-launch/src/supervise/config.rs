@@ -26,6 +26,9 @@ pub struct AttemptConfig {
     pub progress_dir: Option<PathBuf>,
     /// Remove stale beacons and exit records from `progress_dir` before starting.
     pub clear_progress_dir: bool,
+    /// The control plane's server (`--control-plane tcp`): the ranks report to it through
+    /// their node agents instead of into `progress_dir` (see [`crate::plane`]).
+    pub plane: Option<std::sync::Arc<crate::plane::server::Server>>,
     /// This attempt's token, exported to its ranks as [`kiln_run::ATTEMPT_ENV`]: the rank
     /// shims' records that carry another token are an earlier attempt's (`None`: records
     /// are told apart by their time only).

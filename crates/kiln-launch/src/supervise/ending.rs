@@ -33,8 +33,8 @@ impl Watch {
     /// The outcome, once every process is gone.
     pub(super) fn outcome(mut self, a: &Attempt<'_>) -> AttemptOutcome {
         let end = Instant::now();
-        let rank_exits = (a.cfg.progress_dir.as_deref())
-            .map(|dir| fresh_exit_records(dir, a.ours()))
+        let rank_exits = (a.cfg.reports())
+            .map(|r| fresh_exit_records(r.files(), a.ours()))
             .unwrap_or_default();
         // The deciding status: the first failure, else the launcher/rank 0.
         let decide = self.first_failure.unwrap_or(0);

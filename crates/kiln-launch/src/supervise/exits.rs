@@ -5,8 +5,7 @@
 use super::config::AttemptConfig;
 use super::outcome::Verdict;
 use crate::classify::{Classification, classify_code, classify_exit, exit_code_of};
-use kiln_run::{ExitRecord, read_exit_records};
-use std::path::Path;
+use kiln_run::{ExitRecord, RankFiles, read_exit_records};
 use std::time::Instant;
 
 /// Which of the ranks' records in the progress directory are this attempt's.
@@ -31,9 +30,9 @@ impl Ours<'_> {
     }
 }
 
-/// The exit records in `dir` of this attempt.
-pub(super) fn fresh_exit_records(dir: &Path, ours: Ours<'_>) -> Vec<ExitRecord> {
-    read_exit_records(dir)
+/// The exit records of this attempt.
+pub(super) fn fresh_exit_records(files: &dyn RankFiles, ours: Ours<'_>) -> Vec<ExitRecord> {
+    read_exit_records(files)
         .into_iter()
         .filter(|r| ours.owns(r.time, r.attempt.as_deref()))
         .collect()
@@ -97,7 +96,7 @@ pub(super) fn ranks_exit_code(cfg: &AttemptConfig, records: &[ExitRecord]) -> Op
 /// holds its output after the ranks are done.
 pub(super) fn ranks_already_exited(cfg: &AttemptConfig, ours: Ours<'_>) -> Option<Verdict> {
     let n = cfg.expected_ranks?;
-    let records = fresh_exit_records(cfg.progress_dir.as_deref()?, ours);
+    let records = fresh_exit_records(cfg.reports()?.files(), ours);
     if n == 0 || !all_exited(n, &records) {
         return None;
     }

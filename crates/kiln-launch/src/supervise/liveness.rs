@@ -13,7 +13,8 @@ use crate::groups::{group_liveness, kill_groups};
 use kiln_run::{Liveness, exit, unix_time};
 use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
-use std::path::Path;
+use super::reports::Reports;
+use kiln_run::RankFiles;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
@@ -42,8 +43,14 @@ impl LiveRanks {
 
     /// Merges the shims' liveness records in `dir` and samples of the ranks kiln spawned
     /// itself (they have no shim to report them).
-    pub(super) fn sample(&mut self, dir: &Path, running: &Running, ours: Ours<'_>, now: Instant) {
-        let mut fresh = kiln_run::read_liveness(dir);
+    pub(super) fn sample(
+        &mut self,
+        files: &dyn RankFiles,
+        running: &Running,
+        ours: Ours<'_>,
+        now: Instant,
+    ) {
+        let mut fresh = kiln_run::read_liveness(files);
         for (pg, rank) in running.groups.iter().zip(&running.ranks) {
             if let (Some(rank), Some((state, cpu_ticks))) = (rank, group_liveness(pg.as_raw())) {
                 fresh.push(Liveness {
@@ -90,8 +97,11 @@ impl LiveRanks {
         if let Some(v) = silent_heartbeat(running, statuses, bound, now) {
             return Some(v);
         }
-        let dir = cfg.progress_dir.as_deref().filter(|_| read_dir)?;
-        lost_verdict(dir, bound, ours, now).or_else(|| failed_rank_verdict(dir, ours, now))
+        let reports = cfg.reports().filter(|_| read_dir)?;
+        let files = reports.files();
+        (lost_verdict(files, bound, ours, now))
+            .or_else(|| failed_rank_verdict(files, ours, now))
+            .or_else(|| lost_node_verdict(reports, now))
     }
 }
 
@@ -118,12 +128,12 @@ fn silent_heartbeat(
 
 /// A rank a shim gave up on for its silence (`lost-<R>`).
 pub(super) fn lost_verdict(
-    dir: &Path,
+    files: &dyn RankFiles,
     bound: Duration,
     ours: Ours<'_>,
     now: Instant,
 ) -> Option<Verdict> {
-    let l = kiln_run::read_lost_records(dir)
+    let l = kiln_run::read_lost_records(files)
         .into_iter()
         .find(|l| ours.owns(l.time, l.attempt.as_deref()))?;
     let detect = l.silent_s + (unix_time() - l.time).max(0.0);
@@ -132,8 +142,8 @@ pub(super) fn lost_verdict(
 
 /// A rank under a launcher that exited with a failure (its exit record) while the launcher
 /// still runs.
-fn failed_rank_verdict(dir: &Path, ours: Ours<'_>, now: Instant) -> Option<Verdict> {
-    let exits = fresh_exit_records(dir, ours);
+fn failed_rank_verdict(files: &dyn RankFiles, ours: Ours<'_>, now: Instant) -> Option<Verdict> {
+    let exits = fresh_exit_records(files, ours);
     let r = first_failed(&exits)?;
     let code = r.shell_code();
     Some(Verdict {
@@ -149,6 +159,31 @@ fn failed_rank_verdict(dir: &Path, ours: Ours<'_>, now: Instant) -> Option<Verdi
             describe(r.code, r.signal)
         )),
         exit_code: Some(code),
+    })
+}
+
+/// A node whose agent's connection dropped without a goodbye, or that fell silent (the
+/// `tcp` control plane): its ranks are lost with it.
+fn lost_node_verdict(reports: Reports<'_>, now: Instant) -> Option<Verdict> {
+    let n = reports.lost_node(Instant::now())?;
+    let how = match n.dropped {
+        true => "its connection dropped",
+        false => "it fell silent",
+    };
+    let ranks: Vec<String> = n.ranks.iter().map(usize::to_string).collect();
+    Some(Verdict {
+        classification: Classification::NoHeartbeat,
+        at: now,
+        detect_s: Some(n.silent_s),
+        culprits: n.ranks.clone(),
+        culprit_source: Some(super::source::AGENT),
+        message: Some(format!(
+            "node {} is lost: its agent {how} ({:.2} s since it last reported; ranks {})",
+            n.host,
+            n.silent_s,
+            if ranks.is_empty() { "unknown".to_string() } else { ranks.join(",") }
+        )),
+        exit_code: Some(exit::WATCHDOG),
     })
 }
 

@@ -18,6 +18,8 @@ pub mod source {
     pub const LIVENESS: &str = "liveness";
     /// A rank's heartbeat fell silent.
     pub const HEARTBEAT: &str = "heartbeat";
+    /// A node's agent (the `tcp` control plane) dropped its connection or fell silent.
+    pub const AGENT: &str = "agent";
     /// The ranks' exit records (`kiln launch --as-rank`): the rank that failed first.
     pub const EXIT_RECORD: &str = "exit-record";
     /// The exit status of a rank kiln spawned itself: the one that failed first.

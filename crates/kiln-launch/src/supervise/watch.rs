@@ -176,9 +176,9 @@ impl Watch {
     fn last_look(&mut self, a: &Attempt<'_>, now: Instant) {
         self.ended = Some(now);
         if self.verdict.is_none()
-            && let (Some(dir), Some(bound)) = (&a.cfg.progress_dir, a.cfg.heartbeat_timeout)
+            && let (Some(r), Some(bound)) = (a.cfg.reports(), a.cfg.heartbeat_timeout)
         {
-            self.verdict = lost_verdict(dir, bound, a.ours(), now);
+            self.verdict = lost_verdict(r.files(), bound, a.ours(), now);
         }
     }
 
@@ -232,13 +232,13 @@ impl Watch {
 
     /// Reads beacons (progress) and liveness records, every [`super::cadence::BEACON_EVERY`].
     fn read_progress_dir(&mut self, a: &Attempt<'_>, now: Instant) {
-        let Some(dir) = &a.cfg.progress_dir else {
+        let Some(reports) = a.cfg.reports() else {
             return;
         };
         if !self.beacons.due(now) {
             return;
         }
-        let fresh = kiln_run::read_beacons(dir);
+        let fresh = kiln_run::read_beacons(reports.files());
         for s in self.stragglers.observe(&fresh, a.start_time) {
             crate::straggler::report(a.cfg.echo, &a.cfg.log_path, &s);
             if a.cfg.straggler_ends_attempt {
@@ -250,7 +250,7 @@ impl Watch {
         if advanced && let Ok(mut s) = a.shared.lock() {
             s.advanced(now);
         }
-        self.live.sample(dir, a.running, a.ours(), now);
+        self.live.sample(reports.files(), a.running, a.ours(), now);
     }
 
     /// A rank that is gone or fell silent (see [`LiveRanks::verdict`]).
@@ -318,11 +318,10 @@ fn forward_stop(a: &Attempt<'_>, sig: Signal) {
 /// its rank (a newer request supersedes an older one); whether it could.
 fn deliver_through_shims(a: &Attempt<'_>, sig: Signal) -> bool {
     let shimmed = a.cfg.rank_shims && a.running.ranks.iter().all(Option::is_none);
-    let (true, Some(dir)) = (shimmed, &a.cfg.progress_dir) else {
+    let (true, Some(reports)) = (shimmed, a.cfg.reports()) else {
         return false;
     };
-    let to = a.cfg.attempt.as_deref();
-    match kiln_run::write_stop_request(dir, sig as i32, kiln_run::unix_time(), to) {
+    match reports.request_stop(sig as i32, a.cfg.attempt.as_deref()) {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!("{e}: signalling the launcher instead");

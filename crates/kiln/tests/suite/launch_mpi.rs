@@ -298,15 +298,8 @@ fn a_stall_in_kiln_train_names_the_rank_that_is_not_in_the_collective() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let beacon = rd.join("progress/rank-1");
     let t0 = std::time::Instant::now();
-    let at_step = |p: &std::path::Path| {
-        std::fs::read_to_string(p)
-            .ok()
-            .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    while at_step(&beacon) < 20 {
+    while common::beacon_step(&rd, 1) < 20 {
         assert!(job.try_wait().unwrap().is_none(), "the job ended early");
         assert!(t0.elapsed().as_secs() < 240, "rank 1 never reached step 20");
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -396,10 +389,7 @@ fn kill_ranks_under_mpirun(
                 .unwrap_or_default()
                 .lines()
                 .count();
-            let step = std::fs::read_to_string(rd.join(format!("progress/rank-{victim}")))
-                .ok()
-                .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok())
-                .unwrap_or(0);
+            let step = common::beacon_step(&rd, victim);
             if started >= attempt * np.parse::<usize>().unwrap()
                 && step >= 10
                 && let Some(pid) = common::trainer_pid(&rd, victim)

@@ -318,19 +318,19 @@ pub fn run_folder(snapshot_dir: &str, run_dir: &Path) -> PathBuf {
 /// Records, for `kiln launch`, that this rank keeps the run's memory-tier folder (the
 /// parent of its store `root`) on this node, so that the launch removes it there when the
 /// job ends for good (see [`kiln_run::node_state`]); nothing outside `kiln launch` (no
-/// `$KILN_PROGRESS_DIR`).
+/// [`kiln_run::node_state::records_dir`]).
 fn register_on_node(root: &Path, rank: usize) {
-    let Some(dir) = std::env::var_os(kiln_run::PROGRESS_DIR_ENV).filter(|d| !d.is_empty()) else {
+    let Some(dir) = kiln_run::node_state::records_dir() else {
         return;
     };
     let Some(folder) = root.parent() else {
         return;
     };
     let folder = std::path::absolute(folder).unwrap_or_else(|_| folder.to_path_buf());
-    if let Err(e) = kiln_run::node_state::write_node_record(Path::new(&dir), rank, &[folder]) {
+    if let Err(e) = kiln_run::node_state::write_node_record(&dir, rank, &[folder]) {
         tracing::warn!(
             "cannot record the memory snapshots' folder for kiln launch in {}: {e}; they stay on this node when the job ends",
-            Path::new(&dir).display()
+            dir.display()
         );
     }
 }

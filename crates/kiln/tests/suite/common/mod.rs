@@ -179,6 +179,24 @@ pub fn trainer_pid(run_dir: &Path, rank: usize) -> Option<i32> {
     None
 }
 
+/// The step in rank `rank`'s beacon, wherever its trainer writes it (its
+/// `$KILN_PROGRESS_DIR`: the run's `progress/` under `--control-plane files`, its node's
+/// directory in `/dev/shm` under `tcp`); 0 before it wrote one.
+#[allow(dead_code)]
+pub fn beacon_step(run_dir: &Path, rank: usize) -> u64 {
+    let Some(pid) = trainer_pid(run_dir, rank) else {
+        return 0;
+    };
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let dir = env.split(|&b| b == 0).find_map(|v| {
+        let v = String::from_utf8_lossy(v);
+        v.strip_prefix("KILN_PROGRESS_DIR=").map(std::path::PathBuf::from)
+    });
+    dir.and_then(|d| std::fs::read_to_string(d.join(format!("rank-{rank}"))).ok())
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The tensor names in a safetensors file, sorted (its header is a little-endian u64 length,
 /// then that many bytes of JSON keyed by tensor name).
 #[allow(dead_code)]
