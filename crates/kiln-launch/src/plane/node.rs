@@ -91,6 +91,11 @@ impl Seat {
         self.agent.is_some()
     }
 
+    /// Whether this shim's agent lost the supervisor (the launch is gone).
+    pub fn supervisor_gone(&self) -> bool {
+        self.agent.as_ref().is_some_and(|(_, a)| a.gone())
+    }
+
     /// Leaves the seat. The agent's shim first waits for the node's other shims to leave (or
     /// the supervisor to go), then sends the last records and removes the directory.
     pub fn leave(mut self) {

@@ -167,8 +167,8 @@ fn failed_rank_verdict(files: &dyn RankFiles, ours: Ours<'_>, now: Instant) -> O
 fn lost_node_verdict(reports: Reports<'_>, now: Instant) -> Option<Verdict> {
     let n = reports.lost_node(Instant::now())?;
     let how = match n.dropped {
-        true => "its connection dropped",
-        false => "it fell silent",
+        true => "dropped its connection",
+        false => "fell silent",
     };
     let ranks: Vec<String> = n.ranks.iter().map(usize::to_string).collect();
     Some(Verdict {

@@ -1,0 +1,524 @@
+//! A job of many nodes on one machine, to measure kiln's control plane (`bench/launch/scale.sh`).
+//!
+//! `scale` runs kiln's real supervisor (`run_attempt`, the watch loop of `kiln launch`) in a
+//! process of its own (`supervise`), and N simulated nodes (`node`), each a process with its own
+//! `KILN_HOST` and M simulated ranks (threads that write beacons and liveness records as kiln's
+//! trainer and rank shim do, at a step time). Under `--plane tcp` each node runs the real node
+//! agent (it takes a seat as the shims do); under `--plane files` every rank writes into the run
+//! directory and polls its stop file every 25 ms, as the shims of the old plane do. After the
+//! warm-up one fault is injected (a rank stopped, killed, slowed, or a whole node with its agent
+//! killed), and one JSON line says how long the supervisor took to end the attempt for it, whom
+//! it named, its CPU share in steady state and the operations on the run directory a second
+//! (counted with strace when asked).
+
+use clap::{Parser, Subcommand};
+use kiln_launch::plane::{agent::AgentConfig, node::Seat, server::Server};
+use kiln_launch::{AttemptConfig, ProcSpec, run_attempt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+struct Job {
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 4)]
+    nodes: usize,
+    /// Simulated ranks per node.
+    #[arg(long, default_value_t = 12)]
+    ranks_per_node: usize,
+    /// `tcp` (node agents) or `files` (the run directory).
+    #[arg(long, default_value = "tcp")]
+    plane: String,
+    /// `stop`, `kill`, `agent` or `straggler`.
+    #[arg(long, default_value = "stop")]
+    fault: String,
+    /// Seconds a simulated step takes.
+    #[arg(long, default_value_t = 1.0)]
+    step_s: f64,
+    /// Seconds of steady state before the fault.
+    #[arg(long, default_value_t = 8.0)]
+    warmup_s: f64,
+    /// A rank silent this long is lost (the shims' heartbeat bound, `--heartbeat-timeout`).
+    #[arg(long, default_value_t = 0.5)]
+    heartbeat_s: f64,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// The whole simulation: prints one JSON line.
+    Scale {
+        #[command(flatten)]
+        job: Job,
+        /// Count the supervisor's file operations on the run directory with strace.
+        #[arg(long)]
+        count_ops: bool,
+        /// Where the run directory goes [default: a temporary directory].
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+    },
+    /// kiln's supervisor for the simulated job.
+    Supervise {
+        #[command(flatten)]
+        job: Job,
+        #[arg(long)]
+        run_dir: PathBuf,
+        /// Unix time of the fault.
+        #[arg(long)]
+        fault_at: f64,
+    },
+    /// One simulated node.
+    Node {
+        #[command(flatten)]
+        job: Job,
+        #[arg(long)]
+        index: usize,
+        #[arg(long)]
+        run_dir: PathBuf,
+        #[arg(long)]
+        fault_at: f64,
+    },
+    /// What the supervisor starts in place of a launcher: waits to be killed.
+    Hold,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.role {
+        Role::Scale {
+            job,
+            count_ops,
+            run_dir,
+        } => scale(&job, count_ops, run_dir),
+        Role::Supervise {
+            job,
+            run_dir,
+            fault_at,
+        } => supervise(&job, &run_dir, fault_at),
+        Role::Node {
+            job,
+            index,
+            run_dir,
+            fault_at,
+        } => node(&job, index, &run_dir, fault_at),
+        Role::Hold => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+    };
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiln-plane-sim: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+type Res<T> = Result<T, String>;
+
+fn unix_now() -> f64 {
+    kiln_run::unix_time()
+}
+
+impl Job {
+    fn args(&self) -> Vec<String> {
+        [
+            ("--nodes", self.nodes.to_string()),
+            ("--ranks-per-node", self.ranks_per_node.to_string()),
+            ("--plane", self.plane.clone()),
+            ("--fault", self.fault.clone()),
+            ("--step-s", self.step_s.to_string()),
+            ("--warmup-s", self.warmup_s.to_string()),
+            ("--heartbeat-s", self.heartbeat_s.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect()
+    }
+
+    fn tcp(&self) -> bool {
+        self.plane == "tcp"
+    }
+
+    /// The faulted node and rank: the middle node's middle rank.
+    fn victim(&self) -> (usize, usize) {
+        let n = self.nodes / 2;
+        (n, n * self.ranks_per_node + self.ranks_per_node / 2)
+    }
+}
+
+/// Where the supervisor tells the nodes how to reach it.
+fn plane_file(run_dir: &Path) -> PathBuf {
+    run_dir.join("plane.json")
+}
+
+fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
+    if !matches!(job.fault.as_str(), "stop" | "kill" | "agent" | "straggler") {
+        return Err(format!("--fault {}: expected stop, kill, agent or straggler", job.fault));
+    }
+    if job.fault == "agent" && !job.tcp() {
+        return Err("--fault agent needs --plane tcp (the files plane has no agents)".into());
+    }
+    let own = run_dir.is_none();
+    let run_dir = run_dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kiln-plane-sim-{}", std::process::id()))
+    });
+    std::fs::create_dir_all(run_dir.join("progress")).map_err(|e| e.to_string())?;
+    let run_dir = std::path::absolute(&run_dir).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let start = unix_now();
+    // Nodes need a moment each to start on a small machine: the warm-up counts from when
+    // they are all up, roughly.
+    let fault_at = start + job.warmup_s + job.nodes as f64 * 0.01;
+    let ops_log = |who: &str| run_dir.with_extension(format!("{who}.strace"));
+    // The nodes too, at the sizes where tracing every thread of them leaves the machine
+    // usable (under `tcp` they write only into node-local memory).
+    let trace_nodes = count_ops && job.nodes <= TRACE_NODES_UP_TO;
+    let traced = |log: Option<PathBuf>| match log {
+        Some(log) => {
+            let mut c = Command::new("strace");
+            c.args(STRACE).arg(log).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    let mut sup = traced(count_ops.then(|| ops_log("supervisor")));
+    sup.arg("supervise")
+        .args(job.args())
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .args(["--fault-at", &fault_at.to_string()])
+        .stdout(std::process::Stdio::piped());
+    let sup = sup.spawn().map_err(|e| format!("supervisor: {e}"))?;
+    if job.tcp() {
+        let t = Instant::now();
+        while !plane_file(&run_dir).exists() {
+            if t.elapsed() > Duration::from_secs(20) {
+                return Err("the supervisor did not start its server".into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let mut nodes: Vec<Child> = Vec::new();
+    for i in 0..job.nodes {
+        let child = traced(trace_nodes.then(|| ops_log(&format!("node-{i}"))))
+            .arg("node")
+            .args(job.args())
+            .args(["--index", &i.to_string(), "--fault-at", &fault_at.to_string()])
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .env(kiln_run::HOST_ENV, format!("node-{i:04}"))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("node {i}: {e}"))?;
+        nodes.push(child);
+    }
+    let out = sup.wait_with_output().map_err(|e| e.to_string())?;
+    // A launcher would end the ranks with the launch; the simulated ones stop when asked.
+    let progress = run_dir.join("progress");
+    let _ = kiln_run::write_stop_request(&progress, libc::SIGTERM, unix_now(), None);
+    // Whatever simulated node is left (the supervisor stops them through the plane).
+    let t = Instant::now();
+    for n in &mut nodes {
+        while n.try_wait().ok().flatten().is_none() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = n.kill();
+        let _ = n.wait();
+    }
+    let mut report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("the supervisor's report: {e}"))?;
+    let window = (
+        report["measure_from"].as_f64().unwrap_or(start),
+        report["measure_to"].as_f64().unwrap_or(fault_at),
+    );
+    if count_ops {
+        let supervisor = ops_per_s(&ops_log("supervisor"), &run_dir, window);
+        let nodes: Option<f64> = (0..job.nodes)
+            .filter(|_| trace_nodes)
+            .map(|i| ops_per_s(&ops_log(&format!("node-{i}")), &run_dir, window))
+            .sum();
+        report["supervisor_run_dir_ops_per_s"] = serde_json::json!(supervisor);
+        report["run_dir_ops_per_s"] = serde_json::json!(nodes.zip(supervisor).map(|(n, s)| n + s));
+        for who in std::iter::once("supervisor".to_string()).chain((0..job.nodes).map(|i| format!("node-{i}"))) {
+            let _ = std::fs::remove_file(ops_log(&who));
+        }
+    }
+    println!("{report}");
+    if own {
+        let _ = std::fs::remove_dir_all(&run_dir);
+    }
+    Ok(())
+}
+
+/// strace's flags for counting file operations: every thread, only file and descriptor
+/// calls stopped (seccomp), times, descriptors shown as paths; then `-o LOG`.
+const STRACE: [&str; 8] = ["-f", "--seccomp-bpf", "-qq", "-ttt", "-y", "-e", "trace=%file,%desc", "-o"];
+
+/// The most nodes whose every thread is traced with `--count-ops` (beyond it only the
+/// supervisor is).
+const TRACE_NODES_UP_TO: usize = 16;
+
+/// Operations on paths under `run_dir` a second in the strace log, within `window`.
+fn ops_per_s(log: &Path, run_dir: &Path, window: (f64, f64)) -> Option<f64> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let needle = run_dir.to_string_lossy().into_owned();
+    let n = text
+        .lines()
+        .filter(|l| l.contains(&needle))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .filter(|t| *t >= window.0 && *t < window.1)
+        .count();
+    Some(n as f64 / (window.1 - window.0).max(1e-9))
+}
+
+fn supervise(job: &Job, run_dir: &Path, fault_at: f64) -> Res<()> {
+    let attempt = format!("sim-{}", std::process::id());
+    let server = match job.tcp() {
+        true => {
+            let s = Server::start("127.0.0.1:0".parse().map_err(|_| "address")?)
+                .map_err(|e| e.to_string())?;
+            s.begin(Some(&attempt));
+            let info = serde_json::json!({"addr": format!("127.0.0.1:{}", s.port()),
+                "secret": s.secret(), "attempt": attempt});
+            kiln_run::files::write_atomic(
+                &plane_file(run_dir),
+                info.to_string().as_bytes(),
+                kiln_run::files::Atomic::RECORD,
+            )
+            .map_err(|e| e.to_string())?;
+            Some(Arc::new(s))
+        }
+        false => None,
+    };
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let cfg = AttemptConfig {
+        procs: vec![ProcSpec {
+            argv: vec![exe.display().to_string(), "hold".into()],
+            env: Vec::new(),
+            rank: None,
+        }],
+        log_path: run_dir.join("attempt-1.log"),
+        silence_timeout: None,
+        stall_timeout: None,
+        stall_auto: false,
+        progress_regex: None,
+        progress_dir: Some(run_dir.join("progress")),
+        clear_progress_dir: false,
+        plane: server,
+        attempt: Some(attempt),
+        grace: Duration::from_secs(2),
+        deadline: None,
+        echo: false,
+        reap_orphans: false,
+        stdout_pty: false,
+        expected_ranks: Some(job.nodes * job.ranks_per_node),
+        rank_shims: true,
+        heartbeat_timeout: Some(Duration::from_secs_f64(job.heartbeat_s)),
+        straggler_ends_attempt: job.fault == "straggler",
+        straggler_cost: kiln_launch::straggler::COST,
+        startup_timeout: None,
+        startup_auto: false,
+    };
+    // The steady state: from half the warm-up to the fault.
+    let measure_from = fault_at - job.warmup_s / 2.0;
+    let sampler = std::thread::spawn(move || {
+        let at = |t: f64| {
+            std::thread::sleep(Duration::from_secs_f64((t - unix_now()).max(0.0)));
+            (unix_now(), cpu_seconds())
+        };
+        let a = at(measure_from);
+        let b = at(fault_at);
+        (a, b)
+    });
+    let stop = || None;
+    let outcome = run_attempt(&cfg, &stop).map_err(|e| e.to_string())?;
+    let ((t0, c0), (t1, c1)) = sampler.join().map_err(|_| "sampler")?;
+    let verdict_at = outcome.end_time - outcome.kill_s.unwrap_or(0.0);
+    let (victim_node, victim) = job.victim();
+    let expected: Vec<usize> = match job.fault.as_str() {
+        "agent" => {
+            let m = job.ranks_per_node;
+            (victim_node * m..(victim_node + 1) * m).collect()
+        }
+        _ => vec![victim],
+    };
+    let report = serde_json::json!({
+        "plane": job.plane,
+        "nodes": job.nodes,
+        "ranks": job.nodes * job.ranks_per_node,
+        "fault": job.fault,
+        "classification": format!("{:?}", outcome.classification),
+        "detect_s": verdict_at - fault_at,
+        "culprit_ok": outcome.culprits == expected,
+        "culprits": outcome.culprits,
+        "message": outcome.message,
+        "supervisor_cpu": (c1 - c0) / (t1 - t0).max(1e-9),
+        "peak_rss_mib": peak_rss_mib(),
+        "measure_from": t0,
+        "measure_to": t1,
+    });
+    println!("{report}");
+    Ok(())
+}
+
+/// This process's CPU time (user + system, every thread), seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct we own.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// One simulated node: its ranks (threads), the shims' liveness and heartbeat watch, and
+/// under `tcp` its seat (which runs the agent).
+fn node(job: &Job, index: usize, run_dir: &Path, fault_at: f64) -> Res<()> {
+    let seat = match job.tcp() {
+        true => {
+            let info: serde_json::Value = serde_json::from_slice(
+                &std::fs::read(plane_file(run_dir)).map_err(|e| e.to_string())?,
+            )
+            .map_err(|e| e.to_string())?;
+            let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
+            let attempt = s("attempt");
+            let host = kiln_run::this_host().to_string();
+            let base = kiln_launch::plane::node::base_dir();
+            let secret = s("secret");
+            let dir = kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &host);
+            let cfg = AgentConfig {
+                addr: s("addr"),
+                secret,
+                attempt: Some(attempt),
+                host,
+                dir,
+            };
+            Some(Seat::take(cfg).map_err(|e| e.to_string())?)
+        }
+        false => None,
+    };
+    let dir = seat
+        .as_ref()
+        .map_or_else(|| run_dir.join("progress"), |s| s.dir().to_path_buf());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (victim_node, victim) = job.victim();
+    let m = job.ranks_per_node;
+    let mut ranks = Vec::new();
+    for rank in index * m..(index + 1) * m {
+        let r = SimRank {
+            rank,
+            dir: dir.clone(),
+            step_s: job.step_s,
+            heartbeat_s: job.heartbeat_s,
+            fault: (rank == victim).then(|| job.fault.clone()),
+            fault_at,
+            poll_stop: !job.tcp(),
+        };
+        let stop = Arc::clone(&stop);
+        ranks.push(std::thread::spawn(move || r.run(&stop)));
+    }
+    if index == victim_node && job.fault == "agent" {
+        std::thread::sleep(Duration::from_secs_f64((fault_at - unix_now()).max(0.0)));
+        // SAFETY: kill(2) of this process: the node and its agent are lost at once.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    if job.tcp() {
+        // The node's shims watch the node directory's stop file (one watcher for the node's
+        // simulated ranks).
+        // A launcher kills the ranks when the launch is gone; here they stop.
+        let gone = || seat.as_ref().is_some_and(Seat::supervisor_gone);
+        while !stop.load(Ordering::SeqCst) {
+            if kiln_run::read_stop_request(&dir).is_some() || gone() {
+                stop.store(true, Ordering::SeqCst);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+    for r in ranks {
+        let _ = r.join();
+    }
+    if let Some(s) = seat {
+        s.leave();
+    }
+    Ok(())
+}
+
+/// One simulated rank: its trainer's beacon every step, its shim's liveness record every half
+/// second and heartbeat watch, and its fault.
+struct SimRank {
+    rank: usize,
+    dir: PathBuf,
+    step_s: f64,
+    heartbeat_s: f64,
+    fault: Option<String>,
+    fault_at: f64,
+    /// Poll the stop file every 25 ms (the files plane's shims do).
+    poll_stop: bool,
+}
+
+impl SimRank {
+    fn run(&self, stop: &AtomicBool) {
+        let start = unix_now();
+        let (mut step, mut next_step, mut next_live) = (0u64, start, start);
+        let mut last_beat = start;
+        let mut faulted = false;
+        let mut lost_written = false;
+        let work = self.step_s * 0.6;
+        while !stop.load(Ordering::SeqCst) {
+            let now = unix_now();
+            let fault_now = now >= self.fault_at && self.fault.is_some();
+            if fault_now && !faulted {
+                faulted = true;
+                if self.fault.as_deref() == Some("kill") {
+                    let _ = kiln_run::write_exit_record(&self.dir, self.rank, None, Some(9), now);
+                    return;
+                }
+            }
+            let stopped = faulted && self.fault.as_deref() == Some("stop");
+            if !stopped {
+                last_beat = now;
+            }
+            if now >= next_step && !stopped {
+                step += 1;
+                let slow = faulted && self.fault.as_deref() == Some("straggler");
+                let w = if slow { work * 2.0 } else { work };
+                let _ = kiln_run::write_beacon_with_work(&self.dir, self.rank, step, "train", now, Some(w));
+                next_step += self.step_s;
+            }
+            if now >= next_live {
+                let state = if stopped { 'T' } else { 'S' };
+                let _ = kiln_run::write_liveness(&self.dir, self.rank, state, step * 10, now);
+                next_live += 0.5;
+            }
+            if stopped && !lost_written && now - last_beat >= self.heartbeat_s {
+                lost_written = true;
+                let _ = kiln_run::write_lost_record(&self.dir, self.rank, now - last_beat, now);
+            }
+            if self.poll_stop && kiln_run::read_stop_request(&self.dir).is_some() {
+                stop.store(true, Ordering::SeqCst);
+            }
+            let next = [next_step, next_live, last_beat + self.heartbeat_s]
+                .into_iter()
+                .filter(|t| *t > now)
+                .fold(f64::INFINITY, f64::min);
+            let wait = if self.poll_stop { 0.025 } else { (next - now).clamp(0.005, 0.1) };
+            std::thread::sleep(Duration::from_secs_f64(wait));
+        }
+        let _ = kiln_run::write_exit_record(&self.dir, self.rank, Some(75), None, unix_now());
+    }
+}
