@@ -284,7 +284,10 @@ fn start_plane(
     };
     let server = Server::start((bind, 0).into())
         .map_err(|e| LaunchError::Io(format!("control plane: listening on {bind}: {e}")))?;
-    setup.use_plane(format!("{host}:{}", server.port()), server.secret().to_string());
+    setup.use_plane(
+        format!("{host}:{}", server.port()),
+        server.secret().to_string(),
+    );
     Ok(Some(std::sync::Arc::new(server)))
 }
 

@@ -749,10 +749,19 @@ impl Recovery<'_> {
         if let Some(dir) = &cfg.progress_dir {
             kiln_run::node_state::release_mpi(dir, kiln_run::this_host());
         }
-        // Node directories of the control plane whose agent was killed with its rank.
-        if cfg.plane.is_some() {
+        // This host's control-plane directories of the attempt, left when an agent was
+        // killed with its rank (the other hosts' go at the launch's end or with the next
+        // agent there: see `plane::node::sweep`).
+        if let Some(plane) = &cfg.plane {
             let base = crate::plane::node::base_dir();
-            crate::plane::node::sweep(&base, crate::plane::node::SWEEP_AT_END);
+            let me = kiln_run::this_host();
+            for h in plan.hosts.iter().filter(|h| crate::pool::same_host(h, me)) {
+                let dir =
+                    crate::plane::node::local_dir(&base, plane.secret(), Some(&plan.attempt), h);
+                crate::plane::node::remove_if_unused(&dir);
+            }
+            let dir = crate::plane::node::local_dir(&base, plane.secret(), Some(&plan.attempt), me);
+            crate::plane::node::remove_if_unused(&dir);
         }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = self.diagnose(&outcome, plan, &log_tail);

@@ -7,7 +7,15 @@ use std::process::Command;
 
 fn scale(fault: &str, plane: &str) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kiln-plane-sim"))
-        .args(["scale", "--nodes", "16", "--ranks-per-node", "12", "--warmup-s", "4"])
+        .args([
+            "scale",
+            "--nodes",
+            "16",
+            "--ranks-per-node",
+            "12",
+            "--warmup-s",
+            "4",
+        ])
         .args(["--step-s", "0.25", "--fault", fault, "--plane", plane])
         .output()
         .unwrap();
@@ -35,7 +43,10 @@ fn a_16_node_job_finds_every_fault_in_time_and_names_its_culprit() {
         assert_eq!(r["classification"], class, "{fault}: {r}");
         assert_eq!(r["culprit_ok"], true, "{fault}: {r}");
         let detect = r["detect_s"].as_f64().unwrap();
-        assert!(detect > 0.0 && detect < bound, "{fault}: detected after {detect} s: {r}");
+        assert!(
+            detect > 0.0 && detect < bound,
+            "{fault}: detected after {detect} s: {r}"
+        );
         assert!(r["supervisor_cpu"].as_f64().unwrap() < 0.25, "{r}");
     }
 }

@@ -405,8 +405,9 @@ pub fn clear_rank_files(dir: &Path) {
     };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = (RECORD_PREFIXES.iter())
-            .any(|p| name.starts_with(p) || name.strip_prefix('.').is_some_and(|n| n.starts_with(p)));
+        let ours = (RECORD_PREFIXES.iter()).any(|p| {
+            name.starts_with(p) || name.strip_prefix('.').is_some_and(|n| n.starts_with(p))
+        });
         if ours {
             let _ = std::fs::remove_file(e.path());
         }

@@ -154,6 +154,11 @@ impl Job {
     }
 }
 
+/// The simulated node `i`'s host name.
+fn node_host(i: usize) -> String {
+    format!("node-{i:04}")
+}
+
 /// Where the supervisor tells the nodes how to reach it.
 fn plane_file(run_dir: &Path) -> PathBuf {
     run_dir.join("plane.json")
@@ -161,7 +166,10 @@ fn plane_file(run_dir: &Path) -> PathBuf {
 
 fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
     if !matches!(job.fault.as_str(), "stop" | "kill" | "agent" | "straggler") {
-        return Err(format!("--fault {}: expected stop, kill, agent or straggler", job.fault));
+        return Err(format!(
+            "--fault {}: expected stop, kill, agent or straggler",
+            job.fault
+        ));
     }
     if job.fault == "agent" && !job.tcp() {
         return Err("--fault agent needs --plane tcp (the files plane has no agents)".into());
@@ -211,10 +219,15 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
         let child = traced(trace_nodes.then(|| ops_log(&format!("node-{i}"))))
             .arg("node")
             .args(job.args())
-            .args(["--index", &i.to_string(), "--fault-at", &fault_at.to_string()])
+            .args([
+                "--index",
+                &i.to_string(),
+                "--fault-at",
+                &fault_at.to_string(),
+            ])
             .arg("--run-dir")
             .arg(&run_dir)
-            .env(kiln_run::HOST_ENV, format!("node-{i:04}"))
+            .env(kiln_run::HOST_ENV, node_host(i))
             .stdout(std::process::Stdio::null())
             .spawn()
             .map_err(|e| format!("node {i}: {e}"))?;
@@ -233,8 +246,24 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
         let _ = n.kill();
         let _ = n.wait();
     }
-    let mut report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| format!("the supervisor's report: {e}"))?;
+    // The killed node's directory, as kiln launch removes its own host's after an attempt.
+    if let Some(info) = std::fs::read(plane_file(&run_dir)).ok() {
+        let info: serde_json::Value = serde_json::from_slice(&info).unwrap_or_default();
+        let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
+        let base = kiln_launch::plane::node::base_dir();
+        for i in 0..job.nodes {
+            let host = node_host(i);
+            let dir = kiln_launch::plane::node::local_dir(
+                &base,
+                &s("secret"),
+                Some(&s("attempt")),
+                &host,
+            );
+            kiln_launch::plane::node::remove_if_unused(&dir);
+        }
+    }
+    let mut report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("the supervisor's report: {e}"))?;
     let window = (
         report["measure_from"].as_f64().unwrap_or(start),
         report["measure_to"].as_f64().unwrap_or(fault_at),
@@ -247,7 +276,9 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
             .sum();
         report["supervisor_run_dir_ops_per_s"] = serde_json::json!(supervisor);
         report["run_dir_ops_per_s"] = serde_json::json!(nodes.zip(supervisor).map(|(n, s)| n + s));
-        for who in std::iter::once("supervisor".to_string()).chain((0..job.nodes).map(|i| format!("node-{i}"))) {
+        for who in std::iter::once("supervisor".to_string())
+            .chain((0..job.nodes).map(|i| format!("node-{i}")))
+        {
             let _ = std::fs::remove_file(ops_log(&who));
         }
     }
@@ -260,7 +291,16 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
 
 /// strace's flags for counting file operations: every thread, only file and descriptor
 /// calls stopped (seccomp), times, descriptors shown as paths; then `-o LOG`.
-const STRACE: [&str; 8] = ["-f", "--seccomp-bpf", "-qq", "-ttt", "-y", "-e", "trace=%file,%desc", "-o"];
+const STRACE: [&str; 8] = [
+    "-f",
+    "--seccomp-bpf",
+    "-qq",
+    "-ttt",
+    "-y",
+    "-e",
+    "trace=%file,%desc",
+    "-o",
+];
 
 /// The most nodes whose every thread is traced with `--count-ops` (beyond it only the
 /// supervisor is).
@@ -497,7 +537,14 @@ impl SimRank {
                 step += 1;
                 let slow = faulted && self.fault.as_deref() == Some("straggler");
                 let w = if slow { work * 2.0 } else { work };
-                let _ = kiln_run::write_beacon_with_work(&self.dir, self.rank, step, "train", now, Some(w));
+                let _ = kiln_run::write_beacon_with_work(
+                    &self.dir,
+                    self.rank,
+                    step,
+                    "train",
+                    now,
+                    Some(w),
+                );
                 next_step += self.step_s;
             }
             if now >= next_live {
@@ -516,7 +563,11 @@ impl SimRank {
                 .into_iter()
                 .filter(|t| *t > now)
                 .fold(f64::INFINITY, f64::min);
-            let wait = if self.poll_stop { 0.025 } else { (next - now).clamp(0.005, 0.1) };
+            let wait = if self.poll_stop {
+                0.025
+            } else {
+                (next - now).clamp(0.005, 0.1)
+            };
             std::thread::sleep(Duration::from_secs_f64(wait));
         }
         let _ = kiln_run::write_exit_record(&self.dir, self.rank, Some(75), None, unix_now());

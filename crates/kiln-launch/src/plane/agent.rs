@@ -97,7 +97,12 @@ pub fn run(
         ))
         .into());
     }
-    let mac = hex::encode(wire::proof(&cfg.secret, &nonce, &cfg.host, cfg.attempt.as_deref()));
+    let mac = hex::encode(wire::proof(
+        &cfg.secret,
+        &nonce,
+        &cfg.host,
+        cfg.attempt.as_deref(),
+    ));
     let join = ToSupervisor::Join {
         v: VERSION,
         host: cfg.host.clone(),
@@ -185,7 +190,10 @@ impl Watch {
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
             .map_err(std::io::Error::from)?;
         inotify
-            .add_watch(dir, AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_MOVED_TO)
+            .add_watch(
+                dir,
+                AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_MOVED_TO,
+            )
             .map_err(std::io::Error::from)?;
         let mut w = Watch {
             dir: dir.to_path_buf(),
@@ -227,9 +235,12 @@ impl Watch {
         {
             self.ranks.insert(rank);
         }
-        let urgent = [kiln_run::layout::EXIT_RECORD_PREFIX, kiln_run::layout::LOST_PREFIX]
-            .iter()
-            .any(|p| name.starts_with(p));
+        let urgent = [
+            kiln_run::layout::EXIT_RECORD_PREFIX,
+            kiln_run::layout::LOST_PREFIX,
+        ]
+        .iter()
+        .any(|p| name.starts_with(p));
         self.pending.insert(name, text);
         urgent
     }

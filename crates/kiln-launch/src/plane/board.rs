@@ -185,7 +185,10 @@ mod tests {
         );
         b.digest(1, vec![rec("rank-3", "8 train 11.0 n1\n")], &[], t);
         let beacons = kiln_run::read_beacons(&b);
-        assert_eq!(beacons.iter().map(|x| (x.rank, x.step)).collect::<Vec<_>>(), [(3, 8), (12, 7)]);
+        assert_eq!(
+            beacons.iter().map(|x| (x.rank, x.step)).collect::<Vec<_>>(),
+            [(3, 8), (12, 7)]
+        );
         assert_eq!(kiln_run::read_exit_records(&b).len(), 1);
         assert_eq!(b.rank_files("stop").len(), 0);
         b.begin(Some("a2"));
@@ -207,7 +210,10 @@ mod tests {
         // The drop settles first: a failed rank's exit may explain it.
         assert_eq!(b.lost_node(t + Duration::from_millis(200)), None);
         let lost = b.lost_node(t + Duration::from_millis(400)).unwrap();
-        assert_eq!((lost.host.as_str(), lost.ranks, lost.dropped), ("n2", vec![4, 5], true));
+        assert_eq!(
+            (lost.host.as_str(), lost.ranks, lost.dropped),
+            ("n2", vec![4, 5], true)
+        );
         let b = Board::default();
         b.joined(7, "n7", t);
         let lost = b.lost_node(t + AGENT_SILENCE).unwrap();

@@ -106,7 +106,11 @@ mod tests {
         let agent = Agent::spawn(config(&s, dir.path(), "a1")).unwrap();
         within(|| kiln_run::read_beacons(s.board()).len() == 1);
         kiln_run::write_beacon(dir.path(), 4, 9, "train", 2.0).unwrap();
-        within(|| kiln_run::read_beacons(s.board()).iter().any(|b| b.rank == 4 && b.step == 9));
+        within(|| {
+            kiln_run::read_beacons(s.board())
+                .iter()
+                .any(|b| b.rank == 4 && b.step == 9)
+        });
         // An exit goes up at once, not at the next digest.
         kiln_run::write_exit_record(dir.path(), 4, None, Some(9), 3.0).unwrap();
         let took = within(|| kiln_run::read_exit_records(s.board()).len() == 1);
@@ -115,10 +119,20 @@ mod tests {
         within(|| kiln_run::read_stop_request(dir.path()).is_some());
         let stop = kiln_run::read_stop_request(dir.path()).unwrap();
         assert_eq!((stop.signal, stop.attempt.as_deref()), (15, Some("a1")));
-        assert_eq!(s.board().agents()[0].ranks.iter().copied().collect::<Vec<_>>(), [3, 4]);
+        assert_eq!(
+            s.board().agents()[0]
+                .ranks
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            [3, 4]
+        );
         agent.finish();
         within(|| s.board().agents()[0].ended.is_some_and(|(_, clean)| clean));
-        assert_eq!(s.board().lost_node(Instant::now() + Duration::from_secs(9)), None);
+        assert_eq!(
+            s.board().lost_node(Instant::now() + Duration::from_secs(9)),
+            None
+        );
     }
 
     #[test]
@@ -153,11 +167,19 @@ mod tests {
             ranks: vec![16, 17],
         };
         wire::send(&mut c, &digest).unwrap();
-        within(|| s.board().agents().first().is_some_and(|a| a.ranks.len() == 2));
+        within(|| {
+            s.board()
+                .agents()
+                .first()
+                .is_some_and(|a| a.ranks.len() == 2)
+        });
         assert_eq!(s.board().lost_node(Instant::now()), None);
         drop(c);
         within(|| s.board().lost_node(Instant::now()).is_some());
         let lost = s.board().lost_node(Instant::now()).unwrap();
-        assert_eq!((lost.host.as_str(), lost.ranks, lost.dropped), ("n9", vec![16, 17], true));
+        assert_eq!(
+            (lost.host.as_str(), lost.ranks, lost.dropped),
+            ("n9", vec![16, 17], true)
+        );
     }
 }

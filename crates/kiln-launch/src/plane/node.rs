@@ -141,6 +141,15 @@ pub fn sweep(base: &Path, older_than: Duration) -> Vec<PathBuf> {
     removed
 }
 
+/// Removes the node directory `dir` if no process uses it (an agent killed with its rank
+/// leaves it); whether it is gone.
+pub fn remove_if_unused(dir: &Path) -> bool {
+    if !dir.exists() {
+        return true;
+    }
+    unused(dir) && std::fs::remove_dir_all(dir).is_ok()
+}
+
 /// Whether no process holds either lock of `dir` (a missing lock file counts as free).
 fn unused(dir: &Path) -> bool {
     [RANKS_LOCK, AGENT_LOCK].iter().all(|l| {

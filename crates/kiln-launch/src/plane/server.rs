@@ -156,7 +156,9 @@ async fn serve(stream: TcpStream, id: u64, ctx: Ctx) -> Result<(), WireError> {
         return Ok(());
     };
     if v != VERSION || !wire::verify(&ctx.secret, &nonce, &host, attempt.as_deref(), &mac) {
-        tracing::warn!("control plane: refused an agent from {host} (version {v}, or not this job's secret)");
+        tracing::warn!(
+            "control plane: refused an agent from {host} (version {v}, or not this job's secret)"
+        );
         return Ok(());
     }
     if !ctx.board.wants(attempt.as_deref()) {

@@ -129,7 +129,10 @@ pub fn recv<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, WireEr
 /// The proof that a joining agent knows `secret`: HMAC-SHA256 over the nonce, the host and
 /// the attempt.
 pub fn proof(secret: &str, nonce: &str, host: &str, attempt: Option<&str>) -> Vec<u8> {
-    mac(secret, nonce, host, attempt).finalize().into_bytes().to_vec()
+    mac(secret, nonce, host, attempt)
+        .finalize()
+        .into_bytes()
+        .to_vec()
 }
 
 /// Whether `mac_hex` proves `secret` for this nonce, host and attempt (compared in constant
@@ -138,7 +141,9 @@ pub fn verify(secret: &str, nonce: &str, host: &str, attempt: Option<&str>, mac_
     let Ok(given) = hex::decode(mac_hex) else {
         return false;
     };
-    mac(secret, nonce, host, attempt).verify_slice(&given).is_ok()
+    mac(secret, nonce, host, attempt)
+        .verify_slice(&given)
+        .is_ok()
 }
 
 fn mac(secret: &str, nonce: &str, host: &str, attempt: Option<&str>) -> Hmac<Sha256> {
@@ -193,7 +198,10 @@ mod tests {
         for m in &msgs {
             assert_eq!(&recv::<ToSupervisor>(&mut r).unwrap(), m);
         }
-        assert!(matches!(recv::<ToSupervisor>(&mut r), Err(WireError::Io(_))));
+        assert!(matches!(
+            recv::<ToSupervisor>(&mut r),
+            Err(WireError::Io(_))
+        ));
     }
 
     #[test]

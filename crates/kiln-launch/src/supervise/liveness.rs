@@ -7,14 +7,14 @@ use super::cadence::{Cadence, LIVENESS_EVERY};
 use super::config::AttemptConfig;
 use super::exits::{Ours, describe, first_failed, fresh_exit_records};
 use super::outcome::Verdict;
+use super::reports::Reports;
 use super::spawn::Running;
 use crate::classify::{Classification, classify_code};
 use crate::groups::{group_liveness, kill_groups};
+use kiln_run::RankFiles;
 use kiln_run::{Liveness, exit, unix_time};
 use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
-use super::reports::Reports;
-use kiln_run::RankFiles;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
@@ -181,7 +181,11 @@ fn lost_node_verdict(reports: Reports<'_>, now: Instant) -> Option<Verdict> {
             "node {} is lost: its agent {how} ({:.2} s since it last reported; ranks {})",
             n.host,
             n.silent_s,
-            if ranks.is_empty() { "unknown".to_string() } else { ranks.join(",") }
+            if ranks.is_empty() {
+                "unknown".to_string()
+            } else {
+                ranks.join(",")
+            }
         )),
         exit_code: Some(exit::WATCHDOG),
     })

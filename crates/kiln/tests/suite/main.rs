@@ -6,6 +6,7 @@
 //! (for example `launch_mpi::`).
 
 mod common;
+mod control_plane;
 mod data_cli;
 mod data_megatron;
 mod data_parallel;

@@ -190,7 +190,8 @@ pub fn beacon_step(run_dir: &Path, rank: usize) -> u64 {
     let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
     let dir = env.split(|&b| b == 0).find_map(|v| {
         let v = String::from_utf8_lossy(v);
-        v.strip_prefix("KILN_PROGRESS_DIR=").map(std::path::PathBuf::from)
+        v.strip_prefix("KILN_PROGRESS_DIR=")
+            .map(std::path::PathBuf::from)
     });
     dir.and_then(|d| std::fs::read_to_string(d.join(format!("rank-{rank}"))).ok())
         .and_then(|t| t.split_whitespace().next()?.parse().ok())
