@@ -247,7 +247,7 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
         let _ = n.wait();
     }
     // The killed node's directory, as kiln launch removes its own host's after an attempt.
-    if let Some(info) = std::fs::read(plane_file(&run_dir)).ok() {
+    if let Ok(info) = std::fs::read(plane_file(&run_dir)) {
         let info: serde_json::Value = serde_json::from_slice(&info).unwrap_or_default();
         let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
         let base = kiln_launch::plane::node::base_dir();
@@ -270,10 +270,12 @@ fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
     );
     if count_ops {
         let supervisor = ops_per_s(&ops_log("supervisor"), &run_dir, window);
-        let nodes: Option<f64> = (0..job.nodes)
-            .filter(|_| trace_nodes)
-            .map(|i| ops_per_s(&ops_log(&format!("node-{i}")), &run_dir, window))
-            .sum();
+        let nodes: Option<f64> = match trace_nodes {
+            true => (0..job.nodes)
+                .map(|i| ops_per_s(&ops_log(&format!("node-{i}")), &run_dir, window))
+                .sum(),
+            false => None,
+        };
         report["supervisor_run_dir_ops_per_s"] = serde_json::json!(supervisor);
         report["run_dir_ops_per_s"] = serde_json::json!(nodes.zip(supervisor).map(|(n, s)| n + s));
         for who in std::iter::once("supervisor".to_string())

@@ -53,8 +53,15 @@ impl Agent {
             .spawn(move || {
                 let r = run(&cfg, &f, &g);
                 g.store(true, Ordering::SeqCst);
-                if let Err(e) = &r {
-                    eprintln!("kiln node agent on {}: {e}", cfg.host);
+                // A connection the supervisor closed is the launch's end, not an error.
+                let closed = |e: &std::io::Error| {
+                    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+                    matches!(e.kind(), BrokenPipe | ConnectionReset | UnexpectedEof)
+                };
+                match &r {
+                    Err(WireError::Io(e)) if closed(e) => {}
+                    Err(e) => eprintln!("kiln node agent on {}: {e}", cfg.host),
+                    Ok(()) => {}
                 }
                 r
             })?;
@@ -176,10 +183,22 @@ fn write_stops(mut stream: TcpStream, dir: &Path) {
     }
 }
 
-/// The node's records as inotify reports their changes.
+/// How the agent learns of changed records: inotify, or (where the user's inotify instances
+/// are used up: `fs.inotify.max_user_instances`, 128 by default) a listing of the node-local
+/// directory every [`POLL_EVERY`], which costs memory reads, not a filesystem's metadata server.
+enum Changes {
+    Inotify(Inotify),
+    /// Each record's modification time and length when last taken.
+    Poll(BTreeMap<String, (std::time::SystemTime, u64)>),
+}
+
+/// The node directory's listing interval without inotify.
+const POLL_EVERY: Duration = Duration::from_millis(50);
+
+/// The node's records as they change.
 struct Watch {
     dir: PathBuf,
-    inotify: Inotify,
+    changes: Changes,
     /// Changed since the last digest.
     pending: BTreeMap<String, String>,
     ranks: BTreeSet<usize>,
@@ -187,17 +206,23 @@ struct Watch {
 
 impl Watch {
     fn new(dir: &Path) -> Result<Watch, WireError> {
+        let flags = AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_MOVED_TO;
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
-            .map_err(std::io::Error::from)?;
-        inotify
-            .add_watch(
-                dir,
-                AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_MOVED_TO,
-            )
-            .map_err(std::io::Error::from)?;
+            .and_then(|i| i.add_watch(dir, flags).map(|_| i));
+        let changes = match inotify {
+            Ok(i) => Changes::Inotify(i),
+            Err(e) => {
+                eprintln!(
+                    "kiln node agent: no inotify ({e}): listing {} every {} ms instead",
+                    dir.display(),
+                    POLL_EVERY.as_millis()
+                );
+                Changes::Poll(BTreeMap::new())
+            }
+        };
         let mut w = Watch {
             dir: dir.to_path_buf(),
-            inotify,
+            changes,
             pending: BTreeMap::new(),
             ranks: BTreeSet::new(),
         };
@@ -205,17 +230,31 @@ impl Watch {
         Ok(w)
     }
 
-    /// Every record in the directory (those written before the watch began; the last ones at
-    /// the end).
-    fn scan(&mut self) {
+    /// Takes every record in the directory that changed since it was last taken (with
+    /// inotify, every one: those written before the watch began, and the last ones at the
+    /// end); whether one is urgent.
+    fn scan(&mut self) -> bool {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return;
+            return false;
         };
+        let mut urgent = false;
         for e in entries.filter_map(Result::ok) {
-            if let Ok(name) = e.file_name().into_string() {
-                self.take(name);
+            let Ok(name) = e.file_name().into_string() else {
+                continue;
+            };
+            if let Changes::Poll(seen) = &mut self.changes {
+                let meta = e.metadata().ok();
+                let Some(stamp) = meta.and_then(|m| Some((m.modified().ok()?, m.len()))) else {
+                    continue;
+                };
+                if seen.get(&name) == Some(&stamp) {
+                    continue;
+                }
+                seen.insert(name.clone(), stamp);
             }
+            urgent |= self.take(name);
         }
+        urgent
     }
 
     /// Reads the record `name` if it is one; whether it is urgent (an exit or a lost rank).
@@ -249,29 +288,35 @@ impl Watch {
     /// read the whole directory (nothing may be missed at the end).
     fn wait(&mut self, timeout: Duration, last: bool) -> Result<bool, WireError> {
         if last {
+            if let Changes::Poll(seen) = &mut self.changes {
+                seen.clear();
+            }
             self.scan();
             return Ok(false);
         }
+        let Changes::Inotify(inotify) = &self.changes else {
+            std::thread::sleep(timeout.min(POLL_EVERY));
+            return Ok(self.scan());
+        };
         let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
-        let mut fds = [PollFd::new(self.inotify.as_fd(), PollFlags::POLLIN)];
+        let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(ms)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(std::io::Error::from(e).into()),
         }
-        let mut urgent = false;
+        let mut names = Vec::new();
         loop {
-            match self.inotify.read_events() {
-                Ok(events) if !events.is_empty() => {
-                    for e in events {
-                        if let Some(name) = e.name.and_then(|n| n.into_string().ok()) {
-                            urgent |= self.take(name);
-                        }
-                    }
-                }
-                Ok(_) | Err(nix::errno::Errno::EAGAIN) => return Ok(urgent),
+            match inotify.read_events() {
+                Ok(events) if !events.is_empty() => names.extend(
+                    (events.into_iter()).filter_map(|e| e.name.and_then(|n| n.into_string().ok())),
+                ),
+                Ok(_) | Err(nix::errno::Errno::EAGAIN) => break,
                 Err(e) => return Err(std::io::Error::from(e).into()),
             }
         }
+        Ok(names
+            .into_iter()
+            .fold(false, |urgent, n| self.take(n) | urgent))
     }
 
     /// The digest of what changed since the last one.
