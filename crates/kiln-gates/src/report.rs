@@ -234,9 +234,9 @@ fn memory_tier_line(run_dir: &Path) -> String {
         .and_then(|c| c.get("snapshot_dir"))
         .and_then(toml::Value::as_str)
         .unwrap_or_default();
-    let folder = kiln_train::components::snapshot::run_folder(dir, run_dir);
+    let folder = kiln_train::components::checkpoints::snapshot::run_folder(dir, run_dir);
     let host = kiln_run::host_name();
-    match kiln_train::components::snapshot::tiers::Held::of(&folder) {
+    match kiln_train::components::checkpoints::snapshot::tiers::Held::of(&folder) {
         Some(held) => format!("memory tier on {host}: {}\n", held.describe()),
         None => format!("memory tier on {host}: none\n"),
     }

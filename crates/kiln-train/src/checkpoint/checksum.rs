@@ -96,6 +96,16 @@ impl Hasher {
     }
 }
 
+/// One file's entry in `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// The file's checksum (SHA-256, or XXH3-128 in a memory-tier snapshot).
+    #[serde(flatten)]
+    pub sum: Checksum,
+    /// Size in bytes.
+    pub bytes: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,13 +8,14 @@
 //! tensors' byte ranges follow each other and match their shapes and dtypes); the crate has
 //! no reader for part of a file, so the ranges are read here with `pread`.
 
-use super::checksum::Hasher;
-use super::region::{Assembly, Region};
-use super::{
-    Checkpoint, CheckpointError, HostTensor, MODEL_FILE, Manifest, ManifestEntry, OPTIMIZER_FILE,
-    STATE_FILE, StoredDtype, decode, invalid, open_regular, parse_state, read_manifest,
-    read_verified, stored_dtype,
+use super::checksum::{Hasher, ManifestEntry};
+use super::error::{CheckpointError, invalid};
+use super::format::{HostTensor, StoredDtype, decode, stored_dtype};
+use super::manifest::{
+    Checkpoint, MODEL_FILE, Manifest, OPTIMIZER_FILE, STATE_FILE, open_regular, parse_state,
+    read_manifest, read_verified,
 };
+use super::region::{Assembly, Region};
 use kiln_run::layout;
 use std::collections::BTreeMap;
 use std::fs::File;

@@ -9,8 +9,8 @@
 //! The bytes are exactly [`safetensors::serialize`]'s (the same header, the tensors in the
 //! format's order: dtype alignment descending, then name), which a test holds.
 
-use super::checksum::{ChecksumKind, Hasher};
-use super::{HostTensor, ManifestEntry, StoredDtype, bf16_bits};
+use super::checksum::{ChecksumKind, Hasher, ManifestEntry};
+use super::format::{HostTensor, StoredDtype, bf16_bits};
 use std::borrow::Cow;
 use std::io::Write;
 
@@ -173,6 +173,15 @@ impl<W: Write> Write for Hashing<W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// Serialises tensors to safetensors bytes. Deterministic: same tensors, same bytes (the
+/// metadata map has a single fixed key, tensors are ordered by the format's rules).
+pub fn to_safetensors(tensors: &[HostTensor]) -> Result<Vec<u8>, StreamError> {
+    let sources: Vec<&dyn Source> = tensors.iter().map(|t| t as &dyn Source).collect();
+    let mut out = Vec::new();
+    write(&mut out, &sources)?;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 //! the global batch; gradients and the loss are averaged over ranks before clipping, so every
 //! decision (skip, rollback, stop, checkpoint) is taken from identical values on every rank
 //! at the same step. Rank 0 is the one writer of the run directory; it writes checkpoints
-//! on a background thread ([`crate::components::saver`]), so the other ranks never wait for its disk
+//! on a background thread ([`crate::components::checkpoints::saver`]), so the other ranks never wait for its disk
 //! except when the run ends.
 
 use crate::components::checkpoints::{Checkpoints, Due};

@@ -208,8 +208,8 @@ fn build(
 ) -> Result<(BatchLayout, TrainData, Session), TrainError> {
     let layout = BatchLayout::of(&cfg.training, mesh).map_err(TrainError::Parallel)?;
     let rank = mesh.world().rank();
-    let store = crate::components::snapshot::rank_dir(&cfg.checkpoint, run_dir, rank);
-    crate::components::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
+    let store = crate::components::checkpoints::snapshot::rank_dir(&cfg.checkpoint, run_dir, rank);
+    crate::components::checkpoints::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
     let known = crate::model::budget::known_vocab(cfg);
     crate::model::budget::check_run(cfg, known, &store)?;
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)

@@ -311,9 +311,9 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// The memory tiers this node holds in `snapshot_dir`, each with what the next kiln start here
-/// does with it (see `kiln_train::components::snapshot::tiers`).
+/// does with it (see `kiln_train::components::checkpoints::snapshot::tiers`).
 fn print_memory_tiers(snapshot_dir: &str) {
-    use kiln_train::components::snapshot::tiers;
+    use kiln_train::components::checkpoints::snapshot::tiers;
     let base = tiers::base_dir(snapshot_dir);
     let held = tiers::survey(&base);
     let total: u64 = held.iter().map(|h| h.bytes).sum();

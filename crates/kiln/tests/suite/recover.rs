@@ -611,7 +611,7 @@ fn a_launch_that_ends_at_the_walltime_keeps_its_memory_tier_only_where_it_resume
 
 /// This run's memory-tier folder in `shm` (several runs share it in the test below).
 fn tier_of(rd: &Path, shm: &Path) -> std::path::PathBuf {
-    kiln_train::components::snapshot::run_folder(&shm.display().to_string(), rd)
+    kiln_train::components::checkpoints::snapshot::run_folder(&shm.display().to_string(), rd)
 }
 
 /// Runs one rank in `rd` until it holds two snapshots, then sends it `sig` (SIGKILL, or

@@ -333,7 +333,7 @@ mod tests {
     use super::super::SnapshotStore;
     use super::*;
     use crate::checkpoint::tests::ckpt;
-    use crate::components::saver::Store;
+    use crate::components::checkpoints::saver::Store;
 
     /// A tier folder in `base` of a run in `run` whose rank 0 holds snapshots at `steps`.
     fn tier(base: &Path, name: &str, run: &Path, steps: &[u64], anchor: u64) -> PathBuf {

@@ -1,10 +1,10 @@
 //! [`Checkpoints`]: the whole checkpoint lifecycle of a run in one component, as
-//! torchtitan's `CheckpointManager` is: it is handed the run's one owned state
+//! torchtitan's `CheckpointStore` is: it is handed the run's one owned state
 //! ([`RunState`]: model, optimizer, train state, data) and saves and restores it.
 //!
 //! - Persistent tier: checkpoints in the run directory, due at `checkpoint.interval`, the
-//!   last step and a stop signal with unsaved work ([`Checkpointer`]), written by the writer
-//!   rank's [`crate::components::saver::Saver`] (on a background thread with
+//!   last step and a stop signal with unsaved work ([`PersistentTier`]), written by the writer
+//!   rank's [`crate::components::checkpoints::saver::Saver`] (on a background thread with
 //!   `checkpoint.async`); in a sharded run every rank writes its shards first.
 //! - Memory tier: node-local snapshots every few steps ([`Snapshotter`]), agreed on by the
 //!   ranks and healed from a peer at restart.
@@ -12,12 +12,15 @@
 //!   every rank, the guards' rollback point as an uninterrupted run would hold it, and the
 //!   batch layout kept across a change of rank count (the `resized` event).
 
+pub mod saver;
+pub mod snapshot;
+
 use crate::checkpoint::region::Region;
-use crate::checkpoint::{self, Checkpoint, CheckpointManager, HostTensor, Rejection, ShardFile};
+use crate::checkpoint::{self, Checkpoint, CheckpointStore, HostTensor, Rejection, ShardFile};
+use crate::components::checkpoints::saver::{PersistentTier, Saver, Staged};
+use crate::components::checkpoints::snapshot::{Recovered, Snapshotter};
 use crate::components::guard_rail::GuardRail;
 use crate::components::journal::{Journal, path_text};
-use crate::components::saver::{Checkpointer, Saver, Staged};
-use crate::components::snapshot::{Recovered, Snapshotter};
 use crate::config::{Config, Shard};
 use crate::data::TrainData;
 use crate::error::TrainError;
@@ -58,7 +61,7 @@ pub fn scan(run: &RunDir, cfg: &Config) -> Result<Found, TrainError> {
         (Shard::None, 1) => checkpoint::load,
         _ => checkpoint::verify,
     };
-    let mut opened = CheckpointManager::open_with(
+    let mut opened = CheckpointStore::open_with(
         &run.path().join(kiln_run::layout::CHECKPOINTS),
         cfg.checkpoint.keep_latest_k,
         cfg.checkpoint.resume,
@@ -131,7 +134,7 @@ pub struct Checkpoints<'c> {
     mesh: &'c DeviceMesh,
     /// Every rank of the job (`mesh`'s world).
     comm: &'c dyn Collective,
-    persistent: Checkpointer,
+    persistent: PersistentTier,
     memory: Snapshotter,
     /// What the writer rank's scan found, until [`Checkpoints::load`] uses it.
     found: Option<(PathBuf, Checkpoint)>,
@@ -161,7 +164,7 @@ impl<'c> Checkpoints<'c> {
             cfg.guards.snapshot_interval,
         );
         Self {
-            persistent: Checkpointer::new(cfg.checkpoint.interval, cfg.training.steps, saver),
+            persistent: PersistentTier::new(cfg.checkpoint.interval, cfg.training.steps, saver),
             memory,
             cfg: cfg.clone(),
             run_dir: run_dir.to_path_buf(),

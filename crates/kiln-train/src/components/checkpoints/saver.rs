@@ -1,7 +1,7 @@
-//! [`Checkpointer`]: the checkpoint component of a run, on every rank: when a save is due
+//! [`PersistentTier`]: the checkpoint component of a run, on every rank: when a save is due
 //! (`checkpoint.interval`, the last step, a stop signal with unsaved work), and, on the
 //! writer rank, its [`Saver`], which writes checkpoints through a [`Store`] (the run's
-//! [`CheckpointManager`]; the memory tier's store in [`crate::components::snapshot`]), synchronously or
+//! [`CheckpointStore`]; the memory tier's store in [`crate::components::checkpoints::snapshot`]), synchronously or
 //! on a writer thread (`checkpoint.async`).
 //!
 //! Asynchronous saving: the training step hands over the state as [`Staged`] tensors and
@@ -22,7 +22,7 @@
 
 use crate::cadence::Every;
 use crate::checkpoint::{
-    Checkpoint, CheckpointError, CheckpointManager, Contents, SaveReport, Source,
+    Checkpoint, CheckpointError, CheckpointStore, Contents, SaveReport, Source,
 };
 use crate::components::journal::{Journal, path_text};
 use crate::error::TrainError;
@@ -122,9 +122,9 @@ pub trait Store: Send {
     fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError>;
 }
 
-impl Store for CheckpointManager {
+impl Store for CheckpointStore {
     fn save(&mut self, ckpt: &Contents) -> Result<SaveReport, CheckpointError> {
-        CheckpointManager::save(self, ckpt)
+        CheckpointStore::save(self, ckpt)
     }
 }
 
@@ -345,7 +345,7 @@ fn writer(mut manager: BoxedStore, inbox: Receiver<Job>, outbox: Sender<Outcome>
 
 /// The checkpoint component (see the module documentation). Every rank holds one and calls
 /// it at the same steps; only the writer rank's has a [`Saver`].
-pub struct Checkpointer {
+pub struct PersistentTier {
     every: Every,
     total: u64,
     /// The step of the newest checkpoint on disk (this process's save or its resume point).
@@ -353,7 +353,7 @@ pub struct Checkpointer {
     saver: Option<Saver>,
 }
 
-impl Checkpointer {
+impl PersistentTier {
     /// Saves every `every` steps and at the last of `total`; `saver` on the writer rank.
     pub fn new(every: u64, total: u64, saver: Option<Saver>) -> Self {
         Self {
@@ -476,7 +476,7 @@ mod tests {
     fn async_saves_publish_in_order_one_at_a_time_and_drop_waits() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("checkpoints");
-        let opened = CheckpointManager::open(&root, 2, true, "r").unwrap();
+        let opened = CheckpointStore::open(&root, 2, true, "r").unwrap();
         let mut saver = Saver::new(opened.manager, true);
         let mut finished = Vec::new();
         for step in [1, 2, 3] {
@@ -504,7 +504,7 @@ mod tests {
     fn a_synchronous_saver_writes_before_returning() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("checkpoints");
-        let opened = CheckpointManager::open(&root, 2, true, "r").unwrap();
+        let opened = CheckpointStore::open(&root, 2, true, "r").unwrap();
         let mut saver = Saver::new(opened.manager, false);
         let done = saver.submit(ckpt(7), 0.25);
         assert_eq!(list_steps(&root), [7]);

@@ -5,7 +5,7 @@
 //! directory, manifest of XXH3-128 sums (`checkpoint/checksum.rs` says why not SHA-256),
 //! atomic rename) on a writer thread of its own ([`Saver`]), and read back by
 //! [`checkpoint::load`], which verifies every file. Staging costs no copy (see
-//! [`crate::components::saver`]); a snapshot due while the previous one is still being written is
+//! [`crate::components::checkpoints::saver`]); a snapshot due while the previous one is still being written is
 //! skipped rather than waited for: this tier must never stall the step. Retention keeps the
 //! newest `checkpoint.snapshot_keep`; a successful run deletes its folder, and under
 //! `kiln launch` each rank records the folder in `$KILN_PROGRESS_DIR` so that the launch
@@ -30,8 +30,8 @@ use crate::checkpoint::{
     self, Checkpoint, CheckpointError, ChecksumKind, Contents, FILES, MANIFEST_FILE, SaveReport,
     create_shared_dir_all, io_err, remove_tree,
 };
+use crate::components::checkpoints::saver::{Saved, Saver, Staged, Store};
 use crate::components::journal::{Journal, path_text};
-use crate::components::saver::{Saved, Saver, Staged, Store};
 use crate::config::{CheckpointConfig, ConfigError, OutOfDomain};
 use crate::error::TrainError;
 use kiln_dist::Collective;
