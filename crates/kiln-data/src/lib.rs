@@ -11,6 +11,7 @@
 //! | [`index`] | per-dataset shuffled, packed sample index (O(1) access, tiny cache) |
 //! | [`loader`] | [`BlendedLoader`]: `(step, dp_rank, dp_size, batch)` to token rows |
 //! | [`manifest`] | shard pins (size + SHA-256) and their verification |
+//! | [`yeet`] | `kiln yeet`: a file, directory or tarball on every node's local disk, read once |
 //!
 //! The trainer's seam:
 //!
@@ -37,6 +38,7 @@ pub mod perm;
 pub mod progress;
 pub mod summary;
 pub mod tokenize;
+pub mod yeet;
 
 pub use blend::{BlendSchedule, BlendSegment};
 pub use corpus::{CorpusEntry, CorpusList};

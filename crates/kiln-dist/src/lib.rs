@@ -22,8 +22,6 @@ mod mpi_engine;
 #[cfg(feature = "mpi")]
 pub use mpi_engine::Mpi;
 
-pub mod yeet;
-
 mod mesh;
 pub use mesh::{DeviceMesh, Dim, Dims, MeshShape};
 

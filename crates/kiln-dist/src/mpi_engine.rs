@@ -5,7 +5,7 @@
 //! copies back; with bucketed calls the scratch stays one bucket long. The gradient path
 //! reduces into a buffer of its own instead (`all_reduce_sum_f32_into`), without that copy.
 //!
-//! Every blocking call is marked with [`kiln_run::collective::waiting`]: a rank that waits
+//! Every blocking call is marked with [`kiln_run::waiting_mark::waiting`]: a rank that waits
 //! long on the others says so in its progress beacon, so a hang names the rank that is not
 //! in the collective.
 //!
@@ -78,7 +78,7 @@ impl Mpi {
         if buf.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         let mut scratch = self.scratch_f32.borrow_mut();
         scratch.clear();
         scratch.resize(buf.len(), 0.0);
@@ -107,7 +107,7 @@ impl Collective for Mpi {
         if send.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world
             .all_reduce_into(send, recv, SystemOperation::sum());
     }
@@ -115,7 +115,7 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         let mut out = vec![0.0f64; buf.len()];
         self.world
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::sum());
@@ -125,7 +125,7 @@ impl Collective for Mpi {
         if buf.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         let mut out = vec![0u64; buf.len()];
         self.world
             .all_reduce_into(&*buf, &mut out[..], SystemOperation::max());
@@ -138,7 +138,7 @@ impl Collective for Mpi {
         if recv.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world
             .reduce_scatter_block_into(send, recv, SystemOperation::sum());
     }
@@ -146,11 +146,11 @@ impl Collective for Mpi {
         if send.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world.all_gather_into(send, recv);
     }
     fn all_gather_u64(&self, value: u64) -> Vec<u64> {
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         let mut out = vec![0u64; self.size()];
         self.world.all_gather_into(&value, &mut out[..]);
         out
@@ -183,7 +183,7 @@ impl Collective for Mpi {
         let (Some((sc, sd)), Some((rc, rd))) = (ints(send_counts), ints(recv_counts)) else {
             self.abort(70);
         };
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         // Empty buffers are not handed to MPI (see the module documentation): a one-element
         // stand-in, of which zero counts move nothing.
         let (stand_in, mut stand_in_mut) = ([0.0f32], [0.0f32]);
@@ -198,7 +198,7 @@ impl Collective for Mpi {
         self.world.all_to_all_varcount_into(&sb, &mut rb);
     }
     fn send_recv_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]) {
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         let (dest, source) = (
             self.world.process_at_rank(to as i32),
             self.world.process_at_rank(from as i32),
@@ -206,22 +206,22 @@ impl Collective for Mpi {
         mpi::point_to_point::send_receive_into(send, &dest, recv, &source);
     }
     fn send_f32(&self, to: usize, buf: &[f32]) {
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world.process_at_rank(to as i32).send(buf);
     }
     fn recv_f32(&self, from: usize, buf: &mut [f32]) {
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world.process_at_rank(from as i32).receive_into(buf);
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) {
         if buf.is_empty() {
             return;
         }
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world.process_at_rank(root as i32).broadcast_into(buf);
     }
     fn barrier(&self) {
-        let _waiting = kiln_run::collective::waiting();
+        let _waiting = kiln_run::waiting_mark::waiting();
         self.world.barrier();
     }
     fn abort(&self, code: i32) -> ! {

@@ -154,7 +154,7 @@ fn sweep(
     let samples = opts.steps.saturating_mul(layout.global_batch());
     let data = TrainData::open(config, samples, None).map_err(invalid)?;
     let vocab = data.vocab(config).map_err(invalid)?;
-    let mut s = Session::new(config, vocab)?;
+    let mut s = Session::for_rank_of(config, vocab, comm.size())?;
     let (step, mut optimizer) = Step::for_run(config, &mut s, layout, mesh)?;
     let mut points: Vec<LrPoint> = Vec::new();
     let (mut avg, mut best) = (0.0f64, f64::INFINITY);

@@ -485,10 +485,10 @@ impl Dirs {
         let run = std::path::absolute(&run).unwrap_or(run);
         // A caller's own KILN_PROGRESS_DIR (a wrapper, a test harness) is respected and not
         // cleared.
-        match env_var(PROGRESS_DIR_ENV).filter(|v| !v.is_empty()) {
-            Some(d) => Dirs {
+        match kiln_run::progress_dir() {
+            Some(progress) => Dirs {
                 run,
-                progress: PathBuf::from(d),
+                progress,
                 own_progress: false,
             },
             None => Dirs {
@@ -883,7 +883,7 @@ pub struct NodeRelease {
 /// line. Exit 0, or 1 when something could not be removed.
 pub fn release_node(keep_memory_tier: bool) -> i32 {
     let host = kiln_run::this_host();
-    let Some(dir) = env_var(PROGRESS_DIR_ENV).filter(|d| !d.is_empty()) else {
+    let Some(dir) = kiln_run::progress_dir() else {
         eprintln!("kiln launch --release-node: {PROGRESS_DIR_ENV} is not set");
         return exit::USAGE;
     };

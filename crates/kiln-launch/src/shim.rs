@@ -18,7 +18,6 @@ use kiln_topology::{RankEnv, RankEnvError};
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, killpg, sigaction};
 use nix::unistd::Pid;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -114,9 +113,7 @@ pub fn run_as_rank(
     let Some((program, args)) = command.split_first() else {
         return Err(ShimError::NoCommand);
     };
-    let shared_dir = std::env::var_os(PROGRESS_DIR_ENV)
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from);
+    let shared_dir = kiln_run::progress_dir();
     let seat = take_seat();
     // Under the `tcp` control plane the rank's records go to its node's directory, which the
     // node agent forwards; else to the run's progress directory.

@@ -17,6 +17,14 @@ use std::sync::OnceLock;
 /// Environment variable naming the directory beacons are written to.
 pub const PROGRESS_DIR_ENV: &str = "KILN_PROGRESS_DIR";
 
+/// This process's progress directory (`$KILN_PROGRESS_DIR`); `None` when it is unset or empty
+/// (an empty value means none, never the current directory).
+pub fn progress_dir() -> Option<PathBuf> {
+    std::env::var_os(PROGRESS_DIR_ENV)
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+}
+
 /// One rank's last reported progress.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Beacon {
@@ -127,7 +135,7 @@ pub fn write_beacon_with_work(
     write_at(dir, rank, step, phase, time, work_s)?;
     // How the collective mark rewrites this beacon (see [`crate::collective`]).
     let dir = dir.to_path_buf();
-    crate::collective::wrote(
+    crate::waiting_mark::wrote(
         phase,
         Box::new(move |phase| {
             write_at(&dir, rank, step, phase, crate::unix_time(), work_s).is_ok()

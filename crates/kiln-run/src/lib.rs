@@ -33,7 +33,6 @@
 //! rank stopped advancing and on which host.
 
 mod beacon;
-pub mod collective;
 pub mod event;
 mod events;
 pub mod exit;
@@ -45,12 +44,13 @@ pub mod layout;
 pub mod ledger;
 pub mod node_state;
 mod stop;
+pub mod waiting_mark;
 
 pub use beacon::{
     ATTEMPT_ENV, Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, MAX_RECORD, PROGRESS_DIR_ENV,
-    RECORD_PREFIXES, RankFiles, clear_rank_files, is_record_name, read_beacons, read_exit_records,
-    read_liveness, this_attempt, this_host, write_beacon, write_beacon_with_work,
-    write_exit_record, write_liveness,
+    RECORD_PREFIXES, RankFiles, clear_rank_files, is_record_name, progress_dir, read_beacons,
+    read_exit_records, read_liveness, this_attempt, this_host, write_beacon,
+    write_beacon_with_work, write_exit_record, write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 pub use heartbeat::{

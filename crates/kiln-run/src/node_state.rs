@@ -38,10 +38,8 @@ pub const NODE_STATE_DIR_ENV: &str = "KILN_NODE_STATE_DIR";
 /// Where this rank records what it keeps on its node: `$KILN_NODE_STATE_DIR`, else
 /// `$KILN_PROGRESS_DIR`; `None` outside `kiln launch`.
 pub fn records_dir() -> Option<PathBuf> {
-    [NODE_STATE_DIR_ENV, crate::PROGRESS_DIR_ENV]
-        .into_iter()
-        .find_map(|k| std::env::var_os(k).filter(|d| !d.is_empty()))
-        .map(PathBuf::from)
+    let own = std::env::var_os(NODE_STATE_DIR_ENV).filter(|d| !d.is_empty());
+    own.map(PathBuf::from).or_else(crate::progress_dir)
 }
 
 /// One rank's record of what it keeps on its node.

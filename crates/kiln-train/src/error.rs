@@ -57,7 +57,7 @@ pub enum TrainError {
     },
     /// The Hugging Face weights of `model.init_from` cannot be loaded.
     #[error("model.init_from: {0}")]
-    Import(#[from] crate::hf_dir::HfError),
+    Import(#[from] crate::config::hf_config::HfError),
     /// A guard stopped the run.
     #[error("guard: {0}")]
     Guard(String),

@@ -6,7 +6,7 @@
 //! - leaves, importing none of the rest: [`error`] (what stops training, and its exit code),
 //!   [`cadence`] ("every N steps"), [`config`] (the TOML sections), [`checkpoint`] (the
 //!   on-disk format: atomic, verified checkpoints, shards and retention), [`run_dir`] (the
-//!   locked run directory), [`guards`] (spike and sanity checks without tensors), and
+//!   locked run directory), [`loss_checks`] (the guard rail's spike and first-loss checks, without tensors), and
 //!   [`tensor`] (host copies, named device tensors, checksums); [`mesh`] (the ranks of the
 //!   job as one device mesh, built once, and the `parallelism` section it is built from);
 //! - [`kernels`]: the fused kernels, CPU and CubeCL, with their backward passes;
@@ -32,9 +32,8 @@ pub mod components;
 pub mod config;
 pub mod data;
 pub mod error;
-pub mod guards;
-pub mod hf_dir;
 pub mod kernels;
+pub mod loss_checks;
 pub mod mesh;
 pub mod model;
 pub mod optim;

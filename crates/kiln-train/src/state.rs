@@ -5,7 +5,7 @@
 //! anywhere and resumed continues exactly.
 
 use crate::data::TrainData;
-use crate::guards::SpikeDetector;
+use crate::loss_checks::SpikeDetector;
 use crate::model::session::Session;
 use crate::optim::Optimizer;
 use serde::{Deserialize, Serialize};

@@ -103,7 +103,7 @@ fn exit_code_of(err: &anyhow::Error) -> i32 {
                 .or_else(|| coded::<kiln_train::config::ConfigError>(cause))
                 .or_else(|| coded::<kiln_launch::LaunchError>(cause))
                 .or_else(|| coded::<kiln_launch::SubmitError>(cause))
-                .or_else(|| coded::<kiln_dist::yeet::YeetError>(cause))
+                .or_else(|| coded::<kiln_data::yeet::YeetError>(cause))
                 .or_else(|| coded::<kiln_gates::GatesError>(cause))
                 .or_else(|| coded::<kiln_data::DataError>(cause))
                 .or_else(|| coded::<cmd::CliError>(cause))

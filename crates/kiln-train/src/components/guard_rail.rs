@@ -15,7 +15,7 @@ use crate::cadence::Every;
 use crate::components::journal::Journal;
 use crate::config::GuardsConfig;
 use crate::error::TrainError;
-use crate::guards::{self, LossVerdict};
+use crate::loss_checks::{self, LossVerdict};
 use crate::model::ParamSpec;
 use crate::optim::Optimizer;
 use crate::state::{RunState, TrainState};
@@ -223,7 +223,7 @@ impl GuardRail {
         journal: &mut Journal,
     ) -> Result<(), TrainError> {
         let tolerance = self.cfg.initial_loss_tolerance;
-        if let Some(msg) = guards::check_initial_loss(loss, vocab, tolerance) {
+        if let Some(msg) = loss_checks::check_initial_loss(loss, vocab, tolerance) {
             journal.emit(
                 event::INITIAL_LOSS_ERROR,
                 json!({"loss": loss, "vocab": vocab, "message": msg}),

@@ -5,7 +5,7 @@ use super::error::ConfigError;
 use std::path::Path;
 
 /// With `model.init_from` set, takes the model keys from the Hugging Face directory's
-/// `config.json` ([`crate::hf_dir::HfShape`]) into `table`: a key the file (`origin`) or
+/// `config.json` ([`crate::config::hf_config::HfShape`]) into `table`: a key the file (`origin`) or
 /// an override already sets to another value is an error naming both; `data.tokenizer`
 /// defaults to the directory's `tokenizer.json`.
 pub(super) fn resolve_init_from(
@@ -14,7 +14,7 @@ pub(super) fn resolve_init_from(
     overrides: &[String],
     run_dir: Option<&Path>,
 ) -> Result<(), ConfigError> {
-    use crate::hf_dir as hf;
+    use crate::config::hf_config as hf;
     let Some(dir) = table
         .get("model")
         .and_then(|m| m.get("init_from"))
@@ -90,7 +90,7 @@ fn shape_without_init_from(
     dir: &str,
     run_dir: Option<&Path>,
 ) -> Result<(), String> {
-    use crate::hf_dir::HfShape;
+    use crate::config::hf_config::HfShape;
     let model = |t: &toml::Table| t.get("model").and_then(toml::Value::as_table).cloned();
     let has_shape = |m: &toml::Table| HfShape::KEYS.iter().all(|k| m.contains_key(*k));
     if model(table).is_some_and(|m| has_shape(&m)) {

@@ -18,6 +18,7 @@ mod data;
 mod domains;
 mod error;
 mod guards;
+pub mod hf_config;
 mod init_from;
 mod kernels;
 mod metrics;

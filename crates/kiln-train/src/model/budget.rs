@@ -211,14 +211,9 @@ pub fn param_count(model: &ModelConfig, vocab: usize) -> f64 {
 }
 
 /// The memory estimate of `config` with a vocabulary of `vocab` (see the module docs), for
-/// one rank of this process's job (`WORLD_SIZE` ranks; one outside a job).
-pub fn estimate(config: &Config, vocab: usize) -> Estimate {
-    estimate_on(config, vocab, job_ranks())
-}
-
-/// Ranks of this process's job (`WORLD_SIZE`; one outside a job).
-fn job_ranks() -> usize {
-    kiln_topology::RankEnv::from_process_env().map_or(1, |e| e.world_size)
+/// one rank of a job of `ranks` ranks (the mesh's; 1 outside a job).
+pub fn estimate(config: &Config, vocab: usize, ranks: usize) -> Estimate {
+    estimate_on(config, vocab, ranks)
 }
 
 /// Tensor parallelism's share of one rank: its `1/tp` of the parameters (the matrices are
@@ -477,8 +472,11 @@ fn device_memory(device: &str) -> Option<(f64, String)> {
 
 /// Refuses `config` when one rank's device estimate does not fit the device's memory
 /// ([`device_limit`]); `None` off accelerators or where nothing says how much memory there is.
-pub fn check_device(config: &Config, vocab: usize) -> Result<Option<DeviceEstimate>, ConfigError> {
-    let ranks = job_ranks();
+pub fn check_device(
+    config: &Config,
+    vocab: usize,
+    ranks: usize,
+) -> Result<Option<DeviceEstimate>, ConfigError> {
     let Some(est) = device_estimate_on(config, vocab, ranks) else {
         return Ok(None);
     };
@@ -673,19 +671,25 @@ pub fn known_vocab(config: &Config) -> usize {
 
 /// Refuses `config` (with a vocabulary of `vocab`) if its estimate does not fit the memory
 /// this process may use. Where nothing says how much that is, the check is skipped.
-pub fn check(config: &Config, vocab: usize) -> Result<Estimate, ConfigError> {
-    let est = estimate(config, vocab);
-    verdict(config, vocab, est, kiln_run::host::available_memory(), None)
+pub fn check(config: &Config, vocab: usize, ranks: usize) -> Result<Estimate, ConfigError> {
+    let est = estimate(config, vocab, ranks);
+    let limit = kiln_run::host::available_memory();
+    verdict(config, (vocab, ranks), est, limit, None)
 }
 
 /// [`check`] for a training rank whose memory snapshots go to `store`: they count too (see
 /// [`snapshot_bytes`]).
-pub fn check_run(config: &Config, vocab: usize, store: &Path) -> Result<Estimate, ConfigError> {
-    let mut est = estimate(config, vocab);
+pub fn check_run(
+    config: &Config,
+    vocab: usize,
+    ranks: usize,
+    store: &Path,
+) -> Result<Estimate, ConfigError> {
+    let mut est = estimate(config, vocab, ranks);
     est.snapshots = snapshot_bytes(config, est.params, store);
     verdict(
         config,
-        vocab,
+        (vocab, ranks),
         est,
         kiln_run::host::available_memory(),
         Some(store),
@@ -696,7 +700,7 @@ pub fn check_run(config: &Config, vocab: usize, store: &Path) -> Result<Estimate
 /// snapshots counted in `est` go.
 fn verdict(
     config: &Config,
-    vocab: usize,
+    (vocab, ranks): (usize, usize),
     est: Estimate,
     limit: Option<MemoryLimit>,
     store: Option<&Path>,
@@ -721,8 +725,8 @@ fn verdict(
         return Err(snapshots_too_big(config, &est, &limit, store));
     }
     let gib = |b: f64| human_bytes(b);
-    let (key, value, default, saved) = culprit(config, vocab);
-    let shard = sharding_advice(config, vocab, job_ranks(), limit.bytes as f64).unwrap_or_default();
+    let (key, value, default, saved) = culprit(config, vocab, ranks);
+    let shard = sharding_advice(config, vocab, ranks, limit.bytes as f64).unwrap_or_default();
     Err(ConfigError::TooBig(format!(
         "this run needs about {} of memory but {} is available ({}): parameters {} ({:.3e} of them, x{} bytes with AdamW state{}), one step's activations {} ({} x {} tokens), checkpoint buffers {}, eval {}; estimate x {SAFETY}{} + {}. Lower {key} (now {value}; {default}) to save the most ({} less){shard}",
         gib(est.need()),
@@ -782,8 +786,8 @@ fn snapshots_too_big(
 
 /// The key whose return to its default saves the most memory: `(key, value, "the default is
 /// X", bytes saved)`.
-fn culprit(config: &Config, vocab: usize) -> (&'static str, String, String, f64) {
-    let need = estimate(config, vocab).need();
+fn culprit(config: &Config, vocab: usize, ranks: usize) -> (&'static str, String, String, f64) {
+    let need = estimate(config, vocab, ranks).need();
     let defaults = Config::default();
     type Reset = fn(&mut Config, &Config);
     let keys: [(&str, Reset); 8] = [
@@ -816,7 +820,7 @@ fn culprit(config: &Config, vocab: usize) -> (&'static str, String, String, f64)
         } else {
             vocab
         };
-        let saved = need - estimate(&c, v).need();
+        let saved = need - estimate(&c, v, ranks).need();
         if saved > best.1 {
             best = (key, saved);
         }
@@ -914,12 +918,12 @@ mod tests {
 
     #[test]
     fn each_part_grows_with_its_keys() {
-        let base = estimate(&config(&[]), 16);
-        let longer = estimate(&config(&["training.seq_len=128"]), 16);
+        let base = estimate(&config(&[]), 16, 1);
+        let longer = estimate(&config(&["training.seq_len=128"]), 16, 1);
         // Attention scores are quadratic in the sequence: more than twice the activations.
         assert!(longer.activations > 2.0 * base.activations);
         assert_eq!(longer.resident, base.resident);
-        let wider = estimate(&config(&["model.d_model=256"]), 16);
+        let wider = estimate(&config(&["model.d_model=256"]), 16, 1);
         assert!(wider.params > 2.0 * base.params);
         let no_guards = estimate(
             &config(&[
@@ -927,15 +931,16 @@ mod tests {
                 "guards.frozen_check_interval=0",
             ]),
             16,
+            1,
         );
         assert_eq!(no_guards.resident, 12.0 * base.params);
         assert!(base.need() > OVERHEAD);
         // Activation checkpointing keeps one block's activations and every block's input.
         let deep = &["model.n_layers=8", "training.seq_len=256"];
-        let kept = estimate(&config(deep), 16);
+        let kept = estimate(&config(deep), 16, 1);
         let mut sets = deep.to_vec();
         sets.push("training.activation_checkpointing=blocks");
-        let recomputed = estimate(&config(&sets), 16);
+        let recomputed = estimate(&config(&sets), 16, 1);
         assert!(
             recomputed.activations < kept.activations / 4.0,
             "{recomputed:?} {kept:?}"
@@ -949,11 +954,11 @@ mod tests {
     #[test]
     fn on_an_accelerator_only_the_host_copies_count() {
         let long = &["training.seq_len=2048", "training.batch_size=4"][..];
-        let host = estimate(&config(long), 32000);
+        let host = estimate(&config(long), 32000, 1);
         let mut gpu = config(long);
         for device in ["cuda", "cuda:1", "rocm:0", "vulkan"] {
             gpu.training.device = device.into();
-            let on_gpu = estimate(&gpu, 32000);
+            let on_gpu = estimate(&gpu, 32000, 1);
             assert!(on_gpu.on_accelerator, "{device}");
             // The same parts; the activations, weights and moments are device memory.
             assert_eq!(on_gpu.activations, host.activations);
@@ -963,7 +968,7 @@ mod tests {
         }
         for device in ["flex", "cpu", "cubecl-cpu"] {
             gpu.training.device = device.into();
-            assert_eq!(estimate(&gpu, 32000).need(), host.need(), "{device}");
+            assert_eq!(estimate(&gpu, 32000, 1).need(), host.need(), "{device}");
         }
     }
 
@@ -1138,19 +1143,19 @@ mod tests {
             ("training.batch_size=1000000000", "training.batch_size"),
         ] {
             let c = config(&[set]);
-            let err = check(&c, known_vocab(&c)).unwrap_err().to_string();
+            let err = check(&c, known_vocab(&c), 1).unwrap_err().to_string();
             assert!(err.contains(&format!("Lower {key}")), "{set}: {err}");
             assert!(err.contains("is available"), "{err}");
         }
         // The default run fits anywhere kiln's tests run.
         let c = config(&[]);
-        assert!(check(&c, 16).is_ok());
+        assert!(check(&c, 16, 1).is_ok());
     }
 
     #[test]
     fn memory_snapshots_count_when_they_use_ram_and_are_named_when_they_do_not_fit() {
         let c = config(&["checkpoint.snapshot_keep=2"]);
-        let est = estimate(&c, 16);
+        let est = estimate(&c, 16, 1);
         let each = 12.0 * est.params;
         // On a disk they cost no RAM.
         let disk = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -1187,7 +1192,7 @@ mod tests {
             })
         };
         let short = limit(with.need() - with.snapshots / 2.0);
-        let err = verdict(&c, 16, with.clone(), short, Some(&store))
+        let err = verdict(&c, (16, 1), with.clone(), short, Some(&store))
             .unwrap_err()
             .to_string();
         for want in [
@@ -1199,7 +1204,16 @@ mod tests {
         ] {
             assert!(err.contains(want), "{want:?} not in {err}");
         }
-        assert!(verdict(&c, 16, with.clone(), limit(with.need() + 1.0), Some(&store)).is_ok());
+        assert!(
+            verdict(
+                &c,
+                (16, 1),
+                with.clone(),
+                limit(with.need() + 1.0),
+                Some(&store)
+            )
+            .is_ok()
+        );
     }
 
     #[test]

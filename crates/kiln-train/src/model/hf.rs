@@ -1,7 +1,7 @@
 //! Hugging Face Llama directories as the starting weights of a run (`model.init_from`): the
 //! inverse of `kiln export --to hf`.
 //!
-//! - `config.json` gives the model's shape ([`crate::hf_dir::HfShape`], which the config reads
+//! - `config.json` gives the model's shape ([`crate::config::hf_config::HfShape`], which the config reads
 //!   before any model exists).
 //! - The weights are `model.safetensors`, or the files `model.safetensors.index.json` maps
 //!   each tensor to (`save_pretrained`'s shards). Every tensor of the model must be there with
@@ -14,7 +14,7 @@
 //! Files are read only if they are regular files; the index may name only files beside it.
 
 use crate::checkpoint::{HostTensor, StoredDtype};
-use crate::hf_dir::{HfError, MAX_JSON_BYTES, invalid, io_err};
+use crate::config::hf_config::{HfError, MAX_JSON_BYTES, invalid, io_err};
 use crate::model::ParamSpec;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

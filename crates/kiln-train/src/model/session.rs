@@ -217,13 +217,20 @@ pub fn set_threads(threads: usize) -> Result<(), TrainError> {
 }
 
 impl Session {
-    /// Builds the model for `vocab` tokens with fresh parameters drawn from the seed.
+    /// Builds the model for `vocab` tokens with fresh parameters drawn from the seed, for one
+    /// rank alone (tools, tests; a job's ranks: [`Session::for_rank_of`]).
     pub fn new(config: &Config, vocab: usize) -> Result<Self, TrainError> {
+        Self::for_rank_of(config, vocab, 1)
+    }
+
+    /// [`Session::new`] for one rank of a job of `ranks` ranks, whose share of the model and
+    /// its state the memory checks count.
+    pub fn for_rank_of(config: &Config, vocab: usize, ranks: usize) -> Result<Self, TrainError> {
         config.validate()?;
         // The memory of the model, its optimizer and a step, before any of it is allocated.
-        crate::model::budget::check(config, vocab)?;
+        crate::model::budget::check(config, vocab, ranks)?;
         // And of the device, on an accelerator whose memory is known.
-        crate::model::budget::check_device(config, vocab)?;
+        crate::model::budget::check_device(config, vocab, ranks)?;
         tune_allocator();
         set_threads(config.training.threads)?;
         crate::kernels::settings::configure(crate::kernels::settings::Settings::of(config));

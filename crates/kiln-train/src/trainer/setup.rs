@@ -63,7 +63,7 @@ impl RunFacts {
             model_hash: session.model_hash(),
             config_hash: sha256_hex(&cfg.to_toml()),
             log_every: crate::cadence::Every(cfg.metrics.log_interval.max(1)),
-            progress_dir: std::env::var_os(kiln_run::PROGRESS_DIR_ENV).map(PathBuf::from),
+            progress_dir: kiln_run::progress_dir(),
             started: Instant::now(),
         }
     }
@@ -211,17 +211,18 @@ fn build(
     let store = crate::components::checkpoints::snapshot::rank_dir(&cfg.checkpoint, run_dir, rank);
     crate::components::checkpoints::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
     let known = crate::model::budget::known_vocab(cfg);
-    crate::model::budget::check_run(cfg, known, &store)?;
+    let ranks = mesh.world().size();
+    crate::model::budget::check_run(cfg, known, ranks, &store)?;
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)
         .map_err(TrainError::Data)?;
     let vocab = data.vocab(cfg).map_err(TrainError::Data)?;
     if known == 0 {
         // The corpus told the vocabulary only now: the embedding may change the answer.
-        crate::model::budget::check_run(cfg, vocab, &store)?;
+        crate::model::budget::check_run(cfg, vocab, ranks, &store)?;
     }
     startup.mark(phase::DATA_OPEN);
     crate::model::session::keep_device_cache(cfg, run_dir, rank);
-    let session = Session::new(cfg, vocab)?;
+    let session = Session::for_rank_of(cfg, vocab, ranks)?;
     Ok((layout, data, session))
 }
 

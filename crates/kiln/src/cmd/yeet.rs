@@ -1,4 +1,4 @@
-//! `kiln yeet`: flags in, [`kiln_dist::yeet`] out.
+//! `kiln yeet`: flags in, [`kiln_data::yeet`] out.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -50,12 +50,12 @@ pub fn run(args: YeetArgs) -> anyhow::Result<ExitCode> {
         );
         bar
     });
-    let opts = kiln_dist::yeet::YeetOptions {
+    let opts = kiln_data::yeet::YeetOptions {
         source: args.src,
         dest: args.dest,
         force: args.force,
     };
-    let result = kiln_dist::yeet::yeet(comm.as_ref(), &opts, |sent| {
+    let result = kiln_data::yeet::yeet(comm.as_ref(), &opts, |sent| {
         if let Some(bar) = &bar {
             bar.set_position(sent);
         }

@@ -1,5 +1,6 @@
-//! A rank's beacon says when it waits on the others. In a hung collective every healthy rank
-//! waits at the same step as the one that stopped, so steps alone cannot tell them apart;
+//! The beacon's waiting mark: a rank's beacon says when it waits on the others. In a hung
+//! collective every healthy rank waits at the same step as the one that stopped, so steps
+//! alone cannot tell them apart;
 //! the phase can. A collective engine marks each blocking call with [`waiting`]: one that
 //! lasts longer than [`MARK_AFTER`] rewrites this process's beacon (the one it last wrote
 //! with [`crate::write_beacon`]) with the phase [`COLLECTIVE`] at the same step, and when it

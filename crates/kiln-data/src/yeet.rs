@@ -15,7 +15,7 @@
 //! until the stream ends and reports its failure in the final all-gather: a rank that left
 //! early would leave all the others waiting in a broadcast.
 
-use crate::Collective;
+use kiln_dist::Collective;
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
@@ -626,7 +626,7 @@ fn inside(base: &Path, rel: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Solo;
+    use kiln_dist::Solo;
 
     fn tree(root: &Path) {
         std::fs::create_dir_all(root.join("sub/deeper")).unwrap();

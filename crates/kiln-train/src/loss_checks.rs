@@ -1,5 +1,7 @@
-//! In-run guards that need no tensors: loss-spike detection over a running window, and the
-//! first-step loss sanity check. Their state is part of every checkpoint, so a resumed run
+//! The guard rail's checks that need no tensors: loss-spike detection over a running window,
+//! and the first-step loss sanity check. The rail itself is a component
+//! ([`crate::components::guard_rail`]); these live apart, below the run's state, because the
+//! spike window is part of every checkpoint ([`crate::state::TrainState`]), so a resumed run
 //! makes exactly the decisions the uninterrupted one would.
 
 use crate::config::GuardsConfig;

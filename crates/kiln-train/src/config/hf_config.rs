@@ -1,9 +1,9 @@
-//! A Hugging Face Llama directory as `model.init_from` reads it: its file names, its errors,
-//! and the model shape its `config.json` gives ([`HfShape`]). Only what kiln's Llama computes
-//! is accepted (`LlamaForCausalLM`, SiLU, no biases, no RoPE scaling, `head_dim` =
-//! `hidden_size / num_attention_heads`); anything else is refused naming the key, since its
-//! weights would load as a different model. The config reads the shape before any model
-//! exists; the weights are [`crate::model::hf`]'s.
+//! A Hugging Face Llama directory's `config.json` as `model.init_from` reads it into the config,
+//! before any model exists: its file names, its errors, and the model shape it gives
+//! ([`HfShape`]); the weights are read by [`crate::model::hf`], above the model. Only what
+//! kiln's Llama computes is accepted (`LlamaForCausalLM`, SiLU, no biases, no RoPE scaling,
+//! `head_dim` = `hidden_size / num_attention_heads`); anything else is refused naming the key,
+//! since its weights would load as a different model.
 
 use std::path::{Path, PathBuf};
 
