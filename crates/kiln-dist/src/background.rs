@@ -10,7 +10,7 @@
 //! caller blocked in a collective of its own communicator cannot hold another rank's
 //! background call up.
 
-use crate::Collective;
+use crate::collective::Collective;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
@@ -97,7 +97,8 @@ impl Drop for Background {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Solo, Threads};
+    use crate::solo::Solo;
+    use crate::threads::Threads;
 
     /// Three ranks gather in the background while their own communicator all-reduces: the
     /// results are those of the same calls made in the foreground, in order.

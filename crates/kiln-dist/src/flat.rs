@@ -5,7 +5,7 @@
 //! flat buffer, so the calls (and the bits) do not depend on how it is cut into slices, and
 //! no copy of the whole buffer is made.
 
-use crate::Collective;
+use crate::collective::Collective;
 use std::ops::Range;
 
 /// All-reduce of one long buffer in buckets of a fixed number of elements: bounded message
@@ -226,7 +226,7 @@ impl Sharded {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Threads;
+    use crate::threads::Threads;
 
     const LENGTHS: [usize; 7] = [0, 5, 1, 0, 13, 7, 2];
 

@@ -14,7 +14,8 @@
 //! Experts (`ep`) borrow ranks of the data-parallel dims rather than adding ranks of their
 //! own (as in torchtitan), so they are a group of this grid, not a dim of it.
 
-use crate::{Collective, DistError, Solo};
+use crate::collective::{Collective, DistError};
+use crate::solo::Solo;
 
 /// One axis of the mesh (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -279,7 +280,8 @@ impl DeviceMesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Sharded, Threads};
+    use crate::flat::Sharded;
+    use crate::threads::Threads;
 
     #[test]
     fn coordinates_are_the_rank_in_mixed_radix_tp_fastest() {

@@ -13,7 +13,7 @@
 //! `0x1`, which OpenMPI takes for `MPI_IN_PLACE` and rejects (MPI_ERR_ARG). Every rank
 //! knows the length, so every rank skips the same call.
 
-use crate::{Collective, DistError};
+use crate::collective::{Collective, DistError};
 use mpi::collective::SystemOperation;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;

@@ -1,6 +1,6 @@
 //! One rank: every collective is the identity.
 
-use crate::Collective;
+use crate::collective::Collective;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 

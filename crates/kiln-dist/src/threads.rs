@@ -6,7 +6,7 @@
 //! one exchange through a mutex and a barrier, and they must follow kiln's [`Collective`]
 //! contract exactly.
 
-use crate::Collective;
+use crate::collective::Collective;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Barrier, Condvar, Mutex};
 
@@ -252,7 +252,7 @@ impl Collective for Threads {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Sharded;
+    use crate::flat::Sharded;
 
     #[test]
     fn the_collectives_follow_the_contract() {

@@ -133,12 +133,12 @@ pub fn write_beacon_with_work(
     work_s: Option<f64>,
 ) -> Result<(), BeaconError> {
     write_at(dir, rank, step, phase, time, work_s)?;
-    // How the collective mark rewrites this beacon (see [`crate::collective`]).
+    // How the collective mark rewrites this beacon (see [`crate::waiting_mark`]).
     let dir = dir.to_path_buf();
     crate::waiting_mark::wrote(
         phase,
         Box::new(move |phase| {
-            write_at(&dir, rank, step, phase, crate::unix_time(), work_s).is_ok()
+            write_at(&dir, rank, step, phase, crate::events::unix_time(), work_s).is_ok()
         }),
     );
     Ok(())

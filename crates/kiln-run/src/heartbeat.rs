@@ -8,7 +8,8 @@
 //! (`<silent_s> <unix_time> <host>`), so the supervisor names the rank, its host and the
 //! detection time even when another process made the decision.
 
-use crate::{BeaconError, layout};
+use crate::beacon::{BeaconError, RankFiles, this_host};
+use crate::layout;
 use std::os::fd::RawFd;
 use std::path::Path;
 use std::sync::Arc;
@@ -122,14 +123,14 @@ pub fn write_lost_record(
     };
     let line = format!(
         "{silent_s:.3} {time:.3} {}{}\n",
-        crate::this_host(),
+        this_host(),
         crate::beacon::attempt_field()
     );
     crate::files::write_atomic(&path, line.as_bytes(), crate::files::Atomic::RECORD).map_err(io)
 }
 
 /// Reads every `lost-<R>` record in `dir`, sorted by rank; unparsable files are ignored.
-pub fn read_lost_records(dir: &(impl crate::RankFiles + ?Sized)) -> Vec<LostRecord> {
+pub fn read_lost_records(dir: &(impl RankFiles + ?Sized)) -> Vec<LostRecord> {
     let mut v: Vec<LostRecord> = (dir.rank_files(layout::LOST_PREFIX))
         .into_iter()
         .filter_map(|(rank, text)| {

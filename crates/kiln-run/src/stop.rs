@@ -10,7 +10,7 @@
 //! the ranks end: OpenMPI's mpirun SIGKILLs its ranks a moment after forwarding a SIGTERM, so
 //! ranks that were checkpointing died before they could exit 75 or record how they ended.
 
-use crate::BeaconError;
+use crate::beacon::BeaconError;
 use crate::layout;
 use std::path::Path;
 

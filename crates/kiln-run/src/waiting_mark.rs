@@ -157,12 +157,12 @@ mod tests {
         let st = Mutex::new(State::default());
         let dir = tempfile::tempdir().unwrap();
         let read = || {
-            let b = crate::read_beacons(dir.path())[0].clone();
+            let b = crate::beacon::read_beacons(dir.path())[0].clone();
             (b.rank, b.step, b.phase)
         };
         let write = |step, phase: &str| {
             let at = dir.path().to_path_buf();
-            let rewrite = move |p: &str| crate::write_beacon(&at, 3, step, p, 0.0).is_ok();
+            let rewrite = move |p: &str| crate::beacon::write_beacon(&at, 3, step, p, 0.0).is_ok();
             assert!(rewrite(phase));
             wrote_into(&st, phase, Box::new(rewrite));
         };
