@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side training-step benchmark: kiln (burn flex) vs the PyTorch eager reference
-# (../shared/bench/torch_ref.py), same model, batch and optimizer, same thread count, in one
+# (bench/train/torch_ref.py), same model, batch and optimizer, same thread count, in one
 # run, back to back. Prints both tokens/s and the ratio kiln/PyTorch.
 #
 # Reference model: vocab 8192, d_model 384, 6 layers, 6 query / 2 kv heads (head_dim 64), RoPE,
@@ -27,8 +27,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
-ref="$root/../shared/bench/torch_ref.py"
-[ -f "$ref" ] || { echo "missing $ref (the shared PyTorch reference)" >&2; exit 1; }
+ref="$root/bench/train/torch_ref.py"
+[ -f "$ref" ] || { echo "missing $ref (the PyTorch reference)" >&2; exit 1; }
 venv="$root/bench/.venv"
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
   echo "installing torch into $venv ..." >&2

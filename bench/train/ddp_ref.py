@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch DDP peer of kiln's data-parallel benchmark: the reference model of
-../shared/bench/torch_ref.py wrapped in DistributedDataParallel (gloo backend, CPU, default
+bench/train/torch_ref.py wrapped in DistributedDataParallel (gloo backend, CPU, default
 25 MB buckets), each rank on its own batch of 8 x 256 tokens. Start with torchrun:
 
     torchrun --standalone --nproc_per_node 2 bench/train/ddp_ref.py --threads 1 --steps 10
@@ -13,7 +13,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

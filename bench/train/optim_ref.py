@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch DDP peer of kiln's optimizer benchmark (bench/train/optim.sh): the Llama of
-../shared/bench/torch_ref.py (the reference model, or with --model 107m the ~107M model of
+bench/train/torch_ref.py (the reference model, or with --model 107m the ~107M model of
 tp_ref.py: vocab 8192, d 1024, 8 layers, 16/4 heads, SwiGLU 2816), DistributedDataParallel on
 gloo, each rank on its own batch of --batch x 256 tokens, fp32, clip 1.0, with
 
@@ -22,7 +22,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -6,7 +6,7 @@
 #   rayon pool so every sample's stack reaches the model code) under `perf record` (cpu-clock
 #   sampling with DWARF call stacks); bench/train/kiln_ops.py puts each sample in a category
 #   from its stack. CPU time, so other load on the machine does not inflate it.
-# torch: bench/train/torch_ops.py runs ../shared/bench/torch_ref.py's model under
+# torch: bench/train/torch_ops.py runs bench/train/torch_ref.py's model under
 #   torch.profiler and sums each op's self time into the same categories (scaled by process
 #   CPU time over wall time, as the profiler measures wall time).
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch peer of kiln's sharding benchmark (bench/train/shard.sh): the reference model of
-../shared/bench/torch_ref.py (or one `--width` times as wide) on CPU with gloo, each rank on
+bench/train/torch_ref.py (or one `--width` times as wide) on CPU with gloo, each rank on
 its own batch of `--batch` x 256 tokens, in one of three modes:
 
   ddp    DistributedDataParallel, everything replicated (kiln's parallelism.shard = "none")
@@ -25,7 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

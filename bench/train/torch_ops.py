@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where PyTorch eager's training step time goes, per op, forward and backward.
 
-Runs the reference model of ../shared/bench/torch_ref.py (same model, batch, AdamW and
+Runs the reference model of bench/train/torch_ref.py (same model, batch, AdamW and
 clipping as bench.sh) under torch.profiler and sums each profiled op's self CPU time into
 the categories of kiln's table (bench/train/kiln_ops.py), per step. Forward ops are
 classified by the top-level aten op and its shapes, backward ops by the autograd node that
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REF = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_ref.py")
+REF = os.path.join(HERE, "torch_ref.py")
 
 
 def load_ref():

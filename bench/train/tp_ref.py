@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch peer of kiln's tensor-parallel benchmark (bench/train/tp.sh): the Llama of
-../shared/bench/torch_ref.py (RMSNorm, RoPE, GQA attention with SDPA, SwiGLU, untied head)
+bench/train/torch_ref.py (RMSNorm, RoPE, GQA attention with SDPA, SwiGLU, untied head)
 with its dims set to a ~107M-parameter model (vocab 8192, d_model 1024, 8 layers, 16 q heads /
 4 kv heads of 64, SwiGLU hidden 2816, seq 256), fp32, AdamW(3e-4, wd 0.1), grad clip 1.0, on
 CPU with gloo, in one of three modes:
@@ -70,7 +70,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -51,8 +51,8 @@
 //! [`SAFETY`], plus the memory snapshots (files of a known size), plus [`OVERHEAD`] for the
 //! program itself. On an accelerator (`training.device` a GPU) the weights, moments, step and
 //! eval are in the device's memory, so the host's need is the checkpoint's host copies,
-//! the snapshots and the overhead (seen on an H200 before this split: a 1B-class run refused
-//! for needing 177 GiB of host memory it would never use), and the device's memory has an
+//! the snapshots and the overhead (counting the rest on the host would refuse a 1B-class run
+//! on an H200 for 177 GiB of host memory it never uses), and the device's memory has an
 //! estimate of its own ([`device_estimate_on`], below). When the snapshots are what does not
 //! fit, the error names `checkpoint.snapshot_keep`, `checkpoint.snapshot_dir` and
 //! `checkpoint.snapshot_interval`.

@@ -4,7 +4,7 @@
 //!
 //! | implementation | chosen | how |
 //! | --- | --- | --- |
-//! | [`HostStaged`] | every device but CUDA and ROCm (flex, CubeCL's CPU runtime, Vulkan, Metal), ROCm without RCCL on every rank, and CUDA or ROCm with `parallelism.collectives = "host"` | each tensor copied to host memory, MPI in fixed buckets ([`kiln_dist::BucketedAllReduce`], [`kiln_dist::Sharded`]), copied back: exactly the calls kiln made before this seam, so those runs keep their bits |
+//! | [`HostStaged`] | every device but CUDA and ROCm (flex, CubeCL's CPU runtime, Vulkan, Metal), ROCm without RCCL on every rank, and CUDA or ROCm with `parallelism.collectives = "host"` | each tensor copied to host memory, MPI in fixed buckets ([`kiln_dist::BucketedAllReduce`], [`kiln_dist::Sharded`]), copied back, in the same calls on every run and resume, so they give the same bits |
 //! | [`OnDevice`] over [`Nccl`] | CUDA with several ranks | one flat device buffer per bucket or stage, NCCL's all-reduce, reduce-scatter and all-gather on a stream of kiln's own, ordered against CubeCL's stream by CUDA events (no host synchronisation, no whole-device wait) |
 //! | [`OnDevice`] over [`Rccl`](crate::parallel::rccl::Rccl) | ROCm with several ranks, when every rank opens `librccl.so` | the same device buffers, RCCL (NCCL's API) on a stream of kiln's own, the host waiting for each (no AMD GPU has run it) |
 //! | [`OnDevice`] over [`MpiWire`] | `parallelism.collectives = "device"` (tests) | the same device buffers as over NCCL, each flat buffer staged through host memory and MPI: what CI runs to exercise the device-side packing on CubeCL's CPU runtime |
