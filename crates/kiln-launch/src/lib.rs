@@ -9,6 +9,7 @@
 
 mod classify;
 mod culprit;
+mod dry_run;
 mod flags;
 mod groups;
 mod health;
@@ -22,6 +23,7 @@ mod pool;
 mod probe;
 mod progress;
 mod pty;
+mod release;
 mod retry;
 mod setup;
 mod shim;
@@ -42,8 +44,7 @@ pub use flags::{TopologyFlags, kiln_flags};
 pub use groups::become_subreaper;
 pub use health::{HostHealth, NoHealth, PbsHealth, SlurmHealth, slurm_bad_nodes, slurm_job_nodes};
 pub use launch::{
-    LaunchEnd, LaunchError, LaunchRequest, NodeRelease, default_run_dir, launch, local_cpus,
-    release_node, split_command,
+    LaunchEnd, LaunchError, LaunchRequest, default_run_dir, launch, local_cpus, split_command,
 };
 pub use limits::seconds as limits_seconds;
 pub use limits::{
@@ -61,6 +62,7 @@ pub use progress::{
     DEFAULT_PROGRESS_REGEX, LineSplitter, MAX_PLAUSIBLE_STEP, ProgressRegex, StepCounter,
     strip_ansi,
 };
+pub use release::{NodeRelease, release_node};
 pub use retry::{
     AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
     RetryLimit, decide, outcome_json, run_with_retries,
