@@ -6,13 +6,14 @@
 //! - leaves, importing none of the rest: [`error`] (what stops training, and its exit code),
 //!   [`cadence`] ("every N steps"), [`config`] (the TOML sections), [`checkpoint`] (the
 //!   on-disk format: atomic, verified checkpoints, shards and retention), [`run_dir`] (the
-//!   locked run directory), [`loss_checks`] (the guard rail's spike and first-loss checks, without tensors), and
-//!   [`tensor`] (host copies, named device tensors, checksums); [`mesh`] (the ranks of the
-//!   job as one device mesh, built once, and the `parallelism` section it is built from);
+//!   locked run directory), [`loss_checks`] (the guard rail's spike and first-loss checks,
+//!   without tensors), and [`tensor`] (host copies, named device tensors, checksums);
+//!   [`mesh`] (the ranks of the job as one device mesh, built once, and the `parallelism`
+//!   section it is built from); [`budget`] (admission control: the memory of host and
+//!   device and the threads, checked before anything is allocated);
 //! - [`kernels`]: the fused kernels, CPU and CubeCL, with their backward passes;
 //! - [`model`]: the model (parameters and the forward pass), its [`model::session`] (a model
-//!   and its parameters on a device) and [`model::budget`] (memory and threads checked before
-//!   allocating); [`optim`] (AdamW, Muon and SophiaG behind one seam, clipping, LR
+//!   and its parameters on a device); [`optim`] (AdamW, Muon and SophiaG behind one seam, clipping, LR
 //!   schedules); [`data`] (token sources, the built-in corpus);
 //! - [`state`]: the run's one owned state ([`state::RunState`]) and the exact-resume
 //!   [`TrainState`];
@@ -26,6 +27,7 @@
 //!   rail, eval, the replica check;
 //! - [`trainer`]: the step loop that calls them in order.
 
+pub mod budget;
 pub mod cadence;
 pub mod checkpoint;
 pub mod components;

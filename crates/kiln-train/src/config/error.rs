@@ -28,7 +28,7 @@ pub enum ConfigError {
     /// other; every offending key is listed with its value and what is allowed.
     #[error("config: {}", join_domains(.0))]
     OutOfDomain(Vec<OutOfDomain>),
-    /// The run cannot fit in this machine's memory (see [`crate::model::budget`]).
+    /// The run cannot fit in this machine's memory (see [`crate::budget`]).
     #[error("config: {0}")]
     TooBig(String),
 }

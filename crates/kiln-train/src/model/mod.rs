@@ -16,7 +16,6 @@
 //! (`training.master_dtype`): they are widened where f32 is needed. With f32 everywhere every
 //! cast is a no-op, so the f32 numerics are untouched.
 
-pub mod budget;
 pub mod hf;
 pub mod session;
 

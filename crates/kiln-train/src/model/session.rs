@@ -89,7 +89,7 @@ pub fn guess_peak_flops(
     threads: usize,
 ) -> Option<f64> {
     let kind = name.split(':').next().unwrap_or(name);
-    if !crate::model::budget::on_accelerator(kind) {
+    if !crate::budget::on_accelerator(kind) {
         return Some(threads as f64 * 80e9);
     }
     let bf16 = gpu_bf16_peak(name)?;
@@ -211,9 +211,9 @@ pub fn keep_device_cache(config: &Config, run_dir: &Path, rank: usize) {
 }
 
 /// Sets the CPU thread count of the flex backend (rayon's global pool). Only the first call
-/// in a process takes effect; see [`crate::model::budget::start_threads`].
+/// in a process takes effect; see [`crate::budget::start_threads`].
 pub fn set_threads(threads: usize) -> Result<(), TrainError> {
-    Ok(crate::model::budget::start_threads(threads)?)
+    Ok(crate::budget::start_threads(threads)?)
 }
 
 impl Session {
@@ -228,9 +228,9 @@ impl Session {
     pub fn for_rank_of(config: &Config, vocab: usize, ranks: usize) -> Result<Self, TrainError> {
         config.validate()?;
         // The memory of the model, its optimizer and a step, before any of it is allocated.
-        crate::model::budget::check(config, vocab, ranks)?;
+        crate::budget::check(config, vocab, ranks)?;
         // And of the device, on an accelerator whose memory is known.
-        crate::model::budget::check_device(config, vocab, ranks)?;
+        crate::budget::check_device(config, vocab, ranks)?;
         tune_allocator();
         set_threads(config.training.threads)?;
         crate::kernels::settings::configure(crate::kernels::settings::Settings::of(config));

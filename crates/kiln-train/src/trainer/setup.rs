@@ -210,15 +210,15 @@ fn build(
     let rank = mesh.world().rank();
     let store = crate::components::checkpoints::snapshot::rank_dir(&cfg.checkpoint, run_dir, rank);
     crate::components::checkpoints::snapshot::check_store(&cfg.effective_checkpoint(), &store)?;
-    let known = crate::model::budget::known_vocab(cfg);
+    let known = crate::budget::known_vocab(cfg);
     let ranks = mesh.world().size();
-    crate::model::budget::check_run(cfg, known, ranks, &store)?;
+    crate::budget::check_run(cfg, known, ranks, &store)?;
     let data = TrainData::open(cfg, layout.samples_for(cfg.training.steps), None)
         .map_err(TrainError::Data)?;
     let vocab = data.vocab(cfg).map_err(TrainError::Data)?;
     if known == 0 {
         // The corpus told the vocabulary only now: the embedding may change the answer.
-        crate::model::budget::check_run(cfg, vocab, ranks, &store)?;
+        crate::budget::check_run(cfg, vocab, ranks, &store)?;
     }
     startup.mark(phase::DATA_OPEN);
     crate::model::session::keep_device_cache(cfg, run_dir, rank);

@@ -276,8 +276,7 @@ fn memory_snapshots_on_tmpfs_count_in_the_memory_budget() {
         .chain(sets(store.path()))
         .collect();
     let cfg = kiln_train::config::Config::load(None, &all).unwrap();
-    let est =
-        kiln_train::model::budget::estimate(&cfg, kiln_train::model::budget::known_vocab(&cfg), 1);
+    let est = kiln_train::budget::estimate(&cfg, kiln_train::budget::known_vocab(&cfg), 1);
     let snapshots = 12.0 * est.params * (cfg.checkpoint.snapshot_keep + 1) as f64;
     let limit = ((est.need() + snapshots / 2.0) as u64).to_string();
     let train = |name: &str, snapshots: &Path| {
