@@ -18,6 +18,7 @@ use kiln_topology::{RankEnv, RankEnvError};
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, killpg, sigaction};
 use nix::unistd::Pid;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -113,34 +114,14 @@ pub fn run_as_rank(
     let Some((program, args)) = command.split_first() else {
         return Err(ShimError::NoCommand);
     };
-    let shared_dir = kiln_run::progress_dir();
-    let seat = take_seat();
-    // Under the `tcp` control plane the rank's records go to its node's directory, which the
-    // node agent forwards; else to the run's progress directory.
-    let progress_dir = match &seat {
-        Some(s) => Some(s.dir().to_path_buf()),
-        None => shared_dir.clone(),
-    };
-    let record = |code: Option<i32>, signal: Option<i32>| match &progress_dir {
-        Some(dir) => match write_exit_record(dir, env.rank, code, signal, unix_time()) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!("kiln launch --as-rank: {e}");
-                false
-            }
-        },
-        None => false,
-    };
+    let reports = Reports::take(env.rank);
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
-    if let Some(dir) = &shared_dir {
+    if let Some(dir) = &reports.shared {
         crate::mpi_shm::record_job(dir, env.rank);
     }
     let mut cmd = rank_command(program, args, &env)?;
-    if let (Some(s), Some(shared)) = (&seat, &shared_dir) {
-        cmd.env(PROGRESS_DIR_ENV, s.dir());
-        cmd.env(kiln_run::node_state::NODE_STATE_DIR_ENV, shared);
-    }
+    reports.hand_to(&mut cmd);
     let beat_pipe = heartbeat_timeout.and_then(|_| crate::heartbeat::pipe().ok());
     if let Some((_, write)) = &beat_pipe {
         crate::heartbeat::hand_to_child(&mut cmd, write);
@@ -150,14 +131,10 @@ pub fn run_as_rank(
     let mut child = match spawned {
         Ok(c) => c,
         Err(source) => {
-            let e = ShimError::Exec {
-                program: program.clone(),
-                source,
-            };
-            record(Some(e.exit_code()), None);
-            if let Some(s) = seat {
-                s.leave();
-            }
+            let program = program.clone();
+            let e = ShimError::Exec { program, source };
+            reports.record(RankExit::Code(e.exit_code()));
+            reports.leave();
             return Err(e);
         }
     };
@@ -166,24 +143,78 @@ pub fn run_as_rank(
     install_forwarding();
     let sampling = Arc::new(AtomicBool::new(true));
     {
-        let (dir, rank, on) = (progress_dir.clone(), env.rank, Arc::clone(&sampling));
+        let (dir, rank, on) = (reports.dir(), env.rank, Arc::clone(&sampling));
         let beats = listener.zip(heartbeat_timeout);
         std::thread::spawn(move || watch_rank(dir.as_deref(), rank, pgid, beats, &on));
     }
     let exit = wait_exit(&mut child);
     sampling.store(false, Ordering::SeqCst);
-    let recorded = match exit {
-        RankExit::Code(c) => record(Some(c), None),
-        RankExit::Signal(s) => record(None, Some(s)),
-    };
+    let recorded = reports.record(exit);
     end_leftovers(Pid::from_raw(pgid));
     // A rank killed before MPI_Finalize leaves its Open MPI segment in /dev/shm (4 MiB).
     crate::mpi_shm::remove_own_segment(env.local_rank);
     // The node agent's shim stays until the node's other ranks are done and reported.
-    if let Some(s) = seat {
-        s.leave();
-    }
+    reports.leave();
     Ok(exit_to_launcher(exit, recorded))
+}
+
+/// Where this rank reports: under the `tcp` control plane its node's directory (its seat,
+/// which the node agent forwards), else the run's progress directory (`shared`, where the
+/// node records go either way).
+struct Reports {
+    rank: usize,
+    shared: Option<PathBuf>,
+    seat: Option<crate::plane::node::Seat>,
+}
+
+impl Reports {
+    fn take(rank: usize) -> Self {
+        Reports {
+            rank,
+            shared: kiln_run::progress_dir(),
+            seat: take_seat(),
+        }
+    }
+
+    /// The directory of the rank's records and its program's beacons.
+    fn dir(&self) -> Option<PathBuf> {
+        match &self.seat {
+            Some(s) => Some(s.dir().to_path_buf()),
+            None => self.shared.clone(),
+        }
+    }
+
+    /// The program's progress directory (its node's) and node-records directory (the run's).
+    fn hand_to(&self, cmd: &mut Command) {
+        if let (Some(s), Some(shared)) = (&self.seat, &self.shared) {
+            cmd.env(PROGRESS_DIR_ENV, s.dir());
+            cmd.env(kiln_run::node_state::NODE_STATE_DIR_ENV, shared);
+        }
+    }
+
+    /// Records how the program ended (`exit-<rank>`); whether it could.
+    fn record(&self, exit: RankExit) -> bool {
+        let Some(dir) = self.dir() else {
+            return false;
+        };
+        let (code, signal) = match exit {
+            RankExit::Code(c) => (Some(c), None),
+            RankExit::Signal(s) => (None, Some(s)),
+        };
+        match write_exit_record(&dir, self.rank, code, signal, unix_time()) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("kiln launch --as-rank: {e}");
+                false
+            }
+        }
+    }
+
+    fn leave(self) {
+        if let Some(s) = self.seat {
+            s.leave();
+        }
+    }
 }
 
 /// This rank's seat on its node under the `tcp` control plane (see [`crate::plane::node`]);

@@ -164,129 +164,156 @@ fn plane_file(run_dir: &Path) -> PathBuf {
     run_dir.join("plane.json")
 }
 
-fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
-    if !matches!(job.fault.as_str(), "stop" | "kill" | "agent" | "straggler") {
-        return Err(format!(
-            "--fault {}: expected stop, kill, agent or straggler",
-            job.fault
-        ));
-    }
-    if job.fault == "agent" && !job.tcp() {
-        return Err("--fault agent needs --plane tcp (the files plane has no agents)".into());
-    }
-    let own = run_dir.is_none();
-    let run_dir = run_dir.unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("kiln-plane-sim-{}", std::process::id()))
-    });
-    std::fs::create_dir_all(run_dir.join("progress")).map_err(|e| e.to_string())?;
-    let run_dir = std::path::absolute(&run_dir).map_err(|e| e.to_string())?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let start = unix_now();
-    // Nodes need a moment each to start on a small machine: the warm-up counts from when
-    // they are all up, roughly.
-    let fault_at = start + job.warmup_s + job.nodes as f64 * 0.01;
-    let ops_log = |who: &str| run_dir.with_extension(format!("{who}.strace"));
-    // The nodes too, at the sizes where tracing every thread of them leaves the machine
-    // usable (under `tcp` they write only into node-local memory).
-    let trace_nodes = count_ops && job.nodes <= TRACE_NODES_UP_TO;
-    let traced = |log: Option<PathBuf>| match log {
-        Some(log) => {
-            let mut c = Command::new("strace");
-            c.args(STRACE).arg(log).arg(&exe);
-            c
+/// One simulated job's processes and files, as `scale` runs them.
+struct Sim<'a> {
+    job: &'a Job,
+    exe: PathBuf,
+    run_dir: PathBuf,
+    fault_at: f64,
+    count_ops: bool,
+    /// Trace the nodes too (small jobs only: see [`TRACE_NODES_UP_TO`]).
+    trace_nodes: bool,
+}
+
+impl<'a> Sim<'a> {
+    fn new(job: &'a Job, count_ops: bool, run_dir: PathBuf) -> Res<Self> {
+        if !matches!(job.fault.as_str(), "stop" | "kill" | "agent" | "straggler") {
+            let f = &job.fault;
+            return Err(format!(
+                "--fault {f}: expected stop, kill, agent or straggler"
+            ));
         }
-        None => Command::new(&exe),
-    };
-    let mut sup = traced(count_ops.then(|| ops_log("supervisor")));
-    sup.arg("supervise")
-        .args(job.args())
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .args(["--fault-at", &fault_at.to_string()])
-        .stdout(std::process::Stdio::piped());
-    let sup = sup.spawn().map_err(|e| format!("supervisor: {e}"))?;
-    if job.tcp() {
+        if job.fault == "agent" && !job.tcp() {
+            return Err("--fault agent needs --plane tcp (the files plane has no agents)".into());
+        }
+        std::fs::create_dir_all(run_dir.join("progress")).map_err(|e| e.to_string())?;
+        // Nodes need a moment each to start on a small machine: the warm-up counts from when
+        // they are all up, roughly.
+        let fault_at = unix_now() + job.warmup_s + job.nodes as f64 * 0.01;
+        Ok(Sim {
+            job,
+            exe: std::env::current_exe().map_err(|e| e.to_string())?,
+            run_dir: std::path::absolute(&run_dir).map_err(|e| e.to_string())?,
+            fault_at,
+            count_ops,
+            trace_nodes: count_ops && job.nodes <= TRACE_NODES_UP_TO,
+        })
+    }
+
+    fn ops_log(&self, who: &str) -> PathBuf {
+        self.run_dir.with_extension(format!("{who}.strace"))
+    }
+
+    /// This program in role `role` for `who`, under strace when its operations are counted.
+    fn command(&self, role: &str, who: &str, traced: bool) -> Command {
+        let mut c = match traced {
+            true => {
+                let mut c = Command::new("strace");
+                c.args(STRACE).arg(self.ops_log(who)).arg(&self.exe);
+                c
+            }
+            false => Command::new(&self.exe),
+        };
+        c.arg(role)
+            .args(self.job.args())
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .args(["--fault-at", &self.fault_at.to_string()]);
+        c
+    }
+
+    fn start_supervisor(&self) -> Res<Child> {
+        let mut c = self.command("supervise", "supervisor", self.count_ops);
+        let child = c.stdout(std::process::Stdio::piped()).spawn();
+        let child = child.map_err(|e| format!("supervisor: {e}"))?;
         let t = Instant::now();
-        while !plane_file(&run_dir).exists() {
+        while self.job.tcp() && !plane_file(&self.run_dir).exists() {
             if t.elapsed() > Duration::from_secs(20) {
                 return Err("the supervisor did not start its server".into());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        Ok(child)
     }
-    let mut nodes: Vec<Child> = Vec::new();
-    for i in 0..job.nodes {
-        let child = traced(trace_nodes.then(|| ops_log(&format!("node-{i}"))))
-            .arg("node")
-            .args(job.args())
-            .args([
-                "--index",
-                &i.to_string(),
-                "--fault-at",
-                &fault_at.to_string(),
-            ])
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .env(kiln_run::HOST_ENV, node_host(i))
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .map_err(|e| format!("node {i}: {e}"))?;
-        nodes.push(child);
+
+    fn start_nodes(&self) -> Res<Vec<Child>> {
+        (0..self.job.nodes)
+            .map(|i| {
+                let mut c = self.command("node", &format!("node-{i}"), self.trace_nodes);
+                c.args(["--index", &i.to_string()])
+                    .env(kiln_run::HOST_ENV, node_host(i))
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .map_err(|e| format!("node {i}: {e}"))
+            })
+            .collect()
     }
-    let out = sup.wait_with_output().map_err(|e| e.to_string())?;
-    // A launcher would end the ranks with the launch; the simulated ones stop when asked.
-    let progress = run_dir.join("progress");
-    let _ = kiln_run::write_stop_request(&progress, libc::SIGTERM, unix_now(), None);
-    // Whatever simulated node is left (the supervisor stops them through the plane).
-    let t = Instant::now();
-    for n in &mut nodes {
-        while n.try_wait().ok().flatten().is_none() && t.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(10));
+
+    /// Ends the simulated nodes as a launcher ends its ranks with the launch: asked to stop,
+    /// then killed (by PID) after 5 s; removes the node directories of killed agents, as
+    /// `kiln launch` removes its own host's after an attempt.
+    fn end_nodes(&self, mut nodes: Vec<Child>) {
+        let progress = self.run_dir.join("progress");
+        let _ = kiln_run::write_stop_request(&progress, libc::SIGTERM, unix_now(), None);
+        let t = Instant::now();
+        for n in &mut nodes {
+            while n.try_wait().ok().flatten().is_none() && t.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = n.kill();
+            let _ = n.wait();
         }
-        let _ = n.kill();
-        let _ = n.wait();
-    }
-    // The killed node's directory, as kiln launch removes its own host's after an attempt.
-    if let Ok(info) = std::fs::read(plane_file(&run_dir)) {
+        let Ok(info) = std::fs::read(plane_file(&self.run_dir)) else {
+            return;
+        };
         let info: serde_json::Value = serde_json::from_slice(&info).unwrap_or_default();
         let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
         let base = kiln_launch::plane::node::base_dir();
-        for i in 0..job.nodes {
-            let host = node_host(i);
-            let dir = kiln_launch::plane::node::local_dir(
-                &base,
-                &s("secret"),
-                Some(&s("attempt")),
-                &host,
-            );
+        for i in 0..self.job.nodes {
+            let (secret, attempt) = (s("secret"), s("attempt"));
+            let dir =
+                kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &node_host(i));
             kiln_launch::plane::node::remove_if_unused(&dir);
         }
     }
-    let mut report: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| format!("the supervisor's report: {e}"))?;
-    let window = (
-        report["measure_from"].as_f64().unwrap_or(start),
-        report["measure_to"].as_f64().unwrap_or(fault_at),
-    );
-    if count_ops {
-        let supervisor = ops_per_s(&ops_log("supervisor"), &run_dir, window);
-        let nodes: Option<f64> = match trace_nodes {
-            true => (0..job.nodes)
-                .map(|i| ops_per_s(&ops_log(&format!("node-{i}")), &run_dir, window))
-                .sum(),
+
+    /// Adds the run-directory operations a second in the report's steady state.
+    fn count(&self, report: &mut serde_json::Value) {
+        let from = report["measure_from"].as_f64().unwrap_or(self.fault_at);
+        let window = (from, report["measure_to"].as_f64().unwrap_or(self.fault_at));
+        let ops = |who: &str| ops_per_s(&self.ops_log(who), &self.run_dir, window);
+        let supervisor = ops("supervisor");
+        let nodes: Option<f64> = match self.trace_nodes {
+            true => (0..self.job.nodes).map(|i| ops(&format!("node-{i}"))).sum(),
             false => None,
         };
         report["supervisor_run_dir_ops_per_s"] = serde_json::json!(supervisor);
         report["run_dir_ops_per_s"] = serde_json::json!(nodes.zip(supervisor).map(|(n, s)| n + s));
-        for who in std::iter::once("supervisor".to_string())
-            .chain((0..job.nodes).map(|i| format!("node-{i}")))
-        {
-            let _ = std::fs::remove_file(ops_log(&who));
+        let logs = (0..self.job.nodes).map(|i| format!("node-{i}"));
+        for who in std::iter::once("supervisor".to_string()).chain(logs) {
+            let _ = std::fs::remove_file(self.ops_log(&who));
         }
+    }
+}
+
+fn scale(job: &Job, count_ops: bool, run_dir: Option<PathBuf>) -> Res<()> {
+    let own = run_dir.is_none();
+    let run_dir = run_dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kiln-plane-sim-{}", std::process::id()))
+    });
+    let sim = Sim::new(job, count_ops, run_dir)?;
+    let supervisor = sim.start_supervisor()?;
+    let nodes = sim.start_nodes()?;
+    let out = supervisor.wait_with_output().map_err(|e| e.to_string())?;
+    sim.end_nodes(nodes);
+    let mut report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("the supervisor's report: {e}"))?;
+    if count_ops {
+        sim.count(&mut report);
     }
     println!("{report}");
     if own {
-        let _ = std::fs::remove_dir_all(&run_dir);
+        let _ = std::fs::remove_dir_all(&sim.run_dir);
     }
     Ok(())
 }
@@ -321,27 +348,34 @@ fn ops_per_s(log: &Path, run_dir: &Path, window: (f64, f64)) -> Option<f64> {
     Some(n as f64 / (window.1 - window.0).max(1e-9))
 }
 
-fn supervise(job: &Job, run_dir: &Path, fault_at: f64) -> Res<()> {
-    let attempt = format!("sim-{}", std::process::id());
-    let server = match job.tcp() {
-        true => {
-            let s = Server::start("127.0.0.1:0".parse().map_err(|_| "address")?)
-                .map_err(|e| e.to_string())?;
-            s.begin(Some(&attempt));
-            let info = serde_json::json!({"addr": format!("127.0.0.1:{}", s.port()),
-                "secret": s.secret(), "attempt": attempt});
-            kiln_run::files::write_atomic(
-                &plane_file(run_dir),
-                info.to_string().as_bytes(),
-                kiln_run::files::Atomic::RECORD,
-            )
-            .map_err(|e| e.to_string())?;
-            Some(Arc::new(s))
-        }
-        false => None,
-    };
+/// The control plane's server under `--plane tcp`, its address and secret written for the
+/// nodes into the run directory.
+fn start_server(job: &Job, run_dir: &Path, attempt: &str) -> Res<Option<Arc<Server>>> {
+    if !job.tcp() {
+        return Ok(None);
+    }
+    let s =
+        Server::start("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?;
+    s.begin(Some(attempt));
+    let info = serde_json::json!({"addr": format!("127.0.0.1:{}", s.port()),
+        "secret": s.secret(), "attempt": attempt});
+    let text = info.to_string();
+    let atomic = kiln_run::files::Atomic::RECORD;
+    kiln_run::files::write_atomic(&plane_file(run_dir), text.as_bytes(), atomic)
+        .map_err(|e| e.to_string())?;
+    Ok(Some(Arc::new(s)))
+}
+
+/// The attempt `kiln launch` would watch: one launcher process (here one that waits to be
+/// killed), every rank under a shim, the heartbeat bound of the job.
+fn attempt_config(
+    job: &Job,
+    run_dir: &Path,
+    plane: Option<Arc<Server>>,
+    attempt: String,
+) -> Res<AttemptConfig> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let cfg = AttemptConfig {
+    Ok(AttemptConfig {
         procs: vec![ProcSpec {
             argv: vec![exe.display().to_string(), "hold".into()],
             env: Vec::new(),
@@ -354,7 +388,7 @@ fn supervise(job: &Job, run_dir: &Path, fault_at: f64) -> Res<()> {
         progress_regex: None,
         progress_dir: Some(run_dir.join("progress")),
         clear_progress_dir: false,
-        plane: server,
+        plane,
         attempt: Some(attempt),
         grace: Duration::from_secs(2),
         deadline: None,
@@ -368,34 +402,40 @@ fn supervise(job: &Job, run_dir: &Path, fault_at: f64) -> Res<()> {
         straggler_cost: kiln_launch::straggler::COST,
         startup_timeout: None,
         startup_auto: false,
-    };
-    // The steady state: from half the warm-up to the fault.
-    let measure_from = fault_at - job.warmup_s / 2.0;
-    let sampler = std::thread::spawn(move || {
+    })
+}
+
+/// This process's `(time, CPU seconds)` at `from` and at `to` (Unix times), sampled on a
+/// thread of its own.
+fn sample_cpu(from: f64, to: f64) -> std::thread::JoinHandle<((f64, f64), (f64, f64))> {
+    std::thread::spawn(move || {
         let at = |t: f64| {
             std::thread::sleep(Duration::from_secs_f64((t - unix_now()).max(0.0)));
             (unix_now(), cpu_seconds())
         };
-        let a = at(measure_from);
-        let b = at(fault_at);
-        (a, b)
-    });
-    let stop = || None;
-    let outcome = run_attempt(&cfg, &stop).map_err(|e| e.to_string())?;
+        (at(from), at(to))
+    })
+}
+
+fn supervise(job: &Job, run_dir: &Path, fault_at: f64) -> Res<()> {
+    let attempt = format!("sim-{}", std::process::id());
+    let plane = start_server(job, run_dir, &attempt)?;
+    let cfg = attempt_config(job, run_dir, plane, attempt)?;
+    // The steady state: from half the warm-up to the fault.
+    let sampler = sample_cpu(fault_at - job.warmup_s / 2.0, fault_at);
+    let outcome = run_attempt(&cfg, &|| None).map_err(|e| e.to_string())?;
     let ((t0, c0), (t1, c1)) = sampler.join().map_err(|_| "sampler")?;
     let verdict_at = outcome.end_time - outcome.kill_s.unwrap_or(0.0);
     let (victim_node, victim) = job.victim();
+    let m = job.ranks_per_node;
     let expected: Vec<usize> = match job.fault.as_str() {
-        "agent" => {
-            let m = job.ranks_per_node;
-            (victim_node * m..(victim_node + 1) * m).collect()
-        }
+        "agent" => (victim_node * m..(victim_node + 1) * m).collect(),
         _ => vec![victim],
     };
     let report = serde_json::json!({
         "plane": job.plane,
         "nodes": job.nodes,
-        "ranks": job.nodes * job.ranks_per_node,
+        "ranks": job.nodes * m,
         "fault": job.fault,
         "classification": format!("{:?}", outcome.classification),
         "detect_s": verdict_at - fault_at,
@@ -428,68 +468,61 @@ fn peak_rss_mib() -> Option<f64> {
     Some(kib / 1024.0)
 }
 
+/// A simulated node's seat under `--plane tcp`, from what the supervisor wrote (`None` under
+/// `files`).
+fn take_seat(job: &Job, run_dir: &Path) -> Res<Option<Seat>> {
+    if !job.tcp() {
+        return Ok(None);
+    }
+    let text = std::fs::read(plane_file(run_dir)).map_err(|e| e.to_string())?;
+    let info: serde_json::Value = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+    let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
+    let (attempt, secret) = (s("attempt"), s("secret"));
+    let host = kiln_run::this_host().to_string();
+    let base = kiln_launch::plane::node::base_dir();
+    let dir = kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &host);
+    let cfg = AgentConfig {
+        addr: s("addr"),
+        secret,
+        attempt: Some(attempt),
+        host,
+        dir,
+    };
+    Seat::take(cfg).map(Some).map_err(|e| e.to_string())
+}
+
 /// One simulated node: its ranks (threads), the shims' liveness and heartbeat watch, and
 /// under `tcp` its seat (which runs the agent).
 fn node(job: &Job, index: usize, run_dir: &Path, fault_at: f64) -> Res<()> {
-    let seat = match job.tcp() {
-        true => {
-            let info: serde_json::Value = serde_json::from_slice(
-                &std::fs::read(plane_file(run_dir)).map_err(|e| e.to_string())?,
-            )
-            .map_err(|e| e.to_string())?;
-            let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
-            let attempt = s("attempt");
-            let host = kiln_run::this_host().to_string();
-            let base = kiln_launch::plane::node::base_dir();
-            let secret = s("secret");
-            let dir = kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &host);
-            let cfg = AgentConfig {
-                addr: s("addr"),
-                secret,
-                attempt: Some(attempt),
-                host,
-                dir,
-            };
-            Some(Seat::take(cfg).map_err(|e| e.to_string())?)
-        }
-        false => None,
-    };
+    let seat = take_seat(job, run_dir)?;
     let dir = seat
         .as_ref()
         .map_or_else(|| run_dir.join("progress"), |s| s.dir().to_path_buf());
     let stop = Arc::new(AtomicBool::new(false));
     let (victim_node, victim) = job.victim();
     let m = job.ranks_per_node;
-    let mut ranks = Vec::new();
-    for rank in index * m..(index + 1) * m {
-        let r = SimRank {
-            rank,
-            dir: dir.clone(),
-            step_s: job.step_s,
-            heartbeat_s: job.heartbeat_s,
-            fault: (rank == victim).then(|| job.fault.clone()),
-            fault_at,
-            poll_stop: !job.tcp(),
-        };
-        let stop = Arc::clone(&stop);
-        ranks.push(std::thread::spawn(move || r.run(&stop)));
-    }
+    let ranks: Vec<_> = (index * m..(index + 1) * m)
+        .map(|rank| {
+            let r = SimRank {
+                rank,
+                dir: dir.clone(),
+                step_s: job.step_s,
+                heartbeat_s: job.heartbeat_s,
+                fault: (rank == victim).then(|| job.fault.clone()),
+                fault_at,
+                poll_stop: !job.tcp(),
+            };
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || r.run(&stop))
+        })
+        .collect();
     if index == victim_node && job.fault == "agent" {
         std::thread::sleep(Duration::from_secs_f64((fault_at - unix_now()).max(0.0)));
         // SAFETY: kill(2) of this process: the node and its agent are lost at once.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
-    if job.tcp() {
-        // The node's shims watch the node directory's stop file (one watcher for the node's
-        // simulated ranks).
-        // A launcher kills the ranks when the launch is gone; here they stop.
-        let gone = || seat.as_ref().is_some_and(Seat::supervisor_gone);
-        while !stop.load(Ordering::SeqCst) {
-            if kiln_run::read_stop_request(&dir).is_some() || gone() {
-                stop.store(true, Ordering::SeqCst);
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+    if let Some(seat) = &seat {
+        watch_stop(seat, &stop);
     }
     for r in ranks {
         let _ = r.join();
@@ -498,6 +531,18 @@ fn node(job: &Job, index: usize, run_dir: &Path, fault_at: f64) -> Res<()> {
         s.leave();
     }
     Ok(())
+}
+
+/// Under `tcp`: the node's shims watch the node directory's stop file (here one watcher for
+/// the node's simulated ranks); a launcher kills the ranks when the launch is gone, here
+/// they stop.
+fn watch_stop(seat: &Seat, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        if kiln_run::read_stop_request(seat.dir()).is_some() || seat.supervisor_gone() {
+            stop.store(true, Ordering::SeqCst);
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
 }
 
 /// One simulated rank: its trainer's beacon every step, its shim's liveness record every half

@@ -13,7 +13,7 @@
 //! twin), the composed twin (burn's ops: the reference the kernels are checked against, and
 //! the path where no kernel covers a tensor), the self-check case, and the kernels side by
 //! side (`cpu.rs`, `cube.rs`): `linear/`, `rms_norm/`, `swiglu/`, `rope/`, `attention/`,
-//! `softmax/`, `cross_entropy/`, `adamw/`, and `replicated/` (fixed-order arithmetic on
+//! `softmax/`, `cross_entropy/`, `adamw/`, and `fixed_order/` (fixed-order arithmetic on
 //! replicated state). Below them what they share: `settings` (how the kernels run in this
 //! process, from the config), `coverage` (which tensors each family takes), `host/` (the CPU
 //! kernels' helpers), `device/` (the CubeCL kernels' helpers and matrix products), `blas` (how
@@ -34,11 +34,11 @@ pub mod coverage;
 pub mod cross_entropy;
 #[cfg(feature = "cube")]
 mod device;
+pub mod fixed_order;
 mod host;
 pub mod linear;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod offline;
-pub mod replicated;
 pub mod rms_norm;
 pub mod rope;
 pub mod selfcheck;

@@ -22,7 +22,7 @@ pub fn kernels(dtype: FloatDType) -> Result<Vec<Named>, String> {
         ("rope", super::rope::cube::offline(e)),
         ("cross_entropy", super::cross_entropy::cube::offline(e)),
         ("adamw", super::adamw::cube::offline(e)),
-        ("replicated", super::replicated::cube::offline(e)),
+        ("fixed_order", super::fixed_order::cube::offline(e)),
         ("attention", super::attention::cube::offline(e)),
     ] {
         all.extend(

@@ -18,6 +18,7 @@
 
 pub mod hf;
 pub mod session;
+pub mod stagewise;
 
 use crate::config::{ModelConfig, Precision};
 use crate::kernels;
@@ -80,7 +81,7 @@ struct BlockParams {
 }
 
 /// A stage of the forward pass: what a parameter-sharded step gathers at once
-/// ([`crate::parallel::stagewise`]).
+/// ([`crate::model::stagewise`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     /// The token embedding.

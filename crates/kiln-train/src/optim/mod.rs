@@ -70,7 +70,7 @@ pub fn global_norm(grads: &[Tensor<1>]) -> f32 {
     if grads.is_empty() {
         return 0.0;
     }
-    if let Some(square_sum) = crate::kernels::replicated::device_square_sum(grads) {
+    if let Some(square_sum) = crate::kernels::fixed_order::device_square_sum(grads) {
         return square_sum.sqrt() as f32;
     }
     // One tensor per rayon task on flex: it runs each element-wise op on one thread, and the

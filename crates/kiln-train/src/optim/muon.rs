@@ -15,7 +15,7 @@
 use super::adamw::AdamW;
 use super::{HiddenSplit, StateSlot, StateSlotMut, Wholes, lerp};
 use crate::config::{MuonConfig, MuonLrAdjust, OptimizerConfig};
-use crate::kernels::replicated;
+use crate::kernels::fixed_order;
 use crate::model::ParamSpec;
 use burn::tensor::{Device, Tensor};
 use std::ops::Range;
@@ -39,7 +39,7 @@ pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
     // Frobenius norm 1 at any gradient scale, where PyTorch's `X / (|X| + eps)` gets inf or 0
     // there. PyTorch's floor stays: a matrix whose norm is below `eps` is divided by `eps`
     // (`eps / scale` in the scaled units). The max is exact in any order and the sum is the
-    // replicated one: every rank gets the same bits (see `kernels::replicated`).
+    // replicated one: every rank gets the same bits (see `kernels::fixed_order`).
     let scale = x
         .clone()
         .abs()
@@ -48,15 +48,15 @@ pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
         .reshape([1, 1]);
     let x = x / scale.clone();
     let floor = scale.recip().mul_scalar(NS_EPS);
-    let norm = replicated::frobenius_norm(&x)
+    let norm = fixed_order::frobenius_norm(&x)
         .reshape([1, 1])
         .max_pair(floor);
     let mut x = x / norm;
     for _ in 0..steps {
-        let gram = replicated::replicated_matmul(x.clone(), x.clone().transpose());
+        let gram = fixed_order::replicated_matmul(x.clone(), x.clone().transpose());
         let update = gram.clone().mul_scalar(b)
-            + replicated::replicated_matmul(gram.clone(), gram).mul_scalar(c);
-        x = x.clone().mul_scalar(a) + replicated::replicated_matmul(update, x);
+            + fixed_order::replicated_matmul(gram.clone(), gram).mul_scalar(c);
+        x = x.clone().mul_scalar(a) + fixed_order::replicated_matmul(update, x);
     }
     if tall { x.transpose() } else { x }
 }

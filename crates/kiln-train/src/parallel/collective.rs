@@ -351,7 +351,7 @@ impl<W: Wire> DeviceCollective for OnDevice<W> {
     }
 
     fn square_sum(&self, tensors: &[Tensor<1>]) -> f64 {
-        crate::kernels::replicated::device_square_sum(tensors)
+        crate::kernels::fixed_order::device_square_sum(tensors)
             .unwrap_or_else(|| host_square_sum(tensors))
     }
 

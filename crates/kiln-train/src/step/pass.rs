@@ -6,7 +6,7 @@
 
 use crate::error::TrainError;
 use crate::model::session::Session;
-use crate::parallel::stagewise::{self, LocalStages};
+use crate::model::stagewise::{self, LocalStages};
 use crate::tensor::{int_tensor, target_tensor};
 use burn::tensor::{FloatDType, Tensor};
 use rayon::prelude::*;

@@ -224,7 +224,7 @@ fn adamw_update_matches_the_formula() {
     }
 }
 
-/// The order `kernels::replicated::device_square_sum` promises, on the host: per tensor, unit `u` of
+/// The order `kernels::fixed_order::device_square_sum` promises, on the host: per tensor, unit `u` of
 /// `units_for(n)` sums the squares of elements `u, u + units, ...` in f32, passes over the
 /// partials the same way (without squaring) until at most 64 remain, and the partials of every
 /// tensor are added in f64 in parameter order. Each square is added by a fused multiply-add:
@@ -274,7 +274,7 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         .map(|&x| f64::from(x) * f64::from(x))
         .sum();
     let got =
-        kernels::replicated::device_square_sum(&tensors).expect("f32 device tensors are covered");
+        kernels::fixed_order::device_square_sum(&tensors).expect("f32 device tensors are covered");
     let d = ((got - want) / want).abs();
     eprintln!(
         "square sum: relative difference {d:.2e} over {} values",
@@ -287,7 +287,7 @@ fn gradient_norm_is_the_formula_and_the_same_bits_every_time() {
         "the device sum is the fixed order's, to the bit"
     );
     for _ in 0..3 {
-        let again = kernels::replicated::device_square_sum(&tensors).expect("covered");
+        let again = kernels::fixed_order::device_square_sum(&tensors).expect("covered");
         assert_eq!(
             again.to_bits(),
             got.to_bits(),
@@ -316,12 +316,12 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
     for (name, got, want) in [
         (
             "a @ b",
-            kernels::replicated::replicated_matmul(a.clone(), b.clone()),
+            kernels::fixed_order::replicated_matmul(a.clone(), b.clone()),
             a.clone().matmul(b.clone()),
         ),
         (
             "a @ a^T",
-            kernels::replicated::replicated_matmul(a.clone(), a.clone().transpose()),
+            kernels::fixed_order::replicated_matmul(a.clone(), a.clone().transpose()),
             a.clone().matmul(a.clone().transpose()),
         ),
     ] {
@@ -336,7 +336,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         .map(|&v| f64::from(v) * f64::from(v))
         .sum::<f64>()
         .sqrt();
-    let norm = kernels::replicated::frobenius_norm(&a);
+    let norm = kernels::fixed_order::frobenius_norm(&a);
     assert_eq!(norm.dims(), [1]);
     let got = host(&norm)[0];
     assert!(
@@ -344,7 +344,7 @@ fn replicated_matmul_and_frobenius_norm_match_burn() {
         "{got} vs {want}"
     );
     assert_eq!(
-        host(&kernels::replicated::frobenius_norm(&a))[0].to_bits(),
+        host(&kernels::fixed_order::frobenius_norm(&a))[0].to_bits(),
         got.to_bits()
     );
 }
