@@ -360,11 +360,6 @@ impl BlendedLoader {
         self.blend.samples()
     }
 
-    /// Tokens per sample (`seq_len + 1`).
-    pub fn sample_len(&self) -> usize {
-        self.seq_len + 1
-    }
-
     /// The datasets, in list order.
     pub fn datasets(&self) -> &[LoadedDataset] {
         &self.datasets

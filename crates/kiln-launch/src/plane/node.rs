@@ -86,11 +86,6 @@ impl Seat {
         &self.dir
     }
 
-    /// Whether this shim runs the node's agent.
-    pub fn is_agent(&self) -> bool {
-        self.agent.is_some()
-    }
-
     /// Whether this shim's agent lost the supervisor (the launch is gone).
     pub fn supervisor_gone(&self) -> bool {
         self.agent.as_ref().is_some_and(|(_, a)| a.gone())

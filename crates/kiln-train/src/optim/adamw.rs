@@ -50,12 +50,6 @@ impl AdamW {
         }
     }
 
-    /// Replaces the hyper-parameters (a resumed run may change lr or decay).
-    pub fn set_config(&mut self, cfg: &OptimizerConfig, specs: &[ParamSpec]) {
-        self.cfg = cfg.clone();
-        self.decay = specs.iter().map(|s| decays(cfg, s)).collect();
-    }
-
     /// One update of every owned parameter whose `frozen` flag is false, with PyTorch's
     /// AdamW arithmetic (decay first, then the bias-corrected Adam step).
     pub fn update(

@@ -471,14 +471,6 @@ impl Optimizer {
         }
     }
 
-    /// The state as host tensors named `<param>.<slot>` (what `optimizer.safetensors` holds).
-    pub fn host_state(&self, specs: &[ParamSpec]) -> Vec<HostTensor> {
-        self.named_state(specs)
-            .iter()
-            .map(DeviceTensor::to_host)
-            .collect()
-    }
-
     /// The state as named tensors on the device (references, no copy); in a sharded run,
     /// this rank's pieces, named `<param>.<slot>@<first element>`.
     pub fn named_state(&self, specs: &[ParamSpec]) -> Vec<DeviceTensor> {

@@ -31,7 +31,7 @@ use crate::parallel::whole;
 use crate::parallel::wire::{InFlight, Ranks};
 use crate::tensor::{into_vec, split};
 use burn::tensor::{Device, Tensor};
-use kiln_dist::{Background, Collective, Sharded};
+use kiln_dist::{Background, Sharded};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::Instant;
@@ -128,11 +128,6 @@ impl<'m> ShardPlan<'m> {
     /// the host path, whose waits the caller's clock counts).
     pub fn device_busy_s(&self) -> f64 {
         self.coll.device_busy_s()
-    }
-
-    /// The ranks this rank shards the state with (its replica).
-    pub fn shard_group(&self) -> &'m dyn Collective {
-        self.mesh.group(Dim::DpShard)
     }
 
     /// The ranks of a replica, over which the state is cut.
