@@ -27,6 +27,7 @@
 pub mod blend;
 pub mod cache;
 pub mod corpus;
+pub mod documents;
 pub mod error;
 pub mod fingerprint;
 pub mod index;

@@ -2,6 +2,7 @@
 //! directory, events, the recovery loop, the chain). The CLI only parses flags into a
 //! [`LaunchRequest`] and prints what comes back.
 
+use crate::backoff::Backoff;
 use crate::culprit::Diagnosis;
 pub use crate::flags::LaunchRequest;
 use crate::groups::become_subreaper;
@@ -10,7 +11,7 @@ use crate::plan::Launcher;
 use crate::pool::{HostPool, quarantined_hosts};
 use crate::probe::{Lookup, lookup_program, probe_tool};
 use crate::progress::ProgressRegex;
-use crate::retry::{Backoff, LaunchResult, NodeScope, RetryConfig, RetryLimit, run_with_retries};
+use crate::retry::{LaunchResult, NodeScope, RetryConfig, RetryLimit, run_with_retries};
 use crate::setup::{DEFAULT_MASTER_PORT, LaunchOptions, Setup, prepare};
 use crate::shim::{free_port, running_as_root};
 use crate::signals::{install_stop_handlers, stop_requested};

@@ -7,6 +7,7 @@
 //! [`run_attempt`] (start, watch and end one attempt), [`run_with_retries`] (the recovery
 //! loop writing `events.jsonl`), [`launch`] (all of `kiln launch`), [`submit()`] (`kiln submit`).
 
+mod backoff;
 mod classify;
 mod culprit;
 mod dry_run;
@@ -33,6 +34,7 @@ pub mod straggler;
 mod submit;
 mod supervise;
 
+pub use backoff::Backoff;
 pub use classify::{
     Classification, ENDINGS, EndedAs, Ending, ExitOf, classify_code, classify_exit, exit_code_of,
 };
@@ -64,8 +66,8 @@ pub use progress::{
 };
 pub use release::{NodeRelease, release_node};
 pub use retry::{
-    AUTO_RETRY_NO_PROGRESS, Backoff, Decision, History, LaunchResult, NodeScope, RetryConfig,
-    RetryLimit, decide, outcome_json, run_with_retries,
+    AUTO_RETRY_NO_PROGRESS, Decision, History, LaunchResult, NodeScope, RetryConfig, RetryLimit,
+    decide, outcome_json, run_with_retries,
 };
 pub use setup::{
     AttemptPlan, DEFAULT_MASTER_PORT, LaunchOptions, Setup, SetupError, default_spares, prepare,
