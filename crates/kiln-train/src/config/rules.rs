@@ -48,7 +48,24 @@ impl Config {
 
     /// The rules between keys, each key already in its domain.
     fn rules(&self, d: &mut Domains) {
-        let (m, o, t) = (&self.model, &self.optimizer, &self.training);
+        self.model_rules(d);
+        self.optimizer_rules(d);
+        self.parallel_rules(d);
+        let t = &self.training;
+        let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
+            .max(u128::from(t.global_batch_size));
+        let samples = u128::from(t.steps) * per_step;
+        if samples > u128::from(MAX_SAMPLES) {
+            d.rule(format!(
+                "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
+            ));
+        }
+    }
+
+    /// The model's shape: heads that divide the width into an even head dim, K/V heads that
+    /// divide the heads.
+    fn model_rules(&self, d: &mut Domains) {
+        let m = &self.model;
         if !m.d_model.is_multiple_of(m.n_heads) {
             d.rule(format!(
                 "model.d_model ({}) must be divisible by model.n_heads ({})",
@@ -66,12 +83,39 @@ impl Config {
                 m.n_kv_heads, m.n_heads
             ));
         }
+    }
+
+    /// The optimizer against its schedule and the layout: decoupled decay below 1 a step, and
+    /// Schedule-Free's own schedule and its two published tensors.
+    fn optimizer_rules(&self, d: &mut Domains) {
+        let o = &self.optimizer;
         if o.lr * o.weight_decay >= 1.0 {
             d.rule(format!(
                 "optimizer.lr x optimizer.weight_decay = {} must be < 1: decoupled decay multiplies each weight by 1 - lr x weight_decay per step",
                 o.lr * o.weight_decay
             ));
         }
+        if o.kind != OptimizerKind::ScheduleFreeAdamw {
+            return;
+        }
+        if self.lr_scheduler.kind != ScheduleKind::Constant {
+            d.rule(format!(
+                "optimizer.kind = \"schedule_free_adamw\" replaces the decay schedule: set lr_scheduler.kind = \"constant\" (its warmup, lr_scheduler.warmup_steps, is the method's), not {:?}",
+                format!("{:?}", self.lr_scheduler.kind).to_lowercase()
+            ));
+        }
+        if matches!(self.parallelism.shard, Shard::Optimizer | Shard::Gradients) {
+            d.rule(format!(
+                "optimizer.kind = \"schedule_free_adamw\" publishes its average of the weights and its iterate, which parallelism.shard = {:?} keeps on different ranks (whole weights, sharded iterate): use parallelism.shard = \"parameters\" or \"none\"",
+                self.parallelism.shard.name()
+            ));
+        }
+    }
+
+    /// The layout: the mesh's own rules, tensor parallelism against the model, the batch and
+    /// the optimizer, and sharding's f32 master weights.
+    fn parallel_rules(&self, d: &mut Domains) {
+        let (m, o, t) = (&self.model, &self.optimizer, &self.training);
         for rule in self.parallelism.rules() {
             d.rule(rule);
         }
@@ -89,34 +133,10 @@ impl Config {
         for rule in (self.parallelism).tensor_rules(model, &pieces, optimizer) {
             d.rule(rule);
         }
-        if o.kind == OptimizerKind::ScheduleFreeAdamw {
-            if self.lr_scheduler.kind != ScheduleKind::Constant {
-                d.rule(format!(
-                    "optimizer.kind = \"schedule_free_adamw\" replaces the decay schedule: set lr_scheduler.kind = \"constant\" (its warmup, lr_scheduler.warmup_steps, is the method's), not {:?}",
-                    format!("{:?}", self.lr_scheduler.kind).to_lowercase()
-                ));
-            }
-            if matches!(self.parallelism.shard, Shard::Optimizer | Shard::Gradients) {
-                d.rule(format!(
-                    "optimizer.kind = \"schedule_free_adamw\" publishes its average of the weights and its iterate, which parallelism.shard = {:?} keeps on different ranks (whole weights, sharded iterate): use parallelism.shard = \"parameters\" or \"none\"",
-                    self.parallelism.shard.name()
-                ));
-            }
-        }
-        if self.parallelism.shard != Shard::None {
+        if self.parallelism.shard != Shard::None && t.master_dtype != Precision::F32 {
             let shard = self.parallelism.shard.name();
-            if t.master_dtype != Precision::F32 {
-                d.rule(format!(
-                    "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
-                ));
-            }
-        }
-        let per_step = (t.batch_size as u128 * t.grad_accum_steps as u128)
-            .max(u128::from(t.global_batch_size));
-        let samples = u128::from(t.steps) * per_step;
-        if samples > u128::from(MAX_SAMPLES) {
             d.rule(format!(
-                "training.steps x sequences per step = {samples} sequences is more than the {MAX_SAMPLES} a run can address"
+                "parallelism.shard = {shard:?} needs training.master_dtype = \"f32\" (its sharded update is f32 only)"
             ));
         }
     }
