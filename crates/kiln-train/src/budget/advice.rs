@@ -128,72 +128,83 @@ pub(super) fn culprit(
 ) -> (&'static str, String, String, f64) {
     let need = estimate(config, vocab, ranks).need();
     let defaults = Config::default();
-    type Reset = fn(&mut Config, &Config);
-    let keys: [(&str, Reset); 8] = [
-        ("model.vocab_size", |c, d| {
-            c.model.vocab_size = d.model.vocab_size
-        }),
-        ("model.d_model", |c, d| c.model.d_model = d.model.d_model),
-        ("model.n_layers", |c, d| c.model.n_layers = d.model.n_layers),
-        ("model.n_heads", |c, d| c.model.n_heads = d.model.n_heads),
-        ("model.ffn_hidden", |c, d| {
-            c.model.ffn_hidden = d.model.ffn_hidden
-        }),
-        ("training.seq_len", |c, d| {
-            c.training.seq_len = d.training.seq_len
-        }),
-        ("training.batch_size", |c, d| {
-            c.training.batch_size = d.training.batch_size
-        }),
-        ("training.compute_shards", |c, d| {
-            c.training.compute_shards = d.training.compute_shards
-        }),
-    ];
-    let mut best = ("training.batch_size", 0.0f64);
-    for (key, reset) in keys {
+    let mut best = (&KNOBS[6], 0.0f64);
+    for knob in &KNOBS {
         let mut c = config.clone();
-        reset(&mut c, &defaults);
+        (knob.set)(&mut c, (knob.get)(&defaults));
         // A vocabulary taken from the data stays the data's; reset it to the synthetic one.
-        let v = if key == "model.vocab_size" {
-            crate::data::synthetic::VOCAB
-        } else {
-            vocab
+        let v = match knob.key {
+            "model.vocab_size" => crate::data::synthetic::VOCAB,
+            _ => vocab,
         };
         let saved = need - estimate(&c, v, ranks).need();
         if saved > best.1 {
-            best = (key, saved);
+            best = (knob, saved);
         }
     }
-    let (value, default) = match best.0 {
-        "model.vocab_size" => (vocab.to_string(), "the data decides when 0".to_string()),
-        "model.d_model" => (
-            config.model.d_model.to_string(),
-            format!("the default is {}", defaults.model.d_model),
-        ),
-        "model.n_layers" => (
-            config.model.n_layers.to_string(),
-            format!("the default is {}", defaults.model.n_layers),
-        ),
-        "model.n_heads" => (
-            config.model.n_heads.to_string(),
-            format!("the default is {}", defaults.model.n_heads),
-        ),
-        "model.ffn_hidden" => (
-            config.model.ffn_hidden.to_string(),
-            format!("the default is {}", defaults.model.ffn_hidden),
-        ),
-        "training.seq_len" => (
-            config.training.seq_len.to_string(),
-            format!("the default is {}", defaults.training.seq_len),
-        ),
-        "training.compute_shards" => (
-            config.training.compute_shards.to_string(),
-            format!("the default is {}", defaults.training.compute_shards),
-        ),
-        _ => (
-            config.training.batch_size.to_string(),
-            "raise training.grad_accum_steps to keep the tokens per step".to_string(),
-        ),
+    let (knob, saved) = best;
+    let default = match knob.key {
+        "model.vocab_size" => "the data decides when 0".to_string(),
+        "training.batch_size" => {
+            "raise training.grad_accum_steps to keep the tokens per step".into()
+        }
+        _ => format!("the default is {}", (knob.get)(&defaults)),
     };
-    (best.0, value, default, best.1)
+    let value = match knob.key {
+        "model.vocab_size" => vocab,
+        _ => (knob.get)(config),
+    };
+    (knob.key, value.to_string(), default, saved)
 }
+
+/// A key whose return to its default may save memory.
+struct Knob {
+    key: &'static str,
+    get: fn(&Config) -> usize,
+    set: fn(&mut Config, usize),
+}
+
+/// The keys [`culprit`] tries (`training.batch_size`, the sixth, is the answer when none
+/// saves anything).
+const KNOBS: [Knob; 8] = [
+    Knob {
+        key: "model.vocab_size",
+        get: |c| c.model.vocab_size,
+        set: |c, v| c.model.vocab_size = v,
+    },
+    Knob {
+        key: "model.d_model",
+        get: |c| c.model.d_model,
+        set: |c, v| c.model.d_model = v,
+    },
+    Knob {
+        key: "model.n_layers",
+        get: |c| c.model.n_layers,
+        set: |c, v| c.model.n_layers = v,
+    },
+    Knob {
+        key: "model.n_heads",
+        get: |c| c.model.n_heads,
+        set: |c, v| c.model.n_heads = v,
+    },
+    Knob {
+        key: "model.ffn_hidden",
+        get: |c| c.model.ffn_hidden,
+        set: |c, v| c.model.ffn_hidden = v,
+    },
+    Knob {
+        key: "training.seq_len",
+        get: |c| c.training.seq_len,
+        set: |c, v| c.training.seq_len = v,
+    },
+    Knob {
+        key: "training.batch_size",
+        get: |c| c.training.batch_size,
+        set: |c, v| c.training.batch_size = v,
+    },
+    Knob {
+        key: "training.compute_shards",
+        get: |c| c.training.compute_shards,
+        set: |c, v| c.training.compute_shards = v,
+    },
+];
