@@ -297,6 +297,80 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
     );
 }
 
+/// The control plane on a real Slurm: the shim of rank 1, which on n2 also runs the node's
+/// agent, is SIGKILLed (its trainer dies with it: no exit record is written). The agent's
+/// connection drops, kiln takes n2 as lost at once (well before the 30 s silence watchdog),
+/// names it and swaps it for the spare, and the job completes.
+#[test]
+fn a_lost_node_agent_is_its_node_lost_named_and_swapped() {
+    let cluster = Cluster::start(4, 2);
+    let dir = cluster.dir.path().join("t");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let command = rank_command(&dir, &run, 900);
+    let id = submit(
+        &cluster,
+        &run,
+        &[
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--time",
+            "10:00",
+            "--launch-arg=--timeout=30",
+            "--launch-arg=--backoff=0.5",
+            "--launch-arg=--strikes=1",
+        ],
+        &command,
+    );
+    wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
+        last_step(&run) >= 100
+    });
+    let rank = common::slurm::rank_pid(&dir, &run, 1).expect("rank 1's process");
+    let stat = std::fs::read_to_string(format!("/proc/{rank}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let shim: i32 = after_name
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let cmdline = std::fs::read(format!("/proc/{shim}/cmdline")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&cmdline).contains("--as-rank"),
+        "rank 1's parent is its shim"
+    );
+    // SAFETY: kill(2) on the shim this test's cluster started.
+    assert_eq!(unsafe { libc::kill(shim, libc::SIGKILL) }, 0);
+    let state = cluster.wait_job(&id, Duration::from_secs(240));
+    let out = job_output(&run);
+    assert_eq!(state, "COMPLETED", "{out}");
+    let ev = events(&run);
+    let ends = named(&ev, "attempt_end");
+    let lost = &ends[0].fields;
+    assert_eq!(
+        lost["culprit_hosts"],
+        serde_json::json!(["n2"]),
+        "{lost:?}\n{out}"
+    );
+    assert_eq!(
+        (&lost["classification"], &lost["culprit_source"]),
+        (
+            &serde_json::json!("no-heartbeat"),
+            &serde_json::json!("agent")
+        ),
+        "{lost:?}"
+    );
+    assert!(
+        lost["detect_s"].as_f64().is_some_and(|s| s < 5.0),
+        "found by the plane, not the 30 s watchdog: {lost:?}"
+    );
+    let swap = named(&ev, "node_swap");
+    assert_eq!(swap[0].fields["host"], "n2", "{out}");
+    assert_eq!(ends.last().unwrap().fields["classification"], "success");
+}
+
 /// A stopped rank (its shim kills it once its heartbeat is silent) leaves its peer on another
 /// node blocked in the all-reduce, deaf to SIGTERM. kiln's SIGKILL after the grace reaches
 /// srun, but srun's death does not end the peer: Slurm would only kill it after `KillWait`
