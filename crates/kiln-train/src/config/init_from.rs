@@ -2,6 +2,7 @@
 //! before it is read (and what stands in for them when the directory is gone).
 
 use super::error::ConfigError;
+use super::hf_config::HfShape;
 use std::path::Path;
 
 /// With `model.init_from` set, takes the model keys from the Hugging Face directory's
@@ -38,33 +39,58 @@ pub(super) fn resolve_init_from(
         .or_insert_with(|| toml::Value::Table(toml::Table::new()))
         .as_table_mut()
         .ok_or_else(|| invalid("[model] is not a table".into()))?;
-    let mut conflicts = Vec::new();
-    for (key, value, hf_key) in shape.keys() {
-        match model.get(key) {
-            Some(given) if !hf::same_value(given, &value) => {
-                // The last override of the key is what set it; else the file did.
-                let set = overrides.iter().rev().find(|o| {
-                    o.split_once('=')
-                        .is_some_and(|(k, _)| k.trim() == format!("model.{key}"))
-                });
-                let by = match set {
-                    Some(o) => format!("--set {o}"),
-                    None => format!("model.{key} = {given} in {origin}"),
-                };
-                conflicts.push(format!(
-                    "{by} conflicts with {hf_key} = {value} in {} (the model's shape comes from model.init_from; drop the setting or make it match)",
-                    json.display()
-                ));
-            }
-            _ => {
-                model.insert(key.to_string(), value);
-            }
-        }
-    }
+    let given = Given { origin, overrides };
+    let conflicts = given.merge(model, &shape, &json);
     if !conflicts.is_empty() {
         return Err(invalid(conflicts.join("; ")));
     }
-    let tokenizer = Path::new(&dir).join(hf::TOKENIZER_JSON);
+    default_tokenizer(table, &Path::new(&dir).join(hf::TOKENIZER_JSON));
+    Ok(())
+}
+
+/// Where the config's own model keys came from: the file `origin`, or a `--set`.
+struct Given<'a> {
+    origin: &'a str,
+    overrides: &'a [String],
+}
+
+impl Given<'_> {
+    /// Writes the model keys of `shape` (from `json`) into `model`; the keys the config set to
+    /// other values, each named with where it was set.
+    fn merge(&self, model: &mut toml::Table, shape: &HfShape, json: &Path) -> Vec<String> {
+        let mut conflicts = Vec::new();
+        for (key, value, hf_key) in shape.keys() {
+            match model.get(key) {
+                Some(given) if !crate::config::hf_config::same_value(given, &value) => {
+                    conflicts.push(format!(
+                        "{} conflicts with {hf_key} = {value} in {} (the model's shape comes from model.init_from; drop the setting or make it match)",
+                        self.setter(key, given),
+                        json.display()
+                    ));
+                }
+                _ => {
+                    model.insert(key.to_string(), value);
+                }
+            }
+        }
+        conflicts
+    }
+
+    /// What set `model.<key>` to `given`: its last override, else the file.
+    fn setter(&self, key: &str, given: &toml::Value) -> String {
+        let set = self.overrides.iter().rev().find(|o| {
+            o.split_once('=')
+                .is_some_and(|(k, _)| k.trim() == format!("model.{key}"))
+        });
+        match set {
+            Some(o) => format!("--set {o}"),
+            None => format!("model.{key} = {given} in {}", self.origin),
+        }
+    }
+}
+
+/// `data.tokenizer` defaults to the Hugging Face directory's `tokenizer.json`, when it has one.
+fn default_tokenizer(table: &mut toml::Table, tokenizer: &Path) {
     let data = table
         .entry("data")
         .or_insert_with(|| toml::Value::Table(toml::Table::new()))
@@ -78,7 +104,6 @@ pub(super) fn resolve_init_from(
             toml::Value::String(tokenizer.display().to_string()),
         );
     }
-    Ok(())
 }
 
 /// The model's shape when `model.init_from`'s directory `dir` is gone (only a fresh start
