@@ -43,22 +43,7 @@ pub fn resolve_sizes(
     default_ppn: usize,
 ) -> Result<Sizes, PlanError> {
     let err = |m: String| Err(PlanError(m));
-    for (flag, v) in [
-        ("--np", req.np),
-        ("--ppn", req.ppn),
-        ("--nnodes", req.nnodes),
-    ] {
-        if v == Some(0) {
-            return err(format!("{flag} must be at least 1"));
-        }
-    }
-    if let Some(n) = req.nnodes
-        && n > hosts
-    {
-        return err(format!(
-            "--nnodes {n} asks for more hosts than {hosts_from} has ({hosts})"
-        ));
-    }
+    check_request(&req, hosts, hosts_from)?;
     let default_ppn = default_ppn.max(1);
     let sizes = match (req.np, req.ppn, req.nnodes) {
         (None, ppn, nnodes) => {
@@ -101,23 +86,46 @@ pub fn resolve_sizes(
                 nnodes,
             }
         }
-        (Some(np), Some(ppn), Some(nnodes)) => {
-            if nnodes.checked_mul(ppn).is_none_or(|total| np > total) {
-                return err(format!(
-                    "--np {np} is more than --nnodes {nnodes} x --ppn {ppn} = {}",
-                    nnodes.saturating_mul(ppn)
-                ));
-            }
-            if np <= (nnodes - 1).saturating_mul(ppn) {
-                return err(format!(
-                    "--np {np} with --ppn {ppn} fills only {} of --nnodes {nnodes}; these three flags conflict",
-                    np.div_ceil(ppn)
-                ));
-            }
-            Sizes { np, ppn, nnodes }
-        }
+        (Some(np), Some(ppn), Some(nnodes)) => all_three(np, ppn, nnodes)?,
     };
     Ok(sizes)
+}
+
+/// Counts of 0, and more nodes than there are hosts, are refused whatever the other flags.
+fn check_request(req: &SizeRequest, hosts: usize, hosts_from: &str) -> Result<(), PlanError> {
+    for (flag, v) in [
+        ("--np", req.np),
+        ("--ppn", req.ppn),
+        ("--nnodes", req.nnodes),
+    ] {
+        if v == Some(0) {
+            return Err(PlanError(format!("{flag} must be at least 1")));
+        }
+    }
+    match req.nnodes {
+        Some(n) if n > hosts => Err(PlanError(format!(
+            "--nnodes {n} asks for more hosts than {hosts_from} has ({hosts})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `--np`, `--ppn` and `--nnodes` all given: they must agree (only the last node may be
+/// partly filled).
+fn all_three(np: usize, ppn: usize, nnodes: usize) -> Result<Sizes, PlanError> {
+    if nnodes.checked_mul(ppn).is_none_or(|total| np > total) {
+        return Err(PlanError(format!(
+            "--np {np} is more than --nnodes {nnodes} x --ppn {ppn} = {}",
+            nnodes.saturating_mul(ppn)
+        )));
+    }
+    if np <= (nnodes - 1).saturating_mul(ppn) {
+        return Err(PlanError(format!(
+            "--np {np} with --ppn {ppn} fills only {} of --nnodes {nnodes}; these three flags conflict",
+            np.div_ceil(ppn)
+        )));
+    }
+    Ok(Sizes { np, ppn, nnodes })
 }
 
 /// The program that starts the ranks.
