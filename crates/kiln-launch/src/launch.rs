@@ -270,9 +270,11 @@ fn start_plane(
     req: &LaunchRequest,
     setup: &mut Setup,
 ) -> Result<Option<std::sync::Arc<crate::plane::server::Server>>, LaunchError> {
-    use crate::plane::{Plane, server::Server};
-    let tcp = crate::plane::Plane::parse(&req.control_plane) == Some(Plane::Tcp);
-    if !tcp || req.no_rank_env || setup.launcher == Launcher::Local {
+    use crate::plane::server::Server;
+    if req.control_plane != crate::plane::TCP
+        || req.no_rank_env
+        || setup.launcher == Launcher::Local
+    {
         return Ok(None);
     }
     let local = setup.all_local();

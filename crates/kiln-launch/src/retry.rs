@@ -700,15 +700,13 @@ impl Recovery<'_> {
         // killed with its rank (the other hosts' go at the launch's end or with the next
         // agent there: see `plane::node::sweep`).
         if let Some(plane) = &cfg.plane {
-            let base = crate::plane::node::base_dir();
             let me = kiln_run::this_host();
-            for h in plan.hosts.iter().filter(|h| crate::pool::same_host(h, me)) {
-                let dir =
-                    crate::plane::node::local_dir(&base, plane.secret(), Some(&plan.attempt), h);
-                crate::plane::node::remove_if_unused(&dir);
-            }
-            let dir = crate::plane::node::local_dir(&base, plane.secret(), Some(&plan.attempt), me);
-            crate::plane::node::remove_if_unused(&dir);
+            let here = plan.hosts.iter().map(String::as_str);
+            let here: std::collections::BTreeSet<&str> = (here
+                .filter(|h| crate::pool::same_host(h, me)))
+            .chain([me])
+            .collect();
+            crate::plane::node::remove_unused(plane.secret(), &plan.attempt, here);
         }
         let log_tail = tail(&cfg.log_path, 256 * 1024);
         let diagnosis = self.diagnose(&outcome, plan, &log_tail);

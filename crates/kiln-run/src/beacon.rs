@@ -374,7 +374,7 @@ pub(crate) fn read_rank_files(dir: &Path, prefix: &str) -> Vec<(usize, String)> 
         .filter_map(Result::ok)
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
-            let rank = name.strip_prefix(prefix)?.parse().ok()?;
+            let rank = record_rank(&name, prefix)?;
             if !e.file_type().ok()?.is_file() {
                 return None;
             }
@@ -397,13 +397,26 @@ pub const RECORD_PREFIXES: [&str; 4] = [
     layout::LOST_PREFIX,
 ];
 
-/// Whether `name` is a rank's record file (`rank-3`, `exit-0`, ...): what a node agent
-/// forwards.
+/// The rank of `name` if it is a `<prefix><rank>` file (decimal digits only).
+pub fn record_rank(name: &str, prefix: &str) -> Option<usize> {
+    let rank = name.strip_prefix(prefix)?;
+    if rank.is_empty() || !rank.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    rank.parse().ok()
+}
+
+/// The kind (one of [`RECORD_PREFIXES`]) and rank of a rank's record file (`rank-3`,
+/// `exit-0`, ...): what a node agent forwards.
+pub fn parse_record_name(name: &str) -> Option<(&'static str, usize)> {
+    RECORD_PREFIXES
+        .iter()
+        .find_map(|p| Some((*p, record_rank(name, p)?)))
+}
+
+/// Whether `name` is a rank's record file ([`parse_record_name`]).
 pub fn is_record_name(name: &str) -> bool {
-    RECORD_PREFIXES.iter().any(|p| {
-        name.strip_prefix(p)
-            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
-    })
+    parse_record_name(name).is_some()
 }
 
 /// Removes every beacon and exit record (and their temporary files) from `dir`.

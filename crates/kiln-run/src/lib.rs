@@ -48,9 +48,9 @@ pub mod waiting_mark;
 
 pub use beacon::{
     ATTEMPT_ENV, Beacon, BeaconError, ExitRecord, HOST_ENV, Liveness, MAX_RECORD, PROGRESS_DIR_ENV,
-    RECORD_PREFIXES, RankFiles, clear_rank_files, is_record_name, progress_dir, read_beacons,
-    read_exit_records, read_liveness, this_attempt, this_host, write_beacon,
-    write_beacon_with_work, write_exit_record, write_liveness,
+    RECORD_PREFIXES, RankFiles, clear_rank_files, is_record_name, parse_record_name, progress_dir,
+    read_beacons, read_exit_records, read_liveness, record_rank, this_attempt, this_host,
+    write_beacon, write_beacon_with_work, write_exit_record, write_liveness,
 };
 pub use events::{Event, EventLog, EventLogError, read_events, unix_time};
 pub use heartbeat::{

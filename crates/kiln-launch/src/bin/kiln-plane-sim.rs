@@ -12,7 +12,7 @@
 //! (counted with strace when asked).
 
 use clap::{Parser, Subcommand};
-use kiln_launch::plane::{agent::AgentConfig, node::Seat, server::Server};
+use kiln_launch::plane::{node::Seat, server::Server};
 use kiln_launch::{AttemptConfig, ProcSpec, run_attempt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -164,6 +164,29 @@ fn plane_file(run_dir: &Path) -> PathBuf {
     run_dir.join("plane.json")
 }
 
+/// What the supervisor tells the nodes (`plane.json` in the run directory), as `kiln launch`
+/// exports it to its ranks.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PlaneInfo {
+    addr: String,
+    secret: String,
+    attempt: String,
+}
+
+impl PlaneInfo {
+    fn write(&self, run_dir: &Path) -> Res<()> {
+        let text = serde_json::to_string(self).map_err(|e| e.to_string())?;
+        let atomic = kiln_run::files::Atomic::RECORD;
+        kiln_run::files::write_atomic(&plane_file(run_dir), text.as_bytes(), atomic)
+            .map_err(|e| e.to_string())
+    }
+
+    fn read(run_dir: &Path) -> Res<PlaneInfo> {
+        let text = std::fs::read(plane_file(run_dir)).map_err(|e| e.to_string())?;
+        serde_json::from_slice(&text).map_err(|e| e.to_string())
+    }
+}
+
 /// One simulated job's processes and files, as `scale` runs them.
 struct Sim<'a> {
     job: &'a Job,
@@ -236,12 +259,26 @@ impl<'a> Sim<'a> {
         Ok(child)
     }
 
+    /// The nodes, each with its own `KILN_HOST` and, under `tcp`, the variables `kiln launch`
+    /// exports to its ranks (the plane's address and secret, the attempt).
     fn start_nodes(&self) -> Res<Vec<Child>> {
+        let plane = match self.job.tcp() {
+            true => {
+                let info = PlaneInfo::read(&self.run_dir)?;
+                vec![
+                    (kiln_launch::plane::ADDR_ENV, info.addr),
+                    (kiln_launch::plane::SECRET_ENV, info.secret),
+                    (kiln_run::ATTEMPT_ENV, info.attempt),
+                ]
+            }
+            false => Vec::new(),
+        };
         (0..self.job.nodes)
             .map(|i| {
                 let mut c = self.command("node", &format!("node-{i}"), self.trace_nodes);
                 c.args(["--index", &i.to_string()])
                     .env(kiln_run::HOST_ENV, node_host(i))
+                    .envs(plane.iter().cloned())
                     .stdout(std::process::Stdio::null())
                     .spawn()
                     .map_err(|e| format!("node {i}: {e}"))
@@ -263,17 +300,10 @@ impl<'a> Sim<'a> {
             let _ = n.kill();
             let _ = n.wait();
         }
-        let Ok(info) = std::fs::read(plane_file(&self.run_dir)) else {
-            return;
-        };
-        let info: serde_json::Value = serde_json::from_slice(&info).unwrap_or_default();
-        let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
-        let base = kiln_launch::plane::node::base_dir();
-        for i in 0..self.job.nodes {
-            let (secret, attempt) = (s("secret"), s("attempt"));
-            let dir =
-                kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &node_host(i));
-            kiln_launch::plane::node::remove_if_unused(&dir);
+        if let Ok(info) = PlaneInfo::read(&self.run_dir) {
+            let hosts: Vec<String> = (0..self.job.nodes).map(node_host).collect();
+            let hosts = hosts.iter().map(String::as_str);
+            kiln_launch::plane::node::remove_unused(&info.secret, &info.attempt, hosts);
         }
     }
 
@@ -357,12 +387,12 @@ fn start_server(job: &Job, run_dir: &Path, attempt: &str) -> Res<Option<Arc<Serv
     let s =
         Server::start("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?;
     s.begin(Some(attempt));
-    let info = serde_json::json!({"addr": format!("127.0.0.1:{}", s.port()),
-        "secret": s.secret(), "attempt": attempt});
-    let text = info.to_string();
-    let atomic = kiln_run::files::Atomic::RECORD;
-    kiln_run::files::write_atomic(&plane_file(run_dir), text.as_bytes(), atomic)
-        .map_err(|e| e.to_string())?;
+    let info = PlaneInfo {
+        addr: format!("127.0.0.1:{}", s.port()),
+        secret: s.secret().to_string(),
+        attempt: attempt.to_string(),
+    };
+    info.write(run_dir)?;
     Ok(Some(Arc::new(s)))
 }
 
@@ -468,25 +498,11 @@ fn peak_rss_mib() -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-/// A simulated node's seat under `--plane tcp`, from what the supervisor wrote (`None` under
-/// `files`).
-fn take_seat(job: &Job, run_dir: &Path) -> Res<Option<Seat>> {
-    if !job.tcp() {
+/// A simulated node's seat under `--plane tcp`, from its environment as a rank shim takes it
+/// (`None` under `files`).
+fn take_seat() -> Res<Option<Seat>> {
+    let Some(cfg) = kiln_launch::plane::agent_config_from_env(kiln_run::this_attempt()) else {
         return Ok(None);
-    }
-    let text = std::fs::read(plane_file(run_dir)).map_err(|e| e.to_string())?;
-    let info: serde_json::Value = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
-    let s = |k: &str| info[k].as_str().unwrap_or_default().to_string();
-    let (attempt, secret) = (s("attempt"), s("secret"));
-    let host = kiln_run::this_host().to_string();
-    let base = kiln_launch::plane::node::base_dir();
-    let dir = kiln_launch::plane::node::local_dir(&base, &secret, Some(&attempt), &host);
-    let cfg = AgentConfig {
-        addr: s("addr"),
-        secret,
-        attempt: Some(attempt),
-        host,
-        dir,
     };
     Seat::take(cfg).map(Some).map_err(|e| e.to_string())
 }
@@ -494,7 +510,7 @@ fn take_seat(job: &Job, run_dir: &Path) -> Res<Option<Seat>> {
 /// One simulated node: its ranks (threads), the shims' liveness and heartbeat watch, and
 /// under `tcp` its seat (which runs the agent).
 fn node(job: &Job, index: usize, run_dir: &Path, fault_at: f64) -> Res<()> {
-    let seat = take_seat(job, run_dir)?;
+    let seat = take_seat()?;
     let dir = seat
         .as_ref()
         .map_or_else(|| run_dir.join("progress"), |s| s.dir().to_path_buf());

@@ -259,27 +259,21 @@ impl Watch {
 
     /// Reads the record `name` if it is one; whether it is urgent (an exit or a lost rank).
     fn take(&mut self, name: String) -> bool {
-        if !kiln_run::is_record_name(&name) {
+        let Some((kind, rank)) = kiln_run::parse_record_name(&name) else {
             return false;
-        }
+        };
         let mut text = String::new();
         let read = std::fs::File::open(self.dir.join(&name))
             .and_then(|f| f.take(kiln_run::MAX_RECORD).read_to_string(&mut text));
         if read.is_err() {
             return false;
         }
-        if let Some(rank) = name
-            .split_once('-')
-            .and_then(|(_, r)| r.parse::<usize>().ok())
-        {
-            self.ranks.insert(rank);
-        }
+        self.ranks.insert(rank);
         let urgent = [
             kiln_run::layout::EXIT_RECORD_PREFIX,
             kiln_run::layout::LOST_PREFIX,
         ]
-        .iter()
-        .any(|p| name.starts_with(p));
+        .contains(&kind);
         self.pending.insert(name, text);
         urgent
     }

@@ -154,7 +154,7 @@ impl kiln_run::RankFiles for Board {
         s.files
             .range(prefix.to_string()..)
             .take_while(|(name, _)| name.starts_with(prefix))
-            .filter_map(|(name, text)| Some((name[prefix.len()..].parse().ok()?, text.clone())))
+            .filter_map(|(name, text)| Some((kiln_run::record_rank(name, prefix)?, text.clone())))
             .collect()
     }
 }

@@ -29,25 +29,9 @@ pub const SECRET_ENV: &str = "KILN_PLANE_SECRET";
 /// How often an agent sends what changed (and, when nothing did, a keep-alive).
 pub const DIGEST_EVERY: Duration = Duration::from_millis(250);
 
-/// Which control plane a launch uses (`--control-plane`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Plane {
-    /// Records in the run's progress directory.
-    Files,
-    /// Node agents over TCP.
-    Tcp,
-}
-
-impl Plane {
-    /// Parses the flag's value.
-    pub fn parse(s: &str) -> Option<Plane> {
-        match s {
-            "files" => Some(Plane::Files),
-            "tcp" => Some(Plane::Tcp),
-            _ => None,
-        }
-    }
-}
+/// `--control-plane`'s value for node agents over TCP (the other is `files`, the run's
+/// progress directory).
+pub const TCP: &str = "tcp";
 
 /// The agent settings a rank shim finds in its environment (`None`: the `files` plane).
 pub fn agent_config_from_env(attempt: Option<&str>) -> Option<agent::AgentConfig> {

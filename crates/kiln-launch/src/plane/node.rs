@@ -136,13 +136,16 @@ pub fn sweep(base: &Path, older_than: Duration) -> Vec<PathBuf> {
     removed
 }
 
-/// Removes the node directory `dir` if no process uses it (an agent killed with its rank
-/// leaves it); whether it is gone.
-pub fn remove_if_unused(dir: &Path) -> bool {
-    if !dir.exists() {
-        return true;
+/// Removes the node directories of `attempt` on this machine for `hosts` that no process
+/// uses (an agent killed with its rank leaves its directory).
+pub fn remove_unused<'h>(secret: &str, attempt: &str, hosts: impl IntoIterator<Item = &'h str>) {
+    let base = base_dir();
+    for host in hosts {
+        let dir = local_dir(&base, secret, Some(attempt), host);
+        if dir.exists() && unused(&dir) {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
-    unused(dir) && std::fs::remove_dir_all(dir).is_ok()
 }
 
 /// Whether no process holds either lock of `dir` (a missing lock file counts as free).

@@ -165,7 +165,7 @@ fn failed_rank_verdict(files: &dyn RankFiles, ours: Ours<'_>, now: Instant) -> O
 /// A node whose agent's connection dropped without a goodbye, or that fell silent (the
 /// `tcp` control plane): its ranks are lost with it.
 fn lost_node_verdict(reports: Reports<'_>, now: Instant) -> Option<Verdict> {
-    let n = reports.lost_node(Instant::now())?;
+    let n = reports.lost_node(now)?;
     let how = match n.dropped {
         true => "dropped its connection",
         false => "fell silent",
