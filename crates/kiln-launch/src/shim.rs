@@ -114,7 +114,7 @@ pub fn run_as_rank(
     let Some((program, args)) = command.split_first() else {
         return Err(ShimError::NoCommand);
     };
-    let reports = Reports::take(env.rank);
+    let reports = RankReports::take(env.rank);
     // Orphans of the program (daemons that left its group) are re-parented to the shim.
     crate::groups::become_subreaper();
     if let Some(dir) = &reports.shared {
@@ -161,15 +161,15 @@ pub fn run_as_rank(
 /// Where this rank reports: under the `tcp` control plane its node's directory (its seat,
 /// which the node agent forwards), else the run's progress directory (`shared`, where the
 /// node records go either way).
-struct Reports {
+struct RankReports {
     rank: usize,
     shared: Option<PathBuf>,
     seat: Option<crate::plane::node::Seat>,
 }
 
-impl Reports {
+impl RankReports {
     fn take(rank: usize) -> Self {
-        Reports {
+        RankReports {
             rank,
             shared: kiln_run::progress_dir(),
             seat: take_seat(),

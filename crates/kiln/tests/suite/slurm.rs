@@ -13,7 +13,7 @@ use crate::common;
 use common::KILN;
 use common::slurm::DATA_PARALLEL;
 use common::slurm::{Cluster, submit, wait_until};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -169,29 +169,34 @@ fn stop_rank_1_until_completed(
     (out, events(run))
 }
 
-#[test]
-fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
+/// A job of `steps` steps on 3 of a 4-node cluster with the fourth node its spare (30 s
+/// silence watchdog, 0.5 s backoff, and `extra` flags): the cluster, the test's directory,
+/// the run directory and the job's id.
+fn three_nodes_and_a_spare(steps: u64, extra: &[&str]) -> (Cluster, PathBuf, PathBuf, String) {
     let cluster = Cluster::start(4, 2);
     let dir = cluster.dir.path().join("t");
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
-    let steps = 1200;
     let command = rank_command(&dir, &run, steps);
-    let id = submit(
-        &cluster,
-        &run,
-        &[
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
-            "--time",
-            "10:00",
-            "--launch-arg=--timeout=30",
-            "--launch-arg=--backoff=0.5",
-        ],
-        &command,
-    );
+    let mut flags = vec![
+        "--nodes",
+        "3",
+        "--spares",
+        "1",
+        "--time",
+        "10:00",
+        "--launch-arg=--timeout=30",
+        "--launch-arg=--backoff=0.5",
+    ];
+    flags.extend(extra);
+    let id = submit(&cluster, &run, &flags, &command);
+    (cluster, dir, run, id)
+}
+
+#[test]
+fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
+    let steps = 1200;
+    let (cluster, dir, run, id) = three_nodes_and_a_spare(steps, &[]);
     wait_until(Duration::from_secs(120), "a checkpoint at step 200", || {
         last_step(&run) >= 200
     });
@@ -247,29 +252,14 @@ fn a_downed_node_is_named_swapped_for_the_spare_and_quarantined() {
 
 #[test]
 fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
-    let cluster = Cluster::start(4, 2);
-    let dir = cluster.dir.path().join("t");
-    std::fs::create_dir_all(&dir).unwrap();
-    let run = dir.join("run");
-    let command = rank_command(&dir, &run, 900);
-    let id = submit(
-        &cluster,
-        &run,
+    let (cluster, dir, run, id) = three_nodes_and_a_spare(
+        900,
         &[
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
-            "--time",
-            "10:00",
             "--launch-arg=--stall-timeout=3",
-            "--launch-arg=--timeout=30",
-            "--launch-arg=--backoff=0.5",
             "--launch-arg=--grace=5",
             // Its first strike swaps the host (the default, 2, retries in place first).
             "--launch-arg=--strikes=1",
         ],
-        &command,
     );
     // Rank 1 (on n2) is stopped: its heartbeats stop (the others' go on), so the liveness
     // watchdog, not the slower stall watchdog, ends the attempt and names it.
@@ -303,27 +293,7 @@ fn a_hang_on_one_rank_is_named_by_its_host_and_swapped() {
 /// names it and swaps it for the spare, and the job completes.
 #[test]
 fn a_lost_node_agent_is_its_node_lost_named_and_swapped() {
-    let cluster = Cluster::start(4, 2);
-    let dir = cluster.dir.path().join("t");
-    std::fs::create_dir_all(&dir).unwrap();
-    let run = dir.join("run");
-    let command = rank_command(&dir, &run, 900);
-    let id = submit(
-        &cluster,
-        &run,
-        &[
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
-            "--time",
-            "10:00",
-            "--launch-arg=--timeout=30",
-            "--launch-arg=--backoff=0.5",
-            "--launch-arg=--strikes=1",
-        ],
-        &command,
-    );
+    let (cluster, dir, run, id) = three_nodes_and_a_spare(900, &["--launch-arg=--strikes=1"]);
     wait_until(Duration::from_secs(120), "a checkpoint at step 100", || {
         last_step(&run) >= 100
     });

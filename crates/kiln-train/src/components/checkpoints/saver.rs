@@ -245,30 +245,17 @@ impl Saver {
 
     /// The finished save, if the one in flight is done (never blocks).
     pub fn poll(&mut self) -> Option<Outcome> {
-        let Mode::Async {
-            done, in_flight, ..
-        } = &mut self.mode
-        else {
-            return None;
-        };
-        if !*in_flight {
-            return None;
-        }
-        match done.try_recv() {
-            Ok(res) => {
-                *in_flight = false;
-                Some(res)
-            }
-            Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => {
-                *in_flight = false;
-                Some(Err(writer_gone()))
-            }
-        }
+        self.finished(false)
     }
 
     /// Waits for the save in flight, if any, and returns how it ended.
     pub fn wait(&mut self) -> Option<Outcome> {
+        self.finished(true)
+    }
+
+    /// How the save in flight ended, waiting for it with `block`; `None` when none is in
+    /// flight (or, without `block`, it is still running).
+    fn finished(&mut self, block: bool) -> Option<Outcome> {
         let Mode::Async {
             done, in_flight, ..
         } = &mut self.mode
@@ -278,8 +265,14 @@ impl Saver {
         if !*in_flight {
             return None;
         }
+        let res = match (block, done.try_recv()) {
+            (_, Ok(res)) => res,
+            (false, Err(TryRecvError::Empty)) => return None,
+            (true, Err(TryRecvError::Empty)) => done.recv().unwrap_or_else(|_| Err(writer_gone())),
+            (_, Err(TryRecvError::Disconnected)) => Err(writer_gone()),
+        };
         *in_flight = false;
-        Some(done.recv().unwrap_or_else(|_| Err(writer_gone())))
+        Some(res)
     }
 
     /// Whether a save is being written.
